@@ -1,0 +1,1 @@
+"""eventlight: train AI agents from their traces on an event-sourced store."""

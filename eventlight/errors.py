@@ -1,0 +1,88 @@
+"""The one error tree of eventlight.
+
+::
+
+    EventlightError
+    ├── NotFoundError (also ValueError)          an id the store does not know
+    │   ├── RolloutNotFoundError                 .rollout_id
+    │   ├── AttemptNotFoundError                 .rollout_id, .attempt_id
+    │   └── ResourcesNotFoundError               .resources_id
+    ├── InvalidTransitionError (also ValueError) the decider refused a command; .current, .requested
+    ├── InvalidInputError (also ValueError)      a malformed span, filter or argument
+    ├── ConcurrencyError                         an append lost its optimistic-concurrency race too often
+    └── ServiceUnavailableError                  NATS or Postgres cannot be reached; .server, retryable
+
+The ``ValueError`` bases keep Agent-lightning's contract ("a missing identifier must raise
+``ValueError``") while giving each case its own type. Driver errors (nats-py, asyncpg) are mapped
+once, at the backend boundary, with ``raise ... from e``.
+"""
+
+from __future__ import annotations
+
+
+class EventlightError(Exception):
+    """Root of every error eventlight raises on purpose.
+
+    Attributes:
+        retryable: Whether the same call may succeed if repeated later.
+    """
+
+    retryable: bool = False
+
+
+class NotFoundError(EventlightError, ValueError):
+    """An id that the store does not know."""
+
+
+class RolloutNotFoundError(NotFoundError):
+    def __init__(self, rollout_id: str):
+        super().__init__(f"rollout {rollout_id!r} does not exist")
+        self.rollout_id = rollout_id
+
+
+class AttemptNotFoundError(NotFoundError):
+    def __init__(self, rollout_id: str, attempt_id: str, detail: str = ""):
+        msg = f"attempt {attempt_id!r} of rollout {rollout_id!r} does not exist"
+        super().__init__(f"{msg}: {detail}" if detail else msg)
+        self.rollout_id = rollout_id
+        self.attempt_id = attempt_id
+
+
+class ResourcesNotFoundError(NotFoundError):
+    def __init__(self, resources_id: str):
+        super().__init__(f"resources {resources_id!r} do not exist")
+        self.resources_id = resources_id
+
+
+class InvalidTransitionError(EventlightError, ValueError):
+    """The decider refused a status change (see ``eventlight.decider``)."""
+
+    def __init__(self, what: str, current: str, requested: str, reason: str = ""):
+        msg = f"{what}: cannot go from {current!r} to {requested!r}"
+        super().__init__(f"{msg} ({reason})" if reason else msg)
+        self.current = current
+        self.requested = requested
+
+
+class InvalidInputError(EventlightError, ValueError):
+    """A malformed argument: a span without ids, an unknown filter field, a bad status name."""
+
+
+class ConcurrencyError(EventlightError):
+    """An append kept losing the optimistic-concurrency race on one rollout."""
+
+    retryable = True
+
+
+class ServiceUnavailableError(EventlightError):
+    """NATS or Postgres cannot be reached.
+
+    Attributes:
+        server: The URL or DSN (without password) that failed.
+    """
+
+    retryable = True
+
+    def __init__(self, server: str, detail: str):
+        super().__init__(f"cannot reach {server}: {detail}")
+        self.server = server

@@ -1,0 +1,90 @@
+"""Filtering, sorting and paging of in-memory records, with the semantics of ``query_*``.
+
+Shared by the in-memory backend; the Postgres backend expresses the same rules in SQL
+(``eventlight.store.sql``). Semantics follow ``reference_store.md``: ``*_in`` is membership (an
+empty list matches nothing), ``*_contains`` is a substring test, conditions combine with
+``filter_logic``, no conditions match everything, ``limit=-1`` is unlimited, ``total`` counts
+matches before paging, and ``None`` sorts last in ascending order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+import msgspec
+
+from eventlight.errors import InvalidInputError
+from eventlight.types import PaginatedResult
+
+T = TypeVar("T")
+Condition = Callable[[Any], bool]
+
+
+def check_paging(limit: int, offset: int, sort_order: str, filter_logic: str = "and") -> None:
+    """Validate paging arguments.
+
+    Raises:
+        InvalidInputError: ``limit`` < -1, ``offset`` < 0, or an unknown order or logic.
+    """
+    if limit < -1:
+        raise InvalidInputError(f"limit must be -1 (unlimited) or >= 0, got {limit}")
+    if offset < 0:
+        raise InvalidInputError(f"offset must be >= 0, got {offset}")
+    if sort_order not in ("asc", "desc"):
+        raise InvalidInputError(f"sort_order must be 'asc' or 'desc', got {sort_order!r}")
+    if filter_logic not in ("and", "or"):
+        raise InvalidInputError(f"filter_logic must be 'and' or 'or', got {filter_logic!r}")
+
+
+def check_sort_field(cls: type, sort_by: str | None) -> None:
+    """Raises ``InvalidInputError`` if ``sort_by`` is not a field of ``cls``."""
+    if sort_by is not None and sort_by not in {f.name for f in msgspec.structs.fields(cls)}:
+        raise InvalidInputError(f"cannot sort {cls.__name__} by unknown field {sort_by!r}")
+
+
+def within(field: str, values: Sequence[Any] | None) -> Condition | None:
+    if values is None:
+        return None
+    allowed = set(values)
+    return lambda item: getattr(item, field) in allowed
+
+
+def contains(field: str, needle: str | None) -> Condition | None:
+    if needle is None:
+        return None
+    return lambda item: (v := getattr(item, field)) is not None and needle in v
+
+
+def exact(field: str, value: Any | None) -> Condition | None:
+    if value is None:
+        return None
+    return lambda item: getattr(item, field) == value
+
+
+def select(
+    items: Iterable[T],
+    conditions: Sequence[Condition | None],
+    *,
+    filter_logic: str = "and",
+    sort_by: str | None = None,
+    sort_order: str = "asc",
+    limit: int = -1,
+    offset: int = 0,
+) -> PaginatedResult[T]:
+    """Filter, sort and page ``items``."""
+    conds = [c for c in conditions if c is not None]
+    if not conds:
+        matched = list(items)
+    elif filter_logic == "or":
+        matched = [i for i in items if any(c(i) for c in conds)]
+    else:
+        matched = [i for i in items if all(c(i) for c in conds)]
+    if sort_by is not None:
+        present = [i for i in matched if getattr(i, sort_by) is not None]
+        missing = [i for i in matched if getattr(i, sort_by) is None]
+        present.sort(key=lambda i: getattr(i, sort_by), reverse=sort_order == "desc")
+        matched = present + missing if sort_order == "asc" else missing + present
+    total = len(matched)
+    page = matched[offset:] if limit == -1 else matched[offset : offset + limit]
+    return PaginatedResult(page, limit=limit, offset=offset, total=total)
