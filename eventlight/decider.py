@@ -408,7 +408,15 @@ def evolve(state: RolloutState | None, event: AnyEvent) -> RolloutState | None:
         if event.rollout_status is not None:
             end = event.rollout_end_time if event.rollout_end_time is not None else rollout.end_time
             rollout = msgspec.structs.replace(rollout, status=event.rollout_status, end_time=end)
-        return RolloutState(rollout=rollout, attempts=_replace_attempt(state.attempts, event.attempt))
+        attempt = event.attempt
+        try:
+            known = state.attempt(attempt.attempt_id).last_heartbeat_time
+        except AttemptNotFoundError:
+            known = None
+        if known is not None and (attempt.last_heartbeat_time or 0.0) < known:
+            # the writer decided without the span heartbeats the log holds; keep the newest one
+            attempt = msgspec.structs.replace(attempt, last_heartbeat_time=known)
+        return RolloutState(rollout=rollout, attempts=_replace_attempt(state.attempts, attempt))
     if isinstance(event, RolloutUpdated):
         return RolloutState(rollout=event.rollout, attempts=state.attempts)
     if isinstance(event, SpansAdded):

@@ -1,0 +1,243 @@
+"""The event log on JetStream: optimistic appends per rollout, state loading, sequence counters.
+
+Each rollout's state events live under ``el.<ns>.r.<rollout_id>.{q,e}``. An append carries
+``Nats-Expected-Last-Subject-Sequence`` with ``Nats-Expected-Last-Subject-Sequence-Subject:
+el.<ns>.r.<rollout_id>.>`` (nats-server >= 2.11; error 10071 when stale) and a ``Nats-Msg-Id`` built
+from the command id, so a retried publish is de-duplicated by the server. Span batches, resources and
+worker events use their own subjects and no expected sequence.
+
+Span sequence ids are counters in the KV bucket ``EL_<NS>_SEQ`` (key ``<rollout_id>.<attempt_id>``),
+incremented by compare-and-set, so the runner's tracer and the LLM proxy share one counter per attempt.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Sequence
+
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.client import JetStreamContext
+from nats.js.kv import KeyValue
+
+from eventlight import decider as d
+from eventlight.errors import ConcurrencyError, RolloutNotFoundError, ServiceUnavailableError
+from eventlight.events import AnyEvent, RolloutEvent, decode_event, encode_event, subject_for
+from eventlight.settings import Settings
+
+log = logging.getLogger(__name__)
+
+WRONG_LAST_SEQUENCE = 10071
+MAX_APPEND_TRIES = 16
+
+
+class StaleStateError(Exception):
+    """An append's expected sequence was stale (JetStream error 10071); reload and decide again."""
+
+
+class EventLog:
+    """Appends and reads events of one namespace.
+
+    Args:
+        nc: A connected NATS client.
+        settings: Names the stream (``EL_<NS>``) and the subject prefix (``el.<ns>``).
+    """
+
+    def __init__(self, nc: NATS, settings: Settings):
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream(timeout=10.0)
+        self.settings = settings
+        self.prefix = settings.subject_prefix
+        self.stream = settings.stream_name
+        self._kv: KeyValue | None = None
+
+    # -- appends ---------------------------------------------------------------------------
+
+    async def publish(self, event: AnyEvent, *, msg_id: str | None = None, expected_seq: int | None = None) -> int:
+        """Publish one event and return its stream sequence.
+
+        Raises:
+            StaleStateError: ``expected_seq`` is not the rollout's last sequence any more.
+            ServiceUnavailableError: NATS did not answer.
+        """
+        subject = subject_for(self.prefix, event)
+        headers: dict[str, str] = {"Nats-Msg-Id": msg_id or uuid.uuid4().hex}
+        if expected_seq is not None:
+            rid = subject.split(".")[3]
+            headers["Nats-Expected-Last-Subject-Sequence"] = str(expected_seq)
+            headers["Nats-Expected-Last-Subject-Sequence-Subject"] = f"{self.prefix}.r.{rid}.>"
+        try:
+            ack = await self.js.publish(subject, encode_event(event), headers=headers)
+        except nats.js.errors.APIError as e:
+            if e.err_code == WRONG_LAST_SEQUENCE:
+                raise StaleStateError(str(e)) from e
+            raise
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionClosedError) as e:
+            raise ServiceUnavailableError(self._server(), f"publish to {subject} failed: {e!r}") from e
+        return ack.seq
+
+    async def append(self, events: Sequence[RolloutEvent], expected_seq: int, command_id: str) -> int:
+        """Append a rollout's events in order, each expecting the previous one's sequence."""
+        seq = expected_seq
+        for i, event in enumerate(events):
+            seq = await self.publish(event, msg_id=f"{command_id}:{i}", expected_seq=seq)
+        return seq
+
+    async def execute(
+        self,
+        rollout_id: str,
+        make_command: d.Command,
+        state: d.RolloutState | None = None,
+        last_seq: int | None = None,
+    ) -> tuple[d.RolloutState, int, list[RolloutEvent]]:
+        """Load (or take) a rollout's state, decide, append; retry with fresh state on conflict.
+
+        Returns:
+            The new state, its last stream sequence, and the events appended (empty if none).
+
+        Raises:
+            RolloutNotFoundError: The rollout has no events.
+            ConcurrencyError: Still conflicting after ``MAX_APPEND_TRIES`` reloads.
+            InvalidTransitionError / AttemptNotFoundError: from the decider.
+        """
+        command_id = uuid.uuid4().hex
+        for attempt in range(MAX_APPEND_TRIES):
+            if state is None or last_seq is None:
+                state, last_seq = await self.load(rollout_id)
+            events = d.decide(state, make_command, self.now())
+            if not events:
+                return state, last_seq, []
+            try:
+                seq = await self.append(events, last_seq, f"{command_id}:{attempt}")
+            except StaleStateError:
+                state, last_seq = None, None
+                continue
+            for event in events:
+                state = d.evolve(state, event)
+            assert state is not None
+            return state, seq, events
+        raise ConcurrencyError(f"rollout {rollout_id}: {MAX_APPEND_TRIES} conflicting appends in a row")
+
+    def now(self) -> float:
+        from eventlight.types import now
+
+        return now()
+
+    # -- reads from the stream -------------------------------------------------------------
+
+    async def load(self, rollout_id: str) -> tuple[d.RolloutState, int]:
+        """Rebuild a rollout's state from its state events (not its spans).
+
+        Raises:
+            RolloutNotFoundError: The rollout has no events.
+        """
+        subject = f"{self.prefix}.r.{rollout_id}.>"
+        state: d.RolloutState | None = None
+        seq = 0
+        while True:
+            try:
+                msg = await self.js.get_msg(self.stream, seq=seq + 1, subject=subject, next=True)
+            except nats.js.errors.NotFoundError:
+                break
+            except nats.errors.TimeoutError as e:
+                raise ServiceUnavailableError(self._server(), f"reading {subject} timed out") from e
+            seq = msg.seq
+            if msg.data:
+                state = d.evolve(state, decode_event(msg.data))
+        if state is None:
+            raise RolloutNotFoundError(rollout_id)
+        return state, seq
+
+    async def last_event(self, subject: str) -> tuple[AnyEvent, int] | None:
+        """The last event on a subject (wildcards allowed), or ``None``."""
+        try:
+            msg = await self.js.get_msg(self.stream, subject=subject)
+        except nats.js.errors.NotFoundError:
+            return None
+        return decode_event(msg.data), msg.seq
+
+    # -- span sequence ids -----------------------------------------------------------------
+
+    async def _seq_bucket(self) -> KeyValue:
+        if self._kv is None:
+            name = f"{self.stream}_SEQ"
+            try:
+                self._kv = await self.js.key_value(name)
+            except nats.js.errors.BucketNotFoundError:
+                self._kv = await self.js.create_key_value(
+                    KeyValueConfig(bucket=name, history=1, storage=StorageType.FILE)
+                )
+        return self._kv
+
+    async def allocate_sequence_ids(self, rollout_id: str, attempt_id: str, count: int) -> int:
+        """Reserve ``count`` consecutive span sequence ids of an attempt; returns the first."""
+        kv = await self._seq_bucket()
+        key = f"{rollout_id}.{attempt_id}"
+        for _ in range(64):
+            try:
+                entry = await kv.get(key)
+            except nats.js.errors.KeyNotFoundError:
+                try:
+                    await kv.create(key, str(count).encode())
+                    return 1
+                except nats.js.errors.KeyWrongLastSequenceError:
+                    continue
+            current = int(entry.value or b"0")
+            try:
+                await kv.update(key, str(current + count).encode(), last=entry.revision)
+                return current + 1
+            except nats.js.errors.KeyWrongLastSequenceError:
+                continue
+        raise ConcurrencyError(f"span sequence counter of {key} kept conflicting")
+
+    async def raise_sequence_floor(self, rollout_id: str, attempt_id: str, floor: int) -> None:
+        """Make later allocations exceed ``floor`` (a span arrived with its own sequence id)."""
+        kv = await self._seq_bucket()
+        key = f"{rollout_id}.{attempt_id}"
+        for _ in range(64):
+            try:
+                entry = await kv.get(key)
+            except nats.js.errors.KeyNotFoundError:
+                try:
+                    await kv.create(key, str(floor).encode())
+                    return
+                except nats.js.errors.KeyWrongLastSequenceError:
+                    continue
+            if int(entry.value or b"0") >= floor:
+                return
+            try:
+                await kv.update(key, str(floor).encode(), last=entry.revision)
+                return
+            except nats.js.errors.KeyWrongLastSequenceError:
+                continue
+
+    def _server(self) -> str:
+        url = self.nc.connected_url
+        return f"nats://{url.hostname}:{url.port}" if url else "NATS"
+
+
+async def connect_nats(url: str, *, name: str = "eventlight") -> NATS:
+    """Connect to NATS and check the server can do per-rollout optimistic appends.
+
+    Raises:
+        ServiceUnavailableError: The server cannot be reached, or is older than 2.11 (it ignores
+            ``Nats-Expected-Last-Subject-Sequence-Subject``, which eventlight's fencing needs).
+    """
+    import nats
+
+    try:
+        nc = await nats.connect(url, name=name, connect_timeout=3, max_reconnect_attempts=5, allow_reconnect=True)
+    except Exception as e:  # nats-py raises several unrelated types for "cannot connect"
+        raise ServiceUnavailableError(url, f"NATS did not accept a connection ({e!r})") from e
+    sv = nc.connected_server_version
+    if (sv.major, sv.minor) < (2, 11):
+        await nc.close()
+        raise ServiceUnavailableError(
+            url,
+            f"nats-server {nc.connected_server_version} is too old: eventlight needs >= 2.11 "
+            "(per-rollout expected-sequence appends); unset EVENTLIGHT_NATS_URL to use the bundled 2.15",
+        )
+    return nc

@@ -1,0 +1,196 @@
+"""Postgres read models: connection pools, row <-> struct conversion and the ``query_*`` SQL.
+
+The tables are created by ``migrations/001_read_models.sql`` inside schema ``el_<ns>``. JSON columns
+are written as text produced by msgspec and cast with ``::jsonb``; reads decode them with msgspec.
+Filters are bound parameters; ``sort_by`` is checked against the struct's fields before it becomes
+an identifier, so no caller string reaches SQL unquoted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import asyncpg
+import msgspec
+
+from eventlight.errors import ServiceUnavailableError
+from eventlight.store.query import check_paging, check_sort_field
+from eventlight.types import (
+    Attempt,
+    AttemptedRollout,
+    PaginatedResult,
+    ResourcesUpdate,
+    Rollout,
+    RolloutConfig,
+    Span,
+    Worker,
+)
+
+_enc = msgspec.json.Encoder()
+
+
+def dumps(value: Any) -> str:
+    return _enc.encode(value).decode()
+
+
+def loads(text: str | None, type_: Any = Any) -> Any:
+    if text is None:
+        return None
+    return msgspec.json.decode(text, type=type_)
+
+
+def redact(dsn: str) -> str:
+    """A DSN without its password, for error messages."""
+    if "@" in dsn and "://" in dsn:
+        scheme, rest = dsn.split("://", 1)
+        creds, host = rest.rsplit("@", 1)
+        user = creds.split(":", 1)[0]
+        return f"{scheme}://{user}@{host}"
+    return dsn
+
+
+async def create_pool(dsn: str, schema: str, *, max_size: int = 4) -> asyncpg.Pool:
+    """A small pool whose connections use ``schema`` (bounded: see peer failure C25).
+
+    Raises:
+        ServiceUnavailableError: Postgres refused or did not answer.
+    """
+    try:
+        return await asyncpg.create_pool(
+            dsn, min_size=1, max_size=max_size, timeout=5, server_settings={"search_path": schema}
+        )
+    except (OSError, asyncpg.PostgresError, TimeoutError) as e:
+        raise ServiceUnavailableError(redact(dsn), f"Postgres refused a connection ({e!r})") from e
+
+
+# -- rows -> structs -----------------------------------------------------------------------
+
+ROLLOUT_COLS = "rollout_id, input::text, start_time, end_time, mode, resources_id, status, config::text, metadata::text"
+ATTEMPT_COLS = (
+    "rollout_id, attempt_id, sequence_id, start_time, end_time, status, worker_id, last_heartbeat_time, metadata::text"
+)
+SPAN_COLS = (
+    "rollout_id, attempt_id, sequence_id, trace_id, span_id, parent_id, name, status::text, attributes::text, "
+    "events::text, links::text, start_time, end_time, context::text, parent::text, resource::text"
+)
+WORKER_COLS = (
+    "worker_id, status, heartbeat_stats::text, last_heartbeat_time, last_dequeue_time, last_busy_time, "
+    "last_idle_time, current_rollout_id, current_attempt_id"
+)
+
+
+def rollout_from_row(row: Sequence[Any]) -> Rollout:
+    return Rollout(
+        rollout_id=row[0], input=loads(row[1]), start_time=row[2], end_time=row[3], mode=row[4],
+        resources_id=row[5], status=row[6], config=loads(row[7], RolloutConfig), metadata=loads(row[8]),
+    )
+
+
+def attempt_from_row(row: Sequence[Any]) -> Attempt:
+    return Attempt(
+        rollout_id=row[0], attempt_id=row[1], sequence_id=row[2], start_time=row[3], end_time=row[4],
+        status=row[5], worker_id=row[6], last_heartbeat_time=row[7], metadata=loads(row[8]),
+    )
+
+
+_span_dec = msgspec.json.Decoder(Span)
+
+
+def span_from_row(row: Sequence[Any]) -> Span:
+    doc = (
+        '{"rollout_id":%s,"attempt_id":%s,"sequence_id":%d,"trace_id":%s,"span_id":%s,"parent_id":%s,'
+        '"name":%s,"status":%s,"attributes":%s,"events":%s,"links":%s,"start_time":%s,"end_time":%s,'
+        '"context":%s,"parent":%s,"resource":%s}'
+    ) % (
+        dumps(row[0]), dumps(row[1]), row[2], dumps(row[3]), dumps(row[4]), dumps(row[5]), dumps(row[6]),
+        row[7], row[8], row[9], row[10], dumps(row[11]), dumps(row[12]), row[13] or "null", row[14] or "null",
+        row[15],
+    )
+    return _span_dec.decode(doc)
+
+
+def worker_from_row(row: Sequence[Any]) -> Worker:
+    return Worker(
+        worker_id=row[0], status=row[1], heartbeat_stats=loads(row[2]), last_heartbeat_time=row[3],
+        last_dequeue_time=row[4], last_busy_time=row[5], last_idle_time=row[6],
+        current_rollout_id=row[7], current_attempt_id=row[8],
+    )
+
+
+def resources_from_row(row: Sequence[Any]) -> ResourcesUpdate:
+    return msgspec.convert(
+        {"resources_id": row[0], "create_time": row[1], "update_time": row[2], "version": row[3],
+         "resources": loads(row[4])},
+        ResourcesUpdate,
+    )
+
+
+def attach(rollout: Rollout, attempt: Attempt | None) -> Rollout:
+    if attempt is None:
+        return rollout
+    return AttemptedRollout(**msgspec.structs.asdict(rollout), attempt=attempt)
+
+
+# -- query building ------------------------------------------------------------------------
+
+
+class Where:
+    """Collects bound conditions; ``must`` ones are always ANDed, the rest join by ``logic``."""
+
+    def __init__(self) -> None:
+        self.args: list[Any] = []
+        self.must: list[str] = []
+        self.pool: list[str] = []
+
+    def arg(self, value: Any) -> str:
+        self.args.append(value)
+        return f"${len(self.args)}"
+
+    def within(self, col: str, values: Sequence[Any] | None, *, must: bool = False) -> None:
+        if values is not None:
+            (self.must if must else self.pool).append(f"{col} = ANY({self.arg(list(values))}::text[])")
+
+    def contains(self, col: str, needle: str | None) -> None:
+        if needle is not None:
+            self.pool.append(f"strpos({col}, {self.arg(needle)}) > 0")
+
+    def exact(self, col: str, value: Any | None, *, must: bool = False) -> None:
+        if value is not None:
+            (self.must if must else self.pool).append(f"{col} = {self.arg(value)}")
+
+    def sql(self, logic: str) -> str:
+        parts = list(self.must)
+        if self.pool:
+            parts.append("(" + f" {'OR' if logic == 'or' else 'AND'} ".join(self.pool) + ")")
+        return "WHERE " + " AND ".join(parts) if parts else ""
+
+
+def order_page(
+    cls: type, where: Where, sort_by: str | None, sort_order: str, limit: int, offset: int, default: str
+) -> str:
+    check_paging(limit, offset, sort_order)
+    check_sort_field(cls, sort_by)
+    if sort_by is None:
+        order = f"ORDER BY {default}"
+    else:
+        direction = "DESC NULLS FIRST" if sort_order == "desc" else "ASC NULLS LAST"
+        order = f'ORDER BY "{sort_by}" {direction}, {default}'
+    page = f" OFFSET {where.arg(offset)}"
+    if limit != -1:
+        page += f" LIMIT {where.arg(limit)}"
+    return order + page
+
+
+async def fetch_page(
+    conn: asyncpg.Connection, table: str, cols: str, where: Where, logic: str, tail: str, n_filter_args: int
+) -> tuple[list[asyncpg.Record], int]:
+    """Rows of one page and the total number of matches before paging."""
+    cond = where.sql(logic)
+    rows = await conn.fetch(f"SELECT {cols} FROM {table} {cond} {tail}", *where.args)
+    total = await conn.fetchval(f"SELECT count(*) FROM {table} {cond}", *where.args[:n_filter_args])
+    return rows, int(total)
+
+
+def paginated(items: list[Any], limit: int, offset: int, total: int) -> PaginatedResult[Any]:
+    return PaginatedResult(items, limit=limit, offset=offset, total=total)

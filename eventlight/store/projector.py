@@ -1,0 +1,358 @@
+"""The projector: consumes the stream into the Postgres read models, exactly once in effect.
+
+It reads the durable pull consumer ``projector`` (ack policy *all*) in batches, folds each event
+into the rollout states with ``decider.evolve`` (the same rules as every backend), writes the
+changed rows of the batch **and** the batch's last stream sequence in one transaction, and acks
+the last message only after the commit. On restart it skips every message whose sequence is at
+or below the committed checkpoint, so a redelivered batch re-applies nothing.
+
+Only one projector per namespace writes at a time: it holds ``pg_advisory_lock`` on a dedicated
+connection; a second instance waits as a hot standby.
+
+The watchdog runs in the same task group: every ``watchdog_interval_s`` seconds it asks the decider
+(``CheckHealth``) about every rollout that is ``preparing`` or ``running`` in the projector's
+states, which include span heartbeats, and appends the ``timeout``/``unresponsive`` events it
+decides, with the rollout's expected sequence. It therefore times out attempts even when nobody
+calls the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import asyncpg
+import nats.errors
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from eventlight import decider as d
+from eventlight.errors import InvalidInputError
+from eventlight.events import (
+    AnyEvent,
+    ResourcesPut,
+    SpansAdded,
+    decode_event,
+    rollout_id_of,
+)
+from eventlight.store.eventlog import EventLog, StaleStateError
+from eventlight.store.pg import (
+    ATTEMPT_COLS,
+    ROLLOUT_COLS,
+    WORKER_COLS,
+    attempt_from_row,
+    dumps,
+    rollout_from_row,
+    worker_from_row,
+)
+from eventlight.types import Worker
+
+log = logging.getLogger(__name__)
+
+BATCH = 512
+
+
+class _Batch:
+    def __init__(self) -> None:
+        self.rollouts: dict[str, d.RolloutState] = {}
+        self.rollout_seq: dict[str, int] = {}
+        self.created_seq: dict[str, int] = {}
+        self.spans: list[tuple[Any, ...]] = []
+        self.resources: dict[str, tuple[Any, int]] = {}
+        self.workers: dict[str, Worker] = {}
+        self.last_seq = 0
+        self.terminal: set[str] = set()
+
+
+class Projector:
+    """Projects one namespace's stream into Postgres.
+
+    Args:
+        log_: The event log (NATS side).
+        pool: A pool whose connections use the namespace's schema.
+        watchdog_interval_s: Seconds between watchdog passes.
+        on_commit: Called after each commit with ``(last_seq, changed_rollout_ids)``.
+    """
+
+    def __init__(
+        self,
+        log_: EventLog,
+        pool: asyncpg.Pool,
+        *,
+        watchdog_interval_s: float = 1.0,
+        on_commit: Callable[[int, set[str]], None] | None = None,
+    ):
+        self.log = log_
+        self.pool = pool
+        self.watchdog_interval_s = watchdog_interval_s
+        self.on_commit = on_commit
+        self.checkpoint = 0
+        self.states: dict[str, d.RolloutState] = {}
+        self.rollout_seq: dict[str, int] = {}
+        self.workers: dict[str, Worker] = {}
+        self.malformed = 0
+        self._tasks: list[asyncio.Task[None]] = []
+        self._lock_conn: asyncpg.Connection | None = None
+        self.leader = asyncio.Event()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._tasks.append(asyncio.create_task(self._run(), name="eventlight-projector"))
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks.clear()
+        if self._lock_conn is not None:
+            with contextlib.suppress(Exception):
+                await self.pool.release(self._lock_conn)
+            self._lock_conn = None
+
+    async def _run(self) -> None:
+        await self._become_leader()
+        self._tasks.append(asyncio.create_task(self._watchdog(), name="eventlight-watchdog"))
+        psub = await self._subscribe()
+        while True:
+            try:
+                msgs = await psub.fetch(BATCH, timeout=0.25)
+            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                continue
+            except Exception:
+                log.exception("projector fetch failed; retrying in 1 s")
+                await asyncio.sleep(1)
+                continue
+            try:
+                await self.apply(msgs)
+            except Exception:
+                log.exception("projector batch failed; it will be redelivered")
+                await asyncio.sleep(1)
+                continue
+            await msgs[-1].ack()
+
+    async def _become_leader(self) -> None:
+        self._lock_conn = await self.pool.acquire()
+        key = zlib.crc32(self.log.settings.pg_schema.encode())
+        while not await self._lock_conn.fetchval("SELECT pg_try_advisory_lock($1)", key):
+            await asyncio.sleep(0.5)
+        self.checkpoint = int(await self._lock_conn.fetchval("SELECT last_seq FROM projector_checkpoint") or 0)
+        self.leader.set()
+        log.info("projector of %s leads from stream sequence %d", self.log.settings.namespace, self.checkpoint)
+
+    async def _subscribe(self) -> Any:
+        cfg = ConsumerConfig(
+            durable_name="projector",
+            ack_policy=AckPolicy.ALL,
+            ack_wait=60,
+            max_ack_pending=20000,
+            deliver_policy=DeliverPolicy.ALL,
+        )
+        return await self.log.js.pull_subscribe(
+            f"{self.log.prefix}.>", durable="projector", stream=self.log.stream, config=cfg
+        )
+
+    # -- applying a batch ---------------------------------------------------------------------
+
+    async def apply(self, msgs: list[Any]) -> None:
+        """Fold a batch of messages into rows and commit them with the checkpoint."""
+        batch = _Batch()
+        async with self.pool.acquire() as conn:
+            for msg in msgs:
+                seq = msg.metadata.sequence.stream
+                if seq <= self.checkpoint:
+                    continue
+                batch.last_seq = seq
+                try:
+                    event = decode_event(msg.data)
+                except InvalidInputError:
+                    self.malformed += 1
+                    log.warning("skipping malformed event at stream sequence %d", seq)
+                    continue
+                await self._fold(conn, batch, event, seq)
+            if batch.last_seq == 0:
+                return
+            async with conn.transaction():
+                await self._write(conn, batch)
+        self.checkpoint = batch.last_seq
+        self.states.update(batch.rollouts)
+        self.rollout_seq.update(batch.rollout_seq)
+        self.workers.update(batch.workers)
+        for rid in batch.terminal:
+            self.states.pop(rid, None)  # finished rollouts are reloaded from Postgres if touched again
+        if self.on_commit is not None:
+            self.on_commit(self.checkpoint, set(batch.rollouts))
+
+    async def _state(self, conn: asyncpg.Connection, batch: _Batch, rid: str) -> d.RolloutState | None:
+        if rid in batch.rollouts:
+            return batch.rollouts[rid]
+        if rid in self.states:
+            return self.states[rid]
+        row = await conn.fetchrow(f"SELECT {ROLLOUT_COLS}, last_seq FROM rollouts WHERE rollout_id = $1", rid)
+        if row is None:
+            return None
+        attempts = await conn.fetch(
+            f"SELECT {ATTEMPT_COLS} FROM attempts WHERE rollout_id = $1 ORDER BY sequence_id", rid
+        )
+        self.rollout_seq[rid] = row[9]
+        return d.RolloutState(rollout=rollout_from_row(row), attempts=tuple(attempt_from_row(a) for a in attempts))
+
+    async def _fold(self, conn: asyncpg.Connection, batch: _Batch, event: AnyEvent, seq: int) -> None:
+        rid = rollout_id_of(event)
+        if rid is not None:
+            old = await self._state(conn, batch, rid)
+            new = d.evolve(old, event)
+            if new is not None:
+                batch.rollouts[rid] = new
+                if old is None:
+                    batch.created_seq[rid] = seq
+                if not isinstance(event, SpansAdded):
+                    batch.rollout_seq[rid] = seq
+                if new.rollout.status in ("succeeded", "failed", "cancelled"):
+                    batch.terminal.add(rid)
+                else:
+                    batch.terminal.discard(rid)
+            if isinstance(event, SpansAdded) and new is not None:
+                batch.spans.extend(_span_row(s, seq) for s in event.spans)
+        elif isinstance(event, ResourcesPut):
+            batch.resources[event.resources.resources_id] = (event.resources, seq)
+        for wid in d.workers_of(event):
+            current = batch.workers.get(wid) or self.workers.get(wid) or await self._load_worker(conn, wid)
+            w = d.evolve_worker(current, event, wid)
+            if w is not None:
+                batch.workers[wid] = w
+
+    async def _load_worker(self, conn: asyncpg.Connection, wid: str) -> Worker | None:
+        row = await conn.fetchrow(f"SELECT {WORKER_COLS} FROM workers WHERE worker_id = $1", wid)
+        return worker_from_row(row) if row else None
+
+    async def _write(self, conn: asyncpg.Connection, b: _Batch) -> None:
+        if b.rollouts:
+            await conn.executemany(UPSERT_ROLLOUT, [_rollout_row(s, b, self.rollout_seq) for s in b.rollouts.values()])
+            attempts = [a for s in b.rollouts.values() for a in s.attempts]
+            await conn.executemany(UPSERT_ATTEMPT, [_attempt_row(a) for a in attempts])
+        if b.spans:
+            await conn.executemany(INSERT_SPAN, b.spans)
+        if b.resources:
+            await conn.executemany(UPSERT_RESOURCES, [_resources_row(r, seq) for r, seq in b.resources.values()])
+        if b.workers:
+            await conn.executemany(UPSERT_WORKER, [_worker_row(w) for w in b.workers.values()])
+        await conn.execute("UPDATE projector_checkpoint SET last_seq = $1, updated_at = now()", b.last_seq)
+
+    # -- watchdog --------------------------------------------------------------------------------
+
+    async def _watchdog(self) -> None:
+        while True:
+            await asyncio.sleep(self.watchdog_interval_s)
+            try:
+                await self.watch_once()
+            except Exception:
+                log.exception("watchdog pass failed")
+
+    async def watch_once(self, now: float | None = None) -> int:
+        """One watchdog pass; returns how many attempts it marked ``timeout``/``unresponsive``."""
+        at = self.log.now() if now is None else now
+        marked = 0
+        for rid, state in list(self.states.items()):
+            events = d.decide(state, d.CheckHealth(), at)
+            if not events:
+                continue
+            try:
+                await self.log.append(events, self.rollout_seq.get(rid, 0), f"watchdog:{rid}:{at}")
+                marked += 1
+                log.info("watchdog: rollout %s attempt %s -> %s", rid, events[0].attempt.attempt_id,  # type: ignore[union-attr]
+                         events[0].attempt.status)  # type: ignore[union-attr]
+            except StaleStateError:
+                continue  # something newer happened; the next pass sees it
+        return marked
+
+
+def _span_row(s: Any, seq: int) -> tuple[Any, ...]:
+    return (
+        s.rollout_id, s.attempt_id, s.span_id, s.sequence_id, s.trace_id, s.parent_id, s.name,
+        dumps(s.status), dumps(s.attributes), dumps(s.events), dumps(s.links), s.start_time, s.end_time,
+        dumps(s.context) if s.context is not None else None, dumps(s.parent) if s.parent is not None else None,
+        dumps(s.resource), seq,
+    )
+
+
+def _rollout_row(s: d.RolloutState, b: _Batch, known_seq: dict[str, int]) -> tuple[Any, ...]:
+    r = s.rollout
+    rid = r.rollout_id
+    return (
+        rid, dumps(r.input), r.start_time, r.end_time, r.mode, r.resources_id, r.status, dumps(r.config),
+        dumps(r.metadata), s.latest.attempt_id if s.latest else None, len(s.attempts),
+        b.created_seq.get(rid, 0), b.rollout_seq.get(rid, known_seq.get(rid, 0)),
+    )
+
+
+def _attempt_row(a: Any) -> tuple[Any, ...]:
+    return (
+        a.rollout_id, a.attempt_id, a.sequence_id, a.start_time, a.end_time, a.status, a.worker_id,
+        a.last_heartbeat_time, dumps(a.metadata),
+    )
+
+
+def _resources_row(r: Any, seq: int) -> tuple[Any, ...]:
+    return (r.resources_id, r.create_time, r.update_time, r.version, dumps(r.resources), seq)
+
+
+def _worker_row(w: Worker) -> tuple[Any, ...]:
+    return (
+        w.worker_id, w.status, dumps(w.heartbeat_stats), w.last_heartbeat_time, w.last_dequeue_time,
+        w.last_busy_time, w.last_idle_time, w.current_rollout_id, w.current_attempt_id,
+    )
+
+
+UPSERT_ROLLOUT = """
+INSERT INTO rollouts (rollout_id, input, start_time, end_time, mode, resources_id, status, config, metadata,
+                      latest_attempt_id, num_attempts, created_seq, last_seq)
+VALUES ($1, $2::jsonb, $3, $4, $5, $6, $7, $8::jsonb, $9::jsonb, $10, $11, $12, $13)
+ON CONFLICT (rollout_id) DO UPDATE SET
+  input = EXCLUDED.input, end_time = EXCLUDED.end_time, mode = EXCLUDED.mode,
+  resources_id = EXCLUDED.resources_id, status = EXCLUDED.status, config = EXCLUDED.config,
+  metadata = EXCLUDED.metadata, latest_attempt_id = EXCLUDED.latest_attempt_id,
+  num_attempts = EXCLUDED.num_attempts, last_seq = GREATEST(rollouts.last_seq, EXCLUDED.last_seq)
+"""
+
+UPSERT_ATTEMPT = """
+INSERT INTO attempts (rollout_id, attempt_id, sequence_id, start_time, end_time, status, worker_id,
+                      last_heartbeat_time, metadata)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::jsonb)
+ON CONFLICT (rollout_id, attempt_id) DO UPDATE SET
+  end_time = EXCLUDED.end_time, status = EXCLUDED.status, worker_id = EXCLUDED.worker_id,
+  last_heartbeat_time = EXCLUDED.last_heartbeat_time, metadata = EXCLUDED.metadata
+"""
+
+INSERT_SPAN = """
+INSERT INTO spans (rollout_id, attempt_id, span_id, sequence_id, trace_id, parent_id, name, status, attributes,
+                   events, links, start_time, end_time, context, parent, resource, stream_seq)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8::jsonb, $9::jsonb, $10::jsonb, $11::jsonb, $12, $13, $14::jsonb,
+        $15::jsonb, $16::jsonb, $17)
+ON CONFLICT (rollout_id, attempt_id, span_id) DO NOTHING
+"""
+
+UPSERT_RESOURCES = """
+INSERT INTO resources (resources_id, create_time, update_time, version, resources, created_seq, last_seq)
+VALUES ($1, $2, $3, $4, $5::jsonb, $6, $6)
+ON CONFLICT (resources_id) DO UPDATE SET
+  update_time = EXCLUDED.update_time, version = EXCLUDED.version, resources = EXCLUDED.resources,
+  last_seq = EXCLUDED.last_seq
+"""
+
+UPSERT_WORKER = """
+INSERT INTO workers (worker_id, status, heartbeat_stats, last_heartbeat_time, last_dequeue_time, last_busy_time,
+                     last_idle_time, current_rollout_id, current_attempt_id)
+VALUES ($1, $2, $3::jsonb, $4, $5, $6, $7, $8, $9)
+ON CONFLICT (worker_id) DO UPDATE SET
+  status = EXCLUDED.status, heartbeat_stats = EXCLUDED.heartbeat_stats,
+  last_heartbeat_time = EXCLUDED.last_heartbeat_time, last_dequeue_time = EXCLUDED.last_dequeue_time,
+  last_busy_time = EXCLUDED.last_busy_time, last_idle_time = EXCLUDED.last_idle_time,
+  current_rollout_id = EXCLUDED.current_rollout_id, current_attempt_id = EXCLUDED.current_attempt_id
+"""
+
