@@ -1,0 +1,251 @@
+"""Real tests of eventlight.services: embedded nats-server and Postgres, streams, migrations.
+
+The embedded servers live in a fresh folder under /tmp (never under /root: Postgres runs as
+``postgres`` when the tests run as root). Every test stops what it started; the fixture kills
+and reports any process still naming its folder. ``EVENTLIGHT_TEST_NATS_URL`` (default
+``nats://127.0.0.1:4222``) is an existing server used for stream tests; those skip without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import asyncpg
+import nats
+import psutil
+import pytest
+
+from eventlight import services as svc
+from eventlight.errors import ServiceUnavailableError
+from eventlight.settings import Settings
+
+EXISTING_NATS = os.environ.get("EVENTLIGHT_TEST_NATS_URL", "nats://127.0.0.1:4222")
+STREAMS_DIR = Path(__file__).resolve().parent.parent / "streams"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _procs_naming(folder: Path) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if str(folder) in cmd and p.info["status"] != psutil.STATUS_ZOMBIE and p.pid != os.getpid():
+            found.append(p)
+    return found
+
+
+def _gone(pid: int | None) -> bool:
+    if pid is None:
+        return True
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _ns() -> str:
+    return "t" + uuid.uuid4().hex[:12]
+
+
+def _make_root() -> Path:
+    root = Path(tempfile.mkdtemp(prefix="el-test-svc-", dir="/tmp"))
+    root.chmod(0o755)  # mkdtemp makes it 0700, which the postgres user could not enter
+    return root
+
+
+@pytest.fixture
+async def root_dir() -> AsyncIterator[Path]:
+    """A fresh 0755 folder under /tmp; afterwards nothing may still run from it."""
+    root = _make_root()
+    yield root
+    for state in (root / "state", root / "closed" / "state"):
+        await svc.stop_services(Settings(state_dir=state))
+    leftovers = _procs_naming(root)
+    for p in leftovers:
+        p.kill()
+    shutil.rmtree(root, ignore_errors=True)
+    assert not leftovers, f"processes left running: {[p.info['cmdline'] for p in leftovers]}"
+
+
+async def _existing_nats_or_skip() -> str:
+    why = await svc._nats_probe(EXISTING_NATS)
+    if why:
+        pytest.skip(f"no NATS at {EXISTING_NATS}: {why}")
+    return EXISTING_NATS
+
+
+def _write_migrations(folder: Path) -> Path:
+    folder.mkdir()
+    (folder / "001_first.sql").write_text("CREATE TABLE t1 (x int); INSERT INTO t1 VALUES (1);")
+    (folder / "002_second.sql").write_text("CREATE TABLE t2 (y text);\nINSERT INTO t2 SELECT 'a';")
+    (folder / "notes.txt").write_text("not a migration")
+    return folder
+
+
+async def _pg_settings(dsn: str) -> dict[str, str]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        names = ("fsync", "max_connections", "shared_buffers")
+        return {n: await conn.fetchval(f"SHOW {n}") for n in names}
+    finally:
+        await conn.close()
+
+
+async def test_embedded_start_reuse_stop_restart(root_dir: Path) -> None:
+    settings = Settings(state_dir=root_dir / "state", namespace=_ns())
+
+    t0 = time.monotonic()
+    first, twin = await asyncio.gather(svc.ensure_services(settings), svc.ensure_services(settings))
+    first_s = time.monotonic() - t0
+    assert sorted([len(first.started), len(twin.started)]) == [0, 2], (first, twin)
+    assert (first.nats_url, first.pg_dsn) == (twin.nats_url, twin.pg_dsn)
+    assert first.pg_kind in ("system", "pgserver")
+    embedded = {"fsync": "on", "max_connections": "200", "shared_buffers": "256MB"}
+    assert await _pg_settings(first.pg_dsn) == embedded
+    conf = (root_dir / "state" / "nats" / "nats.conf").read_text()
+    assert "sync_interval: always" in conf and "max_payload: 8MB" in conf
+
+    t0 = time.monotonic()
+    again = await svc.ensure_services(settings)
+    reuse_s = time.monotonic() - t0
+    assert again.started == []
+    assert (again.nats_url, again.pg_dsn, again.nats_pid, again.pg_pid) == (
+        first.nats_url, first.pg_dsn, first.nats_pid, first.pg_pid,
+    )  # fmt: skip
+    assert svc.read_services(settings) == again
+
+    nc = await nats.connect(first.nats_url)
+    try:
+        assert await svc.apply_streams(nc, settings) == await svc.apply_streams(nc.jetstream(), settings)
+        ack = await nc.jetstream().publish(f"el.{settings.namespace}.r.r1.q", b"x" * 2_000_000)
+        assert ack.seq == 1  # a 2 MB event fits: max_payload 8MB
+    finally:
+        await nc.close()
+
+    migrations = _write_migrations(root_dir / "migrations")
+    runs = await asyncio.gather(
+        *[svc.apply_migrations(first.pg_dsn, settings.pg_schema, migrations) for _ in range(3)]
+    )
+    assert sorted(v for run in runs for v in run) == ["001_first", "002_second"]
+
+    stopped = await svc.stop_services(settings)
+    assert stopped == [f"nats-server pid {first.nats_pid}", f"postgres pid {first.pg_pid}"]
+    assert _gone(first.nats_pid) and _gone(first.pg_pid)
+    assert svc.read_services(settings) is None
+    assert await svc.stop_services(settings) == []
+
+    t0 = time.monotonic()
+    restarted = await svc.ensure_services(settings)
+    restart_s = time.monotonic() - t0
+    assert len(restarted.started) == 2
+    assert (restarted.nats_url, restarted.pg_dsn) == (first.nats_url, first.pg_dsn)  # same ports
+    nc = await nats.connect(restarted.nats_url)
+    try:
+        assert (await nc.jetstream().stream_info(settings.stream_name)).state.messages == 1  # same store
+    finally:
+        await nc.close()
+    assert await svc.apply_migrations(restarted.pg_dsn, settings.pg_schema, migrations) == []
+    conn = await asyncpg.connect(restarted.pg_dsn)
+    try:
+        assert await conn.fetchval(f"SELECT count(*) FROM {settings.pg_schema}.t1") == 1
+    finally:
+        await conn.close()
+    assert len(await svc.stop_services(settings)) == 2
+    assert not _procs_naming(root_dir)
+    print(f"\nfirst start {first_s:.2f} s, reuse {reuse_s:.3f} s, restart on existing data {restart_s:.2f} s")
+
+
+async def test_dead_nats_url_names_the_url(root_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    url = f"nats://127.0.0.1:{_free_port()}"
+    monkeypatch.setenv("EVENTLIGHT_NATS_URL", url)
+    monkeypatch.delenv("EVENTLIGHT_PG_DSN", raising=False)
+    settings = Settings.from_env(state_dir=root_dir / "state")
+    t0 = time.monotonic()
+    with pytest.raises(ServiceUnavailableError) as err:
+        await svc.ensure_services(settings)
+    assert time.monotonic() - t0 < 5
+    assert err.value.server == url and url in str(err.value)
+    assert not (root_dir / "state" / "pg").exists()  # failed before starting Postgres
+    assert not (root_dir / "state" / "services.json").exists()
+
+
+async def test_unreachable_pg_dsn_falls_back_to_embedded(
+    root_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    existing = await _existing_nats_or_skip()
+    dead = f"postgresql://postgres:s3cret@127.0.0.1:{_free_port()}/postgres"
+    settings = Settings(nats_url=existing, pg_dsn=dead, state_dir=root_dir / "state")
+    with caplog.at_level(logging.WARNING, logger="eventlight.services"):
+        services = await svc.ensure_services(settings)
+    assert services.nats_url == existing and services.nats_pid is None
+    assert services.pg_dsn != dead and services.pg_kind in ("system", "pgserver")
+    assert services.started == [f"postgres pid {services.pg_pid}"]
+    assert "does not answer" in caplog.text and "s3cret" not in caplog.text
+    assert await svc.stop_services(settings) == [f"postgres pid {services.pg_pid}"]
+    assert await svc._nats_probe(existing) is None  # the external server was left alone
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root hands Postgres to the postgres user")
+async def test_state_dir_postgres_cannot_enter(root_dir: Path) -> None:
+    if svc._system_bindir() is None:
+        pytest.skip("no system Postgres binaries")
+    closed = root_dir / "closed"
+    closed.mkdir(mode=0o700)
+    settings = Settings(state_dir=closed / "state")
+    with pytest.raises(ServiceUnavailableError) as err:
+        await svc.ensure_services(settings)
+    assert f"cannot enter {closed} (mode 700" in str(err.value)
+    assert not _procs_naming(root_dir)  # the nats-server it had started was stopped again
+
+
+async def test_apply_streams_idempotent_and_updates(tmp_path: Path) -> None:
+    url = await _existing_nats_or_skip()
+    settings = Settings(namespace=_ns())
+    nc = await nats.connect(url)
+    try:
+        expected = [
+            f"stream {settings.stream_name}",
+            f"consumer {settings.stream_name}/runners",
+            f"consumer {settings.stream_name}/projector",
+        ]
+        assert await svc.apply_streams(nc, settings) == expected
+        assert await svc.apply_streams(nc, settings) == expected
+        js = nc.jetstream()
+        stream = (await js.stream_info(settings.stream_name)).config
+        assert stream.subjects == [f"el.{settings.namespace}.>"] and stream.duplicate_window == 120
+        assert stream.max_msg_size == 8 * 1024 * 1024 and stream.storage == "file"
+        runners = (await js.consumer_info(settings.stream_name, "runners")).config
+        assert runners.filter_subject == f"el.{settings.namespace}.r.*.q"
+        assert (runners.ack_policy, runners.ack_wait, runners.max_ack_pending) == ("explicit", 30, 10000)
+        projector = (await js.consumer_info(settings.stream_name, "projector")).config
+        assert projector.filter_subject in (None, "")
+        assert (projector.ack_policy, projector.ack_wait, projector.max_ack_pending) == ("all", 60, 20000)
+
+        edited = shutil.copytree(STREAMS_DIR, tmp_path / "streams")
+        spec = json.loads((edited / "002_runners.json").read_text())
+        (edited / "002_runners.json").write_text(json.dumps({**spec, "ack_wait_s": 45}))
+        await svc.apply_streams(nc, settings, streams_dir=edited)
+        assert (await js.consumer_info(settings.stream_name, "runners")).config.ack_wait == 45
+    finally:
+        await svc.drop_namespace(url, None, settings)
+        await nc.close()
+    nc = await nats.connect(url)
+    try:
+        with pytest.raises(nats.js.errors.NotFoundError):
+            await nc.jetstream().stream_info(settings.stream_name)
+    finally:
+        await nc.close()
