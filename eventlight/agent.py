@@ -1,0 +1,192 @@
+"""Agents: ``LitAgent`` and the ``@rollout`` / ``@llm_rollout`` / ``@prompt_rollout`` decorators.
+
+Semantics follow Agent-lightning 0.3 (``tutorials_write-agents.md``, ``seed_runtime.md`` §1):
+a decorated function takes the task first (the parameter must be named ``task``) and receives its
+resources by parameter name and type: ``llm`` gets the first ``LLM`` resource (a ``ProxyLLM`` is
+resolved to this attempt's routed URL), ``prompt_template`` the first ``PromptTemplate``, and
+``rollout`` the ``AttemptedRollout``. It may return ``None`` (rewards emitted with ``emit_reward``),
+a number (the runner records it as the final reward), or a list of spans.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import weakref
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+from eventlight.types import LLM, PromptTemplate, ProxyLLM, Rollout
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class LitAgent(Generic[T]):
+    """Base class of agents. Override ``rollout`` (sync) or ``rollout_async``.
+
+    ``training_rollout*`` runs for ``mode == "train"``; every other mode (``val``, ``test``, ``None``)
+    runs ``validation_rollout*``; both call ``rollout*`` by default.
+    """
+
+    def __init__(self) -> None:
+        self._trainer_ref: Any = None
+        self._runner_ref: Any = None
+
+    def set_trainer(self, trainer: Any) -> None:
+        self._trainer_ref = weakref.ref(trainer)
+
+    def get_trainer(self) -> Any:
+        if self._trainer_ref is None or self._trainer_ref() is None:
+            raise ValueError("Trainer has not been set for this agent.")
+        return self._trainer_ref()
+
+    def set_runner(self, runner: Any) -> None:
+        self._runner_ref = weakref.ref(runner)
+
+    def get_runner(self) -> Any:
+        if self._runner_ref is None or self._runner_ref() is None:
+            raise ValueError("Runner has not been set for this agent.")
+        return self._runner_ref()
+
+    @property
+    def tracer(self) -> Any:
+        return self.get_runner().tracer
+
+    def is_async(self) -> bool:
+        """True when a ``*_async`` method is overridden."""
+        cls = type(self)
+        return any(
+            getattr(cls, name) is not getattr(LitAgent, name)
+            for name in ("rollout_async", "training_rollout_async", "validation_rollout_async")
+        )
+
+    def rollout(self, task: T, resources: dict[str, Any], rollout: Rollout) -> Any:
+        raise NotImplementedError("Agents must implement the `rollout` method.")
+
+    async def rollout_async(self, task: T, resources: dict[str, Any], rollout: Rollout) -> Any:
+        raise NotImplementedError("Agents must implement the `rollout_async` method.")
+
+    def training_rollout(self, task: T, resources: dict[str, Any], rollout: Rollout) -> Any:
+        return self.rollout(task, resources=resources, rollout=rollout)
+
+    def validation_rollout(self, task: T, resources: dict[str, Any], rollout: Rollout) -> Any:
+        return self.rollout(task, resources=resources, rollout=rollout)
+
+    async def training_rollout_async(self, task: T, resources: dict[str, Any], rollout: Rollout) -> Any:
+        return await self.rollout_async(task, resources=resources, rollout=rollout)
+
+    async def validation_rollout_async(self, task: T, resources: dict[str, Any], rollout: Rollout) -> Any:
+        return await self.rollout_async(task, resources=resources, rollout=rollout)
+
+
+def _first(resources: dict[str, Any], kind: type, what: str) -> Any:
+    found = [(k, v) for k, v in resources.items() if isinstance(v, kind)]
+    if not found:
+        raise ValueError(f"No {what} resource found in the provided resources.")
+    if len(found) > 1:
+        log.warning("Multiple %s resources found; using the first one: %r", what, found[0][0])
+    return found[0][1]
+
+
+class FunctionalLitAgent(LitAgent[Any]):
+    """An agent made from a function by ``@rollout``; calling it calls the function."""
+
+    def __init__(self, rollout_func: Callable[..., Any], *, strip_proxy: bool = True):
+        super().__init__()
+        self._func = rollout_func
+        self._strip_proxy = strip_proxy
+        self._is_async = inspect.iscoroutinefunction(rollout_func)
+        self._params = set(inspect.signature(rollout_func).parameters)
+        functools.update_wrapper(self, rollout_func)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._func(*args, **kwargs)
+
+    def __reduce__(self) -> Any:
+        return (_rebuild_functional, (self._func.__module__, self._func.__qualname__))
+
+    def is_async(self) -> bool:
+        return self._is_async
+
+    def _kwargs(self, resources: dict[str, Any], rollout: Rollout) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {}
+        if "rollout" in self._params:
+            kwargs["rollout"] = rollout
+        if "llm" in self._params:
+            llm = _first(resources, LLM, "LLM")
+            if self._strip_proxy and isinstance(llm, ProxyLLM):
+                llm = llm.with_attempted_rollout(rollout)
+            kwargs["llm"] = llm
+        if "prompt_template" in self._params:
+            kwargs["prompt_template"] = _first(resources, PromptTemplate, "prompt template")
+        return kwargs
+
+    def rollout(self, task: Any, resources: dict[str, Any], rollout: Rollout) -> Any:
+        if self._is_async:
+            raise RuntimeError(f"{self._func.__name__} is asynchronous. Use rollout_async instead.")
+        return self._func(task, **self._kwargs(resources, rollout))
+
+    async def rollout_async(self, task: Any, resources: dict[str, Any], rollout: Rollout) -> Any:
+        if not self._is_async:
+            raise RuntimeError(f"{self._func.__name__} is synchronous. Use rollout instead.")
+        return await self._func(task, **self._kwargs(resources, rollout))
+
+
+def _rebuild_functional(module: str, qualname: str) -> Any:
+    import importlib
+
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _validate(func: Callable[..., Any], resource_param: str) -> None:
+    params = list(inspect.signature(func).parameters)
+    if len(params) < 2:
+        raise ValueError(f"Function {func.__name__} must have at least 2 parameters.")
+    if params[0] != "task":
+        raise ValueError(f"Function {func.__name__} must have a positional parameter called 'task'.")
+    if resource_param not in params:
+        raise ValueError(f"Function {func.__name__} must have a positional parameter called '{resource_param}'.")
+
+
+def llm_rollout(func: Callable[..., Any] | None = None, *, strip_proxy: bool = True) -> Any:
+    """Make an agent from ``func(task, llm[, rollout])``."""
+
+    def wrap(f: Callable[..., Any]) -> FunctionalLitAgent:
+        _validate(f, "llm")
+        return FunctionalLitAgent(f, strip_proxy=strip_proxy)
+
+    return wrap(func) if func is not None else wrap
+
+
+def prompt_rollout(func: Callable[..., Any] | None = None) -> Any:
+    """Make an agent from ``func(task, prompt_template[, rollout])``."""
+
+    def wrap(f: Callable[..., Any]) -> FunctionalLitAgent:
+        _validate(f, "prompt_template")
+        return FunctionalLitAgent(f)
+
+    return wrap(func) if func is not None else wrap
+
+
+def rollout(func: Callable[..., Any]) -> FunctionalLitAgent:
+    """Make an agent from ``func(task, llm[, rollout])`` or ``func(task, prompt_template[, rollout])``.
+
+    Raises:
+        NotImplementedError: The signature matches neither pattern.
+    """
+    for param in ("llm", "prompt_template"):
+        try:
+            _validate(func, param)
+        except ValueError:
+            continue
+        return FunctionalLitAgent(func)
+    raise NotImplementedError(
+        f"Function signature {inspect.signature(func)} does not match any known agent patterns. Expected "
+        "signatures: (task, llm[, rollout]) or (task, prompt_template[, rollout]). Functions can be sync or async."
+    )

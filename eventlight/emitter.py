@@ -1,0 +1,275 @@
+"""Emitters: record rewards, annotations, messages, objects and exceptions as spans.
+
+Names, span names and attribute keys follow Agent-lightning 0.3 (``tutorials_emitter.md``,
+``seed_runtime.md`` §4): ``emit_reward(0.95)`` records a span named ``agentlightning.annotation``
+with ``agentlightning.reward.0.name = "primary"`` and ``agentlightning.reward.0.value = 0.95``.
+With ``propagate=True`` (the default) the active tracer records the span and it streams to the
+store; without one, ``RuntimeError``. ``propagate=False`` builds the fields without recording.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import inspect
+import json
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from eventlight.attributes import flatten_attributes
+from eventlight.tracer import DummyTracer, SpanCoreFields, Tracer, get_active_tracer
+from eventlight.types import TraceStatus
+
+AGL_ANNOTATION = "agentlightning.annotation"
+AGL_MESSAGE = "agentlightning.message"
+AGL_OBJECT = "agentlightning.object"
+AGL_EXCEPTION = "agentlightning.exception"
+AGL_OPERATION = "agentlightning.operation"
+AGL_REWARD = "agentlightning.reward"
+
+
+def _tracer(propagate: bool, what: str) -> Tracer:
+    if not propagate:
+        return DummyTracer()
+    tracer = get_active_tracer()
+    if tracer is None:
+        raise RuntimeError(f"No active tracer found. Cannot emit {what} span.")
+    return tracer
+
+
+def _sanitize(value: Any) -> Any:
+    if isinstance(value, (str, bool, int, float)):
+        return value
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, (str, bool, int, float)) for v in value):
+        kinds = {type(v) for v in value}
+        if len(kinds) == 1:
+            return list(value)
+        if kinds <= {int, float}:
+            return [float(v) for v in value]
+    return json.dumps(value, default=str)
+
+
+def _attributes(attributes: dict[str, Any] | None) -> dict[str, Any]:
+    flat = flatten_attributes(attributes or {})
+    return {k: _sanitize(v) for k, v in flat.items()}
+
+
+def emit_annotation(annotation: dict[str, Any], propagate: bool = True) -> SpanCoreFields:
+    """Record an ``agentlightning.annotation`` span carrying ``annotation`` (flattened).
+
+    Raises:
+        ValueError: A value is not a str/int/float/bool or a homogeneous list of them.
+        RuntimeError: No active tracer and ``propagate=True``.
+    """
+    flat = flatten_attributes(annotation)
+    for key, value in flat.items():
+        ok = isinstance(value, (str, bool, int, float)) or (
+            isinstance(value, list) and len({type(v) for v in value}) <= 1
+            and all(isinstance(v, (str, bool, int, float)) for v in value)
+        )
+        if not ok:
+            raise ValueError(f"annotation attribute {key!r} has an unsupported value {value!r}")
+    return _tracer(propagate, "annotation").create_span(
+        AGL_ANNOTATION, attributes=flat, status=TraceStatus(status_code="OK")
+    )
+
+
+def emit_reward(
+    reward: float | dict[str, float],
+    *,
+    primary_key: str | None = None,
+    attributes: dict[str, Any] | None = None,
+    propagate: bool = True,
+) -> SpanCoreFields:
+    """Record a reward (a scalar, or several named dimensions with ``primary_key`` first).
+
+    Raises:
+        TypeError: A scalar reward that is not a number.
+        ValueError: A dict reward without a valid ``primary_key`` or with a non-numeric value.
+    """
+    if isinstance(reward, dict):
+        if primary_key is None:
+            raise ValueError("primary_key is required for a multi-dimensional reward")
+        if primary_key not in reward:
+            raise ValueError(f"primary_key {primary_key!r} is not one of the reward's keys {list(reward)}")
+        for key, value in reward.items():
+            if not isinstance(value, (int, float)):
+                raise ValueError(f"Reward value must be a number, got: {value!r} for key {key}")
+        order = [primary_key] + [k for k in reward if k != primary_key]
+        dims = [{"name": k, "value": float(reward[k])} for k in order]
+    else:
+        if not isinstance(reward, (int, float)):
+            raise TypeError(f"Reward must be a number, got: {type(reward).__name__}")
+        dims = [{"name": "primary", "value": float(reward)}]
+    return emit_annotation({AGL_REWARD: dims, **(attributes or {})}, propagate=propagate)
+
+
+def emit_message(message: str, attributes: dict[str, Any] | None = None, propagate: bool = True) -> None:
+    """Record an ``agentlightning.message`` span.
+
+    Raises:
+        TypeError: ``message`` is not a string.
+    """
+    if not isinstance(message, str):
+        raise TypeError(f"message must be a str, got {type(message).__name__}")
+    attrs = {"agentlightning.message.body": message, **_attributes(attributes)}
+    _tracer(propagate, "message").create_span(AGL_MESSAGE, attributes=attrs)
+
+
+def emit_object(obj: Any, attributes: dict[str, Any] | None = None, propagate: bool = True) -> SpanCoreFields:
+    """Record an ``agentlightning.object`` span holding ``obj`` (literal or JSON).
+
+    Raises:
+        RuntimeError: ``obj`` is not JSON serializable.
+    """
+    attrs: dict[str, Any]
+    if isinstance(obj, (str, bool, int, float)):
+        attrs = {"agentlightning.object.type": type(obj).__name__, "agentlightning.object.literal": str(obj)}
+    elif isinstance(obj, bytes):
+        attrs = {"agentlightning.object.type": "bytes",
+                 "agentlightning.object.literal": base64.b64encode(obj).decode()}
+    else:
+        cls = type(obj)
+        name = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+        try:
+            payload = json.dumps(obj)
+        except (TypeError, ValueError) as e:
+            raise RuntimeError(f"Object must be JSON serializable, got: {type(obj).__name__}") from e
+        attrs = {"agentlightning.object.type": name, "agentlightning.object.json": payload}
+    attrs.update(_attributes(attributes))
+    return _tracer(propagate, "object").create_span(AGL_OBJECT, attributes=attrs, status=TraceStatus(status_code="OK"))
+
+
+def emit_exception(exception: BaseException, attributes: dict[str, Any] | None = None, propagate: bool = True) -> None:
+    """Record an ``agentlightning.exception`` span with the OpenTelemetry ``exception.*`` keys.
+
+    Raises:
+        TypeError: ``exception`` is not an exception.
+    """
+    if not isinstance(exception, BaseException):
+        raise TypeError(f"exception must be a BaseException, got {type(exception).__name__}")
+    attrs: dict[str, Any] = {
+        "exception.type": type(exception).__name__,
+        "exception.message": str(exception),
+        "exception.escaped": True,
+    }
+    stack = "".join(traceback.format_exception(exception)).strip()
+    if stack:
+        attrs["exception.stacktrace"] = stack
+    attrs.update(_attributes(attributes))
+    _tracer(propagate, "exception").create_span(AGL_EXCEPTION, attributes=attrs, status=TraceStatus(status_code="OK"))
+
+
+class operation:  # noqa: N801 - Agent-lightning's public name
+    """Record an ``agentlightning.operation`` span, as a decorator or a context manager.
+
+    Unlike Agent-lightning 0.3.0, the tracer is looked up when the operation runs, not when the
+    decorator is applied, so a module-level ``@operation`` works (``seed_runtime.md`` §8 #29).
+    """
+
+    def __init__(self, fn: Callable[..., Any] | None = None, *, propagate: bool = True, name: str | None = None,
+                 **attributes: Any):
+        if fn is not None and not callable(fn):
+            raise ValueError("operation() takes a function; custom span names are not supported")
+        self.fn = fn
+        self.propagate = propagate
+        self.name = name
+        self.attributes = flatten_attributes(attributes)
+        self._cm: Any = None
+        self._rec: Any = None
+        if fn is not None:
+            functools.update_wrapper(self, fn)
+
+    def _attrs(self, default_name: str | None) -> dict[str, Any]:
+        attrs = dict(self.attributes)
+        op_name = self.name or default_name
+        if op_name:
+            attrs["agentlightning.operation.name"] = op_name
+        return attrs
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.fn is None:  # used as @operation(...): wrap the function it is given
+            return operation(args[0], propagate=self.propagate, name=self.name, **self.attributes)
+        fn = self.fn
+        if inspect.iscoroutinefunction(fn):
+            async def run_async() -> Any:
+                with self._span(fn, args, kwargs) as rec:
+                    result = await fn(*args, **kwargs)
+                    rec.record_attributes(_io("output", result))
+                    return result
+            return run_async()
+        with self._span(fn, args, kwargs) as rec:
+            result = fn(*args, **kwargs)
+            rec.record_attributes(_io("output", result))
+            return result
+
+    def _span(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        tracer = _tracer(self.propagate, "operation")
+        attrs = self._attrs(fn.__name__)
+        try:
+            bound = inspect.signature(fn).bind(*args, **kwargs)
+            bound.apply_defaults()
+            attrs.update(_io("input", dict(bound.arguments)))
+        except TypeError:
+            attrs.update(_io("input", {"args": list(args), "kwargs": kwargs}))
+        if isinstance(tracer, DummyTracer):
+            return _DummyOperation(AGL_OPERATION, attrs)
+        return tracer.operation_context(AGL_OPERATION, attrs)
+
+    def __enter__(self) -> Any:
+        tracer = _tracer(self.propagate, "operation")
+        attrs = self._attrs(None)
+        self._cm = _DummyOperation(AGL_OPERATION, attrs) if isinstance(tracer, DummyTracer) else (
+            tracer.operation_context(AGL_OPERATION, attrs)
+        )
+        self._rec = self._cm.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self._cm.__exit__(*exc)
+
+    def set_input(self, *args: Any, **kwargs: Any) -> None:
+        if self._rec is None:
+            raise RuntimeError("set_input() must be called inside the operation block")
+        data: dict[str, Any] = {f"args.{i}": a for i, a in enumerate(args)}
+        data.update(kwargs)
+        self._rec.record_attributes(_io("input", data))
+
+    def set_output(self, value: Any) -> None:
+        if self._rec is None:
+            raise RuntimeError("set_output() must be called inside the operation block")
+        self._rec.record_attributes(_io("output", value))
+
+    def span(self) -> SpanCoreFields:
+        if self._rec is None:
+            raise RuntimeError("Span is not ready yet.")
+        return self._rec.get_recorded_span()
+
+
+def _io(kind: str, value: Any) -> dict[str, Any]:
+    prefix = f"agentlightning.operation.{kind}"
+    flat = flatten_attributes({prefix: value}) if isinstance(value, (dict, list)) else {prefix: value}
+    return {k: _sanitize(v) for k, v in flat.items()}
+
+
+class _DummyOperation:
+    def __init__(self, name: str, attributes: dict[str, Any]):
+        self.fields = DummyTracer().create_span(name, attributes)
+        self.done: SpanCoreFields | None = None
+
+    def __enter__(self) -> _DummyOperation:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc is not None:
+            self.fields.status = TraceStatus(status_code="ERROR", description=str(exc))
+        self.done = self.fields
+
+    def record_attributes(self, attributes: dict[str, Any]) -> None:
+        self.fields.attributes.update(attributes)
+
+    def get_recorded_span(self) -> SpanCoreFields:
+        if self.done is None:
+            raise RuntimeError("Span is not ready yet.")
+        return self.done

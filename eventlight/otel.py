@@ -1,0 +1,83 @@
+"""Conversion of OpenTelemetry SDK spans into eventlight ``Span`` structs.
+
+Follows Agent-lightning's ``Span.from_opentelemetry``: ids become lowercase hex (trace 32, span 16
+characters), timestamps become seconds, the status code becomes its name (``UNSET``/``OK``/``ERROR``),
+events, links and the resource are copied.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from eventlight.types import Event, Link, OtelResource, Span, SpanContext, TraceStatus
+
+
+def _hex_trace(value: int) -> str:
+    return format(value, "032x")
+
+
+def _hex_span(value: int) -> str:
+    return format(value, "016x")
+
+
+def _seconds(ns: int | None) -> float | None:
+    return None if not ns else ns / 1e9
+
+
+def _attrs(attributes: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in dict(attributes or {}).items():
+        out[str(key)] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def _context(ctx: Any) -> SpanContext | None:
+    if ctx is None:
+        return None
+    state = dict(ctx.trace_state.items()) if getattr(ctx, "trace_state", None) is not None else {}
+    return SpanContext(
+        trace_id=_hex_trace(ctx.trace_id), span_id=_hex_span(ctx.span_id), is_remote=bool(ctx.is_remote),
+        trace_state=state,
+    )
+
+
+def span_from_readable(readable: Any, rollout_id: str, attempt_id: str, sequence_id: int) -> Span:
+    """Convert an OpenTelemetry ``ReadableSpan`` into a ``Span`` of the given attempt.
+
+    Args:
+        readable: An ``opentelemetry.sdk.trace.ReadableSpan``.
+        rollout_id: The rollout the span belongs to.
+        attempt_id: The attempt the span belongs to.
+        sequence_id: The store-assigned order key.
+    """
+    ctx = readable.get_span_context()
+    parent = readable.parent
+    status = readable.status
+    resource = readable.resource
+    return Span(
+        rollout_id=rollout_id,
+        attempt_id=attempt_id,
+        sequence_id=sequence_id,
+        trace_id=_hex_trace(ctx.trace_id),
+        span_id=_hex_span(ctx.span_id),
+        parent_id=_hex_span(parent.span_id) if parent is not None else None,
+        name=readable.name,
+        status=TraceStatus(status_code=status.status_code.name, description=status.description),
+        attributes=_attrs(readable.attributes),
+        events=[
+            Event(name=e.name, attributes=_attrs(e.attributes), timestamp=_seconds(e.timestamp))
+            for e in readable.events
+        ],
+        links=[
+            Link(context=_context(link.context), attributes=_attrs(link.attributes) or None)  # type: ignore[arg-type]
+            for link in readable.links
+        ],
+        start_time=_seconds(readable.start_time),
+        end_time=_seconds(readable.end_time),
+        context=_context(ctx),
+        parent=_context(parent),
+        resource=OtelResource(
+            attributes=_attrs(resource.attributes) if resource is not None else {},
+            schema_url=(resource.schema_url or "") if resource is not None else "",
+        ),
+    )

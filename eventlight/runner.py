@@ -1,0 +1,281 @@
+"""``LitAgentRunner``: a queue consumer that runs an agent on each rollout it claims.
+
+One attempt, in order (Agent-lightning ``LitAgentRunner._step_impl``): resolve the rollout's
+resources, call hooks ``on_rollout_start``, enter the tracer's ``trace_context`` (spans stream to
+the store while the agent runs), ``on_trace_start``, run the agent (``training_rollout*`` when
+``mode == "train"``, else ``validation_rollout*``), ``on_trace_end``, record a returned reward or
+spans, ``on_rollout_end``, then ``update_attempt(status="succeeded" | "failed")``.
+
+Differences from 0.3.0, each deliberate:
+    * missing resources fail the attempt with a clear reason instead of leaving it ``preparing``;
+    * a cancelled rollout (``CancelledError``, e.g. Ctrl+C) is recorded ``failed`` and the
+      cancellation re-raised, not recorded ``succeeded``;
+    * an empty queue is a long poll in the server (``dequeue_rollout(wait_s=poll_interval)``), not a
+      sleep loop, and is never an error (peer failure C19);
+    * heartbeats run as an asyncio task (``update_worker`` with a system snapshot every
+      ``heartbeat_interval`` seconds); on the JetStream store they also keep the claimed queue
+      message in progress.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import os
+import socket
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import psutil
+
+from eventlight.agent import LitAgent
+from eventlight.emitter import emit_reward
+from eventlight.store.base import LightningStore
+from eventlight.tracer import OtelTracer, Tracer
+from eventlight.types import AttemptedRollout, Span
+
+log = logging.getLogger(__name__)
+
+
+class Hook:
+    """Callbacks around each attempt; all async, keyword-only, no-ops by default."""
+
+    async def on_rollout_start(self, *, agent: Any, runner: Any, rollout: Any) -> None: ...
+
+    async def on_trace_start(self, *, agent: Any, runner: Any, tracer: Any, rollout: Any) -> None: ...
+
+    async def on_trace_end(self, *, agent: Any, runner: Any, tracer: Any, rollout: Any) -> None: ...
+
+    async def on_rollout_end(self, *, agent: Any, runner: Any, rollout: Any, spans: Any) -> None: ...
+
+
+def system_snapshot() -> dict[str, Any]:
+    """The heartbeat payload: host, CPU and memory use of this machine and process."""
+    vm = psutil.virtual_memory()
+    return {
+        "timestamp": time.time(),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "cpu_usage_pct": psutil.cpu_percent(interval=None),
+        "mem_used_gb": round(vm.used / 2**30, 3),
+        "mem_total_gb": round(vm.total / 2**30, 3),
+        "process_rss_mb": round(psutil.Process().memory_info().rss / 2**20, 1),
+    }
+
+
+class LitAgentRunner:
+    """Runs an agent on rollouts from the store's queue.
+
+    Args:
+        tracer: Records the agent's spans; defaults to ``OtelTracer()``.
+        max_rollouts: Stop after this many rollouts (``None``: until stopped).
+        poll_interval: Seconds one dequeue waits for work before checking the stop event.
+        heartbeat_interval: Seconds between heartbeats; ``<= 0`` disables them.
+    """
+
+    def __init__(
+        self,
+        tracer: Tracer | None = None,
+        max_rollouts: int | None = None,
+        poll_interval: float = 1.0,
+        heartbeat_interval: float = 10.0,
+    ):
+        self.tracer = tracer or OtelTracer()
+        self.max_rollouts = max_rollouts
+        self.poll_interval = poll_interval
+        self.heartbeat_interval = heartbeat_interval
+        self.worker_id: int | None = None
+        self._agent: LitAgent[Any] | None = None
+        self._store: LightningStore | None = None
+        self._hooks: Sequence[Hook] = ()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def init(self, agent: LitAgent[Any], *, hooks: Sequence[Hook] | None = None, **_: Any) -> None:
+        self._agent = agent
+        self._hooks = tuple(hooks or ())
+        agent.set_runner(self)
+
+    def init_worker(self, worker_id: int, store: LightningStore, **_: Any) -> None:
+        self.worker_id = worker_id
+        self._store = store
+        self.tracer.init_worker(worker_id, store)
+
+    def teardown_worker(self, worker_id: int, *args: Any, **kwargs: Any) -> None:
+        self.tracer.teardown_worker(worker_id)
+
+    def teardown(self, *args: Any, **kwargs: Any) -> None:
+        self._agent = None
+
+    @contextlib.contextmanager
+    def run_context(self, *, agent: LitAgent[Any], store: LightningStore, hooks: Sequence[Hook] | None = None,
+                    worker_id: int | None = None) -> Any:
+        """``init`` + ``init_worker`` on entry, the teardowns on exit (synchronous context manager)."""
+        wid = 0 if worker_id is None else worker_id
+        self.init(agent, hooks=hooks)
+        try:
+            self.init_worker(wid, store)
+            try:
+                yield self
+            finally:
+                self.teardown_worker(wid)
+        finally:
+            self.teardown()
+
+    def get_worker_id(self) -> str:
+        return f"Worker-{self.worker_id}" if self.worker_id is not None else "Worker-Unknown"
+
+    def get_store(self) -> LightningStore:
+        if self._store is None:
+            raise ValueError("Store not initialized. Call init_worker() first.")
+        return self._store
+
+    def _agent_or_raise(self) -> LitAgent[Any]:
+        if self._agent is None:
+            raise ValueError("Agent not initialized. Call init() first.")
+        return self._agent
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    async def iter(self, *, event: Any = None) -> int:
+        """Claim and run rollouts until ``event`` is set or ``max_rollouts`` is reached.
+
+        Returns:
+            How many rollouts this runner processed.
+        """
+        store = self.get_store()
+        count = 0
+        heartbeat = asyncio.create_task(self._heartbeat_loop()) if self.heartbeat_interval > 0 else None
+        try:
+            while (event is None or not event.is_set()) and (self.max_rollouts is None or count < self.max_rollouts):
+                claimed = await self._dequeue(store)
+                if claimed is None:
+                    continue
+                await self._step_impl(claimed)
+                count += 1
+                if count == 1 or count % 10 == 0:
+                    log.info("[%s] processed %d rollouts", self.get_worker_id(), count)
+        finally:
+            if heartbeat is not None:
+                heartbeat.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await heartbeat
+        log.info("[%s] finished: %d rollouts", self.get_worker_id(), count)
+        return count
+
+    async def _dequeue(self, store: LightningStore) -> AttemptedRollout | None:
+        if "wait_s" in inspect.signature(store.dequeue_rollout).parameters:
+            return await store.dequeue_rollout(worker_id=self.get_worker_id(), wait_s=self.poll_interval)  # type: ignore[call-arg]
+        claimed = await store.dequeue_rollout(worker_id=self.get_worker_id())
+        if claimed is None:
+            await asyncio.sleep(self.poll_interval)
+        return claimed
+
+    async def _heartbeat_loop(self) -> None:
+        store = self.get_store()
+        while True:
+            try:
+                await store.update_worker(self.get_worker_id(), system_snapshot())
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("[%s] heartbeat failed: %s", self.get_worker_id(), e)
+            await asyncio.sleep(self.heartbeat_interval)
+
+    async def step(self, input: Any, *, resources: dict[str, Any] | None = None, mode: str | None = None) -> Any:
+        """Run one rollout of ``input`` right away (``start_rollout``, no queue); exceptions propagate."""
+        store = self.get_store()
+        resources_id = (await store.add_resources(resources)).resources_id if resources else None
+        attempted = await store.start_rollout(input=input, mode=mode, resources_id=resources_id,
+                                              worker_id=self.get_worker_id())
+        await self._step_impl(attempted, raise_on_exception=True)
+        done = await store.get_rollout_by_id(attempted.rollout_id)
+        if done is None:
+            raise RuntimeError(f"Failed to fetch completed rollout by id after step: {attempted.rollout_id}")
+        return done
+
+    # -- one attempt -------------------------------------------------------------------------
+
+    async def _hook(self, name: str, **kwargs: Any) -> None:
+        for hook in self._hooks:
+            try:
+                await getattr(hook, name)(**kwargs)
+            except Exception:
+                log.exception("Exception during %s hook %r", name, hook)
+
+    async def _resources(self, rollout: AttemptedRollout) -> dict[str, Any]:
+        store = self.get_store()
+        found = (
+            await store.get_resources_by_id(rollout.resources_id) if rollout.resources_id
+            else await store.get_latest_resources()
+        )
+        if found is None:
+            raise RuntimeError(f"resources {rollout.resources_id or '(latest)'} of rollout {rollout.rollout_id} not found")
+        return dict(found.resources)
+
+    async def _call_agent(self, agent: LitAgent[Any], rollout: AttemptedRollout, resources: dict[str, Any]) -> Any:
+        train = rollout.mode == "train"
+        if agent.is_async():
+            method = agent.training_rollout_async if train else agent.validation_rollout_async
+            return await method(rollout.input, resources=resources, rollout=rollout)
+        method = agent.training_rollout if train else agent.validation_rollout
+        return method(rollout.input, resources=resources, rollout=rollout)
+
+    async def _step_impl(self, rollout: AttemptedRollout, raise_on_exception: bool = False) -> str:
+        store, agent = self.get_store(), self._agent_or_raise()
+        rid, aid = rollout.rollout_id, rollout.attempt.attempt_id
+        prefix = f"[{self.get_worker_id()} | Rollout {rid}]"
+        status, spans = "failed", []
+        start = time.monotonic()
+        try:
+            resources = await self._resources(rollout)
+            await self._hook("on_rollout_start", agent=agent, runner=self, rollout=rollout)
+            async with self.tracer.trace_context(name=rid, rollout_id=rid, attempt_id=aid):
+                await self._hook("on_trace_start", agent=agent, runner=self, tracer=self.tracer, rollout=rollout)
+                result = await self._call_agent(agent, rollout, resources)
+                await self._hook("on_trace_end", agent=agent, runner=self, tracer=self.tracer, rollout=rollout)
+                if isinstance(result, (bool, int, float)):
+                    emit_reward(float(result))
+                    result = None
+            spans = await self._post_process(rollout, result)
+            status = "succeeded"
+            log.debug("%s completed in %.2fs with %d spans", prefix, time.monotonic() - start, len(spans))
+        except asyncio.CancelledError:
+            log.info("%s cancelled; recording the attempt as failed", prefix)
+            await asyncio.shield(self._finish(rid, aid, "failed", prefix))
+            raise
+        except Exception:
+            log.exception("%s agent raised", prefix)
+            if raise_on_exception:
+                await self._finish(rid, aid, "failed", prefix)
+                raise
+        await self._hook("on_rollout_end", agent=agent, runner=self, rollout=rollout, spans=spans)
+        await self._finish(rid, aid, status, prefix)
+        return rid
+
+    async def _post_process(self, rollout: AttemptedRollout, result: Any) -> list[Span]:
+        """Store spans the agent returned; return the attempt's spans for ``on_rollout_end``."""
+        if result is None:
+            return self.tracer.get_last_trace()
+        if isinstance(result, list):
+            if not result:
+                log.warning("The rollout returns an empty list")
+                return []
+            if all(isinstance(s, Span) for s in result):
+                await self.get_store().add_many_spans(result)
+                return result
+            raise ValueError(
+                f"Invalid raw result type. It's expected to be a list of Span, but got: {type(result[0]).__name__}"
+            )
+        raise TypeError(
+            f"Invalid raw result type. It's expected to be none, float, or a list of Span, but got: {type(result).__name__}"
+        )
+
+    async def _finish(self, rid: str, aid: str, status: str, prefix: str) -> None:
+        try:
+            await self.get_store().update_attempt(rid, aid, status=status)
+        except Exception as e:
+            log.warning("%s could not record status %s: %s", prefix, status, e)

@@ -1,0 +1,280 @@
+"""Tracers: record an attempt's OpenTelemetry spans and stream them to the store in batches.
+
+``OtelTracer`` owns an OpenTelemetry SDK ``TracerProvider`` with a ``StreamSpanProcessor``. Inside
+``trace_context(rollout_id=..., attempt_id=...)`` every span that ends is buffered; a flusher task
+sends the buffer every ``flush_interval_s`` seconds (and once more when the context exits): it
+reserves one sequence id per span from the store, in the order the spans ended, converts them and
+publishes them with ``add_many_spans``, which on the JetStream backend is one stream message per
+batch. Spans therefore reach the stream while the agent still runs (they are its heartbeat), at
+the cost of a few store calls per batch rather than per span.
+
+Unlike Agent-lightning 0.3.0, the active tracer and the current attempt are context variables, so
+concurrent rollouts in one process (asyncio tasks) do not collide (``seed_runtime.md`` §8 #19).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import logging
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import msgspec
+from opentelemetry import trace as trace_api
+from opentelemetry.sdk.resources import Resource as OtelSdkResource
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.trace import Status, StatusCode
+
+from eventlight.otel import span_from_readable
+from eventlight.store.base import LightningStore
+from eventlight.types import Span, TraceStatus
+
+log = logging.getLogger(__name__)
+
+_active_tracer: contextvars.ContextVar[Tracer | None] = contextvars.ContextVar("eventlight_tracer", default=None)
+_current_attempt: contextvars.ContextVar[_AttemptBuffer | None] = contextvars.ContextVar(
+    "eventlight_attempt", default=None
+)
+
+
+class SpanCoreFields(msgspec.Struct, kw_only=True):
+    """What an emitter or operation recorded (Agent-lightning ``SpanCoreFields``); times in seconds."""
+
+    name: str
+    status: TraceStatus
+    attributes: dict[str, Any]
+    start_time: float | None
+    end_time: float | None
+
+
+def get_active_tracer() -> Tracer | None:
+    """The tracer whose ``trace_context`` the caller runs in, or ``None``."""
+    return _active_tracer.get()
+
+
+class Tracer:
+    """Base class of tracers (Agent-lightning ``Tracer``)."""
+
+    def __init__(self) -> None:
+        self.worker_id: int | None = None
+        self._store: LightningStore | None = None
+
+    def init(self, *args: Any, **kwargs: Any) -> None:
+        """Called once in the main process."""
+
+    def init_worker(self, worker_id: int, store: LightningStore | None = None) -> None:
+        """Called once in each runner process with the store traces go to."""
+        self.worker_id = worker_id
+        self._store = store
+
+    def teardown_worker(self, worker_id: int) -> None:
+        """Called once in each runner process at the end."""
+
+    def teardown(self) -> None:
+        """Called once in the main process at the end."""
+
+    def trace_context(
+        self, name: str | None = None, *, rollout_id: str | None = None, attempt_id: str | None = None
+    ) -> contextlib.AbstractAsyncContextManager[Any]:
+        raise NotImplementedError
+
+    def get_last_trace(self) -> list[Span]:
+        return []
+
+    def create_span(
+        self, name: str, attributes: dict[str, Any] | None = None, timestamp: float | None = None,
+        status: TraceStatus | None = None,
+    ) -> SpanCoreFields:
+        raise NotImplementedError
+
+    def operation_context(self, name: str, attributes: dict[str, Any] | None = None) -> Any:
+        raise NotImplementedError
+
+
+class DummyTracer(Tracer):
+    """Records nothing anywhere; emitters with ``propagate=False`` use it to build span fields."""
+
+    def create_span(
+        self, name: str, attributes: dict[str, Any] | None = None, timestamp: float | None = None,
+        status: TraceStatus | None = None,
+    ) -> SpanCoreFields:
+        at = timestamp if timestamp is not None else time.time()
+        return SpanCoreFields(
+            name=name, status=status or TraceStatus(status_code="OK"), attributes=dict(attributes or {}),
+            start_time=at, end_time=at,
+        )
+
+
+class _AttemptBuffer:
+    def __init__(self, store: LightningStore, rollout_id: str, attempt_id: str):
+        self.store = store
+        self.rollout_id = rollout_id
+        self.attempt_id = attempt_id
+        self.pending: list[ReadableSpan] = []
+        self.recorded: list[Span] = []
+        self.wake = asyncio.Event()
+
+    async def flush(self) -> None:
+        if not self.pending:
+            return
+        batch, self.pending = self.pending, []
+        ids = await self.store.get_many_span_sequence_ids([(self.rollout_id, self.attempt_id)] * len(batch))
+        spans = [span_from_readable(s, self.rollout_id, self.attempt_id, i) for s, i in zip(batch, ids, strict=True)]
+        await self.store.add_many_spans(spans)
+        self.recorded.extend(spans)
+
+
+class StreamSpanProcessor(SpanProcessor):
+    """Buffers spans that end inside a trace context; the context's flusher sends them."""
+
+    def on_start(self, span: Any, parent_context: Any = None) -> None:
+        pass
+
+    def on_end(self, span: ReadableSpan) -> None:
+        buf = _current_attempt.get()
+        if buf is None or not span.context.trace_flags.sampled:
+            return
+        buf.pending.append(span)
+        if len(buf.pending) >= 256:
+            buf.wake.set()
+
+    def shutdown(self) -> None:
+        pass
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
+
+
+class OtelTracer(Tracer):
+    """A plain OpenTelemetry tracer whose spans stream to the store.
+
+    Args:
+        flush_interval_s: Longest time a finished span waits before it is sent.
+
+    Its provider becomes the process's global OpenTelemetry provider when none is set yet, so
+    libraries instrumented with OpenTelemetry report into it too.
+    """
+
+    def __init__(self, *, flush_interval_s: float = 0.05):
+        super().__init__()
+        self.flush_interval_s = flush_interval_s
+        self.provider: TracerProvider | None = None
+        self._otel: trace_api.Tracer | None = None
+        self._last: list[Span] = []
+
+    def init_worker(self, worker_id: int, store: LightningStore | None = None) -> None:
+        super().init_worker(worker_id, store)
+        if self.provider is None:
+            self.provider = TracerProvider(resource=OtelSdkResource.create({"service.name": "eventlight-runner"}))
+            self.provider.add_span_processor(StreamSpanProcessor())
+            if isinstance(trace_api.get_tracer_provider(), trace_api.ProxyTracerProvider):
+                trace_api.set_tracer_provider(self.provider)
+            self._otel = self.provider.get_tracer("eventlight")
+
+    def _tracer(self) -> trace_api.Tracer:
+        if self._otel is None:
+            raise RuntimeError("OtelTracer is not initialized; call init_worker() first")
+        return self._otel
+
+    @contextlib.asynccontextmanager
+    async def trace_context(
+        self, name: str | None = None, *, rollout_id: str | None = None, attempt_id: str | None = None,
+        store: LightningStore | None = None,
+    ) -> AsyncIterator[trace_api.Tracer]:
+        """Record the spans of one attempt and stream them to the store.
+
+        Raises:
+            ValueError: Only one of ``rollout_id``/``attempt_id`` was given, or ids without a store.
+        """
+        tracer = self._tracer()
+        if (rollout_id is None) != (attempt_id is None):
+            raise ValueError("rollout_id and attempt_id must be either all provided or all None")
+        store = store or self._store
+        if rollout_id is not None and store is None:
+            raise ValueError("store is required to be initialized when rollout_id and attempt_id are provided")
+        buf = _AttemptBuffer(store, rollout_id, attempt_id) if rollout_id and store else None  # type: ignore[arg-type]
+        tracer_token = _active_tracer.set(self)
+        attempt_token = _current_attempt.set(buf)
+        flusher = asyncio.create_task(self._flush_loop(buf)) if buf else None
+        try:
+            yield tracer
+        finally:
+            _current_attempt.reset(attempt_token)
+            _active_tracer.reset(tracer_token)
+            if flusher is not None and buf is not None:
+                flusher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await flusher
+                await asyncio.shield(buf.flush())
+                self._last = buf.recorded
+
+    async def _flush_loop(self, buf: _AttemptBuffer | None) -> None:
+        assert buf is not None
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(buf.wake.wait(), self.flush_interval_s)
+            buf.wake.clear()
+            try:
+                await buf.flush()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("could not send spans of rollout %s attempt %s", buf.rollout_id, buf.attempt_id)
+
+    def get_last_trace(self) -> list[Span]:
+        """Spans recorded (with their store sequence ids) by the most recent trace context."""
+        return list(self._last)
+
+    def create_span(
+        self, name: str, attributes: dict[str, Any] | None = None, timestamp: float | None = None,
+        status: TraceStatus | None = None,
+    ) -> SpanCoreFields:
+        """Start and end an instantaneous span (emitters use this); it nests under the current span."""
+        ts = int(timestamp * 1e9) if timestamp is not None else None
+        span = self._tracer().start_span(name, attributes=attributes or {}, start_time=ts)
+        if status is not None and status.status_code != "UNSET":
+            span.set_status(Status(StatusCode[status.status_code], status.description))
+        span.end(end_time=ts)
+        return _core(span)
+
+    @contextlib.contextmanager
+    def operation_context(self, name: str, attributes: dict[str, Any] | None = None) -> Iterator[_Recording]:
+        """Record a span over a block; exceptions mark it ``ERROR`` and propagate."""
+        with self._tracer().start_as_current_span(name, attributes=attributes or {},
+                                                  record_exception=True, set_status_on_exception=True) as span:
+            rec = _Recording(span)
+            yield rec
+        rec.done = _core(span)
+
+
+class _Recording:
+    def __init__(self, span: Any):
+        self.span = span
+        self.done: SpanCoreFields | None = None
+
+    def record_attributes(self, attributes: dict[str, Any]) -> None:
+        self.span.set_attributes(attributes)
+
+    def record_exception(self, exception: BaseException) -> None:
+        self.span.record_exception(exception)
+
+    def record_status(self, status_code: str, description: str | None = None) -> None:
+        self.span.set_status(Status(StatusCode[status_code], description))
+
+    def get_recorded_span(self) -> SpanCoreFields:
+        if self.done is None:
+            raise RuntimeError("Span is not ready yet.")
+        return self.done
+
+
+def _core(span: Any) -> SpanCoreFields:
+    return SpanCoreFields(
+        name=span.name,
+        status=TraceStatus(status_code=span.status.status_code.name, description=span.status.description),
+        attributes=dict(span.attributes or {}),
+        start_time=span.start_time / 1e9 if span.start_time else None,
+        end_time=span.end_time / 1e9 if span.end_time else None,
+    )
