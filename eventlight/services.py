@@ -1050,7 +1050,8 @@ async def _delete_stream(nats_url: str, stream: str) -> None:
     except Exception as e:
         raise ServiceUnavailableError(nats_url, f"{type(e).__name__}: {e}") from e
     try:
-        with contextlib.suppress(JsNotFoundError):
-            await nc.jetstream().delete_stream(stream)
+        for name in (stream, f"KV_{stream}_SEQ"):  # the events and the span sequence counters
+            with contextlib.suppress(JsNotFoundError):
+                await nc.jetstream().delete_stream(name)
     finally:
         await nc.close()

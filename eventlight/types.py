@@ -374,6 +374,17 @@ class PaginatedResult(Sequence[T], Generic[T]):
     def __iter__(self) -> Iterator[T]:
         return iter(self.items)
 
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PaginatedResult):
+            return (self.items, self.limit, self.offset, self.total) == (
+                other.items, other.limit, other.offset, other.total
+            )
+        if isinstance(other, Sequence) and not isinstance(other, (str, bytes)):
+            return self.items == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
     def __repr__(self) -> str:
         return f"<PaginatedResult ({self.offset}:{self.offset + len(self.items)} of {self.total}) {self.items!r}>"
 

@@ -24,7 +24,7 @@ from nats.js.client import JetStreamContext
 from nats.js.kv import KeyValue
 
 from eventlight import decider as d
-from eventlight.errors import ConcurrencyError, RolloutNotFoundError, ServiceUnavailableError
+from eventlight.errors import ConcurrencyError, EventlightError, RolloutNotFoundError, ServiceUnavailableError
 from eventlight.events import AnyEvent, RolloutEvent, decode_event, encode_event, subject_for
 from eventlight.settings import Settings
 
@@ -104,12 +104,23 @@ class EventLog:
             InvalidTransitionError / AttemptNotFoundError: from the decider.
         """
         command_id = uuid.uuid4().hex
+        fresh = False
         for attempt in range(MAX_APPEND_TRIES):
             if state is None or last_seq is None:
                 state, last_seq = await self.load(rollout_id)
-            events = d.decide(state, make_command, self.now())
+                fresh = True
+            try:
+                events = d.decide(state, make_command, self.now())
+            except EventlightError:
+                if fresh:
+                    raise
+                state, last_seq = None, None  # a cached state may be stale: decide again on the log's
+                continue
             if not events:
-                return state, last_seq, []
+                if fresh:
+                    return state, last_seq, []
+                state, last_seq = None, None
+                continue
             try:
                 seq = await self.append(events, last_seq, f"{command_id}:{attempt}")
             except StaleStateError:

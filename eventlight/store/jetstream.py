@@ -407,9 +407,9 @@ class JetStreamLightningStore(LightningStore):
         last_heartbeat_time: Any = UNSET,
         metadata: Any = UNSET,
     ) -> Attempt:
-        cached = self._states.get(rollout_id)
-        state = cached[0] if cached else (await self._load(rollout_id))
-        aid = state.attempt(attempt_id).attempt_id
+        aid = await self._check_attempt(rollout_id, attempt_id) if attempt_id != "latest" else (
+            (await self._load(rollout_id)).attempt("latest").attempt_id
+        )
         cmd = d.UpdateAttempt(
             attempt_id=aid, status=status, worker_id=worker_id, last_heartbeat_time=last_heartbeat_time,
             metadata=metadata,
@@ -471,6 +471,11 @@ class JetStreamLightningStore(LightningStore):
             "projector", f"the projection did not reach stream sequence {target} within {timeout_s:.0f} s; "
             "is a projector running for this namespace?",
         )
+
+    async def sync_all(self, timeout_s: float = SYNC_TIMEOUT_S) -> None:
+        """Wait until the projection includes everything on the stream now, whoever wrote it."""
+        info = await self._log().js.stream_info(self._log().stream)
+        await self.sync(info.state.last_seq, timeout_s)
 
     async def _attempt_map(self, conn: asyncpg.Connection, rollouts: list[Rollout]) -> dict[str, Attempt]:
         ids = [r.rollout_id for r in rollouts]

