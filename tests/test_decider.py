@@ -1,0 +1,227 @@
+"""Unit tests of the pure decider: one rule per test, the clock passed in."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from eventlight import decider as d
+from eventlight.errors import AttemptNotFoundError, InvalidInputError, InvalidTransitionError
+from eventlight.events import (
+    AttemptStarted,
+    AttemptUpdated,
+    RolloutCreated,
+    RolloutUpdated,
+    SpansAdded,
+    WorkerHeartbeat,
+    WorkerIdle,
+    decode_event,
+    encode_event,
+    enters_queue,
+    subject_for,
+)
+from eventlight.types import RolloutConfig, Span
+
+T0 = 1_000.0
+
+
+def apply(state: d.RolloutState | None, events: list) -> d.RolloutState:
+    for e in events:
+        state = d.evolve(state, e)
+    assert state is not None
+    return state
+
+
+def created(config: RolloutConfig | None = None) -> d.RolloutState:
+    return apply(None, d.decide(None, d.CreateRollout(rollout_id="ro-1", input={"q": 1}, config=config), T0))
+
+
+def claimed(state: d.RolloutState, attempt_id: str = "at-1", worker: str | None = "w", now: float = T0 + 1):
+    return apply(state, d.decide(state, d.StartAttempt(attempt_id=attempt_id, worker_id=worker, claim=True), now))
+
+
+def update(state: d.RolloutState, attempt_id: str, status: str, now: float = T0 + 2) -> d.RolloutState:
+    return apply(state, d.decide(state, d.UpdateAttempt(attempt_id=attempt_id, status=status), now))
+
+
+def test_enqueue_creates_a_queued_rollout_on_the_queue_subject() -> None:
+    events = d.decide(None, d.CreateRollout(rollout_id="ro-1", input=1), T0)
+    assert len(events) == 1 and isinstance(events[0], RolloutCreated)
+    assert events[0].rollout.status == "queuing" and events[0].rollout.start_time == T0
+    assert enters_queue(events[0]) and subject_for("el.x", events[0]) == "el.x.r.ro-1.q"
+
+
+def test_start_rollout_creates_rollout_and_first_attempt() -> None:
+    events = d.decide(None, d.CreateRollout(rollout_id="ro-1", input=1, queued=False, attempt_id="at-1"), T0)
+    state = apply(None, events)
+    assert state.rollout.status == "preparing" and state.latest.sequence_id == 1
+    assert not any(enters_queue(e) for e in events)
+
+
+def test_creating_an_existing_rollout_is_refused() -> None:
+    with pytest.raises(InvalidInputError, match="already exists"):
+        d.decide(created(), d.CreateRollout(rollout_id="ro-1", input=1), T0)
+
+
+def test_claim_moves_rollout_to_preparing_with_numbered_attempt() -> None:
+    state = claimed(created())
+    assert state.rollout.status == "preparing"
+    assert (state.latest.sequence_id, state.latest.status, state.latest.worker_id) == (1, "preparing", "w")
+
+
+def test_claim_of_a_rollout_that_is_not_queued_is_refused() -> None:
+    state = claimed(created())
+    with pytest.raises(InvalidTransitionError, match="not queued"):
+        d.decide(state, d.StartAttempt(attempt_id="at-2", claim=True), T0)
+
+
+def test_first_span_moves_attempt_and_rollout_to_running() -> None:
+    state = claimed(created())
+    span = Span.from_attributes(attributes={}, rollout_id="ro-1", attempt_id="at-1", sequence_id=1)
+    state = d.evolve(state, SpansAdded(time=T0 + 3, rollout_id="ro-1", attempt_id="at-1", spans=[span]))
+    assert state.rollout.status == "running" and state.latest.status == "running"
+    assert state.latest.last_heartbeat_time == T0 + 3
+
+
+def test_success_sets_end_times() -> None:
+    state = update(claimed(created()), "at-1", "succeeded", now=T0 + 5)
+    assert state.rollout.status == "succeeded" and state.rollout.end_time == T0 + 5
+    assert state.latest.end_time == T0 + 5
+
+
+@pytest.mark.parametrize("status", ["failed", "timeout", "unresponsive"])
+def test_retryable_status_requeues_while_attempts_remain(status: str) -> None:
+    state = claimed(created(RolloutConfig(max_attempts=2, retry_condition=[status])))
+    events = d.decide(state, d.UpdateAttempt(attempt_id="at-1", status=status), T0 + 2)
+    assert isinstance(events[0], AttemptUpdated) and events[0].rollout_status == "requeuing"
+    assert enters_queue(events[0])
+    state = apply(state, events)
+    state = claimed(state, "at-2")
+    assert state.latest.sequence_id == 2
+    assert update(state, "at-2", status).rollout.status == "failed"
+
+
+def test_status_not_in_retry_condition_fails_the_rollout() -> None:
+    state = claimed(created(RolloutConfig(max_attempts=3, retry_condition=["timeout"])))
+    assert update(state, "at-1", "failed").rollout.status == "failed"
+
+
+def test_only_the_latest_attempt_moves_the_rollout() -> None:
+    state = update(claimed(created()), "at-1", "succeeded")
+    state = apply(state, d.decide(state, d.StartAttempt(attempt_id="at-2"), T0 + 3))
+    assert state.rollout.status == "preparing"
+    events = d.decide(state, d.UpdateAttempt(attempt_id="at-2", status="running"), T0 + 4)
+    assert events[0].rollout_status == "running"
+    with pytest.raises(InvalidTransitionError):
+        d.decide(state, d.UpdateAttempt(attempt_id="at-1", status="failed"), T0 + 4)
+
+
+def test_finished_attempt_cannot_change_status_but_repeat_is_a_noop() -> None:
+    state = update(claimed(created()), "at-1", "failed")
+    assert d.decide(state, d.UpdateAttempt(attempt_id="at-1", status="failed"), T0 + 9) == []
+    with pytest.raises(InvalidTransitionError, match="already finished"):
+        d.decide(state, d.UpdateAttempt(attempt_id="at-1", status="succeeded"), T0 + 9)
+
+
+def test_attempt_never_goes_back_to_preparing() -> None:
+    state = update(claimed(created()), "at-1", "running")
+    with pytest.raises(InvalidTransitionError, match="preparing"):
+        d.decide(state, d.UpdateAttempt(attempt_id="at-1", status="preparing"), T0)
+
+
+def test_span_revives_unresponsive_but_not_timeout() -> None:
+    state = update(claimed(created()), "at-1", "unresponsive")
+    span = Span.from_attributes(attributes={}, rollout_id="ro-1", attempt_id="at-1", sequence_id=1)
+    revived = d.evolve(state, SpansAdded(time=T0 + 9, rollout_id="ro-1", attempt_id="at-1", spans=[span]))
+    assert revived.latest.status == "running"
+    assert revived.rollout.status == "failed"  # a failed rollout is never un-failed by a span
+    timed_out = update(claimed(created()), "at-1", "timeout")
+    after = d.evolve(timed_out, SpansAdded(time=T0 + 9, rollout_id="ro-1", attempt_id="at-1", spans=[span]))
+    assert after.latest.status == "timeout"
+
+
+def test_cancel_is_sticky() -> None:
+    state = claimed(created())
+    state = apply(state, d.decide(state, d.UpdateRollout(status="cancelled"), T0 + 3))
+    assert state.rollout.status == "cancelled" and state.rollout.end_time == T0 + 3
+    events = d.decide(state, d.UpdateAttempt(attempt_id="at-1", status="succeeded"), T0 + 4)
+    assert events[0].rollout_status is None
+    assert apply(state, events).rollout.status == "cancelled"
+    with pytest.raises(InvalidTransitionError):
+        d.decide(state, d.UpdateRollout(status="running"), T0 + 5)
+    requeued = d.decide(state, d.UpdateRollout(status="queuing"), T0 + 5)
+    assert isinstance(requeued[0], RolloutUpdated) and enters_queue(requeued[0])
+
+
+def test_unknown_statuses_and_attempts_are_refused() -> None:
+    state = claimed(created())
+    with pytest.raises(InvalidInputError):
+        d.decide(state, d.UpdateAttempt(attempt_id="at-1", status="done"), T0)
+    with pytest.raises(InvalidInputError):
+        d.decide(state, d.UpdateRollout(status="paused"), T0)
+    with pytest.raises(AttemptNotFoundError):
+        d.decide(state, d.UpdateAttempt(attempt_id="at-9", status="failed"), T0)
+    with pytest.raises(AttemptNotFoundError, match="no attempts"):
+        created().attempt("latest")
+
+
+def test_watchdog_timeout_counts_from_attempt_start() -> None:
+    state = claimed(created(RolloutConfig(timeout_seconds=10)), now=T0 + 100)
+    assert d.decide(state, d.CheckHealth(), T0 + 109) == []
+    events = d.decide(state, d.CheckHealth(), T0 + 111)
+    assert events[0].attempt.status == "timeout" and events[0].rollout_status == "failed"
+
+
+def test_watchdog_unresponsive_uses_last_heartbeat_then_start() -> None:
+    state = claimed(created(RolloutConfig(unresponsive_seconds=5)), now=T0)
+    assert d.decide(state, d.CheckHealth(), T0 + 6)[0].attempt.status == "unresponsive"
+    span = Span.from_attributes(attributes={}, rollout_id="ro-1", attempt_id="at-1", sequence_id=1)
+    beat = d.evolve(state, SpansAdded(time=T0 + 4, rollout_id="ro-1", attempt_id="at-1", spans=[span]))
+    assert d.decide(beat, d.CheckHealth(), T0 + 8) == []
+    assert d.decide(beat, d.CheckHealth(), T0 + 10)[0].attempt.status == "unresponsive"
+
+
+def test_watchdog_ignores_finished_and_queued_rollouts() -> None:
+    cfg = RolloutConfig(timeout_seconds=1)
+    assert d.decide(created(cfg), d.CheckHealth(), T0 + 100) == []
+    assert d.decide(update(claimed(created(cfg)), "at-1", "succeeded"), d.CheckHealth(), T0 + 100) == []
+
+
+def test_worker_status_is_derived() -> None:
+    state = claimed(created(RolloutConfig(max_attempts=2, retry_condition=["timeout"])))
+    started = d.decide(created(), d.StartAttempt(attempt_id="at-1", worker_id="w", claim=True), T0)[0]
+    w = d.evolve_worker(None, started, "w")
+    assert w.status == "busy" and w.current_attempt_id == "at-1"
+    done = d.decide(state, d.UpdateAttempt(attempt_id="at-1", status="timeout"), T0 + 2)[0]
+    w2 = d.evolve_worker(w, done, "w")
+    assert w2.status == "unknown" and w2.current_rollout_id is None
+    idle = d.evolve_worker(w2, WorkerIdle(time=T0 + 3, worker_id="w"), "w")
+    assert idle.status == "idle" and idle.last_idle_time == T0 + 3
+    beat = d.evolve_worker(idle, WorkerHeartbeat(time=T0 + 4, worker_id="w", heartbeat_stats={"cpu": 1}), "w")
+    assert beat.status == "idle" and beat.last_heartbeat_time == T0 + 4 and beat.heartbeat_stats == {"cpu": 1}
+    assert d.evolve_worker(None, done, "someone-else") is None
+
+
+def test_events_round_trip_with_stable_tags() -> None:
+    state = claimed(created())
+    event = d.decide(state, d.UpdateAttempt(attempt_id="at-1", status="failed"), T0 + 2)[0]
+    raw = encode_event(event)
+    assert msgspec.json.decode(raw)["type"] == "attempt_updated"
+    assert decode_event(raw) == event
+    assert isinstance(decode_event(encode_event(state_started := AttemptStarted(time=1, attempt=state.latest))),
+                      AttemptStarted)
+    assert state_started.v == 1
+
+
+def test_an_old_event_without_new_fields_still_decodes() -> None:
+    old = b'{"type":"attempt_updated","time":1.0,"attempt":{"rollout_id":"ro-1","attempt_id":"at-1",' \
+          b'"sequence_id":1,"start_time":0.5,"status":"failed"}}'
+    event = decode_event(old)
+    assert isinstance(event, AttemptUpdated) and event.rollout_status is None and event.v == 1
+
+
+def test_malformed_payload_is_a_clear_error() -> None:
+    with pytest.raises(InvalidInputError, match="not an eventlight event"):
+        decode_event(b'{"type":"nope"}')
+    with pytest.raises(InvalidInputError):
+        decode_event(b"\x00garbage")
