@@ -362,10 +362,9 @@ class InMemoryLightningStore(LightningStore):
         return added
 
     async def get_many_span_sequence_ids(self, rollout_attempt_ids: Sequence[tuple[str, str]]) -> list[int]:
+        resolved = [(rid, self._state(rid).attempt(aid).attempt_id) for rid, aid in rollout_attempt_ids]
         out: list[int] = []
-        for rid, aid in rollout_attempt_ids:
-            self._check_attempt(rid, aid)
-            aid = self._rollouts[rid].attempt(aid).attempt_id
+        for rid, aid in resolved:
             nxt = self._seq.get((rid, aid), 0) + 1
             self._seq[(rid, aid)] = nxt
             out.append(nxt)

@@ -37,6 +37,8 @@ def check_spans(spans: Sequence[Any]) -> None:
             raise InvalidInputError(f"span #{i} is a {type(span).__name__}, not an eventlight Span")
         if not span.rollout_id or not span.attempt_id:
             raise InvalidInputError(f"span #{i} ({span.name!r}) lacks rollout_id or attempt_id")
+        if span.attempt_id == "latest":
+            raise InvalidInputError(f"span #{i} ({span.name!r}) must name its attempt id, not 'latest'")
         if not span.span_id or not span.trace_id:
             raise InvalidInputError(f"span #{i} ({span.name!r}) lacks span_id or trace_id")
         if not isinstance(span.sequence_id, int) or span.sequence_id < 0:

@@ -1,0 +1,732 @@
+"""LLMProxy against a scripted OpenAI-compatible upstream and an in-memory store."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from llm_stub import Reply, ScriptedLLM, ToolCall, toy_tokenize
+
+from eventlight.attributes import unflatten_attributes
+from eventlight.llm_proxy import LLMProxy, chat_completion_to_sse
+from eventlight.store.memory import InMemoryLightningStore
+from eventlight.types import LLM, ProxyLLM, Span
+
+MODEL = "stub-model"
+
+# LiteLLM makes pydantic warn about ``ReadOnly`` TypedDict items on its first calls (some on every call).
+pytestmark = pytest.mark.filterwarnings("ignore:.*`ReadOnly` qualifier:UserWarning")
+
+
+def model_list(url: str, name: str = MODEL) -> list[dict[str, Any]]:
+    return [
+        {
+            "model_name": name,
+            "litellm_params": {"model": "openai/backend-model", "api_base": url, "api_key": "sk-test"},
+        }
+    ]
+
+
+@asynccontextmanager
+async def running_proxy(url: str, store: Any, **kwargs: Any) -> AsyncIterator[LLMProxy]:
+    proxy = LLMProxy(model_list=model_list(url), store=store, **kwargs)
+    await proxy.start()
+    try:
+        yield proxy
+    finally:
+        await proxy.stop()
+
+
+def client_for(base_url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=base_url, api_key="dummy", max_retries=0, timeout=30)
+
+
+def last_user(messages: list[dict[str, Any]]) -> str:
+    return next(m["content"] for m in reversed(messages) if m["role"] == "user")
+
+
+async def spans_of(store: InMemoryLightningStore, rollout_id: str) -> list[Span]:
+    return list(await store.query_spans(rollout_id))
+
+
+def check_legal_attributes(attributes: dict[str, Any]) -> None:
+    for key, value in attributes.items():
+        if isinstance(value, list):
+            assert len({type(v) for v in value}) <= 1, key
+            assert all(isinstance(v, (str, int, float, bool)) for v in value), key
+        else:
+            assert isinstance(value, (str, int, float, bool)), (key, value)
+    unflatten_attributes(attributes)  # no key both holds a value and nests others
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+async def test_three_calls_give_three_spans_with_gen_ai_attributes() -> None:
+    store = InMemoryLightningStore()
+    stub = ScriptedLLM(
+        responses=lambda messages, request: Reply(content=f"the answer to {last_user(messages)}")
+    )
+    async with stub as url, running_proxy(url, store) as proxy:
+        rollout = await store.start_rollout(input={})
+        rid, aid = rollout.rollout_id, rollout.attempt.attempt_id
+        resource = proxy.as_resource()
+        assert isinstance(resource, ProxyLLM)
+        client = client_for(resource.get_base_url(rid, aid))
+        answers = []
+        for q in ("2+2?", "3+3?", "4+4?"):
+            resp = await client.chat.completions.create(
+                model=resource.model,
+                messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": q}],
+                temperature=0.25,
+                max_tokens=32,
+            )
+            answers.append(resp.choices[0].message.content)
+        await client.close()
+
+        assert answers == ["the answer to 2+2?", "the answer to 3+3?", "the answer to 4+4?"]
+        # Upstream: stream off, token ids asked for, the deployment's model name used.
+        assert len(stub.requests) == 3
+        for sent in stub.requests:
+            assert not sent.get("stream")
+            assert sent["return_token_ids"] is True
+            assert sent["model"] == "backend-model"
+            assert sent["temperature"] == 0.25 and sent["max_tokens"] == 32
+
+        spans = await spans_of(store, rid)
+        assert [s.sequence_id for s in spans] == [1, 2, 3]
+        for span, q in zip(spans, ("2+2?", "3+3?", "4+4?"), strict=True):
+            a = span.attributes
+            assert span.name == "openai.chat.completion"
+            assert span.rollout_id == rid and span.attempt_id == aid
+            assert span.status.status_code == "OK"
+            assert re.fullmatch(r"[0-9a-f]{32}", span.trace_id) and re.fullmatch(
+                r"[0-9a-f]{16}", span.span_id
+            )
+            assert span.parent_id is None
+            assert span.start_time is not None and span.end_time is not None
+            assert 0 <= span.end_time - span.start_time < 30  # seconds, not ns
+            assert span.resource.attributes["agentlightning.rollout_id"] == rid
+            assert span.resource.attributes["agentlightning.attempt_id"] == aid
+            assert span.resource.attributes["agentlightning.span_sequence_id"] == span.sequence_id
+            assert a["gen_ai.system"] == "openai"
+            assert a["gen_ai.request.model"] == MODEL
+            assert a["gen_ai.request.temperature"] == 0.25
+            assert a["gen_ai.request.max_tokens"] == 32
+            assert a["gen_ai.prompt.0.role"] == "system" and a["gen_ai.prompt.0.content"] == "be brief"
+            assert a["gen_ai.prompt.1.role"] == "user" and a["gen_ai.prompt.1.content"] == q
+            assert a["gen_ai.completion.0.role"] == "assistant"
+            assert a["gen_ai.completion.0.content"] == f"the answer to {q}"
+            assert a["gen_ai.completion.0.finish_reason"] == "stop"
+            assert a["gen_ai.response.id"].startswith("chatcmpl-")
+            assert a["gen_ai.response.model"] == "backend-model"
+            assert a["gen_ai.usage.completion_tokens"] == len(toy_tokenize(f"the answer to {q}"))
+            assert a["gen_ai.usage.prompt_tokens"] == len(a["prompt_token_ids"])
+            assert a["response_token_ids"] == toy_tokenize(f"the answer to {q}")
+            assert a["prompt_token_ids"] and all(isinstance(t, int) for t in a["prompt_token_ids"])
+            assert "token_ids_incomplete" not in a
+            assert a["http.status_code"] == 200
+            check_legal_attributes(a)
+        assert len({s.attributes["gen_ai.response.id"] for s in spans}) == 3
+
+
+async def test_concurrent_calls_get_distinct_sequence_ids() -> None:
+    store = InMemoryLightningStore()
+    stub = ScriptedLLM(responses=lambda messages, request: Reply(content=last_user(messages), delay_s=0.05))
+    async with stub as url, running_proxy(url, store) as proxy:
+        rollout = await store.start_rollout(input={})
+        client = client_for(proxy.as_resource().get_base_url(rollout.rollout_id, rollout.attempt.attempt_id))
+        replies = await asyncio.gather(
+            *(
+                client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"q{i}"}])
+                for i in range(8)
+            )
+        )
+        await client.close()
+        assert [r.choices[0].message.content for r in replies] == [f"q{i}" for i in range(8)]
+        spans = await spans_of(store, rollout.rollout_id)
+        assert sorted(s.sequence_id for s in spans) == list(range(1, 9))
+        # Each span holds its own call's prompt and answer.
+        assert all(
+            s.attributes["gen_ai.prompt.0.content"] == s.attributes["gen_ai.completion.0.content"]
+            for s in spans
+        )
+
+
+async def test_client_response_carries_token_ids() -> None:
+    store = InMemoryLightningStore()
+    async with ScriptedLLM(responses="hello there") as url, running_proxy(url, store) as proxy:
+        rollout = await store.start_rollout(input={})
+        base = proxy.as_resource().get_base_url(rollout.rollout_id, rollout.attempt.attempt_id)
+        async with httpx.AsyncClient() as http:
+            r = await http.post(
+                f"{base}/chat/completions",
+                json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+            )
+        assert r.status_code == 200
+        body = r.json()
+        assert body["choices"][0]["message"]["content"] == "hello there"
+        assert body["choices"][0]["token_ids"] == toy_tokenize("hello there")
+        assert (
+            body["prompt_token_ids"]
+            == (await spans_of(store, rollout.rollout_id))[0].attributes["prompt_token_ids"]
+        )
+
+
+async def test_stream_gives_same_text_ends_with_done_and_same_span() -> None:
+    store = InMemoryLightningStore()
+    long_text = "The quick brown fox jumps over the lazy dog, " * 3 + "and that is all."
+    stub = ScriptedLLM(responses=long_text)
+    async with stub as url, running_proxy(url, store) as proxy:
+        rollout = await store.start_rollout(input={})
+        rid, aid = rollout.rollout_id, rollout.attempt.attempt_id
+        base = proxy.as_resource().get_base_url(rid, aid)
+        messages = [{"role": "user", "content": "tell me"}]
+        client = client_for(base)
+        plain = await client.chat.completions.create(model=MODEL, messages=messages)
+        stream = await client.chat.completions.create(model=MODEL, messages=messages, stream=True)
+        chunks = [chunk async for chunk in stream]
+        await client.close()
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert streamed == plain.choices[0].message.content == long_text
+        assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 3  # really chunked
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert chunks[-1].choices[0].finish_reason == "stop"
+
+        async with httpx.AsyncClient() as http:
+            r = await http.post(
+                f"{base}/chat/completions",
+                json={
+                    "model": MODEL,
+                    "messages": messages,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                },
+            )
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.text.split("\n\n") if line]
+        assert all(e.startswith("data: ") for e in events)
+        assert events[-1] == "data: [DONE]"
+        payloads = [json.loads(e[len("data: ") :]) for e in events[:-1]]
+        assert all(p["object"] == "chat.completion.chunk" for p in payloads)
+        assert payloads[-1]["choices"] == [] and payloads[-1]["usage"]["completion_tokens"] > 0
+
+        assert len(stub.requests) == 3 and not any(sent.get("stream") for sent in stub.requests)
+        spans = await spans_of(store, rid)
+        assert [s.sequence_id for s in spans] == [1, 2, 3]
+        plain_span, stream_span = spans[0].attributes, spans[1].attributes
+        assert plain_span["llm.is_streaming"] is False and stream_span["llm.is_streaming"] is True
+        for key in (
+            "prompt_token_ids",
+            "response_token_ids",
+            "gen_ai.completion.0.content",
+            "gen_ai.prompt.0.content",
+            "gen_ai.usage.completion_tokens",
+        ):
+            assert stream_span[key] == plain_span[key], key
+        assert stream_span["response_token_ids"] == toy_tokenize(long_text)
+
+
+async def test_stream_is_forced_off_upstream() -> None:
+    store = InMemoryLightningStore()
+    stub = ScriptedLLM(responses="ok")
+    async with stub as url, running_proxy(url, store) as proxy:
+        rollout = await store.start_rollout(input={})
+        client = client_for(proxy.as_resource().get_base_url(rollout.rollout_id, rollout.attempt.attempt_id))
+        stream = await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "x"}],
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        assert "".join([c.choices[0].delta.content or "" async for c in stream if c.choices]) == "ok"
+        await client.close()
+    assert len(stub.requests) == 1
+    assert not stub.requests[0].get("stream") and "stream_options" not in stub.requests[0]
+
+
+async def test_tool_calls_survive_stream_conversion_and_are_recorded() -> None:
+    store = InMemoryLightningStore()
+    args = {"location": "San Francisco, California, United States of America", "unit": "celsius"}
+    reply = Reply(content=None, tool_calls=[ToolCall("get_current_weather", args, id="call_1")])
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_current_weather",
+                "description": "weather now",
+                "parameters": {"type": "object", "properties": {"location": {"type": "string"}}},
+            },
+        }
+    ]
+    async with ScriptedLLM(responses=reply) as url, running_proxy(url, store) as proxy:
+        rollout = await store.start_rollout(input={})
+        client = client_for(proxy.as_resource().get_base_url(rollout.rollout_id, rollout.attempt.attempt_id))
+        messages = [{"role": "user", "content": "weather in SF?"}]
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=messages, tools=tools, stream=True
+        )
+        name, arguments, call_id, finish = "", "", None, None
+        async for chunk in stream:
+            for choice in chunk.choices:
+                for tc in choice.delta.tool_calls or []:
+                    assert tc.index == 0
+                    call_id = tc.id or call_id
+                    name += (tc.function.name or "") if tc.function else ""
+                    arguments += (tc.function.arguments or "") if tc.function else ""
+                finish = choice.finish_reason or finish
+        await client.close()
+        assert (name, call_id, finish) == ("get_current_weather", "call_1", "tool_calls")
+        assert json.loads(arguments) == args
+
+        (span,) = await spans_of(store, rollout.rollout_id)
+        a = span.attributes
+        assert a["gen_ai.completion.0.tool_calls.0.name"] == "get_current_weather"
+        assert json.loads(a["gen_ai.completion.0.tool_calls.0.arguments"]) == args
+        assert a["gen_ai.completion.0.tool_calls.0.id"] == "call_1"
+        assert a["gen_ai.completion.0.finish_reason"] == "tool_calls"
+        assert a["gen_ai.request.functions.0.name"] == "get_current_weather"
+        assert json.loads(a["gen_ai.request.functions.0.parameters"])["type"] == "object"
+        assert a["response_token_ids"] and "token_ids_incomplete" not in a
+        check_legal_attributes(a)
+
+
+async def test_prompt_with_tool_history_and_list_content_is_flattened() -> None:
+    store = InMemoryLightningStore()
+    async with ScriptedLLM(responses="done") as url, running_proxy(url, store) as proxy:
+        rollout = await store.start_rollout(input={})
+        base = proxy.as_resource().get_base_url(rollout.rollout_id, rollout.attempt.attempt_id)
+        messages = [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "look"},
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}},
+                ],
+            },
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "42"},
+        ]
+        async with httpx.AsyncClient() as http:
+            r = await http.post(f"{base}/chat/completions", json={"model": MODEL, "messages": messages})
+        assert r.status_code == 200, r.text
+        (span,) = await spans_of(store, rollout.rollout_id)
+        a = span.attributes
+        assert json.loads(a["gen_ai.prompt.0.content"])[1]["type"] == "image_url"
+        assert a["gen_ai.prompt.1.tool_calls.0.name"] == "f"
+        assert a["gen_ai.prompt.1.tool_calls.0.id"] == "c1"
+        assert a["gen_ai.prompt.2.tool_call_id"] == "c1" and a["gen_ai.prompt.2.content"] == "42"
+        check_legal_attributes(a)
+
+
+async def test_unknown_rollout_or_attempt_gives_404_and_records_nothing() -> None:
+    store = InMemoryLightningStore()
+    stub = ScriptedLLM(responses="never")
+    async with stub as url, running_proxy(url, store) as proxy:
+        rollout = await store.start_rollout(input={})
+        resource = proxy.as_resource()
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+        async with httpx.AsyncClient() as http:
+            r = await http.post(
+                resource.get_base_url("ro-doesnotexist", "at-nope") + "/chat/completions", json=body
+            )
+            assert r.status_code == 404
+            assert "ro-doesnotexist" in r.json()["error"]["message"]
+            r = await http.post(
+                resource.get_base_url(rollout.rollout_id, "at-nope") + "/chat/completions", json=body
+            )
+            assert r.status_code == 404
+            assert "at-nope" in r.json()["error"]["message"]
+            assert "Traceback" not in r.text
+        client = client_for(resource.get_base_url("ro-doesnotexist", "at-nope"))
+        with pytest.raises(openai.NotFoundError):
+            await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+        await client.close()
+        assert stub.requests == []
+        assert await spans_of(store, rollout.rollout_id) == []
+        # A failed lookup does not burn a sequence id of the real attempt.
+        client = client_for(resource.get_base_url(rollout.rollout_id, rollout.attempt.attempt_id))
+        await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+        await client.close()
+        assert [s.sequence_id for s in await spans_of(store, rollout.rollout_id)] == [1]
+
+
+async def test_upstream_400_is_returned_and_recorded_as_error_span_without_retry() -> None:
+    store = InMemoryLightningStore()
+    too_long = "This model's maximum context length is 4608 tokens. However, you requested 6859 tokens."
+
+    def script(messages: list[dict[str, Any]], request: dict[str, Any]) -> Reply:
+        if len(last_user(messages)) > 100:
+            return Reply(status=400, error_message=too_long)
+        return Reply(content="short answer")
+
+    stub = ScriptedLLM(responses=script)
+    async with stub as url, running_proxy(url, store, num_retries=3) as proxy:
+        rollout = await store.start_rollout(input={})
+        client = client_for(proxy.as_resource().get_base_url(rollout.rollout_id, rollout.attempt.attempt_id))
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "x " * 200}], max_tokens=512
+            )
+        assert info.value.status_code == 400
+        assert "maximum context length" in str(info.value)
+        assert len(stub.requests) == 1  # a deterministic 400 is not retried
+        with pytest.raises(openai.BadRequestError):  # the stream path answers the error too
+            await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "y " * 200}], stream=True
+            )
+        ok = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+        assert ok.choices[0].message.content == "short answer"
+        await client.close()
+
+        spans = await spans_of(store, rollout.rollout_id)
+        assert [s.sequence_id for s in spans] == [1, 2, 3]
+        for err in spans[:2]:
+            a = err.attributes
+            assert err.status.status_code == "ERROR"
+            assert "maximum context length" in (err.status.description or "")
+            assert a["http.status_code"] == 400
+            # LiteLLM's exception class; it recognises the context-length message.
+            assert a["error.type"] in ("ContextWindowExceededError", "BadRequestError")
+            assert "maximum context length" in a["error.message"]
+            assert a["gen_ai.request.model"] == MODEL and a["gen_ai.prompt.0.role"] == "user"
+            assert not any(k.startswith("gen_ai.completion") for k in a)
+            assert "response_token_ids" not in a
+            assert err.events and err.events[0].name == "exception"
+            check_legal_attributes(a)
+        assert spans[0].attributes["gen_ai.request.max_tokens"] == 512
+        assert spans[2].status.status_code == "OK"
+
+
+async def test_retryable_upstream_failure_is_retried() -> None:
+    store = InMemoryLightningStore()
+    stub = ScriptedLLM(responses=[Reply(status=503, error_message="overloaded"), Reply(content="second try")])
+    async with stub as url, running_proxy(url, store, num_retries=1) as proxy:
+        rollout = await store.start_rollout(input={})
+        client = client_for(proxy.as_resource().get_base_url(rollout.rollout_id, rollout.attempt.attempt_id))
+        resp = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+        await client.close()
+        assert resp.choices[0].message.content == "second try"
+        assert len(stub.requests) == 2
+        (span,) = await spans_of(store, rollout.rollout_id)
+        assert span.status.status_code == "OK"
+
+
+async def test_unreachable_backend_gives_502_and_error_span() -> None:
+    store = InMemoryLightningStore()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
+    async with running_proxy(dead, store) as proxy:
+        rollout = await store.start_rollout(input={})
+        base = proxy.as_resource().get_base_url(rollout.rollout_id, rollout.attempt.attempt_id)
+        async with httpx.AsyncClient() as http:
+            r = await http.post(
+                f"{base}/chat/completions",
+                json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+            )
+        assert r.status_code == 502
+        assert r.json()["error"]["message"]
+        (span,) = await spans_of(store, rollout.rollout_id)
+        assert span.status.status_code == "ERROR" and span.attributes["http.status_code"] == 502
+
+
+async def test_incomplete_token_ids_are_flagged() -> None:
+    store = InMemoryLightningStore()
+    replies = [
+        Reply(content="a b c", completion_tokens=7),
+        Reply(content="a b c"),
+        Reply(content="no ids", return_token_ids=False),
+    ]
+    async with ScriptedLLM(responses=replies) as url, running_proxy(url, store) as proxy:
+        rollout = await store.start_rollout(input={})
+        client = client_for(proxy.as_resource().get_base_url(rollout.rollout_id, rollout.attempt.attempt_id))
+        for _ in replies:
+            await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+        await client.close()
+        short, complete, absent = (s.attributes for s in await spans_of(store, rollout.rollout_id))
+        assert short["token_ids_incomplete"] is True
+        assert short["response_token_ids"] == toy_tokenize("a b c")
+        assert "token_ids_incomplete" not in complete
+        assert "response_token_ids" not in absent and "prompt_token_ids" not in absent
+        assert "token_ids_incomplete" not in absent
+
+
+async def test_latest_attempt_alias_records_under_the_real_attempt() -> None:
+    store = InMemoryLightningStore()
+    async with ScriptedLLM(responses="ok") as url, running_proxy(url, store) as proxy:
+        rollout = await store.start_rollout(input={})
+        client = client_for(proxy.as_resource().get_base_url(rollout.rollout_id, "latest"))
+        await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+        await client.close()
+        (span,) = await spans_of(store, rollout.rollout_id)
+        assert span.attempt_id == rollout.attempt.attempt_id
+
+
+async def test_unrouted_call_is_forwarded_not_recorded_and_warns_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    store = InMemoryLightningStore()
+    stub = ScriptedLLM(responses="plain")
+    async with stub as url, running_proxy(url, store) as proxy:
+        rollout = await store.start_rollout(input={})
+        client = client_for(proxy.endpoint)
+        with caplog.at_level(logging.WARNING, logger="eventlight.llm_proxy"):
+            for _ in range(2):
+                resp = await client.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": "x"}]
+                )
+                assert resp.choices[0].message.content == "plain"
+        models = await client.models.list()
+        await client.close()
+        assert [m.id for m in models.data] == [MODEL]
+        warnings = [r for r in caplog.records if "not recorded" in r.getMessage()]
+        assert len(warnings) == 1
+        assert len(stub.requests) == 2
+        assert await spans_of(store, rollout.rollout_id) == []
+        async with httpx.AsyncClient() as http:
+            health = await http.get(proxy.endpoint.removesuffix("/v1") + "/health")
+        assert health.status_code == 200 and health.json()["status"] == "ok"
+
+
+async def test_store_failure_on_add_is_logged_not_raised(caplog: pytest.LogCaptureFixture) -> None:
+    class BrokenStore(InMemoryLightningStore):
+        async def add_many_spans(self, spans: Any) -> list[Span]:
+            raise RuntimeError("disk on fire")
+
+    store = BrokenStore()
+    async with ScriptedLLM(responses="fine") as url, running_proxy(url, store) as proxy:
+        rollout = await store.start_rollout(input={})
+        client = client_for(proxy.as_resource().get_base_url(rollout.rollout_id, rollout.attempt.attempt_id))
+        with caplog.at_level(logging.ERROR, logger="eventlight.llm_proxy"):
+            resp = await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "x"}]
+            )
+        await client.close()
+        assert resp.choices[0].message.content == "fine"
+        assert any("could not record span" in r.getMessage() for r in caplog.records)
+
+
+async def test_bad_request_bodies_get_json_errors() -> None:
+    store = InMemoryLightningStore()
+    async with ScriptedLLM(responses="x") as url, running_proxy(url, store) as proxy:
+        rollout = await store.start_rollout(input={})
+        base = proxy.as_resource().get_base_url(rollout.rollout_id, rollout.attempt.attempt_id)
+        async with httpx.AsyncClient() as http:
+            r = await http.post(f"{base}/chat/completions", content=b"{not json")
+            assert r.status_code == 400 and "error" in r.json()
+            r = await http.post(f"{base}/chat/completions", json={"model": MODEL})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+            r = await http.post(
+                f"{base}/chat/completions",
+                json={"model": "unknown-model", "messages": [{"role": "user", "content": "x"}]},
+            )
+            assert r.status_code == 400 and "unknown-model" in r.json()["error"]["message"]
+
+
+async def test_internal_failure_answers_json_500(monkeypatch: pytest.MonkeyPatch) -> None:
+    import eventlight.llm_proxy as module
+
+    def broken(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        raise KeyError("bug")
+
+    monkeypatch.setattr(module, "build_chat_span_attributes", broken)
+    store = InMemoryLightningStore()
+    async with ScriptedLLM(responses="x") as url, running_proxy(url, store) as proxy:
+        rollout = await store.start_rollout(input={})
+        base = proxy.as_resource().get_base_url(rollout.rollout_id, rollout.attempt.attempt_id)
+        async with httpx.AsyncClient() as http:
+            r = await http.post(
+                f"{base}/chat/completions",
+                json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
+            )
+        assert r.status_code == 500
+        assert r.json()["error"]["type"] == "internal_error" and "Traceback" not in r.text
+        assert proxy.is_running()
+
+
+# -- configuration and lifecycle -------------------------------------------------------------
+
+
+def test_as_resource_model_resolution_and_routing() -> None:
+    proxy = LLMProxy(port=12345, model_list=model_list("http://x/v1"))
+    res = proxy.as_resource(sampling_parameters={"temperature": 0.7})
+    assert isinstance(res, ProxyLLM)
+    assert res.endpoint == "http://127.0.0.1:12345/v1" == proxy.endpoint
+    assert res.model == MODEL and res.sampling_parameters == {"temperature": 0.7}
+    assert res.get_base_url("ro-1", "at-1") == "http://127.0.0.1:12345/rollout/ro-1/attempt/at-1/v1"
+    baked = proxy.as_resource("ro-1", "at-1")
+    assert type(baked) is LLM and baked.endpoint == "http://127.0.0.1:12345/rollout/ro-1/attempt/at-1/v1"
+    with pytest.raises(ValueError):
+        proxy.as_resource("ro-1", None)
+    assert proxy.as_resource(model="other").model == "other"
+
+    two = LLMProxy(model_list=model_list("http://a/v1", "a") + model_list("http://b/v1", "b"))
+    with pytest.raises(ValueError, match="model"):
+        two.as_resource()
+    same = LLMProxy(model_list=model_list("http://a/v1", "m") + model_list("http://b/v1", "m"))
+    assert same.as_resource().model == "m"
+    with pytest.raises(ValueError):
+        LLMProxy(model_list=[]).as_resource()
+    with pytest.raises(ValueError):
+        LLMProxy(model_list=[{"model_name": "m"}])
+    assert isinstance(LLMProxy().port, int)
+
+
+async def test_lifecycle_stop_is_idempotent_and_restart_keeps_the_port() -> None:
+    store = InMemoryLightningStore()
+    async with ScriptedLLM(responses="hi") as url:
+        proxy = LLMProxy(model_list=model_list(url), store=store)
+        assert not proxy.is_running()
+        await proxy.stop()  # never started: no-op
+        await proxy.start()
+        await proxy.start()  # already running: no-op
+        assert proxy.is_running()
+        port = proxy.port
+        await proxy.restart()
+        assert proxy.is_running() and proxy.port == port
+        rollout = await store.start_rollout(input={})
+        client = client_for(proxy.as_resource().get_base_url(rollout.rollout_id, rollout.attempt.attempt_id))
+        assert (
+            await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+        ).choices[0].message.content == "hi"
+        await client.close()
+        await proxy.stop()
+        await proxy.stop()
+        assert not proxy.is_running()
+        async with httpx.AsyncClient() as http:
+            with pytest.raises(httpx.ConnectError):
+                await http.get(f"http://127.0.0.1:{port}/health")
+
+
+async def test_port_in_use_raises_oserror() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        proxy = LLMProxy(port=s.getsockname()[1])
+        with pytest.raises(OSError):
+            await proxy.start()
+        assert not proxy.is_running()
+
+
+async def test_update_model_list_switches_backend_of_a_running_proxy() -> None:
+    store = InMemoryLightningStore()
+    async with ScriptedLLM(responses="from A") as url_a, ScriptedLLM(responses="from B") as url_b:
+        async with running_proxy(url_a, store) as proxy:
+            rollout = await store.start_rollout(input={})
+            client = client_for(
+                proxy.as_resource().get_base_url(rollout.rollout_id, rollout.attempt.attempt_id)
+            )
+            msgs = [{"role": "user", "content": "x"}]
+            assert (await client.chat.completions.create(model=MODEL, messages=msgs)).choices[
+                0
+            ].message.content == ("from A")
+            proxy.update_model_list(model_list(url_b))
+            assert (await client.chat.completions.create(model=MODEL, messages=msgs)).choices[
+                0
+            ].message.content == ("from B")
+            await client.close()
+            assert [s.sequence_id for s in await spans_of(store, rollout.rollout_id)] == [1, 2]
+
+
+async def test_return_token_ids_setting() -> None:
+    stub = ScriptedLLM(responses="x")
+    async with stub as url:
+        for setting, expected in ((None, True), (False, False), (True, True)):
+            async with running_proxy(url, None, return_token_ids=setting) as proxy:
+                client = client_for(proxy.endpoint)
+                await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+                await client.close()
+            assert ("return_token_ids" in stub.requests[-1]) is expected, setting
+
+
+# -- the SSE converter and the stub themselves ----------------------------------------------
+
+
+def test_chat_completion_to_sse_pieces_reassemble() -> None:
+    completion = {
+        "id": "chatcmpl-1",
+        "created": 1,
+        "model": "m",
+        "prompt_token_ids": [1, 2],
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": None,
+                "token_ids": [5, 6, 7],
+                "message": {
+                    "role": "assistant",
+                    "content": "word " * 20,
+                    "tool_calls": [
+                        {
+                            "id": "t",
+                            "type": "function",
+                            "function": {"name": "f", "arguments": '{"k": "' + "v" * 90 + '"}'},
+                        }
+                    ],
+                },
+            }
+        ],
+        "usage": {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5},
+    }
+    events = [e.decode() for e in chat_completion_to_sse(completion, include_usage=True)]
+    assert events[-1] == "data: [DONE]\n\n"
+    chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    content = "".join(d.get("content") or "" for d in deltas)
+    assert content == "word " * 20
+    pieces = [d["content"] for d in deltas if d.get("content")]
+    assert all(len(p) <= 28 for p in pieces) and all(p.endswith(" ") for p in pieces)
+    args = "".join(tc["function"].get("arguments", "") for d in deltas for tc in d.get("tool_calls", []))
+    assert json.loads(args) == {"k": "v" * 90}
+    assert chunks[0]["prompt_token_ids"] == [1, 2]
+    finals = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert (
+        len(finals) == 1
+        and finals[0]["finish_reason"] == "tool_calls"
+        and finals[0]["token_ids"] == [5, 6, 7]
+    )
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 5
+
+
+async def test_scripted_llm_script_forms() -> None:
+    async def script(messages: list[dict[str, Any]], request: dict[str, Any]) -> str:
+        return last_user(messages).upper()
+
+    async with ScriptedLLM(responses=script) as url:
+        client = client_for(url)
+        r = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "shout"}])
+        assert r.choices[0].message.content == "SHOUT"
+        await client.close()
+    stub = ScriptedLLM(responses=["one", Reply(content="two")])
+    async with stub as url:
+        client = client_for(url)
+        got = [
+            (await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}]))
+            .choices[0]
+            .message.content
+            for _ in range(3)
+        ]
+        await client.close()
+    assert got == ["one", "two", "two"] and len(stub.requests) == 3
+    async with ScriptedLLM() as url:
+        client = client_for(url)
+        r = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "ping"}])
+        assert r.choices[0].message.content == "echo: ping"
+        await client.close()
