@@ -7,6 +7,7 @@ is an event on NATS JetStream, projected into Postgres (see DESIGN.md).
 from eventlight.adapter import (
     Adapter,
     LlmProxyTraceToTriplet,
+    RewardMatchPolicy,
     TraceAdapter,
     TraceToMessages,
     TraceToTripletBase,
@@ -26,7 +27,15 @@ from eventlight.errors import (
     RolloutNotFoundError,
     ServiceUnavailableError,
 )
-from eventlight.rewards import find_final_reward, find_reward_spans, get_reward_value, is_reward_span
+from eventlight.rewards import (
+    find_final_reward,
+    find_reward_spans,
+    get_message_value,
+    get_object_value,
+    get_reward_value,
+    get_rewards_from_span,
+    is_reward_span,
+)
 from eventlight.runner import Hook, LitAgentRunner
 from eventlight.settings import Settings
 from eventlight.store import UNSET, InMemoryLightningStore, LightningStore, LightningStoreCapabilities
@@ -56,7 +65,8 @@ __all__ = [
     "FastAlgorithm", "FunctionalLitAgent", "Hook", "InMemoryLightningStore", "InvalidInputError",
     "InvalidTransitionError", "JetStreamLightningStore", "LLMProxy", "LightningStore",
     "LightningStoreCapabilities", "LitAgent", "LitAgentRunner", "LlmProxyTraceToTriplet", "NamedResources",
-    "NotFoundError", "OtelTracer", "PaginatedResult", "PromptTemplate", "ProxyLLM", "ResourcesNotFoundError",
+    "NotFoundError", "OtelTracer", "RewardMatchPolicy", "get_message_value", "get_object_value",
+    "get_rewards_from_span", "PaginatedResult", "PromptTemplate", "ProxyLLM", "ResourcesNotFoundError",
     "ResourcesUpdate", "Rollout", "RolloutConfig", "RolloutNotFoundError", "ServiceUnavailableError", "Settings",
     "Span", "SpanCoreFields", "TraceAdapter", "TraceToMessages", "TraceToTripletBase", "Tracer",
     "TracerTraceToTriplet", "Trainer", "Triplet", "Worker", "algo", "emit_annotation", "emit_exception",

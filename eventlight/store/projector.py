@@ -61,7 +61,7 @@ class _Batch:
         self.rollout_seq: dict[str, int] = {}
         self.created_seq: dict[str, int] = {}
         self.spans: list[tuple[Any, ...]] = []
-        self.resources: dict[str, tuple[Any, int]] = {}
+        self.resources: dict[str, tuple[Any, int, int]] = {}
         self.workers: dict[str, Worker] = {}
         self.last_seq = 0
         self.terminal: set[str] = set()
@@ -220,7 +220,9 @@ class Projector:
             if isinstance(event, SpansAdded) and new is not None:
                 batch.spans.extend(_span_row(s, seq) for s in event.spans)
         elif isinstance(event, ResourcesPut):
-            batch.resources[event.resources.resources_id] = (event.resources, seq)
+            rid_ = event.resources.resources_id
+            first = batch.resources[rid_][1] if rid_ in batch.resources else seq
+            batch.resources[rid_] = (event.resources, first, seq)
         for wid in d.workers_of(event):
             current = batch.workers.get(wid) or self.workers.get(wid) or await self._load_worker(conn, wid)
             w = d.evolve_worker(current, event, wid)
@@ -239,7 +241,7 @@ class Projector:
         if b.spans:
             await conn.executemany(INSERT_SPAN, b.spans)
         if b.resources:
-            await conn.executemany(UPSERT_RESOURCES, [_resources_row(r, seq) for r, seq in b.resources.values()])
+            await conn.executemany(UPSERT_RESOURCES, [_resources_row(r, first, last) for r, first, last in b.resources.values()])
         if b.workers:
             await conn.executemany(UPSERT_WORKER, [_worker_row(w) for w in b.workers.values()])
         await conn.execute("UPDATE projector_checkpoint SET last_seq = $1, updated_at = now()", b.last_seq)
@@ -298,8 +300,8 @@ def _attempt_row(a: Any) -> tuple[Any, ...]:
     )
 
 
-def _resources_row(r: Any, seq: int) -> tuple[Any, ...]:
-    return (r.resources_id, r.create_time, r.update_time, r.version, dumps(r.resources), seq)
+def _resources_row(r: Any, first_seq: int, last_seq: int) -> tuple[Any, ...]:
+    return (r.resources_id, r.create_time, r.update_time, r.version, dumps(r.resources), first_seq, last_seq)
 
 
 def _worker_row(w: Worker) -> tuple[Any, ...]:
@@ -339,7 +341,7 @@ ON CONFLICT (rollout_id, attempt_id, span_id) DO NOTHING
 
 UPSERT_RESOURCES = """
 INSERT INTO resources (resources_id, create_time, update_time, version, resources, created_seq, last_seq)
-VALUES ($1, $2, $3, $4, $5::jsonb, $6, $6)
+VALUES ($1, $2, $3, $4, $5::jsonb, $6, $7)
 ON CONFLICT (resources_id) DO UPDATE SET
   update_time = EXCLUDED.update_time, version = EXCLUDED.version, resources = EXCLUDED.resources,
   last_seq = EXCLUDED.last_seq

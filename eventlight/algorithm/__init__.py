@@ -1,0 +1,25 @@
+"""Algorithms: the base class, ``@algo``, ``Baseline`` and ``APO`` (Agent-lightning ``algorithm``)."""
+
+from eventlight.algorithm.apo import APO, RolloutResultForAPO, VersionedPromptTemplate
+from eventlight.algorithm.base import (
+    Algorithm,
+    Dataset,
+    FastAlgorithm,
+    FunctionalAlgorithm,
+    algo,
+    batch_iter_over_dataset,
+)
+from eventlight.algorithm.baseline import Baseline
+
+__all__ = [
+    "APO",
+    "Algorithm",
+    "Baseline",
+    "Dataset",
+    "FastAlgorithm",
+    "FunctionalAlgorithm",
+    "RolloutResultForAPO",
+    "VersionedPromptTemplate",
+    "algo",
+    "batch_iter_over_dataset",
+]

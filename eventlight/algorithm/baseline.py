@@ -1,0 +1,154 @@
+"""``Baseline``: run every task through the runners and log what came back (Agent-lightning ``Baseline``).
+
+A smoke test for the plumbing (store, runners, tracer, adapter) that trains nothing. Where
+Agent-lightning polls the queue and each rollout every ``polling_interval`` seconds, this one is
+event-driven: each rollout has a harvest task blocked in ``store.wait_for_rollouts``, and the
+enqueue loop waits on those tasks when ``max_queue_length`` rollouts are unfinished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+from typing import Any, Literal
+
+from eventlight.algorithm.base import Dataset, FastAlgorithm
+from eventlight.types import Rollout, Span
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Baseline"]
+
+SpanVerbosity = Literal["keys", "key_values", "none"]
+
+
+def _iso(t: float | None) -> str:
+    return "?" if t is None else dt.datetime.fromtimestamp(t, tz=dt.UTC).isoformat()
+
+
+def format_span(span: Span, verbosity: SpanVerbosity) -> str:
+    """One log line for a span: ids, sequence, name, times and attribute keys (or values)."""
+    took = (
+        "?" if span.start_time is None or span.end_time is None else f"{span.end_time - span.start_time:.3f}"
+    )
+    head = (
+        f"[Rollout {span.rollout_id} | Attempt {span.attempt_id} | Span {span.span_id}] #{span.sequence_id} "
+        f"({span.name}) From {_iso(span.start_time)}, to {_iso(span.end_time)}, {took} seconds."
+    )
+    if verbosity == "key_values":
+        return f"{head} Attributes: {span.attributes}"
+    return f"{head} Attribute keys: {list(span.attributes)}"
+
+
+class Baseline(FastAlgorithm):
+    """Enqueue every train item (mode ``"train"``) then every val item (mode ``"val"``), ``n_epochs`` times.
+
+    Initial resources, if any, are published as ``"default"`` (``store.put_resources``) and every
+    rollout uses them. For each finished rollout it logs the status, each attempt, each span of
+    the latest attempt and, if an adapter is set, the adapted data.
+
+    Args:
+        n_epochs: Passes over the data.
+        train_split: Validated to lie strictly in (0, 1) but unused, exactly as in Agent-lightning
+            0.3.0 (items are tagged by the list they came from).
+        polling_interval: Accepted for compatibility; unused (waiting is event-driven).
+        max_queue_length: At most this many enqueued rollouts are unfinished at any time.
+        span_verbosity: ``"keys"`` (attribute keys), ``"key_values"`` (attributes) or ``"none"``.
+
+    Raises:
+        ValueError: ``train_split`` not in (0, 1), ``max_queue_length < 1`` or ``n_epochs < 1``.
+    """
+
+    def __init__(
+        self,
+        *,
+        n_epochs: int = 1,
+        train_split: float = 0.5,
+        polling_interval: float = 5.0,
+        max_queue_length: int = 4,
+        span_verbosity: SpanVerbosity = "keys",
+    ):
+        if not 0.0 < train_split < 1.0:
+            raise ValueError(f"train_split must be in (0, 1), got {train_split}")
+        if max_queue_length < 1 or n_epochs < 1:
+            raise ValueError("max_queue_length and n_epochs must be >= 1")
+        self.n_epochs = n_epochs
+        self.train_split = train_split
+        self.polling_interval = polling_interval
+        self.max_queue_length = max_queue_length
+        self.span_verbosity = span_verbosity
+
+    async def run(
+        self, train_dataset: Dataset[Any] | None = None, val_dataset: Dataset[Any] | None = None
+    ) -> None:
+        """Run all epochs; returns when every rollout finished and was logged.
+
+        Raises:
+            ValueError: The store is not set.
+        """
+        items = [(x, "train") for x in _items(train_dataset)] + [(x, "val") for x in _items(val_dataset)]
+        if not items:
+            log.error("Baseline: both train and val datasets are empty; nothing to run")
+            return
+        resources_id = await self._publish_resources()
+        for epoch in range(self.n_epochs):
+            log.info("Baseline epoch %d/%d: %d rollouts", epoch + 1, self.n_epochs, len(items))
+            await self._run_epoch(items, resources_id)
+
+    async def _publish_resources(self) -> str | None:
+        resources = self.get_initial_resources()
+        if not resources:
+            log.warning("Baseline: no initial resources; rollouts use the store's latest resources")
+            return None
+        await self.get_store().put_resources("default", resources)
+        return "default"
+
+    async def _run_epoch(self, items: list[tuple[Any, str]], resources_id: str | None) -> None:
+        store = self.get_store()
+        pending: set[asyncio.Task[None]] = set()
+        try:
+            for item, mode in items:
+                while len(pending) >= self.max_queue_length:
+                    _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                rollout = await store.enqueue_rollout(input=item, mode=mode, resources_id=resources_id)
+                log.info("Baseline enqueued %s (mode=%s)", rollout.rollout_id, mode)
+                pending.add(asyncio.create_task(self._harvest(rollout.rollout_id)))
+            if pending:
+                await asyncio.gather(*pending)
+        finally:
+            for task in pending:
+                task.cancel()
+
+    async def _harvest(self, rollout_id: str) -> None:
+        store = self.get_store()
+        (rollout,) = await store.wait_for_rollouts(rollout_ids=[rollout_id], timeout=None)
+        await self._log_rollout(rollout)
+
+    async def _log_rollout(self, rollout: Rollout) -> None:
+        store = self.get_store()
+        log.info("Rollout %s finished: status=%s mode=%s", rollout.rollout_id, rollout.status, rollout.mode)
+        for attempt in await store.query_attempts(rollout.rollout_id):
+            log.info(
+                "[Rollout %s | Attempt %s] #%d status=%s worker=%s",
+                rollout.rollout_id,
+                attempt.attempt_id,
+                attempt.sequence_id,
+                attempt.status,
+                attempt.worker_id,
+            )
+        spans = list(await store.query_spans(rollout.rollout_id, attempt_id="latest"))
+        if self.span_verbosity != "none":
+            for span in spans:
+                log.info("%s", format_span(span, self.span_verbosity))
+        if self._adapter is not None:
+            try:
+                log.info("[Rollout %s] Adapted data: %s", rollout.rollout_id, self._adapter.adapt(spans))
+            except Exception:
+                log.exception(
+                    "[Rollout %s] adapter %s failed", rollout.rollout_id, type(self._adapter).__name__
+                )
+
+
+def _items(dataset: Dataset[Any] | None) -> list[Any]:
+    return [] if dataset is None else [dataset[i] for i in range(len(dataset))]

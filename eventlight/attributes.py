@@ -1,0 +1,144 @@
+"""Flat OpenTelemetry attributes <-> nested data (Agent-lightning ``agentlightning.utils.otel`` helpers).
+
+Span attributes are flat: ``{"gen_ai.prompt.0.role": "user", "gen_ai.prompt.0.content": "hi"}``.
+``unflatten_attributes`` rebuilds ``{"gen_ai": {"prompt": [{"role": "user", "content": "hi"}]}}``;
+``flatten_attributes`` goes the other way. As in Agent-lightning 0.3, a level whose keys are exactly
+the digit strings ``0..n-1`` becomes a list; any other level (``{"0", "2"}``, ``{"0", "a"}``) stays a dict.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "filter_and_unflatten_attributes",
+    "filter_attributes",
+    "flatten_attributes",
+    "unflatten_attributes",
+]
+
+_PRIMITIVES = (str, bool, int, float)
+
+
+def _leaf_list_type(items: list[Any]) -> type | None:
+    """The one primitive type of a non-empty list (bool and int are different), else ``None``."""
+    kinds = {type(x) for x in items}
+    if len(kinds) == 1:
+        (kind,) = kinds
+        if kind in _PRIMITIVES:
+            return kind
+    return None
+
+
+def _walk(value: Any, prefix: str, out: dict[str, Any], expand_leaf_lists: bool) -> None:
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ValueError(f"attribute keys must be str, got {key!r} under {prefix or '<root>'!r}")
+            _walk(item, f"{prefix}.{key}" if prefix else key, out, expand_leaf_lists)
+        return
+    if isinstance(value, (list, tuple)):
+        items = list(value)
+        if not items:
+            return  # an empty list disappears, as in Agent-lightning
+        if not expand_leaf_lists and _leaf_list_type(items) is not None and prefix:
+            out[prefix] = items
+            return
+        if not expand_leaf_lists and all(isinstance(x, _PRIMITIVES) for x in items):
+            log.warning("attribute %r holds a mixed primitive list; expanding it by index", prefix)
+        for i, item in enumerate(items):
+            _walk(item, f"{prefix}.{i}" if prefix else str(i), out, expand_leaf_lists)
+        return
+    if not prefix:
+        raise ValueError(f"cannot flatten a bare {type(value).__name__}; pass a dict or a list")
+    out[prefix] = value
+
+
+def flatten_attributes(
+    data: Mapping[str, Any] | list[Any], *, expand_leaf_lists: bool = False
+) -> dict[str, Any]:
+    """Flatten nested dicts and lists into dotted attribute keys.
+
+    Args:
+        data: A dict (or list) of nested dicts, lists and primitive values.
+        expand_leaf_lists: When ``False`` (default) a non-empty list of one primitive type
+            (``str``, ``int``, ``float`` or ``bool``; bool and int differ) stays one list value;
+            when ``True`` it is expanded into ``.0``, ``.1``, ... keys too.
+
+    Returns:
+        ``{"a.b.0.c": value, ...}``. Empty lists and empty dicts produce no key; a list of dicts or
+        of mixed items is expanded by index (a mixed primitive list logs a warning).
+
+    Raises:
+        ValueError: A dict key is not a ``str``, or ``data`` is a bare primitive.
+    """
+    out: dict[str, Any] = {}
+    _walk(data, "", out, expand_leaf_lists)
+    return out
+
+
+def _insert(root: dict[str, Any], path: list[str], value: Any, flat_key: str) -> None:
+    node = root
+    for part in path[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ValueError(f"attribute {flat_key!r} nests under a key that already holds a value")
+        node = child
+    if isinstance(node.get(path[-1]), dict):
+        raise ValueError(f"attribute {flat_key!r} holds a value where other keys nest")
+    node[path[-1]] = value
+
+
+def _listify(node: Any) -> Any:
+    if not isinstance(node, dict):
+        return node
+    converted = {key: _listify(value) for key, value in node.items()}
+    if converted and set(converted) == {str(i) for i in range(len(converted))}:
+        return [converted[str(i)] for i in range(len(converted))]
+    return converted
+
+
+def unflatten_attributes(flat: Mapping[str, Any]) -> dict[str, Any] | list[Any]:
+    """Rebuild nested data from dotted keys (the inverse of ``flatten_attributes``).
+
+    Args:
+        flat: ``{"a.b": 1, "a.c.0": 2, "a.c.1": 3}``.
+
+    Returns:
+        ``{"a": {"b": 1, "c": [2, 3]}}``. A level becomes a list only when its keys are exactly
+        ``"0".."n-1"``; the top level itself may therefore be a list.
+
+    Raises:
+        ValueError: One key holds a value and another key nests below it (``"a": 1`` and ``"a.b": 2``).
+    """
+    root: dict[str, Any] = {}
+    for key, value in flat.items():
+        _insert(root, key.split("."), value, key)
+    return _listify(root)
+
+
+def filter_attributes(attributes: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    """The attributes whose key equals ``prefix`` or starts with ``prefix + "."``."""
+    dotted = prefix + "."
+    return {k: v for k, v in attributes.items() if k == prefix or k.startswith(dotted)}
+
+
+def filter_and_unflatten_attributes(attributes: Mapping[str, Any], prefix: str) -> dict[str, Any] | list[Any]:
+    """Unflatten the attributes below ``prefix`` with the prefix stripped.
+
+    Example: ``({"gen_ai.prompt.0.role": "user"}, "gen_ai.prompt")`` gives ``[{"role": "user"}]``.
+
+    Returns:
+        The nested value; ``{}`` when no key is below ``prefix``.
+
+    Raises:
+        ValueError: A key equals ``prefix`` itself (it cannot be placed), or keys conflict.
+    """
+    if prefix in attributes:
+        raise ValueError(f"attribute {prefix!r} is a value, not a prefix of nested keys")
+    cut = len(prefix) + 1
+    return unflatten_attributes({k[cut:]: v for k, v in filter_attributes(attributes, prefix).items()})

@@ -1,0 +1,574 @@
+"""Algorithms against the in-memory store: base class, ``@algo``, ``Baseline`` and ``APO`` end to end.
+
+The "runners" here are asyncio tasks that dequeue rollouts, read the published prompt, record an
+LLM-call span and a reward span (the ``emit_reward`` format) and finish the attempt. The reward is
+1.0 when the prompt contains "ONLY", else 0.2, so the optimizer's edit (which adds "ONLY") wins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+import re
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+from llm_stub import ScriptedLLM
+from openai import AsyncOpenAI
+
+from eventlight.adapter import TracerTraceToTriplet, TraceToMessages
+from eventlight.algorithm import (
+    APO,
+    Algorithm,
+    Baseline,
+    FastAlgorithm,
+    FunctionalAlgorithm,
+    RolloutResultForAPO,
+    algo,
+    batch_iter_over_dataset,
+)
+from eventlight.algorithm.apo import APPLY_EDIT_VARIANTS, EVIDENCE_CHAR_BUDGET, GRADIENT_VARIANTS
+from eventlight.store.base import LightningStore
+from eventlight.store.memory import InMemoryLightningStore
+from eventlight.types import TERMINAL_ROLLOUT_STATUSES, AttemptedRollout, PromptTemplate, ProxyLLM, Span
+
+SEED = "Pick a meeting room for this request: {task}"
+RESOURCES = {
+    "llm": ProxyLLM(endpoint="http://127.0.0.1:9/v1", model="agent-model"),
+    "prompt": PromptTemplate(template=SEED, engine="f-string"),
+}
+TRAIN = [f"train-{i}" for i in range(5)]
+VAL = [f"val-{i}" for i in range(4)]
+
+
+# ------------------------------------------------------------------------------------------
+# A fake runner
+
+
+def prompt_reward(template: str) -> float:
+    return 1.0 if "ONLY" in template else 0.2
+
+
+async def record_span(store: LightningStore, ar: AttemptedRollout, name: str, attrs: dict[str, Any]) -> None:
+    seq = await store.get_next_span_sequence_id(ar.rollout_id, ar.attempt.attempt_id)
+    await store.add_span(
+        Span.from_attributes(
+            attributes=attrs,
+            name=name,
+            rollout_id=ar.rollout_id,
+            attempt_id=ar.attempt.attempt_id,
+            sequence_id=seq,
+            start_time=float(seq),
+            end_time=float(seq) + 0.5,
+        )
+    )
+
+
+class FakeRunners:
+    """Runner tasks; ``outcome(task, template)`` gives ``(reward, status)``, or ``None`` to never finish."""
+
+    def __init__(self, store: LightningStore, outcome: Callable[[Any, str], tuple[float | None, str] | None]):
+        self.store = store
+        self.outcome = outcome
+        self.seen_resources: list[dict[str, Any]] = []
+        self.max_unfinished = 0
+        self.templates: list[str] = []
+
+    async def _unfinished(self) -> int:
+        rollouts = await self.store.query_rollouts()
+        return sum(r.status not in TERMINAL_ROLLOUT_STATUSES for r in rollouts)
+
+    async def run_one(self, ar: AttemptedRollout) -> None:
+        self.max_unfinished = max(self.max_unfinished, await self._unfinished())
+        assert ar.resources_id is not None
+        snapshot = await self.store.get_resources_by_id(ar.resources_id)
+        assert snapshot is not None
+        self.seen_resources.append(snapshot.resources)
+        template = snapshot.resources["prompt"]
+        assert isinstance(template, PromptTemplate)
+        self.templates.append(template.template)
+        outcome = self.outcome(ar.input, template.template)
+        if outcome is None:
+            return  # never finishes
+        reward, status = outcome
+        user = template.format(task=ar.input)
+        await record_span(
+            self.store,
+            ar,
+            "openai.chat.completion",
+            {
+                "gen_ai.prompt.0.role": "user",
+                "gen_ai.prompt.0.content": user,
+                "gen_ai.completion.0.role": "assistant",
+                "gen_ai.completion.0.content": "Room Orion",
+            },
+        )
+        if reward is not None:
+            attrs = {"agentlightning.reward.0.name": "primary", "agentlightning.reward.0.value": reward}
+            await record_span(self.store, ar, "agentlightning.annotation", attrs)
+        await asyncio.sleep(0.002)
+        await self.store.update_attempt(ar.rollout_id, ar.attempt.attempt_id, status=status)
+
+    async def loop(self, worker_id: str) -> None:
+        while True:
+            ar = await self.store.dequeue_rollout(worker_id=worker_id)
+            if ar is None:
+                await asyncio.sleep(0.002)  # the fake runner polls; the algorithm under test does not
+                continue
+            await self.run_one(ar)
+
+
+@contextlib.asynccontextmanager
+async def running(runners: FakeRunners, n: int = 3) -> AsyncIterator[FakeRunners]:
+    tasks = [asyncio.create_task(runners.loop(f"w{i}")) for i in range(n)]
+    try:
+        yield runners
+    finally:
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+
+
+def by_prompt(task: Any, template: str) -> tuple[float | None, str]:
+    return prompt_reward(template), "succeeded"
+
+
+# ------------------------------------------------------------------------------------------
+# Fake optimizer clients
+
+
+class _Choice:
+    def __init__(self, content: str | None):
+        self.message = type("Message", (), {"content": content})()
+
+
+class FakeClient:
+    """An AsyncOpenAI look-alike: ``reply(model, messages)`` returns the content or raises."""
+
+    def __init__(self, reply: Callable[[str, list[dict[str, str]]], str | None]):
+        self.calls: list[dict[str, Any]] = []
+        self._reply = reply
+        self.chat = type("Chat", (), {"completions": self})()
+
+    async def create(self, *, model: str, messages: list[dict[str, str]], temperature: float) -> Any:
+        self.calls.append({"model": model, "messages": messages, "temperature": temperature})
+        return type("Completion", (), {"choices": [_Choice(self._reply(model, messages))]})()
+
+
+def parent_template(messages: list[dict[str, str]]) -> str:
+    """The template an apply-edit prompt shows (both rewrite variants)."""
+    user = messages[-1]["content"]
+    found = re.search(
+        r"(?:# Prompt Template|### PROMPT)\n\n(.*)\n\n(?:# Critique|### CRITIQUE)", user, re.DOTALL
+    )
+    assert found, user
+    return found.group(1)
+
+
+def scripted(model: str, messages: list[dict[str, str]]) -> str:
+    if model == "critic":
+        return "- The answer format is loose: demand ONLY the room name."
+    return parent_template(messages) + " Answer ONLY with the room name."
+
+
+def make_apo(client: Any, **kwargs: Any) -> APO[str]:
+    settings: dict[str, Any] = dict(
+        gradient_model="critic",
+        apply_edit_model="editor",
+        gradient_batch_size=2,
+        val_batch_size=3,
+        beam_width=2,
+        branch_factor=2,
+        beam_rounds=2,
+        rollout_batch_timeout=30.0,
+    )
+    settings.update(kwargs)
+    apo: APO[str] = APO(client, **settings)
+    apo.set_initial_resources(RESOURCES)
+    apo.set_adapter(TraceToMessages())
+    return apo
+
+
+async def count_modes(store: LightningStore) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for r in await store.query_rollouts():
+        counts[r.mode or ""] = counts.get(r.mode or "", 0) + 1
+    return counts
+
+
+# ------------------------------------------------------------------------------------------
+# APO end to end
+
+
+async def test_apo_finds_the_better_prompt_through_a_real_openai_client() -> None:
+    store = InMemoryLightningStore()
+    stub = ScriptedLLM(responses=lambda messages, body: scripted(body["model"], messages))
+    events: list[dict[str, Any]] = []
+    async with stub as url, running(FakeRunners(store, by_prompt)) as runners:
+        client = AsyncOpenAI(base_url=url, api_key="test")
+        try:
+            apo = make_apo(client, progress=events.append)
+            apo.set_store(store)
+            await apo.run(train_dataset=TRAIN, val_dataset=VAL)
+        finally:
+            await client.close()
+
+    best = apo.get_best_prompt()
+    assert "ONLY" in best.template and best.template.startswith(SEED)
+    assert best.engine == "f-string"
+    assert apo.seed_score == pytest.approx(0.2)
+    assert apo.best_score == pytest.approx(1.0) and apo.best_score > apo.seed_score
+    # round 1: beam [v0] + children v1..v4 all 1.0 -> beam [v1, v2]; the leader v1 becomes best.
+    # round 2: v1 stays leader with an equal score, and only a strictly better one would replace it.
+    assert apo.best_version == "v1"
+
+    # cost model (seed_algorithms.md 2.6): 2 rounds x beam_width 2 x branch_factor 2 = 8 critiques + 8 edits
+    models = [body["model"] for body in stub.requests]
+    assert models.count("critic") == 8 and models.count("editor") == 8
+    assert all(body["temperature"] == 1.0 for body in stub.requests)
+    # rollouts: |val| up front; per round 4 children x 2 train tasks, (|beam|+4) x 3 val, |val| for the leader
+    assert await count_modes(store) == {"train": 8 + 8, "val": 4 + (5 * 3 + 4) + (6 * 3 + 4)}
+    assert len(apo.history) == 1 + (4 + 5 + 1) + (4 + 6 + 1)
+    assert apo.history[0] == ("v0", "val", pytest.approx(0.2), 4)
+
+    # every rollout saw ALL initial resources, with the tuned template in place of the seed
+    assert all(set(r) == {"llm", "prompt"} and r["llm"] == RESOURCES["llm"] for r in runners.seen_resources)
+    v0 = await store.get_resources_by_id("v0")
+    assert v0 is not None and v0.resources["prompt"] == RESOURCES["prompt"]
+
+    # the critique prompt carries the parent template, rewards and the chat messages of the runs
+    critique_prompts = [b["messages"] for b in stub.requests if b["model"] == "critic"]
+    text = "\n".join(m["content"] for msgs in critique_prompts for m in msgs)
+    assert SEED in text and "Room Orion" in text
+
+    kinds = [e["event"] for e in events]
+    assert kinds.count("candidate") == 8 and kinds.count("round") == 4
+    assert [(e["round"], e["rounds"], e["phase"]) for e in events if e["event"] == "round"] == [
+        (1, 2, "start"),
+        (1, 2, "ranked"),
+        (2, 2, "start"),
+        (2, 2, "ranked"),
+    ]
+    rounds = [e["beam"] for e in events if e["event"] == "round" and e["phase"] == "ranked"]
+    assert rounds == [[["v1", 1.0], ["v2", 1.0]]] * 2  # stable ranking: on ties the old beam stays first
+    assert [(e["version"], e["score"]) for e in events if e["event"] == "best"] == [
+        ("v0", pytest.approx(0.2)),
+        ("v1", pytest.approx(1.0)),
+    ]
+    assert {
+        "event": "eval",
+        "version": "v0",
+        "mode": "val",
+        "score": pytest.approx(0.2),
+        "n": 4,
+        "requested": 4,
+    } in events
+
+
+async def test_apo_on_every_store_backend(store: Any) -> None:
+    """One small round on the in-memory and the JetStream + Postgres stores (``conftest.store``)."""
+    apo = make_apo(FakeClient(scripted), beam_width=1, branch_factor=1, beam_rounds=1, val_batch_size=2)
+    apo.set_store(store)
+    async with running(FakeRunners(store, by_prompt), n=2):
+        await asyncio.wait_for(apo.run(train_dataset=TRAIN[:3], val_dataset=VAL[:2]), 120)
+    assert "ONLY" in apo.get_best_prompt().template
+    assert (apo.seed_score, apo.best_score) == (pytest.approx(0.2), pytest.approx(1.0))
+    assert await count_modes(store) == {"train": 2, "val": 2 + 2 * 2 + 2}
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        pytest.param(
+            lambda model, messages: (_ for _ in ()).throw(RuntimeError("optimizer down")), id="raises"
+        ),
+        pytest.param(lambda model, messages: None, id="no-content"),
+        pytest.param(lambda model, messages: "   ", id="blank"),
+        pytest.param(
+            lambda model, messages: "critique" if model == "critic" else "ONLY rooms for {request}",
+            id="bad-placeholder",
+        ),
+        pytest.param(
+            lambda model, messages: "critique" if model == "critic" else "ONLY {} rooms", id="positional"
+        ),
+        pytest.param(
+            lambda model, messages: "critique" if model == "critic" else "ONLY {task", id="unbalanced"
+        ),
+        pytest.param(
+            lambda model, messages: "critique" if model == "critic" else parent_template(messages),
+            id="identical",
+        ),
+    ],
+)
+async def test_apo_survives_a_misbehaving_optimizer(
+    reply: Callable[[str, list[dict[str, str]]], str | None],
+) -> None:
+    store = InMemoryLightningStore()
+    client = FakeClient(reply)
+    events: list[dict[str, Any]] = []
+    apo = make_apo(client, progress=events.append)
+    apo.set_store(store)
+    async with running(FakeRunners(store, by_prompt)) as runners:
+        await apo.run(train_dataset=TRAIN, val_dataset=VAL)
+
+    assert apo.get_best_prompt() == RESOURCES["prompt"]
+    assert apo.best_version == "v0" and apo.best_score == pytest.approx(0.2) == apo.seed_score
+    assert set(runners.templates) == {SEED}
+    assert [e["event"] for e in events].count("skip") == 8
+    assert "candidate" not in [e["event"] for e in events]
+    # the beam stays [v0], replicated into 2 parents x 2 branches: 4 gradient batches per round
+    assert await count_modes(store) == {"train": 16, "val": 4 + 2 * (3 + 4)}
+    assert len([c for c in client.calls if c["model"] == "critic"]) == 8
+
+
+async def test_apo_strips_a_code_fence_and_keeps_valid_children() -> None:
+    def fenced(model: str, messages: list[dict[str, str]]) -> str:
+        return "critique" if model == "critic" else "```text\nAnswer ONLY with a room for {task}\n```"
+
+    store = InMemoryLightningStore()
+    apo = make_apo(FakeClient(fenced), beam_rounds=1, run_initial_validation=False)
+    apo.set_store(store)
+    async with running(FakeRunners(store, by_prompt)):
+        await apo.run(train_dataset=TRAIN, val_dataset=VAL)
+    assert apo.get_best_prompt().template == "Answer ONLY with a room for {task}"
+    assert apo.seed_score is None and apo.best_score == pytest.approx(1.0)
+
+
+async def test_apo_with_nothing_to_gain_keeps_the_seed_on_ties() -> None:
+    store = InMemoryLightningStore()
+    apo = make_apo(FakeClient(scripted), beam_rounds=1)
+    apo.set_store(store)
+    async with running(FakeRunners(store, lambda task, template: (0.5, "succeeded"))):
+        await apo.run(train_dataset=TRAIN, val_dataset=VAL)
+    assert apo.best_version == "v0" and apo.get_best_prompt().template == SEED  # strict > only
+
+
+async def test_apo_score_counts_none_as_zero_and_includes_failed_rollouts() -> None:
+    outcomes = {
+        "a": (1.0, "succeeded"),
+        "b": (None, "succeeded"),
+        "c": (None, "failed"),
+        "d": (0.5, "succeeded"),
+    }
+    store = InMemoryLightningStore()
+    apo = make_apo(FakeClient(scripted))
+    apo.set_store(store)
+    seed = apo._new_version(RESOURCES["prompt"])  # noqa: SLF001 - exercise one evaluation directly
+    async with running(FakeRunners(store, lambda task, template: outcomes[task])):
+        results, score = await apo.evaluate_prompt_on_batch(seed, "prompt", ["a", "b", "c", "d"], "val")
+    assert score == pytest.approx((1.0 + 0 + 0 + 0.5) / 4)
+    assert [(r["status"], r["final_reward"]) for r in results] == [
+        ("succeeded", 1.0),
+        ("succeeded", None),
+        ("failed", None),
+        ("succeeded", 0.5),
+    ]
+    assert results[0]["messages"][0]["messages"][-1] == {"role": "assistant", "content": "Room Orion"}
+    assert [s["name"] for s in results[0]["spans"]] == ["openai.chat.completion", "agentlightning.annotation"]
+
+
+async def test_apo_drops_and_cancels_rollouts_that_miss_the_batch_timeout() -> None:
+    store = InMemoryLightningStore()
+    apo = make_apo(FakeClient(scripted), rollout_batch_timeout=1.0)
+    apo.set_store(store)
+    seed = apo._new_version(RESOURCES["prompt"])  # noqa: SLF001
+    outcome = lambda task, template: None if task == "stuck" else (1.0, "succeeded")  # noqa: E731
+    async with running(FakeRunners(store, outcome), n=1):
+        results, score = await apo.evaluate_prompt_on_batch(seed, "prompt", ["ok", "stuck", "ok"], "train")
+    assert len(results) == 2 and score == pytest.approx(1.0)
+    statuses = sorted(r.status for r in await store.query_rollouts())
+    assert statuses == ["cancelled", "succeeded", "succeeded"]
+
+
+async def test_apo_batches_run_concurrently_on_the_runners() -> None:
+    store = InMemoryLightningStore()
+    apo = make_apo(FakeClient(scripted))
+    apo.set_store(store)
+    seed = apo._new_version(RESOURCES["prompt"])  # noqa: SLF001
+    runners = FakeRunners(store, by_prompt)
+    async with running(runners, n=4):
+        await apo.evaluate_prompt_on_batch(seed, "prompt", ["a", "b", "c", "d", "e", "f"], "val")
+    assert runners.max_unfinished >= 4  # the whole batch was enqueued before any finished
+
+
+async def test_apo_rejects_bad_setups() -> None:
+    store = InMemoryLightningStore()
+    apo = make_apo(FakeClient(scripted))
+    apo.set_store(store)
+    with pytest.raises(ValueError):
+        await apo.run(train_dataset=TRAIN, val_dataset=None)
+    with pytest.raises(ValueError):
+        await apo.run(train_dataset=[], val_dataset=VAL)
+    apo.set_adapter(TracerTraceToTriplet())
+    with pytest.raises(ValueError, match="TraceToMessages"):
+        await apo.run(train_dataset=TRAIN, val_dataset=VAL)
+    apo.set_adapter(TraceToMessages())
+    apo.set_initial_resources({"llm": RESOURCES["llm"]})
+    with pytest.raises(ValueError, match="No prompt template"):
+        await apo.run(train_dataset=TRAIN, val_dataset=VAL)
+    with pytest.raises(ValueError, match="No best prompt"):
+        APO(FakeClient(scripted)).get_best_prompt()
+    with pytest.raises(ValueError):
+        APO(FakeClient(scripted), beam_width=0)
+    assert len(await store.query_rollouts()) == 0
+    assert apo.is_async()
+
+
+# ------------------------------------------------------------------------------------------
+# Optimizer prompts
+
+
+@pytest.mark.parametrize("variant", GRADIENT_VARIANTS, ids=["variant01", "variant02", "variant03"])
+def test_critique_prompts_stay_small_and_keep_the_template_verbatim(variant: Any) -> None:
+    big = "x" * 20_000
+    spans = [{"name": f"span-{i}", "attributes": {"gen_ai.prompt.0.content": big}} for i in range(10)]
+    messages: list[Any] = [{"messages": [{"role": "user", "content": big}], "tools": None}]
+    run = RolloutResultForAPO(status="failed", final_reward=None, spans=spans, messages=messages)
+    template = 'Room for {task}; reply as {{"room": "..."}}'
+    rendered = variant(template, [run] * 4, EVIDENCE_CHAR_BUDGET)
+    text = "\n".join(m["content"] for m in rendered)
+    assert template in text
+    assert len(text) < EVIDENCE_CHAR_BUDGET + 2_500
+    assert [m["role"] for m in rendered][-1] == "user"
+    if variant is GRADIENT_VARIANTS[1]:
+        assert text.count('"name":"span-') == 4 * 4  # at most 4 spans per run
+        assert '"name":"span-9"' in text and '"name":"span-5"' not in text  # the last ones
+
+
+@pytest.mark.parametrize("variant", APPLY_EDIT_VARIANTS, ids=["variant01", "variant02"])
+def test_rewrite_prompts_have_system_and_user_messages(variant: Any) -> None:
+    rendered = variant("Room for {task}", "- be terse")
+    assert [m["role"] for m in rendered] == ["system", "user"]
+    assert "Room for {task}" in rendered[1]["content"] and "- be terse" in rendered[1]["content"]
+    assert parent_template(rendered) == "Room for {task}"
+
+
+# ------------------------------------------------------------------------------------------
+# Baseline
+
+
+async def test_baseline_runs_every_item_with_a_bounded_queue(caplog: pytest.LogCaptureFixture) -> None:
+    store = InMemoryLightningStore()
+    baseline = Baseline(n_epochs=2, max_queue_length=2, span_verbosity="key_values")
+    baseline.set_store(store)
+    baseline.set_initial_resources(RESOURCES)
+    baseline.set_adapter(TracerTraceToTriplet())
+    runners = FakeRunners(store, by_prompt)
+    with caplog.at_level(logging.INFO, logger="eventlight.algorithm.baseline"):
+        async with running(runners, n=3):
+            await asyncio.wait_for(baseline.run(train_dataset=TRAIN[:3], val_dataset=VAL[:2]), 60)
+
+    rollouts = await store.query_rollouts()
+    assert [r.mode for r in rollouts] == ["train"] * 3 + ["val"] * 2 + ["train"] * 3 + ["val"] * 2
+    assert [r.input for r in rollouts[:5]] == TRAIN[:3] + VAL[:2]
+    assert all(r.status == "succeeded" and r.resources_id == "default" for r in rollouts)
+    assert 1 <= runners.max_unfinished <= 2
+    default = await store.get_resources_by_id("default")
+    assert default is not None and default.resources == RESOURCES
+    assert caplog.text.count("Adapted data: [Triplet(") == 10
+    assert caplog.text.count("(agentlightning.annotation) From ") == 10
+    assert "'agentlightning.reward.0.value': 0.2" in caplog.text
+    assert isinstance(baseline, FastAlgorithm)
+
+
+async def test_baseline_without_resources_or_data(caplog: pytest.LogCaptureFixture) -> None:
+    store = InMemoryLightningStore()
+    baseline = Baseline()
+    baseline.set_store(store)
+    with caplog.at_level(logging.INFO):
+        await baseline.run()
+        assert "empty" in caplog.text
+        async with running(FakeRunners(store, lambda task, template: (1.0, "succeeded"))):
+            await store.put_resources("other", RESOURCES)
+            await asyncio.wait_for(baseline.run(train_dataset=["x"]), 30)
+    assert "no initial resources" in caplog.text
+    (rollout,) = await store.query_rollouts()
+    assert rollout.resources_id == "other"  # the store's latest resources at enqueue time
+    with pytest.raises(ValueError):
+        Baseline(train_split=1.0)
+
+
+# ------------------------------------------------------------------------------------------
+# Algorithm base and @algo
+
+
+def test_algorithm_getters_and_references() -> None:
+    alg = Algorithm()
+    with pytest.raises(ValueError):
+        alg.get_store()
+    with pytest.raises(ValueError):
+        alg.get_adapter()
+    with pytest.raises(ValueError):
+        alg.get_trainer()
+    assert alg.get_llm_proxy() is None and alg.get_initial_resources() is None
+
+    class Trainer:
+        pass
+
+    trainer = Trainer()
+    alg.set_trainer(trainer)
+    assert alg.get_trainer() is trainer
+    del trainer
+    gc.collect()
+    with pytest.raises(ValueError):
+        alg.get_trainer()  # held weakly
+    alg.set_adapter(TraceToMessages())  # a temporary: held strongly on purpose
+    gc.collect()
+    assert isinstance(alg.get_adapter(), TraceToMessages)
+    with pytest.raises(NotImplementedError):
+        alg.run()
+    assert not alg.is_async()
+
+
+async def test_algo_injects_by_parameter_name() -> None:
+    store = InMemoryLightningStore()
+    seen: dict[str, Any] = {}
+
+    @algo
+    async def my_algorithm(
+        *, store: Any, initial_resources: Any, llm_proxy: Any, train_dataset: Any = None
+    ) -> None:
+        seen.update(
+            store=store, initial_resources=initial_resources, llm_proxy=llm_proxy, train=train_dataset
+        )
+        await store.enqueue_rollout(input=train_dataset[0], mode="train")
+
+    assert isinstance(my_algorithm, FunctionalAlgorithm) and my_algorithm.is_async()
+    assert my_algorithm.__name__ == "my_algorithm"
+    my_algorithm.set_store(store)
+    await my_algorithm.run(train_dataset=["t"])
+    assert seen == {"store": store, "initial_resources": None, "llm_proxy": None, "train": ["t"]}
+    assert len(await store.query_rollouts()) == 1
+    with pytest.raises(TypeError):
+        my_algorithm.run(train_dataset=["t"], val_dataset=["v"])
+
+    @algo
+    def sync_algorithm(adapter: Any) -> str:
+        return type(adapter).__name__
+
+    assert not sync_algorithm.is_async()
+    with pytest.raises(ValueError):
+        sync_algorithm.run()  # adapter unset
+    sync_algorithm.set_adapter(TraceToMessages())
+    assert sync_algorithm.run() == "TraceToMessages"
+    assert sync_algorithm("raw") == "str"  # calling the object calls the function itself
+
+
+def test_batch_iter_over_dataset() -> None:
+    import random
+
+    rng = random.Random(0)
+    whole = batch_iter_over_dataset([1, 2, 3], 5, rng)
+    for _ in range(3):
+        assert sorted(next(whole)) == [1, 2, 3]
+    batches = batch_iter_over_dataset(list(range(5)), 2, rng)
+    seen = [next(batches) for _ in range(10)]
+    assert all(len(b) == 2 and len(set(b)) == 2 for b in seen)
+    assert {x for b in seen[:3] for x in b} == set(range(5))  # the first epoch is used up before repeats
+    with pytest.raises(ValueError):
+        next(batch_iter_over_dataset([], 2))
