@@ -294,9 +294,7 @@ class TraceTree:
         walker.visit(self, "*" if agent_match is None else None, False, False)
         return walker.found
 
-    def match_rewards(
-        self, policy: RewardMatchPolicy | str, llm_calls: Sequence[TraceTree]
-    ) -> dict[str, float]:
+    def match_rewards(self, policy: RewardMatchPolicy | str, llm_calls: Sequence[TraceTree]) -> dict[str, float]:
         """Map LLM call ids to the rewards credited to them (see ``RewardMatchPolicy``).
 
         Spans without a start time sort last; a call without an end time is never credited.

@@ -58,9 +58,7 @@ def _walk(value: Any, prefix: str, out: dict[str, Any], expand_leaf_lists: bool)
     out[prefix] = value
 
 
-def flatten_attributes(
-    data: Mapping[str, Any] | list[Any], *, expand_leaf_lists: bool = False
-) -> dict[str, Any]:
+def flatten_attributes(data: Mapping[str, Any] | list[Any], *, expand_leaf_lists: bool = False) -> dict[str, Any]:
     """Flatten nested dicts and lists into dotted attribute keys.
 
     Args:

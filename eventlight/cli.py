@@ -27,7 +27,10 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="eventlight: 
 console = Console()
 err = Console(stderr=True)
 
-NamespaceOpt = Annotated[str | None, typer.Option("--namespace", "-N", help="Namespace (default: $EVENTLIGHT_NAMESPACE or 'default').")]
+NamespaceOpt = Annotated[
+    str | None,
+    typer.Option("--namespace", "-N", help="Namespace (default: $EVENTLIGHT_NAMESPACE or 'default')."),
+]
 
 
 def _settings(namespace: str | None) -> Settings:
@@ -73,24 +76,48 @@ async def _connect_pg(settings: Settings) -> Any:
     import asyncpg
 
     from eventlight.errors import ServiceUnavailableError
-    from eventlight.services import read_services
+    from eventlight.services import ensure_services, read_services
     from eventlight.store.pg import redact
 
+    started: list[str] = []
     dsn = settings.pg_dsn
     if dsn is None:
         found = read_services(settings)
-        if found is None:
-            raise ServiceUnavailableError("Postgres", "no server is running; run `eventlight up` or set EVENTLIGHT_PG_DSN")
-        dsn = found.pg_dsn
+        if found is None:  # start the embedded servers for this command, and stop them after it
+            services = await ensure_services(settings)
+            dsn, started = services.pg_dsn, services.started
+        else:
+            dsn = found.pg_dsn
     try:
-        return await asyncpg.connect(dsn, server_settings={"search_path": settings.pg_schema}, timeout=5)
+        conn = await asyncpg.connect(dsn, server_settings={"search_path": settings.pg_schema}, timeout=5)
     except (OSError, asyncpg.PostgresError, TimeoutError) as e:
         raise ServiceUnavailableError(redact(dsn), str(e)) from e
+    return _Conn(conn, settings if started else None)
+
+
+class _Conn:
+    """A connection that stops the embedded servers on close when this command started them."""
+
+    def __init__(self, conn: Any, owner: Settings | None):
+        self.conn = conn
+        self.owner = owner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.conn, name)
+
+    async def close(self) -> None:
+        from eventlight.services import stop_services
+
+        await self.conn.close()
+        if self.owner is not None:
+            await stop_services(self.owner)
 
 
 @app.command()
-def sql(query: Annotated[str, typer.Argument(help="SQL run against the namespace's read models.")],
-        namespace: NamespaceOpt = None) -> None:
+def sql(
+    query: Annotated[str, typer.Argument(help="SQL run against the namespace's read models.")],
+    namespace: NamespaceOpt = None,
+) -> None:
     """Run SQL over the projections (tables rollouts, attempts, spans, resources, workers; views
     rollout_rewards, reward_by_resources, llm_calls) and print the result."""
     import asyncpg

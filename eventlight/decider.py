@@ -187,19 +187,21 @@ def _check_attempt_transition(attempt: Attempt, status: str) -> None:
         return
     if attempt.status in FINAL_ATTEMPT_STATUSES:
         raise InvalidTransitionError(
-            f"attempt {attempt.attempt_id} of rollout {attempt.rollout_id}", attempt.status, status,
+            f"attempt {attempt.attempt_id} of rollout {attempt.rollout_id}",
+            attempt.status,
+            status,
             "the attempt already finished",
         )
     if status == "preparing":
         raise InvalidTransitionError(
-            f"attempt {attempt.attempt_id} of rollout {attempt.rollout_id}", attempt.status, status,
+            f"attempt {attempt.attempt_id} of rollout {attempt.rollout_id}",
+            attempt.status,
+            status,
             "an attempt never goes back to preparing",
         )
 
 
-def _propagate(
-    state: RolloutState, attempt: Attempt, now: float
-) -> tuple[str | None, float | None]:
+def _propagate(state: RolloutState, attempt: Attempt, now: float) -> tuple[str | None, float | None]:
     """Rollout status (and end time) after ``attempt`` changed, or ``(None, None)`` if unchanged."""
     rollout = state.rollout
     latest = state.latest
@@ -227,7 +229,10 @@ def _decide_create(cmd: CreateRollout, now: float) -> list[RolloutEvent]:
         if cmd.attempt_id is None:
             raise InvalidInputError("start_rollout needs an attempt id")
         attempt = Attempt(
-            rollout_id=cmd.rollout_id, attempt_id=cmd.attempt_id, sequence_id=1, start_time=now,
+            rollout_id=cmd.rollout_id,
+            attempt_id=cmd.attempt_id,
+            sequence_id=1,
+            start_time=now,
             worker_id=cmd.worker_id,
         )
         events.append(AttemptStarted(time=now, attempt=attempt))
@@ -237,7 +242,10 @@ def _decide_create(cmd: CreateRollout, now: float) -> list[RolloutEvent]:
 def _decide_start(state: RolloutState, cmd: StartAttempt, now: float) -> list[RolloutEvent]:
     if cmd.claim and not is_claimable(state):
         raise InvalidTransitionError(
-            f"rollout {state.rollout.rollout_id}", state.rollout.status, "preparing", "it is not queued",
+            f"rollout {state.rollout.rollout_id}",
+            state.rollout.status,
+            "preparing",
+            "it is not queued",
         )
     attempt = Attempt(
         rollout_id=state.rollout.rollout_id,
@@ -289,13 +297,11 @@ def _decide_update_rollout(state: RolloutState, cmd: UpdateRollout, now: float) 
             raise InvalidInputError(
                 f"unknown rollout status {cmd.status!r}; expected one of {sorted(ROLLOUT_STATUSES)}"
             )
-        if (
-            old.status in TERMINAL_ROLLOUT_STATUSES
-            and cmd.status != old.status
-            and cmd.status not in QUEUING_STATUSES
-        ):
+        if old.status in TERMINAL_ROLLOUT_STATUSES and cmd.status != old.status and cmd.status not in QUEUING_STATUSES:
             raise InvalidTransitionError(
-                f"rollout {old.rollout_id}", old.status, cmd.status,
+                f"rollout {old.rollout_id}",
+                old.status,
+                cmd.status,
                 "a finished rollout can only be queued again",
             )
         if cmd.status != old.status:
@@ -429,7 +435,8 @@ def evolve_worker(worker: Worker | None, event: AnyEvent, worker_id: str) -> Wor
     w = worker or Worker(worker_id=worker_id)
     if isinstance(event, WorkerHeartbeat) and event.worker_id == worker_id:
         return msgspec.structs.replace(
-            w, last_heartbeat_time=event.time,
+            w,
+            last_heartbeat_time=event.time,
             heartbeat_stats=event.heartbeat_stats if event.heartbeat_stats is not None else w.heartbeat_stats,
         )
     if isinstance(event, WorkerIdle) and event.worker_id == worker_id:
@@ -439,8 +446,12 @@ def evolve_worker(worker: Worker | None, event: AnyEvent, worker_id: str) -> Wor
         return msgspec.structs.replace(w, **changes)
     if isinstance(event, AttemptStarted) and event.attempt.worker_id == worker_id:
         return msgspec.structs.replace(
-            w, status="busy", last_dequeue_time=event.time, last_busy_time=event.time,
-            current_rollout_id=event.attempt.rollout_id, current_attempt_id=event.attempt.attempt_id,
+            w,
+            status="busy",
+            last_dequeue_time=event.time,
+            last_busy_time=event.time,
+            current_rollout_id=event.attempt.rollout_id,
+            current_attempt_id=event.attempt.attempt_id,
         )
     if isinstance(event, AttemptUpdated) and event.attempt.worker_id == worker_id:
         status = event.attempt.status
@@ -448,12 +459,18 @@ def evolve_worker(worker: Worker | None, event: AnyEvent, worker_id: str) -> Wor
             if w.current_attempt_id not in (None, event.attempt.attempt_id):
                 return w  # the worker already moved on to another attempt
             return msgspec.structs.replace(
-                w, status="idle" if status in ("succeeded", "failed") else "unknown",
-                last_idle_time=event.time, current_rollout_id=None, current_attempt_id=None,
+                w,
+                status="idle" if status in ("succeeded", "failed") else "unknown",
+                last_idle_time=event.time,
+                current_rollout_id=None,
+                current_attempt_id=None,
             )
         return msgspec.structs.replace(
-            w, status="busy", last_busy_time=event.time,
-            current_rollout_id=event.attempt.rollout_id, current_attempt_id=event.attempt.attempt_id,
+            w,
+            status="busy",
+            last_busy_time=event.time,
+            current_rollout_id=event.attempt.rollout_id,
+            current_attempt_id=event.attempt.attempt_id,
         )
     return None
 

@@ -65,7 +65,8 @@ def emit_annotation(annotation: dict[str, Any], propagate: bool = True) -> SpanC
     flat = flatten_attributes(annotation)
     for key, value in flat.items():
         ok = isinstance(value, (str, bool, int, float)) or (
-            isinstance(value, list) and len({type(v) for v in value}) <= 1
+            isinstance(value, list)
+            and len({type(v) for v in value}) <= 1
             and all(isinstance(v, (str, bool, int, float)) for v in value)
         )
         if not ok:
@@ -127,8 +128,10 @@ def emit_object(obj: Any, attributes: dict[str, Any] | None = None, propagate: b
     if isinstance(obj, (str, bool, int, float)):
         attrs = {"agentlightning.object.type": type(obj).__name__, "agentlightning.object.literal": str(obj)}
     elif isinstance(obj, bytes):
-        attrs = {"agentlightning.object.type": "bytes",
-                 "agentlightning.object.literal": base64.b64encode(obj).decode()}
+        attrs = {
+            "agentlightning.object.type": "bytes",
+            "agentlightning.object.literal": base64.b64encode(obj).decode(),
+        }
     else:
         cls = type(obj)
         name = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
@@ -168,8 +171,14 @@ class operation:  # noqa: N801 - Agent-lightning's public name
     decorator is applied, so a module-level ``@operation`` works (``seed_runtime.md`` §8 #29).
     """
 
-    def __init__(self, fn: Callable[..., Any] | None = None, *, propagate: bool = True, name: str | None = None,
-                 **attributes: Any):
+    def __init__(
+        self,
+        fn: Callable[..., Any] | None = None,
+        *,
+        propagate: bool = True,
+        name: str | None = None,
+        **attributes: Any,
+    ):
         if fn is not None and not callable(fn):
             raise ValueError("operation() takes a function; custom span names are not supported")
         self.fn = fn
@@ -193,11 +202,13 @@ class operation:  # noqa: N801 - Agent-lightning's public name
             return operation(args[0], propagate=self.propagate, name=self.name, **self.attributes)
         fn = self.fn
         if inspect.iscoroutinefunction(fn):
+
             async def run_async() -> Any:
                 with self._span(fn, args, kwargs) as rec:
                     result = await fn(*args, **kwargs)
                     rec.record_attributes(_io("output", result))
                     return result
+
             return run_async()
         with self._span(fn, args, kwargs) as rec:
             result = fn(*args, **kwargs)
@@ -220,8 +231,10 @@ class operation:  # noqa: N801 - Agent-lightning's public name
     def __enter__(self) -> Any:
         tracer = _tracer(self.propagate, "operation")
         attrs = self._attrs(None)
-        self._cm = _DummyOperation(AGL_OPERATION, attrs) if isinstance(tracer, DummyTracer) else (
-            tracer.operation_context(AGL_OPERATION, attrs)
+        self._cm = (
+            _DummyOperation(AGL_OPERATION, attrs)
+            if isinstance(tracer, DummyTracer)
+            else (tracer.operation_context(AGL_OPERATION, attrs))
         )
         self._rec = self._cm.__enter__()
         return self

@@ -84,7 +84,16 @@ class WorkerIdle(_Base, frozen=True, tag="worker_idle"):
 
 
 RolloutEvent = RolloutCreated | AttemptStarted | AttemptUpdated | RolloutUpdated
-AnyEvent = RolloutCreated | AttemptStarted | AttemptUpdated | RolloutUpdated | SpansAdded | ResourcesPut | WorkerHeartbeat | WorkerIdle
+AnyEvent = (
+    RolloutCreated
+    | AttemptStarted
+    | AttemptUpdated
+    | RolloutUpdated
+    | SpansAdded
+    | ResourcesPut
+    | WorkerHeartbeat
+    | WorkerIdle
+)
 
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(AnyEvent)

@@ -72,9 +72,7 @@ log = logging.getLogger(__name__)
 litellm.suppress_debug_info = True  # no "Give Feedback / Get Help" banners on stdout
 # LiteLLM's lazily imported modules (Router internals, GitHub Copilot auth types, thinking blocks) make
 # pydantic warn "... using the `ReadOnly` qualifier" at the first calls, some on every call; harmless.
-warnings.filterwarnings(
-    "ignore", message=r".*`ReadOnly` qualifier", category=UserWarning, module=r"pydantic\."
-)
+warnings.filterwarnings("ignore", message=r".*`ReadOnly` qualifier", category=UserWarning, module=r"pydantic\.")
 
 __all__ = ["LLMProxy", "build_chat_span_attributes", "chat_completion_to_sse"]
 
@@ -110,9 +108,7 @@ def _put(attrs: dict[str, Any], key: str, value: Any) -> None:
 
 def _int_list(value: Any) -> list[int] | None:
     """``value`` as a list of ints, or ``None`` if it is not one."""
-    if isinstance(value, (list, tuple)) and all(
-        isinstance(v, int) and not isinstance(v, bool) for v in value
-    ):
+    if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         return list(value)
     return None
 
@@ -234,10 +230,7 @@ def build_chat_span_attributes(
         if per_choice:
             attrs["response_token_ids"] = per_choice[0]
             completion_tokens = usage.get("completion_tokens")
-            if (
-                isinstance(completion_tokens, int)
-                and sum(len(ids) for ids in per_choice) != completion_tokens
-            ):
+            if isinstance(completion_tokens, int) and sum(len(ids) for ids in per_choice) != completion_tokens:
                 attrs["token_ids_incomplete"] = True
 
     if error is not None:
@@ -581,13 +574,9 @@ class LLMProxy:
         if model is None:
             names = sorted({e["model_name"] for e in self._model_list})
             if len(names) != 1:
-                raise ValueError(
-                    f"cannot pick a model: the model list has {len(names)} names {names}; pass model="
-                )
+                raise ValueError(f"cannot pick a model: the model list has {len(names)} names {names}; pass model=")
             model = names[0]
-        proxy_llm = ProxyLLM(
-            endpoint=self.endpoint, model=model, sampling_parameters=dict(sampling_parameters or {})
-        )
+        proxy_llm = ProxyLLM(endpoint=self.endpoint, model=model, sampling_parameters=dict(sampling_parameters or {}))
         if rollout_id is None:
             return proxy_llm
         return LLM(
@@ -628,9 +617,7 @@ class LLMProxy:
             sock.bind((self._host, self._port))
         except OSError as exc:
             sock.close()
-            raise OSError(
-                exc.errno, f"LLMProxy cannot bind {self._host}:{self._port}: {exc.strerror}"
-            ) from exc
+            raise OSError(exc.errno, f"LLMProxy cannot bind {self._host}:{self._port}: {exc.strerror}") from exc
         config = uvicorn.Config(
             self._app,
             log_config=None,
@@ -732,9 +719,7 @@ class LLMProxy:
         attempt = 0
         while True:
             try:
-                resp = await router.acompletion(
-                    model=body["model"], messages=body["messages"], stream=False, **kwargs
-                )
+                resp = await router.acompletion(model=body["model"], messages=body["messages"], stream=False, **kwargs)
                 break
             except Exception as exc:
                 status, _, message = _upstream_error(exc)
@@ -754,11 +739,7 @@ class LLMProxy:
         completion = resp.model_dump(mode="json", warnings=False)
         for choice in completion.get("choices") or []:
             extra = choice.get("provider_specific_fields")
-            if (
-                isinstance(extra, dict)
-                and choice.get("token_ids") is None
-                and extra.get("token_ids") is not None
-            ):
+            if isinstance(extra, dict) and choice.get("token_ids") is None and extra.get("token_ids") is not None:
                 choice["token_ids"] = extra["token_ids"]
         hidden = getattr(resp, "_hidden_params", None) or {}
         return completion, hidden.get("custom_llm_provider")
@@ -785,9 +766,7 @@ class LLMProxy:
         try:
             await asyncio.wait_for(asyncio.shield(task), _SPAN_WAIT_S)
         except TimeoutError:
-            log.warning(
-                "recording span %s takes over %.0f s; answering the client first", span.span_id, _SPAN_WAIT_S
-            )
+            log.warning("recording span %s takes over %.0f s; answering the client first", span.span_id, _SPAN_WAIT_S)
 
     # -- HTTP -----------------------------------------------------------------------------
 
@@ -797,9 +776,7 @@ class LLMProxy:
         async def internal_error(request: Request, exc: Exception) -> JSONResponse:
             # Logged with its traceback by the server; the client gets JSON, never a traceback.
             log.error("LLMProxy failed on %s: %s: %s", request.url.path, type(exc).__name__, exc)
-            return _error_response(
-                500, f"LLM proxy internal error: {type(exc).__name__}: {exc}", "internal_error"
-            )
+            return _error_response(500, f"LLM proxy internal error: {type(exc).__name__}: {exc}", "internal_error")
 
         app.add_exception_handler(Exception, internal_error)
 
@@ -821,9 +798,7 @@ class LLMProxy:
             now = int(time.time())
             return {
                 "object": "list",
-                "data": [
-                    {"id": n, "object": "model", "created": now, "owned_by": "eventlight"} for n in names
-                ],
+                "data": [{"id": n, "object": "model", "created": now, "owned_by": "eventlight"} for n in names],
             }
 
         async def models_routed(rollout_id: str, attempt_id: str) -> dict[str, Any]:
@@ -869,9 +844,7 @@ class LLMProxy:
                 "store_unavailable",
             )
 
-    async def _handle_chat(
-        self, request: Request, rollout_id: str | None, attempt_id: str | None
-    ) -> Response:
+    async def _handle_chat(self, request: Request, rollout_id: str | None, attempt_id: str | None) -> Response:
         start_time = time.time()
         try:
             body = json.loads(await request.body())
@@ -954,13 +927,9 @@ class LLMProxy:
         sequence_id: int,
         start_time: float,
     ) -> Span:
-        attributes = build_chat_span_attributes(
-            body, completion, system=system, streaming=streaming, error=error
-        )
+        attributes = build_chat_span_attributes(body, completion, system=system, streaming=streaming, error=error)
         status = (
-            TraceStatus(status_code="ERROR", description=error["message"])
-            if error
-            else TraceStatus(status_code="OK")
+            TraceStatus(status_code="ERROR", description=error["message"]) if error else TraceStatus(status_code="OK")
         )
         span = Span.from_attributes(
             attributes=attributes,

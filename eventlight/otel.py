@@ -36,7 +36,9 @@ def _context(ctx: Any) -> SpanContext | None:
         return None
     state = dict(ctx.trace_state.items()) if getattr(ctx, "trace_state", None) is not None else {}
     return SpanContext(
-        trace_id=_hex_trace(ctx.trace_id), span_id=_hex_span(ctx.span_id), is_remote=bool(ctx.is_remote),
+        trace_id=_hex_trace(ctx.trace_id),
+        span_id=_hex_span(ctx.span_id),
+        is_remote=bool(ctx.is_remote),
         trace_state=state,
     )
 

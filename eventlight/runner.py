@@ -111,8 +111,14 @@ class LitAgentRunner:
         self._agent = None
 
     @contextlib.contextmanager
-    def run_context(self, *, agent: LitAgent[Any], store: LightningStore, hooks: Sequence[Hook] | None = None,
-                    worker_id: int | None = None) -> Any:
+    def run_context(
+        self,
+        *,
+        agent: LitAgent[Any],
+        store: LightningStore,
+        hooks: Sequence[Hook] | None = None,
+        worker_id: int | None = None,
+    ) -> Any:
         """``init`` + ``init_worker`` on entry, the teardowns on exit (synchronous context manager)."""
         wid = 0 if worker_id is None else worker_id
         self.init(agent, hooks=hooks)
@@ -189,8 +195,9 @@ class LitAgentRunner:
         """Run one rollout of ``input`` right away (``start_rollout``, no queue); exceptions propagate."""
         store = self.get_store()
         resources_id = (await store.add_resources(resources)).resources_id if resources else None
-        attempted = await store.start_rollout(input=input, mode=mode, resources_id=resources_id,
-                                              worker_id=self.get_worker_id())
+        attempted = await store.start_rollout(
+            input=input, mode=mode, resources_id=resources_id, worker_id=self.get_worker_id()
+        )
         await self._step_impl(attempted, raise_on_exception=True)
         done = await store.get_rollout_by_id(attempted.rollout_id)
         if done is None:
@@ -209,11 +216,14 @@ class LitAgentRunner:
     async def _resources(self, rollout: AttemptedRollout) -> dict[str, Any]:
         store = self.get_store()
         found = (
-            await store.get_resources_by_id(rollout.resources_id) if rollout.resources_id
+            await store.get_resources_by_id(rollout.resources_id)
+            if rollout.resources_id
             else await store.get_latest_resources()
         )
         if found is None:
-            raise RuntimeError(f"resources {rollout.resources_id or '(latest)'} of rollout {rollout.rollout_id} not found")
+            raise RuntimeError(
+                f"resources {rollout.resources_id or '(latest)'} of rollout {rollout.rollout_id} not found"
+            )
         return dict(found.resources)
 
     async def _call_agent(self, agent: LitAgent[Any], rollout: AttemptedRollout, resources: dict[str, Any]) -> Any:
@@ -225,7 +235,7 @@ class LitAgentRunner:
         return method(rollout.input, resources=resources, rollout=rollout)
 
     async def _step_impl(self, rollout: AttemptedRollout, raise_on_exception: bool = False) -> str:
-        store, agent = self.get_store(), self._agent_or_raise()
+        agent = self._agent_or_raise()
         rid, aid = rollout.rollout_id, rollout.attempt.attempt_id
         prefix = f"[{self.get_worker_id()} | Rollout {rid}]"
         status, spans = "failed", []
@@ -271,7 +281,8 @@ class LitAgentRunner:
                 f"Invalid raw result type. It's expected to be a list of Span, but got: {type(result[0]).__name__}"
             )
         raise TypeError(
-            f"Invalid raw result type. It's expected to be none, float, or a list of Span, but got: {type(result).__name__}"
+            "Invalid raw result type. It's expected to be none, float, or a list of Span, "
+            f"but got: {type(result).__name__}"
         )
 
     async def _finish(self, rid: str, aid: str, status: str, prefix: str) -> None:

@@ -85,7 +85,10 @@ class Tracer:
         return []
 
     def create_span(
-        self, name: str, attributes: dict[str, Any] | None = None, timestamp: float | None = None,
+        self,
+        name: str,
+        attributes: dict[str, Any] | None = None,
+        timestamp: float | None = None,
         status: TraceStatus | None = None,
     ) -> SpanCoreFields:
         raise NotImplementedError
@@ -98,13 +101,19 @@ class DummyTracer(Tracer):
     """Records nothing anywhere; emitters with ``propagate=False`` use it to build span fields."""
 
     def create_span(
-        self, name: str, attributes: dict[str, Any] | None = None, timestamp: float | None = None,
+        self,
+        name: str,
+        attributes: dict[str, Any] | None = None,
+        timestamp: float | None = None,
         status: TraceStatus | None = None,
     ) -> SpanCoreFields:
         at = timestamp if timestamp is not None else time.time()
         return SpanCoreFields(
-            name=name, status=status or TraceStatus(status_code="OK"), attributes=dict(attributes or {}),
-            start_time=at, end_time=at,
+            name=name,
+            status=status or TraceStatus(status_code="OK"),
+            attributes=dict(attributes or {}),
+            start_time=at,
+            end_time=at,
         )
 
 
@@ -181,7 +190,11 @@ class OtelTracer(Tracer):
 
     @contextlib.asynccontextmanager
     async def trace_context(
-        self, name: str | None = None, *, rollout_id: str | None = None, attempt_id: str | None = None,
+        self,
+        name: str | None = None,
+        *,
+        rollout_id: str | None = None,
+        attempt_id: str | None = None,
         store: LightningStore | None = None,
     ) -> AsyncIterator[trace_api.Tracer]:
         """Record the spans of one attempt and stream them to the store.
@@ -229,7 +242,10 @@ class OtelTracer(Tracer):
         return list(self._last)
 
     def create_span(
-        self, name: str, attributes: dict[str, Any] | None = None, timestamp: float | None = None,
+        self,
+        name: str,
+        attributes: dict[str, Any] | None = None,
+        timestamp: float | None = None,
         status: TraceStatus | None = None,
     ) -> SpanCoreFields:
         """Start and end an instantaneous span (emitters use this); it nests under the current span."""
@@ -243,8 +259,9 @@ class OtelTracer(Tracer):
     @contextlib.contextmanager
     def operation_context(self, name: str, attributes: dict[str, Any] | None = None) -> Iterator[_Recording]:
         """Record a span over a block; exceptions mark it ``ERROR`` and propagate."""
-        with self._tracer().start_as_current_span(name, attributes=attributes or {},
-                                                  record_exception=True, set_status_on_exception=True) as span:
+        with self._tracer().start_as_current_span(
+            name, attributes=attributes or {}, record_exception=True, set_status_on_exception=True
+        ) as span:
             rec = _Recording(span)
             yield rec
         rec.done = _core(span)

@@ -49,8 +49,14 @@ async def prepare_services(settings: Settings) -> Services:
 
 
 def _runner_main(
-    agent: LitAgent[Any], runner: LitAgentRunner, hooks: Sequence[Hook], settings: Settings, nats_url: str,
-    worker_index: int, stop: Any, log_level: str,
+    agent: LitAgent[Any],
+    runner: LitAgentRunner,
+    hooks: Sequence[Hook],
+    settings: Settings,
+    nats_url: str,
+    worker_index: int,
+    stop: Any,
+    log_level: str,
 ) -> None:
     """Entry point of a runner process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent coordinates shutdown (peer failure C06)
@@ -82,8 +88,15 @@ class RunnerPool:
     """
 
     def __init__(
-        self, agent: LitAgent[Any], n: int, settings: Settings, nats_url: str, *,
-        runner: LitAgentRunner | None = None, hooks: Sequence[Hook] = (), log_level: str = "WARNING",
+        self,
+        agent: LitAgent[Any],
+        n: int,
+        settings: Settings,
+        nats_url: str,
+        *,
+        runner: LitAgentRunner | None = None,
+        hooks: Sequence[Hook] = (),
+        log_level: str = "WARNING",
     ):
         if n < 1:
             raise ValueError(f"n_runners must be >= 1, got {n}")
@@ -91,9 +104,19 @@ class RunnerPool:
         self.stop_event = self.ctx.Event()
         self.procs = [
             self.ctx.Process(
-                target=_runner_main, name=f"eventlight-runner-{i}", daemon=True,
-                args=(agent, runner or LitAgentRunner(OtelTracer()), tuple(hooks), settings, nats_url, i,
-                      self.stop_event, log_level),
+                target=_runner_main,
+                name=f"eventlight-runner-{i}",
+                daemon=True,
+                args=(
+                    agent,
+                    runner or LitAgentRunner(OtelTracer()),
+                    tuple(hooks),
+                    settings,
+                    nats_url,
+                    i,
+                    self.stop_event,
+                    log_level,
+                ),
             )
             for i in range(n)
         ]
@@ -185,8 +208,13 @@ class Trainer:
         agent.set_trainer(self)
         self.services = await prepare_services(self.settings)
         pool = RunnerPool(
-            agent, self.n_runners, self.settings, self.services.nats_url,
-            runner=LitAgentRunner(self.tracer), hooks=self.hooks, log_level=self.runner_log_level,
+            agent,
+            self.n_runners,
+            self.settings,
+            self.services.nats_url,
+            runner=LitAgentRunner(self.tracer),
+            hooks=self.hooks,
+            log_level=self.runner_log_level,
         )
         pool.start()
         try:

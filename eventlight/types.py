@@ -377,7 +377,10 @@ class PaginatedResult(Sequence[T], Generic[T]):
     def __eq__(self, other: object) -> bool:
         if isinstance(other, PaginatedResult):
             return (self.items, self.limit, self.offset, self.total) == (
-                other.items, other.limit, other.offset, other.total
+                other.items,
+                other.limit,
+                other.offset,
+                other.total,
             )
         if isinstance(other, Sequence) and not isinstance(other, (str, bytes)):
             return self.items == list(other)

@@ -9,8 +9,8 @@ afterwards.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import concurrent.futures
+import contextlib
 import os
 import tempfile
 import uuid
@@ -20,7 +20,14 @@ from typing import TypeVar
 
 import pytest
 
-from eventlight.services import Services, apply_migrations, apply_streams, drop_namespace, ensure_services, stop_services
+from eventlight.services import (
+    Services,
+    apply_migrations,
+    apply_streams,
+    drop_namespace,
+    ensure_services,
+    stop_services,
+)
 from eventlight.settings import Settings
 from eventlight.store.eventlog import connect_nats
 from eventlight.store.jetstream import JetStreamLightningStore
@@ -50,7 +57,10 @@ async def fresh_namespace(services: tuple[Settings, Services]) -> AsyncIterator[
     """A new namespace (stream + schema) on the session's servers, dropped afterwards."""
     base, svc = services
     settings = Settings(
-        nats_url=svc.nats_url, pg_dsn=svc.pg_dsn, state_dir=base.state_dir, namespace=f"t{uuid.uuid4().hex[:10]}"
+        nats_url=svc.nats_url,
+        pg_dsn=svc.pg_dsn,
+        state_dir=base.state_dir,
+        namespace=f"t{uuid.uuid4().hex[:10]}",
     )
     nc = await connect_nats(svc.nats_url)
     try:

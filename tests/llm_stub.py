@@ -170,8 +170,7 @@ class ScriptedLLM:
             for tc in reply.tool_calls
         ]
         generated = text + "".join(
-            f" <tool_call> {tc['function']['name']} {tc['function']['arguments']} </tool_call>"
-            for tc in tool_calls
+            f" <tool_call> {tc['function']['name']} {tc['function']['arguments']} </tool_call>" for tc in tool_calls
         )
         token_ids = reply.token_ids if reply.token_ids is not None else toy_tokenize(generated)
         prompt_ids = (
@@ -218,9 +217,7 @@ class ScriptedLLM:
                 delta["tool_calls"] = [dict(tc, index=i) for i, tc in enumerate(msg["tool_calls"])]
             first = dict(
                 base,
-                choices=[
-                    {"index": 0, "delta": delta, "finish_reason": None, "token_ids": choice.get("token_ids")}
-                ],
+                choices=[{"index": 0, "delta": delta, "finish_reason": None, "token_ids": choice.get("token_ids")}],
             )
             yield f"data: {json.dumps(first)}\n\n".encode()
             last = dict(

@@ -201,10 +201,7 @@ def test_find_final_reward_is_last_in_list_order() -> None:
 
 
 def test_get_message_value() -> None:
-    assert (
-        get_message_value(span("m", "agentlightning.message", **{"agentlightning.message.body": "hi"}))
-        == "hi"
-    )
+    assert get_message_value(span("m", "agentlightning.message", **{"agentlightning.message.body": "hi"})) == "hi"
     assert get_message_value(span("m", "x")) is None
     with pytest.raises(TypeError):
         get_message_value(span("m", "x", **{"agentlightning.message.body": 3}))
@@ -454,9 +451,9 @@ def test_skip_empty_token_spans() -> None:
         span("without", "openai.chat.completion", "root", 3, 4, **{"gen_ai.response.id": "r2"}),
     ]
     assert len(TracerTraceToTriplet().adapt(spans)) == 2
-    assert [
-        t.metadata["response_id"] for t in TracerTraceToTriplet(_skip_empty_token_spans=True).adapt(spans)
-    ] == ["r1"]
+    assert [t.metadata["response_id"] for t in TracerTraceToTriplet(_skip_empty_token_spans=True).adapt(spans)] == [
+        "r1"
+    ]
 
 
 def test_image_urls_and_logprobs() -> None:
@@ -620,9 +617,7 @@ def test_trace_to_messages_prompt_tool_calls_and_roles() -> None:
             {
                 "role": "assistant",
                 "content": None,
-                "tool_calls": [
-                    {"id": "c9", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-                ],
+                "tool_calls": [{"id": "c9", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
             },
             {"role": "tool", "content": "42", "tool_call_id": "c9"},
             {"role": "user", "content": "thanks"},

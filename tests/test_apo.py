@@ -163,9 +163,7 @@ class FakeClient:
 def parent_template(messages: list[dict[str, str]]) -> str:
     """The template an apply-edit prompt shows (both rewrite variants)."""
     user = messages[-1]["content"]
-    found = re.search(
-        r"(?:# Prompt Template|### PROMPT)\n\n(.*)\n\n(?:# Critique|### CRITIQUE)", user, re.DOTALL
-    )
+    found = re.search(r"(?:# Prompt Template|### PROMPT)\n\n(.*)\n\n(?:# Critique|### CRITIQUE)", user, re.DOTALL)
     assert found, user
     return found.group(1)
 
@@ -284,21 +282,15 @@ async def test_apo_on_every_store_backend(store: Any) -> None:
 @pytest.mark.parametrize(
     "reply",
     [
-        pytest.param(
-            lambda model, messages: (_ for _ in ()).throw(RuntimeError("optimizer down")), id="raises"
-        ),
+        pytest.param(lambda model, messages: (_ for _ in ()).throw(RuntimeError("optimizer down")), id="raises"),
         pytest.param(lambda model, messages: None, id="no-content"),
         pytest.param(lambda model, messages: "   ", id="blank"),
         pytest.param(
             lambda model, messages: "critique" if model == "critic" else "ONLY rooms for {request}",
             id="bad-placeholder",
         ),
-        pytest.param(
-            lambda model, messages: "critique" if model == "critic" else "ONLY {} rooms", id="positional"
-        ),
-        pytest.param(
-            lambda model, messages: "critique" if model == "critic" else "ONLY {task", id="unbalanced"
-        ),
+        pytest.param(lambda model, messages: "critique" if model == "critic" else "ONLY {} rooms", id="positional"),
+        pytest.param(lambda model, messages: "critique" if model == "critic" else "ONLY {task", id="unbalanced"),
         pytest.param(
             lambda model, messages: "critique" if model == "critic" else parent_template(messages),
             id="identical",
@@ -530,12 +522,8 @@ async def test_algo_injects_by_parameter_name() -> None:
     seen: dict[str, Any] = {}
 
     @algo
-    async def my_algorithm(
-        *, store: Any, initial_resources: Any, llm_proxy: Any, train_dataset: Any = None
-    ) -> None:
-        seen.update(
-            store=store, initial_resources=initial_resources, llm_proxy=llm_proxy, train=train_dataset
-        )
+    async def my_algorithm(*, store: Any, initial_resources: Any, llm_proxy: Any, train_dataset: Any = None) -> None:
+        seen.update(store=store, initial_resources=initial_resources, llm_proxy=llm_proxy, train=train_dataset)
         await store.enqueue_rollout(input=train_dataset[0], mode="train")
 
     assert isinstance(my_algorithm, FunctionalAlgorithm) and my_algorithm.is_async()

@@ -208,14 +208,18 @@ def test_events_round_trip_with_stable_tags() -> None:
     raw = encode_event(event)
     assert msgspec.json.decode(raw)["type"] == "attempt_updated"
     assert decode_event(raw) == event
-    assert isinstance(decode_event(encode_event(state_started := AttemptStarted(time=1, attempt=state.latest))),
-                      AttemptStarted)
+    assert isinstance(
+        decode_event(encode_event(state_started := AttemptStarted(time=1, attempt=state.latest))),
+        AttemptStarted,
+    )
     assert state_started.v == 1
 
 
 def test_an_old_event_without_new_fields_still_decodes() -> None:
-    old = b'{"type":"attempt_updated","time":1.0,"attempt":{"rollout_id":"ro-1","attempt_id":"at-1",' \
-          b'"sequence_id":1,"start_time":0.5,"status":"failed"}}'
+    old = (
+        b'{"type":"attempt_updated","time":1.0,"attempt":{"rollout_id":"ro-1","attempt_id":"at-1",'
+        b'"sequence_id":1,"start_time":0.5,"status":"failed"}}'
+    )
     event = decode_event(old)
     assert isinstance(event, AttemptUpdated) and event.rollout_status is None and event.v == 1
 

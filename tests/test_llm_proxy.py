@@ -73,9 +73,7 @@ def check_legal_attributes(attributes: dict[str, Any]) -> None:
 
 async def test_three_calls_give_three_spans_with_gen_ai_attributes() -> None:
     store = InMemoryLightningStore()
-    stub = ScriptedLLM(
-        responses=lambda messages, request: Reply(content=f"the answer to {last_user(messages)}")
-    )
+    stub = ScriptedLLM(responses=lambda messages, request: Reply(content=f"the answer to {last_user(messages)}"))
     async with stub as url, running_proxy(url, store) as proxy:
         rollout = await store.start_rollout(input={})
         rid, aid = rollout.rollout_id, rollout.attempt.attempt_id
@@ -109,9 +107,7 @@ async def test_three_calls_give_three_spans_with_gen_ai_attributes() -> None:
             assert span.name == "openai.chat.completion"
             assert span.rollout_id == rid and span.attempt_id == aid
             assert span.status.status_code == "OK"
-            assert re.fullmatch(r"[0-9a-f]{32}", span.trace_id) and re.fullmatch(
-                r"[0-9a-f]{16}", span.span_id
-            )
+            assert re.fullmatch(r"[0-9a-f]{32}", span.trace_id) and re.fullmatch(r"[0-9a-f]{16}", span.span_id)
             assert span.parent_id is None
             assert span.start_time is not None and span.end_time is not None
             assert 0 <= span.end_time - span.start_time < 30  # seconds, not ns
@@ -157,8 +153,7 @@ async def test_concurrent_calls_get_distinct_sequence_ids() -> None:
         assert sorted(s.sequence_id for s in spans) == list(range(1, 9))
         # Each span holds its own call's prompt and answer.
         assert all(
-            s.attributes["gen_ai.prompt.0.content"] == s.attributes["gen_ai.completion.0.content"]
-            for s in spans
+            s.attributes["gen_ai.prompt.0.content"] == s.attributes["gen_ai.completion.0.content"] for s in spans
         )
 
 
@@ -176,10 +171,7 @@ async def test_client_response_carries_token_ids() -> None:
         body = r.json()
         assert body["choices"][0]["message"]["content"] == "hello there"
         assert body["choices"][0]["token_ids"] == toy_tokenize("hello there")
-        assert (
-            body["prompt_token_ids"]
-            == (await spans_of(store, rollout.rollout_id))[0].attributes["prompt_token_ids"]
-        )
+        assert body["prompt_token_ids"] == (await spans_of(store, rollout.rollout_id))[0].attributes["prompt_token_ids"]
 
 
 async def test_stream_gives_same_text_ends_with_done_and_same_span() -> None:
@@ -273,9 +265,7 @@ async def test_tool_calls_survive_stream_conversion_and_are_recorded() -> None:
         rollout = await store.start_rollout(input={})
         client = client_for(proxy.as_resource().get_base_url(rollout.rollout_id, rollout.attempt.attempt_id))
         messages = [{"role": "user", "content": "weather in SF?"}]
-        stream = await client.chat.completions.create(
-            model=MODEL, messages=messages, tools=tools, stream=True
-        )
+        stream = await client.chat.completions.create(model=MODEL, messages=messages, tools=tools, stream=True)
         name, arguments, call_id, finish = "", "", None, None
         async for chunk in stream:
             for choice in chunk.choices:
@@ -317,9 +307,7 @@ async def test_prompt_with_tool_history_and_list_content_is_flattened() -> None:
             {
                 "role": "assistant",
                 "content": None,
-                "tool_calls": [
-                    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
-                ],
+                "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}],
             },
             {"role": "tool", "tool_call_id": "c1", "content": "42"},
         ]
@@ -343,14 +331,10 @@ async def test_unknown_rollout_or_attempt_gives_404_and_records_nothing() -> Non
         resource = proxy.as_resource()
         body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
         async with httpx.AsyncClient() as http:
-            r = await http.post(
-                resource.get_base_url("ro-doesnotexist", "at-nope") + "/chat/completions", json=body
-            )
+            r = await http.post(resource.get_base_url("ro-doesnotexist", "at-nope") + "/chat/completions", json=body)
             assert r.status_code == 404
             assert "ro-doesnotexist" in r.json()["error"]["message"]
-            r = await http.post(
-                resource.get_base_url(rollout.rollout_id, "at-nope") + "/chat/completions", json=body
-            )
+            r = await http.post(resource.get_base_url(rollout.rollout_id, "at-nope") + "/chat/completions", json=body)
             assert r.status_code == 404
             assert "at-nope" in r.json()["error"]["message"]
             assert "Traceback" not in r.text
@@ -489,9 +473,7 @@ async def test_unrouted_call_is_forwarded_not_recorded_and_warns_once(
         client = client_for(proxy.endpoint)
         with caplog.at_level(logging.WARNING, logger="eventlight.llm_proxy"):
             for _ in range(2):
-                resp = await client.chat.completions.create(
-                    model=MODEL, messages=[{"role": "user", "content": "x"}]
-                )
+                resp = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
                 assert resp.choices[0].message.content == "plain"
         models = await client.models.list()
         await client.close()
@@ -515,9 +497,7 @@ async def test_store_failure_on_add_is_logged_not_raised(caplog: pytest.LogCaptu
         rollout = await store.start_rollout(input={})
         client = client_for(proxy.as_resource().get_base_url(rollout.rollout_id, rollout.attempt.attempt_id))
         with caplog.at_level(logging.ERROR, logger="eventlight.llm_proxy"):
-            resp = await client.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": "x"}]
-            )
+            resp = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
         await client.close()
         assert resp.choices[0].message.content == "fine"
         assert any("could not record span" in r.getMessage() for r in caplog.records)
@@ -603,9 +583,9 @@ async def test_lifecycle_stop_is_idempotent_and_restart_keeps_the_port() -> None
         assert proxy.is_running() and proxy.port == port
         rollout = await store.start_rollout(input={})
         client = client_for(proxy.as_resource().get_base_url(rollout.rollout_id, rollout.attempt.attempt_id))
-        assert (
-            await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
-        ).choices[0].message.content == "hi"
+        assert (await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])).choices[
+            0
+        ].message.content == "hi"
         await client.close()
         await proxy.stop()
         await proxy.stop()
@@ -630,17 +610,15 @@ async def test_update_model_list_switches_backend_of_a_running_proxy() -> None:
     async with ScriptedLLM(responses="from A") as url_a, ScriptedLLM(responses="from B") as url_b:
         async with running_proxy(url_a, store) as proxy:
             rollout = await store.start_rollout(input={})
-            client = client_for(
-                proxy.as_resource().get_base_url(rollout.rollout_id, rollout.attempt.attempt_id)
-            )
+            client = client_for(proxy.as_resource().get_base_url(rollout.rollout_id, rollout.attempt.attempt_id))
             msgs = [{"role": "user", "content": "x"}]
-            assert (await client.chat.completions.create(model=MODEL, messages=msgs)).choices[
-                0
-            ].message.content == ("from A")
+            assert (await client.chat.completions.create(model=MODEL, messages=msgs)).choices[0].message.content == (
+                "from A"
+            )
             proxy.update_model_list(model_list(url_b))
-            assert (await client.chat.completions.create(model=MODEL, messages=msgs)).choices[
-                0
-            ].message.content == ("from B")
+            assert (await client.chat.completions.create(model=MODEL, messages=msgs)).choices[0].message.content == (
+                "from B"
+            )
             await client.close()
             assert [s.sequence_id for s in await spans_of(store, rollout.rollout_id)] == [1, 2]
 
@@ -697,11 +675,7 @@ def test_chat_completion_to_sse_pieces_reassemble() -> None:
     assert json.loads(args) == {"k": "v" * 90}
     assert chunks[0]["prompt_token_ids"] == [1, 2]
     finals = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
-    assert (
-        len(finals) == 1
-        and finals[0]["finish_reason"] == "tool_calls"
-        and finals[0]["token_ids"] == [5, 6, 7]
-    )
+    assert len(finals) == 1 and finals[0]["finish_reason"] == "tool_calls" and finals[0]["token_ids"] == [5, 6, 7]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 5
 
 

@@ -137,9 +137,7 @@ async def test_embedded_start_reuse_stop_restart(root_dir: Path) -> None:
         await nc.close()
 
     migrations = _write_migrations(root_dir / "migrations")
-    runs = await asyncio.gather(
-        *[svc.apply_migrations(first.pg_dsn, settings.pg_schema, migrations) for _ in range(3)]
-    )
+    runs = await asyncio.gather(*[svc.apply_migrations(first.pg_dsn, settings.pg_schema, migrations) for _ in range(3)])
     assert sorted(v for run in runs for v in run) == ["001_first", "002_second"]
 
     stopped = await svc.stop_services(settings)
@@ -183,9 +181,7 @@ async def test_dead_nats_url_names_the_url(root_dir: Path, monkeypatch: pytest.M
     assert not (root_dir / "state" / "services.json").exists()
 
 
-async def test_unreachable_pg_dsn_falls_back_to_embedded(
-    root_dir: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+async def test_unreachable_pg_dsn_falls_back_to_embedded(root_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     existing = await _existing_nats_or_skip()
     dead = f"postgresql://postgres:s3cret@127.0.0.1:{_free_port()}/postgres"
     settings = Settings(nats_url=existing, pg_dsn=dead, state_dir=root_dir / "state")

@@ -32,8 +32,12 @@ async def settle(store: Any) -> None:
 def reward_span(rollout_id: str, attempt_id: str, seq: int, value: float) -> Span:
     return Span.from_attributes(
         attributes={"agentlightning.reward.0.name": "primary", "agentlightning.reward.0.value": value},
-        rollout_id=rollout_id, attempt_id=attempt_id, sequence_id=seq, name="agentlightning.annotation",
-        start_time=1.0, end_time=1.0,
+        rollout_id=rollout_id,
+        attempt_id=attempt_id,
+        sequence_id=seq,
+        name="agentlightning.annotation",
+        start_time=1.0,
+        end_time=1.0,
     )
 
 
@@ -232,9 +236,7 @@ async def test_query_rollouts_filters_sorts_and_pages(store: Any) -> None:
     assert page.total == 5 and page.limit == 2 and page.offset == 1
     assert [r.rollout_id for r in await store.query_rollouts(status_in=["cancelled"])] == [made[0].rollout_id]
     assert len(await store.query_rollouts(status_in=[])) == 0
-    either = await store.query_rollouts(
-        status_in=["cancelled"], rollout_id_in=[made[4].rollout_id], filter_logic="or"
-    )
+    either = await store.query_rollouts(status_in=["cancelled"], rollout_id_in=[made[4].rollout_id], filter_logic="or")
     assert {r.rollout_id for r in either} == {made[0].rollout_id, made[4].rollout_id}
     desc = await store.query_rollouts(sort_by="start_time", sort_order="desc")
     assert [r.rollout_id for r in desc] == [m.rollout_id for m in reversed(made)]

@@ -566,9 +566,7 @@ class APO(Algorithm, Generic[T_task]):
         for beam_no, parent in enumerate(self._sample_parents(beam), 1):
             for branch_no in range(1, self.branch_factor + 1):
                 prefix = _prefix(round_no, beam_no, branch_no, parent.version)
-                results, _ = await self.evaluate_prompt_on_batch(
-                    parent, name, next(grad_iter), "train", prefix=prefix
-                )
+                results, _ = await self.evaluate_prompt_on_batch(parent, name, next(grad_iter), "train", prefix=prefix)
                 text = await self.textual_gradient_and_apply_edit(parent, results, prefix=prefix)
                 child = self._accept_child(round_no, parent, text, prefix)
                 if child is not None:
@@ -612,9 +610,7 @@ class APO(Algorithm, Generic[T_task]):
     ) -> list[VersionedPromptTemplate]:
         for candidate in candidates:
             prefix = f"[Round {round_no:02d} | Prompt {candidate.version}]"
-            _, candidate.score = await self.evaluate_prompt_on_batch(
-                candidate, name, val_batch, "val", prefix=prefix
-            )
+            _, candidate.score = await self.evaluate_prompt_on_batch(candidate, name, val_batch, "val", prefix=prefix)
             log.info("%s Candidate score: %.3f", prefix, candidate.score)
         beam = sorted(candidates, key=lambda c: c.score or 0.0, reverse=True)[: self.beam_width]
         log.info(
@@ -642,9 +638,7 @@ class APO(Algorithm, Generic[T_task]):
         _, score = await self.evaluate_prompt_on_batch(leader, name, val_all, "val", prefix=prefix)
         log.info("%s Beam leader score: %.3f", prefix, score)
         if score > self.best_score:
-            log.info(
-                "%s Best prompt updated. New best score: %.3f (prev: %.3f)", prefix, score, self.best_score
-            )
+            log.info("%s Best prompt updated. New best score: %.3f (prev: %.3f)", prefix, score, self.best_score)
             self._set_best(leader, score)
 
     def _set_best(self, prompt: VersionedPromptTemplate, score: float) -> None:
@@ -699,9 +693,7 @@ class APO(Algorithm, Generic[T_task]):
         store = self.get_store()
         await store.put_resources(prompt.version, self._resources_for(resource_name, prompt.prompt_template))
         requests = [
-            EnqueueRolloutRequest(
-                input=task, mode=mode, resources_id=prompt.version, config=self.rollout_config
-            )
+            EnqueueRolloutRequest(input=task, mode=mode, resources_id=prompt.version, config=self.rollout_config)
             for task in dataset
         ]
         ids = [r.rollout_id for r in await store.enqueue_many_rollouts(requests)]

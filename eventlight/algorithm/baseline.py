@@ -29,9 +29,7 @@ def _iso(t: float | None) -> str:
 
 def format_span(span: Span, verbosity: SpanVerbosity) -> str:
     """One log line for a span: ids, sequence, name, times and attribute keys (or values)."""
-    took = (
-        "?" if span.start_time is None or span.end_time is None else f"{span.end_time - span.start_time:.3f}"
-    )
+    took = "?" if span.start_time is None or span.end_time is None else f"{span.end_time - span.start_time:.3f}"
     head = (
         f"[Rollout {span.rollout_id} | Attempt {span.attempt_id} | Span {span.span_id}] #{span.sequence_id} "
         f"({span.name}) From {_iso(span.start_time)}, to {_iso(span.end_time)}, {took} seconds."
@@ -79,9 +77,7 @@ class Baseline(FastAlgorithm):
         self.max_queue_length = max_queue_length
         self.span_verbosity = span_verbosity
 
-    async def run(
-        self, train_dataset: Dataset[Any] | None = None, val_dataset: Dataset[Any] | None = None
-    ) -> None:
+    async def run(self, train_dataset: Dataset[Any] | None = None, val_dataset: Dataset[Any] | None = None) -> None:
         """Run all epochs; returns when every rollout finished and was logged.
 
         Raises:
@@ -145,9 +141,7 @@ class Baseline(FastAlgorithm):
             try:
                 log.info("[Rollout %s] Adapted data: %s", rollout.rollout_id, self._adapter.adapt(spans))
             except Exception:
-                log.exception(
-                    "[Rollout %s] adapter %s failed", rollout.rollout_id, type(self._adapter).__name__
-                )
+                log.exception("[Rollout %s] adapter %s failed", rollout.rollout_id, type(self._adapter).__name__)
 
 
 def _items(dataset: Dataset[Any] | None) -> list[Any]:

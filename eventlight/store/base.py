@@ -85,9 +85,7 @@ class LightningStore(ABC):
 
     async def enqueue_many_rollouts(self, rollouts: Sequence[EnqueueRolloutRequest]) -> list[Rollout]:
         """``enqueue_rollout`` for each request, in order."""
-        return [
-            await self.enqueue_rollout(r.input, r.mode, r.resources_id, r.config, r.metadata) for r in rollouts
-        ]
+        return [await self.enqueue_rollout(r.input, r.mode, r.resources_id, r.config, r.metadata) for r in rollouts]
 
     @abstractmethod
     async def start_rollout(

@@ -75,7 +75,11 @@ class EventLog:
             if e.err_code == WRONG_LAST_SEQUENCE:
                 raise StaleStateError(str(e)) from e
             raise
-        except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionClosedError) as e:
+        except (
+            nats.errors.TimeoutError,
+            nats.errors.NoRespondersError,
+            nats.errors.ConnectionClosedError,
+        ) as e:
             raise ServiceUnavailableError(self._server(), f"publish to {subject} failed: {e!r}") from e
         return ack.seq
 

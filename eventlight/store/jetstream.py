@@ -256,7 +256,11 @@ class JetStreamLightningStore(LightningStore):
     ) -> Rollout:
         rid = await self._resolve_resources(resources_id)
         cmd = d.CreateRollout(
-            rollout_id=generate_id("ro-", 12), input=input, mode=mode, resources_id=rid, config=config,
+            rollout_id=generate_id("ro-", 12),
+            input=input,
+            mode=mode,
+            resources_id=rid,
+            config=config,
             metadata=metadata,
         )
         return (await self._create(cmd)).rollout
@@ -271,10 +275,16 @@ class JetStreamLightningStore(LightningStore):
                 res = latest
             else:
                 res = await self._resolve_resources(r.resources_id)
-            cmds.append(d.CreateRollout(
-                rollout_id=generate_id("ro-", 12), input=r.input, mode=r.mode, resources_id=res,  # type: ignore[arg-type]
-                config=r.config, metadata=r.metadata,
-            ))
+            cmds.append(
+                d.CreateRollout(
+                    rollout_id=generate_id("ro-", 12),
+                    input=r.input,
+                    mode=r.mode,
+                    resources_id=res,  # type: ignore[arg-type]
+                    config=r.config,
+                    metadata=r.metadata,
+                )
+            )
         states = await asyncio.gather(*(self._create(c) for c in cmds))
         return [s.rollout for s in states]
 
@@ -290,9 +300,15 @@ class JetStreamLightningStore(LightningStore):
         if worker_id is not None:
             check_token("worker_id", worker_id)
         cmd = d.CreateRollout(
-            rollout_id=generate_id("ro-", 12), input=input, mode=mode,
-            resources_id=await self._resolve_resources(resources_id), config=config, metadata=metadata,
-            queued=False, attempt_id=generate_id("at-", 8), worker_id=worker_id,
+            rollout_id=generate_id("ro-", 12),
+            input=input,
+            mode=mode,
+            resources_id=await self._resolve_resources(resources_id),
+            config=config,
+            metadata=metadata,
+            queued=False,
+            attempt_id=generate_id("at-", 8),
+            worker_id=worker_id,
         )
         return (await self._create(cmd)).attempted()  # type: ignore[return-value]
 
@@ -300,7 +316,10 @@ class JetStreamLightningStore(LightningStore):
         if self._runners_sub is None:
             log_ = self._log()
             cfg = ConsumerConfig(
-                durable_name="runners", ack_policy=AckPolicy.EXPLICIT, ack_wait=30, max_ack_pending=10000,
+                durable_name="runners",
+                ack_policy=AckPolicy.EXPLICIT,
+                ack_wait=30,
+                max_ack_pending=10000,
                 filter_subject=f"{log_.prefix}.r.*.q",
             )
             self._runners_sub = await log_.js.pull_subscribe(
@@ -325,7 +344,7 @@ class JetStreamLightningStore(LightningStore):
             timeout = max(0.05, deadline - time.monotonic())
             try:
                 msgs = await sub.fetch(1, timeout=timeout)
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            except (TimeoutError, nats.errors.TimeoutError):
                 await self._mark_idle(worker_id)
                 return None
             claimed = await self._claim(msgs[0], worker_id)
@@ -407,11 +426,16 @@ class JetStreamLightningStore(LightningStore):
         last_heartbeat_time: Any = UNSET,
         metadata: Any = UNSET,
     ) -> Attempt:
-        aid = await self._check_attempt(rollout_id, attempt_id) if attempt_id != "latest" else (
-            (await self._load(rollout_id)).attempt("latest").attempt_id
+        aid = (
+            await self._check_attempt(rollout_id, attempt_id)
+            if attempt_id != "latest"
+            else ((await self._load(rollout_id)).attempt("latest").attempt_id)
         )
         cmd = d.UpdateAttempt(
-            attempt_id=aid, status=status, worker_id=worker_id, last_heartbeat_time=last_heartbeat_time,
+            attempt_id=aid,
+            status=status,
+            worker_id=worker_id,
+            last_heartbeat_time=last_heartbeat_time,
             metadata=metadata,
         )
         try:
@@ -456,7 +480,9 @@ class JetStreamLightningStore(LightningStore):
             async with self._changed:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(
-                        self._changed.wait_for(lambda: self.projector is not None and self.projector.checkpoint >= target),
+                        self._changed.wait_for(
+                            lambda: self.projector is not None and self.projector.checkpoint >= target
+                        ),
                         timeout_s,
                     )
             if self.projector.checkpoint >= target:
@@ -468,7 +494,8 @@ class JetStreamLightningStore(LightningStore):
                         return
                     await asyncio.sleep(0.005)
         raise ServiceUnavailableError(
-            "projector", f"the projection did not reach stream sequence {target} within {timeout_s:.0f} s; "
+            "projector",
+            f"the projection did not reach stream sequence {target} within {timeout_s:.0f} s; "
             "is a projector running for this namespace?",
         )
 
@@ -549,7 +576,10 @@ class JetStreamLightningStore(LightningStore):
         await self.sync()
         ids = list(dict.fromkeys(rollout_ids))
         async with self._pool().acquire() as conn:
-            known = {r[0] for r in await conn.fetch("SELECT rollout_id FROM rollouts WHERE rollout_id = ANY($1::text[])", ids)}
+            known = {
+                r[0]
+                for r in await conn.fetch("SELECT rollout_id FROM rollouts WHERE rollout_id = ANY($1::text[])", ids)
+            }
         for rid in ids:
             if rid not in known:
                 raise RolloutNotFoundError(rid)
@@ -655,11 +685,18 @@ class JetStreamLightningStore(LightningStore):
 
                     raise AttemptNotFoundError(rollout_id, attempt_id)
                 w.exact("attempt_id", attempt_id, must=True)
-            for col, value in (("trace_id", trace_id), ("span_id", span_id), ("parent_id", parent_id), ("name", name)):
+            for col, value in (
+                ("trace_id", trace_id),
+                ("span_id", span_id),
+                ("parent_id", parent_id),
+                ("name", name),
+            ):
                 w.exact(col, value)
             for col, needle in (
-                ("trace_id", trace_id_contains), ("span_id", span_id_contains),
-                ("parent_id", parent_id_contains), ("name", name_contains),
+                ("trace_id", trace_id_contains),
+                ("span_id", span_id_contains),
+                ("parent_id", parent_id_contains),
+                ("name", name_contains),
             ):
                 w.contains(col, needle)
             n = len(w.args)
@@ -674,8 +711,11 @@ class JetStreamLightningStore(LightningStore):
         check_resources(resources)
         at = wall_clock()
         snap = ResourcesUpdate(
-            resources_id=resources_id, create_time=old.create_time if old else at, update_time=at,
-            version=old.version + 1 if old else 1, resources=dict(resources),
+            resources_id=resources_id,
+            create_time=old.create_time if old else at,
+            update_time=at,
+            version=old.version + 1 if old else 1,
+            resources=dict(resources),
         )
         self._wrote(await self._log().publish(ResourcesPut(time=at, resources=snap)))
         return snap
@@ -782,8 +822,12 @@ class JetStreamLightningStore(LightningStore):
                 "(SELECT count(*) FROM spans), (SELECT count(*) FROM resources), (SELECT count(*) FROM workers), "
                 "(SELECT last_seq FROM projector_checkpoint)"
             )
-        keys = ("total_rollouts", "total_attempts", "total_spans", "total_resources", "total_workers", "projected_seq")
+        keys = (
+            "total_rollouts",
+            "total_attempts",
+            "total_spans",
+            "total_resources",
+            "total_workers",
+            "projected_seq",
+        )
         return {"name": type(self).__name__, **dict(zip(keys, row, strict=True))}
-
-
-

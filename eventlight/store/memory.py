@@ -163,8 +163,12 @@ class InMemoryLightningStore(LightningStore):
         metadata: dict[str, Any] | None = None,
     ) -> Rollout:
         cmd = d.CreateRollout(
-            rollout_id=generate_id("ro-", 12), input=input, mode=mode, resources_id=resources_id,
-            config=config, metadata=metadata,
+            rollout_id=generate_id("ro-", 12),
+            input=input,
+            mode=mode,
+            resources_id=resources_id,
+            config=config,
+            metadata=metadata,
         )
         return (await self._create(cmd)).rollout
 
@@ -180,8 +184,14 @@ class InMemoryLightningStore(LightningStore):
         if worker_id is not None:
             check_token("worker_id", worker_id)
         cmd = d.CreateRollout(
-            rollout_id=generate_id("ro-", 12), input=input, mode=mode, resources_id=resources_id,
-            config=config, metadata=metadata, queued=False, attempt_id=generate_id("at-", 8),
+            rollout_id=generate_id("ro-", 12),
+            input=input,
+            mode=mode,
+            resources_id=resources_id,
+            config=config,
+            metadata=metadata,
+            queued=False,
+            attempt_id=generate_id("at-", 8),
             worker_id=worker_id,
         )
         return (await self._create(cmd)).attempted()  # type: ignore[return-value]
@@ -239,8 +249,11 @@ class InMemoryLightningStore(LightningStore):
         state = self._state(rollout_id)
         attempt_id = state.attempt(attempt_id).attempt_id
         cmd = d.UpdateAttempt(
-            attempt_id=attempt_id, status=status, worker_id=worker_id,
-            last_heartbeat_time=last_heartbeat_time, metadata=metadata,
+            attempt_id=attempt_id,
+            status=status,
+            worker_id=worker_id,
+            last_heartbeat_time=last_heartbeat_time,
+            metadata=metadata,
         )
         await self._execute(rollout_id, cmd)
         return self._rollouts[rollout_id].attempt(attempt_id)
@@ -289,8 +302,13 @@ class InMemoryLightningStore(LightningStore):
             q.contains("rollout_id", rollout_id_contains),
         ]
         return q.select(
-            items, conds, filter_logic=filter_logic, sort_by=sort_by, sort_order=sort_order,
-            limit=limit, offset=offset,
+            items,
+            conds,
+            filter_logic=filter_logic,
+            sort_by=sort_by,
+            sort_order=sort_order,
+            limit=limit,
+            offset=offset,
         )
 
     async def get_rollout_by_id(self, rollout_id: str) -> Rollout | None:
@@ -329,9 +347,7 @@ class InMemoryLightningStore(LightningStore):
             return finished()
         async with self._changed:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(
-                    self._changed.wait_for(lambda: len(finished()) == len(rollout_ids)), timeout
-                )
+                await asyncio.wait_for(self._changed.wait_for(lambda: len(finished()) == len(rollout_ids)), timeout)
         return finished()
 
     # -- spans ------------------------------------------------------------------------------
@@ -399,14 +415,23 @@ class InMemoryLightningStore(LightningStore):
             aid = state.attempt(attempt_id).attempt_id
             spans = [s for s in spans if s.attempt_id == aid]
         conds = [
-            q.exact("trace_id", trace_id), q.contains("trace_id", trace_id_contains),
-            q.exact("span_id", span_id), q.contains("span_id", span_id_contains),
-            q.exact("parent_id", parent_id), q.contains("parent_id", parent_id_contains),
-            q.exact("name", name), q.contains("name", name_contains),
+            q.exact("trace_id", trace_id),
+            q.contains("trace_id", trace_id_contains),
+            q.exact("span_id", span_id),
+            q.contains("span_id", span_id_contains),
+            q.exact("parent_id", parent_id),
+            q.contains("parent_id", parent_id_contains),
+            q.exact("name", name),
+            q.contains("name", name_contains),
         ]
         return q.select(
-            spans, conds, filter_logic=filter_logic, sort_by=sort_by, sort_order=sort_order,
-            limit=limit, offset=offset,
+            spans,
+            conds,
+            filter_logic=filter_logic,
+            sort_by=sort_by,
+            sort_order=sort_order,
+            limit=limit,
+            offset=offset,
         )
 
     # -- resources --------------------------------------------------------------------------
@@ -492,7 +517,11 @@ class InMemoryLightningStore(LightningStore):
         q.check_sort_field(Worker, sort_by)
         conds = [q.within("status", status_in), q.contains("worker_id", worker_id_contains)]
         return q.select(
-            list(self._workers.values()), conds, filter_logic=filter_logic, sort_by=sort_by,
-            sort_order=sort_order, limit=limit, offset=offset,
+            list(self._workers.values()),
+            conds,
+            filter_logic=filter_logic,
+            sort_by=sort_by,
+            sort_order=sort_order,
+            limit=limit,
+            offset=offset,
         )
-

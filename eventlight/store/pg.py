@@ -82,46 +82,81 @@ WORKER_COLS = (
 
 def rollout_from_row(row: Sequence[Any]) -> Rollout:
     return Rollout(
-        rollout_id=row[0], input=loads(row[1]), start_time=row[2], end_time=row[3], mode=row[4],
-        resources_id=row[5], status=row[6], config=loads(row[7], RolloutConfig), metadata=loads(row[8]),
+        rollout_id=row[0],
+        input=loads(row[1]),
+        start_time=row[2],
+        end_time=row[3],
+        mode=row[4],
+        resources_id=row[5],
+        status=row[6],
+        config=loads(row[7], RolloutConfig),
+        metadata=loads(row[8]),
     )
 
 
 def attempt_from_row(row: Sequence[Any]) -> Attempt:
     return Attempt(
-        rollout_id=row[0], attempt_id=row[1], sequence_id=row[2], start_time=row[3], end_time=row[4],
-        status=row[5], worker_id=row[6], last_heartbeat_time=row[7], metadata=loads(row[8]),
+        rollout_id=row[0],
+        attempt_id=row[1],
+        sequence_id=row[2],
+        start_time=row[3],
+        end_time=row[4],
+        status=row[5],
+        worker_id=row[6],
+        last_heartbeat_time=row[7],
+        metadata=loads(row[8]),
     )
 
 
-_span_dec = msgspec.json.Decoder(Span)
+_SPAN_FIELDS = (
+    "rollout_id",
+    "attempt_id",
+    "sequence_id",
+    "trace_id",
+    "span_id",
+    "parent_id",
+    "name",
+    "status",
+    "attributes",
+    "events",
+    "links",
+    "start_time",
+    "end_time",
+    "context",
+    "parent",
+    "resource",
+)
+_SPAN_JSON = {"status", "attributes", "events", "links", "context", "parent", "resource"}
 
 
 def span_from_row(row: Sequence[Any]) -> Span:
-    doc = (
-        '{"rollout_id":%s,"attempt_id":%s,"sequence_id":%d,"trace_id":%s,"span_id":%s,"parent_id":%s,'
-        '"name":%s,"status":%s,"attributes":%s,"events":%s,"links":%s,"start_time":%s,"end_time":%s,'
-        '"context":%s,"parent":%s,"resource":%s}'
-    ) % (
-        dumps(row[0]), dumps(row[1]), row[2], dumps(row[3]), dumps(row[4]), dumps(row[5]), dumps(row[6]),
-        row[7], row[8], row[9], row[10], dumps(row[11]), dumps(row[12]), row[13] or "null", row[14] or "null",
-        row[15],
-    )
-    return _span_dec.decode(doc)
+    doc = {k: (loads(v) if k in _SPAN_JSON else v) for k, v in zip(_SPAN_FIELDS, row, strict=True)}
+    return msgspec.convert(doc, Span)
 
 
 def worker_from_row(row: Sequence[Any]) -> Worker:
     return Worker(
-        worker_id=row[0], status=row[1], heartbeat_stats=loads(row[2]), last_heartbeat_time=row[3],
-        last_dequeue_time=row[4], last_busy_time=row[5], last_idle_time=row[6],
-        current_rollout_id=row[7], current_attempt_id=row[8],
+        worker_id=row[0],
+        status=row[1],
+        heartbeat_stats=loads(row[2]),
+        last_heartbeat_time=row[3],
+        last_dequeue_time=row[4],
+        last_busy_time=row[5],
+        last_idle_time=row[6],
+        current_rollout_id=row[7],
+        current_attempt_id=row[8],
     )
 
 
 def resources_from_row(row: Sequence[Any]) -> ResourcesUpdate:
     return msgspec.convert(
-        {"resources_id": row[0], "create_time": row[1], "update_time": row[2], "version": row[3],
-         "resources": loads(row[4])},
+        {
+            "resources_id": row[0],
+            "create_time": row[1],
+            "update_time": row[2],
+            "version": row[3],
+            "resources": loads(row[4]),
+        },
         ResourcesUpdate,
     )
 

@@ -122,7 +122,7 @@ class Projector:
         while True:
             try:
                 msgs = await psub.fetch(BATCH, timeout=0.25)
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            except (TimeoutError, nats.errors.TimeoutError):
                 continue
             except Exception:
                 log.exception("projector fetch failed; retrying in 1 s")
@@ -139,8 +139,8 @@ class Projector:
     async def _become_leader(self) -> None:
         self._lock_conn = await self.pool.acquire()
         key = zlib.crc32(self.log.settings.pg_schema.encode())
-        while not await self._lock_conn.fetchval("SELECT pg_try_advisory_lock($1)", key):
-            await asyncio.sleep(0.5)
+        while not await self._lock_conn.fetchval("SELECT pg_try_advisory_lock($1)", key):  # noqa: ASYNC110
+            await asyncio.sleep(0.5)  # a standby polls for the advisory lock
         self.checkpoint = int(await self._lock_conn.fetchval("SELECT last_seq FROM projector_checkpoint") or 0)
         self.leader.set()
         log.info("projector of %s leads from stream sequence %d", self.log.settings.namespace, self.checkpoint)
@@ -241,7 +241,9 @@ class Projector:
         if b.spans:
             await conn.executemany(INSERT_SPAN, b.spans)
         if b.resources:
-            await conn.executemany(UPSERT_RESOURCES, [_resources_row(r, first, last) for r, first, last in b.resources.values()])
+            await conn.executemany(
+                UPSERT_RESOURCES, [_resources_row(r, first, last) for r, first, last in b.resources.values()]
+            )
         if b.workers:
             await conn.executemany(UPSERT_WORKER, [_worker_row(w) for w in b.workers.values()])
         await conn.execute("UPDATE projector_checkpoint SET last_seq = $1, updated_at = now()", b.last_seq)
@@ -267,8 +269,12 @@ class Projector:
             try:
                 await self.log.append(events, self.rollout_seq.get(rid, 0), f"watchdog:{rid}:{at}")
                 marked += 1
-                log.info("watchdog: rollout %s attempt %s -> %s", rid, events[0].attempt.attempt_id,  # type: ignore[union-attr]
-                         events[0].attempt.status)  # type: ignore[union-attr]
+                log.info(
+                    "watchdog: rollout %s attempt %s -> %s",
+                    rid,
+                    events[0].attempt.attempt_id,  # type: ignore[union-attr]
+                    events[0].attempt.status,
+                )  # type: ignore[union-attr]
             except StaleStateError:
                 continue  # something newer happened; the next pass sees it
         return marked
@@ -276,10 +282,23 @@ class Projector:
 
 def _span_row(s: Any, seq: int) -> tuple[Any, ...]:
     return (
-        s.rollout_id, s.attempt_id, s.span_id, s.sequence_id, s.trace_id, s.parent_id, s.name,
-        dumps(s.status), dumps(s.attributes), dumps(s.events), dumps(s.links), s.start_time, s.end_time,
-        dumps(s.context) if s.context is not None else None, dumps(s.parent) if s.parent is not None else None,
-        dumps(s.resource), seq,
+        s.rollout_id,
+        s.attempt_id,
+        s.span_id,
+        s.sequence_id,
+        s.trace_id,
+        s.parent_id,
+        s.name,
+        dumps(s.status),
+        dumps(s.attributes),
+        dumps(s.events),
+        dumps(s.links),
+        s.start_time,
+        s.end_time,
+        dumps(s.context) if s.context is not None else None,
+        dumps(s.parent) if s.parent is not None else None,
+        dumps(s.resource),
+        seq,
     )
 
 
@@ -287,16 +306,33 @@ def _rollout_row(s: d.RolloutState, b: _Batch, known_seq: dict[str, int]) -> tup
     r = s.rollout
     rid = r.rollout_id
     return (
-        rid, dumps(r.input), r.start_time, r.end_time, r.mode, r.resources_id, r.status, dumps(r.config),
-        dumps(r.metadata), s.latest.attempt_id if s.latest else None, len(s.attempts),
-        b.created_seq.get(rid, 0), b.rollout_seq.get(rid, known_seq.get(rid, 0)),
+        rid,
+        dumps(r.input),
+        r.start_time,
+        r.end_time,
+        r.mode,
+        r.resources_id,
+        r.status,
+        dumps(r.config),
+        dumps(r.metadata),
+        s.latest.attempt_id if s.latest else None,
+        len(s.attempts),
+        b.created_seq.get(rid, 0),
+        b.rollout_seq.get(rid, known_seq.get(rid, 0)),
     )
 
 
 def _attempt_row(a: Any) -> tuple[Any, ...]:
     return (
-        a.rollout_id, a.attempt_id, a.sequence_id, a.start_time, a.end_time, a.status, a.worker_id,
-        a.last_heartbeat_time, dumps(a.metadata),
+        a.rollout_id,
+        a.attempt_id,
+        a.sequence_id,
+        a.start_time,
+        a.end_time,
+        a.status,
+        a.worker_id,
+        a.last_heartbeat_time,
+        dumps(a.metadata),
     )
 
 
@@ -306,8 +342,15 @@ def _resources_row(r: Any, first_seq: int, last_seq: int) -> tuple[Any, ...]:
 
 def _worker_row(w: Worker) -> tuple[Any, ...]:
     return (
-        w.worker_id, w.status, dumps(w.heartbeat_stats), w.last_heartbeat_time, w.last_dequeue_time,
-        w.last_busy_time, w.last_idle_time, w.current_rollout_id, w.current_attempt_id,
+        w.worker_id,
+        w.status,
+        dumps(w.heartbeat_stats),
+        w.last_heartbeat_time,
+        w.last_dequeue_time,
+        w.last_busy_time,
+        w.last_idle_time,
+        w.current_rollout_id,
+        w.current_attempt_id,
     )
 
 
@@ -357,4 +400,3 @@ ON CONFLICT (worker_id) DO UPDATE SET
   last_busy_time = EXCLUDED.last_busy_time, last_idle_time = EXCLUDED.last_idle_time,
   current_rollout_id = EXCLUDED.current_rollout_id, current_attempt_id = EXCLUDED.current_attempt_id
 """
-
