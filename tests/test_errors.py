@@ -1,0 +1,99 @@
+"""Servers that are down or unsuitable, and misuse, give one clear error from the error tree."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+import eventlight as agl
+from eventlight.errors import EventlightError, InvalidInputError, ServiceUnavailableError
+from eventlight.settings import Settings
+from eventlight.store.eventlog import connect_nats
+from eventlight.store.jetstream import JetStreamLightningStore
+
+
+def dead_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_unreachable_nats_names_the_server() -> None:
+    url = f"nats://127.0.0.1:{dead_port()}"
+    store = JetStreamLightningStore(Settings(namespace="x"), nats_url=url)
+    with pytest.raises(ServiceUnavailableError, match=url) as info:
+        await store.start()
+    assert info.value.retryable and info.value.server == url
+    await store.close()
+
+
+async def test_unreachable_postgres_names_the_server_without_password(namespace: Settings) -> None:
+    dsn = f"postgresql://postgres:secret@127.0.0.1:{dead_port()}/postgres"
+    store = JetStreamLightningStore(namespace, pg_dsn=dsn)
+    with pytest.raises(ServiceUnavailableError, match="127.0.0.1") as info:
+        await store.start()
+    assert "secret" not in str(info.value)
+    await store.close()
+
+
+async def test_nats_without_expected_subject_sequence_is_refused() -> None:
+    """The machine's Debian nats-server (2.9) silently ignores the header our fencing needs."""
+    try:
+        nc = await connect_nats("nats://127.0.0.1:4222")
+    except ServiceUnavailableError as e:
+        if "too old" in str(e):
+            assert "2.11" in str(e)
+            return
+        pytest.skip("no NATS on 127.0.0.1:4222")
+    version = nc.connected_server_version
+    await nc.close()
+    assert (version.major, version.minor) >= (2, 11)
+
+
+async def test_using_a_store_before_start_is_a_clear_error() -> None:
+    store = JetStreamLightningStore(Settings(namespace="x"), nats_url="nats://127.0.0.1:1")
+    with pytest.raises(InvalidInputError, match="not started"):
+        await store.enqueue_rollout({})
+
+
+async def test_runner_store_refuses_queries(namespace: Settings) -> None:
+    async with JetStreamLightningStore(namespace) as runner_store:
+        with pytest.raises(InvalidInputError, match="without Postgres"):
+            await runner_store.query_rollouts()
+
+
+def test_every_error_is_an_eventlight_error_and_ids_are_value_errors() -> None:
+    for cls in (
+        agl.RolloutNotFoundError,
+        agl.AttemptNotFoundError,
+        agl.ResourcesNotFoundError,
+        agl.InvalidTransitionError,
+        agl.InvalidInputError,
+    ):
+        assert issubclass(cls, EventlightError) and issubclass(cls, ValueError)
+    assert issubclass(agl.ServiceUnavailableError, EventlightError) and agl.ServiceUnavailableError.retryable
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "eventlight.cli", *args], capture_output=True, text=True, timeout=120, env=env
+    )
+
+
+def test_cli_sql_error_is_one_line_not_a_traceback(namespace: Settings) -> None:
+    import os
+
+    env = {**os.environ, "EVENTLIGHT_PG_DSN": namespace.pg_dsn or "", "EVENTLIGHT_NAMESPACE": namespace.namespace}
+    bad = run_cli("sql", "SELEC nonsense", env=env)
+    assert bad.returncode == 2 and "SQL error" in bad.stderr and "Traceback" not in bad.stderr
+    ok = run_cli("sql", "SELECT count(*) AS n FROM rollouts", env=env)
+    assert ok.returncode == 0 and "1 row(s)" in ok.stdout
+
+
+def test_cli_runner_with_an_unknown_agent_fails_clearly() -> None:
+    result = run_cli("runner", "no_such_module:agent")
+    assert result.returncode != 0 and "cannot load" in (result.stderr + result.stdout)
+    assert "Traceback" not in result.stderr

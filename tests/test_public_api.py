@@ -1,0 +1,83 @@
+"""Pins the public API: Agent-lightning's names, importable from ``eventlight``."""
+
+import eventlight as agl
+
+EXPECTED = {
+    "APO",
+    "LLM",
+    "UNSET",
+    "Adapter",
+    "Algorithm",
+    "Attempt",
+    "AttemptNotFoundError",
+    "AttemptedRollout",
+    "Baseline",
+    "ConcurrencyError",
+    "DummyTracer",
+    "EnqueueRolloutRequest",
+    "EventlightError",
+    "FastAlgorithm",
+    "FunctionalLitAgent",
+    "Hook",
+    "InMemoryLightningStore",
+    "InvalidInputError",
+    "InvalidTransitionError",
+    "JetStreamLightningStore",
+    "LLMProxy",
+    "LightningStore",
+    "LightningStoreCapabilities",
+    "LitAgent",
+    "LitAgentRunner",
+    "LlmProxyTraceToTriplet",
+    "NamedResources",
+    "NotFoundError",
+    "OtelTracer",
+    "PaginatedResult",
+    "PromptTemplate",
+    "ProxyLLM",
+    "ResourcesNotFoundError",
+    "ResourcesUpdate",
+    "RewardMatchPolicy",
+    "Rollout",
+    "RolloutConfig",
+    "RolloutNotFoundError",
+    "ServiceUnavailableError",
+    "Settings",
+    "Span",
+    "SpanCoreFields",
+    "TraceAdapter",
+    "TraceToMessages",
+    "TraceToTripletBase",
+    "Tracer",
+    "TracerTraceToTriplet",
+    "Trainer",
+    "Triplet",
+    "Worker",
+    "algo",
+    "emit_annotation",
+    "emit_exception",
+    "emit_message",
+    "emit_object",
+    "emit_reward",
+    "find_final_reward",
+    "find_reward_spans",
+    "get_active_tracer",
+    "get_message_value",
+    "get_object_value",
+    "get_reward_value",
+    "get_rewards_from_span",
+    "is_reward_span",
+    "llm_rollout",
+    "operation",
+    "prompt_rollout",
+    "rollout",
+}
+
+
+def test_public_names_are_pinned() -> None:
+    assert set(agl.__all__) == EXPECTED
+
+
+def test_every_public_name_resolves() -> None:
+    for name in agl.__all__:
+        assert getattr(agl, name) is not None, name
