@@ -222,15 +222,26 @@ class Trainer:
                 self.settings, nats_url=self.services.nats_url, pg_dsn=self.services.pg_dsn
             ) as store:
                 self.store = store
-                await self._run_algorithm(store, train_dataset, val_dataset)
+                try:
+                    await self._run_algorithm(store, train_dataset, val_dataset)
+                finally:
+                    await self._stop_runners(pool)
+                    # leave complete read models behind: project what the runners wrote last
+                    with contextlib.suppress(Exception):
+                        await store.sync_all(timeout_s=30)
         finally:
-            codes = await asyncio.to_thread(pool.stop)
-            bad = [c for c in codes if c not in (0, None, -signal.SIGTERM)]
-            if bad:
-                log.warning("runner processes exited with codes %s", codes)
+            if pool.alive():
+                await self._stop_runners(pool)
             if not self.keep_services and self.services.started:
                 with contextlib.suppress(Exception):
                     await stop_services(self.settings)
+
+    @staticmethod
+    async def _stop_runners(pool: RunnerPool) -> None:
+        codes = await asyncio.to_thread(pool.stop)
+        bad = [c for c in codes if c not in (0, None, -signal.SIGTERM)]
+        if bad:
+            log.warning("runner processes exited with codes %s", codes)
 
     async def _run_algorithm(self, store: JetStreamLightningStore, train: Any, val: Any) -> None:
         algo = self.algorithm
