@@ -101,7 +101,7 @@ class Projector:
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._tasks.append(asyncio.create_task(self._run(), name="eventlight-projector"))
+        self._tasks.append(_spawn(self._run(), "eventlight-projector"))
 
     async def close(self) -> None:
         for t in self._tasks:
@@ -117,7 +117,7 @@ class Projector:
 
     async def _run(self) -> None:
         await self._become_leader()
-        self._tasks.append(asyncio.create_task(self._watchdog(), name="eventlight-watchdog"))
+        self._tasks.append(_spawn(self._watchdog(), "eventlight-watchdog"))
         psub = await self._subscribe()
         while True:
             try:
@@ -128,13 +128,14 @@ class Projector:
                 log.exception("projector fetch failed; retrying in 1 s")
                 await asyncio.sleep(1)
                 continue
+            if not msgs:  # nats-py may return an empty batch (a status message, not an error)
+                continue
             try:
                 await self.apply(msgs)
+                await msgs[-1].ack()
             except Exception:
                 log.exception("projector batch failed; it will be redelivered")
                 await asyncio.sleep(1)
-                continue
-            await msgs[-1].ack()
 
     async def _become_leader(self) -> None:
         self._lock_conn = await self.pool.acquire()
@@ -278,6 +279,18 @@ class Projector:
             except StaleStateError:
                 continue  # something newer happened; the next pass sees it
         return marked
+
+
+def _spawn(coro: Any, name: str) -> asyncio.Task[None]:
+    """A background task whose unexpected death is logged, never silent."""
+
+    def done(task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s stopped: %r", name, task.exception(), exc_info=task.exception())
+
+    task = asyncio.create_task(coro, name=name)
+    task.add_done_callback(done)
+    return task
 
 
 def _span_row(s: Any, seq: int) -> tuple[Any, ...]:

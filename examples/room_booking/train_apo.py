@@ -176,6 +176,9 @@ async def report(trainer: agl.Trainer, apo: agl.APO, wall_s: float) -> None:
 
 
 if __name__ == "__main__":
+    import logging
+
+    logging.basicConfig(level=os.environ.get("EVENTLIGHT_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
     try:
         raise SystemExit(asyncio.run(main(parse_args())))
     except KeyboardInterrupt:
