@@ -347,6 +347,11 @@ class JetStreamLightningStore(LightningStore):
             except (TimeoutError, nats.errors.TimeoutError):
                 await self._mark_idle(worker_id)
                 return None
+            if not msgs:  # nats-py may hand back an empty batch on a status message
+                if time.monotonic() >= deadline:
+                    await self._mark_idle(worker_id)
+                    return None
+                continue
             claimed = await self._claim(msgs[0], worker_id)
             if claimed is not None:
                 if worker_id is not None:
