@@ -560,3 +560,12 @@ def test_batch_iter_over_dataset() -> None:
     assert {x for b in seen[:3] for x in b} == set(range(5))  # the first epoch is used up before repeats
     with pytest.raises(ValueError):
         next(batch_iter_over_dataset([], 2))
+
+
+async def test_append_mode_adds_one_sentence_and_keeps_placeholders() -> None:
+    from eventlight.algorithm.apo import _appended
+
+    assert _appended("Q: {q}", '"Answer with {one} word."\nextra') == "Q: {q}\nAnswer with {{one}} word."
+    assert _appended("Q: {q}", "  \n") is None
+    with pytest.raises(ValueError, match="edit_mode"):
+        APO(object(), edit_mode="shuffle")  # type: ignore[arg-type]

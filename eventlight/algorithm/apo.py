@@ -16,7 +16,7 @@ import random
 import re
 import string
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, TypedDict, TypeVar
+from typing import Any, Generic, Literal, TypedDict, TypeVar
 
 import msgspec
 
@@ -292,6 +292,27 @@ def _edit_02(template: str, critique: str) -> ChatMessages:
     ]
 
 
+_EDIT_APPEND_SYSTEM = (
+    "You improve prompts by adding one instruction. From the critique, write ONE short sentence to add at the "
+    "end of the prompt that fixes its most important problem. Output only that sentence."
+)
+
+
+def _edit_append(template: str, critique: str) -> ChatMessages:
+    """The ``edit_mode="append"`` variant: ask for one instruction sentence (small models manage this)."""
+    return [
+        {"role": "system", "content": _EDIT_APPEND_SYSTEM},
+        {"role": "user", "content": f"### PROMPT\n\n{template}\n\n### CRITIQUE\n\n{critique}"},
+    ]
+
+
+def _appended(template: str, sentence: str | None) -> str | None:
+    """``template`` plus the first line of ``sentence`` (quotes stripped, braces escaped, at most 200 chars)."""
+    line = next((ln.strip() for ln in (sentence or "").splitlines() if ln.strip()), "")
+    line = line.strip("\"'`*- ").replace("{", "{{").replace("}", "}}")[:200]
+    return f"{template.rstrip()}\n{line}" if line else None
+
+
 GRADIENT_VARIANTS: tuple[Callable[[str, Sequence[RolloutResultForAPO], int], ChatMessages], ...] = (
     _gradient_01,
     _gradient_02,
@@ -397,10 +418,15 @@ class APO(Algorithm, Generic[T_task]):
         raises or comes back empty is logged and that child skipped (Agent-lightning keeps the
         parent's text as a duplicate child when the critique fails). A child that is empty or
         identical to its parent is skipped. A child that is not a valid ``str.format`` template for
-        the seed's placeholders falls back to the parent, i.e. is skipped too (logged).
-    (g) Spans are read from each rollout's latest attempt (``attempt_id="latest"``), so a retried
+        the seed's placeholders, or that drops one of its parent's placeholders (the rewrite
+        prompts forbid it; the task would lose its input), falls back to the parent, i.e. is
+        skipped too (logged).
+    (j) ``edit_mode="append"`` (default ``"rewrite"``) asks the edit model for one instruction
+        sentence and appends it to the parent, instead of a whole rewrite: small local models can
+        write a sentence but rarely a template that keeps its placeholders.
+    (h) Spans are read from each rollout's latest attempt (``attempt_id="latest"``), so a retried
         rollout is judged by its final attempt only.
-    (h) The adapter and LLM proxy are plain references (see ``eventlight.algorithm.base``); APO
+    (i) The adapter and LLM proxy are plain references (see ``eventlight.algorithm.base``); APO
         does not start or stop an LLM proxy (Agent-lightning's ``@with_llm_proxy``): the trainer
         owns it.
 
@@ -440,7 +466,10 @@ class APO(Algorithm, Generic[T_task]):
         run_initial_validation: bool = True,
         rollout_config: RolloutConfig | None = None,
         progress: ProgressCallback | None = None,
+        edit_mode: Literal["rewrite", "append"] = "rewrite",
     ):
+        if edit_mode not in ("rewrite", "append"):
+            raise ValueError(f"edit_mode must be 'rewrite' or 'append', got {edit_mode!r}")
         if min(gradient_batch_size, val_batch_size, beam_width, branch_factor) < 1 or beam_rounds < 0:
             raise ValueError("batch sizes, beam_width and branch_factor must be >= 1, beam_rounds >= 0")
         if rollout_batch_timeout <= 0:
@@ -458,6 +487,7 @@ class APO(Algorithm, Generic[T_task]):
         self.run_initial_validation = run_initial_validation
         self.rollout_config = rollout_config
         self.progress = progress
+        self.edit_mode = edit_mode
         self.evidence_char_budget = EVIDENCE_CHAR_BUDGET
         self._rng = random.Random()
         self._version_counter = 0
@@ -603,6 +633,9 @@ class APO(Algorithm, Generic[T_task]):
         error = None if self._seed_names is None else _format_error(text, self._seed_names)
         if error is not None:
             return f"not a valid template for the seed's placeholders ({error}); falling back to the parent"
+        dropped = sorted((_field_names(parent.prompt_template.template) or set()) - (_field_names(text) or set()))
+        if dropped:
+            return f"the rewrite drops the placeholders {dropped}; falling back to the parent"
         return None
 
     async def _select(
@@ -825,6 +858,11 @@ class APO(Algorithm, Generic[T_task]):
         if critique is None:
             return None
         log.info("%s Critique: %s", prefix or "", _truncate(critique, 500))
+        template = current_prompt.prompt_template.template
+        if self.edit_mode == "append":
+            messages = _edit_append(template, _truncate(critique, MAX_CRITIQUE_CHARS))
+            sentence = await self._chat(self.apply_edit_model, messages, "rewrite", prefix or "")
+            return _appended(template, sentence)
         variant = self._rng.choice(APPLY_EDIT_VARIANTS)
-        messages = variant(current_prompt.prompt_template.template, _truncate(critique, MAX_CRITIQUE_CHARS))
+        messages = variant(template, _truncate(critique, MAX_CRITIQUE_CHARS))
         return await self._chat(self.apply_edit_model, messages, "rewrite", prefix or "")

@@ -44,6 +44,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gradient-batch-size", type=int, default=4)
     p.add_argument("--tasks", type=int, default=0, help="use only the first N tasks (0 = all 48)")
     p.add_argument(
+        "--edit-mode",
+        choices=["append", "rewrite"],
+        default=None,
+        help="APO edit step: append one sentence (default with the local model) or rewrite the prompt",
+    )
+    p.add_argument(
+        "--llm-servers",
+        type=int,
+        default=max(1, min(2, os.cpu_count() or 1)),
+        help="local llama.cpp servers, one thread each (default: one per core, at most 2)",
+    )
+    p.add_argument(
         "--base-url",
         default=os.environ.get("OPENAI_BASE_URL"),
         help="OpenAI-compatible endpoint (default: $OPENAI_BASE_URL, else the local SmolLM2)",
@@ -72,7 +84,29 @@ def on_progress(event: dict) -> None:
     elif kind == "round":
         say(f"round {event.get('round')} of {event.get('rounds')} ({event.get('phase', '')})")
     elif kind in ("candidate", "child"):
-        say(f"new candidate prompt {event.get('version')} from {event.get('parent', '?')}")
+        added = str(event.get("template", "")).rstrip().splitlines()[-1:] or [""]
+        say(f"new candidate prompt {event.get('version')} from {event.get('parent', '?')}: …{added[0][-70:]!r}")
+    elif kind == "skip":
+        say(f"candidate from {event.get('parent', '?')} skipped: {str(event.get('reason', ''))[:90]}")
+
+
+async def start_llms(args: argparse.Namespace) -> tuple[list, list[str], str, str]:
+    """The LLM endpoints: ``--base-url`` if given, else local llama.cpp servers (one thread each)."""
+    if args.base_url:
+        model = args.model or "gpt-4.1-mini"
+        say(f"LLM: {model} at {args.base_url}")
+        return [], [args.base_url], model, os.environ.get("OPENAI_API_KEY", "none")
+    from eventlight.local_llm import LocalLLMServer
+
+    # one single-threaded server per core; the LLM proxy balances the runners' calls over them
+    servers = [
+        LocalLLMServer(log_dir=Path(".eventlight") / "logs" / f"llm-{i}", n_threads=1, n_threads_batch=1)
+        for i in range(args.llm_servers)
+    ]
+    say(f"starting {len(servers)} local LLM server(s) (SmolLM2-135M-Instruct, llama.cpp)…")
+    urls = list(await asyncio.gather(*(s.start() for s in servers)))
+    say(f"LLM: {servers[0].model} at {', '.join(urls)}")
+    return servers, urls, servers[0].model, "local"
 
 
 async def main(args: argparse.Namespace) -> int:
@@ -84,67 +118,49 @@ async def main(args: argparse.Namespace) -> int:
     train, val = split(tasks)
     started = time.monotonic()
 
-    local = None
-    if args.base_url:
-        base_url, model, api_key = (
-            args.base_url,
-            args.model or "gpt-4.1-mini",
-            os.environ.get("OPENAI_API_KEY", "none"),
-        )
-        say(f"LLM: {model} at {base_url}")
-    else:
-        from eventlight.local_llm import LocalLLMServer
-
-        local = LocalLLMServer()
-        say("starting the local LLM (SmolLM2-135M-Instruct, llama.cpp)…")
-        base_url = await local.start()
-        model, api_key = local.model, "local"
-        say(f"LLM: {model} at {base_url}")
-
+    servers, base_urls, model, api_key = await start_llms(args)
+    trainer: agl.Trainer | None = None
     try:
         proxy = agl.LLMProxy(
             model_list=[
-                {
-                    "model_name": model,
-                    "litellm_params": {"model": f"openai/{model}", "api_base": base_url, "api_key": api_key},
-                }
+                {"model_name": model, "litellm_params": {"model": f"openai/{model}", "api_base": u, "api_key": api_key}}
+                for u in base_urls
             ]
         )
-        optimizer = AsyncOpenAI(base_url=base_url, api_key=api_key)
-        apo = agl.APO(
-            optimizer,
-            gradient_model=model,
-            apply_edit_model=model,
-            diversity_temperature=0.7,
-            gradient_batch_size=args.gradient_batch_size,
-            val_batch_size=args.val_batch_size,
-            beam_width=args.beam_width,
-            branch_factor=args.branch_factor,
-            beam_rounds=args.rounds,
-            rollout_batch_timeout=900,
-            progress=on_progress,
-        )
-        trainer = agl.Trainer(
-            algorithm=apo,
-            n_runners=args.n_runners,
-            initial_resources={
-                "prompt_template": agl.PromptTemplate(template=INITIAL_PROMPT, engine="f-string"),
-                "main_llm": proxy.as_resource(model=model, sampling_parameters={"temperature": 0.0}),
-            },
-            adapter=agl.TraceToMessages(),
-            llm_proxy=proxy,
-            keep_services=True,
-        )
-        say(f"training on {len(train)} tasks, validating on {len(val)}, with {args.n_runners} runner processes")
-        await trainer.fit_async(room_booker, train, val_dataset=val)
-        await optimizer.close()
+        async with AsyncOpenAI(base_url=base_urls[0], api_key=api_key) as optimizer:
+            apo = agl.APO(
+                optimizer,
+                gradient_model=model,
+                apply_edit_model=model,
+                diversity_temperature=0.7,
+                gradient_batch_size=args.gradient_batch_size,
+                val_batch_size=args.val_batch_size,
+                beam_width=args.beam_width,
+                branch_factor=args.branch_factor,
+                beam_rounds=args.rounds,
+                rollout_batch_timeout=900,
+                progress=on_progress,
+                # a 135M model can write one instruction, rarely a whole template with its placeholders
+                edit_mode=args.edit_mode or ("append" if servers else "rewrite"),
+            )
+            trainer = agl.Trainer(
+                algorithm=apo,
+                n_runners=args.n_runners,
+                initial_resources={
+                    "prompt_template": agl.PromptTemplate(template=INITIAL_PROMPT, engine="f-string"),
+                    "main_llm": proxy.as_resource(model=model, sampling_parameters={"temperature": 0.0}),
+                },
+                adapter=agl.TraceToMessages(),
+                llm_proxy=proxy,
+                keep_services=True,  # the report below reads the projections; stopped in `finally`
+            )
+            say(f"training on {len(train)} tasks, validating on {len(val)}, with {args.n_runners} runner processes")
+            await trainer.fit_async(room_booker, train, val_dataset=val)
         await report(trainer, apo, time.monotonic() - started)
     finally:
-        if local is not None:
-            await local.stop()
-        settings = trainer.settings if "trainer" in locals() else agl.Settings.from_env()
-        if "trainer" in locals() and trainer.services is not None and trainer.services.started:
-            await stop_services(settings)
+        await asyncio.gather(*(s.stop() for s in servers))
+        if trainer is not None and trainer.services is not None and trainer.services.started:
+            await stop_services(trainer.settings)
     return 0
 
 
@@ -178,7 +194,9 @@ async def report(trainer: agl.Trainer, apo: agl.APO, wall_s: float) -> None:
 if __name__ == "__main__":
     import logging
 
-    logging.basicConfig(level=os.environ.get("EVENTLIGHT_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("EVENTLIGHT_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s"
+    )
     try:
         raise SystemExit(asyncio.run(main(parse_args())))
     except KeyboardInterrupt:
