@@ -585,7 +585,7 @@ class APO(Algorithm, Generic[T_task]):
 
     def _sample_parents(self, beam: list[VersionedPromptTemplate]) -> list[VersionedPromptTemplate]:
         if len(beam) < self.beam_width:
-            log.warning("Beam has %d < beam_width=%d prompts; parents repeat", len(beam), self.beam_width)
+            log.info("Beam has %d < beam_width=%d prompts; parents repeat", len(beam), self.beam_width)
             return [beam[i % len(beam)] for i in range(self.beam_width)]
         return [beam[i] for i in self._rng.sample(range(len(beam)), self.beam_width)]
 
@@ -609,7 +609,7 @@ class APO(Algorithm, Generic[T_task]):
         cleaned = _clean_edit(text or "")
         reason = self._reject_reason(parent, cleaned)
         if reason is not None:
-            log.warning("%s Child skipped: %s", prefix, reason)
+            log.info("%s Child skipped: %s", prefix, reason)
             self._emit({"event": "skip", "round": round_no, "parent": parent.version, "reason": reason})
             return None
         child = self._new_version(PromptTemplate(template=cleaned, engine="f-string"))
