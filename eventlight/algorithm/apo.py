@@ -422,8 +422,9 @@ class APO(Algorithm, Generic[T_task]):
         prompts forbid it; the task would lose its input), falls back to the parent, i.e. is
         skipped too (logged).
     (j) ``edit_mode="append"`` (default ``"rewrite"``) asks the edit model for one instruction
-        sentence and appends it to the parent, instead of a whole rewrite: small local models can
-        write a sentence but rarely a template that keeps its placeholders.
+        sentence (at most 48 tokens) and appends it to the parent, instead of a whole rewrite: small
+        local models can write a sentence but rarely a template that keeps its placeholders.
+        ``optimizer_max_tokens`` (default: no limit) caps the critique and rewrite calls.
     (h) Spans are read from each rollout's latest attempt (``attempt_id="latest"``), so a retried
         rollout is judged by its final attempt only.
     (i) The adapter and LLM proxy are plain references (see ``eventlight.algorithm.base``); APO
@@ -467,6 +468,7 @@ class APO(Algorithm, Generic[T_task]):
         rollout_config: RolloutConfig | None = None,
         progress: ProgressCallback | None = None,
         edit_mode: Literal["rewrite", "append"] = "rewrite",
+        optimizer_max_tokens: int | None = None,
     ):
         if edit_mode not in ("rewrite", "append"):
             raise ValueError(f"edit_mode must be 'rewrite' or 'append', got {edit_mode!r}")
@@ -488,6 +490,7 @@ class APO(Algorithm, Generic[T_task]):
         self.rollout_config = rollout_config
         self.progress = progress
         self.edit_mode = edit_mode
+        self.optimizer_max_tokens = optimizer_max_tokens
         self.evidence_char_budget = EVIDENCE_CHAR_BUDGET
         self._rng = random.Random()
         self._version_counter = 0
@@ -795,11 +798,15 @@ class APO(Algorithm, Generic[T_task]):
 
     # -- the optimizer LLM --------------------------------------------------------------------
 
-    async def _chat(self, model: str, messages: ChatMessages, what: str, prefix: str) -> str | None:
+    async def _chat(
+        self, model: str, messages: ChatMessages, what: str, prefix: str, max_tokens: int | None = None
+    ) -> str | None:
         """One optimizer call; ``None`` (logged) when it raises or returns nothing."""
+        limit = max_tokens if max_tokens is not None else self.optimizer_max_tokens
+        extra: dict[str, Any] = {"max_tokens": limit} if limit is not None else {}
         try:
             response = await self.async_openai_client.chat.completions.create(
-                model=model, messages=messages, temperature=self.diversity_temperature
+                model=model, messages=messages, temperature=self.diversity_temperature, **extra
             )
             content = response.choices[0].message.content
         except Exception as e:  # the optimizer LLM must not end the run (difference f)
@@ -861,7 +868,7 @@ class APO(Algorithm, Generic[T_task]):
         template = current_prompt.prompt_template.template
         if self.edit_mode == "append":
             messages = _edit_append(template, _truncate(critique, MAX_CRITIQUE_CHARS))
-            sentence = await self._chat(self.apply_edit_model, messages, "rewrite", prefix or "")
+            sentence = await self._chat(self.apply_edit_model, messages, "rewrite", prefix or "", max_tokens=48)
             return _appended(template, sentence)
         variant = self._rng.choice(APPLY_EDIT_VARIANTS)
         messages = variant(template, _truncate(critique, MAX_CRITIQUE_CHARS))

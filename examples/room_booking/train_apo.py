@@ -142,6 +142,7 @@ async def main(args: argparse.Namespace) -> int:
                 progress=on_progress,
                 # a 135M model can write one instruction, rarely a whole template with its placeholders
                 edit_mode=args.edit_mode or ("append" if servers else "rewrite"),
+                optimizer_max_tokens=160 if servers else None,
             )
             trainer = agl.Trainer(
                 algorithm=apo,

@@ -1,0 +1,79 @@
+"""``eventlight bench``: measure eventlight against Agent-lightning 0.3.0 on this machine.
+
+A thin typer command over the ``bench/`` package at the repository root (see ``bench/README.md``);
+it is registered in ``eventlight.cli`` with ``app.command()(bench)``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _import_bench() -> None:
+    """Put the repository root on ``sys.path`` so ``bench`` imports (it is not an installed package)."""
+    if not (REPO / "bench" / "__init__.py").is_file():
+        raise typer.BadParameter(f"no bench/ package next to eventlight/ ({REPO}); run from a source checkout")
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+
+
+def bench(
+    scenarios: Annotated[
+        list[str] | None,
+        typer.Argument(
+            help="Scenarios: batch, single, heavy, batch_nosleep, single_nosleep, heavy_nosleep, and micro "
+            "(store operations per second). Default: all of them."
+        ),
+    ] = None,
+    vs: Annotated[
+        str | None, typer.Option("--vs", help="Also run the peer: 'agentlightning' (0.3.0, in bench/.peer-venv).")
+    ] = None,
+    scale: Annotated[float, typer.Option(min=0.001, help="Factor on every scenario's task count.")] = 1.0,
+    out: Annotated[Path | None, typer.Option(help="Output folder (default bench/results/<time>).")] = None,
+    seed: Annotated[int, typer.Option(help="Workload seed, the same for both stacks.")] = 1,
+    micro_seconds: Annotated[float, typer.Option(help="Seconds per micro operation.")] = 3.0,
+    timeout_s: Annotated[float, typer.Option(help="Limit of each scenario's measured part.")] = 300.0,
+    ceiling: Annotated[bool, typer.Option(help="Run the raw JetStream + COPY ceiling probe.")] = True,
+    el_tracer_workaround: Annotated[
+        bool,
+        typer.Option(
+            help="Run eventlight's runners with bench's PatientFlushTracer (OtelTracer can hang on Python 3.11; "
+            "see bench/README.md). Off: eventlight as shipped."
+        ),
+    ] = False,
+) -> None:
+    """Measure eventlight (and Agent-lightning 0.3.0 with --vs agentlightning) on the same workload:
+    prints a table and writes results.json, table.md and chart.png."""
+    _import_bench()
+    from bench.suite import SuiteConfig, run_suite
+    from bench.workload import SCENARIOS
+
+    chosen = scenarios or [*SCENARIOS, "micro"]
+    out_dir = out or REPO / "bench" / "results" / time.strftime("%Y%m%d-%H%M%S")
+    cfg = SuiteConfig(
+        scenarios=chosen,
+        vs=vs,
+        scale=scale,
+        out_dir=out_dir,
+        seed=seed,
+        micro_seconds=micro_seconds,
+        timeout_s=timeout_s,
+        ceiling=ceiling,
+        el_tracer_workaround=el_tracer_workaround,
+        log=lambda line: typer.echo(line, err=True),
+    )
+    try:
+        results = run_suite(cfg)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    from bench.report import render
+
+    typer.echo(render(results))
+    typer.echo(f"results: {out_dir}/results.json, table.md, chart.png")

@@ -1,0 +1,129 @@
+"""Concurrency, proven on real NATS and Postgres: many runners in several processes, racing writers.
+
+* 32 runner tasks in 4 processes drain 2,000 queued rollouts: every rollout gets exactly one
+  attempt (no queue entry is claimed twice), finishes once, and its span sequence ids are unique
+  and increasing.
+* Several writers race ``update_attempt`` on one rollout: the end state is one the decider allows,
+  and each loser was either retried onto the fresh state or refused with ``InvalidTransitionError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+from collections import Counter
+
+import pytest
+
+from eventlight.errors import InvalidTransitionError
+from eventlight.settings import Settings
+from eventlight.store.jetstream import JetStreamLightningStore
+from eventlight.types import EnqueueRolloutRequest, Span
+
+N_ROLLOUTS = int(os.environ.get("EVENTLIGHT_RACE_ROLLOUTS", "2000"))
+N_PROCS = 4
+TASKS_PER_PROC = 8
+SPANS_PER_ROLLOUT = 3
+
+
+async def _runner_task(store: JetStreamLightningStore, worker: str, idle_limit: int) -> int:
+    done, idle = 0, 0
+    while idle < idle_limit:
+        claimed = await store.dequeue_rollout(worker_id=worker, wait_s=0.2)
+        if claimed is None:
+            idle += 1
+            continue
+        idle = 0
+        rid, aid = claimed.rollout_id, claimed.attempt.attempt_id
+        ids = await store.get_many_span_sequence_ids([(rid, aid)] * SPANS_PER_ROLLOUT)
+        await store.add_many_spans(
+            [Span.from_attributes(attributes={"i": i}, rollout_id=rid, attempt_id=aid, sequence_id=i) for i in ids]
+        )
+        await store.update_attempt(rid, aid, status="succeeded")
+        done += 1
+    return done
+
+
+def _runner_process(settings: Settings, index: int, out: mp.Queue) -> None:  # type: ignore[type-arg]
+    async def main() -> int:
+        async with JetStreamLightningStore(settings) as store:
+            counts = await asyncio.gather(
+                *(_runner_task(store, f"p{index}-t{t}", idle_limit=10) for t in range(TASKS_PER_PROC))
+            )
+        return sum(counts)
+
+    out.put(asyncio.run(main()))
+
+
+async def test_many_runners_claim_each_rollout_exactly_once(namespace: Settings) -> None:
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
+        for start in range(0, N_ROLLOUTS, 500):
+            await store.enqueue_many_rollouts(
+                [EnqueueRolloutRequest(input=i) for i in range(start, min(N_ROLLOUTS, start + 500))]
+            )
+        ctx = mp.get_context("spawn")
+        out = ctx.Queue()
+        procs = [ctx.Process(target=_runner_process, args=(namespace, i, out)) for i in range(N_PROCS)]
+        for p in procs:
+            p.start()
+        processed = [await asyncio.to_thread(out.get, True, 600) for _ in procs]
+        for p in procs:
+            await asyncio.to_thread(p.join, 30)
+            assert p.exitcode == 0
+        assert sum(processed) == N_ROLLOUTS
+        await store.sync_all(timeout_s=60)
+        async with store.pool.acquire() as conn:
+            statuses = dict(await conn.fetch("SELECT status, count(*) FROM rollouts GROUP BY status"))
+            attempts_per_rollout = Counter(
+                r[0] for r in await conn.fetch("SELECT num_attempts FROM rollouts")
+            )
+            workers = await conn.fetchval("SELECT count(DISTINCT worker_id) FROM attempts")
+            bad_spans = await conn.fetchval(
+                """SELECT count(*) FROM (
+                     SELECT rollout_id, attempt_id, count(*) AS n, count(DISTINCT sequence_id) AS d,
+                            min(sequence_id) AS lo, max(sequence_id) AS hi
+                       FROM spans GROUP BY rollout_id, attempt_id) g
+                   WHERE n <> d OR lo <> 1 OR hi <> n OR n <> $1""",
+                SPANS_PER_ROLLOUT,
+            )
+        assert statuses == {"succeeded": N_ROLLOUTS}
+        assert attempts_per_rollout == {1: N_ROLLOUTS}, "a queue entry was claimed twice"
+        assert bad_spans == 0
+        assert workers > N_PROCS, "work should spread over the runner tasks"
+
+
+@pytest.mark.parametrize("writers", [4])
+async def test_racing_update_attempt_ends_in_an_allowed_state(namespace: Settings, writers: int) -> None:
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
+        rollouts = [await store.enqueue_rollout(i) for i in range(20)]
+        claimed = [await store.dequeue_rollout(worker_id="w") for _ in rollouts]
+        stores = [JetStreamLightningStore(namespace) for _ in range(writers)]
+        for s in stores:
+            await s.start()
+        outcomes: Counter[str] = Counter()
+
+        async def write(s: JetStreamLightningStore, rid: str, aid: str, status: str) -> None:
+            try:
+                await s.update_attempt(rid, aid, status=status)
+                outcomes["applied"] += 1
+            except InvalidTransitionError:
+                outcomes["refused"] += 1
+
+        try:
+            for c in claimed:
+                statuses = ["succeeded", "failed", "running", "succeeded"][:writers]
+                await asyncio.gather(
+                    *(write(s, c.rollout_id, c.attempt.attempt_id, st) for s, st in zip(stores, statuses, strict=True))
+                )
+        finally:
+            for s in stores:
+                await s.close()
+        await store.sync_all(timeout_s=30)
+        for c in claimed:
+            got = await store.get_rollout_by_id(c.rollout_id)
+            assert got.attempt.status in ("succeeded", "failed")
+            assert got.status == got.attempt.status, "the rollout follows its latest attempt"
+            assert got.end_time is not None and got.attempt.end_time is not None
+        assert outcomes["refused"] > 0, "some writers must have lost to a finished attempt"
+        assert outcomes["applied"] + outcomes["refused"] == len(claimed) * writers
