@@ -40,6 +40,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 
 from eventlight import decider as d
 from eventlight.errors import (
+    AttemptNotFoundError,
     InvalidInputError,
     InvalidTransitionError,
     ResourcesNotFoundError,
@@ -686,8 +687,6 @@ class JetStreamLightningStore(LightningStore):
                     "SELECT 1 FROM attempts WHERE rollout_id = $1 AND attempt_id = $2", rollout_id, attempt_id
                 )
                 if not exists:
-                    from eventlight.errors import AttemptNotFoundError
-
                     raise AttemptNotFoundError(rollout_id, attempt_id)
                 w.exact("attempt_id", attempt_id, must=True)
             for col, value in (
