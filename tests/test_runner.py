@@ -1,0 +1,127 @@
+"""The runner, the tracer and the emitters on the in-memory store (``tutorials_write-agents.md``)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+import eventlight as agl
+from eventlight.runner import Hook
+
+
+@agl.rollout
+async def emitting_agent(task: dict, prompt_template: agl.PromptTemplate) -> None:
+    with agl.operation(name="think") as op:
+        op.set_input(question=task["q"])
+        op.set_output(prompt_template.format(q=task["q"]))
+    agl.emit_message("thinking done")
+    agl.emit_reward({"task": task["score"], "style": 0.5}, primary_key="task")
+
+
+@agl.rollout
+def returning_agent(task: dict, prompt_template: agl.PromptTemplate) -> float:
+    return task["score"]
+
+
+@agl.rollout
+def failing_agent(task: dict, prompt_template: agl.PromptTemplate) -> float:
+    raise ConnectionError("the sub-agent's backend is down")
+
+
+class Recorder(Hook):
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    async def on_rollout_start(self, *, agent: Any, runner: Any, rollout: Any) -> None:
+        self.calls.append("rollout_start")
+
+    async def on_trace_start(self, *, agent: Any, runner: Any, tracer: Any, rollout: Any) -> None:
+        self.calls.append("trace_start")
+
+    async def on_trace_end(self, *, agent: Any, runner: Any, tracer: Any, rollout: Any) -> None:
+        self.calls.append("trace_end")
+
+    async def on_rollout_end(self, *, agent: Any, runner: Any, rollout: Any, spans: Any) -> None:
+        self.calls.append(f"rollout_end:{len(spans)}")
+
+
+RESOURCES = {"prompt": agl.PromptTemplate(template="Q: {q}")}
+
+
+async def test_step_records_emitted_spans_and_final_reward() -> None:
+    store = agl.InMemoryLightningStore()
+    runner = agl.LitAgentRunner(agl.OtelTracer())
+    hooks = Recorder()
+    with runner.run_context(agent=emitting_agent, store=store, hooks=[hooks]):
+        done = await runner.step({"q": "2+2", "score": 0.75}, resources=RESOURCES, mode="train")
+    assert done.status == "succeeded"
+    spans = await store.query_spans(done.rollout_id)
+    names = [s.name for s in spans]
+    assert names == ["agentlightning.operation", "agentlightning.message", "agentlightning.annotation"]
+    assert [s.sequence_id for s in spans] == [1, 2, 3]
+    op = spans[0].attributes
+    assert op["agentlightning.operation.name"] == "think" and op["agentlightning.operation.output"] == "Q: 2+2"
+    reward = spans[2].attributes
+    assert reward["agentlightning.reward.0.name"] == "task" and reward["agentlightning.reward.1.name"] == "style"
+    assert agl.find_final_reward(spans) == 0.75
+    assert hooks.calls == ["rollout_start", "trace_start", "trace_end", "rollout_end:3"]
+
+
+async def test_returned_number_becomes_the_final_reward() -> None:
+    store = agl.InMemoryLightningStore()
+    runner = agl.LitAgentRunner(agl.OtelTracer())
+    with runner.run_context(agent=returning_agent, store=store):
+        done = await runner.step({"score": 0.25}, resources=RESOURCES)
+    spans = await store.query_spans(done.rollout_id)
+    assert [s.name for s in spans] == ["agentlightning.annotation"]
+    assert spans[0].attributes == {"agentlightning.reward.0.name": "primary", "agentlightning.reward.0.value": 0.25}
+
+
+async def test_agent_exception_fails_the_attempt_and_the_loop_goes_on() -> None:
+    store = agl.InMemoryLightningStore()
+    await store.add_resources(RESOURCES)
+    bad = await store.enqueue_rollout({"score": 1.0}, config=agl.RolloutConfig(max_attempts=1))
+    runner = agl.LitAgentRunner(agl.OtelTracer(), max_rollouts=1, poll_interval=0.05, heartbeat_interval=0)
+    with runner.run_context(agent=failing_agent, store=store):
+        assert await asyncio.wait_for(runner.iter(), 10) == 1
+    got = await store.get_rollout_by_id(bad.rollout_id)
+    assert got.status == "failed" and got.attempt.status == "failed"
+
+
+async def test_iter_consumes_the_queue_until_stopped() -> None:
+    store = agl.InMemoryLightningStore()
+    await store.add_resources(RESOURCES)
+    made = [await store.enqueue_rollout({"score": i / 10}) for i in range(5)]
+    runner = agl.LitAgentRunner(agl.OtelTracer(), poll_interval=0.05, heartbeat_interval=0.05)
+    stop = asyncio.Event()
+    with runner.run_context(agent=returning_agent, store=store, worker_id=3):
+        task = asyncio.create_task(runner.iter(event=stop))
+        finished = await store.wait_for_rollouts(rollout_ids=[r.rollout_id for r in made], timeout=10)
+        stop.set()
+        assert await asyncio.wait_for(task, 10) == 5
+    assert {r.status for r in finished} == {"succeeded"}
+    worker = await store.get_worker_by_id("Worker-3")
+    assert worker.status == "idle" and worker.last_heartbeat_time is not None and worker.heartbeat_stats
+
+
+def test_emitters_need_an_active_tracer_unless_not_propagated() -> None:
+    with pytest.raises(RuntimeError, match="No active tracer"):
+        agl.emit_reward(1.0)
+    fields = agl.emit_reward(0.5, propagate=False)
+    assert fields.name == "agentlightning.annotation"
+    assert fields.attributes["agentlightning.reward.0.value"] == 0.5
+    with pytest.raises(TypeError):
+        agl.emit_reward("high", propagate=False)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="primary_key"):
+        agl.emit_reward({"a": 1.0}, propagate=False)
+
+
+def test_rollout_decorator_checks_the_signature() -> None:
+    with pytest.raises(NotImplementedError, match="does not match"):
+
+        @agl.rollout
+        def bad(question: str, llm: agl.LLM) -> None: ...
+
+    assert returning_agent({"score": 0.5}, agl.PromptTemplate(template="x")) == 0.5
