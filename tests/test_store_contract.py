@@ -316,3 +316,16 @@ async def watchdog(store: Any, now: float) -> int:
         return len(await store.run_watchdog(now))
     assert store.projector is not None
     return await store.projector.watch_once(now)
+
+
+async def test_statistics_and_capabilities(store: Any, runner_store: Any) -> None:
+    r = await store.enqueue_rollout("q")
+    d = await runner_store.dequeue_rollout(worker_id="w")
+    await runner_store.add_span(reward_span(r.rollout_id, d.attempt.attempt_id, 1, 1.0))
+    await settle(store)
+    stats = await store.statistics()
+    assert stats["name"] == type(store).__name__
+    assert (stats["total_rollouts"], stats["total_attempts"], stats["total_spans"]) == (1, 1, 1)
+    caps = store.capabilities
+    assert caps.get("async_safe") is True and caps.get("otlp_traces", False) is False
+    assert caps.get("zero_copy") is isinstance(store, JetStreamLightningStore)
