@@ -82,6 +82,7 @@ log = logging.getLogger(__name__)
 
 SPANS_PER_MESSAGE = 256
 SYNC_TIMEOUT_S = 30.0
+CLOSE_TIMEOUT_S = 10.0
 
 
 class JetStreamLightningStore(LightningStore):
@@ -177,7 +178,11 @@ class JetStreamLightningStore(LightningStore):
             with contextlib.suppress(Exception):
                 await self.nc.close()
         if self.pool is not None:
-            await self.pool.close()
+            try:
+                await asyncio.wait_for(self.pool.close(), CLOSE_TIMEOUT_S)
+            except TimeoutError:
+                log.warning("Postgres connections did not close within %.0f s; terminating them", CLOSE_TIMEOUT_S)
+                self.pool.terminate()
 
     def _log(self) -> EventLog:
         if self.log is None:

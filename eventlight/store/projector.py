@@ -104,15 +104,17 @@ class Projector:
         self._tasks.append(_spawn(self._run(), "eventlight-projector"))
 
     async def close(self) -> None:
-        for t in self._tasks:
+        """Stop the projector and the watchdog and give up leadership; bounded in time."""
+        tasks, self._tasks = list(self._tasks), []
+        for t in tasks:
             t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
-        self._tasks.clear()
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=5)
+            for t in pending:
+                log.warning("%s did not stop within 5 s", t.get_name())
         if self._lock_conn is not None:
             with contextlib.suppress(Exception):
-                await self.pool.release(self._lock_conn)
+                await self.pool.release(self._lock_conn, timeout=5)
             self._lock_conn = None
 
     async def _run(self) -> None:
