@@ -125,14 +125,17 @@ class _AttemptBuffer:
         self.pending: list[ReadableSpan] = []
         self.recorded: list[Span] = []
         self.wake = asyncio.Event()
+        self.closing = False
 
     async def flush(self) -> None:
+        """Send the spans that ended so far; they leave the buffer only once the store has them."""
         if not self.pending:
             return
-        batch, self.pending = self.pending, []
+        batch = list(self.pending)
         ids = await self.store.get_many_span_sequence_ids([(self.rollout_id, self.attempt_id)] * len(batch))
         spans = [span_from_readable(s, self.rollout_id, self.attempt_id, i) for s, i in zip(batch, ids, strict=True)]
         await self.store.add_many_spans(spans)
+        del self.pending[: len(batch)]  # spans that ended meanwhile stay for the next flush
         self.recorded.extend(spans)
 
 
@@ -218,24 +221,44 @@ class OtelTracer(Tracer):
             _current_attempt.reset(attempt_token)
             _active_tracer.reset(tracer_token)
             if flusher is not None and buf is not None:
-                flusher.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await flusher
-                await asyncio.shield(buf.flush())
-                self._last = buf.recorded
+                # Stop the flusher by asking, not by cancelling: a cancellation could land inside a
+                # store call (and Python 3.11's wait_for may even swallow it), losing or hanging a batch.
+                buf.closing = True
+                buf.wake.set()
+                try:
+                    await asyncio.shield(flusher)
+                except asyncio.CancelledError:
+                    flusher.cancel()
+                    raise
+                finally:
+                    self._last = buf.recorded
 
     async def _flush_loop(self, buf: _AttemptBuffer | None) -> None:
+        """Send the buffer every ``flush_interval_s`` (or when it fills); a last time when closing."""
         assert buf is not None
-        while True:
+        while not buf.closing:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(buf.wake.wait(), self.flush_interval_s)
             buf.wake.clear()
-            try:
-                await buf.flush()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("could not send spans of rollout %s attempt %s", buf.rollout_id, buf.attempt_id)
+            await self._flush_logged(buf)
+        for delay in (0.0, 0.2, 1.0):  # the attempt ends after this: try harder before giving up
+            await asyncio.sleep(delay)
+            await self._flush_logged(buf)
+            if not buf.pending:
+                return
+        log.error("dropped %d spans of rollout %s attempt %s", len(buf.pending), buf.rollout_id, buf.attempt_id)
+
+    @staticmethod
+    async def _flush_logged(buf: _AttemptBuffer) -> None:
+        try:
+            await buf.flush()
+        except Exception:
+            log.exception(
+                "could not send %d spans of rollout %s attempt %s; will retry",
+                len(buf.pending),
+                buf.rollout_id,
+                buf.attempt_id,
+            )
 
     def get_last_trace(self) -> list[Span]:
         """Spans recorded (with their store sequence ids) by the most recent trace context."""
