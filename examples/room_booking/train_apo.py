@@ -116,7 +116,7 @@ async def main(args: argparse.Namespace) -> int:
     if args.tasks:
         tasks = tasks[: args.tasks]
     train, val = split(tasks)
-    started = time.monotonic()
+    started, started_at = time.monotonic(), time.time()
 
     servers, base_urls, model, api_key = await start_llms(args)
     trainer: agl.Trainer | None = None
@@ -157,7 +157,7 @@ async def main(args: argparse.Namespace) -> int:
             )
             say(f"training on {len(train)} tasks, validating on {len(val)}, with {args.n_runners} runner processes")
             await trainer.fit_async(room_booker, train, val_dataset=val)
-        await report(trainer, apo, time.monotonic() - started)
+        await report(trainer, apo, time.monotonic() - started, started_at)
     finally:
         await asyncio.gather(*(s.stop() for s in servers))
         if trainer is not None and trainer.services is not None and trainer.services.started:
@@ -165,7 +165,7 @@ async def main(args: argparse.Namespace) -> int:
     return 0
 
 
-async def report(trainer: agl.Trainer, apo: agl.APO, wall_s: float) -> None:
+async def report(trainer: agl.Trainer, apo: agl.APO, wall_s: float, started_at: float) -> None:
     assert trainer.services is not None
     async with JetStreamLightningStore(
         trainer.settings,
@@ -175,13 +175,20 @@ async def report(trainer: agl.Trainer, apo: agl.APO, wall_s: float) -> None:
     ) as store:
         await store.sync_all(timeout_s=30)
         stats = await store.statistics()
+        async with store.pool.acquire() as conn:  # this run's share of a store that may hold earlier runs
+            run_rollouts, run_spans = await conn.fetchrow(
+                "SELECT count(DISTINCT r.rollout_id), count(s.span_id) FROM rollouts r "
+                "LEFT JOIN spans s ON s.rollout_id = r.rollout_id WHERE r.start_time >= $1",
+                started_at,
+            )
     best = apo.get_best_prompt()
     print()
     print("=" * 78)
     print("eventlight demo: APO on the room-booking agent")
     print(f"  val reward, initial prompt : {apo.seed_score:.3f}")
     print(f"  val reward, best prompt    : {apo.best_score:.3f}")
-    print(f"  rollouts recorded          : {stats['total_rollouts']}   spans recorded: {stats['total_spans']}")
+    print(f"  rollouts recorded          : {run_rollouts} this run ({stats['total_rollouts']} in the store)")
+    print(f"  spans recorded             : {run_spans} this run ({stats['total_spans']} in the store)")
     print(f"  wall time                  : {wall_s:.0f} s")
     print("  best prompt:")
     for line in best.template.splitlines():
