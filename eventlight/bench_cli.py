@@ -41,13 +41,6 @@ def bench(
     micro_seconds: Annotated[float, typer.Option(help="Seconds per micro operation.")] = 3.0,
     timeout_s: Annotated[float, typer.Option(help="Limit of each scenario's measured part.")] = 300.0,
     ceiling: Annotated[bool, typer.Option(help="Run the raw JetStream + COPY ceiling probe.")] = True,
-    el_tracer_workaround: Annotated[
-        bool,
-        typer.Option(
-            help="Run eventlight's runners with bench's PatientFlushTracer (OtelTracer can hang on Python 3.11; "
-            "see bench/README.md). Off: eventlight as shipped."
-        ),
-    ] = False,
 ) -> None:
     """Measure eventlight (and Agent-lightning 0.3.0 with --vs agentlightning) on the same workload:
     prints a table and writes results.json, table.md and chart.png."""
@@ -66,7 +59,6 @@ def bench(
         micro_seconds=micro_seconds,
         timeout_s=timeout_s,
         ceiling=ceiling,
-        el_tracer_workaround=el_tracer_workaround,
         log=lambda line: typer.echo(line, err=True),
     )
     try:

@@ -219,6 +219,15 @@ def runner(
     raise typer.Exit(1)
 
 
+def _register_bench() -> None:
+    from eventlight.bench_cli import bench
+
+    app.command(help="Throughput benchmark, side by side with Agent-lightning 0.3.0 (see bench/README.md).")(bench)
+
+
+_register_bench()
+
+
 def main() -> None:
     """Console entry point."""
     logging.basicConfig(level=Settings.from_env().log_level, format="%(levelname)s %(name)s: %(message)s")

@@ -1,0 +1,260 @@
+"""The eventlight side of the benchmark: embedded NATS + Postgres, RunnerPool runners, uvloop.
+
+Imported only by drivers started with ``--stack eventlight`` (eventlight's venv).
+
+* Servers: ``prepare_services`` in a fresh temporary state dir (the embedded nats-server with
+  ``sync_interval: always`` and Postgres), a fresh namespace, both stopped and deleted at the end.
+* Algorithm: ``JetStreamLightningStore`` with Postgres, which runs the projector and the watchdog
+  in the driver's process (as ``Trainer`` does).
+* Runners: ``eventlight.trainer.RunnerPool`` (``spawn`` processes, each a write-only store and a
+  ``LitAgentRunner(OtelTracer())``), with a ``LitAgentRunner`` subclass that only adds a ready file,
+  dequeue timings and a stats file.
+
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import eventlight as agl
+from bench.workload import RUNNER_POLL_S, plan_task, run_plan
+from eventlight.services import Services, drop_namespace, stop_services
+from eventlight.settings import Settings
+from eventlight.store.jetstream import JetStreamLightningStore
+from eventlight.trainer import RunnerPool, prepare_services
+from eventlight.types import AttemptedRollout, Span, TraceStatus
+
+NAME = "eventlight"
+VERSION = version("eventlight")
+LOOP = "uvloop"
+get_reward_value = agl.get_reward_value
+find_final_reward = agl.find_final_reward
+LLM = agl.LLM
+EnqueueRolloutRequest = agl.EnqueueRolloutRequest
+
+
+def run(coro: Any) -> Any:
+    """Run the driver's coroutine on eventlight's loop (``Trainer.fit`` uses uvloop)."""
+    import uvloop
+
+    return uvloop.run(coro)
+
+
+class BenchAgent(agl.LitAgent[str]):
+    """Runs a task's plan (``bench.workload.run_plan``) with the process's OpenTelemetry tracer."""
+
+    def __init__(self, seed: int, max_rounds: int, sleep_s: float):
+        super().__init__()
+        self.seed, self.max_rounds, self.sleep_s = seed, max_rounds, sleep_s
+
+    async def rollout_async(self, task: str, resources: dict[str, Any], rollout: Any) -> None:
+        from opentelemetry import trace
+
+        plan = plan_task(self.seed, task, self.max_rounds, self.sleep_s)
+        await run_plan(plan, trace.get_tracer("bench"), agl.emit_reward, asyncio.sleep)
+
+
+class BenchRunner(agl.LitAgentRunner):
+    """``LitAgentRunner`` plus a ready file, dequeue timings and a stats file at the end."""
+
+    def __init__(self, stats_dir: str, **kwargs: Any):
+        super().__init__(agl.OtelTracer(), **kwargs)
+        self.stats_dir = stats_dir
+        self.claim_s: list[float] = []
+        self.empty_polls = 0
+        self.call_s: dict[str, list[float]] = {}
+
+    def init_worker(self, worker_id: int, store: Any, **kwargs: Any) -> None:
+        super().init_worker(worker_id, store, **kwargs)
+        self.call_s = _time_store_calls(store)
+        (Path(self.stats_dir) / f"ready-{worker_id}").write_text(str(os.getpid()))
+
+    async def _dequeue(self, store: Any) -> AttemptedRollout | None:
+        called = time.time()
+        claimed = await super()._dequeue(store)
+        if claimed is None:
+            self.empty_polls += 1
+        else:
+            self.claim_s.append(time.time() - max(called, claimed.start_time))
+        return claimed
+
+    async def iter(self, *, event: Any = None) -> int:
+        if os.environ.get("BENCH_DEBUG_TASKS"):
+            _install_task_dump()
+        try:
+            return await super().iter(event=event)
+        finally:
+            stats = {
+                "claim_s": self.claim_s,
+                "empty_polls": self.empty_polls,
+                "pid": os.getpid(),
+                "store_calls": {k: [len(v), sum(v)] for k, v in self.call_s.items()},
+            }
+            (Path(self.stats_dir) / f"stats-{self.worker_id}.json").write_text(json.dumps(stats))
+
+
+TIMED_CALLS = (
+    "dequeue_rollout",
+    "get_resources_by_id",
+    "get_latest_resources",
+    "get_many_span_sequence_ids",
+    "add_many_spans",
+    "update_attempt",
+    "update_worker",
+)
+
+
+def _time_store_calls(store: Any) -> dict[str, list[float]]:
+    """Wrap the runner store's methods to record each call's wall time (a diagnostic: where a
+    runner's time goes between its agent's sleeps)."""
+    import functools
+
+    calls: dict[str, list[float]] = {}
+    for name in TIMED_CALLS:
+        method = getattr(store, name)
+        spent = calls.setdefault(name, []) if name != "dequeue_rollout" else []
+
+        @functools.wraps(method)
+        async def timed(
+            *args: Any, _m: Any = method, _spent: list[float] = spent, _name: str = name, **kwargs: Any
+        ) -> Any:
+            t = time.perf_counter()
+            result = None
+            try:
+                result = await _m(*args, **kwargs)
+                return result
+            finally:
+                if _name == "dequeue_rollout":  # an empty long poll is idle time, not a store cost
+                    key = "dequeue_rollout (claimed)" if result is not None else "dequeue_rollout (empty)"
+                    calls.setdefault(key, []).append(time.perf_counter() - t)
+                else:
+                    _spent.append(time.perf_counter() - t)
+
+        setattr(store, name, timed)
+    return calls
+
+
+def _install_task_dump() -> None:
+    """Debugging aid: on SIGUSR1, print every asyncio task's stack to stderr."""
+    import signal
+    import sys
+
+    def dump() -> None:
+        for task in asyncio.all_tasks():
+            sys.stderr.write(f"--- pid {os.getpid()} {task!r}\n")
+            task.print_stack(file=sys.stderr)
+        sys.stderr.flush()
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump)
+
+
+def make_span(rollout_id: str, attempt_id: str, sequence_id: int, attributes: dict[str, Any]) -> Span:
+    return Span(
+        rollout_id=rollout_id,
+        attempt_id=attempt_id,
+        sequence_id=sequence_id,
+        trace_id=f"{sequence_id:032x}",
+        span_id=f"{sequence_id:016x}",
+        parent_id=None,
+        name=f"micro-span-{sequence_id}",
+        status=TraceStatus(status_code="OK"),
+        attributes=attributes,
+        start_time=time.time(),
+        end_time=time.time(),
+    )
+
+
+class Stack:
+    """eventlight's servers, stores and runner processes for one scenario."""
+
+    def __init__(self) -> None:
+        self.state_dir: Path | None = None
+        self.settings: Settings | None = None
+        self.services: Services | None = None
+        self.pool: RunnerPool | None = None
+
+    async def start(self) -> None:
+        self.state_dir = Path(tempfile.mkdtemp(prefix="elbench-", dir="/tmp"))
+        os.chmod(self.state_dir, 0o755)  # Postgres runs as `postgres` when we are root
+        ns = f"b{uuid.uuid4().hex[:10]}"
+        self.settings = Settings(state_dir=self.state_dir, namespace=ns, log_level="WARNING")
+        self.services = await prepare_services(self.settings)
+
+    def server_roles(self) -> dict[str, int]:
+        """The servers' root pids by role (their children are sampled with them)."""
+        assert self.services is not None
+        roles = {"nats": self.services.nats_pid, "postgres": self.services.pg_pid}
+        return {k: v for k, v in roles.items() if v is not None}
+
+    def describe(self) -> dict[str, Any]:
+        assert self.services is not None
+        return {
+            "pg_kind": self.services.pg_kind,
+            "nats": "embedded, sync_interval always",
+        }
+
+    async def open_store(self) -> JetStreamLightningStore:
+        """The algorithm's store: Postgres reads, projector and watchdog in this process."""
+        assert self.settings is not None and self.services is not None
+        store = JetStreamLightningStore(self.settings, nats_url=self.services.nats_url, pg_dsn=self.services.pg_dsn)
+        return await store.start()
+
+    async def open_runner_store(self) -> JetStreamLightningStore:
+        """What a runner process opens: write-only, no Postgres."""
+        assert self.settings is not None and self.services is not None
+        return await JetStreamLightningStore(self.settings, nats_url=self.services.nats_url).start()
+
+    async def sync(self, store: JetStreamLightningStore) -> None:
+        """Wait until the projection has caught up with the whole stream."""
+        await store.sync_all(timeout_s=300.0)
+
+    def start_runners(self, n: int, seed: int, max_rounds: int, sleep_s: float, stats_dir: Path) -> None:
+        assert self.settings is not None and self.services is not None
+        runner = BenchRunner(str(stats_dir), poll_interval=RUNNER_POLL_S)
+        self.pool = RunnerPool(
+            BenchAgent(seed, max_rounds, sleep_s), n, self.settings, self.services.nats_url, runner=runner
+        )
+        self.pool.start()
+
+    def runner_pids(self) -> list[int]:
+        return [p.pid for p in self.pool.procs if p.pid is not None] if self.pool else []
+
+    def runners_alive(self) -> int:
+        return self.pool.alive() if self.pool else 0
+
+    def stop_runners(self, graceful_s: float = 10.0) -> list[int | None]:
+        """Stop event, then SIGTERM, then SIGKILL, with one deadline for all processes
+        (``RunnerPool.stop`` waits ``graceful_s`` for each process in turn)."""
+        if self.pool is None:
+            return []
+        self.pool.stop_event.set()
+        deadline = time.monotonic() + graceful_s
+        for p in self.pool.procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self.pool.procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self.pool.procs:
+            p.join(timeout=3)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=3)
+        return [p.exitcode for p in self.pool.procs]
+
+    async def stop(self) -> None:
+        if self.settings is not None and self.services is not None:
+            try:
+                await drop_namespace(self.services.nats_url, self.services.pg_dsn, self.settings)
+            finally:
+                await stop_services(self.settings)
+        if self.state_dir is not None:
+            shutil.rmtree(self.state_dir, ignore_errors=True)
