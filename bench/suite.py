@@ -92,10 +92,12 @@ def run_suite(cfg: SuiteConfig) -> dict[str, Any]:
     from bench import report
 
     t0 = time.perf_counter()
-    cfg.out_dir.mkdir(parents=True, exist_ok=True)
     unknown = [s for s in cfg.scenarios if s != "micro" and s not in SCENARIOS]
     if unknown:
         raise ValueError(f"unknown scenario(s) {unknown}; choose from {sorted(SCENARIOS)} or 'micro'")
+    if cfg.vs not in (None, PEER):
+        raise ValueError(f"--vs {cfg.vs!r}: only {PEER!r} is supported")
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {
         "meta": {
             "started": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -122,8 +124,6 @@ def run_suite(cfg: SuiteConfig) -> dict[str, Any]:
         results["meta"]["peer"] = {"venv": str(peer_venv.VENV), "error": got.error, "how": got.detail}
         if peer_error:
             cfg.log(peer_error)
-    elif cfg.vs is not None:
-        raise ValueError(f"--vs {cfg.vs!r}: only {PEER!r} is supported")
     logs = cfg.out_dir / "logs"
 
     if cfg.ceiling:

@@ -19,6 +19,7 @@ import contextlib
 import logging
 import multiprocessing as mp
 import signal
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -132,8 +133,9 @@ class RunnerPool:
     def stop(self, graceful_s: float = GRACEFUL_STOP_S) -> list[int | None]:
         """Stop the processes: stop event, then SIGTERM, then SIGKILL. Returns their exit codes."""
         self.stop_event.set()
+        deadline = time.monotonic() + graceful_s  # one deadline for all, not one per process
         for p in self.procs:
-            p.join(timeout=graceful_s)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
         for p in self.procs:
             if p.is_alive():
                 p.terminate()
