@@ -97,6 +97,7 @@ class Projector:
         self._tasks: list[asyncio.Task[None]] = []
         self._lock_conn: asyncpg.Connection | None = None
         self.leader = asyncio.Event()
+        self._stopping = False
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -105,6 +106,8 @@ class Projector:
 
     async def close(self) -> None:
         """Stop the projector and the watchdog and give up leadership; bounded in time."""
+        self._stopping = True  # the loops also stop on their own: Python 3.11's wait_for (inside
+        # nats-py's fetch) can swallow a cancellation, which left this task running for ever
         tasks, self._tasks = list(self._tasks), []
         for t in tasks:
             t.cancel()
@@ -121,7 +124,7 @@ class Projector:
         await self._become_leader()
         self._tasks.append(_spawn(self._watchdog(), "eventlight-watchdog"))
         psub = await self._subscribe()
-        while True:
+        while not self._stopping:
             try:
                 msgs = await psub.fetch(BATCH, timeout=0.25)
             except (TimeoutError, nats.errors.TimeoutError):
@@ -254,7 +257,7 @@ class Projector:
     # -- watchdog --------------------------------------------------------------------------------
 
     async def _watchdog(self) -> None:
-        while True:
+        while not self._stopping:
             await asyncio.sleep(self.watchdog_interval_s)
             try:
                 await self.watch_once()
