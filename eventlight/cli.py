@@ -18,6 +18,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from eventlight.errors import EventlightError
@@ -34,14 +35,18 @@ NamespaceOpt = Annotated[
 
 
 def _settings(namespace: str | None) -> Settings:
-    return Settings.from_env(namespace=namespace)
+    try:
+        return Settings.from_env(namespace=namespace)
+    except EventlightError as e:
+        err.print(f"[red]error:[/red] {escape(str(e))}")
+        raise typer.Exit(2) from None
 
 
 def _run(coro: Any) -> Any:
     try:
         return asyncio.run(coro)
     except EventlightError as e:
-        err.print(f"[red]error:[/red] {e}")
+        err.print(f"[red]error:[/red] {escape(str(e))}")
         raise typer.Exit(2) from None
 
 
@@ -76,7 +81,7 @@ async def _connect_pg(settings: Settings) -> Any:
     import asyncpg
 
     from eventlight.errors import ServiceUnavailableError
-    from eventlight.services import ensure_services, read_services
+    from eventlight.services import apply_migrations, ensure_services, read_services
     from eventlight.store.pg import redact
 
     started: list[str] = []
@@ -88,6 +93,7 @@ async def _connect_pg(settings: Settings) -> Any:
             dsn, started = services.pg_dsn, services.started
         else:
             dsn = found.pg_dsn
+    await apply_migrations(dsn, settings.pg_schema)  # idempotent: a new namespace gets its (empty) tables
     try:
         conn = await asyncpg.connect(dsn, server_settings={"search_path": settings.pg_schema}, timeout=5)
     except (OSError, asyncpg.PostgresError, TimeoutError) as e:
@@ -134,7 +140,7 @@ def sql(
     try:
         cols, rows = _run(go())
     except asyncpg.PostgresError as e:
-        err.print(f"[red]SQL error:[/red] {e}")
+        err.print(f"[red]SQL error:[/red] {escape(str(e))}")
         raise typer.Exit(2) from None
     table = Table(*cols)
     for row in rows:
@@ -230,7 +236,13 @@ _register_bench()
 
 def main() -> None:
     """Console entry point."""
-    logging.basicConfig(level=Settings.from_env().log_level, format="%(levelname)s %(name)s: %(message)s")
+    import os
+
+    level = os.environ.get("EVENTLIGHT_LOG_LEVEL", "INFO").upper()
+    if level not in logging.getLevelNamesMapping():
+        err.print(f"[yellow]warning:[/yellow] EVENTLIGHT_LOG_LEVEL={level!r} is not a log level; using INFO")
+        level = "INFO"
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     app()
 
 

@@ -40,12 +40,18 @@ GRACEFUL_STOP_S = 10.0
 async def prepare_services(settings: Settings) -> Services:
     """Find or start NATS and Postgres and apply the stream definitions and migrations."""
     services = await ensure_services(settings)
-    nc = await connect_nats(services.nats_url)
     try:
-        await apply_streams(nc, settings)
-    finally:
-        await nc.close()
-    await apply_migrations(services.pg_dsn, settings.pg_schema)
+        nc = await connect_nats(services.nats_url)
+        try:
+            await apply_streams(nc, settings)
+        finally:
+            await nc.close()
+        await apply_migrations(services.pg_dsn, settings.pg_schema)
+    except BaseException:
+        if services.started:  # do not leave half a setup running
+            with contextlib.suppress(Exception):
+                await stop_services(settings)
+        raise
     return services
 
 

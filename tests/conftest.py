@@ -12,6 +12,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import os
+import shutil
 import tempfile
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -44,6 +45,7 @@ def services() -> Iterator[tuple[Settings, Services]]:
     svc = _in_thread(lambda: asyncio.run(ensure_services(settings)))
     yield settings, svc
     _in_thread(lambda: asyncio.run(stop_services(settings)))
+    shutil.rmtree(state, ignore_errors=True)
 
 
 def _in_thread(fn: Callable[[], T]) -> T:
