@@ -62,6 +62,7 @@ from eventlight.store import pg
 from eventlight.store.base import UNSET, LightningStore, LightningStoreCapabilities
 from eventlight.store.eventlog import EventLog, StaleStateError, connect_nats
 from eventlight.store.projector import Projector
+from eventlight.store.query import check_paging
 from eventlight.store.validate import check_resources, check_spans, check_token
 from eventlight.types import (
     TERMINAL_ROLLOUT_STATUSES,
@@ -542,8 +543,7 @@ class JetStreamLightningStore(LightningStore):
         w.within("rollout_id", rollout_id_in)
         w.contains("rollout_id", rollout_id_contains)
         n = len(w.args)
-        if filter_logic not in ("and", "or"):
-            raise InvalidInputError(f"filter_logic must be 'and' or 'or', got {filter_logic!r}")
+        check_paging(limit, offset, sort_order, filter_logic)
         tail = pg.order_page(Rollout, w, sort_by, sort_order, limit, offset, "created_seq")
         async with self._pool().acquire() as conn:
             rows, total = await pg.fetch_page(conn, "rollouts", pg.ROLLOUT_COLS, w, filter_logic, tail, n)
@@ -677,8 +677,7 @@ class JetStreamLightningStore(LightningStore):
         sort_order: Literal["asc", "desc"] = "asc",
     ) -> PaginatedResult[Span]:
         await self.sync()
-        if filter_logic not in ("and", "or"):
-            raise InvalidInputError(f"filter_logic must be 'and' or 'or', got {filter_logic!r}")
+        check_paging(limit, offset, sort_order, filter_logic)
         async with self._pool().acquire() as conn:
             row = await self._require_rollout(conn, rollout_id)
             w = pg.Where()
@@ -811,8 +810,7 @@ class JetStreamLightningStore(LightningStore):
         worker_id_in: Sequence[str] | None = None,
     ) -> PaginatedResult[Worker]:
         await self.sync()
-        if filter_logic not in ("and", "or"):
-            raise InvalidInputError(f"filter_logic must be 'and' or 'or', got {filter_logic!r}")
+        check_paging(limit, offset, sort_order, filter_logic)
         w = pg.Where()
         w.within("worker_id", worker_id_in, must=True)
         w.within("status", status_in)
