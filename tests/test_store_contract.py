@@ -258,6 +258,74 @@ async def test_query_spans_filters(store: Any) -> None:
     assert [s.span_id for s in await store.query_spans(r.rollout_id, span_id=spans[0].span_id)] == [spans[0].span_id]
 
 
+async def test_duplicate_spans_are_reported_and_stored_once(store: Any, runner_store: Any) -> None:
+    """A duplicate is the same ``(rollout_id, attempt_id, span_id)``; ``add_span`` returns ``None``."""
+    r = await store.enqueue_rollout("dup")
+    d = await runner_store.dequeue_rollout()
+    aid = d.attempt.attempt_id
+    first = reward_span(r.rollout_id, aid, 1, 1.0)
+    assert await runner_store.add_span(first) is not None
+    assert await runner_store.add_span(first) is None  # same store object
+    assert await store.add_span(first) is None  # another store (process), within the duplicate window
+    second = reward_span(r.rollout_id, aid, 2, 2.0)
+    added = await runner_store.add_many_spans([second, first, second])
+    assert [s.span_id for s in added] == [second.span_id]
+    await settle(store)
+    assert [s.span_id for s in await store.query_spans(r.rollout_id)] == [first.span_id, second.span_id]
+
+
+async def test_query_rollouts_deprecated_aliases(store: Any) -> None:
+    made = [await store.enqueue_rollout(i) for i in range(3)]
+    await store.update_rollout(made[0].rollout_id, status="cancelled")
+    with pytest.warns(DeprecationWarning, match="status_in"):
+        old = await store.query_rollouts(status=["cancelled"])
+    assert [r.rollout_id for r in old] == [made[0].rollout_id]
+    with pytest.warns(DeprecationWarning, match="rollout_id_in"):
+        both = await store.query_rollouts(rollout_id_in=[made[1].rollout_id], rollout_ids=[made[2].rollout_id])
+    assert [r.rollout_id for r in both] == [made[1].rollout_id]  # the new parameter wins
+
+
+async def test_query_workers_filters_sorts_and_pages(store: Any, runner_store: Any) -> None:
+    await store.enqueue_rollout("w")
+    assert await runner_store.dequeue_rollout(worker_id="runner-a") is not None
+    assert await runner_store.dequeue_rollout(worker_id="runner-b") is None  # empty queue: idle
+    await store.update_worker("probe-c", {"gpu": 1})
+    await settle(store)
+    assert {w.worker_id: w.status for w in await store.query_workers()} == {
+        "runner-a": "busy",
+        "runner-b": "idle",
+        "probe-c": "unknown",
+    }
+    assert [w.worker_id for w in await store.query_workers(status_in=["idle"])] == ["runner-b"]
+    assert len(await store.query_workers(status_in=[])) == 0
+    assert {w.worker_id for w in await store.query_workers(worker_id_contains="runner-")} == {"runner-a", "runner-b"}
+    both = await store.query_workers(status_in=["busy"], worker_id_contains="probe", filter_logic="or")
+    assert {w.worker_id for w in both} == {"runner-a", "probe-c"}
+    none = await store.query_workers(status_in=["busy"], worker_id_contains="probe")
+    assert len(none) == 0 and none.total == 0
+    page = await store.query_workers(sort_by="worker_id", sort_order="desc", limit=2, offset=1)
+    assert [w.worker_id for w in page] == ["runner-a", "probe-c"] and page.total == 3
+    with pytest.raises(InvalidInputError):
+        await store.query_workers(sort_by="no_such_field")
+
+
+async def test_query_resources_filters_sorts_and_pages(store: Any) -> None:
+    for rid in ("prompt-a", "prompt-b", "other"):
+        await store.put_resources(rid, {"p": PromptTemplate(template=rid)})
+    assert [x.resources_id for x in await store.query_resources(resources_id="prompt-b")] == ["prompt-b"]
+    assert [x.resources_id for x in await store.query_resources(resources_id_contains="prompt")] == [
+        "prompt-a",
+        "prompt-b",
+    ]
+    both = await store.query_resources(resources_id="other", resources_id_contains="prompt")
+    assert len(both) == 0  # always ANDed
+    page = await store.query_resources(sort_by="resources_id", sort_order="desc", limit=2)
+    assert [x.resources_id for x in page] == ["prompt-b", "prompt-a"] and page.total == 3
+    assert len(await store.query_resources(limit=0)) == 0
+    with pytest.raises(InvalidInputError):
+        await store.query_resources(offset=-1)
+
+
 async def test_resources_versioning(store: Any) -> None:
     a = await store.add_resources({"p": PromptTemplate(template="v1")})
     b = await store.add_resources({"p": PromptTemplate(template="other")})

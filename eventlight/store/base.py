@@ -173,8 +173,14 @@ class LightningStore(ABC):
         sort_order: Literal["asc", "desc"] = "asc",
         limit: int = -1,
         offset: int = 0,
+        status: Sequence[str] | None = None,
+        rollout_ids: Sequence[str] | None = None,
     ) -> PaginatedResult[Rollout]:
-        """Rollouts matching the filters (each with its latest attempt when it has one)."""
+        """Rollouts matching the filters (each with its latest attempt when it has one).
+
+        ``status`` and ``rollout_ids`` are deprecated aliases of ``status_in`` and ``rollout_id_in``
+        (``DeprecationWarning``; the new parameter wins when both are given).
+        """
 
     @abstractmethod
     async def get_rollout_by_id(self, rollout_id: str) -> Rollout | None:

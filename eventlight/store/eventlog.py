@@ -63,6 +63,18 @@ class EventLog:
             StaleStateError: ``expected_seq`` is not the rollout's last sequence any more.
             ServiceUnavailableError: NATS did not answer.
         """
+        return (await self.publish_ack(event, msg_id=msg_id, expected_seq=expected_seq))[0]
+
+    async def publish_ack(
+        self, event: AnyEvent, *, msg_id: str | None = None, expected_seq: int | None = None
+    ) -> tuple[int, bool]:
+        """Publish one event; returns its stream sequence and whether the server saw ``msg_id`` already
+        (within the stream's duplicate window; the event was then not stored again).
+
+        Raises:
+            StaleStateError: ``expected_seq`` is not the rollout's last sequence any more.
+            ServiceUnavailableError: NATS did not answer.
+        """
         subject = subject_for(self.prefix, event)
         headers: dict[str, str] = {"Nats-Msg-Id": msg_id or uuid.uuid4().hex}
         if expected_seq is not None:
@@ -81,7 +93,7 @@ class EventLog:
             nats.errors.ConnectionClosedError,
         ) as e:
             raise ServiceUnavailableError(self._server(), f"publish to {subject} failed: {e!r}") from e
-        return ack.seq
+        return ack.seq, bool(ack.duplicate)
 
     async def append(self, events: Sequence[RolloutEvent], expected_seq: int, command_id: str) -> int:
         """Append a rollout's events in order, each expecting the previous one's sequence."""

@@ -18,15 +18,19 @@ How each part of the API maps onto the event log (see DESIGN.md):
 * **wait_for_rollouts** listens to the rollouts' events on the stream (and to the local projector's
   commits) instead of polling.
 
-Known limits of this first version (documented for the contract issue): ``add_span`` cannot tell a
-duplicate span at write time (duplicates by ``(rollout_id, attempt_id, span_id)`` are dropped by the
-projector), so it returns the span it was given.
+Duplicate spans (same ``(rollout_id, attempt_id, span_id)``) are never stored twice: the projector
+drops them. ``add_span``/``add_many_spans`` also report them at write time (``None`` / left out of
+the result) when they repeat a span this store object already wrote (it remembers the span ids of
+its last ``RECENT_ATTEMPTS`` attempts) or re-send the same batch from any process within the stream's
+duplicate window (120 s, ``Nats-Msg-Id`` derived from the batch's span keys). A duplicate written
+by another process after that window is dropped silently but returned as if recorded.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 import uuid
@@ -62,7 +66,7 @@ from eventlight.store import pg
 from eventlight.store.base import UNSET, LightningStore, LightningStoreCapabilities
 from eventlight.store.eventlog import EventLog, StaleStateError, connect_nats
 from eventlight.store.projector import Projector
-from eventlight.store.query import check_paging
+from eventlight.store.query import check_paging, deprecated_alias
 from eventlight.store.validate import check_resources, check_spans, check_token
 from eventlight.types import (
     TERMINAL_ROLLOUT_STATUSES,
@@ -82,6 +86,7 @@ from eventlight.types import now as wall_clock
 log = logging.getLogger(__name__)
 
 SPANS_PER_MESSAGE = 256
+RECENT_ATTEMPTS = 4096
 SYNC_TIMEOUT_S = 30.0
 CLOSE_TIMEOUT_S = 10.0
 
@@ -125,6 +130,7 @@ class JetStreamLightningStore(LightningStore):
         self._held: dict[tuple[str, str], Any] = {}
         self._idle_workers: set[str] = set()
         self._seq_high: dict[tuple[str, str], int] = {}
+        self._span_ids: dict[tuple[str, str], set[str]] = {}  # insertion-ordered, trimmed to RECENT_ATTEMPTS
         self._last_write_seq = 0
         self._changed = asyncio.Condition()
         self._hints: set[str] = set()
@@ -536,7 +542,11 @@ class JetStreamLightningStore(LightningStore):
         sort_order: Literal["asc", "desc"] = "asc",
         limit: int = -1,
         offset: int = 0,
+        status: Sequence[str] | None = None,
+        rollout_ids: Sequence[str] | None = None,
     ) -> PaginatedResult[Rollout]:
+        status_in = deprecated_alias(status_in, status, "status_in", "status")
+        rollout_id_in = deprecated_alias(rollout_id_in, rollout_ids, "rollout_id_in", "rollout_ids")
         await self.sync()
         w = pg.Where()
         w.within("status", status_in)
@@ -628,16 +638,34 @@ class JetStreamLightningStore(LightningStore):
         for rid, aid in groups:
             await self._check_attempt(rid, aid)
         log_ = self._log()
+        added: list[Span] = []
         for (rid, aid), group in groups.items():
-            top = max(s.sequence_id for s in group)
+            seen = self._span_ids.get((rid, aid))
+            if seen is None:
+                seen = self._span_ids[(rid, aid)] = set()
+                while len(self._span_ids) > RECENT_ATTEMPTS:
+                    del self._span_ids[next(iter(self._span_ids))]
+            fresh = []
+            for span in group:
+                if span.span_id not in seen:
+                    seen.add(span.span_id)
+                    fresh.append(span)
+            if not fresh:
+                continue
+            top = max(s.sequence_id for s in fresh)
             if top > self._seq_high.get((rid, aid), 0):
                 await log_.raise_sequence_floor(rid, aid, top)
                 self._seq_high[(rid, aid)] = top
-            for i in range(0, len(group), SPANS_PER_MESSAGE):
-                chunk = group[i : i + SPANS_PER_MESSAGE]
+            for i in range(0, len(fresh), SPANS_PER_MESSAGE):
+                chunk = fresh[i : i + SPANS_PER_MESSAGE]
                 event = SpansAdded(time=wall_clock(), rollout_id=rid, attempt_id=aid, spans=chunk)
-                self._wrote(await log_.publish(event))
-        return list(spans)
+                keys = hashlib.blake2b("\n".join(sorted(s.span_id for s in chunk)).encode(), digest_size=16)
+                seq, duplicate = await log_.publish_ack(event, msg_id=f"spans:{rid}:{aid}:{keys.hexdigest()}")
+                if duplicate:  # the same batch was sent within the duplicate window
+                    continue
+                self._wrote(seq)
+                added.extend(chunk)
+        return added
 
     async def get_many_span_sequence_ids(self, rollout_attempt_ids: Sequence[tuple[str, str]]) -> list[int]:
         counts: dict[tuple[str, str], int] = {}

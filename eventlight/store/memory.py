@@ -292,7 +292,11 @@ class InMemoryLightningStore(LightningStore):
         sort_order: Literal["asc", "desc"] = "asc",
         limit: int = -1,
         offset: int = 0,
+        status: Sequence[str] | None = None,
+        rollout_ids: Sequence[str] | None = None,
     ) -> PaginatedResult[Rollout]:
+        status_in = q.deprecated_alias(status_in, status, "status_in", "status")
+        rollout_id_in = q.deprecated_alias(rollout_id_in, rollout_ids, "rollout_id_in", "rollout_ids")
         q.check_paging(limit, offset, sort_order, filter_logic)
         q.check_sort_field(Rollout, sort_by)
         items = [s.attempted() for s in self._rollouts.values()]

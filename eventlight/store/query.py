@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
+import warnings
+
 import msgspec
 
 from eventlight.errors import InvalidInputError
@@ -35,6 +37,18 @@ def check_paging(limit: int, offset: int, sort_order: str, filter_logic: str = "
         raise InvalidInputError(f"sort_order must be 'asc' or 'desc', got {sort_order!r}")
     if filter_logic not in ("and", "or"):
         raise InvalidInputError(f"filter_logic must be 'and' or 'or', got {filter_logic!r}")
+
+
+def deprecated_alias(new: Any, old: Any, new_name: str, old_name: str) -> Any:
+    """Resolve a deprecated ``query_rollouts`` alias (``status``, ``rollout_ids``).
+
+    The new parameter wins when both are given (``reference_store.md``); using the old one emits a
+    ``DeprecationWarning`` as Agent-lightning 0.3.0 does.
+    """
+    if old is None:
+        return new
+    warnings.warn(f"{old_name}= is deprecated; use {new_name}=", DeprecationWarning, stacklevel=3)
+    return old if new is None else new
 
 
 def check_sort_field(cls: type, sort_by: str | None) -> None:
