@@ -374,6 +374,8 @@ def _replace_attempt(attempts: tuple[Attempt, ...], new: Attempt) -> tuple[Attem
 
 
 def _evolve_spans(state: RolloutState, event: SpansAdded) -> RolloutState:
+    if not event.spans:  # a reservation of sequence ids is not a heartbeat
+        return state
     try:
         attempt = state.attempt(event.attempt_id)
     except AttemptNotFoundError:

@@ -14,7 +14,8 @@ RolloutCreated         ``r.<rid>.q`` or ``.e``     ``enqueue_rollout`` (queued) 
 AttemptStarted         ``r.<rid>.e``               a runner claimed the rollout / ``start_attempt``
 AttemptUpdated         ``r.<rid>.e`` or ``.q``     an attempt changed; ``.q`` when the rollout requeues
 RolloutUpdated         ``r.<rid>.e`` or ``.q``     ``update_rollout`` (cancel, edit, manual requeue)
-SpansAdded             ``s.<rid>``                 a batch of spans of one attempt (also a heartbeat)
+SpansAdded             ``s.<rid>.<aid>``           a batch of spans of one attempt (also a heartbeat), or
+                                                   with no spans a reservation of sequence ids
 ResourcesPut           ``res.<resources_id>``      ``add_resources`` / ``update_resources``
 WorkerHeartbeat        ``w.<worker_id>``           ``update_worker``
 WorkerIdle             ``w.<worker_id>``           a worker polled an empty queue
@@ -68,6 +69,10 @@ class SpansAdded(_Base, frozen=True, tag="spans_added"):
     rollout_id: str
     attempt_id: str
     spans: list[Span]
+    seq_high: int = 0
+    """The attempt's highest allocated span sequence id once this event is written (the counter
+    ``get_next_span_sequence_id`` continues from). Appends on ``s.<rid>.<aid>`` expect that subject's
+    last sequence, so the stream itself is the counter. ``0`` in events written before the field existed."""
 
 
 class ResourcesPut(_Base, frozen=True, tag="resources_put"):
@@ -148,7 +153,7 @@ def enters_queue(event: AnyEvent) -> bool:
 def subject_for(prefix: str, event: AnyEvent) -> str:
     """The JetStream subject an event is published on; ``prefix`` is ``el.<ns>``."""
     if isinstance(event, SpansAdded):
-        return f"{prefix}.s.{event.rollout_id}"
+        return f"{prefix}.s.{event.rollout_id}.{event.attempt_id}"
     if isinstance(event, ResourcesPut):
         return f"{prefix}.res.{event.resources.resources_id}"
     if isinstance(event, (WorkerHeartbeat, WorkerIdle)):

@@ -1042,7 +1042,7 @@ async def _delete_stream(nats_url: str, stream: str) -> None:
     except Exception as e:
         raise ServiceUnavailableError(nats_url, f"{type(e).__name__}: {e}") from e
     try:
-        for name in (stream, f"KV_{stream}_SEQ"):  # the events and the span sequence counters
+        for name in (stream, f"KV_{stream}_SEQ"):  # the events, and the span counters of older versions
             with contextlib.suppress(JsNotFoundError):
                 await nc.jetstream().delete_stream(name)
     finally:

@@ -132,9 +132,8 @@ class _AttemptBuffer:
         if not self.pending:
             return
         batch = list(self.pending)
-        ids = await self.store.get_many_span_sequence_ids([(self.rollout_id, self.attempt_id)] * len(batch))
-        spans = [span_from_readable(s, self.rollout_id, self.attempt_id, i) for s, i in zip(batch, ids, strict=True)]
-        await self.store.add_many_spans(spans)
+        spans = [span_from_readable(s, self.rollout_id, self.attempt_id, 0) for s in batch]
+        await self.store.add_spans_numbered(self.rollout_id, self.attempt_id, spans)
         del self.pending[: len(batch)]  # spans that ended meanwhile stay for the next flush
         self.recorded.extend(spans)
 

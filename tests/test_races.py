@@ -75,9 +75,7 @@ async def test_many_runners_claim_each_rollout_exactly_once(namespace: Settings)
         await store.sync_all(timeout_s=60)
         async with store.pool.acquire() as conn:
             statuses = dict(await conn.fetch("SELECT status, count(*) FROM rollouts GROUP BY status"))
-            attempts_per_rollout = Counter(
-                r[0] for r in await conn.fetch("SELECT num_attempts FROM rollouts")
-            )
+            attempts_per_rollout = Counter(r[0] for r in await conn.fetch("SELECT num_attempts FROM rollouts"))
             workers = await conn.fetchval("SELECT count(DISTINCT worker_id) FROM attempts")
             bad_spans = await conn.fetchval(
                 """SELECT count(*) FROM (

@@ -86,6 +86,40 @@ async def test_span_moves_attempt_to_running_and_sequence_ids_increase(store: An
     assert spans[0].attributes["agentlightning.reward.0.value"] == pytest.approx(0.1)
 
 
+async def test_sequence_ids_are_shared_by_concurrent_writers(store: Any, runner_store: Any) -> None:
+    """The tracer's numbered batches and another writer's reservations (the LLM proxy's path) share
+    one gap-free, strictly increasing counter per attempt."""
+    r = await store.enqueue_rollout("seq")
+    d = await runner_store.dequeue_rollout()
+    rid, aid = r.rollout_id, d.attempt.attempt_id
+
+    async def tracer(k: int) -> list[int]:
+        out = []
+        for j in range(5):
+            batch = [reward_span(rid, aid, 0, float(j)) for _ in range(k)]
+            await runner_store.add_spans_numbered(rid, aid, batch)
+            out.extend(s.sequence_id for s in batch)
+        return out
+
+    async def proxy() -> list[int]:
+        out = []
+        for _ in range(5):
+            (sid,) = await store.get_many_span_sequence_ids([(rid, aid)])
+            await store.add_span(reward_span(rid, aid, sid, 9.0))
+            out.append(sid)
+        return out
+
+    a, b, c = await asyncio.gather(tracer(3), tracer(1), proxy())
+    assert sorted(a + b + c) == list(range(1, 3 * 5 + 5 + 5 + 1))  # unique and without gaps
+    assert a == sorted(a) and b == sorted(b) and c == sorted(c)  # increasing for each writer
+    await settle(store)
+    stored = await store.query_spans(rid, aid)
+    assert [s.sequence_id for s in stored] == list(range(1, 26))
+    assert await runner_store.get_next_span_sequence_id(rid, aid) == 26
+    with pytest.raises(InvalidInputError):
+        await runner_store.add_spans_numbered(rid, "at-other", [reward_span(rid, aid, 0, 1.0)])
+
+
 async def test_success_finishes_rollout_and_wakes_waiters(store: Any, runner_store: Any) -> None:
     r = await store.enqueue_rollout("q")
     d = await runner_store.dequeue_rollout(worker_id="w")

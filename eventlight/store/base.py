@@ -50,6 +50,7 @@ from collections.abc import Sequence
 from typing import Any, Literal, TypedDict
 
 from eventlight.decider import UNSET
+from eventlight.errors import InvalidInputError
 from eventlight.types import (
     Attempt,
     AttemptedRollout,
@@ -281,6 +282,27 @@ class LightningStore(ABC):
         if sequence_id is None:
             sequence_id = await self.get_next_span_sequence_id(rollout_id, attempt_id)
         return await self.add_span(span_from_readable(readable_span, rollout_id, attempt_id, sequence_id))
+
+    async def add_spans_numbered(self, rollout_id: str, attempt_id: str, spans: Sequence[Span]) -> list[Span]:
+        """Give ``spans`` (all of one attempt) its next sequence ids, in order, and record them.
+
+        An eventlight extension used by the tracer: the ``sequence_id`` fields are overwritten in
+        place. Backends may do it in one step (JetStream: one append); this default allocates with
+        ``get_many_span_sequence_ids`` and records with ``add_many_spans``.
+
+        Returns:
+            The spans recorded (duplicates left out, as ``add_many_spans``).
+
+        Raises:
+            RolloutNotFoundError / AttemptNotFoundError: Unknown ids.
+            InvalidInputError: A span belongs to another attempt or lacks its ids.
+        """
+        if any(s.rollout_id != rollout_id or s.attempt_id != attempt_id for s in spans):
+            raise InvalidInputError(f"add_spans_numbered: every span must belong to {rollout_id}/{attempt_id}")
+        ids = await self.get_many_span_sequence_ids([(rollout_id, attempt_id)] * len(spans))
+        for span, sequence_id in zip(spans, ids, strict=True):
+            span.sequence_id = sequence_id
+        return await self.add_many_spans(spans)
 
     @abstractmethod
     async def get_many_span_sequence_ids(self, rollout_attempt_ids: Sequence[tuple[str, str]]) -> list[int]:

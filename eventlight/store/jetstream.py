@@ -9,8 +9,10 @@ How each part of the API maps onto the event log (see DESIGN.md):
   sequence; if anything happened to the rollout since, the claim is refused, the state reloaded, and
   a rollout that is no longer queued is skipped. So two deliveries can never create two attempts.
   The message stays in progress (heartbeats extend it) until the attempt finishes.
-* **Spans** are published in batches (``SpansAdded``) on ``el.<ns>.s.<rid>``; span sequence ids come
-  from a per-attempt KV counter shared with the LLM proxy.
+* **Spans** are published in batches (``SpansAdded``) on ``el.<ns>.s.<rid>.<aid>``; each append
+  expects that subject's last sequence, so the subject is the attempt's span sequence counter, shared
+  with the LLM proxy (``EventLog.span_head``). ``add_spans_numbered`` (what the tracer uses) numbers
+  and publishes a batch in one round trip.
 * **Reads** (``query_*``, ``get_*``) come from the Postgres projections and first wait until the
   projector's checkpoint has passed this store's last write (read-your-writes). Resources are also
   readable from the stream itself (``get_resources_by_id``, ``get_latest_resources``), so runners
@@ -45,6 +47,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from eventlight import decider as d
 from eventlight.errors import (
     AttemptNotFoundError,
+    ConcurrencyError,
     InvalidInputError,
     InvalidTransitionError,
     ResourcesNotFoundError,
@@ -87,6 +90,7 @@ log = logging.getLogger(__name__)
 
 SPANS_PER_MESSAGE = 256
 RECENT_ATTEMPTS = 4096
+MAX_SPAN_APPEND_TRIES = 64
 SYNC_TIMEOUT_S = 30.0
 CLOSE_TIMEOUT_S = 10.0
 
@@ -129,7 +133,7 @@ class JetStreamLightningStore(LightningStore):
         self._states: dict[str, tuple[d.RolloutState, int]] = {}
         self._held: dict[tuple[str, str], Any] = {}
         self._idle_workers: set[str] = set()
-        self._seq_high: dict[tuple[str, str], int] = {}
+        self._span_heads: dict[tuple[str, str], tuple[int, int]] = {}  # (subject's last seq, seq_high)
         self._span_ids: dict[tuple[str, str], set[str]] = {}  # insertion-ordered, trimmed to RECENT_ATTEMPTS
         self._last_write_seq = 0
         self._changed = asyncio.Condition()
@@ -632,12 +636,30 @@ class JetStreamLightningStore(LightningStore):
 
     async def add_many_spans(self, spans: Sequence[Span]) -> list[Span]:
         check_spans(spans)
+        return await self._add_spans(spans, numbered=False)
+
+    async def add_spans_numbered(self, rollout_id: str, attempt_id: str, spans: Sequence[Span]) -> list[Span]:
+        """Give ``spans`` the attempt's next sequence ids, in order, and record them (one round trip).
+
+        The spans' ``sequence_id`` fields are overwritten in place. Returns the spans recorded.
+
+        Raises:
+            RolloutNotFoundError / AttemptNotFoundError: Unknown ids.
+            InvalidInputError: A span names another attempt or lacks its ids.
+        """
+        if any(s.rollout_id != rollout_id or s.attempt_id != attempt_id for s in spans):
+            raise InvalidInputError(f"add_spans_numbered: every span must belong to {rollout_id}/{attempt_id}")
+        for i, span in enumerate(spans):
+            span.sequence_id = i + 1  # placeholders that pass validation; renumbered when published
+        check_spans(spans)
+        return await self._add_spans(spans, numbered=True)
+
+    async def _add_spans(self, spans: Sequence[Span], *, numbered: bool) -> list[Span]:
         groups: dict[tuple[str, str], list[Span]] = {}
         for span in spans:
             groups.setdefault((span.rollout_id, span.attempt_id), []).append(span)
         for rid, aid in groups:
             await self._check_attempt(rid, aid)
-        log_ = self._log()
         added: list[Span] = []
         for (rid, aid), group in groups.items():
             seen = self._span_ids.get((rid, aid))
@@ -645,27 +667,53 @@ class JetStreamLightningStore(LightningStore):
                 seen = self._span_ids[(rid, aid)] = set()
                 while len(self._span_ids) > RECENT_ATTEMPTS:
                     del self._span_ids[next(iter(self._span_ids))]
-            fresh = []
-            for span in group:
-                if span.span_id not in seen:
-                    seen.add(span.span_id)
+            fresh, batch_ids = [], set()
+            for span in group:  # the first of each span id that this store has not written yet
+                if span.span_id not in seen and span.span_id not in batch_ids:
+                    batch_ids.add(span.span_id)
                     fresh.append(span)
-            if not fresh:
-                continue
-            top = max(s.sequence_id for s in fresh)
-            if top > self._seq_high.get((rid, aid), 0):
-                await log_.raise_sequence_floor(rid, aid, top)
-                self._seq_high[(rid, aid)] = top
             for i in range(0, len(fresh), SPANS_PER_MESSAGE):
                 chunk = fresh[i : i + SPANS_PER_MESSAGE]
-                event = SpansAdded(time=wall_clock(), rollout_id=rid, attempt_id=aid, spans=chunk)
                 keys = hashlib.blake2b("\n".join(sorted(s.span_id for s in chunk)).encode(), digest_size=16)
-                seq, duplicate = await log_.publish_ack(event, msg_id=f"spans:{rid}:{aid}:{keys.hexdigest()}")
-                if duplicate:  # the same batch was sent within the duplicate window
-                    continue
-                self._wrote(seq)
-                added.extend(chunk)
+                if await self._append_spans(rid, aid, chunk, 0, numbered, f"spans:{rid}:{aid}:{keys.hexdigest()}"):
+                    added.extend(chunk)
+                seen.update(s.span_id for s in chunk)  # only once written: a failed publish may be retried
         return added
+
+    async def _append_spans(
+        self, rid: str, aid: str, chunk: list[Span], reserve: int, numbered: bool, msg_id: str
+    ) -> int | None:
+        """Append one ``SpansAdded`` to ``s.<rid>.<aid>`` expecting the subject's head.
+
+        ``numbered`` spans get ``seq_high + 1 …``; ``reserve`` ids are reserved after them. Returns the
+        first id given out (numbered spans or the reservation), or ``None`` if the server had
+        already stored this batch (a duplicate).
+        """
+        log_ = self._log()
+        key = (rid, aid)
+        last, high = self._span_heads.get(key, (0, 0))
+        for _ in range(MAX_SPAN_APPEND_TRIES):
+            first = high + 1
+            if numbered:
+                for j, span in enumerate(chunk):
+                    span.sequence_id = first + j
+                new_high = high + len(chunk) + reserve
+            else:
+                new_high = max([high + reserve, *(s.sequence_id for s in chunk)])
+            event = SpansAdded(time=wall_clock(), rollout_id=rid, attempt_id=aid, spans=chunk, seq_high=new_high)
+            try:
+                seq, duplicate = await log_.publish_ack(event, msg_id=msg_id, expected_subject_seq=last)
+            except StaleStateError:  # another writer (the LLM proxy, another store) appended first
+                last, high = await log_.span_head(rid, aid)
+                continue
+            if duplicate:
+                return None
+            self._span_heads[key] = (seq, new_high)
+            while len(self._span_heads) > RECENT_ATTEMPTS:
+                del self._span_heads[next(iter(self._span_heads))]
+            self._wrote(seq)
+            return first
+        raise ConcurrencyError(f"spans of {rid}/{aid}: {MAX_SPAN_APPEND_TRIES} conflicting appends in a row")
 
     async def get_many_span_sequence_ids(self, rollout_attempt_ids: Sequence[tuple[str, str]]) -> list[int]:
         counts: dict[tuple[str, str], int] = {}
@@ -676,9 +724,9 @@ class JetStreamLightningStore(LightningStore):
             counts[key] = counts.get(key, 0) + 1
         next_id: dict[tuple[str, str], int] = {}
         for (rid, aid), n in counts.items():
-            first = await self._log().allocate_sequence_ids(rid, aid, n)
+            first = await self._append_spans(rid, aid, [], n, False, uuid.uuid4().hex)
+            assert first is not None  # a fresh msg id is never a duplicate
             next_id[(rid, aid)] = first
-            self._seq_high[(rid, aid)] = max(self._seq_high.get((rid, aid), 0), first + n - 1)
         out = []
         for key in resolved:
             out.append(next_id[key])

@@ -9,10 +9,9 @@ matches before paging, and ``None`` sorts last in ascending order.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
-
-import warnings
 
 import msgspec
 
