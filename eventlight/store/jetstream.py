@@ -139,6 +139,7 @@ class JetStreamLightningStore(LightningStore):
         self._changed = asyncio.Condition()
         self._hints: set[str] = set()
         self._runners_sub: Any = None
+        self._pull_inboxes: list[Any] = []
         self._watch_sub: Any = None
         self._closed = False
 
@@ -356,6 +357,17 @@ class JetStreamLightningStore(LightningStore):
         if worker_id is not None:
             check_token("worker_id", worker_id)
         sub = await self._runners()
+        if wait_s <= 0:  # non-blocking: one no-wait pull, answered at once with a message or 404
+            while True:
+                msg = await self._pull_no_wait()
+                if msg is None:
+                    await self._mark_idle(worker_id)
+                    return None
+                claimed = await self._claim(msg, worker_id)
+                if claimed is not None:
+                    if worker_id is not None:
+                        self._idle_workers.discard(worker_id)
+                    return claimed
         deadline = time.monotonic() + wait_s
         while True:
             timeout = max(0.05, deadline - time.monotonic())
@@ -377,6 +389,34 @@ class JetStreamLightningStore(LightningStore):
             if time.monotonic() >= deadline and wait_s > 0:
                 await self._mark_idle(worker_id)
                 return None
+
+    async def _pull_no_wait(self) -> Any:
+        """One ``no_wait`` pull request on the ``runners`` consumer: the next message, or ``None``
+        when the queue is empty (status 404/408), without the client's minimum fetch wait.
+
+        JetStream delivers the message under its own subject, so each request needs an inbox of its
+        own; idle inbox subscriptions are kept for the next call.
+        """
+        log_ = self._log()
+        inbox = self._pull_inboxes.pop() if self._pull_inboxes else await log_.nc.subscribe(log_.nc.new_inbox())
+        try:
+            await log_.nc.publish(
+                f"$JS.API.CONSUMER.MSG.NEXT.{log_.stream}.runners", b'{"batch":1,"no_wait":true}', reply=inbox.subject
+            )
+            msg = await inbox.next_msg(timeout=10.0)
+        except (nats.errors.TimeoutError, nats.errors.ConnectionClosedError) as e:
+            with contextlib.suppress(Exception):
+                await inbox.unsubscribe()  # a late answer must not reach the next caller
+            raise ServiceUnavailableError(self.nats_url or "NATS", f"pull from the runners queue failed: {e!r}") from e
+        self._pull_inboxes.append(inbox)
+        status = (msg.headers or {}).get("Status")
+        if status in ("404", "408"):
+            return None
+        if status is not None:
+            raise ServiceUnavailableError(
+                self.nats_url or "NATS", f"pull from the runners queue answered {status} {msg.headers}"
+            )
+        return msg
 
     async def _claim(self, msg: Any, worker_id: str | None) -> AttemptedRollout | None:
         log_ = self._log()
