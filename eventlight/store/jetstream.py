@@ -9,10 +9,10 @@ How each part of the API maps onto the event log (see DESIGN.md):
   sequence; if anything happened to the rollout since, the claim is refused, the state reloaded, and
   a rollout that is no longer queued is skipped. So two deliveries can never create two attempts.
   The message stays in progress (heartbeats extend it) until the attempt finishes.
-* **Spans** are published in batches (``SpansAdded``) on ``el.<ns>.s.<rid>.<aid>``; each append
-  expects that subject's last sequence, so the subject is the attempt's span sequence counter, shared
-  with the LLM proxy (``EventLog.span_head``). ``add_spans_numbered`` (what the tracer uses) numbers
-  and publishes a batch in one round trip.
+* **Spans** are published in batches (``SpansAdded``) on ``el.<ns>.s.<rid>.<aid>``; that subject is
+  the attempt's span sequence counter, shared with the LLM proxy, and concurrent appends of one
+  process are combined into one message (``eventlight.store.spanlog``). ``add_spans_numbered``
+  (what the tracer uses) numbers and publishes a batch in one round trip.
 * **Reads** (``query_*``, ``get_*``) come from the Postgres projections and first wait until the
   projector's checkpoint has passed this store's last write (read-your-writes). Resources are also
   readable from the stream itself (``get_resources_by_id``, ``get_latest_resources``), so runners
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import time
 import uuid
@@ -47,7 +46,6 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from eventlight import decider as d
 from eventlight.errors import (
     AttemptNotFoundError,
-    ConcurrencyError,
     InvalidInputError,
     InvalidTransitionError,
     ResourcesNotFoundError,
@@ -59,7 +57,6 @@ from eventlight.events import (
     ResourcesPut,
     RolloutCreated,
     RolloutUpdated,
-    SpansAdded,
     WorkerHeartbeat,
     WorkerIdle,
     decode_event,
@@ -70,6 +67,7 @@ from eventlight.store.base import UNSET, LightningStore, LightningStoreCapabilit
 from eventlight.store.eventlog import EventLog, StaleStateError, connect_nats
 from eventlight.store.projector import Projector
 from eventlight.store.query import check_paging, deprecated_alias
+from eventlight.store.spanlog import SpanLog
 from eventlight.store.validate import check_resources, check_spans, check_token
 from eventlight.types import (
     TERMINAL_ROLLOUT_STATUSES,
@@ -90,7 +88,6 @@ log = logging.getLogger(__name__)
 
 SPANS_PER_MESSAGE = 256
 RECENT_ATTEMPTS = 4096
-MAX_SPAN_APPEND_TRIES = 64
 SYNC_TIMEOUT_S = 30.0
 CLOSE_TIMEOUT_S = 10.0
 
@@ -133,7 +130,7 @@ class JetStreamLightningStore(LightningStore):
         self._states: dict[str, tuple[d.RolloutState, int]] = {}
         self._held: dict[tuple[str, str], Any] = {}
         self._idle_workers: set[str] = set()
-        self._span_heads: dict[tuple[str, str], tuple[int, int]] = {}  # (subject's last seq, seq_high)
+        self._span_log: SpanLog | None = None
         self._span_ids: dict[tuple[str, str], set[str]] = {}  # insertion-ordered, trimmed to RECENT_ATTEMPTS
         self._last_write_seq = 0
         self._changed = asyncio.Condition()
@@ -714,46 +711,15 @@ class JetStreamLightningStore(LightningStore):
                     fresh.append(span)
             for i in range(0, len(fresh), SPANS_PER_MESSAGE):
                 chunk = fresh[i : i + SPANS_PER_MESSAGE]
-                keys = hashlib.blake2b("\n".join(sorted(s.span_id for s in chunk)).encode(), digest_size=16)
-                if await self._append_spans(rid, aid, chunk, 0, numbered, f"spans:{rid}:{aid}:{keys.hexdigest()}"):
+                if await self._spans().append(rid, aid, chunk, numbered=numbered) is not None:
                     added.extend(chunk)
                 seen.update(s.span_id for s in chunk)  # only once written: a failed publish may be retried
         return added
 
-    async def _append_spans(
-        self, rid: str, aid: str, chunk: list[Span], reserve: int, numbered: bool, msg_id: str
-    ) -> int | None:
-        """Append one ``SpansAdded`` to ``s.<rid>.<aid>`` expecting the subject's head.
-
-        ``numbered`` spans get ``seq_high + 1 …``; ``reserve`` ids are reserved after them. Returns the
-        first id given out (numbered spans or the reservation), or ``None`` if the server had
-        already stored this batch (a duplicate).
-        """
-        log_ = self._log()
-        key = (rid, aid)
-        last, high = self._span_heads.get(key, (0, 0))
-        for _ in range(MAX_SPAN_APPEND_TRIES):
-            first = high + 1
-            if numbered:
-                for j, span in enumerate(chunk):
-                    span.sequence_id = first + j
-                new_high = high + len(chunk) + reserve
-            else:
-                new_high = max([high + reserve, *(s.sequence_id for s in chunk)])
-            event = SpansAdded(time=wall_clock(), rollout_id=rid, attempt_id=aid, spans=chunk, seq_high=new_high)
-            try:
-                seq, duplicate = await log_.publish_ack(event, msg_id=msg_id, expected_subject_seq=last)
-            except StaleStateError:  # another writer (the LLM proxy, another store) appended first
-                last, high = await log_.span_head(rid, aid)
-                continue
-            if duplicate:
-                return None
-            self._span_heads[key] = (seq, new_high)
-            while len(self._span_heads) > RECENT_ATTEMPTS:
-                del self._span_heads[next(iter(self._span_heads))]
-            self._wrote(seq)
-            return first
-        raise ConcurrencyError(f"spans of {rid}/{aid}: {MAX_SPAN_APPEND_TRIES} conflicting appends in a row")
+    def _spans(self) -> SpanLog:
+        if self._span_log is None:
+            self._span_log = SpanLog(self._log(), on_write=self._wrote)
+        return self._span_log
 
     async def get_many_span_sequence_ids(self, rollout_attempt_ids: Sequence[tuple[str, str]]) -> list[int]:
         counts: dict[tuple[str, str], int] = {}
@@ -764,8 +730,8 @@ class JetStreamLightningStore(LightningStore):
             counts[key] = counts.get(key, 0) + 1
         next_id: dict[tuple[str, str], int] = {}
         for (rid, aid), n in counts.items():
-            first = await self._append_spans(rid, aid, [], n, False, uuid.uuid4().hex)
-            assert first is not None  # a fresh msg id is never a duplicate
+            first = await self._spans().append(rid, aid, [], reserve=n)
+            assert first is not None  # a reservation is never a duplicate
             next_id[(rid, aid)] = first
         out = []
         for key in resolved:

@@ -1,0 +1,149 @@
+"""Span appends per attempt, numbered by the stream, with group commit.
+
+An attempt's spans live on ``el.<ns>.s.<rollout_id>.<attempt_id>``. Each ``SpansAdded`` carries
+``seq_high``, the attempt's highest allocated sequence id after it, and every append expects the
+subject's last stream sequence (``Nats-Expected-Last-Subject-Sequence``), so the subject itself is
+the attempt's span counter: gap-free, strictly increasing in stream order, shared by every writer
+(runner tracers, the LLM proxy, algorithms), durable with the events. A writer overtaken by another
+(JetStream error 10071) reads the head (``EventLog.span_head``) and numbers again.
+
+Within one process, appends to the same attempt are combined: while one append is in flight, the
+requests that arrive meanwhile wait and then go out together in the next message (group commit),
+so concurrent callers never conflict with each other and share one fsync.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from dataclasses import dataclass, field
+
+from eventlight.errors import ConcurrencyError
+from eventlight.events import SpansAdded
+from eventlight.store.eventlog import EventLog, StaleStateError
+from eventlight.types import Span
+from eventlight.types import now as wall_clock
+
+MAX_TRIES = 64
+MAX_SPANS_PER_MESSAGE = 256
+RECENT_ATTEMPTS = 4096
+
+
+@dataclass
+class _Request:
+    spans: list[Span]
+    numbered: bool  # give the spans the next ids (else they carry their own)
+    reserve: int  # ids to reserve after the spans (get_many_span_sequence_ids)
+    msg_id: str
+    done: asyncio.Future[int | None]
+    first: int = 0
+
+
+@dataclass
+class _Attempt:
+    last_seq: int = 0  # the subject's last stream sequence as this process knows it (0: empty)
+    high: int = 0  # the attempt's highest allocated sequence id as this process knows it
+    pending: list[_Request] = field(default_factory=list)
+    writer: asyncio.Task[None] | None = None
+
+
+class SpanLog:
+    """Appends span batches and sequence-id reservations of attempts.
+
+    Args:
+        log: The namespace's event log.
+        on_write: Called with each appended message's stream sequence (read-your-writes).
+    """
+
+    def __init__(self, log: EventLog, on_write: object = None):
+        self.log = log
+        self.on_write = on_write
+        self._attempts: dict[tuple[str, str], _Attempt] = {}
+
+    async def append(
+        self, rollout_id: str, attempt_id: str, spans: list[Span], *, numbered: bool = False, reserve: int = 0
+    ) -> int | None:
+        """Append ``spans`` (and reserve ``reserve`` ids after them) to the attempt's subject.
+
+        Returns:
+            The first id given out (to the numbered spans, else to the reservation), or ``None`` if
+            the server had already stored this very batch (a duplicate within its window).
+
+        Raises:
+            ConcurrencyError: Other writers kept overtaking this one ``MAX_TRIES`` times in a row.
+            ServiceUnavailableError: NATS did not answer.
+        """
+        keys = hashlib.blake2b("\n".join(sorted(s.span_id for s in spans)).encode(), digest_size=16)
+        msg_id = f"spans:{rollout_id}:{attempt_id}:{keys.hexdigest()}:{reserve}" if spans else ""
+        key = (rollout_id, attempt_id)
+        state = self._attempts.get(key)
+        if state is None:
+            state = self._attempts[key] = _Attempt()
+            while len(self._attempts) > RECENT_ATTEMPTS:
+                oldest = next(iter(self._attempts))
+                if self._attempts[oldest].writer is not None:
+                    break
+                del self._attempts[oldest]
+        done: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
+        state.pending.append(_Request(spans, numbered, reserve, msg_id, done))
+        if state.writer is None:
+            state.writer = asyncio.create_task(self._write(key, state))
+        return await asyncio.shield(done)
+
+    async def _write(self, key: tuple[str, str], state: _Attempt) -> None:
+        try:
+            while state.pending:
+                group, count = [], 0
+                while state.pending and (not group or count + len(state.pending[0].spans) <= MAX_SPANS_PER_MESSAGE):
+                    req = state.pending.pop(0)
+                    group.append(req)
+                    count += len(req.spans)
+                try:
+                    duplicate = await self._append_group(key, state, group)
+                except BaseException as e:
+                    for req in group:
+                        if not req.done.done():
+                            req.done.set_exception(e)
+                    if not isinstance(e, Exception):
+                        raise
+                    continue
+                for req in group:
+                    if not req.done.done():
+                        req.done.set_result(None if duplicate else req.first)
+        finally:
+            state.writer = None
+            for req in state.pending:  # only when the writer itself was cancelled
+                if not req.done.done():
+                    req.done.set_exception(ConcurrencyError(f"span writer of {key[0]}/{key[1]} stopped"))
+            state.pending.clear()
+
+    async def _append_group(self, key: tuple[str, str], state: _Attempt, group: list[_Request]) -> bool:
+        rid, aid = key
+        spans = [s for req in group for s in req.spans]
+        ids = [req.msg_id for req in group]
+        msg_id = ids[0] if len(ids) == 1 and ids[0] else None  # combined batches get a fresh id
+        for _ in range(MAX_TRIES):
+            cursor = state.high
+            for req in group:
+                if req.numbered:
+                    req.first = cursor + 1
+                    for j, span in enumerate(req.spans):
+                        span.sequence_id = cursor + 1 + j
+                    cursor += len(req.spans)
+                else:
+                    cursor = max([cursor, *(s.sequence_id for s in req.spans)])
+                    req.first = cursor + 1
+                cursor += req.reserve
+            event = SpansAdded(time=wall_clock(), rollout_id=rid, attempt_id=aid, spans=spans, seq_high=cursor)
+            try:
+                seq, duplicate = await self.log.publish_ack(event, msg_id=msg_id, expected_subject_seq=state.last_seq)
+            except StaleStateError:  # another process (the LLM proxy, another store) appended first
+                state.last_seq, state.high = await self.log.span_head(rid, aid)
+                continue
+            if duplicate:
+                return True
+            state.last_seq, state.high = seq, cursor
+            if callable(self.on_write):
+                self.on_write(seq)
+            return False
+        raise ConcurrencyError(f"spans of {rid}/{aid}: {MAX_TRIES} conflicting appends in a row")
