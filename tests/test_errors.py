@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -24,8 +25,10 @@ def dead_port() -> int:
 async def test_unreachable_nats_names_the_server() -> None:
     url = f"nats://127.0.0.1:{dead_port()}"
     store = JetStreamLightningStore(Settings(namespace="x"), nats_url=url)
+    t = time.monotonic()
     with pytest.raises(ServiceUnavailableError, match=url) as info:
         await store.start()
+    assert time.monotonic() - t < 5  # at once, not after nats-py's reconnect attempts
     assert info.value.retryable and info.value.server == url
     await store.close()
 
@@ -36,7 +39,26 @@ async def test_unreachable_postgres_names_the_server_without_password(namespace:
     with pytest.raises(ServiceUnavailableError, match="127.0.0.1") as info:
         await store.start()
     assert "secret" not in str(info.value)
+    assert store.nc is not None and store.nc.is_closed  # the NATS connection did not leak
     await store.close()
+
+
+async def test_a_namespace_without_tables_is_refused_at_start(services: tuple[Settings, object]) -> None:
+    base, svc = services
+    settings = Settings(nats_url=svc.nats_url, pg_dsn=svc.pg_dsn, namespace="nomigrations")  # type: ignore[attr-defined]
+    store = JetStreamLightningStore(settings, pg_dsn=settings.pg_dsn)
+    with pytest.raises(InvalidInputError, match="eventlight up"):
+        await store.start()
+    assert store.nc is not None and store.nc.is_closed
+
+
+async def test_a_closed_store_says_so(namespace: Settings) -> None:
+    store = JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn)
+    await store.start()
+    await store.close()
+    for call in (store.enqueue_rollout({}), store.dequeue_rollout(), store.query_rollouts()):
+        with pytest.raises(InvalidInputError, match="closed"):
+            await call
 
 
 async def test_nats_without_expected_subject_sequence_is_refused() -> None:

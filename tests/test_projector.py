@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
+import asyncpg
 import nats.errors
+import pytest
 
+from eventlight.events import rollout_id_of
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.store.projector import Projector
@@ -53,3 +57,36 @@ async def test_a_restarted_projector_reapplies_nothing(namespace: Settings) -> N
         attempts = await store.query_attempts(r.rollout_id)
         assert [a.status for a in attempts] == ["failed", "preparing"]
         await replay.close()
+
+
+async def test_an_event_postgres_refuses_is_dead_lettered_and_the_rest_projected(
+    namespace: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One poison event must not stop the projection (it stays in the stream, listed in
+    ``projector_dead_letters``); the events around it in the same batch are applied."""
+    poisoned: set[str] = set()
+    fold = Projector._fold
+
+    async def refusing_fold(self: Projector, conn: Any, batch: Any, event: Any, seq: int) -> None:
+        if rollout_id_of(event) in poisoned:
+            raise asyncpg.exceptions.InvalidTextRepresentationError("invalid input syntax (test)")
+        await fold(self, conn, batch, event, seq)
+
+    monkeypatch.setattr(Projector, "_fold", refusing_fold)
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn, run_projector=False) as store:
+        before = await store.enqueue_rollout("before")
+        bad = await store.enqueue_rollout("bad")
+        poisoned.add(bad.rollout_id)
+        after = await store.enqueue_rollout("after")
+        projector = Projector(store.log, store.pool)  # starts now: all three arrive in one batch
+        await projector.start()
+        try:
+            await store.sync(timeout_s=10)
+            assert [r.input for r in await store.query_rollouts()] == ["before", "after"]
+            assert projector.dead_letters == 1
+            async with store.pool.acquire() as conn:
+                rows = await conn.fetch("SELECT stream_seq, subject, error FROM projector_dead_letters")
+            assert len(rows) == 1 and bad.rollout_id in rows[0]["subject"] and "test" in rows[0]["error"]
+            assert {before.rollout_id, after.rollout_id} == {r.rollout_id for r in await store.query_rollouts()}
+        finally:
+            await projector.close()

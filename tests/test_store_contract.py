@@ -270,6 +270,9 @@ async def test_query_rollouts_filters_sorts_and_pages(store: Any) -> None:
     assert page.total == 5 and page.limit == 2 and page.offset == 1
     assert [r.rollout_id for r in await store.query_rollouts(status_in=["cancelled"])] == [made[0].rollout_id]
     assert len(await store.query_rollouts(status_in=[])) == 0
+    queued = await store.query_rollouts(status_in=["queuing", "running"], limit=1)
+    assert len(queued) == 1 and queued.total == 4  # totals count every match, not the page
+    assert (await store.query_rollouts(status_in=[], limit=1)).total == 0
     either = await store.query_rollouts(status_in=["cancelled"], rollout_id_in=[made[4].rollout_id], filter_logic="or")
     assert {r.rollout_id for r in either} == {made[0].rollout_id, made[4].rollout_id}
     desc = await store.query_rollouts(sort_by="start_time", sort_order="desc")
@@ -358,6 +361,56 @@ async def test_query_resources_filters_sorts_and_pages(store: Any) -> None:
     assert len(await store.query_resources(limit=0)) == 0
     with pytest.raises(InvalidInputError):
         await store.query_resources(offset=-1)
+
+
+async def test_ids_that_cannot_exist_are_not_found(store: Any) -> None:
+    """Wildcards and dots never reach a NATS subject: ``*`` must not match some real rollout."""
+    r = await store.enqueue_rollout("real")
+    for bad in ("*", ">", "ro-x.y", "", "a b"):
+        with pytest.raises(RolloutNotFoundError):
+            await store.update_rollout(bad, status="cancelled")
+        with pytest.raises(RolloutNotFoundError):
+            await store.start_attempt(bad)
+        assert await store.get_resources_by_id(bad) is None
+    await store.add_resources({"p": PromptTemplate(template="x")})
+    with pytest.raises(ResourcesNotFoundError):
+        await store.update_rollout(r.rollout_id, resources_id="*")
+    assert (await store.get_rollout_by_id(r.rollout_id)).status == "queuing"
+
+
+async def test_spans_that_cannot_be_stored_are_refused(store: Any, runner_store: Any) -> None:
+    r = await store.enqueue_rollout("bad spans")
+    d = await runner_store.dequeue_rollout()
+    aid = d.attempt.attempt_id
+    bad = []
+    for change in ({"name": None}, {"attributes": [1]}, {"attributes": {"x": object()}}, {"sequence_id": 2**63}):
+        span = reward_span(r.rollout_id, aid, 1, 1.0)
+        for k, v in change.items():
+            setattr(span, k, v)
+        bad.append(span)
+    for span in bad:
+        with pytest.raises(InvalidInputError):
+            await runner_store.add_span(span)
+    await settle(store)
+    assert len(await store.query_spans(r.rollout_id)) == 0
+
+
+async def test_nul_characters_do_not_stop_the_projection(store: Any, runner_store: Any) -> None:
+    """LLM output may hold NUL, which Postgres cannot store: the span is kept (NUL as U+FFFD in the
+    read model, unchanged in the stream) and later events are still projected."""
+    r = await store.enqueue_rollout({"prompt": "a\x00b"})
+    d = await runner_store.dequeue_rollout()
+    aid = d.attempt.attempt_id
+    span = reward_span(r.rollout_id, aid, 1, 1.0)
+    span.name = "llm\x00call"
+    span.attributes["gen_ai.completion"] = "x\x00y"
+    assert await runner_store.add_span(span) is not None
+    await runner_store.update_attempt(r.rollout_id, aid, status="succeeded")
+    done = await store.wait_for_rollouts(rollout_ids=[r.rollout_id], timeout=10)
+    assert [x.status for x in done] == ["succeeded"]
+    (stored,) = await store.query_spans(r.rollout_id)
+    assert stored.name in ("llm\x00call", "llm\ufffdcall")
+    assert stored.attributes["gen_ai.completion"] in ("x\x00y", "x\ufffdy")
 
 
 async def test_resources_versioning(store: Any) -> None:

@@ -41,6 +41,18 @@ Choices where Agent-lightning 0.3.0's code and its docs differ, item by item aga
     18. ``Span``'s nullable fields are required keys as in 0.3.0; ``NamedResources`` is tagged by
         ``resource_type``;
     20. every method appears atomic: writes are per-rollout optimistic appends (``eventlog``).
+
+Other behaviours to know:
+    * ``start_attempt`` is an explicit retry: it moves even a finished or cancelled rollout back to
+      ``preparing`` (0.3.0); only late *attempt updates* cannot overwrite ``cancelled``;
+    * ids that could never have been issued (with dots, spaces, wildcards) are simply not found;
+    * a span is validated before anything is written (ids, name, JSON-encodable attributes);
+      NUL characters are kept in the stream and stored as U+FFFD in Postgres, which cannot hold NUL;
+    * on JetStream, reads see the caller's own writes (``sync``); another process's writes appear
+      once the projector has committed them (usually milliseconds); ``wait_for_rollouts`` follows
+      the stream itself;
+    * a closed JetStream store raises ``InvalidInputError``; the in-memory store keeps its data and
+      only stops its watchdog.
 """
 
 from __future__ import annotations

@@ -18,6 +18,8 @@ with one fsync per batch instead of a separate counter write.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import uuid
 from collections.abc import Sequence
@@ -32,6 +34,7 @@ from eventlight import decider as d
 from eventlight.errors import ConcurrencyError, EventlightError, RolloutNotFoundError, ServiceUnavailableError
 from eventlight.events import AnyEvent, RolloutEvent, decode_event, encode_event, subject_for
 from eventlight.settings import Settings
+from eventlight.store.validate import is_token
 
 log = logging.getLogger(__name__)
 
@@ -188,6 +191,8 @@ class EventLog:
         Raises:
             RolloutNotFoundError: The rollout has no events.
         """
+        if not isinstance(rollout_id, str) or not is_token(rollout_id):
+            raise RolloutNotFoundError(rollout_id)  # not a subject token: no rollout can have this id
         subject = f"{self.prefix}.r.{rollout_id}.>"
         state: d.RolloutState | None = None
         seq = 0
@@ -236,17 +241,49 @@ class EventLog:
         return f"nats://{url.hostname}:{url.port}" if url else "NATS"
 
 
+async def _nats_error(e: Exception) -> None:
+    log.warning("NATS: %s", e if str(e) else type(e).__name__)
+
+
+async def _reachable(url: str, timeout_s: float = 3.0) -> str | None:
+    """``None`` if something accepts TCP connections at the first server of ``url``, else why not."""
+    from urllib.parse import urlsplit
+
+    first = url.split(",")[0].strip()
+    parts = urlsplit(first if "://" in first else f"nats://{first}")
+    host, port = parts.hostname or "127.0.0.1", parts.port or 4222
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+    except (OSError, TimeoutError) as e:
+        return f"nothing answers at {host}:{port} ({e.strerror or type(e).__name__})"
+    writer.close()
+    with contextlib.suppress(Exception):
+        await writer.wait_closed()
+    return None
+
+
 async def connect_nats(url: str, *, name: str = "eventlight") -> NATS:
     """Connect to NATS and check the server can do per-rollout optimistic appends.
 
     Raises:
-        ServiceUnavailableError: The server cannot be reached, or is older than 2.11 (it ignores
+        ServiceUnavailableError: The server cannot be reached (at once when nothing listens, instead
+            of nats-py's reconnect attempts), or is older than 2.11 (it ignores
             ``Nats-Expected-Last-Subject-Sequence-Subject``, which eventlight's fencing needs).
     """
     import nats
 
+    why = await _reachable(url)
+    if why is not None:
+        raise ServiceUnavailableError(url, f"NATS is not reachable: {why}")
     try:
-        nc = await nats.connect(url, name=name, connect_timeout=3, max_reconnect_attempts=5, allow_reconnect=True)
+        nc = await nats.connect(
+            url,
+            name=name,
+            connect_timeout=3,
+            max_reconnect_attempts=5,
+            allow_reconnect=True,
+            error_cb=_nats_error,
+        )
     except Exception as e:  # nats-py raises several unrelated types for "cannot connect"
         raise ServiceUnavailableError(url, f"NATS did not accept a connection ({e!r})") from e
     sv = nc.connected_server_version

@@ -68,7 +68,7 @@ from eventlight.store.eventlog import EventLog, StaleStateError, connect_nats
 from eventlight.store.projector import Projector
 from eventlight.store.query import check_paging, deprecated_alias
 from eventlight.store.spanlog import SpanLog
-from eventlight.store.validate import check_resources, check_spans, check_token
+from eventlight.store.validate import check_resources, check_spans, check_token, is_token
 from eventlight.types import (
     TERMINAL_ROLLOUT_STATUSES,
     Attempt,
@@ -154,18 +154,30 @@ class JetStreamLightningStore(LightningStore):
         """
         if self.nats_url is None:
             raise InvalidInputError("JetStreamLightningStore needs a NATS URL (settings.nats_url or nats_url=)")
+        if self.run_projector and self.pg_dsn is None:
+            raise InvalidInputError("the projector needs Postgres (pg_dsn)")
         self.nc = await connect_nats(self.nats_url)
-        self.log = EventLog(self.nc, self.settings)
-        if self.pg_dsn is not None:
-            self.pool = await pg.create_pool(self.pg_dsn, self.settings.pg_schema, max_size=self.pool_size)
-            self._watch_sub = await self.nc.subscribe(f"{self.log.prefix}.r.*.*", cb=self._on_rollout_event)
-        if self.run_projector:
-            if self.pool is None:
-                raise InvalidInputError("the projector needs Postgres (pg_dsn)")
-            self.projector = Projector(
-                self.log, self.pool, watchdog_interval_s=self.watchdog_interval_s, on_commit=self._on_commit
-            )
-            await self.projector.start()
+        try:
+            self.log = EventLog(self.nc, self.settings)
+            if self.pg_dsn is not None:
+                self.pool = await pg.create_pool(self.pg_dsn, self.settings.pg_schema, max_size=self.pool_size)
+                async with self.pool.acquire() as conn:
+                    if await conn.fetchval("SELECT to_regclass('projector_checkpoint')") is None:
+                        raise InvalidInputError(
+                            f"namespace {self.settings.namespace!r} has no tables in Postgres schema "
+                            f"{self.settings.pg_schema!r}; run `eventlight up` (or "
+                            "eventlight.services.apply_migrations) first"
+                        )
+                self._watch_sub = await self.nc.subscribe(f"{self.log.prefix}.r.*.*", cb=self._on_rollout_event)
+            if self.run_projector:
+                assert self.pool is not None
+                self.projector = Projector(
+                    self.log, self.pool, watchdog_interval_s=self.watchdog_interval_s, on_commit=self._on_commit
+                )
+                await self.projector.start()
+        except BaseException:
+            await self.close()  # nothing half-open is left behind
+            raise
         return self
 
     async def __aenter__(self) -> JetStreamLightningStore:
@@ -194,6 +206,8 @@ class JetStreamLightningStore(LightningStore):
                 self.pool.terminate()
 
     def _log(self) -> EventLog:
+        if self._closed:
+            raise InvalidInputError("this store is closed")
         if self.log is None:
             raise InvalidInputError("the store is not started; use `async with store:` or `await store.start()`")
         return self.log
@@ -237,6 +251,8 @@ class JetStreamLightningStore(LightningStore):
         return state
 
     async def _resources_exist(self, resources_id: str) -> bool:
+        if not isinstance(resources_id, str) or not is_token(resources_id):
+            return False  # not a subject token: no snapshot can have this id
         return await self._log().last_event(f"{self._log().prefix}.res.{resources_id}") is not None
 
     async def _resolve_resources(self, resources_id: str | None) -> str | None:
@@ -521,6 +537,8 @@ class JetStreamLightningStore(LightningStore):
     # -- reads ---------------------------------------------------------------------------------
 
     def _pool(self) -> asyncpg.Pool:
+        if self._closed:
+            raise InvalidInputError("this store is closed")
         if self.pool is None:
             raise InvalidInputError("this store was opened without Postgres (pg_dsn=None); it cannot answer queries")
         return self.pool
@@ -597,7 +615,18 @@ class JetStreamLightningStore(LightningStore):
         check_paging(limit, offset, sort_order, filter_logic)
         tail = pg.order_page(Rollout, w, sort_by, sort_order, limit, offset, "created_seq")
         async with self._pool().acquire() as conn:
-            rows, total = await pg.fetch_page(conn, "rollouts", pg.ROLLOUT_COLS, w, filter_logic, tail, n)
+            if rollout_id_in is None and rollout_id_contains is None:
+                # all rollouts, or a status filter: the total comes from the trigger-kept counts
+                # (migrations/002), so a page costs the same on 10^2 or 10^6 rollouts
+                rows = await conn.fetch(f"SELECT {pg.ROLLOUT_COLS} FROM rollouts {w.sql(filter_logic)} {tail}", *w.args)
+                total = await conn.fetchval(
+                    "SELECT coalesce(sum(n), 0) FROM rollout_status_counts"
+                    + ("" if status_in is None else " WHERE status = ANY($1::text[])"),
+                    *([] if status_in is None else [list(status_in)]),
+                )
+                total = int(total)
+            else:
+                rows, total = await pg.fetch_page(conn, "rollouts", pg.ROLLOUT_COLS, w, filter_logic, tail, n)
             items = [pg.rollout_from_row(r) for r in rows]
             attempts = await self._attempt_map(conn, items)
         return pg.paginated([pg.attach(r, attempts.get(r.rollout_id)) for r in items], limit, offset, total)
@@ -824,7 +853,8 @@ class JetStreamLightningStore(LightningStore):
         return await self._put(resources_id, resources, await self.get_resources_by_id(resources_id))
 
     async def get_resources_by_id(self, resources_id: str) -> ResourcesUpdate | None:
-        check_token("resources_id", resources_id)
+        if not isinstance(resources_id, str) or not is_token(resources_id):
+            return None  # not a subject token: no snapshot can have this id
         found = await self._log().last_event(f"{self._log().prefix}.res.{resources_id}")
         return found[0].resources if found and isinstance(found[0], ResourcesPut) else None
 

@@ -31,7 +31,27 @@ _enc = msgspec.json.Encoder()
 
 
 def dumps(value: Any) -> str:
-    return _enc.encode(value).decode()
+    """JSON text for a ``jsonb`` column. Postgres cannot store NUL (``\\u0000``) in ``jsonb`` or
+    ``text``, so NUL characters in strings become U+FFFD (the event in the stream keeps them)."""
+    data = _enc.encode(value)
+    if b"\\u0000" in data:
+        data = _enc.encode(_without_nul(msgspec.to_builtins(value)))
+    return data.decode()
+
+
+def text(value: str | None) -> str | None:
+    """A ``text`` column's value, NUL characters replaced by U+FFFD (see ``dumps``)."""
+    return value.replace("\x00", "\ufffd") if value is not None and "\x00" in value else value
+
+
+def _without_nul(value: Any) -> Any:
+    if isinstance(value, str):
+        return value.replace("\x00", "\ufffd")
+    if isinstance(value, dict):
+        return {_without_nul(k): _without_nul(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_without_nul(v) for v in value]
+    return value
 
 
 def loads(text: str | None, type_: Any = Any) -> Any:

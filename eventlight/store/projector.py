@@ -46,6 +46,7 @@ from eventlight.store.pg import (
     attempt_from_row,
     dumps,
     rollout_from_row,
+    text,
     worker_from_row,
 )
 from eventlight.types import Worker
@@ -98,6 +99,7 @@ class Projector:
         self._lock_conn: asyncpg.Connection | None = None
         self.leader = asyncio.Event()
         self._stopping = False
+        self.dead_letters = 0
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -136,11 +138,37 @@ class Projector:
             if not msgs:  # nats-py may return an empty batch (a status message, not an error)
                 continue
             try:
-                await self.apply(msgs)
+                try:
+                    await self.apply(msgs)
+                except asyncpg.DataError:  # some event's data is refused; find it, keep the others
+                    await self._apply_isolating(msgs)
                 await msgs[-1].ack()
             except Exception:
                 log.exception("projector batch failed; it will be redelivered")
                 await asyncio.sleep(1)
+
+    async def _apply_isolating(self, msgs: list[Any]) -> None:
+        """Apply a batch one message at a time; a message Postgres refuses on its own
+        (``asyncpg.DataError``) is recorded in ``projector_dead_letters`` and skipped."""
+        for msg in msgs:
+            try:
+                await self.apply([msg])
+            except asyncpg.DataError as e:
+                seq = msg.metadata.sequence.stream
+                log.error("projector: skipping the event at stream sequence %d (%s): %s", seq, msg.subject, e)
+                async with self.pool.acquire() as conn, conn.transaction():
+                    await conn.execute(
+                        "INSERT INTO projector_dead_letters (stream_seq, subject, error) VALUES ($1, $2, $3)"
+                        " ON CONFLICT DO NOTHING",
+                        seq,
+                        msg.subject,
+                        f"{type(e).__name__}: {e}"[:2000],
+                    )
+                    await conn.execute("UPDATE projector_checkpoint SET last_seq = $1, updated_at = now()", seq)
+                self.checkpoint = seq
+                self.dead_letters += 1
+                if self.on_commit is not None:
+                    self.on_commit(seq, set())
 
     async def _become_leader(self) -> None:
         self._lock_conn = await self.pool.acquire()
@@ -302,11 +330,11 @@ def _span_row(s: Any, seq: int) -> tuple[Any, ...]:
     return (
         s.rollout_id,
         s.attempt_id,
-        s.span_id,
+        text(s.span_id),
         s.sequence_id,
-        s.trace_id,
-        s.parent_id,
-        s.name,
+        text(s.trace_id),
+        text(s.parent_id),
+        text(s.name),
         dumps(s.status),
         dumps(s.attributes),
         dumps(s.events),

@@ -6,10 +6,18 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import msgspec
+
 from eventlight.errors import InvalidInputError
 from eventlight.types import LLM, PromptTemplate, ProxyLLM, Span
 
+_json = msgspec.json.Encoder()
 _TOKEN = re.compile(r"^[A-Za-z0-9_\-:@+=]{1,200}$")
+
+
+def is_token(value: str) -> bool:
+    """Whether ``value`` can be an id (a NATS subject token: no dots, spaces or wildcards)."""
+    return bool(_TOKEN.match(value))
 
 
 def check_token(what: str, value: Any) -> str:
@@ -26,23 +34,42 @@ def check_token(what: str, value: Any) -> str:
 
 
 def check_spans(spans: Sequence[Any]) -> None:
-    """Validate spans before anything is written.
+    """Validate spans before anything is written, so a span a backend accepts is one it can store.
 
     Raises:
-        InvalidInputError: An item is not a ``Span``, or lacks its rollout, attempt or span id, or
-            has a negative sequence id.
+        InvalidInputError: An item is not a ``Span``; lacks its rollout, attempt, span or trace id;
+            has a negative sequence id, a name that is not a string, attributes that are not a
+            ``dict`` with string keys, or an attribute value that cannot be encoded as JSON.
     """
     for i, span in enumerate(spans):
         if not isinstance(span, Span):
             raise InvalidInputError(f"span #{i} is a {type(span).__name__}, not an eventlight Span")
-        if not span.rollout_id or not span.attempt_id:
-            raise InvalidInputError(f"span #{i} ({span.name!r}) lacks rollout_id or attempt_id")
+        if not isinstance(span.name, str):
+            raise InvalidInputError(f"span #{i} has a name of type {type(span.name).__name__}, not str")
+        for field in ("rollout_id", "attempt_id", "span_id", "trace_id"):
+            value = getattr(span, field)
+            if not value or not isinstance(value, str):
+                raise InvalidInputError(f"span #{i} ({span.name!r}) lacks a {field} (got {value!r})")
         if span.attempt_id == "latest":
             raise InvalidInputError(f"span #{i} ({span.name!r}) must name its attempt id, not 'latest'")
-        if not span.span_id or not span.trace_id:
-            raise InvalidInputError(f"span #{i} ({span.name!r}) lacks span_id or trace_id")
-        if not isinstance(span.sequence_id, int) or span.sequence_id < 0:
+        sid = span.sequence_id
+        if not isinstance(sid, int) or isinstance(sid, bool) or not 0 <= sid < 2**63:
             raise InvalidInputError(f"span #{i} ({span.name!r}) has an invalid sequence_id {span.sequence_id!r}")
+        if not isinstance(span.attributes, dict):
+            raise InvalidInputError(
+                f"span #{i} ({span.name!r}) has attributes of type {type(span.attributes).__name__}, not dict"
+            )
+        for key, value in span.attributes.items():
+            if not isinstance(key, str):
+                raise InvalidInputError(f"span #{i} ({span.name!r}) has a non-string attribute key {key!r}")
+            if value is None or isinstance(value, (str, int, float)):
+                continue
+            try:
+                _json.encode(value)
+            except (TypeError, ValueError, msgspec.EncodeError) as e:
+                raise InvalidInputError(
+                    f"span #{i} ({span.name!r}) attribute {key!r} cannot be stored as JSON: {e}"
+                ) from e
 
 
 def check_resources(resources: Mapping[str, Any]) -> None:
