@@ -30,6 +30,11 @@ DROP TRIGGER IF EXISTS rollouts_count_delete ON rollouts;
 CREATE TRIGGER rollouts_count_delete AFTER DELETE ON rollouts
     FOR EACH ROW EXECUTE FUNCTION rollout_status_counts_track();
 
+-- An algorithm's page of queued (or running) rollouts walks this index in order instead of
+-- skipping every finished rollout created before them.
+CREATE INDEX IF NOT EXISTS rollouts_status_created_idx ON rollouts (status, created_seq);
+DROP INDEX IF EXISTS rollouts_status_idx;
+
 -- Events the projector could not store (Postgres refused their data, e.g. an invalid value):
 -- recorded here and skipped, so one bad event cannot stop the projection. The event itself stays
 -- in the stream at `stream_seq`.

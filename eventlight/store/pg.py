@@ -203,8 +203,14 @@ class Where:
         return f"${len(self.args)}"
 
     def within(self, col: str, values: Sequence[Any] | None, *, must: bool = False) -> None:
-        if values is not None:
-            (self.must if must else self.pool).append(f"{col} = ANY({self.arg(list(values))}::text[])")
+        if values is None:
+            return
+        values = list(values)
+        if len(values) == 1:  # an equality can walk a (col, order) index in order
+            cond = f"{col} = {self.arg(values[0])}"
+        else:
+            cond = f"{col} = ANY({self.arg(values)}::text[])"
+        (self.must if must else self.pool).append(cond)
 
     def contains(self, col: str, needle: str | None) -> None:
         if needle is not None:

@@ -34,6 +34,7 @@ from eventlight.errors import InvalidInputError
 from eventlight.events import (
     AnyEvent,
     ResourcesPut,
+    RolloutCreated,
     SpansAdded,
     decode_event,
     rollout_id_of,
@@ -239,7 +240,8 @@ class Projector:
     async def _fold(self, conn: asyncpg.Connection, batch: _Batch, event: AnyEvent, seq: int) -> None:
         rid = rollout_id_of(event)
         if rid is not None:
-            old = await self._state(conn, batch, rid)
+            # a created rollout is new (ids are unique, creation expects an empty subject): no lookup
+            old = None if isinstance(event, RolloutCreated) else await self._state(conn, batch, rid)
             new = d.evolve(old, event)
             if new is not None:
                 batch.rollouts[rid] = new
