@@ -70,6 +70,14 @@ def redact(dsn: str) -> str:
     return dsn
 
 
+async def _reset(conn: asyncpg.Connection) -> None:
+    """What a connection needs when it goes back to the pool: eventlight sets no session state
+    (no LISTEN, no cursors, no settings; the projector unlocks its advisory lock itself), so only
+    an unfinished transaction is rolled back, saving asyncpg's default ``RESET ALL`` round trip."""
+    if conn.is_in_transaction():
+        await conn.execute("ROLLBACK")
+
+
 async def create_pool(dsn: str, schema: str, *, max_size: int = 4) -> asyncpg.Pool:
     """A small pool whose connections use ``schema`` (bounded: see peer failure C25).
 
@@ -78,7 +86,14 @@ async def create_pool(dsn: str, schema: str, *, max_size: int = 4) -> asyncpg.Po
     """
     try:
         return await asyncpg.create_pool(
-            dsn, min_size=1, max_size=max_size, timeout=5, server_settings={"search_path": schema}
+            dsn,
+            min_size=1,
+            max_size=max_size,
+            timeout=5,
+            # Custom plans: a generic plan guesses filter selectivity (e.g. ``status = $1``) and then
+            # walks the wrong index once most rollouts are finished (bench/growth.py).
+            server_settings={"search_path": schema, "plan_cache_mode": "force_custom_plan"},
+            reset=_reset,
         )
     except (OSError, asyncpg.PostgresError, TimeoutError) as e:
         raise ServiceUnavailableError(redact(dsn), f"Postgres refused a connection ({e!r})") from e

@@ -120,6 +120,8 @@ class Projector:
                 log.warning("%s did not stop within 5 s", t.get_name())
         if self._lock_conn is not None:
             with contextlib.suppress(Exception):
+                await self._lock_conn.execute("SELECT pg_advisory_unlock_all()")
+            with contextlib.suppress(Exception):
                 await self.pool.release(self._lock_conn, timeout=5)
             self._lock_conn = None
 
