@@ -45,6 +45,8 @@ from bench.workload import (
     Scenario,
     TaskPlan,
     agent_bound,
+    agent_cpu_bound,
+    agent_cpu_s_per_rollout,
     batch_barrier_bound,
     check_rollout,
     percentile,
@@ -244,7 +246,7 @@ def _ms(v: float | None) -> float | None:
     return None if v is None else round(v * 1000, 3)
 
 
-def _summary(alg: Algorithm, wall_s: float, scn: Scenario, plans: dict[str, TaskPlan]) -> dict[str, Any]:
+def _summary(alg: Algorithm, wall_s: float, scn: Scenario, plans: dict[str, TaskPlan], seed: int) -> dict[str, Any]:
     recs = list(alg.records.values())
     done = [r for r in recs if r.done_s is not None]
     errors = [r.error for r in recs if r.error]
@@ -253,6 +255,10 @@ def _summary(alg: Algorithm, wall_s: float, scn: Scenario, plans: dict[str, Task
     store_lat = [r.store_latency_s for r in done if r.store_latency_s is not None]
     ordered = [plans[task_name(i)] for i in range(scn.total_tasks)]
     bound = agent_bound(scn, ordered)
+    cpu_bound = None
+    if bound == float("inf"):  # no sleeps: the agent's own CPU on these cores is the bound
+        cpu_bound = agent_cpu_bound(agent_cpu_s_per_rollout(seed, scn), os.cpu_count() or 1)
+        bound = cpu_bound
     barrier = batch_barrier_bound(scn, ordered)
     rps = len(done) / wall_s if wall_s > 0 else 0.0
     return {
@@ -271,6 +277,7 @@ def _summary(alg: Algorithm, wall_s: float, scn: Scenario, plans: dict[str, Task
         "agent_bound_rollouts_per_s": None if bound == float("inf") else round(bound, 3),
         "ratio_to_agent_bound": None if bound == float("inf") else round(rps / bound, 4),
         "agent_bound_with_barrier_rollouts_per_s": None if barrier is None else round(barrier, 3),
+        "agent_bound_kind": "sleep" if cpu_bound is None else "cpu",
     }
 
 
@@ -327,7 +334,7 @@ async def run_scenario(mod: ModuleType, scn: Scenario, seed: int, timeout_s: flo
             result["error"] = str(e)
         wall_s = time.perf_counter() - t_start
         resources = sampler.close_window()
-        result.update(_summary(alg, wall_s, scn, plans))
+        result.update(_summary(alg, wall_s, scn, plans, seed))
         result["resources"] = resources
         n = max(1, result["rollouts"])
         result["cpu_s_per_rollout"] = round(resources["cpu_s"]["total"] / n, 5)

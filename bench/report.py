@@ -19,7 +19,9 @@ below) and ``chart.png`` (matplotlib), and returns the tables as text. Columns o
 * ``agent bound``: runners / mean planned sleep per rollout (a store taking zero time; ignores
   batch barriers), and ``vs bound`` the fraction of it reached; for ``batch`` mode also the bound
   with the wait for each batch's slowest rollout ("w/ barrier", the planned sleeps list-scheduled
-  on the runners).
+  on the runners). Without sleeps ("(CPU)"): cores / the agent's own CPU per rollout (its plan
+  and its OpenTelemetry spans, no store: ``workload.agent_cpu_s_per_rollout``), what a store taking
+  zero CPU would leave room for.
 """
 
 from __future__ import annotations
@@ -103,6 +105,8 @@ def scenario_table(results: dict[str, Any]) -> str:
 
 def _bound(e: dict[str, Any]) -> str:
     text = _f(e.get("agent_bound_rollouts_per_s"), 1)
+    if e.get("agent_bound_kind") == "cpu":
+        return f"{text} (CPU)"
     barrier = e.get("agent_bound_with_barrier_rollouts_per_s")
     return text if barrier is None else f"{text} ({_f(barrier, 1)} w/ barrier)"
 

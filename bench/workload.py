@@ -272,6 +272,42 @@ def agent_bound(scn: Scenario, plans: list[TaskPlan] | None = None) -> float:
     return math.inf if mean <= 0 else scn.n_runners / mean
 
 
+def agent_cpu_s_per_rollout(seed: int, scn: Scenario, n: int = 64) -> float:
+    """CPU seconds the agent itself spends per rollout, with no store at all: making the task's plan
+    and running it (``run_plan``) on an OpenTelemetry ``TracerProvider`` with no span processor,
+    rewards as plain spans, no sleeps. Measured in the calling process (it imports the
+    OpenTelemetry SDK, which both stacks' venvs have, so the rest of this module stays stdlib-only).
+    """
+    import asyncio
+    import time
+
+    from opentelemetry.sdk.trace import TracerProvider
+
+    tracer = TracerProvider().get_tracer("bench.agent_cpu")
+
+    def reward(value: float) -> None:
+        with tracer.start_as_current_span("agentlightning.annotation") as span:
+            span.set_attributes({"agentlightning.reward.0.name": "primary", "agentlightning.reward.0.value": value})
+
+    async def nap(_: float) -> None:
+        return None
+
+    async def main() -> None:
+        for i in range(n):
+            plan = plan_task(seed, f"cpu-probe-{i}", scn.max_rounds, 0.0)
+            await run_plan(plan, tracer, reward, nap)
+
+    t0 = time.process_time()
+    asyncio.run(main())
+    return (time.process_time() - t0) / n
+
+
+def agent_cpu_bound(cpu_s_per_rollout: float, cores: int) -> float:
+    """Rollouts/s the machine's cores could give if the agent's own CPU were the only work
+    (the bound for scenarios without sleeps, where ``agent_bound`` is infinite)."""
+    return math.inf if cpu_s_per_rollout <= 0 else cores / cpu_s_per_rollout
+
+
 def batch_barrier_bound(scn: Scenario, plans: list[TaskPlan]) -> float | None:
     """For ``batch`` mode: rollouts/s with a zero-time store *and* the wait for each batch's slowest
     rollout (each batch's planned sleeps list-scheduled on the runners in queue order); ``None``
