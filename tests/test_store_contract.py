@@ -413,6 +413,18 @@ async def test_nul_characters_do_not_stop_the_projection(store: Any, runner_stor
     assert stored.attributes["gen_ai.completion"] in ("x\x00y", "x\ufffdy")
 
 
+async def test_query_arguments_of_the_wrong_type_are_refused(store: Any) -> None:
+    r = await store.enqueue_rollout("args")
+    for kwargs in ({"limit": 1.5}, {"limit": None}, {"offset": "1"}, {"sort_by": "input"}, {"sort_by": "config"}):
+        with pytest.raises(InvalidInputError):
+            await store.query_rollouts(**kwargs)
+    with pytest.raises(InvalidInputError):
+        await store.query_spans(r.rollout_id, sort_by="attributes")
+    for stats in ([1, 2], "busy", {"x": object()}):
+        with pytest.raises(InvalidInputError):
+            await store.update_worker("w-args", stats)
+
+
 async def test_resources_versioning(store: Any) -> None:
     a = await store.add_resources({"p": PromptTemplate(template="v1")})
     b = await store.add_resources({"p": PromptTemplate(template="other")})
@@ -484,3 +496,5 @@ async def test_statistics_and_capabilities(store: Any, runner_store: Any) -> Non
     caps = store.capabilities
     assert caps.get("async_safe") is True and caps.get("otlp_traces", False) is False
     assert caps.get("zero_copy") is isinstance(store, JetStreamLightningStore)
+    with pytest.raises(NotImplementedError):
+        store.otlp_traces_endpoint()  # only stores with capabilities["otlp_traces"] serve OTLP

@@ -98,6 +98,15 @@ class LightningStore(ABC):
         """Counts of rollouts, attempts, spans, resources and workers, plus ``name``."""
         return {"name": type(self).__name__}
 
+    def otlp_traces_endpoint(self) -> str:
+        """The OTLP/HTTP traces URL of a store whose ``capabilities["otlp_traces"]`` is ``True``.
+
+        Raises:
+            NotImplementedError: This store does not serve OTLP (no eventlight store does yet: the
+                tracer publishes span batches to the stream directly).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not serve OTLP traces (capabilities['otlp_traces'])")
+
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections; idempotent."""
 

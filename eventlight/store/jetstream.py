@@ -68,7 +68,7 @@ from eventlight.store.eventlog import EventLog, StaleStateError, connect_nats
 from eventlight.store.projector import Projector
 from eventlight.store.query import check_paging, deprecated_alias
 from eventlight.store.spanlog import SpanLog
-from eventlight.store.validate import check_resources, check_spans, check_token, is_token
+from eventlight.store.validate import check_resources, check_spans, check_stats, check_token, is_token
 from eventlight.types import (
     TERMINAL_ROLLOUT_STATUSES,
     Attempt,
@@ -626,7 +626,9 @@ class JetStreamLightningStore(LightningStore):
                 )
                 total = int(total)
             else:
-                rows, total = await pg.fetch_page(conn, "rollouts", pg.ROLLOUT_COLS, w, filter_logic, tail, n)
+                rows, total = await pg.fetch_page(
+                    conn, "rollouts", pg.ROLLOUT_COLS, w, filter_logic, tail, n, limit, offset
+                )
             items = [pg.rollout_from_row(r) for r in rows]
             attempts = await self._attempt_map(conn, items)
         return pg.paginated([pg.attach(r, attempts.get(r.rollout_id)) for r in items], limit, offset, total)
@@ -656,7 +658,7 @@ class JetStreamLightningStore(LightningStore):
         tail = pg.order_page(Attempt, w, sort_by, sort_order, limit, offset, "sequence_id")
         async with self._pool().acquire() as conn:
             await self._require_rollout(conn, rollout_id)
-            rows, total = await pg.fetch_page(conn, "attempts", pg.ATTEMPT_COLS, w, "and", tail, 1)
+            rows, total = await pg.fetch_page(conn, "attempts", pg.ATTEMPT_COLS, w, "and", tail, 1, limit, offset)
         return pg.paginated([pg.attempt_from_row(r) for r in rows], limit, offset, total)
 
     async def get_latest_attempt(self, rollout_id: str) -> Attempt | None:
@@ -820,7 +822,7 @@ class JetStreamLightningStore(LightningStore):
                 w.contains(col, needle)
             n = len(w.args)
             tail = pg.order_page(Span, w, sort_by, sort_order, limit, offset, "sequence_id, stream_seq")
-            rows, total = await pg.fetch_page(conn, "spans", pg.SPAN_COLS, w, filter_logic, tail, n)
+            rows, total = await pg.fetch_page(conn, "spans", pg.SPAN_COLS, w, filter_logic, tail, n, limit, offset)
         return pg.paginated([pg.span_from_row(r) for r in rows], limit, offset, total)
 
     # -- resources -----------------------------------------------------------------------------
@@ -880,7 +882,7 @@ class JetStreamLightningStore(LightningStore):
         tail = pg.order_page(ResourcesUpdate, w, sort_by, sort_order, limit, offset, "created_seq")
         cols = "resources_id, create_time, update_time, version, resources::text"
         async with self._pool().acquire() as conn:
-            rows, total = await pg.fetch_page(conn, "resources", cols, w, "and", tail, n)
+            rows, total = await pg.fetch_page(conn, "resources", cols, w, "and", tail, n, limit, offset)
         return pg.paginated([pg.resources_from_row(r) for r in rows], limit, offset, total)
 
     # -- workers -------------------------------------------------------------------------------
@@ -891,9 +893,7 @@ class JetStreamLightningStore(LightningStore):
         Without Postgres (a runner's store) the returned record holds only what this call knows.
         """
         check_token("worker_id", worker_id)
-        if heartbeat_stats is None:
-            raise InvalidInputError("heartbeat_stats must be a dict when given")
-        stats = None if heartbeat_stats is UNSET else dict(heartbeat_stats)
+        stats = None if heartbeat_stats is UNSET else check_stats(heartbeat_stats)
         at = wall_clock()
         self._wrote(await self._log().publish(WorkerHeartbeat(time=at, worker_id=worker_id, heartbeat_stats=stats)))
         for msg in list(self._held.values()):
@@ -930,7 +930,7 @@ class JetStreamLightningStore(LightningStore):
         n = len(w.args)
         tail = pg.order_page(Worker, w, sort_by, sort_order, limit, offset, "worker_id")
         async with self._pool().acquire() as conn:
-            rows, total = await pg.fetch_page(conn, "workers", pg.WORKER_COLS, w, filter_logic, tail, n)
+            rows, total = await pg.fetch_page(conn, "workers", pg.WORKER_COLS, w, filter_logic, tail, n, limit, offset)
         return pg.paginated([pg.worker_from_row(r) for r in rows], limit, offset, total)
 
     async def statistics(self) -> dict[str, Any]:

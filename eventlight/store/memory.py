@@ -32,7 +32,7 @@ from eventlight.events import (
 )
 from eventlight.store import query as q
 from eventlight.store.base import UNSET, LightningStore, LightningStoreCapabilities
-from eventlight.store.validate import check_resources, check_spans, check_token
+from eventlight.store.validate import check_resources, check_spans, check_stats, check_token
 from eventlight.types import (
     TERMINAL_ROLLOUT_STATUSES,
     Attempt,
@@ -496,9 +496,7 @@ class InMemoryLightningStore(LightningStore):
 
     async def update_worker(self, worker_id: str, heartbeat_stats: Any = UNSET) -> Worker:
         check_token("worker_id", worker_id)
-        if heartbeat_stats is None:
-            raise InvalidInputError("heartbeat_stats must be a dict when given")
-        stats = None if heartbeat_stats is UNSET else dict(heartbeat_stats)
+        stats = None if heartbeat_stats is UNSET else check_stats(heartbeat_stats)
         async with self._lock:
             self._apply([WorkerHeartbeat(time=self._clock(), worker_id=worker_id, heartbeat_stats=stats)])
         return self._workers[worker_id]

@@ -259,11 +259,25 @@ def order_page(
 
 
 async def fetch_page(
-    conn: asyncpg.Connection, table: str, cols: str, where: Where, logic: str, tail: str, n_filter_args: int
+    conn: asyncpg.Connection,
+    table: str,
+    cols: str,
+    where: Where,
+    logic: str,
+    tail: str,
+    n_filter_args: int,
+    limit: int,
+    offset: int,
 ) -> tuple[list[asyncpg.Record], int]:
-    """Rows of one page and the total number of matches before paging."""
+    """Rows of one page and the total number of matches before paging.
+
+    The total needs no second query when the page is the last one (``limit=-1``, or fewer rows
+    than ``limit`` with rows or ``offset=0``): it is ``offset + len(rows)``.
+    """
     cond = where.sql(logic)
     rows = await conn.fetch(f"SELECT {cols} FROM {table} {cond} {tail}", *where.args)
+    if (limit == -1 or len(rows) < limit) and (rows or offset == 0):
+        return rows, offset + len(rows)
     total = await conn.fetchval(f"SELECT count(*) FROM {table} {cond}", *where.args[:n_filter_args])
     return rows, int(total)
 

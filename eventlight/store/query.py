@@ -9,6 +9,7 @@ matches before paging, and ``None`` sorts last in ascending order.
 
 from __future__ import annotations
 
+import typing
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
@@ -28,6 +29,9 @@ def check_paging(limit: int, offset: int, sort_order: str, filter_logic: str = "
     Raises:
         InvalidInputError: ``limit`` < -1, ``offset`` < 0, or an unknown order or logic.
     """
+    for name, value in (("limit", limit), ("offset", offset)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise InvalidInputError(f"{name} must be an int, got {value!r}")
     if limit < -1:
         raise InvalidInputError(f"limit must be -1 (unlimited) or >= 0, got {limit}")
     if offset < 0:
@@ -50,10 +54,20 @@ def deprecated_alias(new: Any, old: Any, new_name: str, old_name: str) -> Any:
     return old if new is None else new
 
 
+_SORTABLE = (str, int, float)
+
+
 def check_sort_field(cls: type, sort_by: str | None) -> None:
-    """Raises ``InvalidInputError`` if ``sort_by`` is not a field of ``cls``."""
-    if sort_by is not None and sort_by not in {f.name for f in msgspec.structs.fields(cls)}:
+    """Raises ``InvalidInputError`` if ``sort_by`` is not a string or number field of ``cls``
+    (``spec/seed_store_types.md``: "numeric or string field")."""
+    if sort_by is None:
+        return
+    fields = {f.name: f.type for f in msgspec.structs.fields(cls)}
+    if sort_by not in fields:
         raise InvalidInputError(f"cannot sort {cls.__name__} by unknown field {sort_by!r}")
+    kinds = typing.get_args(fields[sort_by]) or (fields[sort_by],)
+    if not all(k in _SORTABLE or k is type(None) for k in kinds):
+        raise InvalidInputError(f"cannot sort {cls.__name__} by {sort_by!r}: not a string or number field")
 
 
 def within(field: str, values: Sequence[Any] | None) -> Condition | None:

@@ -72,6 +72,21 @@ def check_spans(spans: Sequence[Any]) -> None:
                 ) from e
 
 
+def check_stats(stats: Any) -> dict[str, Any]:
+    """Validate a worker's ``heartbeat_stats`` (a JSON-encodable ``dict``); returns a copy.
+
+    Raises:
+        InvalidInputError: Not a dict, or not encodable as JSON.
+    """
+    if not isinstance(stats, Mapping):
+        raise InvalidInputError(f"heartbeat_stats must be a dict, got {type(stats).__name__}")
+    try:
+        _json.encode(stats)
+    except (TypeError, ValueError, msgspec.EncodeError) as e:
+        raise InvalidInputError(f"heartbeat_stats cannot be stored as JSON: {e}") from e
+    return dict(stats)
+
+
 def check_resources(resources: Mapping[str, Any]) -> None:
     """Validate named resources.
 
