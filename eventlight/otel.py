@@ -25,10 +25,29 @@ def _seconds(ns: int | None) -> float | None:
 
 
 def _attrs(attributes: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in dict(attributes or {}).items():
-        out[str(key)] = list(value) if isinstance(value, tuple) else value
+    """A plain ``dict`` copy; OpenTelemetry's sequence values (tuples) become lists."""
+    if not attributes:
+        return {}
+    out = dict(attributes)  # OpenTelemetry keys are already strings
+    for key, value in out.items():
+        if type(value) is tuple:
+            out[key] = list(value)
     return out
+
+
+_resources: dict[int, tuple[Any, dict[str, Any], str]] = {}
+
+
+def _resource(resource: Any) -> OtelResource:
+    """The span's resource; a tracer provider's spans share one, converted once (a copy per span)."""
+    if resource is None:
+        return OtelResource(attributes={}, schema_url="")
+    cached = _resources.get(id(resource))
+    if cached is None or cached[0] is not resource:
+        if len(_resources) > 64:
+            _resources.clear()
+        cached = _resources[id(resource)] = (resource, _attrs(resource.attributes), resource.schema_url or "")
+    return OtelResource(attributes=dict(cached[1]), schema_url=cached[2])
 
 
 def _context(ctx: Any) -> SpanContext | None:
@@ -78,8 +97,5 @@ def span_from_readable(readable: Any, rollout_id: str, attempt_id: str, sequence
         end_time=_seconds(readable.end_time),
         context=_context(ctx),
         parent=_context(parent),
-        resource=OtelResource(
-            attributes=_attrs(resource.attributes) if resource is not None else {},
-            schema_url=(resource.schema_url or "") if resource is not None else "",
-        ),
+        resource=_resource(resource),
     )

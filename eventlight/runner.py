@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import logging
 import os
@@ -173,7 +174,7 @@ class LitAgentRunner:
         return count
 
     async def _dequeue(self, store: LightningStore) -> AttemptedRollout | None:
-        if "wait_s" in inspect.signature(store.dequeue_rollout).parameters:
+        if _long_polls(store):
             return await store.dequeue_rollout(worker_id=self.get_worker_id(), wait_s=self.poll_interval)  # type: ignore[call-arg]
         claimed = await store.dequeue_rollout(worker_id=self.get_worker_id())
         if claimed is None:
@@ -290,3 +291,13 @@ class LitAgentRunner:
             await self.get_store().update_attempt(rid, aid, status=status)
         except Exception as e:
             log.warning("%s could not record status %s: %s", prefix, status, e)
+
+
+@functools.lru_cache(maxsize=16)
+def _long_polls_type(cls: type) -> bool:
+    return "wait_s" in inspect.signature(cls.dequeue_rollout).parameters  # type: ignore[attr-defined]
+
+
+def _long_polls(store: LightningStore) -> bool:
+    """Whether the store's ``dequeue_rollout`` can wait for work in the server (``wait_s``)."""
+    return _long_polls_type(type(store))
