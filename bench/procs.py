@@ -105,6 +105,23 @@ class ProcessSampler:
                     self.peak_rss_mb[role] = max(self.peak_rss_mb.get(role, 0.0), value)
             return rss
 
+    def pss(self) -> dict[str, float]:
+        """PSS per role in MB now (shared pages split between the processes sharing them, so
+        Postgres' shared buffers and forked runners are not counted many times as in RSS)."""
+        with self._lock:
+            return self._pss()
+
+    def _pss(self) -> dict[str, float]:
+        pss: dict[str, float] = {}
+        for role, procs in self._members().items():
+            total = 0.0
+            for p in procs:
+                with contextlib.suppress(psutil.Error, AttributeError):
+                    total += p.memory_full_info().pss
+            pss[role] = total / MB
+        pss["total"] = sum(pss.values())
+        return pss
+
     def open_window(self) -> None:
         """Start counting: CPU from now, peaks from now."""
         self.sample(refresh=True)
@@ -126,14 +143,7 @@ class ProcessSampler:
             if self.own_role in cpu:
                 cpu[self.own_role] = max(0.0, cpu[self.own_role] - self._own_cpu_s)
             cpu["total"] = sum(cpu.values())
-            pss: dict[str, float] = {}
-            for role, procs in self._members().items():
-                total = 0.0
-                for p in procs:
-                    with contextlib.suppress(psutil.Error, AttributeError):
-                        total += p.memory_full_info().pss
-                pss[role] = total / MB
-            pss["total"] = sum(pss.values())
+            pss = self._pss()
             counts = {role: len(procs) for role, procs in self._members().items()}
         return {
             "cpu_s": cpu,

@@ -6,12 +6,12 @@ Runs the benchmark's ``single`` pattern (``--in-flight`` rollouts kept in flight
 each checked: spans and final reward) without a task limit for ``--minutes``, with the same stack as
 the scenarios (embedded NATS + Postgres, 16 runner processes, the algorithm's store with projector
 and watchdog in this process). Every ``--every-s`` it records the rollouts finished so far and the
-RSS of each role (``algorithm``, ``nats``, ``postgres``, ``runners`` summed). Finished rollouts'
+PSS of each role (``algorithm``, ``nats``, ``postgres``, ``runners`` summed; PSS, not RSS, so pages
+shared between processes, like Postgres' shared buffers, count once). Finished rollouts'
 bookkeeping is dropped as it goes, so the driver's own memory does not grow with the run.
 
-Memory is flat when each role's RSS at the end is close to its RSS after the first two minutes
-(warm-up: caches, connection pools, Postgres shared buffers). Postgres keeps growing its shared
-buffers and page cache as the tables grow; that is the database's, not a leak.
+Memory is flat when each role's PSS at the end is close to its PSS after the first two minutes
+(warm-up: caches, connection pools, Postgres shared buffers filling up to ``shared_buffers``).
 """
 
 from __future__ import annotations
@@ -40,10 +40,7 @@ class _Plans(dict[str, TaskPlan]):
         self.args = (seed, max_rounds, sleep_s)
 
     def __missing__(self, task: str) -> TaskPlan:
-        plan = plan_task(self.args[0], task, self.args[1], self.args[2])
-        if len(self) < 10_000:
-            self[task] = plan
-        return plan
+        return plan_task(self.args[0], task, self.args[1], self.args[2])  # not kept: a plan is ~100 kB
 
 
 async def soak(minutes: float, runners: int, in_flight: int, sleep_s: float, every_s: float) -> dict[str, Any]:
@@ -81,15 +78,16 @@ async def soak(minutes: float, runners: int, in_flight: int, sleep_s: float, eve
                         finished += 1
                         failed += rec.error is not None
                         del alg.records[rid]
-                rss = sampler.sample(refresh=True)
+                sampler.sample(refresh=True)
+                pss = await asyncio.to_thread(sampler.pss)
                 samples.append(
                     {"t_s": round(time.perf_counter() - t0, 1), "finished": finished, "failed_checks": failed}
-                    | {f"rss_mb_{k}": round(v, 1) for k, v in rss.items()}
+                    | {f"pss_mb_{k}": round(v, 1) for k, v in pss.items()}
                 )
                 s = samples[-1]
                 print(
                     f"  {s['t_s']:6.0f} s  {finished:7,} rollouts  "
-                    + "  ".join(f"{k[7:]} {v:,.0f} MB" for k, v in s.items() if k.startswith("rss_mb_"))
+                    + "  ".join(f"{k[7:]} {v:,.0f} MB" for k, v in s.items() if k.startswith("pss_mb_"))
                 )
 
         watcher = asyncio.create_task(watch())
@@ -119,10 +117,10 @@ def report(result: dict[str, Any]) -> str:
         f"{last['finished']:,} rollouts in {last['t_s']:.0f} s "
         f"({last['finished'] / last['t_s']:.1f}/s), {last['failed_checks']} failed checks",
         "",
-        "| role | RSS at warm-up (MB) | RSS at end (MB) | change |",
+        "| role | PSS at warm-up (MB) | PSS at end (MB) | change |",
         "|---|---|---|---|",
     ]
-    for key in sorted(k for k in last if k.startswith("rss_mb_")):
+    for key in sorted(k for k in last if k.startswith("pss_mb_")):
         a, b = warm.get(key, 0.0), last[key]
         lines.append(f"| {key[7:]} | {a:,.0f} (t={warm['t_s']:.0f} s) | {b:,.0f} | {b - a:+,.0f} MB |")
     return "\n".join(lines)

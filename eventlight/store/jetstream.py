@@ -35,6 +35,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -88,6 +89,8 @@ log = logging.getLogger(__name__)
 
 SPANS_PER_MESSAGE = 256
 RECENT_ATTEMPTS = 4096
+RECENT_ROLLOUTS = 10_000
+MAX_HINTS = 100_000
 SYNC_TIMEOUT_S = 30.0
 CLOSE_TIMEOUT_S = 10.0
 
@@ -127,7 +130,7 @@ class JetStreamLightningStore(LightningStore):
         self.log: EventLog | None = None
         self.pool: asyncpg.Pool | None = None
         self.projector: Projector | None = None
-        self._states: dict[str, tuple[d.RolloutState, int]] = {}
+        self._states: OrderedDict[str, tuple[d.RolloutState, int]] = OrderedDict()  # LRU, RECENT_ROLLOUTS
         self._held: dict[tuple[str, str], Any] = {}
         self._idle_workers: set[str] = set()
         self._span_log: SpanLog | None = None
@@ -226,6 +229,8 @@ class JetStreamLightningStore(LightningStore):
             status = event.rollout.status
         if status in TERMINAL_ROLLOUT_STATUSES:
             rid = msg.subject.split(".")[3]
+            if len(self._hints) >= MAX_HINTS:  # hints of rollouts nobody waits for; they only speed up waits
+                self._hints.clear()
             self._hints.add(rid)
             await self._notify()
 
@@ -238,6 +243,13 @@ class JetStreamLightningStore(LightningStore):
 
     # -- write helpers -------------------------------------------------------------------------
 
+    def _remember(self, rollout_id: str, state: d.RolloutState, seq: int) -> None:
+        """Cache a rollout's state and last sequence (a hint: a stale one costs one reload)."""
+        self._states[rollout_id] = (state, seq)
+        self._states.move_to_end(rollout_id)
+        while len(self._states) > RECENT_ROLLOUTS:
+            self._states.popitem(last=False)
+
     def _wrote(self, seq: int) -> None:
         self._last_write_seq = max(self._last_write_seq, seq)
 
@@ -245,7 +257,7 @@ class JetStreamLightningStore(LightningStore):
         cached = self._states.get(rollout_id)
         state, seq = cached if cached else (None, None)
         state, seq, events = await self._log().execute(rollout_id, cmd, state, seq)
-        self._states[rollout_id] = (state, seq)
+        self._remember(rollout_id, state, seq)
         if events:
             self._wrote(seq)
         return state
@@ -271,7 +283,7 @@ class JetStreamLightningStore(LightningStore):
         for e in events:
             state = d.evolve(state, e)
         assert state is not None
-        self._states[cmd.rollout_id] = (state, seq)
+        self._remember(cmd.rollout_id, state, seq)
         self._wrote(seq)
         return state
 
@@ -456,7 +468,7 @@ class JetStreamLightningStore(LightningStore):
             for e in events:
                 state = d.evolve(state, e)
             assert state is not None
-            self._states[rid] = (state, new_seq)
+            self._remember(rid, state, new_seq)
             self._wrote(new_seq)
             self._held[(rid, cmd.attempt_id)] = msg
             return state.attempted()  # type: ignore[return-value]
@@ -531,7 +543,7 @@ class JetStreamLightningStore(LightningStore):
 
     async def _load(self, rollout_id: str) -> d.RolloutState:
         state, seq = await self._log().load(rollout_id)
-        self._states[rollout_id] = (state, seq)
+        self._remember(rollout_id, state, seq)
         return state
 
     # -- reads ---------------------------------------------------------------------------------

@@ -220,8 +220,9 @@ class Projector:
         self.states.update(batch.rollouts)
         self.rollout_seq.update(batch.rollout_seq)
         self.workers.update(batch.workers)
-        for rid in batch.terminal:
-            self.states.pop(rid, None)  # finished rollouts are reloaded from Postgres if touched again
+        for rid in batch.terminal:  # finished rollouts are reloaded from Postgres if touched again,
+            self.states.pop(rid, None)  # so memory follows the rollouts in flight, not all rollouts
+            self.rollout_seq.pop(rid, None)
         if self.on_commit is not None:
             self.on_commit(self.checkpoint, set(batch.rollouts))
 
