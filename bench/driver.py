@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -125,7 +126,7 @@ class Algorithm:
     async def _single(self) -> None:
         scn = self.scn
         await self._add_resources(0)
-        indices = iter(range(scn.total_tasks))
+        indices = self._task_indices()
         waiters: dict[str, asyncio.Future[Any]] = {}
         slots_done = 0
 
@@ -167,6 +168,11 @@ class Algorithm:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _task_indices(self) -> Iterator[int]:
+        """The tasks ``single`` mode enqueues, in order (a soak overrides it to stop on time: ending
+        by cancellation is unreliable on Python 3.11, whose ``wait_for`` can swallow it)."""
+        return iter(range(self.scn.total_tasks))
 
     # -- store calls ----------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,18 @@ class _Plans(dict[str, TaskPlan]):
 
     def __missing__(self, task: str) -> TaskPlan:
         return plan_task(self.args[0], task, self.args[1], self.args[2])  # not kept: a plan is ~100 kB
+
+
+class _TimedAlgorithm(Algorithm):
+    """``single`` mode that stops enqueuing at ``deadline`` (``time.perf_counter`` seconds)."""
+
+    deadline = float("inf")
+
+    def _task_indices(self) -> Iterator[int]:
+        i = 0
+        while time.perf_counter() < self.deadline:
+            yield i
+            i += 1
 
 
 async def soak(minutes: float, runners: int, in_flight: int, sleep_s: float, every_s: float) -> dict[str, Any]:
@@ -66,8 +79,9 @@ async def soak(minutes: float, runners: int, in_flight: int, sleep_s: float, eve
         if missing:
             raise RuntimeError(f"{len(missing)} runner(s) not ready")
         store = await stack.open_store()
-        alg = Algorithm(mod, store, scn, _Plans(1, scn.max_rounds, sleep_s))
         t0 = time.perf_counter()
+        alg = _TimedAlgorithm(mod, store, scn, _Plans(1, scn.max_rounds, sleep_s))
+        alg.deadline = t0 + minutes * 60
 
         async def watch() -> None:
             nonlocal finished, failed
@@ -92,9 +106,7 @@ async def soak(minutes: float, runners: int, in_flight: int, sleep_s: float, eve
 
         watcher = asyncio.create_task(watch())
         try:
-            await asyncio.wait_for(alg.run(), minutes * 60)
-        except TimeoutError:
-            pass
+            await alg.run()  # enqueues until the deadline, then lets the rollouts in flight finish
         finally:
             watcher.cancel()
     finally:

@@ -88,8 +88,8 @@ from eventlight.types import now as wall_clock
 log = logging.getLogger(__name__)
 
 SPANS_PER_MESSAGE = 256
-RECENT_ATTEMPTS = 4096
-RECENT_ROLLOUTS = 10_000
+RECENT_ATTEMPTS = 256  # attempts whose span ids (duplicate checks) and span head this store remembers
+RECENT_ROLLOUTS = 512  # rollout states cached (a missing one costs one reload from the stream)
 MAX_HINTS = 100_000
 SYNC_TIMEOUT_S = 30.0
 CLOSE_TIMEOUT_S = 10.0

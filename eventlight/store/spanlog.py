@@ -26,7 +26,7 @@ from eventlight.types import now as wall_clock
 
 MAX_TRIES = 64
 MAX_SPANS_PER_MESSAGE = 256
-RECENT_ATTEMPTS = 4096
+RECENT_ATTEMPTS = 256  # attempts whose span ids (duplicate checks) and span head this store remembers
 
 
 @dataclass
