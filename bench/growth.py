@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ from typing import Any
 
 from bench.micro import EmptyResult, _measure, _prefill
 from bench.procs import ProcessSampler
+from bench.report import print_and_save
 from bench.stack_eventlight import Stack, make_span
 from eventlight.events import AttemptStarted, AttemptUpdated, RolloutCreated, SpansAdded, encode_event, subject_for
 from eventlight.store.jetstream import JetStreamLightningStore
@@ -184,10 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     import uvloop
 
     result = uvloop.run(run(args.preload, args.seconds, args.concurrency))
-    print(report(result))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
+    print_and_save(report(result), result, args.out)
 
 
 if __name__ == "__main__":

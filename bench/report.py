@@ -263,3 +263,11 @@ def write(results: dict[str, Any], out_dir: Path) -> str:
     except Exception as e:  # a chart must never cost the numbers
         (out_dir / "chart.error.txt").write_text(f"{type(e).__name__}: {e}")
     return text
+
+
+def print_and_save(text: str, result: dict[str, Any], out: Path | None) -> None:
+    """Print a probe's table and, with ``--out``, write its raw result as JSON (growth, soak)."""
+    print(text)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
 import tempfile
@@ -30,6 +29,7 @@ from typing import Any
 
 from bench.driver import READY_TIMEOUT_S, Algorithm
 from bench.procs import ProcessSampler, wait_files
+from bench.report import print_and_save
 from bench.workload import SCENARIOS, TaskPlan, plan_task
 
 
@@ -150,10 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     import uvloop
 
     result = uvloop.run(soak(args.minutes, args.runners, args.in_flight, args.sleep_s, args.every_s))
-    print(report(result))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
+    print_and_save(report(result), result, args.out)
 
 
 if __name__ == "__main__":
