@@ -88,6 +88,7 @@ from eventlight.types import now as wall_clock
 log = logging.getLogger(__name__)
 
 SPANS_PER_MESSAGE = 256
+EMPTY_CONFIRM_S = 0.005  # how long a non-blocking dequeue confirms an empty queue (see _pull)
 RECENT_ATTEMPTS = 256  # attempts whose span ids (duplicate checks) and span head this store remembers
 RECENT_ROLLOUTS = 512  # rollout states cached (a missing one costs one reload from the stream)
 MAX_HINTS = 100_000
@@ -382,9 +383,9 @@ class JetStreamLightningStore(LightningStore):
         if worker_id is not None:
             check_token("worker_id", worker_id)
         sub = await self._runners()
-        if wait_s <= 0:  # non-blocking: one no-wait pull, answered at once with a message or 404
+        if wait_s <= 0:  # non-blocking: a no-wait pull, then a short confirming one (see _pull)
             while True:
-                msg = await self._pull_no_wait()
+                msg = await self._pull()
                 if msg is None:
                     await self._mark_idle(worker_id)
                     return None
@@ -415,19 +416,29 @@ class JetStreamLightningStore(LightningStore):
                 await self._mark_idle(worker_id)
                 return None
 
-    async def _pull_no_wait(self) -> Any:
-        """One ``no_wait`` pull request on the ``runners`` consumer: the next message, or ``None``
-        when the queue is empty (status 404/408), without the client's minimum fetch wait.
+    async def _pull(self) -> Any:
+        """The next message of the ``runners`` consumer, or ``None`` if the queue is empty, without
+        nats-py's 50 ms minimum fetch wait.
 
-        JetStream delivers the message under its own subject, so each request needs an inbox of its
-        own; idle inbox subscriptions are kept for the next call.
+        A ``no_wait`` pull answers at once, but from the consumer's own count of pending messages,
+        which the server updates asynchronously after a publish is acknowledged: right after
+        another process enqueued, it can still say "no messages" (seen about once in 300 tries on a
+        loaded machine). So an empty answer is confirmed by one pull that waits up to
+        ``EMPTY_CONFIRM_S`` for the consumer to catch up; an empty queue therefore answers in
+        about that time, a non-empty one at once.
         """
+        msg = await self._pull_request(b'{"batch":1,"no_wait":true}')
+        if msg is None:
+            msg = await self._pull_request(f'{{"batch":1,"expires":{int(EMPTY_CONFIRM_S * 1e9)}}}'.encode())
+        return msg
+
+    async def _pull_request(self, request: bytes) -> Any:
+        """One pull request; JetStream delivers the message under its own subject, so each request
+        needs an inbox of its own (idle inbox subscriptions are kept for the next call)."""
         log_ = self._log()
         inbox = self._pull_inboxes.pop() if self._pull_inboxes else await log_.nc.subscribe(log_.nc.new_inbox())
         try:
-            await log_.nc.publish(
-                f"$JS.API.CONSUMER.MSG.NEXT.{log_.stream}.runners", b'{"batch":1,"no_wait":true}', reply=inbox.subject
-            )
+            await log_.nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{log_.stream}.runners", request, reply=inbox.subject)
             msg = await inbox.next_msg(timeout=10.0)
         except (nats.errors.TimeoutError, nats.errors.ConnectionClosedError) as e:
             with contextlib.suppress(Exception):
