@@ -28,7 +28,7 @@ def bench(
     scenarios: Annotated[
         list[str] | None,
         typer.Argument(
-            help="Scenarios: batch, single, heavy, batch_nosleep, single_nosleep, heavy_nosleep, and micro "
+            help="Scenarios: batch, single, heavy, batch_nosleep, single_nosleep, heavy_nosleep, half_load, and micro "
             "(store operations per second). Default: all of them."
         ),
     ] = None,

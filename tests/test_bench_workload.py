@@ -18,3 +18,5 @@ def test_bounds_without_sleeps() -> None:
     assert agent_bound(SCENARIOS["batch_nosleep"]) == math.inf
     assert agent_cpu_bound(0.0, 2) == math.inf
     assert agent_bound(SCENARIOS["batch"]) < math.inf
+    # 8 in flight for 16 runners: only 8 can be busy
+    assert agent_bound(SCENARIOS["half_load"]) == agent_bound(SCENARIOS["single"]) / 2
