@@ -7,3 +7,18 @@ operations per second), ``ceiling`` (raw JetStream + Postgres COPY probe), ``pee
 venv), ``suite`` (runs everything, one subprocess per stack and scenario) and ``report`` (table,
 JSON, chart). Nothing here imports a stack at import time.
 """
+
+import json as _json
+import sys as _sys
+from pathlib import Path as _Path
+from typing import Any as _Any
+
+
+def write_json(result: dict[str, _Any], out: _Path | None) -> None:
+    """A bench entry point's raw result: to ``out`` (folders made) or, without one, to stdout."""
+    text = _json.dumps(result, indent=2)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+    else:
+        _sys.stdout.write(text + "\n")

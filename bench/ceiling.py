@@ -25,11 +25,9 @@ both NATS and Postgres, not a target a Python store can reach.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shutil
-import sys
 import tempfile
 import time
 import uuid
@@ -41,6 +39,7 @@ import msgspec
 import nats
 from nats.js.api import AckPolicy, ConsumerConfig, StorageType, StreamConfig
 
+from bench import write_json
 from bench.procs import ProcessSampler
 from bench.workload import SCENARIOS, expected_spans_per_rollout, random_attributes
 
@@ -305,12 +304,7 @@ def main(argv: list[str] | None = None) -> None:
     import uvloop
 
     result = uvloop.run(run_ceiling(counts, args.seconds))
-    text = json.dumps(result, indent=2)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
-    else:
-        sys.stdout.write(text + "\n")
+    write_json(result, args.out)
 
 
 if __name__ == "__main__":

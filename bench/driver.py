@@ -28,7 +28,6 @@ import json
 import os
 import platform
 import shutil
-import sys
 import tempfile
 import time
 import traceback
@@ -38,6 +37,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from bench import write_json
 from bench.procs import ProcessSampler, wait_files
 from bench.workload import (
     POLL_S,
@@ -386,12 +386,7 @@ def main(argv: list[str] | None = None) -> None:
     mod = load_stack(args.stack)
     scn = SCENARIOS[args.scenario].scaled(args.scale)
     result = mod.run(run_scenario(mod, scn, args.seed, args.timeout_s))
-    text = json.dumps(result, indent=2)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
-    else:
-        sys.stdout.write(text + "\n")
+    write_json(result, args.out)
 
 
 if __name__ == "__main__":

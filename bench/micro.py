@@ -31,13 +31,13 @@ import asyncio
 import json
 import os
 import random
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from bench import write_json
 from bench.driver import load_stack
 from bench.procs import ProcessSampler
 from bench.workload import percentile, random_attributes
@@ -234,12 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     mod = load_stack(args.stack)
     result = mod.run(run_micro(mod, args.seconds, args.concurrency))
-    text = json.dumps(result, indent=2)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
-    else:
-        sys.stdout.write(text + "\n")
+    write_json(result, args.out)
 
 
 if __name__ == "__main__":

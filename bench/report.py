@@ -30,6 +30,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from bench import write_json
 from bench.workload import SCENARIOS, expected_spans_per_rollout
 
 STACK_ORDER = ["eventlight", "agentlightning"]
@@ -269,5 +270,4 @@ def print_and_save(text: str, result: dict[str, Any], out: Path | None) -> None:
     """Print a probe's table and, with ``--out``, write its raw result as JSON (growth, soak)."""
     print(text)
     if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2))
+        write_json(result, out)

@@ -62,7 +62,7 @@ from collections.abc import Sequence
 from typing import Any, Literal, TypedDict
 
 from eventlight.decider import UNSET
-from eventlight.errors import InvalidInputError
+from eventlight.store.validate import check_one_attempt
 from eventlight.types import (
     Attempt,
     AttemptedRollout,
@@ -318,8 +318,7 @@ class LightningStore(ABC):
             RolloutNotFoundError / AttemptNotFoundError: Unknown ids.
             InvalidInputError: A span belongs to another attempt or lacks its ids.
         """
-        if any(s.rollout_id != rollout_id or s.attempt_id != attempt_id for s in spans):
-            raise InvalidInputError(f"add_spans_numbered: every span must belong to {rollout_id}/{attempt_id}")
+        check_one_attempt(rollout_id, attempt_id, spans)
         ids = await self.get_many_span_sequence_ids([(rollout_id, attempt_id)] * len(spans))
         for span, sequence_id in zip(spans, ids, strict=True):
             span.sequence_id = sequence_id

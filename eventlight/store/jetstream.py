@@ -69,7 +69,14 @@ from eventlight.store.eventlog import EventLog, StaleStateError, connect_nats
 from eventlight.store.projector import Projector
 from eventlight.store.query import check_paging, deprecated_alias
 from eventlight.store.spanlog import SpanLog
-from eventlight.store.validate import check_resources, check_spans, check_stats, check_token, is_token
+from eventlight.store.validate import (
+    check_one_attempt,
+    check_resources,
+    check_spans,
+    check_stats,
+    check_token,
+    is_token,
+)
 from eventlight.types import (
     TERMINAL_ROLLOUT_STATUSES,
     Attempt,
@@ -641,7 +648,7 @@ class JetStreamLightningStore(LightningStore):
             if rollout_id_in is None and rollout_id_contains is None:
                 # all rollouts, or a status filter: the total comes from the trigger-kept counts
                 # (migrations/002), so a page costs the same on 10^2 or 10^6 rollouts
-                rows = await conn.fetch(f"SELECT {pg.ROLLOUT_COLS} FROM rollouts {w.sql(filter_logic)} {tail}", *w.args)
+                rows = await pg.fetch_rows(conn, "rollouts", pg.ROLLOUT_COLS, w, filter_logic, tail)
                 total = await conn.fetchval(
                     "SELECT coalesce(sum(n), 0) FROM rollout_status_counts"
                     + ("" if status_in is None else " WHERE status = ANY($1::text[])"),
@@ -738,8 +745,7 @@ class JetStreamLightningStore(LightningStore):
             RolloutNotFoundError / AttemptNotFoundError: Unknown ids.
             InvalidInputError: A span names another attempt or lacks its ids.
         """
-        if any(s.rollout_id != rollout_id or s.attempt_id != attempt_id for s in spans):
-            raise InvalidInputError(f"add_spans_numbered: every span must belong to {rollout_id}/{attempt_id}")
+        check_one_attempt(rollout_id, attempt_id, spans)
         for i, span in enumerate(spans):
             span.sequence_id = i + 1  # placeholders that pass validation; renumbered when published
         check_spans(spans)

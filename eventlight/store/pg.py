@@ -258,6 +258,13 @@ def order_page(
     return order + page
 
 
+async def fetch_rows(
+    conn: asyncpg.Connection, table: str, cols: str, where: Where, logic: str, tail: str
+) -> list[asyncpg.Record]:
+    """The rows of one page (``tail`` from ``order_page``)."""
+    return await conn.fetch(f"SELECT {cols} FROM {table} {where.sql(logic)} {tail}", *where.args)
+
+
 async def fetch_page(
     conn: asyncpg.Connection,
     table: str,
@@ -274,8 +281,8 @@ async def fetch_page(
     The total needs no second query when the page is the last one (``limit=-1``, or fewer rows
     than ``limit`` with rows or ``offset=0``): it is ``offset + len(rows)``.
     """
+    rows = await fetch_rows(conn, table, cols, where, logic, tail)
     cond = where.sql(logic)
-    rows = await conn.fetch(f"SELECT {cols} FROM {table} {cond} {tail}", *where.args)
     if (limit == -1 or len(rows) < limit) and (rows or offset == 0):
         return rows, offset + len(rows)
     total = await conn.fetchval(f"SELECT count(*) FROM {table} {cond}", *where.args[:n_filter_args])

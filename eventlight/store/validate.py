@@ -72,6 +72,16 @@ def check_spans(spans: Sequence[Any]) -> None:
                 ) from e
 
 
+def check_one_attempt(rollout_id: str, attempt_id: str, spans: Sequence[Any]) -> None:
+    """For ``add_spans_numbered``: every span must belong to the attempt being numbered.
+
+    Raises:
+        InvalidInputError: A span names another rollout or attempt.
+    """
+    if any(getattr(s, "rollout_id", None) != rollout_id or getattr(s, "attempt_id", None) != attempt_id for s in spans):
+        raise InvalidInputError(f"add_spans_numbered: every span must belong to {rollout_id}/{attempt_id}")
+
+
 def check_stats(stats: Any) -> dict[str, Any]:
     """Validate a worker's ``heartbeat_stats`` (a JSON-encodable ``dict``); returns a copy.
 
