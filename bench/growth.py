@@ -181,6 +181,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    for name in ["preload", "seconds", "concurrency"]:
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     import uvloop
 
     result = uvloop.run(run(args.preload, args.seconds, args.concurrency))

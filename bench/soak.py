@@ -147,6 +147,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--every-s", type=float, default=30.0)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    for name in ["minutes", "runners", "in_flight", "every_s"]:
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     import uvloop
 
     result = uvloop.run(soak(args.minutes, args.runners, args.in_flight, args.sleep_s, args.every_s))
