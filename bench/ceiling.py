@@ -13,7 +13,7 @@ each ``S`` it measures, one phase after another:
   ack; rollouts/s = rollouts published / time until the last ack;
 * ``consume``: a durable pull consumer (ack policy *all*) fetches and msgspec-decodes all of them;
 * ``copy``: ``COPY`` of the decoded rows (5 event rows and ``S`` span rows per rollout, span rows
-  shaped like the ``spans`` read model) in transactions of ~1000 rows.
+  shaped like the ``spans`` read model, with its lz4 TOAST compression) in transactions of ~1000 rows.
 
 It also sums the CPU of every process (this one, nats-server, Postgres) per phase. The ceiling is
 ``min(publish, consume, copy, cores / CPU seconds per rollout of all three phases)``: no stage can go
@@ -25,6 +25,7 @@ both NATS and Postgres, not a target a Python store can reach.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import shutil
@@ -78,6 +79,14 @@ CREATE TABLE {s}.spans (
     context jsonb, parent jsonb, resource jsonb NOT NULL, stream_seq bigint NOT NULL,
     PRIMARY KEY (rollout_id, attempt_id, span_id));
 CREATE INDEX ON {s}.spans (rollout_id, sequence_id, stream_seq);
+"""
+# the read models' TOAST compression (migrations/003_lz4_compression.sql), where the server has lz4
+LZ4 = """
+ALTER TABLE {s}.events ALTER COLUMN body SET COMPRESSION lz4;
+ALTER TABLE {s}.spans ALTER COLUMN status SET COMPRESSION lz4, ALTER COLUMN attributes SET COMPRESSION lz4,
+  ALTER COLUMN events SET COMPRESSION lz4, ALTER COLUMN links SET COMPRESSION lz4,
+  ALTER COLUMN context SET COMPRESSION lz4, ALTER COLUMN parent SET COMPRESSION lz4,
+  ALTER COLUMN resource SET COMPRESSION lz4;
 """
 
 
@@ -179,6 +188,8 @@ async def _probe(nc: Any, pg: asyncpg.Connection, sampler: ProcessSampler, s: in
         schema = f"ceil_{tag}"
         await pg.execute(f"CREATE SCHEMA {schema}")
         await pg.execute(DDL.format(s=schema))
+        with contextlib.suppress(asyncpg.FeatureNotSupportedError, asyncpg.PostgresSyntaxError):
+            await pg.execute(LZ4.format(s=schema))
         with _Phase(sampler) as ph:
             events: list[tuple[Any, ...]] = []
             spans: list[tuple[Any, ...]] = []
