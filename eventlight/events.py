@@ -121,7 +121,10 @@ def decode_event(data: bytes) -> AnyEvent:
     try:
         return _decoder.decode(data)
     except msgspec.ValidationError as e:
-        raw = msgspec.json.decode(data)
+        try:
+            raw = msgspec.json.decode(data)
+        except msgspec.DecodeError:  # not even JSON (the typed decoder can fail on a type first)
+            raise InvalidInputError(f"not an eventlight event: {e}") from e
         key = (raw.get("type"), raw.get("v", 1)) if isinstance(raw, dict) else None
         if key in UPCASTERS:
             return msgspec.convert(UPCASTERS[key](raw), AnyEvent)  # type: ignore[arg-type]

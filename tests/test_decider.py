@@ -229,3 +229,5 @@ def test_malformed_payload_is_a_clear_error() -> None:
         decode_event(b'{"type":"nope"}')
     with pytest.raises(InvalidInputError):
         decode_event(b"\x00garbage")
+    with pytest.raises(InvalidInputError, match="not an eventlight event"):  # a type error before the syntax error
+        decode_event(b'{"type":"spans_added","time":1.0,"rollout_id":["x"')

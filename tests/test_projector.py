@@ -124,3 +124,38 @@ async def test_large_json_values_are_compressed_with_lz4(namespace: Settings) ->
         await store.sync(timeout_s=10)
         [stored] = await store.query_spans(r.rollout_id)
         assert stored.attributes == big
+
+
+async def test_foreign_span_payloads_are_skipped_and_valid_spans_projected(namespace: Settings) -> None:
+    """Spans are projected with their attributes as raw JSON (``decode_for_projection``); payloads on
+    a span subject that are not valid ``SpansAdded`` events are counted as malformed and skipped,
+    whatever fails first (JSON syntax or a type), and the projection goes on."""
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
+        r = await store.start_rollout("x")
+        rid, aid = r.rollout_id, r.attempt.attempt_id
+        subject = f"{store.log.prefix}.s.{rid}.{aid}"
+        head = b'{"type":"spans_added","time":1.0,"rollout_id":"%s","attempt_id":"%s","spans":[' % (
+            rid.encode(),
+            aid.encode(),
+        )
+        span = (
+            b'{"rollout_id":"%s","attempt_id":"%s","sequence_id":9,"trace_id":"t","span_id":"s9","parent_id":null,"name":"n",'
+            % (
+                rid.encode(),
+                aid.encode(),
+            )
+        )
+        await store.log.js.publish(subject, head + span + b'"attributes":[1]}]}')  # attributes not an object
+        await store.log.js.publish(subject, head + span + b'"attributes":{"a":')  # not even JSON
+        kept = Span.from_attributes(
+            attributes={"k": "v\x00w", "n": 1.5, "l": [1, "2"]},
+            rollout_id=rid,
+            attempt_id=aid,
+            sequence_id=1,
+            name="ok",
+        )
+        assert await store.add_span(kept) is not None
+        await store.sync(timeout_s=10)
+        assert store.projector.malformed == 2
+        [stored] = await store.query_spans(rid)
+        assert stored.name == "ok" and stored.attributes == {"k": "v\ufffdw", "n": 1.5, "l": [1, "2"]}

@@ -55,6 +55,15 @@ class _SpanHead(msgspec.Struct):
 _span_head_decoder = msgspec.json.Decoder(_SpanHead)
 
 
+def _span_high(data: bytes) -> int | None:
+    """The highest sequence id a span batch allocated, or ``None`` if ``data`` is not one."""
+    try:
+        head = _span_head_decoder.decode(data)
+    except msgspec.DecodeError:  # includes ValidationError
+        return None
+    return max([head.seq_high, *(s.sequence_id for s in head.spans)])
+
+
 class StaleStateError(Exception):
     """An append's expected sequence was stale (JetStream error 10071); reload and decide again."""
 
@@ -233,8 +242,21 @@ class EventLog:
             return 0, 0
         except nats.errors.TimeoutError as e:
             raise ServiceUnavailableError(self._server(), f"reading {subject} timed out") from e
-        head = _span_head_decoder.decode(msg.data)
-        return msg.seq, max([head.seq_high, *(s.sequence_id for s in head.spans)])
+        high = _span_high(msg.data)
+        if high is None:  # the last message is not a span batch (a foreign writer): read them all
+            high = 0
+            seq = 0
+            while seq < msg.seq:
+                try:
+                    m = await self.js.get_msg(self.stream, seq=seq + 1, subject=subject, next=True)
+                except nats.js.errors.NotFoundError:
+                    break
+                except nats.errors.TimeoutError as e:
+                    raise ServiceUnavailableError(self._server(), f"reading {subject} timed out") from e
+                seq = m.seq
+                high = max(high, _span_high(m.data) or 0)
+            log.warning("%s: the last message (stream sequence %d) is not a span batch; ignored", subject, msg.seq)
+        return msg.seq, high
 
     def _server(self) -> str:
         url = self.nc.connected_url
