@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import asyncpg
+import msgspec
 import nats.errors
 from nats.aio.client import Client as NATS
 from nats.js.api import AckPolicy, ConsumerConfig
@@ -54,10 +55,8 @@ from eventlight.errors import (
     ServiceUnavailableError,
 )
 from eventlight.events import (
-    AttemptUpdated,
     ResourcesPut,
     RolloutCreated,
-    RolloutUpdated,
     WorkerHeartbeat,
     WorkerIdle,
     decode_event,
@@ -101,6 +100,22 @@ RECENT_ROLLOUTS = 512  # rollout states cached (a missing one costs one reload f
 MAX_HINTS = 100_000
 SYNC_TIMEOUT_S = 30.0
 CLOSE_TIMEOUT_S = 10.0
+
+
+class _RolloutStatus(msgspec.Struct):
+    status: str | None = None
+
+
+class _StatusPeek(msgspec.Struct):
+    """The rollout status an event carries, if any: ``AttemptStarted``/``AttemptUpdated``'s
+    ``rollout_status``, ``RolloutCreated``/``RolloutUpdated``'s ``rollout.status``; decoding only
+    these fields skips the rest of the event (inputs, metadata)."""
+
+    rollout_status: str | None = None
+    rollout: _RolloutStatus | None = None
+
+
+_status_peek = msgspec.json.Decoder(_StatusPeek)
 
 
 class JetStreamLightningStore(LightningStore):
@@ -179,7 +194,8 @@ class JetStreamLightningStore(LightningStore):
                             f"{self.settings.pg_schema!r}; run `eventlight up` (or "
                             "eventlight.services.apply_migrations) first"
                         )
-                self._watch_sub = await self.nc.subscribe(f"{self.log.prefix}.r.*.*", cb=self._on_rollout_event)
+                # terminal statuses are only ever published on a rollout's ``e`` subject (``enters_queue``)
+                self._watch_sub = await self.nc.subscribe(f"{self.log.prefix}.r.*.e", cb=self._on_rollout_event)
             if self.run_projector:
                 assert self.pool is not None
                 self.projector = Projector(
@@ -227,14 +243,10 @@ class JetStreamLightningStore(LightningStore):
 
     async def _on_rollout_event(self, msg: Any) -> None:
         try:
-            event = decode_event(msg.data)
-        except InvalidInputError:
+            peek = _status_peek.decode(msg.data)
+        except msgspec.DecodeError:
             return
-        status = None
-        if isinstance(event, AttemptUpdated):
-            status = event.rollout_status
-        elif isinstance(event, (RolloutUpdated, RolloutCreated)):
-            status = event.rollout.status
+        status = peek.rollout_status if peek.rollout is None else peek.rollout.status
         if status in TERMINAL_ROLLOUT_STATUSES:
             rid = msg.subject.split(".")[3]
             if len(self._hints) >= MAX_HINTS:  # hints of rollouts nobody waits for; they only speed up waits
