@@ -8,6 +8,7 @@ with writes made through another store.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -138,7 +139,10 @@ async def test_success_finishes_rollout_and_wakes_waiters(store: Any, runner_sto
     await asyncio.sleep(0.05)
     assert not waiter.done()
     await runner_store.update_attempt(r.rollout_id, d.attempt.attempt_id, status="succeeded")
+    t0 = time.monotonic()
     done = await asyncio.wait_for(waiter, 10)
+    # woken by the finish itself (DESIGN.md: event-driven), not by the 2 s fallback re-read
+    assert time.monotonic() - t0 < 1.5
     assert [x.rollout_id for x in done] == [r.rollout_id]
     assert done[0].status == "succeeded" and done[0].end_time is not None
     assert done[0].attempt.status == "succeeded" and done[0].attempt.end_time is not None

@@ -102,6 +102,17 @@ SYNC_TIMEOUT_S = 30.0
 CLOSE_TIMEOUT_S = 10.0
 
 
+class _Waiter:
+    """A ``wait_for_rollouts`` call: the ids it still waits for; ``dirty`` once a projector commit
+    in this process has put one of them in a terminal status (it then reads Postgres again)."""
+
+    __slots__ = ("dirty", "ids")
+
+    def __init__(self, ids: set[str]):
+        self.ids = ids
+        self.dirty = False
+
+
 class _RolloutStatus(msgspec.Struct):
     status: str | None = None
 
@@ -161,6 +172,7 @@ class JetStreamLightningStore(LightningStore):
         self._last_write_seq = 0
         self._changed = asyncio.Condition()
         self._hints: set[str] = set()
+        self._waiters: list[_Waiter] = []
         self._runners_sub: Any = None
         self._pull_inboxes: list[Any] = []
         self._watch_sub: Any = None
@@ -254,7 +266,10 @@ class JetStreamLightningStore(LightningStore):
             self._hints.add(rid)
             await self._notify()
 
-    def _on_commit(self, last_seq: int, rollout_ids: set[str]) -> None:
+    def _on_commit(self, last_seq: int, finished: set[str]) -> None:
+        for waiter in self._waiters:
+            if not waiter.dirty and not waiter.ids.isdisjoint(finished):
+                waiter.dirty = True
         asyncio.get_running_loop().create_task(self._notify())
 
     async def _notify(self) -> None:
@@ -719,19 +734,34 @@ class JetStreamLightningStore(LightningStore):
             if rid not in known:
                 raise RolloutNotFoundError(rid)
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
-        while True:
-            done = await self.query_rollouts(rollout_id_in=ids, status_in=sorted(TERMINAL_ROLLOUT_STATUSES))
-            by_id = {r.rollout_id: r for r in done}
-            if len(by_id) == len(ids) or (deadline is not None and time.monotonic() >= deadline):
-                return [by_id[r] for r in rollout_ids if r in by_id]
-            self._hints.difference_update(by_id)
-            pending = self._hints.intersection(ids)
-            remaining = None if deadline is None else deadline - time.monotonic()
-            step = 0.02 if pending else 2.0  # a seen terminal event is being projected; else wait for events
-            wait = step if remaining is None else max(0.0, min(step, remaining))
-            async with self._changed:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), wait)
+        waiter = _Waiter(set(ids))
+        self._waiters.append(waiter)
+        try:
+            while True:
+                waiter.dirty = False
+                done = await self.query_rollouts(rollout_id_in=ids, status_in=sorted(TERMINAL_ROLLOUT_STATUSES))
+                by_id = {r.rollout_id: r for r in done}
+                if len(by_id) == len(ids) or (deadline is not None and time.monotonic() >= deadline):
+                    return [by_id[r] for r in rollout_ids if r in by_id]
+                waiter.ids.difference_update(by_id)
+                self._hints.difference_update(by_id)
+                if self.projector is not None:
+                    # this process projects: its commits say when one of ours has finished (2 s: a fallback)
+                    step = 2.0
+                    ready: Any = lambda: waiter.dirty  # noqa: E731
+                else:  # a terminal event seen on the stream is being projected elsewhere: poll until it is
+                    step = 0.02 if self._hints.intersection(waiter.ids) else 2.0
+                    ready = None
+                remaining = None if deadline is None else deadline - time.monotonic()
+                wait = step if remaining is None else max(0.0, min(step, remaining))
+                async with self._changed:
+                    with contextlib.suppress(TimeoutError):
+                        if ready is None:
+                            await asyncio.wait_for(self._changed.wait(), wait)
+                        else:
+                            await asyncio.wait_for(self._changed.wait_for(ready), wait)
+        finally:
+            self._waiters.remove(waiter)
 
     # -- spans ---------------------------------------------------------------------------------
 

@@ -124,7 +124,8 @@ class Projector:
         log_: The event log (NATS side).
         pool: A pool whose connections use the namespace's schema.
         watchdog_interval_s: Seconds between watchdog passes.
-        on_commit: Called after each commit with ``(last_seq, changed_rollout_ids)``.
+        on_commit: Called after each commit with ``(last_seq, ids of the rollouts that are in a
+            terminal status after it)``; ``wait_for_rollouts`` re-reads only when one of its ids is there.
     """
 
     def __init__(
@@ -272,7 +273,7 @@ class Projector:
             self.states.pop(rid, None)  # so memory follows the rollouts in flight, not all rollouts
             self.rollout_seq.pop(rid, None)
         if self.on_commit is not None:
-            self.on_commit(self.checkpoint, set(batch.rollouts))
+            self.on_commit(self.checkpoint, batch.terminal)
 
     async def _state(self, conn: asyncpg.Connection, batch: _Batch, rid: str) -> d.RolloutState | None:
         if rid in batch.rollouts:
