@@ -125,20 +125,30 @@ def sql(
     namespace: NamespaceOpt = None,
 ) -> None:
     """Run SQL over the projections (tables rollouts, attempts, spans, resources, workers; views
-    rollout_rewards, reward_by_resources, llm_calls) and print the result."""
+    rollout_rewards, reward_by_resources, llm_calls) and print the result.
+
+    The query runs in a read-only transaction: the tables are a projection of the stream, and a
+    row changed here would silently disagree with it (write through the store API instead)."""
     import asyncpg
 
     async def go() -> tuple[list[str], list[Any]]:
         conn = await _connect_pg(_settings(namespace))
         try:
-            stmt = await conn.prepare(query)
-            rows = await stmt.fetch()
+            async with conn.transaction(readonly=True):
+                stmt = await conn.prepare(query)
+                rows = await stmt.fetch()
             return [a.name for a in stmt.get_attributes()], rows
         finally:
             await conn.close()
 
     try:
         cols, rows = _run(go())
+    except asyncpg.ReadOnlySQLTransactionError as e:
+        err.print(
+            f"[red]SQL error:[/red] {escape(str(e))}: `eventlight sql` only reads; the tables are "
+            "projected from the stream, so write through the store API"
+        )
+        raise typer.Exit(2) from None
     except asyncpg.PostgresError as e:
         err.print(f"[red]SQL error:[/red] {escape(str(e))}")
         raise typer.Exit(2) from None

@@ -113,6 +113,10 @@ def test_cli_sql_error_is_one_line_not_a_traceback(namespace: Settings) -> None:
     assert bad.returncode == 2 and "SQL error" in bad.stderr and "Traceback" not in bad.stderr
     ok = run_cli("sql", "SELECT count(*) AS n FROM rollouts", env=env)
     assert ok.returncode == 0 and "1 row(s)" in ok.stdout
+    write = run_cli("sql", "DELETE FROM projector_checkpoint", env=env)  # the projection must not be edited
+    assert write.returncode == 2 and "only reads" in write.stderr and "Traceback" not in write.stderr
+    kept = run_cli("sql", "SELECT count(*) AS n FROM projector_checkpoint", env=env)
+    assert kept.returncode == 0 and " 1 " in kept.stdout.replace("│", " ")
 
 
 def test_cli_runner_with_an_unknown_agent_fails_clearly() -> None:
