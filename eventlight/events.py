@@ -121,16 +121,29 @@ def decode_event(data: bytes) -> AnyEvent:
     try:
         return _decoder.decode(data)
     except msgspec.ValidationError as e:
-        try:
-            raw = msgspec.json.decode(data)
-        except msgspec.DecodeError:  # not even JSON (the typed decoder can fail on a type first)
+        upcast = _upcaster(data)
+        if upcast is None:
             raise InvalidInputError(f"not an eventlight event: {e}") from e
-        key = (raw.get("type"), raw.get("v", 1)) if isinstance(raw, dict) else None
-        if key in UPCASTERS:
-            return msgspec.convert(UPCASTERS[key](raw), AnyEvent)  # type: ignore[arg-type]
+        try:
+            return msgspec.convert(upcast(msgspec.json.decode(data)), AnyEvent)  # type: ignore[arg-type]
+        except (msgspec.DecodeError, RecursionError) as e2:  # includes ValidationError
+            raise InvalidInputError(f"not an eventlight event (after upcasting): {e2}") from e2
+    except (msgspec.DecodeError, RecursionError, TypeError) as e:  # RecursionError: nested too deep
         raise InvalidInputError(f"not an eventlight event: {e}") from e
-    except msgspec.DecodeError as e:
-        raise InvalidInputError(f"not an eventlight event: {e}") from e
+
+
+def _upcaster(data: bytes) -> Any:
+    """The upcaster for a payload's ``(type, v)``, or ``None`` (not JSON, not an object, no upcaster)."""
+    try:
+        raw = msgspec.json.decode(data)
+    except (msgspec.DecodeError, RecursionError):  # the typed decoder can fail on a type first
+        return None
+    if not isinstance(raw, dict):
+        return None
+    tag, version = raw.get("type"), raw.get("v", 1)
+    if not isinstance(tag, str) or not isinstance(version, int):
+        return None
+    return UPCASTERS.get((tag, version))
 
 
 def rollout_id_of(event: AnyEvent) -> str | None:

@@ -231,3 +231,13 @@ def test_malformed_payload_is_a_clear_error() -> None:
         decode_event(b"\x00garbage")
     with pytest.raises(InvalidInputError, match="not an eventlight event"):  # a type error before the syntax error
         decode_event(b'{"type":"spans_added","time":1.0,"rollout_id":["x"')
+    deep = b'{"type":"spans_added","time":1.0,"rollout_id":"r","attempt_id":"a","spans":[{"attributes":{"x":'
+    for payload in (
+        b'{"type":["x"]}',  # an unhashable tag
+        b'{"type":"spans_added","v":[1]}',
+        b"",
+        b"null",
+        deep + b"[" * 100_000 + b"]" * 100_000 + b"}}]}",  # nested deeper than Python's recursion limit
+    ):
+        with pytest.raises(InvalidInputError, match="not an eventlight event"):
+            decode_event(payload)

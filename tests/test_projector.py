@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import asyncpg
@@ -126,36 +127,126 @@ async def test_large_json_values_are_compressed_with_lz4(namespace: Settings) ->
         assert stored.attributes == big
 
 
-async def test_foreign_span_payloads_are_skipped_and_valid_spans_projected(namespace: Settings) -> None:
-    """Spans are projected with their attributes as raw JSON (``decode_for_projection``); payloads on
-    a span subject that are not valid ``SpansAdded`` events are counted as malformed and skipped,
-    whatever fails first (JSON syntax or a type), and the projection goes on."""
+def _foreign_span(rid: str, aid: str, attributes: bytes) -> bytes:
+    head = b'{"type":"spans_added","v":1,"time":1.0,"rollout_id":"%s","attempt_id":"%s","spans":[' % (
+        rid.encode(),
+        aid.encode(),
+    )
+    span = b'{"rollout_id":"%s","attempt_id":"%s","sequence_id":50,"trace_id":"t","span_id":"f50","parent_id":null,' % (
+        rid.encode(),
+        aid.encode(),
+    )
+    return head + span + b'"name":"foreign","attributes":' + attributes + b"}]}"
+
+
+FOREIGN: dict[str, Any] = {  # what another writer might put on a span subject
+    "attributes_not_an_object": lambda rid, aid: _foreign_span(rid, aid, b"[1]"),
+    "not_json": lambda rid, aid: _foreign_span(rid, aid, b'{"a":')[:-3],
+    "type_not_a_string": lambda rid, aid: b'{"type":["spans_added"]}',
+    "version_not_an_int": lambda rid, aid: b'{"type":"spans_added","v":[1],"spans":[]}',
+    "nested_too_deep": lambda rid, aid: _foreign_span(rid, aid, b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+    "empty": lambda rid, aid: b"",
+    "another_object": lambda rid, aid: b"{}",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(FOREIGN))
+async def test_foreign_span_payloads_are_skipped_and_numbering_goes_on(namespace: Settings, kind: str) -> None:
+    """Spans are projected with their attributes as raw JSON (``decode_for_projection``); a payload on
+    a span subject that is not a valid ``SpansAdded`` is counted as malformed and skipped, whatever
+    fails first (JSON syntax, a type, the nesting depth), the projection goes on, and the next
+    numbered span continues the attempt's counter (``span_head`` looks past a foreign last message)."""
     async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
         r = await store.start_rollout("x")
         rid, aid = r.rollout_id, r.attempt.attempt_id
-        subject = f"{store.log.prefix}.s.{rid}.{aid}"
-        head = b'{"type":"spans_added","time":1.0,"rollout_id":"%s","attempt_id":"%s","spans":[' % (
-            rid.encode(),
-            aid.encode(),
-        )
-        span = (
-            b'{"rollout_id":"%s","attempt_id":"%s","sequence_id":9,"trace_id":"t","span_id":"s9","parent_id":null,"name":"n",'
-            % (
-                rid.encode(),
-                aid.encode(),
-            )
-        )
-        await store.log.js.publish(subject, head + span + b'"attributes":[1]}]}')  # attributes not an object
-        await store.log.js.publish(subject, head + span + b'"attributes":{"a":')  # not even JSON
-        kept = Span.from_attributes(
-            attributes={"k": "v\x00w", "n": 1.5, "l": [1, "2"]},
-            rollout_id=rid,
-            attempt_id=aid,
-            sequence_id=1,
-            name="ok",
-        )
-        assert await store.add_span(kept) is not None
+
+        def make(name: str, **attributes: Any) -> Span:
+            return Span.from_attributes(attributes=attributes, rollout_id=rid, attempt_id=aid, name=name)
+
+        await store.add_spans_numbered(rid, aid, [make("pre", i=i) for i in range(3)])
+        await store.log.js.publish(f"{store.log.prefix}.s.{rid}.{aid}", FOREIGN[kind](rid, aid))
+        [after] = await store.add_spans_numbered(rid, aid, [make("after", k="v\x00w", n=1.5, l=[1, "2"])])
+        await store.start_rollout("y")  # an event behind the foreign one
         await store.sync(timeout_s=10)
-        assert store.projector.malformed == 2
-        [stored] = await store.query_spans(rid)
-        assert stored.name == "ok" and stored.attributes == {"k": "v\ufffdw", "n": 1.5, "l": [1, "2"]}
+        # a batch-shaped foreign payload's ids (50) count as taken: the counter never reuses an id
+        expected = 51 if kind == "attributes_not_an_object" else 4
+        assert after.sequence_id == expected
+        assert store.projector.malformed == 1 and store.projector.dead_letters == 0
+        spans = await store.query_spans(rid)
+        assert [(s.name, s.sequence_id) for s in spans] == [("pre", 1), ("pre", 2), ("pre", 3), ("after", expected)]
+        assert spans[-1].attributes == {"k": "v\ufffdw", "n": 1.5, "l": [1, "2"]}
+        assert len(await store.query_rollouts()) == 2
+
+
+async def test_a_number_beyond_float_range_in_raw_attributes_reads_back(namespace: Settings) -> None:
+    """Postgres keeps a foreign span's ``1e5000`` as a 5001-digit ``numeric``; reads must not fail on it."""
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
+        r = await store.start_rollout("x")
+        rid, aid = r.rollout_id, r.attempt.attempt_id
+        await store.log.js.publish(f"{store.log.prefix}.s.{rid}.{aid}", _foreign_span(rid, aid, b'{"n":1e5000}'))
+        await store.start_rollout("y")
+        await store.sync(timeout_s=10)
+        [span] = await store.query_spans(rid)
+        assert span.name == "foreign" and span.attributes == {"n": float("inf")}
+
+
+@pytest.mark.parametrize("failure", ["event", "server"])
+async def test_a_failing_batch_is_never_skipped(
+    namespace: Settings, monkeypatch: pytest.MonkeyPatch, failure: str
+) -> None:
+    """A batch that fails is retried as it is, never acknowledged by a later batch (ack policy *all*):
+    an event that fails on its own (here a TypeError) is dead-lettered and the others applied; a
+    server failure (here a lost connection, twice) is retried until the whole batch is applied."""
+    fold = Projector._fold
+    failures = {"left": 2}
+    poisoned: set[str] = set()
+
+    async def failing_fold(self: Projector, conn: Any, batch: Any, event: Any, seq: int) -> None:
+        if rollout_id_of(event) in poisoned:
+            if failure == "event":
+                raise TypeError("a bug met this event (test)")
+            if failures["left"] > 0:
+                failures["left"] -= 1
+                raise asyncpg.exceptions.ConnectionDoesNotExistError("connection lost (test)")
+        await fold(self, conn, batch, event, seq)
+
+    monkeypatch.setattr(Projector, "_fold", failing_fold)
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn, run_projector=False) as store:
+        x = await store.enqueue_rollout("x")
+        bad = await store.enqueue_rollout("bad")
+        poisoned.add(bad.rollout_id)
+        y = await store.enqueue_rollout("y")
+        projector = Projector(store.log, store.pool)  # starts now: all three arrive in one batch
+        await projector.start()
+        try:
+            await store.sync(timeout_s=15)
+            await asyncio.sleep(0.3)
+            await store.enqueue_rollout("z")  # a later batch, fetched only once the first one is done
+            await store.sync(timeout_s=15)
+            inputs = sorted(r.input for r in await store.query_rollouts())
+            if failure == "event":
+                assert inputs == ["x", "y", "z"] and projector.dead_letters == 1
+            else:
+                assert inputs == ["bad", "x", "y", "z"] and projector.dead_letters == 0 and failures["left"] == 0
+            assert {x.rollout_id, y.rollout_id} <= {r.rollout_id for r in await store.query_rollouts()}
+        finally:
+            await projector.close()
+
+
+async def test_a_store_with_a_standby_projector_wakes_waiters_promptly(namespace: Settings) -> None:
+    """A second store with Postgres on the same namespace holds a standby projector (another leads):
+    its reads wait for the leader's checkpoint, and its ``wait_for_rollouts`` follows the stream's
+    terminal events, not its own (absent) commits."""
+    async with (
+        JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as leader,
+        JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as standby,
+    ):
+        assert leader.projector.leader.is_set() and not standby.projector.leader.is_set()
+        r = await standby.enqueue_rollout("q")
+        d = await leader.dequeue_rollout(worker_id="w")
+        waiter = asyncio.create_task(standby.wait_for_rollouts(rollout_ids=[r.rollout_id], timeout=10))
+        await asyncio.sleep(0.1)
+        t0 = time.monotonic()
+        await leader.update_attempt(r.rollout_id, d.attempt.attempt_id, status="succeeded")
+        [done] = await asyncio.wait_for(waiter, 10)
+        assert done.status == "succeeded" and time.monotonic() - t0 < 1.5  # not the 2 s fallback

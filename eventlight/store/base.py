@@ -48,6 +48,8 @@ Other behaviours to know:
     * ids that could never have been issued (with dots, spaces, wildcards) are simply not found;
     * a span is validated before anything is written (ids, name, JSON-encodable attributes);
       NUL characters are kept in the stream and stored as U+FFFD in Postgres, which cannot hold NUL;
+      JSON numbers are Postgres ``numeric`` there: ``-0.0`` reads back as ``0.0`` and a float written
+      in exponent form with an integral value (``1e16``) as an ``int`` (the stream keeps the original);
     * on JetStream, reads see the caller's own writes (``sync``); another process's writes appear
       once the projector has committed them (usually milliseconds); ``wait_for_rollouts`` follows
       the stream itself;

@@ -48,18 +48,24 @@ class _SpanHead(msgspec.Struct):
     class _Seq(msgspec.Struct):
         sequence_id: int = 0
 
+    spans: list[_Seq]  # required, like the type: another JSON object is not a batch
+    type: str = ""
+    v: int = 1
     seq_high: int = 0
-    spans: list[_Seq] = []
 
 
 _span_head_decoder = msgspec.json.Decoder(_SpanHead)
 
 
-def _span_high(data: bytes) -> int | None:
+def _span_high(data: bytes | None) -> int | None:
     """The highest sequence id a span batch allocated, or ``None`` if ``data`` is not one."""
+    if not data:
+        return None
     try:
         head = _span_head_decoder.decode(data)
-    except msgspec.DecodeError:  # includes ValidationError
+    except (msgspec.DecodeError, RecursionError):  # DecodeError includes ValidationError
+        return None
+    if head.type != "spans_added":  # another JSON object is not a batch
         return None
     return max([head.seq_high, *(s.sequence_id for s in head.spans)])
 

@@ -610,7 +610,7 @@ class JetStreamLightningStore(LightningStore):
         if target == 0:
             return
         deadline = time.monotonic() + timeout_s
-        if self.projector is not None:
+        if self.projector is not None and self.projector.leader.is_set():  # this process projects
             async with self._changed:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(
@@ -621,7 +621,7 @@ class JetStreamLightningStore(LightningStore):
                     )
             if self.projector.checkpoint >= target:
                 return
-        else:
+        else:  # another process projects (this one has none, or a standby): read its checkpoint
             async with self._pool().acquire() as conn:
                 while time.monotonic() < deadline:
                     if await conn.fetchval("SELECT last_seq FROM projector_checkpoint") >= target:
@@ -745,7 +745,7 @@ class JetStreamLightningStore(LightningStore):
                     return [by_id[r] for r in rollout_ids if r in by_id]
                 waiter.ids.difference_update(by_id)
                 self._hints.difference_update(by_id)
-                if self.projector is not None:
+                if self.projector is not None and self.projector.leader.is_set():
                     # this process projects: its commits say when one of ours has finished (2 s: a fallback)
                     step = 2.0
                     ready: Any = lambda: waiter.dirty  # noqa: E731

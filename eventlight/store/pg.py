@@ -8,6 +8,7 @@ an identifier, so no caller string reaches SQL unquoted.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,9 +56,21 @@ def _without_nul(value: Any) -> Any:
 
 
 def loads(text: str | None, type_: Any = Any) -> Any:
+    """Decode a ``jsonb`` column's text. Postgres keeps JSON numbers as ``numeric``, so a value a
+    foreign writer put in a span's raw attributes can be out of msgspec's range (``1e400`` comes
+    back as a 401-digit integer): such text is decoded with the standard library instead, integers
+    of more than 4,000 digits becoming ``float`` (``inf``)."""
     if text is None:
         return None
-    return msgspec.json.decode(text, type=type_)
+    try:
+        return msgspec.json.decode(text, type=type_)
+    except msgspec.DecodeError:
+        value = json.loads(text, parse_int=_lenient_int)
+        return value if type_ is Any else msgspec.convert(value, type=type_)
+
+
+def _lenient_int(digits: str) -> int | float:
+    return int(digits) if len(digits) <= 4000 else float(digits)
 
 
 def redact(dsn: str) -> str:

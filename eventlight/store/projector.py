@@ -57,6 +57,22 @@ log = logging.getLogger(__name__)
 
 BATCH = 512
 
+TRANSIENT: tuple[type[BaseException], ...] = (
+    OSError,
+    TimeoutError,
+    asyncpg.InterfaceError,
+    asyncpg.PostgresConnectionError,  # 08: connection lost
+    asyncpg.exceptions.OperatorInterventionError,  # 57: shutdown, cancelled
+    asyncpg.exceptions.InsufficientResourcesError,  # 53: disk full, too many connections
+    asyncpg.exceptions.TransactionRollbackError,  # 40: serialization failure, deadlock
+    asyncpg.exceptions.LockNotAvailableError,
+)
+"""Failures of the servers rather than of an event: a batch failing with one is retried as it is."""
+
+
+def _seq_range(msgs: list[Any]) -> str:
+    return f"{msgs[0].metadata.sequence.stream}-{msgs[-1].metadata.sequence.stream}"
+
 
 class _RawSpan(Span, kw_only=True):
     """A ``Span`` as the projector writes it: its ``attributes`` kept as the event's own JSON text,
@@ -91,7 +107,7 @@ def decode_for_projection(data: bytes) -> AnyEvent:
     if data.startswith(_SPANS_ADDED_PREFIX):
         try:
             raw = _raw_spans_decoder.decode(data)
-        except (msgspec.ValidationError, msgspec.DecodeError):
+        except (msgspec.DecodeError, RecursionError):  # DecodeError includes ValidationError
             pass  # an older version, or malformed: decode_event upcasts or explains
         else:
             if raw.v == 1 and all(memoryview(sp.attributes)[:1] == b"{" for sp in raw.spans):
@@ -189,25 +205,39 @@ class Projector:
                 continue
             if not msgs:  # nats-py may return an empty batch (a status message, not an error)
                 continue
+            await self._apply_until_done(msgs)
+
+    async def _apply_until_done(self, msgs: list[Any]) -> None:
+        """Apply and ack one fetched batch, retrying *this* batch until it is done (or the projector
+        stops): fetching the next one first would let its ack (policy *all*) acknowledge this one
+        unapplied. An event that cannot be projected on its own is dead-lettered (``_apply_isolating``);
+        a failure of the servers (``TRANSIENT``) is retried every second."""
+        while not self._stopping:
             try:
                 try:
                     await self.apply(msgs)
-                except asyncpg.DataError:  # some event's data is refused; find it, keep the others
+                except TRANSIENT:
+                    raise
+                except Exception:  # some event of the batch cannot be projected: find it, keep the others
                     await self._apply_isolating(msgs)
                 await msgs[-1].ack()
+                return
             except Exception:
-                log.exception("projector batch failed; it will be redelivered")
+                log.exception("projector batch (stream sequences %s) failed; retrying it in 1 s", _seq_range(msgs))
                 await asyncio.sleep(1)
 
     async def _apply_isolating(self, msgs: list[Any]) -> None:
-        """Apply a batch one message at a time; a message Postgres refuses on its own
-        (``asyncpg.DataError``) is recorded in ``projector_dead_letters`` and skipped."""
+        """Apply a batch one message at a time; a message that fails on its own with anything but a
+        server failure (``TRANSIENT``) is recorded in ``projector_dead_letters`` and skipped: the
+        stream keeps it, and the projection goes on."""
         for msg in msgs:
             try:
                 await self.apply([msg])
-            except asyncpg.DataError as e:
+            except TRANSIENT:
+                raise
+            except Exception as e:
                 seq = msg.metadata.sequence.stream
-                log.error("projector: skipping the event at stream sequence %d (%s): %s", seq, msg.subject, e)
+                log.error("projector: skipping the event at stream sequence %d (%s): %r", seq, msg.subject, e)
                 async with self.pool.acquire() as conn, conn.transaction():
                     await conn.execute(
                         "INSERT INTO projector_dead_letters (stream_seq, subject, error) VALUES ($1, $2, $3)"
