@@ -60,39 +60,6 @@ async def test_a_restarted_projector_reapplies_nothing(namespace: Settings) -> N
         await replay.close()
 
 
-async def test_an_event_postgres_refuses_is_dead_lettered_and_the_rest_projected(
-    namespace: Settings, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """One poison event must not stop the projection (it stays in the stream, listed in
-    ``projector_dead_letters``); the events around it in the same batch are applied."""
-    poisoned: set[str] = set()
-    fold = Projector._fold
-
-    async def refusing_fold(self: Projector, conn: Any, batch: Any, event: Any, seq: int) -> None:
-        if rollout_id_of(event) in poisoned:
-            raise asyncpg.exceptions.InvalidTextRepresentationError("invalid input syntax (test)")
-        await fold(self, conn, batch, event, seq)
-
-    monkeypatch.setattr(Projector, "_fold", refusing_fold)
-    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn, run_projector=False) as store:
-        before = await store.enqueue_rollout("before")
-        bad = await store.enqueue_rollout("bad")
-        poisoned.add(bad.rollout_id)
-        after = await store.enqueue_rollout("after")
-        projector = Projector(store.log, store.pool)  # starts now: all three arrive in one batch
-        await projector.start()
-        try:
-            await store.sync(timeout_s=10)
-            assert [r.input for r in await store.query_rollouts()] == ["before", "after"]
-            assert projector.dead_letters == 1
-            async with store.pool.acquire() as conn:
-                rows = await conn.fetch("SELECT stream_seq, subject, error FROM projector_dead_letters")
-            assert len(rows) == 1 and bad.rollout_id in rows[0]["subject"] and "test" in rows[0]["error"]
-            assert {before.rollout_id, after.rollout_id} == {r.rollout_id for r in await store.query_rollouts()}
-        finally:
-            await projector.close()
-
-
 async def test_large_json_values_are_compressed_with_lz4(namespace: Settings) -> None:
     """migrations/003: every jsonb column of the read models compresses with lz4 where the server
     has it (pglz cost about half of Postgres' CPU per projected span), and a big span round-trips."""
@@ -190,19 +157,22 @@ async def test_a_number_beyond_float_range_in_raw_attributes_reads_back(namespac
         assert span.name == "foreign" and span.attributes == {"n": float("inf")}
 
 
-@pytest.mark.parametrize("failure", ["event", "server"])
+@pytest.mark.parametrize("failure", ["data", "event", "server"])
 async def test_a_failing_batch_is_never_skipped(
     namespace: Settings, monkeypatch: pytest.MonkeyPatch, failure: str
 ) -> None:
-    """A batch that fails is retried as it is, never acknowledged by a later batch (ack policy *all*):
-    an event that fails on its own (here a TypeError) is dead-lettered and the others applied; a
-    server failure (here a lost connection, twice) is retried until the whole batch is applied."""
+    """A batch that fails is retried as it is, never acknowledged by a later batch (ack policy *all*).
+    An event that fails on its own (data Postgres refuses, or a TypeError from a bug) is listed in
+    ``projector_dead_letters`` (it stays in the stream) and the events around it in the same batch
+    are applied; a server failure (a lost connection, twice) is retried until the batch is applied."""
     fold = Projector._fold
     failures = {"left": 2}
     poisoned: set[str] = set()
 
     async def failing_fold(self: Projector, conn: Any, batch: Any, event: Any, seq: int) -> None:
         if rollout_id_of(event) in poisoned:
+            if failure == "data":
+                raise asyncpg.exceptions.InvalidTextRepresentationError("invalid input syntax (test)")
             if failure == "event":
                 raise TypeError("a bug met this event (test)")
             if failures["left"] > 0:
@@ -212,10 +182,10 @@ async def test_a_failing_batch_is_never_skipped(
 
     monkeypatch.setattr(Projector, "_fold", failing_fold)
     async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn, run_projector=False) as store:
-        x = await store.enqueue_rollout("x")
+        await store.enqueue_rollout("x")
         bad = await store.enqueue_rollout("bad")
         poisoned.add(bad.rollout_id)
-        y = await store.enqueue_rollout("y")
+        await store.enqueue_rollout("y")
         projector = Projector(store.log, store.pool)  # starts now: all three arrive in one batch
         await projector.start()
         try:
@@ -223,12 +193,14 @@ async def test_a_failing_batch_is_never_skipped(
             await asyncio.sleep(0.3)
             await store.enqueue_rollout("z")  # a later batch, fetched only once the first one is done
             await store.sync(timeout_s=15)
-            inputs = sorted(r.input for r in await store.query_rollouts())
-            if failure == "event":
-                assert inputs == ["x", "y", "z"] and projector.dead_letters == 1
+            inputs = [r.input for r in await store.query_rollouts()]
+            async with store.pool.acquire() as conn:
+                dead = await conn.fetch("SELECT stream_seq, subject, error FROM projector_dead_letters")
+            if failure == "server":
+                assert inputs == ["x", "bad", "y", "z"] and not dead and failures["left"] == 0
             else:
-                assert inputs == ["bad", "x", "y", "z"] and projector.dead_letters == 0 and failures["left"] == 0
-            assert {x.rollout_id, y.rollout_id} <= {r.rollout_id for r in await store.query_rollouts()}
+                assert inputs == ["x", "y", "z"] and projector.dead_letters == 1
+                assert len(dead) == 1 and bad.rollout_id in dead[0]["subject"] and "test" in dead[0]["error"]
         finally:
             await projector.close()
 

@@ -22,7 +22,8 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import msgspec
 import nats.errors
@@ -211,19 +212,31 @@ class EventLog:
         subject = f"{self.prefix}.r.{rollout_id}.>"
         state: d.RolloutState | None = None
         seq = 0
-        while True:
-            try:
-                msg = await self.js.get_msg(self.stream, seq=seq + 1, subject=subject, next=True)
-            except nats.js.errors.NotFoundError:
-                break
-            except nats.errors.TimeoutError as e:
-                raise ServiceUnavailableError(self._server(), f"reading {subject} timed out") from e
+        async for msg in self._messages(subject):
             seq = msg.seq
             if msg.data:
                 state = d.evolve(state, decode_event(msg.data))
         if state is None:
             raise RolloutNotFoundError(rollout_id)
         return state, seq
+
+    async def _messages(self, subject: str, until_seq: int | None = None) -> AsyncIterator[Any]:
+        """The stored messages on ``subject`` (wildcards allowed) in stream order, one direct get each,
+        up to ``until_seq``.
+
+        Raises:
+            ServiceUnavailableError: NATS did not answer.
+        """
+        seq = 0
+        while until_seq is None or seq < until_seq:
+            try:
+                msg = await self.js.get_msg(self.stream, seq=seq + 1, subject=subject, next=True)
+            except nats.js.errors.NotFoundError:
+                return
+            except nats.errors.TimeoutError as e:
+                raise ServiceUnavailableError(self._server(), f"reading {subject} timed out") from e
+            seq = msg.seq
+            yield msg
 
     async def last_event(self, subject: str) -> tuple[AnyEvent, int] | None:
         """The last event on a subject (wildcards allowed), or ``None``."""
@@ -251,15 +264,7 @@ class EventLog:
         high = _span_high(msg.data)
         if high is None:  # the last message is not a span batch (a foreign writer): read them all
             high = 0
-            seq = 0
-            while seq < msg.seq:
-                try:
-                    m = await self.js.get_msg(self.stream, seq=seq + 1, subject=subject, next=True)
-                except nats.js.errors.NotFoundError:
-                    break
-                except nats.errors.TimeoutError as e:
-                    raise ServiceUnavailableError(self._server(), f"reading {subject} timed out") from e
-                seq = m.seq
+            async for m in self._messages(subject, until_seq=msg.seq):
                 high = max(high, _span_high(m.data) or 0)
             log.warning("%s: the last message (stream sequence %d) is not a span batch; ignored", subject, msg.seq)
         return msg.seq, high
