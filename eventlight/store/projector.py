@@ -104,7 +104,7 @@ def decode_for_projection(data: bytes) -> AnyEvent:
     Raises:
         InvalidInputError: The payload is not a known event.
     """
-    if data.startswith(_SPANS_ADDED_PREFIX):
+    if data and data.startswith(_SPANS_ADDED_PREFIX):
         try:
             raw = _raw_spans_decoder.decode(data)
         except (msgspec.DecodeError, RecursionError):  # DecodeError includes ValidationError
