@@ -5,6 +5,9 @@
   and increasing.
 * Several writers race ``update_attempt`` on one rollout: the end state is one the decider allows,
   and each loser was either retried onto the fresh state or refused with ``InvalidTransitionError``.
+* A non-blocking dequeue waits for the consumer's count of new messages only when this process
+  published on the queue a moment before (the contract test
+  ``test_a_rollout_enqueued_elsewhere_is_dequeued_without_waiting`` checks it then sees the rollout).
 """
 
 from __future__ import annotations
@@ -12,13 +15,15 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import os
+import time
 from collections import Counter
 
 import pytest
 
 from eventlight.errors import InvalidTransitionError
 from eventlight.settings import Settings
-from eventlight.store.jetstream import JetStreamLightningStore
+from eventlight.store import eventlog
+from eventlight.store.jetstream import QUEUE_VISIBILITY_S, JetStreamLightningStore
 from eventlight.types import EnqueueRolloutRequest, Span
 
 N_ROLLOUTS = int(os.environ.get("EVENTLIGHT_RACE_ROLLOUTS", "2000"))
@@ -125,3 +130,34 @@ async def test_racing_update_attempt_ends_in_an_allowed_state(namespace: Setting
             assert got.end_time is not None and got.attempt.end_time is not None
         assert outcomes["refused"] > 0, "some writers must have lost to a finished attempt"
         assert outcomes["applied"] + outcomes["refused"] == len(claimed) * writers
+
+
+async def test_an_empty_dequeue_is_confirmed_only_after_a_queue_publish_of_this_process(
+    namespace: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as alg, JetStreamLightningStore(
+        namespace
+    ) as runner:
+        pulls: list[str] = []
+        real = runner._pull_request
+
+        async def counting(request: bytes) -> object:
+            pulls.append("no_wait" if b"no_wait" in request else "confirm")
+            return await real(request)
+
+        monkeypatch.setattr(runner, "_pull_request", counting)
+        assert await runner.dequeue_rollout(worker_id="w") is None
+        assert pulls == ["no_wait"]  # nothing was enqueued by this process: the empty answer stands
+
+        r = await alg.enqueue_rollout("x")
+        claimed = await runner.dequeue_rollout(worker_id="w")
+        assert claimed is not None and claimed.rollout_id == r.rollout_id
+        pulls.clear()
+        assert await runner.dequeue_rollout(worker_id="w") is None
+        assert pulls == ["no_wait", "confirm"]  # an enqueue a moment ago: wait for the consumer's count
+
+        stream = namespace.stream_name
+        monkeypatch.setitem(eventlog._queue_published, stream, time.monotonic() - QUEUE_VISIBILITY_S - 1)
+        pulls.clear()
+        assert await runner.dequeue_rollout(worker_id="w") is None
+        assert pulls == ["no_wait"]
