@@ -1,7 +1,7 @@
 """The ceiling: what raw JetStream publishing, consuming and Postgres COPY reach for the workload's
 event mix on this machine, in the same run, without eventlight's store in the way.
 
-    python -m bench.ceiling [--spans 14,39] [--seconds 2] [--out F]
+    python -m bench.ceiling [--spans 14,39] [--seconds 2] [--concurrency 4] [--out F]
 
 Runs in eventlight's venv against freshly started embedded servers (the same nats-server config as
 eventlight, ``sync_interval: always``, and the same Postgres), with nats-py, msgspec and asyncpg
@@ -20,11 +20,22 @@ It also sums the CPU of every process (this one, nats-server, Postgres) per phas
 faster than it does alone, and all stages together cannot use more than the machine's cores. It
 is an upper bound for any store on these servers that persists every event and span durably in
 both NATS and Postgres, not a target a Python store can reach.
+
+Then the round trips the micro benchmarks' operations are made of, with the micro benchmarks'
+concurrency (``--concurrency`` tasks, each waiting for its answer before the next request):
+
+* ``publish``: ``js.publish`` of one ~300 B event on a subject of its own, with a ``Nats-Msg-Id``,
+  until the server's ack: one fsynced append (``sync_interval: always``);
+* ``pull``: a ``no_wait`` pull request to an empty filtered consumer, until its answer;
+* ``pg_select``: ``SELECT`` of one rollout's 20 span rows (the workload's attributes) by rollout id.
+
+``bench.report`` turns them into each micro operation's ceiling (``MICRO_ROUND_TRIPS`` there).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import os
 import random
@@ -47,6 +58,7 @@ from bench.workload import SCENARIOS, expected_spans_per_rollout, random_attribu
 WINDOW = 1024
 COPY_ROWS = 1000
 EVENTS_PER_ROLLOUT = 5
+SELECT_SPANS = 20  # as bench.micro's query_spans
 
 SPAN_COLUMNS = [
     "rollout_id",
@@ -265,8 +277,79 @@ def _combine(p: dict[str, Any], cores: int) -> dict[str, Any]:
     }
 
 
-async def run_ceiling(span_counts: list[int], seconds: float) -> dict[str, Any]:
-    """Start embedded servers in a temporary state dir, probe each ``S``, stop them; never raises."""
+async def _round_trips(
+    nc: Any, pg: asyncpg.Connection, pg_dsn: str, sampler: ProcessSampler, concurrency: int, seconds: float
+) -> dict[str, Any]:
+    """Requests per second of ``publish``, ``pull`` and ``pg_select`` (see the module docstring)."""
+    js = nc.jetstream(timeout=30.0)
+    tag = uuid.uuid4().hex[:8]
+    stream, prefix, schema = f"RT_{tag.upper()}", f"rt.{tag}", f"rt_{tag}"
+    await js.add_stream(StreamConfig(name=stream, subjects=[f"{prefix}.>"], storage=StorageType.FILE))
+    await js.add_consumer(
+        stream, ConsumerConfig(durable_name="runners", ack_policy=AckPolicy.EXPLICIT, filter_subject=f"{prefix}.r.*.q")
+    )
+    await pg.execute(f"CREATE SCHEMA {schema}")
+    pool = None
+    try:
+        await pg.execute(DDL.format(s=schema))
+        with contextlib.suppress(asyncpg.FeatureNotSupportedError, asyncpg.PostgresSyntaxError):
+            await pg.execute(LZ4.format(s=schema))
+        rng = random.Random(5)
+        attrs = [random_attributes(rng) for _ in range(SELECT_SPANS)]
+        body = msgspec.json.decode(_spans("ro-select", SELECT_SPANS, attrs))
+        await _copy(pg, schema, [], [_span_row(sp, 1) for sp in body["spans"]])
+        pool = await asyncpg.create_pool(pg_dsn, min_size=concurrency, max_size=concurrency)
+        event = _small_event("ro-x", 0)
+        pull_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.runners"
+        select = f"SELECT * FROM {schema}.spans WHERE rollout_id = $1 ORDER BY sequence_id"
+
+        async def publish(w: int, k: int) -> None:
+            await js.publish(f"{prefix}.x.{w}-{k}", event, headers={"Nats-Msg-Id": f"{tag}-{w}-{k}"})
+
+        async def pull(w: int, k: int) -> None:
+            await nc.request(pull_subject, b'{"batch":1,"no_wait":true}', timeout=10)
+
+        async def pg_select(w: int, k: int) -> None:
+            async with pool.acquire() as conn:  # type: ignore[union-attr]
+                if len(await conn.fetch(select, "ro-select")) != SELECT_SPANS:
+                    raise RuntimeError("pg_select found the wrong number of rows")
+
+        out: dict[str, Any] = {"concurrency": concurrency}
+        for name, op in (("publish", publish), ("pull", pull), ("pg_select", pg_select)):
+            with _Phase(sampler) as ph:
+                n = await _closed_loop(op, concurrency, seconds)
+            out[name] = {
+                "ops_per_s": round(n / ph.elapsed, 1),
+                "cpu_us_per_op": round(ph.cpu_s / max(1, n) * 1e6, 1),
+            }
+        return out
+    finally:
+        if pool is not None:
+            await pool.close()
+        await pg.execute(f"DROP SCHEMA {schema} CASCADE")
+        await js.delete_stream(stream)
+
+
+async def _closed_loop(op: Any, concurrency: int, seconds: float) -> int:
+    """Run ``op(task, k)`` back to back in ``concurrency`` tasks for ``seconds``; how many finished."""
+    done = 0
+    deadline = time.perf_counter() + seconds
+
+    async def task(w: int) -> None:
+        nonlocal done
+        k = 0
+        while time.perf_counter() < deadline:
+            await op(w, k)
+            k += 1
+            done += 1
+
+    await asyncio.gather(*(task(w) for w in range(concurrency)))
+    return done
+
+
+async def run_ceiling(span_counts: list[int], seconds: float, concurrency: int = 4) -> dict[str, Any]:
+    """Start embedded servers in a temporary state dir, probe each ``S`` and the round trips, stop
+    them; never raises."""
     from eventlight.services import ensure_services, stop_services
     from eventlight.settings import Settings
 
@@ -290,6 +373,7 @@ async def run_ceiling(span_counts: list[int], seconds: float) -> dict[str, Any]:
                 p = await _probe(nc, pg, sampler, s, seconds)
                 p.update(_combine(p, cores))
                 result["by_spans"][str(s)] = p
+            result["round_trips"] = await _round_trips(nc, pg, svc.pg_dsn, sampler, concurrency, seconds)
         finally:
             await pg.close()
             await nc.close()
@@ -309,12 +393,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.ceiling", description=__doc__.splitlines()[0])
     parser.add_argument("--spans", default=",".join(map(str, default_span_counts())))
     parser.add_argument("--seconds", type=float, default=2.0)
+    parser.add_argument("--concurrency", type=int, default=4, help="tasks for the round trips (as bench.micro)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     counts = [int(x) for x in args.spans.split(",") if x]
     import uvloop
 
-    result = uvloop.run(run_ceiling(counts, args.seconds))
+    result = uvloop.run(run_ceiling(counts, args.seconds, args.concurrency))
     write_json(result, args.out)
 
 

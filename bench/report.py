@@ -22,6 +22,12 @@ below) and ``chart.png`` (matplotlib), and returns the tables as text. Columns o
   on the runners). Without sleeps ("(CPU)"): cores / the agent's own CPU per rollout (its plan
   and its OpenTelemetry spans, no store: ``workload.agent_cpu_s_per_rollout``), what a store taking
   zero CPU would leave room for.
+
+Micro table: ops/s, p50 and CPU per op of each stack, their ratio, and eventlight's ``ceiling``: the
+ops/s that the server round trips the operation needs at the least (``MICRO_ROUND_TRIPS``) reach
+back to back with the same concurrency, from the ceiling probe's ``round_trips`` in the same run
+(``1 / Σ count / rate``). A write is at least one fsynced JetStream append (``publish``); a dequeue
+also needs a pull from the consumer; ``query_spans`` a Postgres ``SELECT``.
 """
 
 from __future__ import annotations
@@ -35,6 +41,16 @@ from bench.workload import SCENARIOS, expected_spans_per_rollout
 
 STACK_ORDER = ["eventlight", "agentlightning"]
 MICRO_OPS = ["enqueue", "dequeue_empty", "dequeue", "dequeue_update", "add_span", "query_spans", "heartbeat"]
+# the round trips (bench.ceiling's round_trips) each micro operation needs at the least on eventlight
+MICRO_ROUND_TRIPS: dict[str, dict[str, int]] = {
+    "enqueue": {"publish": 1},  # RolloutCreated
+    "dequeue_empty": {"pull": 1},
+    "dequeue": {"pull": 1, "publish": 1},  # the message, then the claim (AttemptStarted)
+    "dequeue_update": {"pull": 1, "publish": 2},  # ... and AttemptUpdated(succeeded)
+    "add_span": {"publish": 1},  # SpansAdded
+    "query_spans": {"pg_select": 1},
+    "heartbeat": {"publish": 1},  # WorkerHeartbeat
+}
 
 
 def _f(v: Any, digits: int = 1) -> str:
@@ -116,21 +132,33 @@ def _s(ms: float | None) -> float | None:
     return None if ms is None else ms / 1000
 
 
+def micro_ceiling(results: dict[str, Any], op: str) -> float | None:
+    """The ops/s of ``op``'s least round trips (``MICRO_ROUND_TRIPS``) in this run, or ``None``."""
+    rt = (results.get("ceiling") or {}).get("round_trips") or {}
+    need = MICRO_ROUND_TRIPS.get(op, {})
+    rates = [((rt.get(k) or {}).get("ops_per_s"), n) for k, n in need.items()]
+    if not rates or any(not r for r, _ in rates):
+        return None
+    return 1 / sum(n / r for r, n in rates)  # type: ignore[operator]
+
+
 def micro_table(results: dict[str, Any]) -> str:
     micro = results.get("micro") or {}
     if not micro:
         return ""
     el, pe = micro.get("eventlight") or {}, micro.get("agentlightning") or {}
     lines = [
-        "| operation | eventlight ops/s | peer ops/s | ratio | eventlight p50 ms | peer p50 ms "
-        "| eventlight CPU µs/op | peer CPU µs/op |",
-        "|" + "---|" * 8,
+        "| operation | eventlight ops/s | peer ops/s | ratio | ceiling ops/s | vs ceiling | eventlight p50 ms "
+        "| peer p50 ms | eventlight CPU µs/op | peer CPU µs/op |",
+        "|" + "---|" * 10,
     ]
     for op in MICRO_OPS:
         a, b = (el.get("ops") or {}).get(op) or {}, (pe.get("ops") or {}).get(op) or {}
+        ceiling = micro_ceiling(results, op)
         lines.append(
             f"| {op} | {_f(a.get('ops_per_s'))} | {_f(b.get('ops_per_s'))} "
-            f"| {_ratio(a.get('ops_per_s'), b.get('ops_per_s'))} | {_f(a.get('p50_ms'), 2)} | {_f(b.get('p50_ms'), 2)} "
+            f"| {_ratio(a.get('ops_per_s'), b.get('ops_per_s'))} | {_f(ceiling)} | {_ratio(a.get('ops_per_s'), ceiling)} "
+            f"| {_f(a.get('p50_ms'), 2)} | {_f(b.get('p50_ms'), 2)} "
             f"| {_f(a.get('cpu_us_per_op'), 0)} | {_f(b.get('cpu_us_per_op'), 0)} |"
         )
     for stack, e in micro.items():
@@ -159,6 +187,18 @@ def ceiling_table(results: dict[str, Any]) -> str:
             f"| {_f(p['cpu_bound_rollouts_per_s'])} | {_f(p['ceiling_rollouts_per_s'])} "
             f"| {_f(p['ceiling_spans_per_s'], 0)} |"
         )
+    rt = c.get("round_trips")
+    if rt:
+        lines += [
+            "",
+            f"Round trips, {rt['concurrency']} tasks back to back:",
+            "",
+            "| round trip | ops/s | CPU µs/op |",
+            "|---|---|---|",
+        ]
+        lines += [
+            f"| {k} | {_f(v['ops_per_s'])} | {_f(v['cpu_us_per_op'], 0)} |" for k, v in rt.items() if k != "concurrency"
+        ]
     return "\n".join(lines)
 
 

@@ -1,9 +1,12 @@
-"""The benchmark's workload helpers (bench/workload.py) that the report's bounds come from."""
+"""The benchmark's workload helpers (bench/workload.py) and report arithmetic that bounds come from."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
+
+from bench.report import MICRO_OPS, micro_ceiling, micro_table
 from bench.workload import SCENARIOS, agent_bound, agent_cpu_bound, agent_cpu_s_per_rollout
 
 
@@ -20,3 +23,17 @@ def test_bounds_without_sleeps() -> None:
     assert agent_bound(SCENARIOS["batch"]) < math.inf
     # 8 in flight for 16 runners: only 8 can be busy
     assert agent_bound(SCENARIOS["half_load"]) == agent_bound(SCENARIOS["single"]) / 2
+
+
+def test_micro_ceilings_chain_the_round_trips_of_each_operation() -> None:
+    rt = {"concurrency": 4, "publish": {"ops_per_s": 1000.0}, "pull": {"ops_per_s": 4000.0}}
+    results = {"ceiling": {"ok": True, "round_trips": rt}}
+    assert micro_ceiling(results, "enqueue") == pytest.approx(1000.0)
+    assert micro_ceiling(results, "dequeue_empty") == pytest.approx(4000.0)
+    assert micro_ceiling(results, "dequeue") == pytest.approx(1 / (1 / 4000 + 1 / 1000))  # 800
+    assert micro_ceiling(results, "dequeue_update") == pytest.approx(1 / (1 / 4000 + 2 / 1000))  # 444.4
+    assert micro_ceiling(results, "query_spans") is None  # pg_select was not measured
+    assert micro_ceiling({"ceiling": None}, "enqueue") is None
+    el = {"ok": True, "ops": {op: {"ops_per_s": 400.0} for op in MICRO_OPS}}
+    table = micro_table({**results, "micro": {"eventlight": el}})
+    assert "| dequeue | 400.0 | – | – | 800.0 | 0.50× |" in table
