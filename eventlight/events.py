@@ -115,21 +115,50 @@ def encode_event(event: AnyEvent) -> bytes:
 def decode_event(data: bytes) -> AnyEvent:
     """Decode a payload, upcasting old versions.
 
+    An event's ``v`` must be its type's current version, or one ``UPCASTERS`` upcasts: an event of a
+    newer version, even one whose fields happen to fit this version's type, is refused rather than
+    read with the wrong meaning (the projector dead-letters it; a newer eventlight replays it).
+
     Raises:
-        InvalidInputError: The payload is not a known event.
+        InvalidInputError: The payload is not a known event, or not a version this code reads.
     """
     try:
-        return _decoder.decode(data)
+        event = _decoder.decode(data)
     except msgspec.ValidationError as e:
         upcast = _upcaster(data)
         if upcast is None:
             raise InvalidInputError(f"not an eventlight event: {e}") from e
-        try:
-            return msgspec.convert(upcast(msgspec.json.decode(data)), AnyEvent)  # type: ignore[arg-type]
-        except (msgspec.DecodeError, RecursionError) as e2:  # includes ValidationError
-            raise InvalidInputError(f"not an eventlight event (after upcasting): {e2}") from e2
+        return _upcast(upcast, data)
     except (msgspec.DecodeError, RecursionError, TypeError) as e:  # RecursionError: nested too deep
         raise InvalidInputError(f"not an eventlight event: {e}") from e
+    current = _current_version(type(event))
+    if event.v == current:
+        return event
+    upcast = _upcaster(data)
+    if upcast is not None:
+        return _upcast(upcast, data)
+    tag = type(event).__struct_config__.tag
+    newer = " (written by a newer eventlight)" if event.v > current else ""
+    raise InvalidInputError(f"not an eventlight event this version reads: {tag} v{event.v}{newer}, read v{current}")
+
+
+def _upcast(upcast: Any, data: bytes) -> AnyEvent:
+    try:
+        return msgspec.convert(upcast(msgspec.json.decode(data)), AnyEvent)  # type: ignore[arg-type]
+    except (msgspec.DecodeError, RecursionError) as e:  # includes ValidationError
+        raise InvalidInputError(f"not an eventlight event (after upcasting): {e}") from e
+
+
+_CURRENT_VERSIONS: dict[type, int] = {}
+
+
+def _current_version(cls: type) -> int:
+    """The default of ``cls``'s ``v`` field: the version this code writes and reads as is."""
+    v = _CURRENT_VERSIONS.get(cls)
+    if v is None:
+        v = next(f.default for f in msgspec.structs.fields(cls) if f.name == "v")
+        _CURRENT_VERSIONS[cls] = v
+    return v
 
 
 def _upcaster(data: bytes) -> Any:

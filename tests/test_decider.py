@@ -6,6 +6,7 @@ import msgspec
 import pytest
 
 from eventlight import decider as d
+from eventlight import events
 from eventlight.errors import AttemptNotFoundError, InvalidInputError, InvalidTransitionError
 from eventlight.events import (
     AttemptStarted,
@@ -222,6 +223,20 @@ def test_an_old_event_without_new_fields_still_decodes() -> None:
     )
     event = decode_event(old)
     assert isinstance(event, AttemptUpdated) and event.rollout_status is None and event.v == 1
+
+
+def test_an_event_of_a_version_this_code_does_not_read_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    event = AttemptStarted(time=1, attempt=claimed(created()).latest)
+    newer = encode_event(event).replace(b'"v":1', b'"v":2')
+    assert b'"v":2' in newer  # same fields as v1: only the version says they may mean something else
+    with pytest.raises(InvalidInputError, match="attempt_started v2 .written by a newer eventlight., read v1"):
+        decode_event(newer)
+    with pytest.raises(InvalidInputError, match="attempt_started v0, read v1"):
+        decode_event(encode_event(event).replace(b'"v":1', b'"v":0'))
+    # an upcaster for that version is used even when the payload already fits the type
+    monkeypatch.setitem(events.UPCASTERS, ("attempt_started", 0), lambda raw: {**raw, "v": 1, "rollout_status": "x"})
+    up = decode_event(encode_event(event).replace(b'"v":1', b'"v":0'))
+    assert isinstance(up, AttemptStarted) and up.v == 1 and up.rollout_status == "x"
 
 
 def test_malformed_payload_is_a_clear_error() -> None:
