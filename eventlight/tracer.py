@@ -163,13 +163,17 @@ class OtelTracer(Tracer):
     """A plain OpenTelemetry tracer whose spans stream to the store.
 
     Args:
-        flush_interval_s: Longest time a finished span waits before it is sent.
+        flush_interval_s: Longest time a finished span waits before it is sent while the attempt
+            runs; all are sent when its trace context exits. The OpenTelemetry SDK's
+            ``BatchSpanProcessor`` waits 5 s; 1 s keeps spans live for anyone watching while a
+            short rollout sends one or two batches instead of one every few rounds (the bench's
+            ``single`` scenario: 25 % less CPU per rollout than with 0.05 s).
 
     Its provider becomes the process's global OpenTelemetry provider when none is set yet, so
     libraries instrumented with OpenTelemetry report into it too.
     """
 
-    def __init__(self, *, flush_interval_s: float = 0.05):
+    def __init__(self, *, flush_interval_s: float = 1.0):
         super().__init__()
         self.flush_interval_s = flush_interval_s
         self.provider: TracerProvider | None = None

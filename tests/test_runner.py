@@ -69,6 +69,32 @@ async def test_step_records_emitted_spans_and_final_reward() -> None:
     assert hooks.calls == ["rollout_start", "trace_start", "trace_end", "rollout_end:3"]
 
 
+LIVE: dict[str, Any] = {}
+
+
+@agl.rollout
+async def waiting_agent(task: dict, prompt_template: agl.PromptTemplate, rollout: agl.Rollout) -> float:
+    """Emits a message, then waits (up to 5 s) until the store has it, while still running."""
+    agl.emit_message("first round done")
+    for _ in range(100):
+        spans = await LIVE["store"].query_spans(rollout.rollout_id)
+        if any(s.name == "agentlightning.message" for s in spans):
+            LIVE["seen_while_running"] = True
+            break
+        await asyncio.sleep(0.05)
+    return 1.0
+
+
+async def test_spans_reach_the_store_while_the_agent_still_runs() -> None:
+    store = agl.InMemoryLightningStore()
+    LIVE.clear()
+    LIVE["store"] = store
+    runner = agl.LitAgentRunner(agl.OtelTracer(flush_interval_s=0.1))
+    with runner.run_context(agent=waiting_agent, store=store):
+        done = await runner.step({"q": "x"}, resources=RESOURCES, mode="train")
+    assert done.status == "succeeded" and LIVE.get("seen_while_running") is True
+
+
 async def test_returned_number_becomes_the_final_reward() -> None:
     store = agl.InMemoryLightningStore()
     runner = agl.LitAgentRunner(agl.OtelTracer())
