@@ -222,3 +222,37 @@ async def test_a_store_with_a_standby_projector_wakes_waiters_promptly(namespace
         await leader.update_attempt(r.rollout_id, d.attempt.attempt_id, status="succeeded")
         [done] = await asyncio.wait_for(waiter, 10)
         assert done.status == "succeeded" and time.monotonic() - t0 < 1.5  # not the 2 s fallback
+
+
+async def test_polling_wait_for_rollouts_reads_rows_only_when_one_has_finished(
+    namespace: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An algorithm polling with short timeouts costs one status query per call while nothing has
+    finished: the rows are read again only after this process's projector committed a finish."""
+    async with (
+        JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store,
+        JetStreamLightningStore(namespace) as runner,
+    ):
+        a, b = await store.enqueue_rollout("a"), await store.enqueue_rollout("b")
+        reads: list[list[str]] = []
+        real = store.query_rollouts
+
+        async def counting(**kwargs: Any) -> Any:
+            reads.append(sorted(kwargs.get("rollout_id_in") or []))
+            return await real(**kwargs)
+
+        monkeypatch.setattr(store, "query_rollouts", counting)
+        ids = [a.rollout_id, b.rollout_id]
+        for _ in range(5):
+            assert await store.wait_for_rollouts(rollout_ids=ids, timeout=0.02) == []
+        assert reads == []
+        d = await runner.dequeue_rollout(worker_id="w")
+        waiter = asyncio.create_task(store.wait_for_rollouts(rollout_ids=ids, timeout=1.5))  # < the 2 s fallback
+        await asyncio.sleep(0.05)
+        await runner.update_attempt(d.rollout_id, d.attempt.attempt_id, status="succeeded")
+        got = await asyncio.wait_for(waiter, 10)  # times out: b never finishes
+        assert [r.rollout_id for r in got] == [d.rollout_id] and got[0].status == "succeeded"
+        assert reads and all(r == sorted(ids) for r in reads)  # read because of the finish
+        reads.clear()
+        got = await store.wait_for_rollouts(rollout_ids=ids, timeout=0.02)  # a new call reads the finished row
+        assert [r.rollout_id for r in got] == [d.rollout_id] and reads == [[d.rollout_id]]

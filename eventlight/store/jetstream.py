@@ -727,30 +727,30 @@ class JetStreamLightningStore(LightningStore):
         return page[0] if page else None
 
     async def wait_for_rollouts(self, *, rollout_ids: list[str], timeout: float | None = None) -> list[Rollout]:
+        """The rollouts among ``rollout_ids`` in a terminal status, once all are or ``timeout`` passes.
+
+        Reads Postgres once at the start (one query while none is finished), then only when this
+        process's projector commits a terminal status for one of them (or every 2 s), so a caller
+        polling with short timeouts costs one query per call; with the projector elsewhere it
+        follows the stream's terminal events (see the class docstring).
+
+        Raises:
+            RolloutNotFoundError: An id is unknown.
+        """
         await self.sync()
         ids = list(dict.fromkeys(rollout_ids))
-        async with self._pool().acquire() as conn:
-            known = {
-                r[0]
-                for r in await conn.fetch("SELECT rollout_id FROM rollouts WHERE rollout_id = ANY($1::text[])", ids)
-            }
-        for rid in ids:
-            if rid not in known:
-                raise RolloutNotFoundError(rid)
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
         waiter = _Waiter(set(ids))
         self._waiters.append(waiter)
         try:
+            by_id = await self._finished_among(ids)
             while True:
-                waiter.dirty = False
-                done = await self.query_rollouts(rollout_id_in=ids, status_in=sorted(TERMINAL_ROLLOUT_STATUSES))
-                by_id = {r.rollout_id: r for r in done}
                 if len(by_id) == len(ids) or (deadline is not None and time.monotonic() >= deadline):
                     return [by_id[r] for r in rollout_ids if r in by_id]
                 waiter.ids.difference_update(by_id)
                 self._hints.difference_update(by_id)
-                if self.projector is not None and self.projector.leader.is_set():
-                    # this process projects: its commits say when one of ours has finished (2 s: a fallback)
+                local = self.projector is not None and self.projector.leader.is_set()
+                if local:  # this process projects: its commits say when one of ours has finished (2 s: a fallback)
                     step = 2.0
                     ready: Any = lambda: waiter.dirty  # noqa: E731
                 else:  # a terminal event seen on the stream is being projected elsewhere: poll until it is
@@ -764,8 +764,31 @@ class JetStreamLightningStore(LightningStore):
                             await asyncio.wait_for(self._changed.wait(), wait)
                         else:
                             await asyncio.wait_for(self._changed.wait_for(ready), wait)
+                if local and not waiter.dirty and wait < step:
+                    continue  # the deadline came and no commit finished one of ours: nothing new to read
+                waiter.dirty = False
+                done = await self.query_rollouts(rollout_id_in=ids, status_in=sorted(TERMINAL_ROLLOUT_STATUSES))
+                by_id = {r.rollout_id: r for r in done}
         finally:
             self._waiters.remove(waiter)
+
+    async def _finished_among(self, ids: list[str]) -> dict[str, Rollout]:
+        """The rollouts among ``ids`` in a terminal status, by id (the others' rows are not loaded).
+
+        Raises:
+            RolloutNotFoundError: An id is unknown.
+        """
+        async with self._pool().acquire() as conn:
+            rows = await conn.fetch("SELECT rollout_id, status FROM rollouts WHERE rollout_id = ANY($1::text[])", ids)
+        status = {r[0]: r[1] for r in rows}
+        for rid in ids:
+            if rid not in status:
+                raise RolloutNotFoundError(rid)
+        finished = [rid for rid in ids if status[rid] in TERMINAL_ROLLOUT_STATUSES]
+        if not finished:
+            return {}
+        done = await self.query_rollouts(rollout_id_in=finished, status_in=sorted(TERMINAL_ROLLOUT_STATUSES))
+        return {r.rollout_id: r for r in done}
 
     # -- spans ---------------------------------------------------------------------------------
 
