@@ -52,8 +52,9 @@ Other behaviours to know:
       in exponent form with an integral value (``1e16``) as an ``int`` (the stream keeps the original);
     * on JetStream, reads see the caller's own writes (``sync``); another process's writes appear
       once the projector has committed them (usually milliseconds); ``wait_for_rollouts`` follows
-      the stream itself; a non-blocking ``dequeue_rollout`` sees every enqueue its own process made
-      before it, and another process's once NATS has counted it (normally within a millisecond);
+      the stream itself; a non-blocking ``dequeue_rollout`` sees every enqueue acknowledged before
+      it, from any process (while the stream is being written it waits up to 10 ms for the queue's
+      consumer to count recent ones);
     * a closed JetStream store raises ``InvalidInputError``; the in-memory store keeps its data and
       only stops its watchdog.
 """

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -42,22 +41,6 @@ log = logging.getLogger(__name__)
 
 WRONG_LAST_SEQUENCE = 10071
 MAX_APPEND_TRIES = 16
-
-# stream name -> time.monotonic() of this process's last acknowledged publish on a queue subject
-# (``r.<rid>.q``), whatever store object made it; see ``queue_published_within``
-_queue_published: dict[str, float] = {}
-
-
-def queue_published_within(stream: str, seconds: float) -> bool:
-    """Whether this process published on ``stream``'s queue subjects in the last ``seconds``.
-
-    A non-blocking dequeue uses it to decide whether an empty answer from the ``runners`` consumer
-    needs confirming: the consumer counts a new message asynchronously, a moment after its publish
-    was acknowledged, so only a dequeue that may follow such a publish has to wait for the count.
-    Keyed by stream name only, so two servers with the same stream in one process just confirm more.
-    """
-    at = _queue_published.get(stream)
-    return at is not None and time.monotonic() - at < seconds
 
 
 class _SpanHead(msgspec.Struct):
@@ -156,8 +139,6 @@ class EventLog:
             nats.errors.ConnectionClosedError,
         ) as e:
             raise ServiceUnavailableError(self._server(), f"publish to {subject} failed: {e!r}") from e
-        if subject.endswith(".q"):
-            _queue_published[self.stream] = time.monotonic()
         return ack.seq, bool(ack.duplicate)
 
     async def append(self, events: Sequence[RolloutEvent], expected_seq: int, command_id: str) -> int:

@@ -35,6 +35,7 @@ import contextlib
 import logging
 import time
 import uuid
+from datetime import datetime
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -64,7 +65,7 @@ from eventlight.events import (
 from eventlight.settings import Settings
 from eventlight.store import pg
 from eventlight.store.base import UNSET, LightningStore, LightningStoreCapabilities
-from eventlight.store.eventlog import EventLog, StaleStateError, connect_nats, queue_published_within
+from eventlight.store.eventlog import EventLog, StaleStateError, connect_nats
 from eventlight.store.projector import Projector
 from eventlight.store.query import check_paging, deprecated_alias
 from eventlight.store.spanlog import SpanLog
@@ -94,8 +95,7 @@ from eventlight.types import now as wall_clock
 log = logging.getLogger(__name__)
 
 SPANS_PER_MESSAGE = 256
-EMPTY_CONFIRM_S = 0.010  # how long a non-blocking dequeue confirms an empty queue (see _pull)
-QUEUE_VISIBILITY_S = 1.0  # how long after this process's last queue publish empty answers are confirmed
+EMPTY_CONFIRM_S = 0.010  # how long after a write a non-blocking dequeue waits for the consumer (see _pull)
 RECENT_ATTEMPTS = 256  # attempts whose span ids (duplicate checks) and span head this store remembers
 RECENT_ROLLOUTS = 512  # rollout states cached (a missing one costs one reload from the stream)
 MAX_HINTS = 100_000
@@ -128,6 +128,19 @@ class _StatusPeek(msgspec.Struct):
 
 
 _status_peek = msgspec.json.Decoder(_StatusPeek)
+
+
+class _StreamTimes(msgspec.Struct):
+    """What ``_last_write_age`` reads of a ``STREAM.INFO`` answer (RFC 3339 times, server clock)."""
+
+    class _State(msgspec.Struct):
+        last_ts: datetime | None = None
+
+    ts: datetime | None = None
+    state: _State | None = None
+
+
+_stream_times_decoder = msgspec.json.Decoder(_StreamTimes)
 
 
 class JetStreamLightningStore(LightningStore):
@@ -418,7 +431,7 @@ class JetStreamLightningStore(LightningStore):
         if worker_id is not None:
             check_token("worker_id", worker_id)
         sub = await self._runners()
-        if wait_s <= 0:  # non-blocking: a no-wait pull, confirmed after a recent enqueue (see _pull)
+        if wait_s <= 0:  # non-blocking: a no-wait pull, confirmed while the stream is being written (see _pull)
             while True:
                 msg = await self._pull()
                 if msg is None:
@@ -457,18 +470,44 @@ class JetStreamLightningStore(LightningStore):
 
         A ``no_wait`` pull answers at once, but from the consumer's own count of pending messages,
         which the server updates asynchronously after a publish is acknowledged: right after an
-        enqueue it can still say "no messages" (seen about once in 300 tries on a loaded machine;
-        the lag was 0.2 ms p50, 3 ms p99.9 on a quiet machine, up to 8 ms beside CPU hogs). So when
-        this process published on the queue in the last ``QUEUE_VISIBILITY_S`` (an enqueue, a
-        requeue: ``queue_published_within``), an empty answer is confirmed by a pull that waits up
-        to ``EMPTY_CONFIRM_S`` for the consumer to catch up. A dequeue thus sees every enqueue this
-        process made before it (read-your-writes, as DESIGN.md asks of reads); an enqueue by another
-        process is seen once the server has counted it, normally within a millisecond.
+        enqueue (by any process) it can still say "no messages" (seen about once in 300 tries on a
+        loaded machine; the rollout was visible 0.7-7.5 ms after its ack). So an empty answer stands
+        only if the stream has had no write in the ``EMPTY_CONFIRM_S`` before it, by the server's
+        clock (``_last_write_age``, one ``STREAM.INFO``); otherwise a pull that waits out the rest
+        of that time confirms it. An empty queue thus answers in two round trips when the stream is
+        quiet, and in up to ``EMPTY_CONFIRM_S`` while it is being written.
         """
+        started = time.monotonic()
         msg = await self._pull_request(b'{"batch":1,"no_wait":true}')
-        if msg is None and queue_published_within(self._log().stream, QUEUE_VISIBILITY_S):
-            msg = await self._pull_request(f'{{"batch":1,"expires":{int(EMPTY_CONFIRM_S * 1e9)}}}'.encode())
-        return msg
+        if msg is not None:
+            return msg
+        age = await self._last_write_age()
+        # the empty answer came at most `elapsed` before the age was read
+        wait = EMPTY_CONFIRM_S if age is None else EMPTY_CONFIRM_S - age + (time.monotonic() - started)
+        if wait <= 0:
+            return None
+        wait = min(wait, EMPTY_CONFIRM_S)
+        return await self._pull_request(f'{{"batch":1,"expires":{max(1, int(wait * 1e9))}}}'.encode())
+
+    async def _last_write_age(self) -> float | None:
+        """Seconds since the stream's last message by the server's own clock (``STREAM.INFO``'s
+        ``ts`` and ``state.last_ts``; nats-server >= 2.10), or ``None`` when the answer lacks them.
+
+        Raises:
+            ServiceUnavailableError: NATS did not answer.
+        """
+        log_ = self._log()
+        try:
+            reply = await log_.nc.request(f"$JS.API.STREAM.INFO.{log_.stream}", b"", timeout=10.0)
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionClosedError) as e:
+            raise ServiceUnavailableError(self.nats_url or "NATS", f"stream info failed: {e!r}") from e
+        try:
+            info = _stream_times_decoder.decode(reply.data)
+        except msgspec.DecodeError:  # includes ValidationError: an error answer, another server
+            return None
+        if info.ts is None or info.state is None or info.state.last_ts is None:
+            return None
+        return (info.ts - info.state.last_ts).total_seconds()
 
     async def _pull_request(self, request: bytes) -> Any:
         """One pull request; JetStream delivers the message under its own subject, so each request
