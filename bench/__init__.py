@@ -8,6 +8,7 @@ venv), ``suite`` (runs everything, one subprocess per stack and scenario) and ``
 JSON, chart). Nothing here imports a stack at import time.
 """
 
+import argparse as _argparse
 import json as _json
 import sys as _sys
 from pathlib import Path as _Path
@@ -22,3 +23,22 @@ def write_json(result: dict[str, _Any], out: _Path | None) -> None:
         out.write_text(text)
     else:
         _sys.stdout.write(text + "\n")
+
+
+def require_positive(parser: _argparse.ArgumentParser, args: _argparse.Namespace, *names: str) -> None:
+    """A usage error (exit 2) naming the option when one of ``names`` (argparse dests) is ``<= 0``."""
+    for name in names:
+        value = getattr(args, name)
+        if value <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be > 0, got {value}")
+
+
+def positive_ints(text: str) -> list[int]:
+    """An argparse type: ``"14,39"`` -> ``[14, 39]``, each > 0."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise _argparse.ArgumentTypeError(f"expected comma-separated whole numbers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise _argparse.ArgumentTypeError(f"expected whole numbers > 0, got {text!r}")
+    return values

@@ -29,7 +29,7 @@ concurrency (``--concurrency`` tasks, each waiting for its answer before the nex
 * ``pull``: a ``no_wait`` pull request to an empty filtered consumer, until its answer;
 * ``pg_select``: ``SELECT`` of one rollout's 20 span rows (the workload's attributes) by rollout id.
 
-``bench.report`` turns them into each micro operation's ceiling (``MICRO_ROUND_TRIPS`` there).
+``bench.report`` chains them into each micro operation's raw rate (``MICRO_ROUND_TRIPS`` there).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ import msgspec
 import nats
 from nats.js.api import AckPolicy, ConsumerConfig, StorageType, StreamConfig
 
-from bench import write_json
+from bench import positive_ints, require_positive, write_json
 from bench.procs import ProcessSampler
 from bench.workload import SCENARIOS, expected_spans_per_rollout, random_attributes
 
@@ -391,15 +391,17 @@ async def run_ceiling(span_counts: list[int], seconds: float, concurrency: int =
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.ceiling", description=__doc__.splitlines()[0])
-    parser.add_argument("--spans", default=",".join(map(str, default_span_counts())))
+    parser.add_argument(
+        "--spans", type=positive_ints, default=default_span_counts(), help="spans per rollout, e.g. 14,39"
+    )
     parser.add_argument("--seconds", type=float, default=2.0)
     parser.add_argument("--concurrency", type=int, default=4, help="tasks for the round trips (as bench.micro)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    counts = [int(x) for x in args.spans.split(",") if x]
+    require_positive(parser, args, "seconds", "concurrency")
     import uvloop
 
-    result = uvloop.run(run_ceiling(counts, args.seconds, args.concurrency))
+    result = uvloop.run(run_ceiling(args.spans, args.seconds, args.concurrency))
     write_json(result, args.out)
 
 

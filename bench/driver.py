@@ -37,7 +37,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from bench import write_json
+from bench import require_positive, write_json
 from bench.procs import ProcessSampler, wait_files
 from bench.workload import (
     POLL_S,
@@ -383,6 +383,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout-s", type=float, default=300.0, help="Limit of the measured part.")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    require_positive(parser, args, "scale", "timeout_s")
     mod = load_stack(args.stack)
     scn = SCENARIOS[args.scenario].scaled(args.scale)
     result = mod.run(run_scenario(mod, scn, args.seed, args.timeout_s))

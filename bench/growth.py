@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench import require_positive
 from bench.micro import EmptyResult, _measure, _prefill
 from bench.procs import ProcessSampler
 from bench.report import print_and_save
@@ -181,9 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    for name in ["preload", "seconds", "concurrency"]:
-        if getattr(args, name) <= 0:
-            parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    require_positive(parser, args, "preload", "seconds", "concurrency")
     import uvloop
 
     result = uvloop.run(run(args.preload, args.seconds, args.concurrency))

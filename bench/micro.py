@@ -37,7 +37,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from bench import write_json
+from bench import require_positive, write_json
 from bench.driver import load_stack
 from bench.procs import ProcessSampler
 from bench.workload import percentile, random_attributes
@@ -232,6 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    require_positive(parser, args, "seconds", "concurrency")
     mod = load_stack(args.stack)
     result = mod.run(run_micro(mod, args.seconds, args.concurrency))
     write_json(result, args.out)

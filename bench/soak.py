@@ -27,6 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from bench import require_positive
 from bench.driver import READY_TIMEOUT_S, Algorithm
 from bench.procs import ProcessSampler, wait_files
 from bench.report import print_and_save
@@ -147,9 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--every-s", type=float, default=30.0)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    for name in ["minutes", "runners", "in_flight", "every_s"]:
-        if getattr(args, name) <= 0:
-            parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    require_positive(parser, args, "minutes", "runners", "in_flight", "every_s")
     import uvloop
 
     result = uvloop.run(soak(args.minutes, args.runners, args.in_flight, args.sleep_s, args.every_s))

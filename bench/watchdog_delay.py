@@ -29,6 +29,7 @@ import time
 import uuid
 from pathlib import Path
 
+from bench import require_positive
 from eventlight.services import stop_services
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
@@ -79,9 +80,7 @@ async def main() -> None:
     ap.add_argument("--deadline-s", type=float, default=2.0)
     ap.add_argument("--interval-s", type=float, default=1.0)
     args = ap.parse_args()
-    for name in ["rollouts", "deadline_s", "interval_s"]:
-        if getattr(args, name) <= 0:
-            ap.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    require_positive(ap, args, "rollouts", "deadline_s", "interval_s")
     state = Path(tempfile.mkdtemp(prefix="elwatchdog-", dir="/tmp"))
     os.chmod(state, 0o755)  # Postgres runs as `postgres` when we are root
     settings = Settings.from_env(state_dir=state, namespace=f"w{uuid.uuid4().hex[:10]}", log_level="WARNING")

@@ -134,9 +134,10 @@ async def test_racing_update_attempt_ends_in_an_allowed_state(namespace: Setting
 async def test_an_empty_dequeue_is_confirmed_only_while_the_stream_is_being_written(
     namespace: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as alg, JetStreamLightningStore(
-        namespace
-    ) as runner:
+    async with (
+        JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as alg,
+        JetStreamLightningStore(namespace) as runner,
+    ):
         pulls: list[str] = []
         real = runner._pull_request
 
@@ -164,9 +165,10 @@ async def test_an_empty_answer_from_a_lagging_consumer_count_is_confirmed(
     """The server counts a new queue message a moment after acknowledging its publish; simulated
     here by a no-wait pull that always answers "no messages": the confirming pull finds it."""
     monkeypatch.setattr(jetstream, "EMPTY_CONFIRM_S", 1.0)  # a window no slow machine overruns
-    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as alg, JetStreamLightningStore(
-        namespace
-    ) as runner:
+    async with (
+        JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as alg,
+        JetStreamLightningStore(namespace) as runner,
+    ):
         real = runner._pull_request
 
         async def lagging(request: bytes) -> object:

@@ -35,9 +35,9 @@ import contextlib
 import logging
 import time
 import uuid
-from datetime import datetime
 from collections import OrderedDict
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any, Literal
 
 import asyncpg
