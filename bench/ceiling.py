@@ -1,7 +1,7 @@
 """The ceiling: what raw JetStream publishing, consuming and Postgres COPY reach for the workload's
 event mix on this machine, in the same run, without eventlight's store in the way.
 
-    python -m bench.ceiling [--spans 14,39] [--seconds 2] [--concurrency 4] [--out F]
+    python -m bench.ceiling [--spans 14,39] [--seconds 2] [--out F]
 
 Runs in eventlight's venv against freshly started embedded servers (the same nats-server config as
 eventlight, ``sync_interval: always``, and the same Postgres), with nats-py, msgspec and asyncpg
@@ -21,15 +21,8 @@ faster than it does alone, and all stages together cannot use more than the mach
 is an upper bound for any store on these servers that persists every event and span durably in
 both NATS and Postgres, not a target a Python store can reach.
 
-Then the round trips the micro benchmarks' operations are made of, with the micro benchmarks'
-concurrency (``--concurrency`` tasks, each waiting for its answer before the next request):
-
-* ``publish``: ``js.publish`` of one ~300 B event on a subject of its own, with a ``Nats-Msg-Id``,
-  until the server's ack: one fsynced append (``sync_interval: always``);
-* ``pull``: a ``no_wait`` pull request to an empty filtered consumer, until its answer;
-* ``pg_select``: ``SELECT`` of one rollout's 20 span rows (the workload's attributes) by rollout id.
-
-``bench.report`` chains them into each micro operation's raw rate (``MICRO_ROUND_TRIPS`` there).
+``round_trips`` measures the server round trips single store operations are made of (the micro
+benchmarks call it on eventlight's own servers, right after their operations).
 """
 
 from __future__ import annotations
@@ -277,10 +270,32 @@ def _combine(p: dict[str, Any], cores: int) -> dict[str, Any]:
     }
 
 
+async def round_trips(
+    nats_url: str, pg_dsn: str, sampler: ProcessSampler, concurrency: int, seconds: float
+) -> dict[str, Any]:
+    """Requests per second, with ``concurrency`` tasks each waiting for its answer before the next
+    request, for ``seconds`` each, by nats-py and asyncpg alone (no store), on these servers:
+
+    * ``publish``: ``js.publish`` of one ~300 B event on a subject of its own, with a
+      ``Nats-Msg-Id``, until the server's ack: one fsynced append (``sync_interval: always``);
+    * ``pull``: a ``no_wait`` pull request to an empty filtered consumer, until its answer;
+    * ``pg_select``: ``SELECT`` of one rollout's 20 span rows (the workload's attributes) by id.
+
+    Works in a stream and a schema of its own, removed afterwards. ``bench.report`` chains them into
+    each micro operation's raw rate (``MICRO_ROUND_TRIPS``).
+    """
+    nc = await nats.connect(nats_url)
+    pg = await asyncpg.connect(pg_dsn)
+    try:
+        return await _round_trips(nc, pg, pg_dsn, sampler, concurrency, seconds)
+    finally:
+        await pg.close()
+        await nc.close()
+
+
 async def _round_trips(
     nc: Any, pg: asyncpg.Connection, pg_dsn: str, sampler: ProcessSampler, concurrency: int, seconds: float
 ) -> dict[str, Any]:
-    """Requests per second of ``publish``, ``pull`` and ``pg_select`` (see the module docstring)."""
     js = nc.jetstream(timeout=30.0)
     tag = uuid.uuid4().hex[:8]
     stream, prefix, schema = f"RT_{tag.upper()}", f"rt.{tag}", f"rt_{tag}"
@@ -347,9 +362,8 @@ async def _closed_loop(op: Any, concurrency: int, seconds: float) -> int:
     return done
 
 
-async def run_ceiling(span_counts: list[int], seconds: float, concurrency: int = 4) -> dict[str, Any]:
-    """Start embedded servers in a temporary state dir, probe each ``S`` and the round trips, stop
-    them; never raises."""
+async def run_ceiling(span_counts: list[int], seconds: float) -> dict[str, Any]:
+    """Start embedded servers in a temporary state dir, probe each ``S``, stop them; never raises."""
     from eventlight.services import ensure_services, stop_services
     from eventlight.settings import Settings
 
@@ -373,7 +387,6 @@ async def run_ceiling(span_counts: list[int], seconds: float, concurrency: int =
                 p = await _probe(nc, pg, sampler, s, seconds)
                 p.update(_combine(p, cores))
                 result["by_spans"][str(s)] = p
-            result["round_trips"] = await _round_trips(nc, pg, svc.pg_dsn, sampler, concurrency, seconds)
         finally:
             await pg.close()
             await nc.close()
@@ -395,13 +408,12 @@ def main(argv: list[str] | None = None) -> None:
         "--spans", type=positive_ints, default=default_span_counts(), help="spans per rollout, e.g. 14,39"
     )
     parser.add_argument("--seconds", type=float, default=2.0)
-    parser.add_argument("--concurrency", type=int, default=4, help="tasks for the round trips (as bench.micro)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    require_positive(parser, args, "seconds", "concurrency")
+    require_positive(parser, args, "seconds")
     import uvloop
 
-    result = uvloop.run(run_ceiling(args.spans, args.seconds, args.concurrency))
+    result = uvloop.run(run_ceiling(args.spans, args.seconds))
     write_json(result, args.out)
 
 

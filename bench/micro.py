@@ -21,7 +21,8 @@ query_spans        algorithm                   ``query_spans(rollout_id)`` of a 
 =================  ==========================  =====================================================
 
 Reported per operation: ops/s, p50/p99 latency, and CPU microseconds per op summed over every
-process of the stack (this one and the servers).
+process of the stack (this one and the servers). On eventlight, right after its operations and on
+the same servers, ``round_trips`` measures the raw round trips they are made of (``bench.ceiling``).
 """
 
 from __future__ import annotations
@@ -204,6 +205,9 @@ async def run_micro(mod: ModuleType, seconds: float, concurrency: int) -> dict[s
 
         phase = "query_spans"
         ops["query_spans"] = await _measure("query_spans", query_spans, seconds, concurrency, sampler)
+        if hasattr(stack, "round_trips"):
+            phase = "round trips"
+            result["round_trips"] = await stack.round_trips(sampler, concurrency, seconds)
         result["ok"] = all(not o.get("errors") for o in ops.values())
         if not result["ok"]:
             bad = [f"{k}: {o['first_error']}" for k, o in ops.items() if o.get("errors")]

@@ -25,11 +25,12 @@ below) and ``chart.png`` (matplotlib), and returns the tables as text. Columns o
 
 Micro table: ops/s, p50 and CPU per op of each stack, their ratio, and ``raw ops/s``: the rate of
 the server round trips the operation needs at the least (``MICRO_ROUND_TRIPS``), made back to back
-by nats-py / asyncpg alone with the same concurrency, from the ceiling probe's ``round_trips`` in
-the same run (``1 / sum(count / rate)`` over them). An estimate, not a hard bound: the probe varies
-10-20 % from run to run. A write that is its own message needs at least one fsynced JetStream
-append (``publish``); ``add_span`` has no such row because concurrent calls of one process share a
-message (group commit). ``vs raw`` near 1 means the store adds little on top of the servers.
+by nats-py / asyncpg alone with the same concurrency on the same servers right after eventlight's
+operations (``round_trips`` of its micro result; ``1 / sum(count / rate)`` over them). An
+estimate, not a hard bound: fsync times drift, so it varies by 10-20 % or more between runs. A
+write that is its own message needs at least one fsynced JetStream append (``publish``);
+``add_span`` has no such row because concurrent calls of one process share a message (group
+commit). ``vs raw`` near 1 means the store adds little on top of the servers.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from bench.workload import SCENARIOS, expected_spans_per_rollout
 
 STACK_ORDER = ["eventlight", "agentlightning"]
 MICRO_OPS = ["enqueue", "dequeue_empty", "dequeue", "dequeue_update", "add_span", "query_spans", "heartbeat"]
-# the round trips (bench.ceiling's round_trips) each micro operation needs at the least on eventlight;
+# the round trips (bench.ceiling.round_trips) each micro operation needs at the least on eventlight;
 # add_span has none: concurrent calls share one SpansAdded message (group commit)
 MICRO_ROUND_TRIPS: dict[str, dict[str, int]] = {
     "enqueue": {"publish": 1},  # RolloutCreated
@@ -136,11 +137,8 @@ def _s(ms: float | None) -> float | None:
 
 def micro_ceiling(results: dict[str, Any], op: str) -> float | None:
     """The raw ops/s of ``op``'s least round trips (``MICRO_ROUND_TRIPS``) in this run, or ``None``
-    (not measured, no such round trips, or measured with another concurrency than eventlight's)."""
-    rt = (results.get("ceiling") or {}).get("round_trips") or {}
-    el = (results.get("micro") or {}).get("eventlight") or {}
-    if el.get("concurrency") is not None and rt.get("concurrency") != el["concurrency"]:
-        return None
+    (not measured, or no such round trips)."""
+    rt = ((results.get("micro") or {}).get("eventlight") or {}).get("round_trips") or {}
     rates = [((rt.get(k) or {}).get("ops_per_s"), n) for k, n in MICRO_ROUND_TRIPS.get(op, {}).items()]
     if not rates or any(not r for r, _ in rates):
         return None
@@ -166,6 +164,15 @@ def micro_table(results: dict[str, Any]) -> str:
             f"| {_f(raw)} | {_ratio(el_rate, raw)} | {_f(a.get('p50_ms'), 2)} | {_f(b.get('p50_ms'), 2)} "
             f"| {_f(a.get('cpu_us_per_op'), 0)} | {_f(b.get('cpu_us_per_op'), 0)} |"
         )
+    rt = el.get("round_trips")
+    if rt:
+        lines += ["", f"Raw round trips on eventlight's servers, {rt['concurrency']} tasks back to back:", ""]
+        lines += ["| round trip | ops/s | CPU µs/op |", "|---|---|---|"]
+        lines += [
+            f"| {k} | {_f(v.get('ops_per_s'))} | {_f(v.get('cpu_us_per_op'), 0)} |"
+            for k, v in rt.items()
+            if k != "concurrency"
+        ]
     for stack, e in micro.items():
         if not e.get("ok"):
             lines.append(f"\n{stack} micro FAILED: {e.get('error')}")
@@ -192,18 +199,6 @@ def ceiling_table(results: dict[str, Any]) -> str:
             f"| {_f(p['cpu_bound_rollouts_per_s'])} | {_f(p['ceiling_rollouts_per_s'])} "
             f"| {_f(p['ceiling_spans_per_s'], 0)} |"
         )
-    rt = c.get("round_trips")
-    if rt:
-        lines += [
-            "",
-            f"Round trips, {rt['concurrency']} tasks back to back:",
-            "",
-            "| round trip | ops/s | CPU µs/op |",
-            "|---|---|---|",
-        ]
-        lines += [
-            f"| {k} | {_f(v['ops_per_s'])} | {_f(v['cpu_us_per_op'], 0)} |" for k, v in rt.items() if k != "concurrency"
-        ]
     return "\n".join(lines)
 
 

@@ -213,6 +213,13 @@ class Stack:
         assert self.settings is not None and self.services is not None
         return await JetStreamLightningStore(self.settings, nats_url=self.services.nats_url).start()
 
+    async def round_trips(self, sampler: Any, concurrency: int, seconds: float) -> dict[str, Any]:
+        """The raw server round trips on this stack's servers (``bench.ceiling.round_trips``)."""
+        from bench.ceiling import round_trips
+
+        assert self.services is not None
+        return await round_trips(self.services.nats_url, self.services.pg_dsn, sampler, concurrency, seconds)
+
     async def sync(self, store: JetStreamLightningStore) -> None:
         """Wait until the projection has caught up with the whole stream."""
         await store.sync_all(timeout_s=300.0)
