@@ -211,7 +211,9 @@ def render(results: dict[str, Any]) -> str:
     )
     if (m.get("peer") or {}).get("error"):
         head += f"\npeer unavailable: {m['peer']['error']}"
-    parts = [head, "## Scenarios", scenario_table(results)]
+    parts = [head]
+    if results.get("scenarios"):
+        parts += ["## Scenarios", scenario_table(results)]
     if results.get("micro"):
         parts += ["## Micro benchmarks", micro_table(results)]
     if results.get("ceiling"):
