@@ -53,8 +53,8 @@ Other behaviours to know:
     * on JetStream, reads see the caller's own writes (``sync``); another process's writes appear
       once the projector has committed them (usually milliseconds); ``wait_for_rollouts`` follows
       the stream itself; a non-blocking ``dequeue_rollout`` sees every enqueue acknowledged before
-      it, from any process (while the stream is being written it waits up to 10 ms for the queue's
-      consumer to count recent ones);
+      it, from any process (within 10 ms of any write to the namespace's stream it waits out those
+      10 ms for the queue's consumer to count recent enqueues);
     * a closed JetStream store raises ``InvalidInputError``; the in-memory store keeps its data and
       only stops its watchdog.
 """
