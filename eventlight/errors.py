@@ -11,6 +11,7 @@
     ├── InvalidInputError (also ValueError)      a malformed span, filter or argument
     ├── ConcurrencyError                         an append lost its optimistic-concurrency race too often
     └── ServiceUnavailableError                  NATS or Postgres cannot be reached; .server, retryable
+        └── LLMUnavailableError                  the LLM behind a proxy fails its check or most calls
 
 The ``ValueError`` bases keep Agent-lightning's contract ("a missing identifier must raise
 ``ValueError``") while giving each case its own type. Driver errors (nats-py, asyncpg) are mapped
@@ -85,4 +86,16 @@ class ServiceUnavailableError(EventlightError):
 
     def __init__(self, server: str, detail: str):
         super().__init__(f"cannot reach {server}: {detail}")
+        self.server = server
+
+
+class LLMUnavailableError(ServiceUnavailableError):
+    """The LLM a run depends on does not answer: its start-up check failed, or most recent calls did.
+
+    Raised by ``LLMProxy.check`` and by ``Trainer`` when the proxy's recent calls mostly fail, so a
+    run stops instead of training against a dead model. ``server`` names the endpoint.
+    """
+
+    def __init__(self, server: str, detail: str):
+        EventlightError.__init__(self, f"LLM unavailable: {server}: {detail}")
         self.server = server

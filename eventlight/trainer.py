@@ -20,17 +20,21 @@ import logging
 import multiprocessing as mp
 import signal
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Coroutine, Sequence
+from typing import TYPE_CHECKING, Any
 
 from eventlight.agent import LitAgent
 from eventlight.algorithm.base import Algorithm
+from eventlight.errors import LLMUnavailableError
 from eventlight.runner import Hook, LitAgentRunner
 from eventlight.services import Services, apply_migrations, apply_streams, ensure_services, stop_services
 from eventlight.settings import Settings
 from eventlight.store.eventlog import connect_nats
 from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.tracer import OtelTracer, Tracer
+
+if TYPE_CHECKING:
+    from eventlight.llm_proxy import LLMProxy
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +170,9 @@ class Trainer:
         settings: Namespace and services (default ``Settings.from_env()``).
         keep_services: Leave servers this trainer started running after ``fit`` (default: stop them).
         runner_log_level: Log level inside runner processes.
+        check_llm: With an ``llm_proxy``: send one request through it before the first rollout and
+            stop the run (``LLMUnavailableError``) when it fails or, later, when most recent calls
+            fail (``LLMProxy.health``), rather than train on errors.
     """
 
     def __init__(
@@ -181,6 +188,7 @@ class Trainer:
         settings: Settings | None = None,
         keep_services: bool = False,
         runner_log_level: str = "WARNING",
+        check_llm: bool = True,
     ):
         from eventlight.adapter import TracerTraceToTriplet
 
@@ -194,6 +202,7 @@ class Trainer:
         self.settings = settings or Settings.from_env()
         self.keep_services = keep_services
         self.runner_log_level = runner_log_level
+        self.check_llm = check_llm
         self.store: JetStreamLightningStore | None = None
         self.services: Services | None = None
 
@@ -268,10 +277,39 @@ class Trainer:
             algo.set_llm_proxy(proxy)
             await proxy.start()
         try:
+            if proxy is not None and self.check_llm:
+                await proxy.check()
+                proxy.health.reset()
             if algo.is_async():
-                await algo.run(train_dataset=train, val_dataset=val)
+                watched = proxy if self.check_llm else None
+                await _stop_when_llm_fails(algo.run(train_dataset=train, val_dataset=val), watched)
             else:
                 algo.run(train_dataset=train, val_dataset=val)
         finally:
             if proxy is not None:
                 await proxy.stop()
+
+
+async def _stop_when_llm_fails(run: Coroutine[Any, Any, Any], proxy: LLMProxy | None) -> None:
+    """Await ``run``; cancel it and raise ``LLMUnavailableError`` once most calls through ``proxy`` fail."""
+    if proxy is None:
+        await run
+        return
+    task = asyncio.ensure_future(run)
+    failing = asyncio.ensure_future(proxy.health.wait_failing())
+    try:
+        await asyncio.wait({task, failing}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            task.result()
+            return
+        log.error("stopping the run: %s", failing.result())
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise LLMUnavailableError(proxy.endpoint, f"{failing.result()}; the run was stopped")
+    finally:
+        failing.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from eventlight.errors import ServiceUnavailableError
-from eventlight.local_llm import DEFAULT_MODEL_ALIAS, LocalLLMServer, find_smollm2_gguf
+from eventlight.local_llm import DEFAULT_MODEL_ALIAS, LocalLLMServer, _free_port, find_smollm2_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "room_booking"
@@ -186,3 +186,50 @@ async def test_server_that_dies_reports_log_tail(tmp_path: Path) -> None:
         await server.start()
     assert "not-a-model.gguf" in str(info.value)
     assert server.pid is None
+
+
+_CRASHING_SERVER = """
+import os, signal, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.send_header("Content-Type", "application/json"); self.end_headers()
+        self.wfile.write(b'{"data": []}')
+    def do_POST(self):
+        os.kill(os.getpid(), signal.SIGILL)  # what a -march=native llama.cpp does on a CPU without AMX
+    def log_message(self, *args):
+        pass
+
+HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+class _CrashOnFirstCompletion(LocalLLMServer):
+    """Answers ``/v1/models`` like llama_cpp.server, then dies of SIGILL on the first completion."""
+
+    def command(self) -> list[str]:
+        if self.port is None:
+            self.port = _free_port("127.0.0.1")
+        return [sys.executable, "-c", _CRASHING_SERVER, str(self.port)]
+
+
+async def test_a_server_that_dies_on_its_first_completion_is_named_at_start(tmp_path: Path) -> None:
+    server = _CrashOnFirstCompletion(log_dir=tmp_path, startup_timeout_s=30)
+    with pytest.raises(ServiceUnavailableError, match="illegal instruction") as info:
+        await server.start()
+    message = str(info.value)
+    assert "http://127.0.0.1:" in message and "portable" in message
+    assert server.pid is None and server.base_url is None
+
+
+@needs_local_llm
+async def test_proxy_check_passes_through_the_real_local_model(tmp_path: Path) -> None:
+    """The smoke test `make test` runs whenever the local extra is installed: real llama.cpp inference."""
+    from eventlight.llm_proxy import LLMProxy
+
+    async with LocalLLMServer(log_dir=tmp_path) as server:
+        params = {"model": f"openai/{server.model}", "api_base": server.base_url, "api_key": "local"}
+        async with LLMProxy(model_list=[{"model_name": server.model, "litellm_params": params}]) as proxy:
+            await proxy.check(timeout_s=60)
+        assert server.startup_s is not None and server.startup_s > 0
