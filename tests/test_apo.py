@@ -279,6 +279,35 @@ async def test_apo_on_every_store_backend(store: Any) -> None:
     assert await count_modes(store) == {"train": 2, "val": 2 + 2 * 2 + 2}
 
 
+async def test_two_runs_with_their_own_version_prefix_keep_each_others_prompts() -> None:
+    """Runs do not mix: a second APO run in the same store publishes new resources, never over the first's."""
+    store = InMemoryLightningStore()
+    tuned: dict[str, str] = {}
+    for run, edit in (("run-a-", " Answer ONLY with the room name."), ("run-b-", " Say ONLY the room.")):
+        client = FakeClient(
+            lambda model, messages, edit=edit: "critique" if model == "critic" else (parent_template(messages) + edit)
+        )
+        apo = make_apo(client, beam_width=1, branch_factor=1, beam_rounds=1, val_batch_size=2, version_prefix=run)
+        apo.set_store(store)
+        async with running(FakeRunners(store, by_prompt), n=2):
+            await asyncio.wait_for(apo.run(train_dataset=TRAIN[:2], val_dataset=VAL[:2]), 60)
+        assert apo.best_version is not None and apo.best_version.startswith(run)
+        tuned[run] = apo.get_best_prompt().template
+    ids = {r.resources_id for r in (await store.query_resources()).items}
+    assert {"run-a-v0", "run-a-v1", "run-b-v0", "run-b-v1"} <= ids and "v0" not in ids
+    first = await store.get_resources_by_id("run-a-v1")
+    assert first is not None and first.resources["prompt"].template == tuned["run-a-"]
+    assert tuned["run-a-"] != tuned["run-b-"]
+    per_run = {r.resources_id.split("-v")[0] for r in (await store.query_rollouts()).items}
+    assert per_run == {"run-a", "run-b"}
+
+
+@pytest.mark.parametrize("bad", ["has space", "dot.ted", "wild*"])
+def test_apo_refuses_a_version_prefix_that_is_not_an_id(bad: str) -> None:
+    with pytest.raises(ValueError, match="version_prefix"):
+        APO(FakeClient(scripted), version_prefix=bad)
+
+
 @pytest.mark.parametrize(
     "reply",
     [

@@ -24,6 +24,7 @@ from eventlight.adapter import OpenAIMessages, TraceToMessages
 from eventlight.algorithm.base import Algorithm, Dataset, batch_iter_over_dataset
 from eventlight.errors import EventlightError
 from eventlight.rewards import find_final_reward
+from eventlight.store.validate import is_token
 from eventlight.types import (
     EnqueueRolloutRequest,
     NamedResources,
@@ -399,7 +400,9 @@ class APO(Algorithm, Generic[T_task]):
         cut to ``MAX_CRITIQUE_CHARS``. Raise the attribute ``evidence_char_budget`` for larger models.
     (b) The published resources are ALL initial resources with the tuned template replaced, so an
         agent that also needs its LLM (e.g. a ``ProxyLLM``) still gets it. They are published with
-        ``store.put_resources(version, ...)``; the resources id is the version ("v0", "v1", ...).
+        ``store.put_resources(version, ...)``; the resources id is the version ("v0", "v1", ...),
+        after ``version_prefix`` when one is given (``"run-0412-v0"``), so that a second run in the
+        same store does not overwrite the first run's prompts.
     (c) Each batch is enqueued at once with ``enqueue_many_rollouts`` (so runners work on it
         concurrently) and awaited once with ``wait_for_rollouts(timeout=rollout_batch_timeout)``,
         event-driven, not polled. Rollouts still unfinished at the timeout are cancelled so they do
@@ -446,6 +449,8 @@ class APO(Algorithm, Generic[T_task]):
         run_initial_validation: Score the seed on the full validation set first.
         rollout_config: ``RolloutConfig`` of every rollout (retries, timeouts); store default if None.
         progress: Callback for progress events, see (d).
+        version_prefix: Put before every version (and so resources id), e.g. a run id ``"run-0412-"``;
+            letters, digits and ``_-:@+=`` only (resources ids are subject tokens).
 
     Raises:
         ValueError: A size or count is below 1 (``beam_rounds`` below 0), or the timeout is not positive.
@@ -469,7 +474,10 @@ class APO(Algorithm, Generic[T_task]):
         progress: ProgressCallback | None = None,
         edit_mode: Literal["rewrite", "append"] = "rewrite",
         optimizer_max_tokens: int | None = None,
+        version_prefix: str = "",
     ):
+        if version_prefix and not is_token(version_prefix):
+            raise ValueError(f"version_prefix {version_prefix!r} may hold only letters, digits and '_-:@+='")
         if edit_mode not in ("rewrite", "append"):
             raise ValueError(f"edit_mode must be 'rewrite' or 'append', got {edit_mode!r}")
         if min(gradient_batch_size, val_batch_size, beam_width, branch_factor) < 1 or beam_rounds < 0:
@@ -491,6 +499,7 @@ class APO(Algorithm, Generic[T_task]):
         self.progress = progress
         self.edit_mode = edit_mode
         self.optimizer_max_tokens = optimizer_max_tokens
+        self.version_prefix = version_prefix
         self.evidence_char_budget = EVIDENCE_CHAR_BUDGET
         self._rng = random.Random()
         self._version_counter = 0
@@ -582,7 +591,7 @@ class APO(Algorithm, Generic[T_task]):
         self._seed_names = names if valid else None
 
     def _new_version(self, template: PromptTemplate) -> VersionedPromptTemplate:
-        version = f"v{self._version_counter}"
+        version = f"{self.version_prefix}v{self._version_counter}"
         self._version_counter += 1
         return VersionedPromptTemplate(version=version, prompt_template=template)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -28,10 +29,21 @@ from eventlight.services import stop_services  # noqa: E402
 from eventlight.store.jetstream import JetStreamLightningStore  # noqa: E402
 from examples.room_booking.agent import INITIAL_PROMPT, load_tasks, room_booker, split  # noqa: E402
 
-REPORT_SQL = (
-    "SELECT resources_id AS prompt, mode, rollouts, round(mean_reward::numeric, 3) AS mean_reward "
-    "FROM reward_by_resources ORDER BY resources_id, mode"
-)
+# More than this fraction of a run's rollouts failed: the run did not train, whatever the scores say.
+MAX_FAILED_FRACTION = 0.5
+
+
+def report_sql(run_id: str) -> str:
+    """The query the demo prints: mean reward per prompt version of this run only."""
+    return (
+        "SELECT resources_id AS prompt, mode, rollouts, round(mean_reward::numeric, 3) AS mean_reward "
+        f"FROM reward_by_resources WHERE resources_id LIKE '{run_id}-%' ORDER BY resources_id, mode"
+    )
+
+
+def new_run_id() -> str:
+    """``run-YYYYMMDD-HHMMSS-xxxx``: the prefix of this run's resources ids (its prompt versions)."""
+    return f"run-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -104,23 +116,41 @@ async def start_llms(args: argparse.Namespace) -> tuple[list, list[str], str, st
         for i in range(args.llm_servers)
     ]
     say(f"starting {len(servers)} local LLM server(s) (SmolLM2-135M-Instruct, llama.cpp)…")
-    urls = list(await asyncio.gather(*(s.start() for s in servers)))
+    started = await asyncio.gather(*(s.start() for s in servers), return_exceptions=True)
+    failures = [r for r in started if isinstance(r, BaseException)]
+    if failures:
+        await asyncio.gather(*(s.stop() for s in servers))
+        raise failures[0]
+    urls = [str(u) for u in started]
     say(f"LLM: {servers[0].model} at {', '.join(urls)}")
     return servers, urls, servers[0].model, "local"
 
 
 async def main(args: argparse.Namespace) -> int:
+    """Run the demo; 0 when it trained, 1 (with a one-line error on stderr) when it could not."""
+    try:
+        return await train(args)
+    except (agl.EventlightError, FileNotFoundError, OSError) as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        print("the run stopped before it could train; nothing above is a result", file=sys.stderr)
+        return 1
+
+
+async def train(args: argparse.Namespace) -> int:
     from openai import AsyncOpenAI
 
     tasks = load_tasks()
     if args.tasks:
         tasks = tasks[: args.tasks]
-    train, val = split(tasks)
-    started, started_at = time.monotonic(), time.time()
+    train_tasks, val = split(tasks)
+    started = time.monotonic()
+    run_id = new_run_id()
+    say(f"run {run_id}")
 
-    servers, base_urls, model, api_key = await start_llms(args)
+    servers: list = []
     trainer: agl.Trainer | None = None
     try:
+        servers, base_urls, model, api_key = await start_llms(args)
         proxy = agl.LLMProxy(
             model_list=[
                 {"model_name": model, "litellm_params": {"model": f"openai/{model}", "api_base": u, "api_key": api_key}}
@@ -143,6 +173,7 @@ async def main(args: argparse.Namespace) -> int:
                 # a 135M model can write one instruction, rarely a whole template with its placeholders
                 edit_mode=args.edit_mode or ("append" if servers else "rewrite"),
                 optimizer_max_tokens=160 if servers else None,
+                version_prefix=f"{run_id}-",
             )
             trainer = agl.Trainer(
                 algorithm=apo,
@@ -155,17 +186,20 @@ async def main(args: argparse.Namespace) -> int:
                 llm_proxy=proxy,
                 keep_services=True,  # the report below reads the projections; stopped in `finally`
             )
-            say(f"training on {len(train)} tasks, validating on {len(val)}, with {args.n_runners} runner processes")
-            await trainer.fit_async(room_booker, train, val_dataset=val)
-        await report(trainer, apo, time.monotonic() - started, started_at)
+            say(
+                f"training on {len(train_tasks)} tasks, validating on {len(val)}, "
+                f"with {args.n_runners} runner processes"
+            )
+            await trainer.fit_async(room_booker, train_tasks, val_dataset=val)
+        return await report(trainer, apo, run_id, time.monotonic() - started)
     finally:
         await asyncio.gather(*(s.stop() for s in servers))
         if trainer is not None and trainer.services is not None and trainer.services.started:
             await stop_services(trainer.settings)
-    return 0
 
 
-async def report(trainer: agl.Trainer, apo: agl.APO, wall_s: float, started_at: float) -> None:
+async def report(trainer: agl.Trainer, apo: agl.APO, run_id: str, wall_s: float) -> int:
+    """Print this run's results; 1 without a summary when most of its rollouts failed."""
     assert trainer.services is not None
     async with JetStreamLightningStore(
         trainer.settings,
@@ -176,17 +210,29 @@ async def report(trainer: agl.Trainer, apo: agl.APO, wall_s: float, started_at: 
         await store.sync_all(timeout_s=30)
         stats = await store.statistics()
         async with store.pool.acquire() as conn:  # this run's share of a store that may hold earlier runs
-            run_rollouts, run_spans = await conn.fetchrow(
-                "SELECT count(DISTINCT r.rollout_id), count(s.span_id) FROM rollouts r "
-                "LEFT JOIN spans s ON s.rollout_id = r.rollout_id WHERE r.start_time >= $1",
-                started_at,
+            pattern = f"{run_id}-%"
+            run_spans = await conn.fetchval(
+                "SELECT count(*) FROM spans s JOIN rollouts r USING (rollout_id) WHERE r.resources_id LIKE $1",
+                pattern,
             )
+            by_status = dict(
+                await conn.fetch(
+                    "SELECT status, count(*) FROM rollouts WHERE resources_id LIKE $1 GROUP BY status", pattern
+                )
+            )
+    run_rollouts = sum(by_status.values())
+    failed = by_status.get("failed", 0)
+    if run_rollouts == 0 or failed > MAX_FAILED_FRACTION * run_rollouts:
+        counts = ", ".join(f"{n} {s}" for s, n in sorted(by_status.items())) or "no rollouts"
+        print(f"error: run {run_id} did not train: {counts}; see the runner and LLM logs", file=sys.stderr)
+        return 1
     best = apo.get_best_prompt()
     print()
     print("=" * 78)
     print("eventlight demo: APO on the room-booking agent")
     print(f"  val reward, initial prompt : {apo.seed_score:.3f}")
     print(f"  val reward, best prompt    : {apo.best_score:.3f}")
+    print(f"  run                        : {run_id} (prompt versions {run_id}-v0, -v1, …)")
     print(f"  rollouts recorded          : {run_rollouts} this run ({stats['total_rollouts']} in the store)")
     print(f"  spans recorded             : {run_spans} this run ({stats['total_spans']} in the store)")
     print(f"  wall time                  : {wall_s:.0f} s")
@@ -194,9 +240,10 @@ async def report(trainer: agl.Trainer, apo: agl.APO, wall_s: float, started_at: 
     for line in best.template.splitlines():
         print(f"    | {line}")
     print("  query the projections yourself, e.g.:")
-    print(f'    .venv/bin/eventlight sql "{REPORT_SQL}"')
+    print(f'    .venv/bin/eventlight sql "{report_sql(run_id)}"')
     print("  (the embedded servers keep their data in .eventlight/; `make down` stops them if they run)")
     print("=" * 78)
+    return 0
 
 
 if __name__ == "__main__":
