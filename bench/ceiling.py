@@ -369,7 +369,7 @@ async def run_ceiling(span_counts: list[int], seconds: float) -> dict[str, Any]:
 
     cores = os.cpu_count() or 1
     result: dict[str, Any] = {"ok": False, "error": None, "cores": cores, "seconds_per_phase": seconds, "by_spans": {}}
-    state = Path(tempfile.mkdtemp(prefix="elceiling-", dir="/tmp"))
+    state = Path(tempfile.mkdtemp(prefix="elceiling-", dir=tempfile.gettempdir()))
     os.chmod(state, 0o755)
     settings = Settings(state_dir=state, namespace="ceiling", log_level="WARNING")
     sampler = ProcessSampler(0.5, own_role="client").start()

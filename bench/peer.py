@@ -1,7 +1,7 @@
 """The peer's virtual environment: Agent-lightning 0.3.0 with its release-day pins, in ``bench/.peer-venv``.
 
 Created on first use with ``python -m venv`` and ``pip install -r <requirements>`` (default
-``/work/shared/peer/agentlightning-0.3.0.requirements.txt``, or ``$BENCH_PEER_REQUIREMENTS``), and
+``bench/agentlightning-0.3.0.requirements.txt`` beside this file, or ``$BENCH_PEER_REQUIREMENTS``), and
 checked every time: ``agentlightning`` must import as 0.3.0 and ``opentelemetry-sdk`` must be the
 pinned version (an unpinned OpenTelemetry makes the peer's runners lose every span and reward, see
 the peer's README). A marker file holds the hash of the requirements it was built from, so a changed
@@ -23,7 +23,7 @@ from pathlib import Path
 BENCH_DIR = Path(__file__).resolve().parent
 VENV = BENCH_DIR / ".peer-venv"
 MARKER = VENV / ".bench-requirements.sha256"
-DEFAULT_REQUIREMENTS = Path("/work/shared/peer/agentlightning-0.3.0.requirements.txt")
+DEFAULT_REQUIREMENTS = BENCH_DIR / "agentlightning-0.3.0.requirements.txt"
 EXPECTED_VERSION = "0.3.0"
 INSTALL_TIMEOUT_S = 1800
 

@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from importlib.metadata import version
 from pathlib import Path
@@ -152,7 +153,7 @@ class Stack:
         agl_bin = Path(sys.executable).with_name("agl")
         argv = [str(agl_bin), "store", "--host", "127.0.0.1", "--port", str(port), "--backend", "memory"]
         argv += ["--log-level", "WARNING"]
-        self.log_path = Path(os.environ.get("BENCH_TMP", "/tmp")) / f"agl-store-{port}.log"
+        self.log_path = Path(os.environ.get("BENCH_TMP", tempfile.gettempdir())) / f"agl-store-{port}.log"
         self.server = await asyncio.to_thread(_spawn, argv, self.log_path)
         await self._wait_ready()
 

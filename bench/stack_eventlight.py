@@ -183,7 +183,7 @@ class Stack:
         self.pool: RunnerPool | None = None
 
     async def start(self) -> None:
-        self.state_dir = Path(tempfile.mkdtemp(prefix="elbench-", dir="/tmp"))
+        self.state_dir = Path(tempfile.mkdtemp(prefix="elbench-", dir=tempfile.gettempdir()))
         os.chmod(self.state_dir, 0o755)  # Postgres runs as `postgres` when we are root
         ns = f"b{uuid.uuid4().hex[:10]}"
         self.settings = Settings(state_dir=self.state_dir, namespace=ns, log_level="WARNING")

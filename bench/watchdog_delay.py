@@ -81,7 +81,7 @@ async def main() -> None:
     ap.add_argument("--interval-s", type=float, default=1.0)
     args = ap.parse_args()
     require_positive(ap, args, "rollouts", "deadline_s", "interval_s")
-    state = Path(tempfile.mkdtemp(prefix="elwatchdog-", dir="/tmp"))
+    state = Path(tempfile.mkdtemp(prefix="elwatchdog-", dir=tempfile.gettempdir()))
     os.chmod(state, 0o755)  # Postgres runs as `postgres` when we are root
     settings = Settings.from_env(state_dir=state, namespace=f"w{uuid.uuid4().hex[:10]}", log_level="WARNING")
     services = await prepare_services(settings)

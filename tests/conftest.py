@@ -39,7 +39,7 @@ T = TypeVar("T")
 
 @pytest.fixture(scope="session")
 def services() -> Iterator[tuple[Settings, Services]]:
-    state = Path(tempfile.mkdtemp(prefix="eventlight-test-", dir="/tmp"))
+    state = Path(tempfile.mkdtemp(prefix="eventlight-test-", dir=tempfile.gettempdir()))
     os.chmod(state, 0o755)
     settings = Settings.from_env(state_dir=state, namespace="session")
     svc = _in_thread(lambda: asyncio.run(ensure_services(settings)))

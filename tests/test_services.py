@@ -1,6 +1,6 @@
 """Real tests of eventlight.services: embedded nats-server and Postgres, streams, migrations.
 
-The embedded servers live in a fresh folder under /tmp (never under /root: Postgres runs as
+The embedded servers live in a fresh folder in the system temp folder (never under /root: Postgres runs as
 ``postgres`` when the tests run as root). Every test stops what it started; the fixture kills
 and reports any process still naming its folder. ``EVENTLIGHT_TEST_NATS_URL`` (default
 ``nats://127.0.0.1:4222``) is an existing server used for stream tests; those skip without it.
@@ -62,7 +62,7 @@ def _ns() -> str:
 
 
 def _make_root() -> Path:
-    root = Path(tempfile.mkdtemp(prefix="el-test-svc-", dir="/tmp"))
+    root = Path(tempfile.mkdtemp(prefix="el-test-svc-", dir=tempfile.gettempdir()))
     root.chmod(0o755)  # mkdtemp makes it 0700, which the postgres user could not enter
     return root
 
