@@ -30,10 +30,9 @@ import uuid
 from pathlib import Path
 
 from bench import require_positive
-from eventlight.services import stop_services
+from eventlight.services import prepare_services, stop_services
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
-from eventlight.trainer import prepare_services
 from eventlight.types import RolloutConfig, Span
 
 

@@ -29,6 +29,7 @@ from eventlight.errors import (
     EventlightError,
     InvalidInputError,
     InvalidTransitionError,
+    LLMUnavailableError,
     NotFoundError,
     ResourcesNotFoundError,
     RolloutNotFoundError,
@@ -44,6 +45,7 @@ from eventlight.rewards import (
     is_reward_span,
 )
 from eventlight.runner import Hook, LitAgentRunner
+from eventlight.services import Services, ensure_services, prepare_services, stop_services
 from eventlight.settings import Settings
 from eventlight.store import UNSET, InMemoryLightningStore, LightningStore, LightningStoreCapabilities
 from eventlight.store.jetstream import JetStreamLightningStore
@@ -88,6 +90,7 @@ __all__ = [
     "InvalidTransitionError",
     "JetStreamLightningStore",
     "LLMProxy",
+    "LLMUnavailableError",
     "LightningStore",
     "LightningStoreCapabilities",
     "LitAgent",
@@ -109,6 +112,7 @@ __all__ = [
     "RolloutConfig",
     "RolloutNotFoundError",
     "ServiceUnavailableError",
+    "Services",
     "Settings",
     "Span",
     "SpanCoreFields",
@@ -126,6 +130,7 @@ __all__ = [
     "emit_message",
     "emit_object",
     "emit_reward",
+    "ensure_services",
     "find_final_reward",
     "find_reward_spans",
     "get_active_tracer",
@@ -133,8 +138,10 @@ __all__ = [
     "is_reward_span",
     "llm_rollout",
     "operation",
+    "prepare_services",
     "prompt_rollout",
     "rollout",
+    "stop_services",
 ]
 
 

@@ -62,6 +62,7 @@ __all__ = [
     "apply_streams",
     "drop_namespace",
     "ensure_services",
+    "prepare_services",
     "read_services",
     "stop_services",
 ]
@@ -143,6 +144,45 @@ async def ensure_services(settings: Settings) -> Services:
         started += [f"postgres pid {pg.pid}"] if pg.started else []
         services = Services(nats_url, pg.dsn, started, nats_pid, pg.pid, pg.kind)
         _write_services_file(state, services)
+    return services
+
+
+async def prepare_services(settings: Settings) -> Services:
+    """Find or start NATS and Postgres (``ensure_services``), then apply the namespace's streams and tables.
+
+    What a program needs before it opens a ``JetStreamLightningStore`` on a namespace, new or not::
+
+        settings = Settings.from_env(namespace="scratch")
+        services = await prepare_services(settings)
+        async with JetStreamLightningStore(settings, nats_url=services.nats_url, pg_dsn=services.pg_dsn) as store:
+            ...
+
+    Both steps are idempotent. If applying fails, the servers this call started are stopped again.
+
+    Args:
+        settings: Namespace, service URLs and the state folder.
+
+    Returns:
+        Where the servers are (``started`` lists those this call started).
+
+    Raises:
+        ServiceUnavailableError: A server cannot be started or reached.
+    """
+    from eventlight.store.eventlog import connect_nats  # the store imports this module's helpers
+
+    services = await ensure_services(settings)
+    try:
+        nc = await connect_nats(services.nats_url)
+        try:
+            await apply_streams(nc, settings)
+        finally:
+            await nc.close()
+        await apply_migrations(services.pg_dsn, settings.pg_schema)
+    except BaseException:
+        if services.started:  # do not leave half a setup running
+            with contextlib.suppress(Exception):
+                await stop_services(settings)
+        raise
     return services
 
 

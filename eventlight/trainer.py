@@ -2,8 +2,8 @@
 
 ``Trainer(algorithm=APO(...), n_runners=N).fit(agent, train, val)`` (Agent-lightning's entry point):
 
-1. finds or starts NATS and Postgres (``eventlight.services``) and applies ``streams/`` and
-   ``migrations/``;
+1. finds or starts NATS and Postgres and applies ``streams/`` and ``migrations/``
+   (``eventlight.services.prepare_services``);
 2. starts ``n_runners`` runner processes (``spawn``); each opens a write-only
    ``JetStreamLightningStore`` (no Postgres connection) and consumes the rollout queue;
 3. opens the algorithm's store, which runs the projector and the watchdog in this process;
@@ -27,9 +27,8 @@ from eventlight.agent import LitAgent
 from eventlight.algorithm.base import Algorithm
 from eventlight.errors import LLMUnavailableError
 from eventlight.runner import Hook, LitAgentRunner
-from eventlight.services import Services, apply_migrations, apply_streams, ensure_services, stop_services
+from eventlight.services import Services, prepare_services, stop_services
 from eventlight.settings import Settings
-from eventlight.store.eventlog import connect_nats
 from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.tracer import OtelTracer, Tracer
 
@@ -39,24 +38,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 GRACEFUL_STOP_S = 10.0
-
-
-async def prepare_services(settings: Settings) -> Services:
-    """Find or start NATS and Postgres and apply the stream definitions and migrations."""
-    services = await ensure_services(settings)
-    try:
-        nc = await connect_nats(services.nats_url)
-        try:
-            await apply_streams(nc, settings)
-        finally:
-            await nc.close()
-        await apply_migrations(services.pg_dsn, settings.pg_schema)
-    except BaseException:
-        if services.started:  # do not leave half a setup running
-            with contextlib.suppress(Exception):
-                await stop_services(settings)
-        raise
-    return services
 
 
 def _runner_main(

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,8 @@ from llm_stub import Reply, ScriptedLLM
 from eventlight.errors import LLMUnavailableError, ServiceUnavailableError
 from eventlight.llm_health import LLMCallHealth
 from eventlight.llm_proxy import LLMProxy
+from eventlight.services import drop_namespace
+from eventlight.settings import Settings
 from eventlight.trainer import _stop_when_llm_fails
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,16 +140,21 @@ async def test_a_run_that_ends_normally_is_not_touched() -> None:
 
 
 def run_demo(services: Any, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """Run the demo script in a namespace of its own on the session's servers, dropped afterwards."""
     settings, svc = services
+    namespace = f"demo_{uuid.uuid4().hex[:8]}"
     env = {
         **os.environ,
         "EVENTLIGHT_NATS_URL": svc.nats_url,
         "EVENTLIGHT_PG_DSN": svc.pg_dsn,
-        "EVENTLIGHT_NAMESPACE": "demo_health",
+        "EVENTLIGHT_NAMESPACE": namespace,
         "EVENTLIGHT_STATE_DIR": str(settings.state_dir),
     }
     cmd = [sys.executable, str(ROOT / "examples/room_booking/train_apo.py"), "--n-runners", "1", *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    try:
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    finally:
+        asyncio.run(drop_namespace(svc.nats_url, svc.pg_dsn, Settings(namespace=namespace)))
 
 
 @pytest.mark.e2e

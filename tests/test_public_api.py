@@ -71,6 +71,11 @@ EXPECTED = {
     "operation",
     "prompt_rollout",
     "rollout",
+    "LLMUnavailableError",
+    "Services",
+    "ensure_services",
+    "prepare_services",
+    "stop_services",
 }
 
 
