@@ -351,8 +351,8 @@ def _describe(name: str, found: Any) -> str:
     return f"{escape(redact(found.url))}  [dim]external, from {found.origin}[/dim]"
 
 
-async def _stream_messages(url: str, settings: Settings) -> int | None:
-    """Messages on the namespace's stream, ``None`` when it does not exist."""
+async def _stream_state(url: str, settings: Settings) -> tuple[int, int] | None:
+    """(messages, last sequence) of the namespace's stream, ``None`` when it does not exist."""
     from nats.js.errors import NotFoundError
 
     from eventlight.store.eventlog import connect_nats
@@ -360,7 +360,7 @@ async def _stream_messages(url: str, settings: Settings) -> int | None:
     nc = await connect_nats(url, name="eventlight-cli")
     try:
         info = await nc.jetstream().stream_info(settings.stream_name)
-        return int(info.state.messages)
+        return int(info.state.messages), int(info.state.last_seq)
     except NotFoundError:
         return None
     finally:
@@ -370,9 +370,10 @@ async def _stream_messages(url: str, settings: Settings) -> int | None:
 async def _status(settings: Settings) -> dict[str, Any]:
     nats = await _need_nats(settings)
     pg = await _need_pg(settings)
-    messages = await _stream_messages(nats.url, settings)
+    stream = await _stream_state(nats.url, settings)
     conn = await _connect_pg(settings, pg)
     try:
+        projected = await conn.fetchval("SELECT last_seq FROM projector_checkpoint")
         by_status = await conn.fetch("SELECT status, count(*) FROM rollouts GROUP BY status ORDER BY status")
         workers = await conn.fetch(
             "SELECT worker_id, status, last_heartbeat_time, current_rollout_id FROM workers ORDER BY worker_id"
@@ -380,7 +381,24 @@ async def _status(settings: Settings) -> dict[str, Any]:
         spans = await conn.fetchval("SELECT count(*) FROM spans")
     finally:
         await conn.close()
-    return {"nats": nats, "pg": pg, "messages": messages, "by_status": by_status, "workers": workers, "spans": spans}
+    return {
+        "nats": nats,
+        "pg": pg,
+        "stream": stream,
+        "projected": projected,
+        "by_status": by_status,
+        "workers": workers,
+        "spans": spans,
+    }
+
+
+def _projection_line(stream: tuple[int, int] | None, projected: int | None) -> str:
+    if stream is None or projected is None or projected >= stream[1]:
+        return "up to date"
+    return (
+        f"at event {projected} of {stream[1]} ({stream[1] - projected} behind: the tables below advance only "
+        "while a trainer or another store opened with pg_dsn projects)"
+    )
 
 
 def _workers_table(workers: list[Any], now: float) -> Table:
@@ -404,7 +422,7 @@ def status(namespace: NamespaceOpt = None) -> None:
     `eventlight up` started; never starts or stops any (without them: exit 1, 'run `eventlight up`')."""
     settings = _settings(namespace)
     s = _run(_status(settings))
-    stream = f"{s['messages']} events" if s["messages"] is not None else "missing"
+    stream = f"{s['stream'][0]} events" if s["stream"] is not None else "missing"
     console.print(f"NATS       {_describe('nats-server', s['nats'])}")
     console.print(f"Postgres   {_describe('postgres', s['pg'])}")
     if "embedded" in (s["nats"].origin, s["pg"].origin):
@@ -413,6 +431,7 @@ def status(namespace: NamespaceOpt = None) -> None:
         f"namespace  {settings.namespace}  [dim]stream {settings.stream_name} ({stream}), "
         f"schema {settings.pg_schema}[/dim]"
     )
+    console.print(f"projection {_projection_line(s['stream'], s['projected'])}")
     console.print("rollouts   " + (", ".join(f"{st}={n}" for st, n in s["by_status"]) or "none"))
     console.print(f"spans      {s['spans']}")
     console.print(f"workers    {len(s['workers']) or 'none'}")
@@ -497,7 +516,7 @@ def load_agent(spec: str) -> Any:
 
 async def _runner_nats(settings: Settings) -> str:
     found = await _need_nats(settings)
-    if await _stream_messages(found.url, settings) is None:
+    if await _stream_state(found.url, settings) is None:
         raise _no_namespace(settings, f"no stream {settings.stream_name}")
     return str(found.url)
 

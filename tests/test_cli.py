@@ -149,7 +149,7 @@ async def test_status_shows_services_rollouts_spans_and_worker_heartbeats(namesp
     assert re.search(r"^Postgres\s+postgresql://\S+\s+external, from EVENTLIGHT_PG_DSN", out, re.M), out
     assert f"stream {namespace.stream_name} (" in out and "events)" in out
     assert re.search(r"^rollouts\s+.*queuing=2", out, re.M), out
-    assert re.search(r"^spans\s+0$", out, re.M), out
+    assert re.search(r"^spans\s+0$", out, re.M) and re.search(r"^projection\s+up to date$", out, re.M), out
     assert re.search(r"Worker-7\s+busy\s+\d+ s ago", out), out
     assert "not running" not in out + result.stderr
 
@@ -241,3 +241,43 @@ def test_sql_csv_and_json_keep_raw_values(namespace: Settings) -> None:
     as_csv = cli("sql", "SELECT 1 AS a, NULL::text AS b, '{\"k\": 2}'::jsonb AS c", "-f", "csv", env=env_of(namespace))
     assert as_csv.stdout == 'a,b,c\n1,,"{""k"":2}"\n', as_csv.stdout
     assert_one_line_error(cli("sql", "SELECT 1", "-f", "yaml", env=env_of(namespace)), 2, "expected one of")
+
+
+async def test_runner_runs_heartbeats_into_status_and_stops_on_ctrl_c(namespace: Settings) -> None:
+    import asyncio
+    import signal
+
+    base = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
+    proc = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "eventlight.cli", "runner", "examples.room_booking.agent:room_booker", "-n", "1"),
+        cwd=ROOT,
+        env={**base, **env_of(namespace)},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn):  # projects, as a trainer does
+            out = ""
+            for _ in range(120):
+                out = (await asyncio.to_thread(cli, "status", env=env_of(namespace))).stdout
+                if "Worker-0" in out:
+                    break
+                await asyncio.sleep(0.5)
+        assert re.search(r"Worker-0\s+\S+\s+\d+ s ago", out), out
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out_bytes, err_bytes = await asyncio.wait_for(proc.communicate(), 60)
+    stdout, stderr = out_bytes.decode(), err_bytes.decode()
+    assert proc.returncode == 130, stderr
+    assert "consuming" in stdout and "Traceback" not in stderr
+    after = await asyncio.to_thread(cli, "sql", "SELECT 1 AS one", env=env_of(namespace))
+    assert after.returncode == 0, after.stderr  # the runner left the servers running
+
+
+def test_redact_hides_passwords_and_tokens() -> None:
+    from eventlight.services import redact
+
+    assert redact("postgresql://u:pw@h:5432/db") == "postgresql://u:***@h:5432/db"
+    assert redact("nats://tok@h:4222,nats://a:b@h2:4222") == "nats://***@h:4222,nats://a:***@h2:4222"
+    assert redact("host=h password=pw user=u") == "host=h password=*** user=u"
+    assert redact("postgresql://postgres@127.0.0.1/postgres") == "postgresql://postgres@127.0.0.1/postgres"
