@@ -1,9 +1,17 @@
 """The ``eventlight`` command line (typer + rich).
 
 Commands: ``up`` / ``down`` (the embedded servers), ``status``, ``sql`` (query the projections),
-``runner`` (runner processes for an agent). Every command reads the same settings
-(``eventlight.settings``) and exits non-zero with a one-line error, never a traceback, when a
-server cannot be reached or an argument is wrong.
+``runner`` (runner processes for an agent), ``bench``. Every command reads the same settings
+(``eventlight.settings``).
+
+Servers: only ``up`` starts them and only ``down`` stops them. ``status``, ``sql`` and ``runner``
+use ``EVENTLIGHT_NATS_URL`` / ``EVENTLIGHT_PG_DSN`` when set, else the embedded servers that
+``eventlight up`` left running (recorded in ``$EVENTLIGHT_STATE_DIR/services.json``); with neither
+they stop with the same one-line hint to run ``eventlight up``.
+
+Errors: every failure is one line on stderr, never a traceback (``EVENTLIGHT_LOG_LEVEL=DEBUG``
+logs the traceback of an unexpected one). Exit codes: 0 done, 1 a server is missing or does not
+answer (or the runners died), 2 a wrong argument (option, agent spec, namespace, SQL), 130 Ctrl+C.
 """
 
 from __future__ import annotations
@@ -11,8 +19,12 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
+import os
 import sys
 import time
+from collections.abc import Coroutine, Sequence
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -20,13 +32,93 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from typer.core import TyperGroup
 
-from eventlight.errors import EventlightError
+from eventlight.errors import EventlightError, ServiceUnavailableError
 from eventlight.settings import Settings
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="eventlight: train agents from their traces.")
+EXIT_UNAVAILABLE = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+_log = logging.getLogger(__name__)
 console = Console()
-err = Console(stderr=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+class CliError(Exception):
+    """A failure the CLI reports as one line, with its exit code."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_USAGE):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def _class_named(cls: type, name: str) -> type:
+    """A base class by name (typer >= 0.20 vendors click as ``typer._click``, older ones use click)."""
+    return next(c for c in cls.__mro__ if c.__name__ == name)
+
+
+_ClickException = _class_named(typer.BadParameter, "ClickException")
+
+
+def _one_line(message: str) -> str:
+    lines = [line for line in message.strip().splitlines() if line.strip()] or ["(no message)"]
+    more = " (EVENTLIGHT_LOG_LEVEL=DEBUG for details)" if len(lines) > 1 else ""
+    if more:
+        _log.debug("full error: %s", message)
+    return lines[0].strip() + more
+
+
+def _print_error(message: str) -> None:
+    err.print(f"[red]error:[/red] {escape(_one_line(message))}")
+
+
+def _exit_code_of(e: BaseException) -> int:
+    """Print ``e`` as one line on stderr and return the exit code for it."""
+    if isinstance(e, CliError):
+        _print_error(str(e))
+        return e.exit_code
+    if isinstance(e, EventlightError):
+        _print_error(str(e))
+        return EXIT_UNAVAILABLE if isinstance(e, ServiceUnavailableError) else EXIT_USAGE
+    if isinstance(e, BrokenPipeError):  # `eventlight sql … | head`
+        return 1
+    _log.debug("unexpected error", exc_info=e)
+    _print_error(f"internal error: {type(e).__name__}: {e} (EVENTLIGHT_LOG_LEVEL=DEBUG logs the traceback)")
+    return 1
+
+
+class _OneLineErrors(TyperGroup):
+    """Typer's group, printing usage errors and failures as one line on stderr instead of a panel."""
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, **extra: Any) -> Any:
+        extra.pop("standalone_mode", None)
+        try:
+            rv = super().main(args, prog_name, standalone_mode=False, **extra)
+        except _ClickException as e:
+            if type(e).__name__ == "NoArgsIsHelpError":
+                console.print(e.format_message())
+                sys.exit(EXIT_USAGE)
+            ctx = getattr(e, "ctx", None)
+            hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+            _print_error(e.format_message() + hint)
+            sys.exit(e.exit_code)
+        except Exception as e:
+            if type(e).__name__ == "Abort":
+                _print_error("aborted")
+                sys.exit(1)
+            sys.exit(_exit_code_of(e))
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+app = typer.Typer(
+    cls=_OneLineErrors,
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="eventlight: train agents from their traces.",
+)
 
 NamespaceOpt = Annotated[
     str | None,
@@ -34,31 +126,52 @@ NamespaceOpt = Annotated[
 ]
 
 
+def _version() -> str:
+    try:
+        return package_version("eventlight")
+    except PackageNotFoundError:  # a source tree on sys.path, not installed
+        return "unknown (not installed)"
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        console.print(f"eventlight {_version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_show_version, is_eager=True, help="Print the version and exit."),
+    ] = False,
+) -> None:
+    """eventlight: train agents from their traces."""
+
+
 def _settings(namespace: str | None) -> Settings:
-    try:
-        return Settings.from_env(namespace=namespace)
-    except EventlightError as e:
-        err.print(f"[red]error:[/red] {escape(str(e))}")
-        raise typer.Exit(2) from None
+    return Settings.from_env(namespace=namespace)  # InvalidInputError: exit 2, one line
 
 
-def _run(coro: Any) -> Any:
-    try:
-        return asyncio.run(coro)
-    except EventlightError as e:
-        err.print(f"[red]error:[/red] {escape(str(e))}")
-        raise typer.Exit(2) from None
+def _run(coro: Coroutine[Any, Any, Any]) -> Any:
+    return asyncio.run(coro)
+
+
+# ---------------------------------------------------------------------------------------------
+# up / down
 
 
 @app.command()
 def up(namespace: NamespaceOpt = None) -> None:
-    """Start (or find) NATS and Postgres and apply streams and migrations."""
-    from eventlight.trainer import prepare_services
+    """Start (or find) NATS and Postgres and apply streams and migrations for the namespace.
+
+    The servers keep running after this command (until `eventlight down`)."""
+    from eventlight.services import prepare_services, redact
 
     t0 = time.monotonic()
     services = _run(prepare_services(_settings(namespace)))
-    console.print(f"NATS      {services.nats_url}")
-    console.print(f"Postgres  {_redact(services.pg_dsn)}")
+    console.print(f"NATS      {escape(redact(services.nats_url))}")
+    console.print(f"Postgres  {escape(redact(services.pg_dsn))}")
     console.print(f"started   {', '.join(services.started) or 'nothing (reused)'} in {time.monotonic() - t0:.2f} s")
 
 
@@ -71,168 +184,371 @@ def down(namespace: NamespaceOpt = None) -> None:
     console.print("stopped " + (", ".join(stopped) if stopped else "nothing (no embedded server was running)"))
 
 
-def _redact(dsn: str) -> str:
-    from eventlight.store.pg import redact
-
-    return redact(dsn)
+# ---------------------------------------------------------------------------------------------
+# finding the servers (never starting them)
 
 
-async def _connect_pg(settings: Settings) -> Any:
+def _no_servers(settings: Settings, variable: str) -> CliError:
+    return CliError(
+        f"no eventlight servers are running (state folder {settings.state_dir}): "
+        f"run `eventlight up`, or set {variable}",
+        EXIT_UNAVAILABLE,
+    )
+
+
+async def _need_nats(settings: Settings) -> Any:
+    from eventlight.services import find_nats
+
+    found = await find_nats(settings)
+    if found is None:
+        raise _no_servers(settings, "EVENTLIGHT_NATS_URL")
+    return found
+
+
+async def _need_pg(settings: Settings) -> Any:
+    from eventlight.services import find_pg
+
+    found = await find_pg(settings)
+    if found is None:
+        raise _no_servers(settings, "EVENTLIGHT_PG_DSN")
+    return found
+
+
+def _no_namespace(settings: Settings, what: str) -> CliError:
+    return CliError(
+        f"namespace {settings.namespace!r} does not exist ({what}): run `eventlight up -N {settings.namespace}` "
+        "or check EVENTLIGHT_NAMESPACE / --namespace",
+        EXIT_USAGE,
+    )
+
+
+async def _connect_pg(settings: Settings, found: Any = None) -> Any:
+    """A connection to the namespace's schema, on ``found`` or the Postgres ``_need_pg`` finds.
+
+    Raises:
+        CliError: No server, or the namespace's schema does not exist.
+        ServiceUnavailableError: The server does not answer.
+    """
     import asyncpg
 
-    from eventlight.errors import ServiceUnavailableError
-    from eventlight.services import apply_migrations, ensure_services, read_services
-    from eventlight.store.pg import redact
+    from eventlight.services import apply_migrations, redact
 
-    started: list[str] = []
-    dsn = settings.pg_dsn
-    if dsn is None:
-        found = read_services(settings)
-        if found is None:  # start the embedded servers for this command, and stop them after it
-            services = await ensure_services(settings)
-            dsn, started = services.pg_dsn, services.started
-        else:
-            dsn = found.pg_dsn
-    await apply_migrations(dsn, settings.pg_schema)  # idempotent: a new namespace gets its (empty) tables
+    found = found or await _need_pg(settings)
     try:
-        conn = await asyncpg.connect(dsn, server_settings={"search_path": settings.pg_schema}, timeout=5)
+        conn = await asyncpg.connect(found.url, server_settings={"search_path": settings.pg_schema}, timeout=5)
     except (OSError, asyncpg.PostgresError, TimeoutError) as e:
-        raise ServiceUnavailableError(redact(dsn), str(e)) from e
-    return _Conn(conn, settings if started else None)
+        raise ServiceUnavailableError(f"{found.origin} {redact(found.url)}", str(e)) from e
+    try:
+        exists = await conn.fetchval("SELECT 1 FROM pg_namespace WHERE nspname = $1", settings.pg_schema)
+        if not exists:
+            raise _no_namespace(settings, f"no schema {settings.pg_schema}")
+        await apply_migrations(found.url, settings.pg_schema)  # idempotent: brings an older schema up to date
+    except BaseException:
+        await conn.close()
+        raise
+    return conn
 
 
-class _Conn:
-    """A connection that stops the embedded servers on close when this command started them."""
+# ---------------------------------------------------------------------------------------------
+# sql
 
-    def __init__(self, conn: Any, owner: Settings | None):
-        self.conn = conn
-        self.owner = owner
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.conn, name)
+def _check_query(query: str) -> None:
+    """Refuse what cannot be one SQL statement before connecting.
 
-    async def close(self) -> None:
-        from eventlight.services import stop_services
+    Raises:
+        CliError: Empty, or not valid UTF-8 (an argument the shell passed as raw bytes).
+    """
+    if not query.strip().strip(";").strip():
+        raise CliError('empty query: give one SQL statement, e.g. eventlight sql "SELECT * FROM rollouts LIMIT 5"')
+    try:
+        query.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = query.encode("utf-8", "surrogateescape")[e.start : e.start + 1]
+        raise CliError(f"the query is not valid UTF-8 (byte {bad!r} at position {e.start})") from None
 
-        await self.conn.close()
-        if self.owner is not None:
-            await stop_services(self.owner)
+
+def _sql_error(e: Exception) -> CliError:
+    import asyncpg
+
+    text = str(e)
+    if isinstance(e, asyncpg.ReadOnlySQLTransactionError):
+        return CliError(
+            f"SQL error: {text}: `eventlight sql` only reads; the tables are projected from the stream, "
+            "so write through the store API"
+        )
+    if "cannot insert multiple commands into a prepared statement" in text:
+        return CliError("SQL error: several statements given; `eventlight sql` runs one statement at a time")
+    return CliError(f"SQL error: {text}")
+
+
+async def _query(settings: Settings, query: str) -> tuple[list[Any], list[Any]]:
+    import asyncpg
+
+    from eventlight.cli_output import Column
+
+    conn = await _connect_pg(settings)
+    try:
+        async with conn.transaction(readonly=True):
+            stmt = await conn.prepare(query)
+            rows = await stmt.fetch()
+        cols = [Column(a.name, a.type.name) for a in stmt.get_attributes()]
+    except asyncpg.PostgresError as e:
+        raise _sql_error(e) from e
+    finally:
+        await conn.close()
+    return cols, rows
 
 
 @app.command()
 def sql(
-    query: Annotated[str, typer.Argument(help="SQL run against the namespace's read models.")],
+    query: Annotated[str, typer.Argument(help="One SQL statement, run against the namespace's read models.")],
+    output_format: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            "-f",
+            help="table: for reading (UTC times, folded cells, compact JSON); csv / json (JSON lines): raw values.",
+        ),
+    ] = "table",
     namespace: NamespaceOpt = None,
 ) -> None:
-    """Run SQL over the projections (tables rollouts, attempts, spans, resources, workers; views
-    rollout_rewards, reward_by_resources, llm_calls) and print the result.
+    """Run one SQL statement over the projections and print the result.
+
+    Tables rollouts, attempts, spans, resources, workers; views rollout_rewards,
+    reward_by_resources, llm_calls (see migrations/001_read_models.sql).
 
     The query runs in a read-only transaction: the tables are a projection of the stream, and a
-    row changed here would silently disagree with it (write through the store API instead)."""
-    import asyncpg
+    row changed here would silently disagree with it (write through the store API instead).
 
-    async def go() -> tuple[list[str], list[Any]]:
-        conn = await _connect_pg(_settings(namespace))
-        try:
-            async with conn.transaction(readonly=True):
-                stmt = await conn.prepare(query)
-                rows = await stmt.fetch()
-            return [a.name for a in stmt.get_attributes()], rows
-        finally:
-            await conn.close()
+    Servers: uses $EVENTLIGHT_PG_DSN when set, else the embedded Postgres `eventlight up` started;
+    never starts or stops one (without it: exit 1, 'run `eventlight up`')."""
+    from eventlight.cli_output import FORMATS, result_table, result_text
 
-    try:
-        cols, rows = _run(go())
-    except asyncpg.ReadOnlySQLTransactionError as e:
-        err.print(
-            f"[red]SQL error:[/red] {escape(str(e))}: `eventlight sql` only reads; the tables are "
-            "projected from the stream, so write through the store API"
-        )
-        raise typer.Exit(2) from None
-    except asyncpg.PostgresError as e:
-        err.print(f"[red]SQL error:[/red] {escape(str(e))}")
-        raise typer.Exit(2) from None
-    table = Table(*cols)
-    for row in rows:
-        table.add_row(*("" if v is None else str(v) for v in row))
-    console.print(table)
+    if output_format not in FORMATS:
+        raise CliError(f"--format {output_format!r}: expected one of {', '.join(FORMATS)}")
+    _check_query(query)
+    cols, rows = _run(_query(_settings(namespace), query))
+    if output_format != "table":
+        sys.stdout.write(result_text(cols, rows, output_format))
+        return
+    if cols:
+        console.print(result_table(cols, rows, console.width))
     console.print(f"{len(rows)} row(s)")
+
+
+# ---------------------------------------------------------------------------------------------
+# status
+
+
+def _describe(name: str, found: Any) -> str:
+    from eventlight.services import redact
+
+    if found.origin == "embedded":
+        where = f"embedded, {name} pid {found.pid}" + (f" ({found.kind})" if found.kind != "embedded" else "")
+        return f"{escape(redact(found.url))}  [dim]{escape(where)}[/dim]"
+    return f"{escape(redact(found.url))}  [dim]external, from {found.origin}[/dim]"
+
+
+async def _stream_state(url: str, settings: Settings) -> tuple[int, int] | None:
+    """(messages, last sequence) of the namespace's stream, ``None`` when it does not exist."""
+    from nats.js.errors import NotFoundError
+
+    from eventlight.store.eventlog import connect_nats
+
+    nc = await connect_nats(url, name="eventlight-cli")
+    try:
+        info = await nc.jetstream().stream_info(settings.stream_name)
+        return int(info.state.messages), int(info.state.last_seq)
+    except NotFoundError:
+        return None
+    finally:
+        await nc.close()
+
+
+async def _status(settings: Settings) -> dict[str, Any]:
+    nats = await _need_nats(settings)
+    pg = await _need_pg(settings)
+    stream = await _stream_state(nats.url, settings)
+    conn = await _connect_pg(settings, pg)
+    try:
+        projected = await conn.fetchval("SELECT last_seq FROM projector_checkpoint")
+        by_status = await conn.fetch("SELECT status, count(*) FROM rollouts GROUP BY status ORDER BY status")
+        workers = await conn.fetch(
+            "SELECT worker_id, status, last_heartbeat_time, current_rollout_id FROM workers ORDER BY worker_id"
+        )
+        spans = await conn.fetchval("SELECT count(*) FROM spans")
+    finally:
+        await conn.close()
+    return {
+        "nats": nats,
+        "pg": pg,
+        "stream": stream,
+        "projected": projected,
+        "by_status": by_status,
+        "workers": workers,
+        "spans": spans,
+    }
+
+
+def _projection_line(stream: tuple[int, int] | None, projected: int | None) -> str:
+    if stream is None or projected is None or projected >= stream[1]:
+        return "up to date"
+    return (
+        f"at event {projected} of {stream[1]} ({stream[1] - projected} behind: the tables below advance only "
+        "while a trainer or another store opened with pg_dsn projects)"
+    )
+
+
+def _workers_table(workers: list[Any], now: float) -> Table:
+    from eventlight.cli_output import age
+
+    table = Table("worker", "status", "last heartbeat", "rollout", box=None, pad_edge=False, header_style="dim")
+    for w in workers:
+        beat = age(now - w["last_heartbeat_time"]) if w["last_heartbeat_time"] is not None else "never"
+        table.add_row(escape(w["worker_id"]), w["status"], beat, escape(w["current_rollout_id"] or ""))
+    return table
 
 
 @app.command()
 def status(namespace: NamespaceOpt = None) -> None:
-    """Show the services, rollouts by status and workers."""
-    from eventlight.services import read_services
+    """Show the services, rollouts by status, spans and workers.
 
+    Services: where each server is and whether it is embedded or external; workers: status, last
+    heartbeat and current rollout.
+
+    Servers: uses $EVENTLIGHT_NATS_URL / $EVENTLIGHT_PG_DSN when set, else the embedded servers
+    `eventlight up` started; never starts or stops any (without them: exit 1, 'run `eventlight up`')."""
     settings = _settings(namespace)
-    found = read_services(settings)
-    console.print(f"services  {'running' if found else 'not running (eventlight up)'}")
+    s = _run(_status(settings))
+    stream = f"{s['stream'][0]} events" if s["stream"] is not None else "missing"
+    console.print(f"NATS       {_describe('nats-server', s['nats'])}")
+    console.print(f"Postgres   {_describe('postgres', s['pg'])}")
+    if "embedded" in (s["nats"].origin, s["pg"].origin):
+        console.print(f"state      {escape(str(settings.state_dir))}")
+    console.print(
+        f"namespace  {settings.namespace}  [dim]stream {settings.stream_name} ({stream}), "
+        f"schema {settings.pg_schema}[/dim]"
+    )
+    console.print(f"projection {_projection_line(s['stream'], s['projected'])}")
+    console.print("rollouts   " + (", ".join(f"{st}={n}" for st, n in s["by_status"]) or "none"))
+    console.print(f"spans      {s['spans']}")
+    console.print(f"workers    {len(s['workers']) or 'none'}")
+    if s["workers"]:
+        console.print(_workers_table(s["workers"], time.time()))
 
-    async def go() -> tuple[list[Any], list[Any], int]:
-        conn = await _connect_pg(settings)
-        try:
-            by_status = await conn.fetch("SELECT status, count(*) FROM rollouts GROUP BY status ORDER BY status")
-            workers = await conn.fetch("SELECT worker_id, status, current_rollout_id FROM workers ORDER BY worker_id")
-            spans = await conn.fetchval("SELECT count(*) FROM spans")
-            return list(by_status), list(workers), int(spans)
-        finally:
-            await conn.close()
 
-    by_status, workers, spans = _run(go())
-    console.print("rollouts  " + (", ".join(f"{s}={n}" for s, n in by_status) or "none"))
-    console.print(f"spans     {spans}")
-    for w in workers:
-        console.print(f"worker    {w[0]}: {w[1]}" + (f" ({w[2]})" if w[2] else ""))
+# ---------------------------------------------------------------------------------------------
+# runner
+
+AGENT_EXPECTED = (
+    "expected module:attribute naming a LitAgent instance or a function decorated with "
+    "@eventlight.rollout (or @llm_rollout / @prompt_rollout), e.g. examples.room_booking.agent:room_booker"
+)
+
+
+def _import_module(spec: str, module_name: str) -> Any:
+    if module_name.endswith(".py") or "/" in module_name:
+        path = Path(module_name)
+        if not path.is_file() or path.suffix != ".py":
+            raise CliError(f"agent {spec!r}: no Python file {module_name}; {AGENT_EXPECTED}")
+        sys.path.insert(0, str(path.resolve().parent))  # spawned runner processes inherit sys.path
+        module_name = path.stem
+    if str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
+            msg = f"agent {spec!r}: no module named {e.name!r} (searched the current folder and sys.path)"
+            raise CliError(msg) from None
+        raise CliError(f"agent {spec!r}: importing {module_name!r} failed: {type(e).__name__}: {e}") from None
+    except Exception as e:  # the user's module raised while importing
+        raise CliError(f"agent {spec!r}: importing {module_name!r} failed: {type(e).__name__}: {e}") from None
+
+
+def _what(obj: Any) -> str:
+    import inspect
+
+    if inspect.ismodule(obj):
+        return "a module"
+    if inspect.isclass(obj):
+        return f"the class {obj.__name__}"
+    if inspect.isroutine(obj):
+        return "a function without @eventlight.rollout"
+    return f"a {type(obj).__name__}"
 
 
 def load_agent(spec: str) -> Any:
-    """Import ``module:attribute`` (or ``path/to/file.py:attribute``).
+    """Import ``module:attribute`` (or ``path/to/file.py:attribute``) and check it is an agent.
+
+    ``attribute`` may be dotted (``module:holder.agent``). A ``LitAgent`` subclass is instantiated
+    without arguments.
+
+    Returns:
+        The ``LitAgent``.
 
     Raises:
-        typer.BadParameter: The module or attribute does not exist.
+        CliError: The spec is malformed, the module or attribute does not exist, importing the
+            module failed, or the attribute is not an agent (exit code 2).
     """
-    if ":" not in spec:
-        raise typer.BadParameter(f"{spec!r}: expected module:attribute, e.g. examples.room_booking.agent:room_booker")
-    module_name, attr = spec.split(":", 1)
-    if module_name.endswith(".py"):
-        path = Path(module_name).resolve()
-        sys.path.insert(0, str(path.parent))
-        module_name = path.stem
-    sys.path.insert(0, str(Path.cwd()))
-    try:
-        module = importlib.import_module(module_name)
-        return getattr(module, attr)
-    except (ImportError, AttributeError) as e:
-        raise typer.BadParameter(f"cannot load {spec!r}: {e}") from e
+    from eventlight.agent import LitAgent
+
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise CliError(f"agent {spec!r}: {AGENT_EXPECTED}")
+    obj = _import_module(spec, module_name)
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise CliError(f"agent {spec!r}: {module_name} has no attribute {attr!r}; {AGENT_EXPECTED}") from None
+    if isinstance(obj, type) and issubclass(obj, LitAgent):
+        try:
+            obj = obj()
+        except Exception as e:
+            raise CliError(f"agent {spec!r}: {obj.__name__}() failed ({type(e).__name__}: {e})") from None
+    if not isinstance(obj, LitAgent):
+        raise CliError(f"agent {spec!r} is {_what(obj)}, not an agent: {AGENT_EXPECTED}")
+    return obj
+
+
+async def _runner_nats(settings: Settings) -> str:
+    found = await _need_nats(settings)
+    if await _stream_state(found.url, settings) is None:
+        raise _no_namespace(settings, f"no stream {settings.stream_name}")
+    return str(found.url)
 
 
 @app.command()
 def runner(
-    agent: Annotated[str, typer.Argument(help="The agent, as module:attribute.")],
-    n: Annotated[int, typer.Option("--n-runners", "-n", min=1, help="Runner processes.")] = 1,
+    agent: Annotated[str, typer.Argument(help="The agent, as module:attribute or path/to/file.py:attribute.")],
+    n: Annotated[int, typer.Option("--n-runners", "-n", min=1, help="Runner processes (at least 1).")] = 1,
     namespace: NamespaceOpt = None,
 ) -> None:
-    """Run runner processes that consume the namespace's rollout queue until Ctrl+C."""
-    from eventlight.services import read_services
+    """Run runner processes that consume the namespace's rollout queue until Ctrl+C.
+
+    Servers: uses $EVENTLIGHT_NATS_URL when set, else the embedded NATS `eventlight up` started;
+    never starts or stops one (without it: exit 1, 'run `eventlight up`'), so stopping the runners
+    leaves the servers to the trainer and other runners."""
+    from eventlight.services import redact
     from eventlight.trainer import RunnerPool
 
     settings = _settings(namespace)
     the_agent = load_agent(agent)
-    nats_url = settings.nats_url or (found.nats_url if (found := read_services(settings)) else None)
-    if nats_url is None:
-        err.print("[red]error:[/red] no NATS server: run `eventlight up` or set EVENTLIGHT_NATS_URL")
-        raise typer.Exit(2)
+    nats_url = _run(_runner_nats(settings))
     pool = RunnerPool(the_agent, n, settings, nats_url, log_level=settings.log_level)
     pool.start()
-    console.print(f"{n} runner(s) consuming el.{settings.namespace}; Ctrl+C to stop")
+    console.print(f"{n} runner(s) consuming {settings.stream_name} on {escape(redact(nats_url))}; Ctrl+C to stop")
     try:
         while pool.alive():
             time.sleep(0.5)
     except KeyboardInterrupt:
         console.print("stopping runners…")
         pool.stop()
-        raise typer.Exit(130) from None
-    raise typer.Exit(1)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    codes = pool.stop()
+    raise CliError(f"runner processes exited (exit codes {codes}); their log is above", EXIT_UNAVAILABLE)
 
 
 def _register_bench() -> None:
@@ -246,11 +562,9 @@ _register_bench()
 
 def main() -> None:
     """Console entry point."""
-    import os
-
     level = os.environ.get("EVENTLIGHT_LOG_LEVEL", "INFO").upper()
     if level not in logging.getLevelNamesMapping():
-        err.print(f"[yellow]warning:[/yellow] EVENTLIGHT_LOG_LEVEL={level!r} is not a log level; using INFO")
+        err.print(f"[yellow]warning:[/yellow] EVENTLIGHT_LOG_LEVEL={escape(level)!r} is not a log level; using INFO")
         level = "INFO"
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     app()

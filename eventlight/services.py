@@ -61,9 +61,13 @@ __all__ = [
     "apply_migrations",
     "apply_streams",
     "drop_namespace",
+    "Endpoint",
     "ensure_services",
+    "find_nats",
+    "find_pg",
     "prepare_services",
     "read_services",
+    "redact",
     "stop_services",
 ]
 
@@ -205,6 +209,94 @@ def read_services(settings: Settings) -> Services | None:
         if pid is not None and not _pid_running(pid, ""):
             return None
     return msgspec.structs.replace(services, started=[])
+
+
+class Endpoint(msgspec.Struct, frozen=True):
+    """A server found by ``find_nats`` / ``find_pg``, which answered.
+
+    Attributes:
+        url: NATS URL or Postgres DSN, as configured (may hold credentials: print ``redact(url)``).
+        origin: ``"EVENTLIGHT_NATS_URL"`` / ``"EVENTLIGHT_PG_DSN"`` when configured, else ``"embedded"``.
+        pid: Pid of the embedded server, ``None`` when external.
+        kind: ``"external"``, ``"embedded"`` (NATS), ``"system"`` or ``"pgserver"`` (Postgres).
+    """
+
+    url: str
+    origin: str
+    pid: int | None = None
+    kind: str = "external"
+
+
+async def find_nats(settings: Settings) -> Endpoint | None:
+    """Find the NATS server to use without starting one.
+
+    ``settings.nats_url`` when set, else the embedded server ``ensure_services`` recorded in
+    ``services.json``.
+
+    Returns:
+        The server, which answered within 2 s; ``None`` when none is configured or recorded.
+
+    Raises:
+        ServiceUnavailableError: The configured or recorded server does not answer (the URL redacted).
+    """
+    if settings.nats_url:
+        found = Endpoint(settings.nats_url, "EVENTLIGHT_NATS_URL")
+    elif (recorded := read_services(settings)) is not None:
+        embedded = recorded.nats_pid is not None
+        origin, kind = ("embedded", "embedded") if embedded else ("EVENTLIGHT_NATS_URL", "external")
+        found = Endpoint(recorded.nats_url, origin, recorded.nats_pid, kind)
+    else:
+        return None
+    why = await _nats_probe(found.url)
+    if why:
+        raise ServiceUnavailableError(f"{found.origin} {redact(found.url)}", f"NATS did not answer within 2 s ({why})")
+    return found
+
+
+async def find_pg(settings: Settings) -> Endpoint | None:
+    """Find the Postgres to use without starting one.
+
+    ``settings.pg_dsn`` when set (unlike ``ensure_services``, an unreachable one is an error, not a
+    fallback), else the one ``ensure_services`` recorded in ``services.json``.
+
+    Returns:
+        The server, which answered ``SELECT 1`` within 3 s; ``None`` when none is configured or recorded.
+
+    Raises:
+        ServiceUnavailableError: The configured or recorded server does not answer (the DSN redacted).
+    """
+    if settings.pg_dsn:
+        found = Endpoint(settings.pg_dsn, "EVENTLIGHT_PG_DSN")
+    elif (recorded := read_services(settings)) is not None:
+        origin = "embedded" if recorded.pg_pid is not None else "EVENTLIGHT_PG_DSN"
+        found = Endpoint(recorded.pg_dsn, origin, recorded.pg_pid, recorded.pg_kind)
+    else:
+        return None
+    why = await _pg_probe(found.url)
+    if why:
+        raise ServiceUnavailableError(f"{found.origin} {redact(found.url)}", f"Postgres did not answer ({why})")
+    return found
+
+
+def redact(url: str) -> str:
+    """A NATS URL (or comma-separated list) or Postgres DSN without passwords or tokens.
+
+    ``scheme://user:secret@host`` becomes ``scheme://user:***@host``; a NATS token
+    (``nats://secret@host``) becomes ``nats://***@host``; ``password=…`` in a key/value DSN or a
+    query string becomes ``password=***``.
+    """
+    url = re.sub(r"(?i)(password=)[^&\s]*", r"\1***", url)
+    return ",".join(_redact_one(part) for part in url.split(","))
+
+
+def _redact_one(url: str) -> str:
+    m = re.match(r"^(\s*[a-zA-Z][\w+.-]*://)([^@/]*)@(.*)$", url)
+    if not m:
+        return url
+    scheme, creds, rest = m.groups()
+    if ":" in creds:
+        return f"{scheme}{creds.split(':', 1)[0]}:***@{rest}"
+    return f"{scheme}***@{rest}" if scheme.strip().lower().startswith(("nats", "tls", "ws")) else url
 
 
 async def stop_services(settings: Settings) -> list[str]:
@@ -536,7 +628,7 @@ async def _stop_nats(state: Path) -> str | None:
 
 def _redact(dsn: str) -> str:
     """The DSN without its password."""
-    return re.sub(r"(://[^:/@]+):[^@]*@", r"\1:***@", dsn)
+    return redact(dsn)
 
 
 async def _pg_probe(dsn: str, timeout_s: float = PG_PROBE_TIMEOUT_S) -> str | None:

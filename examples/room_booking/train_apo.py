@@ -239,9 +239,10 @@ async def report(trainer: agl.Trainer, apo: agl.APO, run_id: str, wall_s: float)
     print("  best prompt:")
     for line in best.template.splitlines():
         print(f"    | {line}")
-    print("  query the projections yourself, e.g.:")
+    print("  query the projections yourself (`eventlight up` starts the embedded servers on .eventlight/):")
+    print("    .venv/bin/eventlight up")
     print(f'    .venv/bin/eventlight sql "{report_sql(run_id)}"')
-    print("  (the embedded servers keep their data in .eventlight/; `make down` stops them if they run)")
+    print("    .venv/bin/eventlight down")
     print("=" * 78)
     return 0
 

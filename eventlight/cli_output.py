@@ -1,0 +1,156 @@
+"""How ``eventlight sql`` and ``eventlight status`` print values.
+
+Three formats for query results:
+
+* ``table`` (default): a rich table for people. Each column is at most ``MAX_COLUMN_WIDTH``
+  characters wide and folds; a cell longer than ``MAX_CELL_CHARS`` is cut with ``…``; JSON is
+  compact; float epoch seconds in a ``*_time`` / ``timestamp`` column and ``timestamptz`` values
+  print as UTC times (``2026-05-01 12:00:03.250Z``); NULL prints as a dim ``null``. A result too
+  wide for the terminal prints one record per row instead (``column  value`` lines, like psql's
+  expanded mode), so no column is squeezed to a few characters.
+* ``csv`` and ``json`` (one object per row, JSON lines): the values as stored, for programs:
+  epoch seconds stay numbers, timestamps are ISO 8601, JSON columns stay JSON, NULL is empty / ``null``.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import decimal
+import io
+import json
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+FORMATS = ("table", "csv", "json")
+MAX_COLUMN_WIDTH = 60
+MAX_CELL_CHARS = 240
+_JSON_TYPES = frozenset({"json", "jsonb"})
+_FLOAT_TYPES = frozenset({"float8", "float4", "numeric"})
+_EPOCH_MIN, _EPOCH_MAX = 0.0, 32_503_680_000.0  # 1970 .. 3000
+
+
+class Column:
+    """A result column: its name and its Postgres type name (``int8``, ``jsonb``, ``float8``, …)."""
+
+    def __init__(self, name: str, type_name: str):
+        self.name = name
+        self.type_name = type_name
+
+    @property
+    def is_json(self) -> bool:
+        return self.type_name in _JSON_TYPES
+
+    @property
+    def is_epoch(self) -> bool:
+        """Float seconds since the epoch, by eventlight's naming (``start_time``, ``last_heartbeat_time``)."""
+        named = self.name.endswith("_time") or self.name in ("time", "timestamp")
+        return named and self.type_name in _FLOAT_TYPES
+
+
+def utc_time(seconds: float) -> str:
+    """``2026-05-01 12:00:03.250Z`` for epoch seconds (milliseconds shown)."""
+    moment = dt.datetime.fromtimestamp(seconds, dt.UTC)
+    return moment.strftime("%Y-%m-%d %H:%M:%S.") + f"{moment.microsecond // 1000:03d}Z"
+
+
+def age(seconds: float) -> str:
+    """A short age: ``3 s ago``, ``4 min ago``, ``2 h ago``, ``3 d ago`` (``in 2 s`` when ahead)."""
+    ahead, seconds = seconds < 0, abs(seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            text = f"{int(seconds // size)} {unit}"
+            break
+    else:
+        text = f"{int(seconds)} s"
+    return f"in {text}" if ahead else f"{text} ago"
+
+
+def _table_cell(col: Column, value: Any) -> Text | str:
+    if value is None:
+        return Text("null", style="dim")
+    if col.is_epoch and isinstance(value, float | int | decimal.Decimal) and _EPOCH_MIN < value < _EPOCH_MAX:
+        return utc_time(float(value))
+    if isinstance(value, dt.datetime):
+        moment = value.astimezone(dt.UTC) if value.tzinfo else value
+        return moment.isoformat(sep=" ", timespec="milliseconds").replace("+00:00", "Z")
+    text = _compact_json(value) if col.is_json else str(value)
+    return text if len(text) <= MAX_CELL_CHARS else text[: MAX_CELL_CHARS - 1] + "…"
+
+
+def _compact_json(value: Any) -> str:
+    try:
+        return json.dumps(json.loads(value), separators=(",", ":"), ensure_ascii=False)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def result_table(cols: Sequence[Column], rows: Sequence[Sequence[Any]], width: int) -> RenderableType:
+    """The ``table`` format of a result for a terminal ``width`` characters wide.
+
+    One table when every column fits at its natural width (at most ``MAX_COLUMN_WIDTH``), else
+    one record per row.
+    """
+    cells = [[_table_cell(c, v) for c, v in zip(cols, row, strict=True)] for row in rows]
+    natural = [
+        min(MAX_COLUMN_WIDTH, max([len(c.name)] + [len(str(row[i])) for row in cells])) for i, c in enumerate(cols)
+    ]
+    if sum(natural) + 3 * len(cols) + 1 <= width or len(cols) == 1:
+        table = Table(header_style="bold")
+        for col in cols:
+            table.add_column(col.name, max_width=MAX_COLUMN_WIDTH, overflow="fold")
+        for row_cells in cells:
+            table.add_row(*row_cells)
+        return table
+    return Group(*(_record(i, cols, row_cells) for i, row_cells in enumerate(cells, 1)))
+
+
+def _record(index: int, cols: Sequence[Column], cells: Sequence[Text | str]) -> Table:
+    table = Table(box=None, show_header=False, pad_edge=False, title=f"row {index}", title_justify="left")
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(overflow="fold")
+    for col, cell in zip(cols, cells, strict=True):
+        table.add_row(col.name, cell)
+    return table
+
+
+def _plain(col: Column, value: Any) -> Any:
+    """A JSON-ready value: JSON columns parsed, times as ISO 8601, decimals and UUIDs as text."""
+    if value is None:
+        return None
+    if col.is_json:
+        try:
+            return json.loads(value)
+        except (TypeError, ValueError):
+            return value
+    if isinstance(value, dt.datetime | dt.date | dt.time):
+        return value.isoformat()
+    if isinstance(value, decimal.Decimal | uuid.UUID | dt.timedelta | bytes | memoryview):
+        return str(value) if not isinstance(value, bytes | memoryview) else bytes(value).hex()
+    return value
+
+
+def result_text(cols: Sequence[Column], rows: Sequence[Sequence[Any]], fmt: str) -> str:
+    """The ``csv`` or ``json`` (JSON lines) text of a result, ending in a newline when not empty."""
+    if fmt == "json":
+        lines = [
+            json.dumps({c.name: _plain(c, v) for c, v in zip(cols, row, strict=True)}, ensure_ascii=False, default=str)
+            for row in rows
+        ]
+        return "".join(line + "\n" for line in lines)
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow([c.name for c in cols])
+    for row in rows:
+        cells = [_plain(c, v) for c, v in zip(cols, row, strict=True)]
+        writer.writerow(["" if v is None else _compact(c, v) for c, v in zip(cols, cells, strict=True)])
+    return out.getvalue()
+
+
+def _compact(col: Column, value: Any) -> Any:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False) if col.is_json else value

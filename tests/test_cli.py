@@ -1,0 +1,283 @@
+"""The ``eventlight`` command line, run as a user runs it (a subprocess) against the test servers.
+
+Each error path must be one line on stderr with a non-zero exit code and no traceback; ``status``,
+``sql`` and ``runner`` never start servers and refuse alike when none run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from eventlight.cli import CliError, app, load_agent
+from eventlight.services import Services
+from eventlight.settings import Settings
+from eventlight.store.jetstream import JetStreamLightningStore
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV_VARS = ("EVENTLIGHT_NATS_URL", "EVENTLIGHT_PG_DSN", "EVENTLIGHT_NAMESPACE", "EVENTLIGHT_STATE_DIR")
+
+
+def cli(*args: str | bytes, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m eventlight.cli`` from the repository root with ``env`` over a clean environment."""
+    base = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
+    base["COLUMNS"] = "120"
+    return subprocess.run(
+        [sys.executable, "-m", "eventlight.cli", *args],
+        capture_output=True,
+        text=True,
+        errors="replace",
+        timeout=120,
+        cwd=ROOT,
+        env={**base, **(env or {})},
+    )
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess[str], code: int, *parts: str) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == code, (result.returncode, result.stderr)
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    for part in parts:
+        assert part in lines[0], (part, lines[0])
+    return lines[0]
+
+
+def env_of(ns: Settings) -> dict[str, str]:
+    return {
+        "EVENTLIGHT_NATS_URL": ns.nats_url or "",
+        "EVENTLIGHT_PG_DSN": ns.pg_dsn or "",
+        "EVENTLIGHT_NAMESPACE": ns.namespace,
+        "EVENTLIGHT_STATE_DIR": str(ns.state_dir),
+    }
+
+
+# -- version and agent specs ------------------------------------------------------------------
+
+
+def test_version_prints_the_package_version() -> None:
+    result = CliRunner().invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.output.strip() == f"eventlight {version('eventlight')}"
+
+
+def plain_function(task: object, llm: object) -> float:  # not decorated: not an agent
+    return 0.0
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ("os:path", "is a module, not an agent"),
+        ("os:getcwd", "is a function without @eventlight.rollout, not an agent"),
+        ("tests.test_cli:plain_function", "is a function without @eventlight.rollout"),
+        ("eventlight:Settings", "is the class Settings, not an agent"),
+        ("no_such_module_xyz:agent", "no module named 'no_such_module_xyz'"),
+        ("os:no_such_attr", "os has no attribute 'no_such_attr'"),
+        ("examples/room_booking/agent.py", "expected module:attribute"),
+        ("examples/room_booking/nope.py:agent", "no Python file examples/room_booking/nope.py"),
+        ("os", "expected module:attribute"),
+    ],
+)
+def test_runner_refuses_what_is_not_an_agent_in_one_line(spec: str, says: str) -> None:
+    assert_one_line_error(cli("runner", spec), 2, repr(spec), says)
+
+
+def test_runner_needs_at_least_one_process() -> None:
+    assert_one_line_error(cli("runner", "examples.room_booking.agent:room_booker", "-n", "0"), 2, "--n-runners")
+
+
+def test_load_agent_accepts_agents_by_module_or_file() -> None:
+    from eventlight.agent import LitAgent
+
+    assert isinstance(load_agent("examples.room_booking.agent:room_booker"), LitAgent)
+    assert isinstance(load_agent("examples/room_booking/agent.py:room_booker"), LitAgent)
+    with pytest.raises(CliError, match="not an agent"):
+        load_agent("examples.room_booking.agent:grade")
+
+
+# -- absent, unreachable and recorded servers -------------------------------------------------
+
+
+def test_status_sql_and_runner_refuse_alike_when_no_server_runs(tmp_path: Path) -> None:
+    env = {"EVENTLIGHT_STATE_DIR": str(tmp_path / "state")}
+    lines = [
+        assert_one_line_error(cli(*args, env=env), 1, "no eventlight servers are running", "run `eventlight up`")
+        for args in (("status",), ("sql", "SELECT 1"), ("runner", "examples.room_booking.agent:room_booker"))
+    ]
+    assert lines[0] == lines[1].replace("EVENTLIGHT_PG_DSN", "EVENTLIGHT_NATS_URL") == lines[2]
+    assert not (tmp_path / "state").exists()  # nothing was started, not even a state folder
+
+
+def test_unreachable_configured_servers_are_named_without_their_password(tmp_path: Path) -> None:
+    env = {
+        "EVENTLIGHT_STATE_DIR": str(tmp_path),
+        "EVENTLIGHT_PG_DSN": "postgresql://user:s3cret@127.0.0.1:1/db",
+        "EVENTLIGHT_NATS_URL": "nats://user:s3cret@127.0.0.1:1",
+    }
+    for args, var in (
+        (("sql", "SELECT 1"), "EVENTLIGHT_PG_DSN postgresql://user:***@127.0.0.1:1/db"),
+        (("status",), "EVENTLIGHT_NATS_URL nats://user:***@127.0.0.1:1"),
+        (("runner", "examples.room_booking.agent:room_booker"), "EVENTLIGHT_NATS_URL nats://user:***@127.0.0.1:1"),
+    ):
+        line = assert_one_line_error(cli(*args, env=env), 1, "cannot reach", var)
+        assert "s3cret" not in line
+
+
+async def _fill(ns: Settings) -> None:
+    async with JetStreamLightningStore(ns, pg_dsn=ns.pg_dsn) as store:
+        await store.enqueue_rollout(input={"q": 1})
+        await store.enqueue_rollout(input={"q": 2})
+        await store.start_rollout(input={"q": 3}, worker_id="Worker-7")
+        await store.update_worker("Worker-7", {"cpu": 0.5})
+        await store.sync_all()
+
+
+async def test_status_shows_services_rollouts_spans_and_worker_heartbeats(namespace: Settings) -> None:
+    await _fill(namespace)
+    result = cli("status", env=env_of(namespace))
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert re.search(r"^NATS\s+nats://\S+\s+external, from EVENTLIGHT_NATS_URL", out, re.M), out
+    assert re.search(r"^Postgres\s+postgresql://\S+\s+external, from EVENTLIGHT_PG_DSN", out, re.M), out
+    assert f"stream {namespace.stream_name} (" in out and "events)" in out
+    assert re.search(r"^rollouts\s+.*queuing=2", out, re.M), out
+    assert re.search(r"^spans\s+0$", out, re.M) and re.search(r"^projection\s+up to date$", out, re.M), out
+    assert re.search(r"Worker-7\s+busy\s+\d+ s ago", out), out
+    assert "not running" not in out + result.stderr
+
+
+async def test_status_and_sql_use_the_embedded_servers_up_recorded(
+    namespace: Settings, services: tuple[Settings, Services]
+) -> None:
+    base, svc = services
+    env = {"EVENTLIGHT_STATE_DIR": str(base.state_dir), "EVENTLIGHT_NAMESPACE": namespace.namespace}
+    result = cli("status", env=env)
+    assert result.returncode == 0, result.stderr
+    if svc.nats_pid is not None:
+        assert re.search(rf"^NATS\s+nats://\S+\s+embedded, nats-server pid {svc.nats_pid}", result.stdout, re.M)
+    ok = cli("sql", "SELECT count(*) AS n FROM rollouts", env=env)
+    assert ok.returncode == 0 and "1 row(s)" in ok.stdout, ok.stderr
+
+
+def test_a_namespace_that_does_not_exist_is_refused_not_created(namespace: Settings) -> None:
+    env = {**env_of(namespace), "EVENTLIGHT_NAMESPACE": "no_such_ns_cli"}
+    for args in (("sql", "SELECT 1"), ("status",)):
+        assert_one_line_error(cli(*args, env=env), 2, "namespace 'no_such_ns_cli' does not exist")
+    assert_one_line_error(cli("status", "-N", "Bad-Name", env=env), 2, "namespace 'Bad-Name' must match")
+    schemas = cli("sql", "SELECT nspname FROM pg_namespace WHERE nspname = 'el_no_such_ns_cli'", env=env_of(namespace))
+    assert "0 row(s)" in schemas.stdout, schemas.stderr + schemas.stdout
+
+
+# -- sql --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("query", "says"),
+    [
+        ("", "empty query"),
+        ("  \n ", "empty query"),
+        (";", "empty query"),
+        ("SELECT 1; SELECT 2", "several statements given"),
+        ("SELEC nonsense", "SQL error: syntax error"),
+        ("SELECT * FROM no_such_table", 'SQL error: relation "no_such_table" does not exist'),
+        ("DELETE FROM rollouts", "only reads"),
+    ],
+)
+def test_sql_refuses_bad_queries_in_one_line(namespace: Settings, query: str, says: str) -> None:
+    assert_one_line_error(cli("sql", query, env=env_of(namespace)), 2, says)
+
+
+def test_sql_refuses_a_query_that_is_not_utf8(namespace: Settings) -> None:
+    assert_one_line_error(cli("sql", b"SELECT '\xff'", env=env_of(namespace)), 2, "not valid UTF-8")
+
+
+WIDE = (
+    "SELECT repeat('x', 500) AS wide, '{\"a\": 1, \"b\": [1, 2]}'::jsonb AS j, "
+    "1700000000.5::float8 AS start_time, NULL::text AS nothing, "
+    "timestamptz '2024-01-02 03:04:05+02' AS ts, 42 AS n"
+)
+
+
+def test_sql_prints_wide_results_times_json_and_null_readably(namespace: Settings) -> None:
+    result = cli("sql", WIDE, env=env_of(namespace))
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert max(len(line) for line in out.splitlines()) <= 120
+    assert "row 1" in out and re.search(r"^start_time\s+2023", out, re.M)  # too wide: one record per row
+    assert out.count("x") == 239 and "x…" in out  # a long cell is cut with an ellipsis
+    assert '{"a":1,"b":[1,2]}' in out
+    assert "2023-11-14 22:13:20.500Z" in out  # float epoch seconds in a *_time column
+    assert "2024-01-02 01:04:05.000Z" in out  # timestamptz, in UTC
+    assert "null" in out and "1 row(s)" in out
+
+
+def test_sql_folds_long_cells_of_a_table_that_fits(namespace: Settings) -> None:
+    result = cli("sql", "SELECT repeat('y', 100) AS long, 1 AS n", env=env_of(namespace))
+    assert result.returncode == 0, result.stderr
+    assert "┃ long" in result.stdout and "y" * 60 in result.stdout and "y" * 61 not in result.stdout
+
+
+async def test_sql_prints_projected_epoch_columns_as_utc(namespace: Settings) -> None:
+    await _fill(namespace)
+    result = cli("sql", "SELECT rollout_id, start_time FROM rollouts ORDER BY start_time", env=env_of(namespace))
+    assert result.returncode == 0, result.stderr
+    assert len(re.findall(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}Z", result.stdout)) == 3, result.stdout
+
+
+def test_sql_csv_and_json_keep_raw_values(namespace: Settings) -> None:
+    as_json = cli("sql", WIDE, "--format", "json", env=env_of(namespace))
+    assert as_json.returncode == 0, as_json.stderr
+    row = json.loads(as_json.stdout)
+    assert row["j"] == {"a": 1, "b": [1, 2]} and row["start_time"] == 1700000000.5 and row["nothing"] is None
+    assert len(row["wide"]) == 500 and row["n"] == 42
+    as_csv = cli("sql", "SELECT 1 AS a, NULL::text AS b, '{\"k\": 2}'::jsonb AS c", "-f", "csv", env=env_of(namespace))
+    assert as_csv.stdout == 'a,b,c\n1,,"{""k"":2}"\n', as_csv.stdout
+    assert_one_line_error(cli("sql", "SELECT 1", "-f", "yaml", env=env_of(namespace)), 2, "expected one of")
+
+
+async def test_runner_runs_heartbeats_into_status_and_stops_on_ctrl_c(namespace: Settings) -> None:
+    import asyncio
+    import signal
+
+    base = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
+    proc = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "eventlight.cli", "runner", "examples.room_booking.agent:room_booker", "-n", "1"),
+        cwd=ROOT,
+        env={**base, **env_of(namespace)},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn):  # projects, as a trainer does
+            out = ""
+            for _ in range(120):
+                out = (await asyncio.to_thread(cli, "status", env=env_of(namespace))).stdout
+                if "Worker-0" in out:
+                    break
+                await asyncio.sleep(0.5)
+        assert re.search(r"Worker-0\s+\S+\s+\d+ s ago", out), out
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out_bytes, err_bytes = await asyncio.wait_for(proc.communicate(), 60)
+    stdout, stderr = out_bytes.decode(), err_bytes.decode()
+    assert proc.returncode == 130, stderr
+    assert "consuming" in stdout and "Traceback" not in stderr
+    after = await asyncio.to_thread(cli, "sql", "SELECT 1 AS one", env=env_of(namespace))
+    assert after.returncode == 0, after.stderr  # the runner left the servers running
+
+
+def test_redact_hides_passwords_and_tokens() -> None:
+    from eventlight.services import redact
+
+    assert redact("postgresql://u:pw@h:5432/db") == "postgresql://u:***@h:5432/db"
+    assert redact("nats://tok@h:4222,nats://a:b@h2:4222") == "nats://***@h:4222,nats://a:***@h2:4222"
+    assert redact("host=h password=pw user=u") == "host=h password=*** user=u"
+    assert redact("postgresql://postgres@127.0.0.1/postgres") == "postgresql://postgres@127.0.0.1/postgres"
