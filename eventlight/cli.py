@@ -282,19 +282,35 @@ def _sql_error(e: Exception) -> CliError:
     return CliError(f"SQL error: {text}")
 
 
-async def _query(settings: Settings, query: str) -> tuple[list[Any], list[Any]]:
+async def _query(settings: Settings, query: str, timeout_s: float) -> tuple[list[Any], list[Any]]:
+    """Run ``query`` as the read-only role ``eventlight_reader`` (``eventlight.sql_reader``)."""
     import asyncpg
 
     from eventlight.cli_output import Column
+    from eventlight.sql_reader import connect_reader
 
-    conn = await _connect_pg(settings)
+    found = await _need_pg(settings)
+    owner = await _connect_pg(settings, found)  # brings the schema (and the reader's grants) up to date
+    try:
+        conn = await connect_reader(owner, found.url, settings.pg_schema, timeout_s=timeout_s)
+    finally:
+        await owner.close()
     try:
         async with conn.transaction(readonly=True):
             stmt = await conn.prepare(query)
-            rows = await stmt.fetch()
+            rows = await stmt.fetch(timeout=timeout_s + 5)  # the server's statement_timeout fires first
         cols = [Column(a.name, a.type.name) for a in stmt.get_attributes()]
+    except asyncpg.QueryCanceledError as e:
+        raise CliError(f"SQL error: the query ran longer than --timeout-s {timeout_s:g} s and was cancelled") from e
+    except asyncpg.InsufficientPrivilegeError as e:
+        raise CliError(
+            f"SQL error: {e} (`eventlight sql` runs as the read-only role eventlight_reader: "
+            "the namespace's tables and views only)"
+        ) from e
     except asyncpg.PostgresError as e:
         raise _sql_error(e) from e
+    except TimeoutError as e:
+        raise CliError(f"SQL error: no answer within {timeout_s + 5:g} s") from e
     finally:
         await conn.close()
     return cols, rows
@@ -311,6 +327,9 @@ def sql(
             help="table: for reading (UTC times, folded cells, compact JSON); csv / json (JSON lines): raw values.",
         ),
     ] = "table",
+    timeout_s: Annotated[
+        float, typer.Option("--timeout-s", min=0.001, help="Cancel the query after this many seconds.")
+    ] = 30.0,
     namespace: NamespaceOpt = None,
 ) -> None:
     """Run one SQL statement over the projections and print the result.
@@ -318,8 +337,9 @@ def sql(
     Tables rollouts, attempts, spans, resources, workers; views rollout_rewards,
     reward_by_resources, llm_calls (see migrations/001_read_models.sql).
 
-    The query runs in a read-only transaction: the tables are a projection of the stream, and a
-    row changed here would silently disagree with it (write through the store API instead).
+    The query runs in a read-only transaction, as the role eventlight_reader that may only read
+    this namespace's tables, with a statement timeout: the tables are a projection of the stream,
+    and a row changed here would silently disagree with it (write through the store API instead).
 
     Servers: uses $EVENTLIGHT_PG_DSN when set, else the embedded Postgres `eventlight up` started;
     never starts or stops one (without it: exit 1, 'run `eventlight up`')."""
@@ -328,7 +348,7 @@ def sql(
     if output_format not in FORMATS:
         raise CliError(f"--format {output_format!r}: expected one of {', '.join(FORMATS)}")
     _check_query(query)
-    cols, rows = _run(_query(_settings(namespace), query))
+    cols, rows = _run(_query(_settings(namespace), query, timeout_s))
     if output_format != "table":
         sys.stdout.write(result_text(cols, rows, output_format))
         return
