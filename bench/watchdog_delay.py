@@ -30,11 +30,11 @@ import uuid
 from pathlib import Path
 
 from bench import require_positive
+from eventlight.core.types import RolloutConfig, Span
 from eventlight.services import stop_services
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.trainer import prepare_services
-from eventlight.types import RolloutConfig, Span
 
 
 async def measure(settings: Settings, case: str, rollouts: int, deadline_s: float, interval_s: float) -> list[float]:

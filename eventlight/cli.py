@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from eventlight.errors import EventlightError
+from eventlight.core.errors import EventlightError
 from eventlight.settings import Settings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="eventlight: train agents from their traces.")
@@ -72,7 +72,7 @@ def down(namespace: NamespaceOpt = None) -> None:
 
 
 def _redact(dsn: str) -> str:
-    from eventlight.store.pg import redact
+    from eventlight.store.jetstream.pg import redact
 
     return redact(dsn)
 
@@ -80,9 +80,9 @@ def _redact(dsn: str) -> str:
 async def _connect_pg(settings: Settings) -> Any:
     import asyncpg
 
-    from eventlight.errors import ServiceUnavailableError
+    from eventlight.core.errors import ServiceUnavailableError
     from eventlight.services import apply_migrations, ensure_services, read_services
-    from eventlight.store.pg import redact
+    from eventlight.store.jetstream.pg import redact
 
     started: list[str] = []
     dsn = settings.pg_dsn

@@ -62,7 +62,7 @@ import uvicorn  # noqa: E402
 from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.responses import JSONResponse, Response, StreamingResponse  # noqa: E402
 
-from eventlight.types import LLM, Event, OtelResource, ProxyLLM, Span, TraceStatus  # noqa: E402
+from eventlight.core.types import LLM, Event, OtelResource, ProxyLLM, Span, TraceStatus  # noqa: E402
 
 if TYPE_CHECKING:
     from eventlight.store.base import LightningStore

@@ -53,7 +53,7 @@ from nats.aio.client import Client as NatsClient
 from nats.js import api as js_api
 from nats.js.errors import NotFoundError as JsNotFoundError
 
-from eventlight.errors import InvalidInputError, ServiceUnavailableError
+from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
 from eventlight.settings import Settings
 
 __all__ = [

@@ -28,8 +28,8 @@ from eventlight.algorithm.base import Algorithm
 from eventlight.runner import Hook, LitAgentRunner
 from eventlight.services import Services, apply_migrations, apply_streams, ensure_services, stop_services
 from eventlight.settings import Settings
-from eventlight.store.eventlog import connect_nats
 from eventlight.store.jetstream import JetStreamLightningStore
+from eventlight.store.jetstream.connect import connect_nats
 from eventlight.tracer import OtelTracer, Tracer
 
 log = logging.getLogger(__name__)

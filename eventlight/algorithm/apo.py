@@ -22,9 +22,8 @@ import msgspec
 
 from eventlight.adapter import OpenAIMessages, TraceToMessages
 from eventlight.algorithm.base import Algorithm, Dataset, batch_iter_over_dataset
-from eventlight.errors import EventlightError
-from eventlight.rewards import find_final_reward
-from eventlight.types import (
+from eventlight.core.errors import EventlightError
+from eventlight.core.types import (
     EnqueueRolloutRequest,
     NamedResources,
     PromptTemplate,
@@ -32,6 +31,7 @@ from eventlight.types import (
     RolloutConfig,
     Span,
 )
+from eventlight.rewards import find_final_reward
 
 log = logging.getLogger(__name__)
 
