@@ -34,9 +34,10 @@ from bench.micro import EmptyResult, _measure, _prefill
 from bench.procs import ProcessSampler
 from bench.report import print_and_save
 from bench.stack_eventlight import Stack, make_span
-from eventlight.events import AttemptStarted, AttemptUpdated, RolloutCreated, SpansAdded, encode_event, subject_for
+from eventlight.core.events import AttemptStarted, AttemptUpdated, RolloutCreated, SpansAdded, encode_event
+from eventlight.core.types import Attempt, Rollout
 from eventlight.store.jetstream import JetStreamLightningStore
-from eventlight.types import Attempt, Rollout
+from eventlight.store.jetstream.layout import subject_for
 
 WINDOW = 1024
 

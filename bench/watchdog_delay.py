@@ -30,10 +30,10 @@ import uuid
 from pathlib import Path
 
 from bench import require_positive
+from eventlight.core.types import RolloutConfig, Span
 from eventlight.services import prepare_services, stop_services
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
-from eventlight.types import RolloutConfig, Span
 
 
 async def measure(settings: Settings, case: str, rollouts: int, deadline_s: float, interval_s: float) -> list[float]:

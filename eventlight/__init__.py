@@ -15,15 +15,7 @@ from eventlight.adapter import (
 )
 from eventlight.agent import FunctionalLitAgent, LitAgent, llm_rollout, prompt_rollout, rollout
 from eventlight.algorithm import APO, Algorithm, Baseline, FastAlgorithm, algo
-from eventlight.emitter import (
-    emit_annotation,
-    emit_exception,
-    emit_message,
-    emit_object,
-    emit_reward,
-    operation,
-)
-from eventlight.errors import (
+from eventlight.core.errors import (
     AttemptNotFoundError,
     ConcurrencyError,
     EventlightError,
@@ -34,6 +26,30 @@ from eventlight.errors import (
     ResourcesNotFoundError,
     RolloutNotFoundError,
     ServiceUnavailableError,
+)
+from eventlight.core.types import (
+    LLM,
+    Attempt,
+    AttemptedRollout,
+    EnqueueRolloutRequest,
+    NamedResources,
+    PaginatedResult,
+    PromptTemplate,
+    ProxyLLM,
+    ResourcesUpdate,
+    Rollout,
+    RolloutConfig,
+    Span,
+    Triplet,
+    Worker,
+)
+from eventlight.emitter import (
+    emit_annotation,
+    emit_exception,
+    emit_message,
+    emit_object,
+    emit_reward,
+    operation,
 )
 from eventlight.rewards import (
     find_final_reward,
@@ -51,22 +67,6 @@ from eventlight.store import UNSET, InMemoryLightningStore, LightningStore, Ligh
 from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.tracer import DummyTracer, OtelTracer, SpanCoreFields, Tracer, get_active_tracer
 from eventlight.trainer import Trainer
-from eventlight.types import (
-    LLM,
-    Attempt,
-    AttemptedRollout,
-    EnqueueRolloutRequest,
-    NamedResources,
-    PaginatedResult,
-    PromptTemplate,
-    ProxyLLM,
-    ResourcesUpdate,
-    Rollout,
-    RolloutConfig,
-    Span,
-    Triplet,
-    Worker,
-)
 
 __all__ = [
     "APO",

@@ -25,8 +25,8 @@ from enum import StrEnum
 from typing import Any, Generic, TypedDict, TypeVar
 
 from eventlight.attributes import unflatten_attributes
+from eventlight.core.types import Span, Triplet
 from eventlight.rewards import get_reward_value
-from eventlight.types import Span, Triplet
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from eventlight.types import LLM, PromptTemplate, ProxyLLM, Rollout
+from eventlight.core.types import LLM, PromptTemplate, ProxyLLM, Rollout
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from rich.markup import escape
 from rich.table import Table
 from typer.core import TyperGroup
 
-from eventlight.errors import EventlightError, ServiceUnavailableError
+from eventlight.core.errors import EventlightError, ServiceUnavailableError
 from eventlight.settings import Settings
 
 EXIT_UNAVAILABLE = 1
@@ -374,7 +374,7 @@ async def _stream_state(url: str, settings: Settings) -> tuple[int, int] | None:
     """(messages, last sequence) of the namespace's stream, ``None`` when it does not exist."""
     from nats.js.errors import NotFoundError
 
-    from eventlight.store.eventlog import connect_nats
+    from eventlight.store.jetstream.connect import connect_nats
 
     nc = await connect_nats(url, name="eventlight-cli")
     try:

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from typing import Any
 
 from eventlight.attributes import flatten_attributes
+from eventlight.core.types import TraceStatus
 from eventlight.tracer import DummyTracer, SpanCoreFields, Tracer, get_active_tracer
-from eventlight.types import TraceStatus
 
 AGL_ANNOTATION = "agentlightning.annotation"
 AGL_MESSAGE = "agentlightning.message"

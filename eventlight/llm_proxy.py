@@ -63,9 +63,9 @@ import uvicorn  # noqa: E402
 from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.responses import JSONResponse, Response, StreamingResponse  # noqa: E402
 
-from eventlight.errors import LLMUnavailableError  # noqa: E402
+from eventlight.core.errors import LLMUnavailableError  # noqa: E402
+from eventlight.core.types import LLM, Event, OtelResource, ProxyLLM, Span, TraceStatus  # noqa: E402
 from eventlight.llm_health import LLMCallHealth  # noqa: E402
-from eventlight.types import LLM, Event, OtelResource, ProxyLLM, Span, TraceStatus  # noqa: E402
 
 if TYPE_CHECKING:
     from eventlight.store.base import LightningStore

@@ -31,7 +31,7 @@ from types import TracebackType
 
 import httpx
 
-from eventlight.errors import ServiceUnavailableError
+from eventlight.core.errors import ServiceUnavailableError
 
 __all__ = ["DEFAULT_MODEL_ALIAS", "LocalLLMServer", "find_smollm2_gguf"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from eventlight.types import Event, Link, OtelResource, Span, SpanContext, TraceStatus
+from eventlight.core.types import Event, Link, OtelResource, Span, SpanContext, TraceStatus
 
 
 def _hex_trace(value: int) -> str:

@@ -33,10 +33,10 @@ from typing import Any
 import psutil
 
 from eventlight.agent import LitAgent
+from eventlight.core.types import AttemptedRollout, Span
 from eventlight.emitter import emit_reward
 from eventlight.store.base import LightningStore
 from eventlight.tracer import OtelTracer, Tracer
-from eventlight.types import AttemptedRollout, Span
 
 log = logging.getLogger(__name__)
 

@@ -53,7 +53,7 @@ from nats.aio.client import Client as NatsClient
 from nats.js import api as js_api
 from nats.js.errors import NotFoundError as JsNotFoundError
 
-from eventlight.errors import InvalidInputError, ServiceUnavailableError
+from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
 from eventlight.settings import Settings
 
 __all__ = [
@@ -172,7 +172,7 @@ async def prepare_services(settings: Settings) -> Services:
     Raises:
         ServiceUnavailableError: A server cannot be started or reached.
     """
-    from eventlight.store.eventlog import connect_nats  # the store imports this module's helpers
+    from eventlight.store.jetstream.connect import connect_nats  # the store imports this module's helpers
 
     services = await ensure_services(settings)
     try:

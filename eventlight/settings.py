@@ -19,7 +19,7 @@ from pathlib import Path
 
 import msgspec
 
-from eventlight.errors import InvalidInputError
+from eventlight.core.errors import InvalidInputError
 
 _NS_RE = re.compile(r"^[a-z0-9_]{1,40}$")
 

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 
-from eventlight.errors import ServiceUnavailableError
+from eventlight.core.errors import ServiceUnavailableError
 
 __all__ = ["READER_ROLE", "connect_reader", "reader_dsn"]
 

@@ -28,9 +28,9 @@ from opentelemetry.sdk.resources import Resource as OtelSdkResource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.trace import Status, StatusCode
 
+from eventlight.core.types import Span, TraceStatus
 from eventlight.otel import span_from_readable
 from eventlight.store.base import LightningStore
-from eventlight.types import Span, TraceStatus
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from eventlight.agent import LitAgent
 from eventlight.algorithm.base import Algorithm
-from eventlight.errors import LLMUnavailableError
+from eventlight.core.errors import LLMUnavailableError
 from eventlight.runner import Hook, LitAgentRunner
 from eventlight.services import Services, prepare_services, stop_services
 from eventlight.settings import Settings

@@ -30,8 +30,8 @@ from eventlight.services import (
     stop_services,
 )
 from eventlight.settings import Settings
-from eventlight.store.eventlog import connect_nats
 from eventlight.store.jetstream import JetStreamLightningStore
+from eventlight.store.jetstream.connect import connect_nats
 from eventlight.store.memory import InMemoryLightningStore
 
 T = TypeVar("T")
@@ -118,6 +118,12 @@ async def store(backend_namespace: Settings | None) -> AsyncIterator[object]:
         return
     async with JetStreamLightningStore(backend_namespace, pg_dsn=backend_namespace.pg_dsn) as s:
         yield s
+
+
+@pytest.fixture
+def zero_copy(backend: str) -> bool:
+    """What the backend's ``capabilities["zero_copy"]`` must say."""
+    return backend == "jetstream"
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ from eventlight.attributes import (
     flatten_attributes,
     unflatten_attributes,
 )
+from eventlight.core.types import Span
 from eventlight.rewards import (
     RewardDimension,
     find_final_reward,
@@ -33,7 +34,6 @@ from eventlight.rewards import (
     get_rewards_from_span,
     is_reward_span,
 )
-from eventlight.types import Span
 
 
 def span(

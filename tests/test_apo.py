@@ -31,9 +31,9 @@ from eventlight.algorithm import (
     batch_iter_over_dataset,
 )
 from eventlight.algorithm.apo import APPLY_EDIT_VARIANTS, EVIDENCE_CHAR_BUDGET, GRADIENT_VARIANTS
+from eventlight.core.types import TERMINAL_ROLLOUT_STATUSES, AttemptedRollout, PromptTemplate, ProxyLLM, Span
 from eventlight.store.base import LightningStore
 from eventlight.store.memory import InMemoryLightningStore
-from eventlight.types import TERMINAL_ROLLOUT_STATUSES, AttemptedRollout, PromptTemplate, ProxyLLM, Span
 
 SEED = "Pick a meeting room for this request: {task}"
 RESOURCES = {

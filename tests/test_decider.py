@@ -5,10 +5,11 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from eventlight import decider as d
-from eventlight import events
-from eventlight.errors import AttemptNotFoundError, InvalidInputError, InvalidTransitionError
-from eventlight.events import (
+from eventlight.core import decider as d
+from eventlight.core import events
+from eventlight.core.commands import RolloutState
+from eventlight.core.errors import AttemptNotFoundError, InvalidInputError, InvalidTransitionError
+from eventlight.core.events import (
     AttemptStarted,
     AttemptUpdated,
     RolloutCreated,
@@ -19,29 +20,30 @@ from eventlight.events import (
     decode_event,
     encode_event,
     enters_queue,
-    subject_for,
 )
-from eventlight.types import RolloutConfig, Span
+from eventlight.core.evolve import evolve, evolve_worker, updated_attempt
+from eventlight.core.types import RolloutConfig, Span
+from eventlight.store.jetstream.layout import subject_for
 
 T0 = 1_000.0
 
 
-def apply(state: d.RolloutState | None, events: list) -> d.RolloutState:
+def apply(state: RolloutState | None, events: list) -> RolloutState:
     for e in events:
-        state = d.evolve(state, e)
+        state = evolve(state, e)
     assert state is not None
     return state
 
 
-def created(config: RolloutConfig | None = None) -> d.RolloutState:
+def created(config: RolloutConfig | None = None) -> RolloutState:
     return apply(None, d.decide(None, d.CreateRollout(rollout_id="ro-1", input={"q": 1}, config=config), T0))
 
 
-def claimed(state: d.RolloutState, attempt_id: str = "at-1", worker: str | None = "w", now: float = T0 + 1):
+def claimed(state: RolloutState, attempt_id: str = "at-1", worker: str | None = "w", now: float = T0 + 1):
     return apply(state, d.decide(state, d.StartAttempt(attempt_id=attempt_id, worker_id=worker, claim=True), now))
 
 
-def update(state: d.RolloutState, attempt_id: str, status: str, now: float = T0 + 2) -> d.RolloutState:
+def update(state: RolloutState, attempt_id: str, status: str, now: float = T0 + 2) -> RolloutState:
     return apply(state, d.decide(state, d.UpdateAttempt(attempt_id=attempt_id, status=status), now))
 
 
@@ -79,7 +81,7 @@ def test_claim_of_a_rollout_that_is_not_queued_is_refused() -> None:
 def test_first_span_moves_attempt_and_rollout_to_running() -> None:
     state = claimed(created())
     span = Span.from_attributes(attributes={}, rollout_id="ro-1", attempt_id="at-1", sequence_id=1)
-    state = d.evolve(state, SpansAdded(time=T0 + 3, rollout_id="ro-1", attempt_id="at-1", spans=[span]))
+    state = evolve(state, SpansAdded(time=T0 + 3, rollout_id="ro-1", attempt_id="at-1", spans=[span]))
     assert state.rollout.status == "running" and state.latest.status == "running"
     assert state.latest.last_heartbeat_time == T0 + 3
 
@@ -133,11 +135,11 @@ def test_attempt_never_goes_back_to_preparing() -> None:
 def test_span_revives_unresponsive_but_not_timeout() -> None:
     state = update(claimed(created()), "at-1", "unresponsive")
     span = Span.from_attributes(attributes={}, rollout_id="ro-1", attempt_id="at-1", sequence_id=1)
-    revived = d.evolve(state, SpansAdded(time=T0 + 9, rollout_id="ro-1", attempt_id="at-1", spans=[span]))
+    revived = evolve(state, SpansAdded(time=T0 + 9, rollout_id="ro-1", attempt_id="at-1", spans=[span]))
     assert revived.latest.status == "running"
     assert revived.rollout.status == "failed"  # a failed rollout is never un-failed by a span
     timed_out = update(claimed(created()), "at-1", "timeout")
-    after = d.evolve(timed_out, SpansAdded(time=T0 + 9, rollout_id="ro-1", attempt_id="at-1", spans=[span]))
+    after = evolve(timed_out, SpansAdded(time=T0 + 9, rollout_id="ro-1", attempt_id="at-1", spans=[span]))
     assert after.latest.status == "timeout"
 
 
@@ -170,16 +172,16 @@ def test_watchdog_timeout_counts_from_attempt_start() -> None:
     state = claimed(created(RolloutConfig(timeout_seconds=10)), now=T0 + 100)
     assert d.decide(state, d.CheckHealth(), T0 + 109) == []
     events = d.decide(state, d.CheckHealth(), T0 + 111)
-    assert events[0].attempt.status == "timeout" and events[0].rollout_status == "failed"
+    assert events[0].status == "timeout" and events[0].rollout_status == "failed"
 
 
 def test_watchdog_unresponsive_uses_last_heartbeat_then_start() -> None:
     state = claimed(created(RolloutConfig(unresponsive_seconds=5)), now=T0)
-    assert d.decide(state, d.CheckHealth(), T0 + 6)[0].attempt.status == "unresponsive"
+    assert d.decide(state, d.CheckHealth(), T0 + 6)[0].status == "unresponsive"
     span = Span.from_attributes(attributes={}, rollout_id="ro-1", attempt_id="at-1", sequence_id=1)
-    beat = d.evolve(state, SpansAdded(time=T0 + 4, rollout_id="ro-1", attempt_id="at-1", spans=[span]))
+    beat = evolve(state, SpansAdded(time=T0 + 4, rollout_id="ro-1", attempt_id="at-1", spans=[span]))
     assert d.decide(beat, d.CheckHealth(), T0 + 8) == []
-    assert d.decide(beat, d.CheckHealth(), T0 + 10)[0].attempt.status == "unresponsive"
+    assert d.decide(beat, d.CheckHealth(), T0 + 10)[0].status == "unresponsive"
 
 
 def test_watchdog_ignores_finished_and_queued_rollouts() -> None:
@@ -191,16 +193,17 @@ def test_watchdog_ignores_finished_and_queued_rollouts() -> None:
 def test_worker_status_is_derived() -> None:
     state = claimed(created(RolloutConfig(max_attempts=2, retry_condition=["timeout"])))
     started = d.decide(created(), d.StartAttempt(attempt_id="at-1", worker_id="w", claim=True), T0)[0]
-    w = d.evolve_worker(None, started, "w")
+    w = evolve_worker(None, started, "w")
     assert w.status == "busy" and w.current_attempt_id == "at-1"
     done = d.decide(state, d.UpdateAttempt(attempt_id="at-1", status="timeout"), T0 + 2)[0]
-    w2 = d.evolve_worker(w, done, "w")
+    attempt = updated_attempt(evolve(state, done), done)  # an update names the attempt, not its worker
+    w2 = evolve_worker(w, done, "w", attempt)
     assert w2.status == "unknown" and w2.current_rollout_id is None
-    idle = d.evolve_worker(w2, WorkerIdle(time=T0 + 3, worker_id="w"), "w")
+    idle = evolve_worker(w2, WorkerIdle(time=T0 + 3, worker_id="w"), "w")
     assert idle.status == "idle" and idle.last_idle_time == T0 + 3
-    beat = d.evolve_worker(idle, WorkerHeartbeat(time=T0 + 4, worker_id="w", heartbeat_stats={"cpu": 1}), "w")
+    beat = evolve_worker(idle, WorkerHeartbeat(time=T0 + 4, worker_id="w", heartbeat_stats={"cpu": 1}), "w")
     assert beat.status == "idle" and beat.last_heartbeat_time == T0 + 4 and beat.heartbeat_stats == {"cpu": 1}
-    assert d.evolve_worker(None, done, "someone-else") is None
+    assert evolve_worker(None, done, "someone-else", attempt) is None
 
 
 def test_events_round_trip_with_stable_tags() -> None:
@@ -216,13 +219,31 @@ def test_events_round_trip_with_stable_tags() -> None:
     assert state_started.v == 1
 
 
-def test_an_old_event_without_new_fields_still_decodes() -> None:
+def test_an_old_snapshot_event_is_upcast_to_the_fields_it_set() -> None:
     old = (
         b'{"type":"attempt_updated","time":1.0,"attempt":{"rollout_id":"ro-1","attempt_id":"at-1",'
         b'"sequence_id":1,"start_time":0.5,"status":"failed"}}'
     )
     event = decode_event(old)
-    assert isinstance(event, AttemptUpdated) and event.rollout_status is None and event.v == 1
+    assert isinstance(event, AttemptUpdated) and event.rollout_status is None and event.v == 2
+    assert (event.rollout_id, event.attempt_id, event.status) == ("ro-1", "at-1", "failed")
+    assert event.worker_id is msgspec.UNSET  # absent from the old snapshot: left unchanged
+    rollout = (
+        b'{"type":"rollout_updated","time":2.0,'
+        b'"rollout":{"rollout_id":"ro-1","input":1,"start_time":0.5,"status":"cancelled"}}'
+    )
+    upcast = decode_event(rollout)
+    assert isinstance(upcast, RolloutUpdated) and upcast.status == "cancelled" and upcast.input == 1
+
+
+def test_a_stale_writer_cannot_overwrite_newer_fields() -> None:
+    """Events carry what changed: an update decided on an older state leaves the rest as it is."""
+    state = claimed(created())
+    stale = d.decide(state, d.UpdateAttempt(attempt_id="at-1", metadata={"k": 1}), T0 + 2)[0]
+    span = Span.from_attributes(attributes={}, rollout_id="ro-1", attempt_id="at-1", sequence_id=1, name="s")
+    running = evolve(state, SpansAdded(time=T0 + 3, rollout_id="ro-1", attempt_id="at-1", spans=[span]))
+    after = evolve(running, stale)
+    assert after.latest.status == "running" and after.latest.metadata == {"k": 1} and after.rollout.status == "running"
 
 
 def test_an_event_of_a_version_this_code_does_not_read_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -234,9 +255,11 @@ def test_an_event_of_a_version_this_code_does_not_read_is_refused(monkeypatch: p
     with pytest.raises(InvalidInputError, match="attempt_started v0, read v1"):
         decode_event(encode_event(event).replace(b'"v":1', b'"v":0'))
     # an upcaster for that version is used even when the payload already fits the type
-    monkeypatch.setitem(events.UPCASTERS, ("attempt_started", 0), lambda raw: {**raw, "v": 1, "rollout_status": "x"})
+    monkeypatch.setitem(
+        events.UPCASTERS, ("attempt_started", 0), lambda raw: {**raw, "v": 1, "rollout_status": "running"}
+    )
     up = decode_event(encode_event(event).replace(b'"v":1', b'"v":0'))
-    assert isinstance(up, AttemptStarted) and up.v == 1 and up.rollout_status == "x"
+    assert isinstance(up, AttemptStarted) and up.v == 1 and up.rollout_status == "running"
 
 
 def test_malformed_payload_is_a_clear_error() -> None:

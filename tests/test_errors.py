@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import socket
 import subprocess
 import sys
@@ -10,10 +13,10 @@ import time
 import pytest
 
 import eventlight as agl
-from eventlight.errors import EventlightError, InvalidInputError, ServiceUnavailableError
+from eventlight.core.errors import EventlightError, InvalidInputError, ServiceUnavailableError
 from eventlight.settings import Settings
-from eventlight.store.eventlog import connect_nats
 from eventlight.store.jetstream import JetStreamLightningStore
+from eventlight.store.jetstream.connect import connect_nats
 
 
 def dead_port() -> int:
@@ -62,17 +65,30 @@ async def test_a_closed_store_says_so(namespace: Settings) -> None:
 
 
 async def test_nats_without_expected_subject_sequence_is_refused() -> None:
-    """The machine's Debian nats-server (2.9) silently ignores the header our fencing needs."""
+    """A server older than 2.11 silently ignores the header eventlight's fencing needs: refused.
+
+    A fake server speaks just enough of the NATS protocol (INFO, then PONG to PING) as 2.9.0.
+    """
+
+    async def old_server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        info = {"server_id": "fake", "version": "2.9.0", "proto": 1, "max_payload": 1048576, "headers": True}
+        writer.write(b"INFO " + json.dumps(info).encode() + b"\r\n")
+        await writer.drain()
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            while line := await reader.readline():
+                if line.startswith(b"PING"):
+                    writer.write(b"PONG\r\n")
+                    await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(old_server, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
     try:
-        nc = await connect_nats("nats://127.0.0.1:4222")
-    except ServiceUnavailableError as e:
-        if "too old" in str(e):
-            assert "2.11" in str(e)
-            return
-        pytest.skip("no NATS on 127.0.0.1:4222")
-    version = nc.connected_server_version
-    await nc.close()
-    assert (version.major, version.minor) >= (2, 11)
+        with pytest.raises(ServiceUnavailableError, match="too old") as info:
+            await connect_nats(f"nats://127.0.0.1:{port}")
+        assert "2.11" in str(info.value) and "2.9.0" in str(info.value)
+    finally:
+        server.close()
 
 
 async def test_using_a_store_before_start_is_a_clear_error() -> None:

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from llm_stub import Reply, ScriptedLLM
 
-from eventlight.errors import LLMUnavailableError, ServiceUnavailableError
+from eventlight.core.errors import LLMUnavailableError, ServiceUnavailableError
 from eventlight.llm_health import LLMCallHealth
 from eventlight.llm_proxy import LLMProxy
 from eventlight.services import drop_namespace

@@ -17,9 +17,9 @@ import pytest
 from llm_stub import Reply, ScriptedLLM, ToolCall, toy_tokenize
 
 from eventlight.attributes import unflatten_attributes
+from eventlight.core.types import LLM, ProxyLLM, Span
 from eventlight.llm_proxy import LLMProxy, chat_completion_to_sse
 from eventlight.store.memory import InMemoryLightningStore
-from eventlight.types import LLM, ProxyLLM, Span
 
 MODEL = "stub-model"
 

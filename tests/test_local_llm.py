@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from eventlight.errors import ServiceUnavailableError
+from eventlight.core.errors import ServiceUnavailableError
 from eventlight.local_llm import DEFAULT_MODEL_ALIAS, LocalLLMServer, _free_port, find_smollm2_gguf
 
 ROOT = Path(__file__).resolve().parent.parent

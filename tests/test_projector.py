@@ -10,11 +10,11 @@ import asyncpg
 import nats.errors
 import pytest
 
-from eventlight.events import rollout_id_of
+from eventlight.core.events import rollout_id_of
+from eventlight.core.types import RolloutConfig, Span
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
-from eventlight.store.projector import Projector
-from eventlight.types import RolloutConfig, Span
+from eventlight.store.jetstream.projector import Projector
 
 
 async def counts(store: JetStreamLightningStore) -> tuple[int, int, int]:
@@ -169,8 +169,8 @@ async def test_a_failing_batch_is_never_skipped(
     failures = {"left": 2}
     poisoned: set[str] = set()
 
-    async def failing_fold(self: Projector, conn: Any, batch: Any, event: Any, seq: int) -> None:
-        if rollout_id_of(event) in poisoned:
+    async def failing_fold(self: Projector, conn: Any, events: list[tuple[int, Any]]) -> Any:
+        if any(rollout_id_of(event) in poisoned for _, event in events):
             if failure == "data":
                 raise asyncpg.exceptions.InvalidTextRepresentationError("invalid input syntax (test)")
             if failure == "event":
@@ -178,7 +178,7 @@ async def test_a_failing_batch_is_never_skipped(
             if failures["left"] > 0:
                 failures["left"] -= 1
                 raise asyncpg.exceptions.ConnectionDoesNotExistError("connection lost (test)")
-        await fold(self, conn, batch, event, seq)
+        return await fold(self, conn, events)
 
     monkeypatch.setattr(Projector, "_fold", failing_fold)
     async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn, run_projector=False) as store:
@@ -235,13 +235,13 @@ async def test_polling_wait_for_rollouts_reads_rows_only_when_one_has_finished(
     ):
         a, b = await store.enqueue_rollout("a"), await store.enqueue_rollout("b")
         reads: list[list[str]] = []
-        real = store.query_rollouts
+        real = store.read_model.query_rollouts
 
         async def counting(**kwargs: Any) -> Any:
             reads.append(sorted(kwargs.get("rollout_id_in") or []))
             return await real(**kwargs)
 
-        monkeypatch.setattr(store, "query_rollouts", counting)
+        monkeypatch.setattr(store.read_model, "query_rollouts", counting)
         ids = [a.rollout_id, b.rollout_id]
         for _ in range(5):
             assert await store.wait_for_rollouts(rollout_ids=ids, timeout=0.02) == []

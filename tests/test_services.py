@@ -26,7 +26,7 @@ import psutil
 import pytest
 
 from eventlight import services as svc
-from eventlight.errors import ServiceUnavailableError
+from eventlight.core.errors import ServiceUnavailableError
 from eventlight.settings import Settings
 
 EXISTING_NATS = os.environ.get("EVENTLIGHT_TEST_NATS_URL", "nats://127.0.0.1:4222")

@@ -13,21 +13,19 @@ from typing import Any
 
 import pytest
 
-from eventlight.errors import (
+from eventlight.core.errors import (
     AttemptNotFoundError,
     InvalidInputError,
     InvalidTransitionError,
     ResourcesNotFoundError,
     RolloutNotFoundError,
 )
-from eventlight.store.jetstream import JetStreamLightningStore
-from eventlight.store.memory import InMemoryLightningStore
-from eventlight.types import AttemptedRollout, EnqueueRolloutRequest, PromptTemplate, RolloutConfig, Span
+from eventlight.core.types import AttemptedRollout, EnqueueRolloutRequest, PromptTemplate, RolloutConfig, Span
 
 
 async def settle(store: Any) -> None:
-    if isinstance(store, JetStreamLightningStore):
-        await store.sync_all(timeout_s=10)
+    """Wait until reads include every write, whoever made it (a no-op in memory)."""
+    await store.sync_all(timeout_s=10)
 
 
 def reward_span(rollout_id: str, attempt_id: str, seq: int, value: float) -> Span:
@@ -494,13 +492,10 @@ async def test_watchdog_times_out_and_requeues(store: Any) -> None:
 
 
 async def watchdog(store: Any, now: float) -> int:
-    if isinstance(store, InMemoryLightningStore):
-        return len(await store.run_watchdog(now))
-    assert store.projector is not None
-    return await store.projector.watch_once(now)
+    return len(await store.run_watchdog(now))
 
 
-async def test_statistics_and_capabilities(store: Any, runner_store: Any) -> None:
+async def test_statistics_and_capabilities(store: Any, runner_store: Any, zero_copy: bool) -> None:
     r = await store.enqueue_rollout("q")
     d = await runner_store.dequeue_rollout(worker_id="w")
     await runner_store.add_span(reward_span(r.rollout_id, d.attempt.attempt_id, 1, 1.0))
@@ -510,6 +505,48 @@ async def test_statistics_and_capabilities(store: Any, runner_store: Any) -> Non
     assert (stats["total_rollouts"], stats["total_attempts"], stats["total_spans"]) == (1, 1, 1)
     caps = store.capabilities
     assert caps.get("async_safe") is True and caps.get("otlp_traces", False) is False
-    assert caps.get("zero_copy") is isinstance(store, JetStreamLightningStore)
+    assert caps.get("zero_copy") is zero_copy
     with pytest.raises(NotImplementedError):
         store.otlp_traces_endpoint()  # only stores with capabilities["otlp_traces"] serve OTLP
+
+
+async def test_a_metadata_update_after_the_first_span_keeps_the_attempt_running(store: Any, runner_store: Any) -> None:
+    """Spans move an attempt; an update without a status decides on that (and writes only metadata)."""
+    started = await store.start_rollout("x")  # cached as `preparing` by the store that updates it
+    rid, aid = started.rollout_id, started.attempt.attempt_id
+    await runner_store.add_span(reward_span(rid, aid, 1, 1.0))  # another writer's span
+    got = await store.update_attempt(rid, aid, metadata={"k": 1})
+    assert (got.status, got.metadata) == ("running", {"k": 1})
+    await settle(store)
+    latest = await store.get_latest_attempt(rid)
+    assert (latest.status, latest.metadata) == ("running", {"k": 1})
+    assert (await store.get_rollout_by_id(rid)).status == "running"
+    d = await store.start_attempt(rid, worker_id="w")
+    await runner_store.add_span(reward_span(d.rollout_id, d.attempt.attempt_id, 1, 1.0))
+    again = await runner_store.update_attempt(d.rollout_id, d.attempt.attempt_id, metadata={"k": 2})
+    assert again.status == "running"
+
+
+async def test_worker_ids_must_be_tokens_everywhere(store: Any) -> None:
+    """Worker ids become subject tokens: one with dots or spaces is refused on every backend."""
+    r = await store.enqueue_rollout("x")
+    for call in (
+        store.start_attempt(r.rollout_id, worker_id="bad id.with dots"),
+        store.dequeue_rollout(worker_id="bad id.with dots"),
+        store.start_rollout("y", worker_id="bad.id"),
+        store.update_worker("bad id"),
+    ):
+        with pytest.raises(InvalidInputError, match="worker_id"):
+            await call
+    assert (await store.get_rollout_by_id(r.rollout_id)).status == "queuing"
+
+
+async def test_repeated_empty_polls_mark_a_worker_idle_once(store: Any, runner_store: Any) -> None:
+    assert await runner_store.dequeue_rollout(worker_id="w") is None
+    await settle(store)
+    first = (await store.get_worker_by_id("w")).last_dequeue_time
+    await asyncio.sleep(0.01)
+    assert await runner_store.dequeue_rollout(worker_id="w") is None
+    await settle(store)
+    w = await store.get_worker_by_id("w")
+    assert w.status == "idle" and first is not None and w.last_dequeue_time == first

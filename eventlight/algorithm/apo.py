@@ -22,10 +22,8 @@ import msgspec
 
 from eventlight.adapter import OpenAIMessages, TraceToMessages
 from eventlight.algorithm.base import Algorithm, Dataset, batch_iter_over_dataset
-from eventlight.errors import EventlightError
-from eventlight.rewards import find_final_reward
-from eventlight.store.validate import is_token
-from eventlight.types import (
+from eventlight.core.errors import EventlightError
+from eventlight.core.types import (
     EnqueueRolloutRequest,
     NamedResources,
     PromptTemplate,
@@ -33,6 +31,8 @@ from eventlight.types import (
     RolloutConfig,
     Span,
 )
+from eventlight.rewards import find_final_reward
+from eventlight.store.validate import is_token
 
 log = logging.getLogger(__name__)
 

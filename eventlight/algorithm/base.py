@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeVar
 
 from eventlight.adapter import Adapter
+from eventlight.core.types import NamedResources
 from eventlight.store.base import LightningStore
-from eventlight.types import NamedResources
 
 __all__ = [
     "Algorithm",

@@ -14,7 +14,7 @@ import logging
 from typing import Any, Literal
 
 from eventlight.algorithm.base import Dataset, FastAlgorithm
-from eventlight.types import Rollout, Span
+from eventlight.core.types import Rollout, Span
 
 log = logging.getLogger(__name__)
 

@@ -2,11 +2,11 @@
 
 Every method is a coroutine and appears atomic to concurrent callers. An unknown id raises a
 ``NotFoundError`` (a ``ValueError``), an invalid transition ``InvalidTransitionError``; see
-``eventlight.errors``. Two backends implement it with the same decider:
+``eventlight.core.errors``. Two backends implement it with the same decider:
 ``InMemoryLightningStore`` and ``JetStreamLightningStore``.
 
 Choices where Agent-lightning 0.3.0's code and its docs differ, item by item against
-``spec/seed_store_types.md`` §7 (status transitions are listed in ``eventlight.decider``):
+``spec/seed_store_types.md`` §7 (status transitions are listed in ``eventlight.core.decider``):
     1. unknown ids raise (docs), including ``query_spans``, ``query_attempts``, ``get_latest_attempt``,
        ``wait_for_rollouts``, ``get_next_span_sequence_id`` and an unknown ``resources_id`` on
        enqueue/start; ``update_resources`` on an unknown id raises too, and ``put_resources`` is
@@ -35,12 +35,14 @@ Choices where Agent-lightning 0.3.0's code and its docs differ, item by item aga
     13. a span revives ``unresponsive`` but never ``timeout``/``failed``; queue entries of rollouts that
         left ``queuing``/``requeuing`` are skipped;
     14. workers are derived from events: claim → busy, empty poll → idle, ``timeout``/``unresponsive`` →
-        unknown; ``update_worker`` only stamps heartbeats;
+        unknown; ``update_worker`` only stamps heartbeats; a store marks a worker idle once per run of
+        empty polls (later empty polls leave ``last_dequeue_time`` as it is); ``worker_id`` must be a
+        token (no dots, spaces or wildcards: ``InvalidInputError``) on every backend;
     15.-17. there is no REST/OTLP store server yet (``capabilities["otlp_traces"]`` is ``False``);
         errors are raised in-process as the ``EventlightError`` tree;
     18. ``Span``'s nullable fields are required keys as in 0.3.0; ``NamedResources`` is tagged by
         ``resource_type``;
-    20. every method appears atomic: writes are per-rollout optimistic appends (``eventlog``).
+    20. every method appears atomic: writes are per-rollout optimistic appends (``command_loop``).
 
 Other behaviours to know:
     * ``start_attempt`` is an explicit retry: it moves even a finished or cancelled rollout back to
@@ -55,6 +57,10 @@ Other behaviours to know:
       the stream itself; a non-blocking ``dequeue_rollout`` sees every enqueue acknowledged before
       it, from any process (within 10 ms of any write to the namespace's stream it waits out those
       10 ms for the queue's consumer to count recent enqueues);
+    * an update decides on the whole rollout, spans included: after an attempt's first span,
+      ``update_attempt`` without a status returns and keeps ``running``; events carry only the
+      fields they change, so a writer that decided on an older state never overwrites newer ones;
+    * ``dequeue_rollout(wait_s=...)`` (an eventlight extension) long-polls on both backends;
     * a closed JetStream store raises ``InvalidInputError``; the in-memory store keeps its data and
       only stops its watchdog.
 """
@@ -65,9 +71,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, Literal, TypedDict
 
-from eventlight.decider import UNSET
-from eventlight.store.validate import check_one_attempt
-from eventlight.types import (
+from eventlight.core.commands import UNSET
+from eventlight.core.types import (
     Attempt,
     AttemptedRollout,
     EnqueueRolloutRequest,
@@ -79,6 +84,7 @@ from eventlight.types import (
     Span,
     Worker,
 )
+from eventlight.store.validate import check_one_attempt
 
 __all__ = ["UNSET", "LightningStore", "LightningStoreCapabilities"]
 

@@ -17,8 +17,8 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from eventlight.errors import InvalidInputError
-from eventlight.types import PaginatedResult
+from eventlight.core.errors import InvalidInputError
+from eventlight.core.types import PaginatedResult
 
 T = TypeVar("T")
 Condition = Callable[[Any], bool]

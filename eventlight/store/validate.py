@@ -8,8 +8,8 @@ from typing import Any
 
 import msgspec
 
-from eventlight.errors import InvalidInputError
-from eventlight.types import LLM, PromptTemplate, ProxyLLM, Span
+from eventlight.core.errors import InvalidInputError
+from eventlight.core.types import LLM, PromptTemplate, ProxyLLM, Span
 
 _json = msgspec.json.Encoder()
 _TOKEN = re.compile(r"^[A-Za-z0-9_\-:@+=]{1,200}$")

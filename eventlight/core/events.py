@@ -4,8 +4,10 @@ Each event is a frozen ``msgspec.Struct`` with a stable tag (the ``"type"`` fiel
 Python path) and a ``v`` schema version. New fields get defaults; a breaking change bumps ``v`` and
 adds an upcaster to ``UPCASTERS`` (see ``decode_event``).
 
-State events carry the snapshot they produce (the attempt or rollout after the change), so that
-``evolve`` is a replacement and a replay can never disagree with the projection. Which events exist:
+Events record facts: a creation carries what was created; an update carries only the fields it
+changed (``msgspec.UNSET`` fields are left out of the payload and mean "unchanged"), so a writer
+that decided on an older state can never overwrite newer fields. Version 1 of ``AttemptUpdated``
+and ``RolloutUpdated`` carried whole snapshots; their upcasters read them as "every field set".
 
 =====================  ==========================  =====================================================
 event                  subject (``el.<ns>.…``)     meaning
@@ -21,21 +23,27 @@ WorkerHeartbeat        ``w.<worker_id>``           ``update_worker``
 WorkerIdle             ``w.<worker_id>``           a worker polled an empty queue
 =====================  ==========================  =====================================================
 
-Messages on ``r.*.q`` are what runners consume as a work queue.
+The subjects are the JetStream backend's layout (``eventlight.store.jetstream.layout``); the
+in-memory backend keeps the same events in a list.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
-from eventlight.errors import InvalidInputError
-from eventlight.types import (
+from eventlight.core.errors import InvalidInputError
+from eventlight.core.types import (
     QUEUING_STATUSES,
     Attempt,
+    AttemptStatus,
     ResourcesUpdate,
     Rollout,
+    RolloutConfig,
+    RolloutStatus,
     Span,
 )
 
@@ -45,46 +53,76 @@ class _Base(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
     time: float
 
 
-class RolloutCreated(_Base, frozen=True, tag="rollout_created"):
+class RolloutCreated(_Base, frozen=True, kw_only=True, tag="rollout_created"):
+    """A rollout was created (queued, or started with its first attempt in the next event)."""
+
     rollout: Rollout
 
 
-class AttemptStarted(_Base, frozen=True, tag="attempt_started"):
+class AttemptStarted(_Base, frozen=True, kw_only=True, tag="attempt_started"):
+    """A new attempt (claim or ``start_attempt``); the rollout moves to ``rollout_status``."""
+
     attempt: Attempt
-    rollout_status: str = "preparing"
+    rollout_status: RolloutStatus = "preparing"
 
 
-class AttemptUpdated(_Base, frozen=True, tag="attempt_updated"):
-    attempt: Attempt
-    rollout_status: str | None = None
+class AttemptUpdated(_Base, frozen=True, kw_only=True, tag="attempt_updated"):
+    """Fields of one attempt changed; ``UNSET`` fields did not."""
+
+    v: int = 2
+    rollout_id: str
+    attempt_id: str
+    status: AttemptStatus | UnsetType = UNSET
+    end_time: float | None | UnsetType = UNSET
+    worker_id: str | None | UnsetType = UNSET
+    last_heartbeat_time: float | None | UnsetType = UNSET
+    metadata: dict[str, Any] | None | UnsetType = UNSET
+    rollout_status: RolloutStatus | None = None
     """The rollout's new status when this attempt is the latest and it changed; else ``None``."""
     rollout_end_time: float | None = None
 
 
-class RolloutUpdated(_Base, frozen=True, tag="rollout_updated"):
-    rollout: Rollout
+class RolloutUpdated(_Base, frozen=True, kw_only=True, tag="rollout_updated"):
+    """Fields of a rollout changed (``update_rollout``); ``UNSET`` fields did not."""
+
+    v: int = 2
+    rollout_id: str
+    input: Any | UnsetType = UNSET
+    mode: str | None | UnsetType = UNSET
+    resources_id: str | None | UnsetType = UNSET
+    status: RolloutStatus | UnsetType = UNSET
+    end_time: float | None | UnsetType = UNSET
+    config: RolloutConfig | UnsetType = UNSET
+    metadata: dict[str, Any] | None | UnsetType = UNSET
 
 
-class SpansAdded(_Base, frozen=True, tag="spans_added"):
+class SpansAdded(_Base, frozen=True, kw_only=True, tag="spans_added"):
+    """A batch of one attempt's spans (a heartbeat), or with no spans a reservation of sequence ids."""
+
     rollout_id: str
     attempt_id: str
     spans: list[Span]
     seq_high: int = 0
     """The attempt's highest allocated span sequence id once this event is written (the counter
-    ``get_next_span_sequence_id`` continues from). Appends on ``s.<rid>.<aid>`` expect that subject's
-    last sequence, so the stream itself is the counter. ``0`` in events written before the field existed."""
+    ``get_next_span_sequence_id`` continues from). ``0`` in events written before the field existed."""
 
 
-class ResourcesPut(_Base, frozen=True, tag="resources_put"):
+class ResourcesPut(_Base, frozen=True, kw_only=True, tag="resources_put"):
+    """A resources snapshot was created or replaced (the whole snapshot is the fact)."""
+
     resources: ResourcesUpdate
 
 
-class WorkerHeartbeat(_Base, frozen=True, tag="worker_heartbeat"):
+class WorkerHeartbeat(_Base, frozen=True, kw_only=True, tag="worker_heartbeat"):
+    """``update_worker``: a runner is alive."""
+
     worker_id: str
     heartbeat_stats: dict[str, Any] | None = None
 
 
-class WorkerIdle(_Base, frozen=True, tag="worker_idle"):
+class WorkerIdle(_Base, frozen=True, kw_only=True, tag="worker_idle"):
+    """A worker polled an empty queue."""
+
     worker_id: str
 
 
@@ -100,11 +138,35 @@ AnyEvent = (
     | WorkerIdle
 )
 
+_ATTEMPT_FIELDS = ("status", "end_time", "worker_id", "last_heartbeat_time", "metadata")
+_ROLLOUT_FIELDS = ("input", "mode", "resources_id", "status", "end_time", "config", "metadata")
+
+
+def _attempt_updated_v1(raw: dict[str, Any]) -> dict[str, Any]:
+    """v1 shipped the whole attempt after the change: read it as every field set."""
+    attempt = raw.get("attempt") or {}
+    out = {k: raw[k] for k in ("type", "time", "rollout_status", "rollout_end_time") if k in raw}
+    out.update(v=2, rollout_id=attempt.get("rollout_id"), attempt_id=attempt.get("attempt_id"))
+    out.update({k: attempt[k] for k in _ATTEMPT_FIELDS if k in attempt})
+    return out
+
+
+def _rollout_updated_v1(raw: dict[str, Any]) -> dict[str, Any]:
+    """v1 shipped the whole rollout after the change: read it as every field set."""
+    rollout = raw.get("rollout") or {}
+    out = {"type": raw.get("type"), "time": raw.get("time"), "v": 2, "rollout_id": rollout.get("rollout_id")}
+    out.update({k: rollout[k] for k in _ROLLOUT_FIELDS if k in rollout})
+    return out
+
+
+UPCASTERS: dict[tuple[str, int], Callable[[dict[str, Any]], dict[str, Any]]] = {
+    ("attempt_updated", 1): _attempt_updated_v1,
+    ("rollout_updated", 1): _rollout_updated_v1,
+}
+"""``(tag, version) -> fn(dict) -> dict`` for events written by an older schema."""
+
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(AnyEvent)
-
-UPCASTERS: dict[tuple[str, int], Any] = {}
-"""``(tag, version) -> fn(dict) -> dict`` for events written by an older schema."""
 
 
 def encode_event(event: AnyEvent) -> bytes:
@@ -142,17 +204,17 @@ def decode_event(data: bytes) -> AnyEvent:
     raise InvalidInputError(f"not an eventlight event this version reads: {tag} v{event.v}{newer}, read v{current}")
 
 
-def _upcast(upcast: Any, data: bytes) -> AnyEvent:
+def _upcast(upcast: Callable[[dict[str, Any]], dict[str, Any]], data: bytes) -> AnyEvent:
     try:
         return msgspec.convert(upcast(msgspec.json.decode(data)), AnyEvent)  # type: ignore[arg-type]
     except (msgspec.DecodeError, RecursionError) as e:  # includes ValidationError
         raise InvalidInputError(f"not an eventlight event (after upcasting): {e}") from e
 
 
-_CURRENT_VERSIONS: dict[type, int] = {}
+_CURRENT_VERSIONS: dict[type[Any], int] = {}
 
 
-def _current_version(cls: type) -> int:
+def _current_version(cls: type[Any]) -> int:
     """The default of ``cls``'s ``v`` field: the version this code writes and reads as is."""
     v = _CURRENT_VERSIONS.get(cls)
     if v is None:
@@ -161,7 +223,7 @@ def _current_version(cls: type) -> int:
     return v
 
 
-def _upcaster(data: bytes) -> Any:
+def _upcaster(data: bytes) -> Callable[[dict[str, Any]], dict[str, Any]] | None:
     """The upcaster for a payload's ``(type, v)``, or ``None`` (not JSON, not an object, no upcaster)."""
     try:
         raw = msgspec.json.decode(data)
@@ -177,31 +239,21 @@ def _upcaster(data: bytes) -> Any:
 
 def rollout_id_of(event: AnyEvent) -> str | None:
     """The rollout an event belongs to, if any."""
-    if isinstance(event, (RolloutCreated, RolloutUpdated)):
+    if isinstance(event, RolloutCreated):
         return event.rollout.rollout_id
-    if isinstance(event, (AttemptStarted, AttemptUpdated)):
+    if isinstance(event, AttemptStarted):
         return event.attempt.rollout_id
-    if isinstance(event, SpansAdded):
+    if isinstance(event, (AttemptUpdated, RolloutUpdated, SpansAdded)):
         return event.rollout_id
     return None
 
 
 def enters_queue(event: AnyEvent) -> bool:
     """Whether the event puts its rollout on the runners' work queue."""
-    if isinstance(event, (RolloutCreated, RolloutUpdated)):
+    if isinstance(event, RolloutCreated):
         return event.rollout.status in QUEUING_STATUSES
+    if isinstance(event, RolloutUpdated):
+        return event.status in QUEUING_STATUSES
     if isinstance(event, AttemptUpdated):
         return event.rollout_status in QUEUING_STATUSES
     return False
-
-
-def subject_for(prefix: str, event: AnyEvent) -> str:
-    """The JetStream subject an event is published on; ``prefix`` is ``el.<ns>``."""
-    if isinstance(event, SpansAdded):
-        return f"{prefix}.s.{event.rollout_id}.{event.attempt_id}"
-    if isinstance(event, ResourcesPut):
-        return f"{prefix}.res.{event.resources.resources_id}"
-    if isinstance(event, (WorkerHeartbeat, WorkerIdle)):
-        return f"{prefix}.w.{event.worker_id}"
-    rid = rollout_id_of(event)
-    return f"{prefix}.r.{rid}.{'q' if enters_queue(event) else 'e'}"

@@ -15,9 +15,8 @@ from typing import Any
 import asyncpg
 import msgspec
 
-from eventlight.errors import ServiceUnavailableError
-from eventlight.store.query import check_paging, check_sort_field
-from eventlight.types import (
+from eventlight.core.errors import ServiceUnavailableError
+from eventlight.core.types import (
     Attempt,
     AttemptedRollout,
     PaginatedResult,
@@ -27,6 +26,7 @@ from eventlight.types import (
     Span,
     Worker,
 )
+from eventlight.store.query import check_paging, check_sort_field
 
 _enc = msgspec.json.Encoder()
 

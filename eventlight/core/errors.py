@@ -56,7 +56,7 @@ class ResourcesNotFoundError(NotFoundError):
 
 
 class InvalidTransitionError(EventlightError, ValueError):
-    """The decider refused a status change (see ``eventlight.decider``)."""
+    """The decider refused a status change (see ``eventlight.core.decider``)."""
 
     def __init__(self, what: str, current: str, requested: str, reason: str = ""):
         msg = f"{what}: cannot go from {current!r} to {requested!r}"

@@ -5,7 +5,7 @@ so code that reads ``rollout.status`` or ``span.attributes`` ports unchanged. Ti
 seconds since the epoch (``float``). Ids: rollouts ``ro-`` + 12 hex, attempts ``at-`` + 8 hex,
 resources ``rs-`` + 12 hex, as in Agent-lightning.
 
-Read models are mutable structs (a caller may edit its copy); events (``eventlight.events``) are frozen.
+Read models are mutable structs (a caller may edit its copy); events (``eventlight.core.events``) are frozen.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class Attempt(msgspec.Struct, kw_only=True):
     sequence_id: int
     start_time: float
     end_time: float | None = None
-    status: str = "preparing"
+    status: AttemptStatus = "preparing"
     worker_id: str | None = None
     last_heartbeat_time: float | None = None
     metadata: dict[str, Any] | None = None
@@ -92,7 +92,7 @@ class Rollout(msgspec.Struct, kw_only=True):
     end_time: float | None = None
     mode: str | None = None
     resources_id: str | None = None
-    status: str = "queuing"
+    status: RolloutStatus = "queuing"
     config: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
     metadata: dict[str, Any] | None = None
 
@@ -123,7 +123,7 @@ class Worker(msgspec.Struct, kw_only=True):
     """A runner as the store sees it; ``status`` is derived from dequeues and attempt updates."""
 
     worker_id: str
-    status: str = "unknown"
+    status: WorkerStatus = "unknown"
     heartbeat_stats: dict[str, Any] | None = None
     last_heartbeat_time: float | None = None
     last_dequeue_time: float | None = None

@@ -1,8 +1,8 @@
 """The pure decider: every status transition of rollouts, attempts and workers.
 
 ``decide(state, command, now) -> list[event]`` and ``evolve(state, event) -> state`` are synchronous,
-do no I/O and take the clock as an argument. The in-memory backend, the JetStream backend, the
-projector, the watchdog and ``eventlight replay`` all call them, so they cannot disagree.
+do no I/O and take the clock as an argument (``evolve`` lives in ``eventlight.core.evolve``). The
+one store service, the projector and the watchdog call them on every backend, so they cannot disagree.
 
 Rules (``deep-dive_store.md``; choices where Agent-lightning 0.3.0's code and docs differ are marked):
 
@@ -38,134 +38,39 @@ from typing import Any
 
 import msgspec
 
-from eventlight.errors import AttemptNotFoundError, InvalidInputError, InvalidTransitionError
-from eventlight.events import (
-    AnyEvent,
-    AttemptStarted,
-    AttemptUpdated,
-    RolloutCreated,
-    RolloutEvent,
-    RolloutUpdated,
-    SpansAdded,
-    WorkerHeartbeat,
-    WorkerIdle,
+from eventlight.core.commands import (
+    UNSET,
+    CheckHealth,
+    Command,
+    CreateRollout,
+    RolloutState,
+    StartAttempt,
+    UpdateAttempt,
+    UpdateRollout,
 )
-from eventlight.types import (
+from eventlight.core.errors import InvalidInputError, InvalidTransitionError
+from eventlight.core.events import AttemptStarted, AttemptUpdated, RolloutCreated, RolloutEvent, RolloutUpdated
+from eventlight.core.types import (
     ATTEMPT_STATUSES,
     QUEUING_STATUSES,
     ROLLOUT_STATUSES,
     TERMINAL_ROLLOUT_STATUSES,
     Attempt,
-    AttemptedRollout,
+    AttemptStatus,
     Rollout,
     RolloutConfig,
-    Worker,
+    RolloutStatus,
 )
 
 FINAL_ATTEMPT_STATUSES = frozenset({"succeeded", "failed", "timeout"})
-
-
-class _Unset:
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "UNSET"
-
-    def __reduce__(self) -> str:
-        return "UNSET"
-
-
-UNSET: Any = _Unset()
-"""Default of optional update arguments: "leave as is", distinct from an explicit ``None``."""
-
-
-class RolloutState(msgspec.Struct, frozen=True):
-    """Everything the decider knows of one rollout: the rollout and all its attempts in order."""
-
-    rollout: Rollout
-    attempts: tuple[Attempt, ...] = ()
-
-    @property
-    def latest(self) -> Attempt | None:
-        return self.attempts[-1] if self.attempts else None
-
-    def attempt(self, attempt_id: str) -> Attempt:
-        """Resolve an attempt id (``"latest"`` allowed).
-
-        Raises:
-            AttemptNotFoundError: No such attempt.
-        """
-        if not self.attempts:
-            raise AttemptNotFoundError(self.rollout.rollout_id, attempt_id, "the rollout has no attempts")
-        if attempt_id == "latest":
-            return self.attempts[-1]
-        for a in self.attempts:
-            if a.attempt_id == attempt_id:
-                return a
-        raise AttemptNotFoundError(self.rollout.rollout_id, attempt_id)
-
-    def attempted(self) -> Rollout:
-        """The rollout with its latest attempt attached, or the plain rollout without attempts."""
-        if not self.attempts:
-            return self.rollout
-        return AttemptedRollout(**msgspec.structs.asdict(self.rollout), attempt=self.attempts[-1])
-
-
-# ---------------------------------------------------------------------------------------------
-# Commands
-
-
-class CreateRollout(msgspec.Struct, frozen=True, kw_only=True):
-    """``enqueue_rollout`` (``queued=True``) or ``start_rollout`` (``queued=False`` + ``attempt_id``)."""
-
-    rollout_id: str
-    input: Any
-    mode: str | None = None
-    resources_id: str | None = None
-    config: RolloutConfig | None = None
-    metadata: dict[str, Any] | None = None
-    queued: bool = True
-    attempt_id: str | None = None
-    worker_id: str | None = None
-
-
-class StartAttempt(msgspec.Struct, frozen=True, kw_only=True):
-    """A new attempt: a runner's claim of a queued rollout (``claim=True``) or ``start_attempt``."""
-
-    attempt_id: str
-    worker_id: str | None = None
-    claim: bool = False
-
-
-class UpdateAttempt(msgspec.Struct, frozen=True, kw_only=True):
-    attempt_id: str
-    status: Any = UNSET
-    worker_id: Any = UNSET
-    last_heartbeat_time: Any = UNSET
-    metadata: Any = UNSET
-
-
-class UpdateRollout(msgspec.Struct, frozen=True, kw_only=True):
-    input: Any = UNSET
-    mode: Any = UNSET
-    resources_id: Any = UNSET
-    status: Any = UNSET
-    config: Any = UNSET
-    metadata: Any = UNSET
-
-
-class CheckHealth(msgspec.Struct, frozen=True, kw_only=True):
-    """The watchdog's command: mark the latest attempt ``timeout``/``unresponsive`` when overdue."""
-
-
-Command = CreateRollout | StartAttempt | UpdateAttempt | UpdateRollout | CheckHealth
+ENDING_ATTEMPT_STATUSES = frozenset({"succeeded", "failed", "timeout", "unresponsive"})
 
 
 # ---------------------------------------------------------------------------------------------
 # Pure rules
 
 
-def rollout_status_from_attempt(attempt: Attempt, config: RolloutConfig) -> str:
+def rollout_status_from_attempt(attempt: Attempt, config: RolloutConfig) -> RolloutStatus:
     """The rollout status implied by its latest attempt (Agent-lightning ``rollout_status_from_attempt``)."""
     if attempt.status in ("preparing", "running", "succeeded"):
         return attempt.status
@@ -180,7 +85,7 @@ def is_claimable(state: RolloutState) -> bool:
     return state.rollout.status in QUEUING_STATUSES
 
 
-def _check_attempt_transition(attempt: Attempt, status: str) -> None:
+def _check_attempt_transition(attempt: Attempt, status: AttemptStatus) -> None:
     if status not in ATTEMPT_STATUSES:
         raise InvalidInputError(f"unknown attempt status {status!r}; expected one of {sorted(ATTEMPT_STATUSES)}")
     if attempt.status == status:
@@ -201,7 +106,7 @@ def _check_attempt_transition(attempt: Attempt, status: str) -> None:
         )
 
 
-def _propagate(state: RolloutState, attempt: Attempt, now: float) -> tuple[str | None, float | None]:
+def _propagate(state: RolloutState, attempt: Attempt, now: float) -> tuple[RolloutStatus | None, float | None]:
     """Rollout status (and end time) after ``attempt`` changed, or ``(None, None)`` if unchanged."""
     rollout = state.rollout
     latest = state.latest
@@ -264,9 +169,9 @@ def _decide_update_attempt(state: RolloutState, cmd: UpdateAttempt, now: float) 
         _check_attempt_transition(old, cmd.status)
         if cmd.status != old.status:
             changes["status"] = cmd.status
-            if cmd.status in ("succeeded", "failed", "timeout", "unresponsive"):
+            if cmd.status in ENDING_ATTEMPT_STATUSES:
                 changes["end_time"] = now
-            elif cmd.status == "running":
+            elif cmd.status == "running" and old.end_time is not None:
                 changes["end_time"] = None
     if cmd.worker_id is not UNSET and cmd.worker_id != old.worker_id:
         changes["worker_id"] = cmd.worker_id
@@ -278,7 +183,16 @@ def _decide_update_attempt(state: RolloutState, cmd: UpdateAttempt, now: float) 
         return []
     new = msgspec.structs.replace(old, **changes)
     status, end_time = _propagate(state, new, now)
-    return [AttemptUpdated(time=now, attempt=new, rollout_status=status, rollout_end_time=end_time)]
+    return [
+        AttemptUpdated(
+            time=now,
+            rollout_id=old.rollout_id,
+            attempt_id=old.attempt_id,
+            rollout_status=status,
+            rollout_end_time=end_time,
+            **changes,
+        )
+    ]
 
 
 def _decide_update_rollout(state: RolloutState, cmd: UpdateRollout, now: float) -> list[RolloutEvent]:
@@ -286,7 +200,7 @@ def _decide_update_rollout(state: RolloutState, cmd: UpdateRollout, now: float) 
     changes: dict[str, Any] = {}
     for name in ("input", "mode", "resources_id", "metadata"):
         value = getattr(cmd, name)
-        if value is not UNSET:
+        if value is not UNSET and value != getattr(old, name):
             changes[name] = value
     if cmd.config is not UNSET:
         if not isinstance(cmd.config, RolloutConfig):
@@ -310,7 +224,7 @@ def _decide_update_rollout(state: RolloutState, cmd: UpdateRollout, now: float) 
                 changes["end_time"] = now
     if not changes:
         return []
-    return [RolloutUpdated(time=now, rollout=msgspec.structs.replace(old, **changes))]
+    return [RolloutUpdated(time=now, rollout_id=old.rollout_id, **changes)]
 
 
 def _decide_health(state: RolloutState, now: float) -> list[RolloutEvent]:
@@ -320,7 +234,7 @@ def _decide_health(state: RolloutState, now: float) -> list[RolloutEvent]:
     if attempt.status not in ("preparing", "running"):
         return []
     cfg = rollout.config
-    status: str | None = None
+    status: AttemptStatus | None = None
     if cfg.timeout_seconds is not None and now - attempt.start_time > cfg.timeout_seconds:
         status = "timeout"
     elif cfg.unresponsive_seconds is not None:
@@ -363,124 +277,3 @@ def decide(state: RolloutState | None, command: Command, now: float) -> list[Rol
     if isinstance(command, CheckHealth):
         return _decide_health(state, now)
     raise InvalidInputError(f"unknown command {type(command).__name__}")
-
-
-# ---------------------------------------------------------------------------------------------
-# Evolve
-
-
-def _replace_attempt(attempts: tuple[Attempt, ...], new: Attempt) -> tuple[Attempt, ...]:
-    return tuple(new if a.attempt_id == new.attempt_id else a for a in attempts)
-
-
-def _evolve_spans(state: RolloutState, event: SpansAdded) -> RolloutState:
-    if not event.spans:  # a reservation of sequence ids is not a heartbeat
-        return state
-    try:
-        attempt = state.attempt(event.attempt_id)
-    except AttemptNotFoundError:
-        return state
-    heartbeat = max([event.time, *(attempt.last_heartbeat_time or 0.0,)])
-    changes: dict[str, Any] = {"last_heartbeat_time": heartbeat}
-    if attempt.status in ("preparing", "unresponsive"):
-        changes["status"] = "running"
-        changes["end_time"] = None
-    new = msgspec.structs.replace(attempt, **changes)
-    rollout = state.rollout
-    latest = state.latest
-    if (
-        "status" in changes
-        and latest is not None
-        and latest.attempt_id == new.attempt_id
-        and rollout.status in ("preparing", "requeuing", "queuing")
-    ):
-        rollout = msgspec.structs.replace(rollout, status="running")
-    return RolloutState(rollout=rollout, attempts=_replace_attempt(state.attempts, new))
-
-
-def evolve(state: RolloutState | None, event: AnyEvent) -> RolloutState | None:
-    """Apply one event to a rollout's state and return the new state (the input is not changed).
-
-    Events of other aggregates (resources, workers) and events of an unknown rollout leave the
-    state as it is, so a projector can feed every event through.
-    """
-    if isinstance(event, RolloutCreated):
-        return RolloutState(rollout=event.rollout)
-    if state is None:
-        return None
-    if isinstance(event, AttemptStarted):
-        rollout = msgspec.structs.replace(state.rollout, status=event.rollout_status)
-        return RolloutState(rollout=rollout, attempts=(*state.attempts, event.attempt))
-    if isinstance(event, AttemptUpdated):
-        rollout = state.rollout
-        if event.rollout_status is not None:
-            end = event.rollout_end_time if event.rollout_end_time is not None else rollout.end_time
-            rollout = msgspec.structs.replace(rollout, status=event.rollout_status, end_time=end)
-        attempt = event.attempt
-        try:
-            known = state.attempt(attempt.attempt_id).last_heartbeat_time
-        except AttemptNotFoundError:
-            known = None
-        if known is not None and (attempt.last_heartbeat_time or 0.0) < known:
-            # the writer decided without the span heartbeats the log holds; keep the newest one
-            attempt = msgspec.structs.replace(attempt, last_heartbeat_time=known)
-        return RolloutState(rollout=rollout, attempts=_replace_attempt(state.attempts, attempt))
-    if isinstance(event, RolloutUpdated):
-        return RolloutState(rollout=event.rollout, attempts=state.attempts)
-    if isinstance(event, SpansAdded):
-        return _evolve_spans(state, event)
-    return state
-
-
-def evolve_worker(worker: Worker | None, event: AnyEvent, worker_id: str) -> Worker | None:
-    """Derive worker ``worker_id``'s record from an event; ``None`` if the event does not concern it."""
-    w = worker or Worker(worker_id=worker_id)
-    if isinstance(event, WorkerHeartbeat) and event.worker_id == worker_id:
-        return msgspec.structs.replace(
-            w,
-            last_heartbeat_time=event.time,
-            heartbeat_stats=event.heartbeat_stats if event.heartbeat_stats is not None else w.heartbeat_stats,
-        )
-    if isinstance(event, WorkerIdle) and event.worker_id == worker_id:
-        changes: dict[str, Any] = {"last_dequeue_time": event.time, "status": "idle"}
-        if w.status != "idle":
-            changes["last_idle_time"] = event.time
-        return msgspec.structs.replace(w, **changes)
-    if isinstance(event, AttemptStarted) and event.attempt.worker_id == worker_id:
-        return msgspec.structs.replace(
-            w,
-            status="busy",
-            last_dequeue_time=event.time,
-            last_busy_time=event.time,
-            current_rollout_id=event.attempt.rollout_id,
-            current_attempt_id=event.attempt.attempt_id,
-        )
-    if isinstance(event, AttemptUpdated) and event.attempt.worker_id == worker_id:
-        status = event.attempt.status
-        if status in ("succeeded", "failed", "timeout", "unresponsive"):
-            if w.current_attempt_id not in (None, event.attempt.attempt_id):
-                return w  # the worker already moved on to another attempt
-            return msgspec.structs.replace(
-                w,
-                status="idle" if status in ("succeeded", "failed") else "unknown",
-                last_idle_time=event.time,
-                current_rollout_id=None,
-                current_attempt_id=None,
-            )
-        return msgspec.structs.replace(
-            w,
-            status="busy",
-            last_busy_time=event.time,
-            current_rollout_id=event.attempt.rollout_id,
-            current_attempt_id=event.attempt.attempt_id,
-        )
-    return None
-
-
-def workers_of(event: AnyEvent) -> list[str]:
-    """The worker ids an event may change."""
-    if isinstance(event, (WorkerHeartbeat, WorkerIdle)):
-        return [event.worker_id]
-    if isinstance(event, (AttemptStarted, AttemptUpdated)) and event.attempt.worker_id:
-        return [event.attempt.worker_id]
-    return []

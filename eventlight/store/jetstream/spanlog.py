@@ -5,7 +5,7 @@ An attempt's spans live on ``el.<ns>.s.<rollout_id>.<attempt_id>``. Each ``Spans
 subject's last stream sequence (``Nats-Expected-Last-Subject-Sequence``), so the subject itself is
 the attempt's span counter: gap-free, strictly increasing in stream order, shared by every writer
 (runner tracers, the LLM proxy, algorithms), durable with the events. A writer overtaken by another
-(JetStream error 10071) reads the head (``EventLog.span_head``) and numbers again.
+(JetStream error 10071) reads the head (``JetStreamEventLog.span_counter``) and numbers again.
 
 Within one process, appends to the same attempt are combined: while one append is in flight, the
 requests that arrive meanwhile wait and then go out together in the next message (group commit),
@@ -16,13 +16,17 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from eventlight.errors import ConcurrencyError
-from eventlight.events import SpansAdded
-from eventlight.store.eventlog import EventLog, StaleStateError
-from eventlight.types import Span
-from eventlight.types import now as wall_clock
+from eventlight.core.errors import ConcurrencyError
+from eventlight.core.events import SpansAdded
+from eventlight.core.types import Span
+from eventlight.store.ports import StaleStateError
+
+if TYPE_CHECKING:
+    from eventlight.store.jetstream.log import JetStreamEventLog
 
 MAX_TRIES = 64
 MAX_SPANS_PER_MESSAGE = 256
@@ -35,7 +39,7 @@ class _Request:
     numbered: bool  # give the spans the next ids (else they carry their own)
     reserve: int  # ids to reserve after the spans (get_many_span_sequence_ids)
     msg_id: str
-    done: asyncio.Future[int | None]
+    done: asyncio.Future[tuple[int | None, float, int]]
     first: int = 0
 
 
@@ -52,22 +56,23 @@ class SpanLog:
 
     Args:
         log: The namespace's event log.
-        on_write: Called with each appended message's stream sequence (read-your-writes).
+        clock: Wall-clock seconds (each batch's ``time``).
     """
 
-    def __init__(self, log: EventLog, on_write: object = None):
+    def __init__(self, log: JetStreamEventLog, clock: Callable[[], float]):
         self.log = log
-        self.on_write = on_write
+        self.clock = clock
         self._attempts: dict[tuple[str, str], _Attempt] = {}
 
     async def append(
         self, rollout_id: str, attempt_id: str, spans: list[Span], *, numbered: bool = False, reserve: int = 0
-    ) -> int | None:
+    ) -> tuple[int | None, float, int]:
         """Append ``spans`` (and reserve ``reserve`` ids after them) to the attempt's subject.
 
         Returns:
             The first id given out (to the numbered spans, else to the reservation), or ``None`` if
-            the server had already stored this very batch (a duplicate within its window).
+            the server had already stored this very batch (a duplicate within its window); the
+            message's ``time``; its stream sequence.
 
         Raises:
             ConcurrencyError: Other writers kept overtaking this one ``MAX_TRIES`` times in a row.
@@ -84,7 +89,7 @@ class SpanLog:
                 if self._attempts[oldest].writer is not None:
                     break
                 del self._attempts[oldest]
-        done: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
+        done: asyncio.Future[tuple[int | None, float, int]] = asyncio.get_running_loop().create_future()
         state.pending.append(_Request(spans, numbered, reserve, msg_id, done))
         if state.writer is None:
             state.writer = asyncio.create_task(self._write(key, state))
@@ -99,7 +104,7 @@ class SpanLog:
                     group.append(req)
                     count += len(req.spans)
                 try:
-                    duplicate = await self._append_group(key, state, group)
+                    duplicate, at, seq = await self._append_group(key, state, group)
                 except BaseException as e:
                     for req in group:
                         if not req.done.done():
@@ -109,7 +114,7 @@ class SpanLog:
                     continue
                 for req in group:
                     if not req.done.done():
-                        req.done.set_result(None if duplicate else req.first)
+                        req.done.set_result((None if duplicate else req.first, at, seq))
         finally:
             state.writer = None
             for req in state.pending:  # only when the writer itself was cancelled
@@ -117,7 +122,9 @@ class SpanLog:
                     req.done.set_exception(ConcurrencyError(f"span writer of {key[0]}/{key[1]} stopped"))
             state.pending.clear()
 
-    async def _append_group(self, key: tuple[str, str], state: _Attempt, group: list[_Request]) -> bool:
+    async def _append_group(
+        self, key: tuple[str, str], state: _Attempt, group: list[_Request]
+    ) -> tuple[bool, float, int]:
         rid, aid = key
         spans = [s for req in group for s in req.spans]
         ids = [req.msg_id for req in group]
@@ -134,16 +141,15 @@ class SpanLog:
                     cursor = max([cursor, *(s.sequence_id for s in req.spans)])
                     req.first = cursor + 1
                 cursor += req.reserve
-            event = SpansAdded(time=wall_clock(), rollout_id=rid, attempt_id=aid, spans=spans, seq_high=cursor)
+            at = self.clock()
+            event = SpansAdded(time=at, rollout_id=rid, attempt_id=aid, spans=spans, seq_high=cursor)
             try:
                 seq, duplicate = await self.log.publish_ack(event, msg_id=msg_id, expected_subject_seq=state.last_seq)
             except StaleStateError:  # another process (the LLM proxy, another store) appended first
-                state.last_seq, state.high = await self.log.span_head(rid, aid)
+                state.last_seq, state.high = await self.log.span_counter(rid, aid)
                 continue
             if duplicate:
-                return True
+                return True, at, seq
             state.last_seq, state.high = seq, cursor
-            if callable(self.on_write):
-                self.on_write(seq)
-            return False
+            return False, at, seq
         raise ConcurrencyError(f"spans of {rid}/{aid}: {MAX_TRIES} conflicting appends in a row")

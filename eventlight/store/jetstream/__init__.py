@@ -1,0 +1,194 @@
+"""``JetStreamLightningStore``: the one store over JetStream (the log) and Postgres (the read model).
+
+* **Writes** go through the one store's command loop (``eventlight.store.service``): decide with
+  the pure decider, append with the rollout's expected last sequence (``log``), reload and decide
+  again when it is stale.
+* **The queue** is the durable pull consumer ``runners`` on ``el.<ns>.r.*.q`` (``queue``).
+* **Spans** are appended in batches on ``el.<ns>.s.<rid>.<aid>``, numbered by the stream, with
+  group commit (``spanlog``).
+* **Reads** come from the Postgres projection (``readmodel``) after read-your-writes; resources are
+  read from the stream itself, so runners need no Postgres connection (``pg_dsn=None``).
+* **The projector** (``projector``) and its watchdog run in this process when asked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+import asyncpg
+from nats.aio.client import Client as NATS
+
+from eventlight.core.errors import InvalidInputError
+from eventlight.core.events import AnyEvent
+from eventlight.core.types import now as wall_clock
+from eventlight.settings import Settings
+from eventlight.store.base import LightningStoreCapabilities
+from eventlight.store.jetstream import pg
+from eventlight.store.jetstream.connect import connect_nats
+from eventlight.store.jetstream.log import JetStreamEventLog
+from eventlight.store.jetstream.nats_errors import nats_errors
+from eventlight.store.jetstream.projector import Projector
+from eventlight.store.jetstream.readmodel import SYNC_TIMEOUT_S, SqlReadModel
+from eventlight.store.service import EventStore
+
+__all__ = ["JetStreamLightningStore"]
+
+log = logging.getLogger(__name__)
+
+CLOSE_TIMEOUT_S = 10.0
+
+
+class JetStreamLightningStore(EventStore):
+    """The event-sourced store.
+
+    Args:
+        settings: Namespace and (optionally) service addresses.
+        nats_url: NATS server; defaults to ``settings.nats_url``.
+        pg_dsn: Postgres DSN for reads; ``None`` opens a write-only store (what runners use).
+        run_projector: Run the projector (and its watchdog) in this process. Defaults to ``True``
+            when ``pg_dsn`` is given.
+        pool_size: Upper bound of this store's Postgres connections (peer failure C25).
+        watchdog_interval_s: Seconds between watchdog ticks of the local projector.
+        clock: Wall-clock seconds (injectable for tests of timing rules).
+
+    Use as ``async with JetStreamLightningStore(...) as store:`` or call ``start()``/``close()``.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        nats_url: str | None = None,
+        pg_dsn: str | None = None,
+        run_projector: bool | None = None,
+        pool_size: int = 4,
+        watchdog_interval_s: float = 1.0,
+        clock: Callable[[], float] = wall_clock,
+    ):
+        super().__init__(None, None, clock)
+        self.settings = settings
+        self.nats_url = nats_url or settings.nats_url
+        self.pg_dsn = pg_dsn
+        self.run_projector = (pg_dsn is not None) if run_projector is None else run_projector
+        self.pool_size = pool_size
+        self.watchdog_interval_s = watchdog_interval_s
+        self.nc: NATS | None = None
+        self.log: JetStreamEventLog | None = None
+        self.pool: asyncpg.Pool | None = None
+        self.projector: Projector | None = None
+        self.read_model: SqlReadModel | None = None
+
+    @property
+    def capabilities(self) -> LightningStoreCapabilities:
+        return {"async_safe": True, "thread_safe": False, "zero_copy": True, "otlp_traces": False}
+
+    async def start(self) -> JetStreamLightningStore:
+        """Connect to NATS (and Postgres when ``pg_dsn`` is set); start the projector if asked.
+
+        Raises:
+            ServiceUnavailableError: A server cannot be reached.
+            InvalidInputError: No NATS URL, a projector without Postgres, or a namespace without tables.
+        """
+        if self.nats_url is None:
+            raise InvalidInputError("JetStreamLightningStore needs a NATS URL (settings.nats_url or nats_url=)")
+        if self.run_projector and self.pg_dsn is None:
+            raise InvalidInputError("the projector needs Postgres (pg_dsn)")
+        self.nc = await connect_nats(self.nats_url)
+        try:
+            self.log = JetStreamEventLog(self.nc, self.settings, self._clock)
+            if self.pg_dsn is not None:
+                self.pool = await self._open_pool(self.pg_dsn)
+                self.read_model = SqlReadModel(self.pool, self.nc, self.log.prefix, None)
+                await self.read_model.start()
+            if self.run_projector:
+                assert self.pool is not None and self.read_model is not None
+                self.projector = Projector(
+                    self.log,
+                    self.pool,
+                    watchdog_interval_s=self.watchdog_interval_s,
+                    on_commit=self.read_model._on_commit,
+                    clock=self._clock,
+                )
+                self.read_model.projector = self.projector
+                await self.projector.start()
+            self._bind(self.log, self.read_model)
+        except BaseException:
+            await self.close()  # nothing half-open is left behind
+            raise
+        return self
+
+    async def _open_pool(self, dsn: str) -> asyncpg.Pool:
+        pool = await pg.create_pool(dsn, self.settings.pg_schema, max_size=self.pool_size)
+        async with pool.acquire() as conn:
+            migrated = await conn.fetchval("SELECT to_regclass('projector_checkpoint')") is not None
+        if not migrated:
+            await pool.close()
+            raise InvalidInputError(
+                f"namespace {self.settings.namespace!r} has no tables in Postgres schema "
+                f"{self.settings.pg_schema!r}; run `eventlight up` (or "
+                "eventlight.services.apply_migrations) first"
+            )
+        return pool
+
+    async def __aenter__(self) -> JetStreamLightningStore:
+        return await self.start()
+
+    async def close(self) -> None:
+        """Stop the projector, unsubscribe, close NATS and Postgres; idempotent."""
+        if self._closed:
+            return
+        if self.projector is not None:
+            await self.projector.close()
+        if self.read_model is not None:
+            await self.read_model.close()
+        if self.log is not None:
+            await self.log.close()
+        self._closed = True
+        if self.nc is not None:
+            with contextlib.suppress(Exception):
+                await self.nc.flush(timeout=2)
+            with contextlib.suppress(Exception):
+                await self.nc.close()
+        if self.pool is not None:
+            try:
+                await asyncio.wait_for(self.pool.close(), CLOSE_TIMEOUT_S)
+            except TimeoutError:
+                log.warning("Postgres connections did not close within %.0f s; terminating them", CLOSE_TIMEOUT_S)
+                self.pool.terminate()
+
+    async def sync(self, seq: int | None = None, timeout_s: float = SYNC_TIMEOUT_S) -> None:
+        """Wait until the projection includes stream sequence ``seq`` (default: this store's last write).
+
+        Raises:
+            ServiceUnavailableError: The projector did not get there within ``timeout_s`` seconds.
+            InvalidInputError: The store has no Postgres.
+        """
+        reads = await self._reads_unsynced()
+        await reads.sync(self._last_write if seq is None else seq, timeout_s)
+
+    async def _reads_unsynced(self) -> SqlReadModel:
+        self._check_open()
+        if self.read_model is None:
+            raise InvalidInputError("this store was opened without Postgres (pg_dsn=None); it cannot answer queries")
+        return self.read_model
+
+    async def sync_all(self, timeout_s: float = SYNC_TIMEOUT_S) -> None:
+        """Wait until the projection includes everything on the stream now, whoever wrote it."""
+        log_ = self._log()
+        assert isinstance(log_, JetStreamEventLog)
+        with nats_errors(log_.server(), "stream info"):
+            info = await log_.js.stream_info(log_.stream)
+        await self.sync(info.state.last_seq, timeout_s)
+
+    async def run_watchdog(self, now: float | None = None) -> list[AnyEvent]:
+        """One watchdog tick at ``now`` (default: the clock) over the local projector's rollouts.
+
+        Raises:
+            InvalidInputError: This store runs no projector.
+        """
+        if self.projector is None:
+            raise InvalidInputError("this store runs no projector (run_projector=False): its watchdog runs elsewhere")
+        return await self.projector.watchdog.tick(now)

@@ -1,0 +1,69 @@
+"""Connecting to NATS: fail fast when nothing listens, and refuse servers older than 2.11."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from nats.aio.client import Client as NATS
+
+from eventlight.core.errors import ServiceUnavailableError
+
+log = logging.getLogger(__name__)
+
+
+async def _nats_error(e: Exception) -> None:
+    log.warning("NATS: %s", e if str(e) else type(e).__name__)
+
+
+async def _reachable(url: str, timeout_s: float = 3.0) -> str | None:
+    """``None`` if something accepts TCP connections at the first server of ``url``, else why not."""
+    from urllib.parse import urlsplit
+
+    first = url.split(",")[0].strip()
+    parts = urlsplit(first if "://" in first else f"nats://{first}")
+    host, port = parts.hostname or "127.0.0.1", parts.port or 4222
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+    except (OSError, TimeoutError) as e:
+        return f"nothing answers at {host}:{port} ({e.strerror or type(e).__name__})"
+    writer.close()
+    with contextlib.suppress(Exception):
+        await writer.wait_closed()
+    return None
+
+
+async def connect_nats(url: str, *, name: str = "eventlight") -> NATS:
+    """Connect to NATS and check the server can do per-rollout optimistic appends.
+
+    Raises:
+        ServiceUnavailableError: The server cannot be reached (at once when nothing listens, instead
+            of nats-py's reconnect attempts), or is older than 2.11 (it ignores
+            ``Nats-Expected-Last-Subject-Sequence-Subject``, which eventlight's fencing needs).
+    """
+    import nats
+
+    why = await _reachable(url)
+    if why is not None:
+        raise ServiceUnavailableError(url, f"NATS is not reachable: {why}")
+    try:
+        nc = await nats.connect(
+            url,
+            name=name,
+            connect_timeout=3,
+            max_reconnect_attempts=5,
+            allow_reconnect=True,
+            error_cb=_nats_error,
+        )
+    except Exception as e:  # nats-py raises several unrelated types for "cannot connect"
+        raise ServiceUnavailableError(url, f"NATS did not accept a connection ({e!r})") from e
+    sv = nc.connected_server_version
+    if (sv.major, sv.minor) < (2, 11):
+        await nc.close()
+        raise ServiceUnavailableError(
+            url,
+            f"nats-server {nc.connected_server_version} is too old: eventlight needs >= 2.11 "
+            "(per-rollout expected-sequence appends); unset EVENTLIGHT_NATS_URL to use the bundled 2.15",
+        )
+    return nc

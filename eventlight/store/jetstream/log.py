@@ -1,0 +1,252 @@
+"""The event log on JetStream: fenced appends per rollout, loads, span heads, resources, reads.
+
+A rollout's state events live under ``el.<ns>.r.<rollout_id>.{q,e}`` (``layout``). An append
+carries ``Nats-Expected-Last-Subject-Sequence`` with ``Nats-Expected-Last-Subject-Sequence-Subject:
+el.<ns>.r.<rollout_id>.>`` (nats-server >= 2.11; error 10071 when stale) and a ``Nats-Msg-Id`` built
+from the command id, so a retried publish is de-duplicated by the server. A rollout's version is
+the stream sequence of its last state event.
+
+A load folds the rollout's state events and, in stream order among them, the last span batch of
+each of its attempts (one direct get per attempt), so the state a writer decides on includes what
+spans did to its attempts (``eventlight.core.evolve.spans_arrived``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import msgspec
+import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.js.client import JetStreamContext
+
+from eventlight.core.commands import RolloutState
+from eventlight.core.errors import RolloutNotFoundError
+from eventlight.core.events import AnyEvent, ResourcesPut, RolloutEvent, decode_event, encode_event
+from eventlight.core.evolve import evolve, spans_arrived
+from eventlight.core.types import ResourcesUpdate, Span
+from eventlight.settings import Settings
+from eventlight.store.jetstream.layout import rollout_filter, span_subject, subject_for
+from eventlight.store.jetstream.nats_errors import nats_errors
+from eventlight.store.jetstream.queue import JetStreamQueued, RunnersQueue
+from eventlight.store.jetstream.spanlog import SpanLog
+from eventlight.store.ports import SpanHead
+from eventlight.store.validate import is_token
+
+log = logging.getLogger(__name__)
+
+
+class _SpanHead(msgspec.Struct):
+    """The part of a ``SpansAdded`` payload a head needs (decoded without the spans' bodies)."""
+
+    class _Seq(msgspec.Struct):
+        sequence_id: int = 0
+
+    spans: list[_Seq]  # required, like the type: another JSON object is not a batch
+    type: str = ""
+    v: int = 1
+    time: float = 0.0
+    seq_high: int = 0
+
+
+_span_head_decoder = msgspec.json.Decoder(_SpanHead)
+
+
+def _span_batch(data: bytes | None) -> _SpanHead | None:
+    """The head fields of a span batch, or ``None`` if ``data`` is not one."""
+    if not data:
+        return None
+    try:
+        head = _span_head_decoder.decode(data)
+    except (msgspec.DecodeError, RecursionError):  # DecodeError includes ValidationError
+        return None
+    return head if head.type == "spans_added" else None
+
+
+def _span_high(head: _SpanHead) -> int:
+    return max([head.seq_high, *(s.sequence_id for s in head.spans)])
+
+
+class JetStreamEventLog:
+    """Appends and reads the events of one namespace.
+
+    Args:
+        nc: A connected NATS client.
+        settings: Names the stream (``EL_<NS>``) and the subject prefix (``el.<ns>``).
+        clock: Wall-clock seconds (the time of span batches).
+    """
+
+    def __init__(self, nc: NATS, settings: Settings, clock: Any):
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream(timeout=10.0)
+        self.settings = settings
+        self.prefix = settings.subject_prefix
+        self.stream = settings.stream_name
+        self.spans = SpanLog(self, clock)
+        self.queue = RunnersQueue(self)
+
+    def server(self) -> str:
+        """The connected server's URL, for error messages."""
+        url = self.nc.connected_url
+        return f"nats://{url.hostname}:{url.port}" if url else "NATS"
+
+    # -- appends ---------------------------------------------------------------------------
+
+    async def publish_ack(
+        self,
+        event: AnyEvent,
+        *,
+        msg_id: str | None = None,
+        expected_seq: int | None = None,
+        expected_subject_seq: int | None = None,
+    ) -> tuple[int, bool]:
+        """Publish one event; its stream sequence and whether the server had ``msg_id`` already.
+
+        ``expected_seq`` fences the rollout's whole subject tree (``r.<rid>.>``);
+        ``expected_subject_seq`` fences the event's own subject (``0``: the subject must be empty).
+
+        Raises:
+            StaleStateError: A fence is stale.
+            ServiceUnavailableError: NATS did not answer.
+        """
+        subject = subject_for(self.prefix, event)
+        headers: dict[str, str] = {"Nats-Msg-Id": msg_id or uuid.uuid4().hex}
+        if expected_seq is not None:
+            headers["Nats-Expected-Last-Subject-Sequence"] = str(expected_seq)
+            headers["Nats-Expected-Last-Subject-Sequence-Subject"] = rollout_filter(self.prefix, subject.split(".")[3])
+        elif expected_subject_seq is not None:
+            headers["Nats-Expected-Last-Subject-Sequence"] = str(expected_subject_seq)
+        with nats_errors(self.server(), f"publish to {subject}"):
+            ack = await self.js.publish(subject, encode_event(event), headers=headers)
+        return ack.seq, bool(ack.duplicate)
+
+    async def publish(self, event: AnyEvent) -> int:
+        return (await self.publish_ack(event))[0]
+
+    async def append(self, rollout_id: str, events: Sequence[RolloutEvent], expected: int, command_id: str) -> int:
+        seq = expected
+        for i, event in enumerate(events):
+            seq = (await self.publish_ack(event, msg_id=f"{command_id}:{i}", expected_seq=seq))[0]
+        return seq
+
+    async def append_spans(
+        self, rollout_id: str, attempt_id: str, spans: list[Span], *, numbered: bool, reserve: int = 0
+    ) -> tuple[int | None, float, int]:
+        return await self.spans.append(rollout_id, attempt_id, spans, numbered=numbered, reserve=reserve)
+
+    async def next_queued(self, wait_s: float) -> JetStreamQueued | None:
+        return await self.queue.next(wait_s)
+
+    # -- reads -----------------------------------------------------------------------------
+
+    async def load(self, rollout_id: str) -> tuple[RolloutState, int]:
+        if not isinstance(rollout_id, str) or not is_token(rollout_id):
+            raise RolloutNotFoundError(rollout_id)  # not a subject token: no rollout can have this id
+        items: list[tuple[int, AnyEvent]] = []
+        async for msg in self._messages(rollout_filter(self.prefix, rollout_id)):
+            if msg.data:
+                items.append((msg.seq, decode_event(msg.data)))
+        state: RolloutState | None = None
+        for _, event in items:
+            state = evolve(state, event)
+        if state is None:
+            raise RolloutNotFoundError(rollout_id)
+        version = items[-1][0]
+        aids = [a.attempt_id for a in state.attempts]
+        heads = await asyncio.gather(*(self.span_head(rollout_id, aid) for aid in aids))
+        spans = [(h.seq, aid, h.time) for aid, h in zip(aids, heads, strict=True) if h.has_spans]
+        if not spans:
+            return state, version
+        state = None
+        merged: list[tuple[int, Any]] = sorted([*items, *spans], key=lambda item: item[0])
+        for item in merged:
+            if len(item) == 2:
+                state = evolve(state, item[1])
+            elif state is not None:
+                state = spans_arrived(state, item[1], item[2])
+        assert state is not None
+        return state, version
+
+    async def _messages(self, subject: str, from_seq: int = 0, until_seq: int | None = None) -> AsyncIterator[Any]:
+        """The stored messages on ``subject`` (wildcards allowed) after ``from_seq``, in stream
+        order, one direct get each, up to ``until_seq``.
+
+        Raises:
+            ServiceUnavailableError: NATS did not answer.
+        """
+        seq = from_seq
+        while until_seq is None or seq < until_seq:
+            with nats_errors(self.server(), f"reading {subject}"):
+                try:
+                    msg = await self.js.get_msg(self.stream, seq=seq + 1, subject=subject, next=True)
+                except nats.js.errors.NotFoundError:
+                    return
+            seq = msg.seq
+            yield msg
+
+    async def read(self, from_seq: int = 0) -> AsyncIterator[tuple[int, AnyEvent]]:
+        """Every event of the namespace after ``from_seq``, in stream order (one direct get each).
+
+        Raises:
+            InvalidInputError: A stored message is not an event.
+        """
+        async for msg in self._messages(f"{self.prefix}.>", from_seq):
+            if msg.data:
+                yield msg.seq, decode_event(msg.data)
+
+    async def last_event(self, subject: str) -> tuple[AnyEvent, int] | None:
+        """The last event on a subject (wildcards allowed), or ``None``."""
+        with nats_errors(self.server(), f"reading {subject}"):
+            try:
+                msg = await self.js.get_msg(self.stream, subject=subject)
+            except nats.js.errors.NotFoundError:
+                return None
+        return decode_event(msg.data), msg.seq
+
+    async def resources(self, resources_id: str | None) -> ResourcesUpdate | None:
+        subject = f"{self.prefix}.res.{'>' if resources_id is None else resources_id}"
+        found = await self.last_event(subject)
+        return found[0].resources if found and isinstance(found[0], ResourcesPut) else None
+
+    async def _last_msg(self, subject: str) -> Any:
+        with nats_errors(self.server(), f"reading {subject}"):
+            try:
+                return await self.js.get_msg(self.stream, subject=subject)
+            except nats.js.errors.NotFoundError:
+                return None
+
+    async def span_head(self, rollout_id: str, attempt_id: str) -> SpanHead:
+        """The attempt's last span batch (a last message that is a reservation has no spans)."""
+        msg = await self._last_msg(span_subject(self.prefix, rollout_id, attempt_id))
+        head = _span_batch(msg.data) if msg is not None else None
+        if msg is None or head is None:
+            return SpanHead()
+        return SpanHead(seq=msg.seq, time=head.time, has_spans=bool(head.spans))
+
+    async def span_counter(self, rollout_id: str, attempt_id: str) -> tuple[int, int]:
+        """The attempt's span subject head: ``(last stream sequence or 0, highest allocated id)``.
+
+        Raises:
+            ServiceUnavailableError: NATS did not answer.
+        """
+        subject = span_subject(self.prefix, rollout_id, attempt_id)
+        msg = await self._last_msg(subject)
+        if msg is None:
+            return 0, 0
+        head = _span_batch(msg.data)
+        if head is not None:
+            return msg.seq, _span_high(head)
+        high = 0  # the last message is not a span batch (a foreign writer): read them all
+        async for m in self._messages(subject, until_seq=msg.seq):
+            found = _span_batch(m.data)
+            high = max(high, _span_high(found) if found is not None else 0)
+        log.warning("%s: the last message (stream sequence %d) is not a span batch; ignored", subject, msg.seq)
+        return msg.seq, high
+
+    async def close(self) -> None:
+        """Unsubscribe the runners' queue (the store closes the connection)."""
+        await self.queue.close()

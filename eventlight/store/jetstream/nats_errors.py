@@ -1,0 +1,53 @@
+"""nats-py errors mapped to eventlight's, in one place (``raise ... from e``).
+
+* JetStream error 10071 (wrong last sequence: an expected-sequence append was overtaken) becomes
+  ``StaleStateError``, which the command loop answers by reloading and deciding again;
+* any other JetStream API error, a timeout, no responders or a closed connection becomes
+  ``ServiceUnavailableError`` naming the server.
+
+``nats.js.errors.NotFoundError`` (an API error too) is an answer, not a failure: callers that
+expect it catch it inside the ``with`` block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import nats.errors
+import nats.js.errors
+
+from eventlight.core.errors import ServiceUnavailableError
+from eventlight.store.ports import StaleStateError
+
+WRONG_LAST_SEQUENCE = 10071
+
+TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionClosedError,
+    nats.errors.OutboundBufferLimitError,
+    nats.errors.StaleConnectionError,
+)
+
+
+@contextlib.contextmanager
+def nats_errors(server: str, what: str) -> Iterator[None]:
+    """Map nats-py errors raised inside the block (see the module docstring).
+
+    Args:
+        server: The server named in ``ServiceUnavailableError``.
+        what: What the block does, for the message (``"publish to el.x.r.ro-1.e"``).
+
+    Raises:
+        StaleStateError: A fenced append was overtaken.
+        ServiceUnavailableError: Any other NATS failure.
+    """
+    try:
+        yield
+    except nats.js.errors.APIError as e:
+        if e.err_code == WRONG_LAST_SEQUENCE:
+            raise StaleStateError(str(e)) from e
+        raise ServiceUnavailableError(server, f"{what} failed: {e}") from e
+    except TRANSPORT_ERRORS as e:
+        raise ServiceUnavailableError(server, f"{what} failed: {e!r}") from e

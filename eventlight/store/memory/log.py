@@ -1,0 +1,169 @@
+"""The in-memory event log: a list of events, with the indexes the ports need.
+
+Positions are 1-based list indexes (``events[seq - 1]``). A rollout's version is the position of
+its last rollout event; ``append`` refuses a stale one with ``StaleStateError``, exactly as the
+JetStream log's per-rollout expected sequence. Every appended event is handed to the subscribers
+synchronously (the in-memory read model's projector), so reads see writes at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+
+from eventlight.core.commands import RolloutState
+from eventlight.core.errors import RolloutNotFoundError
+from eventlight.core.events import (
+    AnyEvent,
+    ResourcesPut,
+    RolloutCreated,
+    RolloutEvent,
+    SpansAdded,
+    enters_queue,
+    rollout_id_of,
+)
+from eventlight.core.evolve import evolve
+from eventlight.core.types import ResourcesUpdate, Span
+from eventlight.store.ports import SpanHead, StaleStateError
+
+Subscriber = Callable[[int, AnyEvent], None]
+
+
+class MemoryQueued:
+    """A work-queue entry of the in-memory log (``ack``/``in_progress`` do nothing)."""
+
+    def __init__(self, log: MemoryEventLog, rollout_id: str, seq: int, created: RolloutState | None):
+        self.log = log
+        self.rollout_id = rollout_id
+        self.seq = seq
+        self.created = created
+
+    async def ack(self) -> None:
+        """Nothing to do: the entry already left the queue."""
+
+    async def nak(self, delay_s: float) -> None:
+        """Put the entry back at the head of the queue."""
+        self.log.queue.appendleft((self.rollout_id, self.seq))
+
+    async def in_progress(self) -> None:
+        """Nothing to do: in-memory claims have no lease."""
+
+
+class MemoryEventLog:
+    """The whole log of one in-memory store.
+
+    Args:
+        clock: Wall-clock seconds (the time of span batches).
+    """
+
+    def __init__(self, clock: Callable[[], float]):
+        self.clock = clock
+        self.events: list[AnyEvent] = []
+        """Every event in log order; position ``i + 1`` is ``events[i]``."""
+        self.queue: deque[tuple[str, int]] = deque()
+        self._by_rollout: dict[str, list[int]] = {}
+        self._version: dict[str, int] = {}
+        self._span_high: dict[tuple[str, str], int] = {}
+        self._span_head: dict[tuple[str, str], SpanHead] = {}
+        self._resources: dict[str, ResourcesUpdate] = {}
+        self._latest_resources: str | None = None
+        self._subscribers: list[Subscriber] = []
+        self._queued = asyncio.Event()
+
+    def subscribe(self, subscriber: Subscriber) -> None:
+        """Call ``subscriber(position, event)`` for every event appended from now on."""
+        self._subscribers.append(subscriber)
+
+    def _add(self, event: AnyEvent) -> int:
+        self.events.append(event)
+        seq = len(self.events)
+        rid = rollout_id_of(event)
+        if rid is not None:
+            self._by_rollout.setdefault(rid, []).append(seq)
+            if not isinstance(event, SpansAdded):
+                self._version[rid] = seq
+            if enters_queue(event):
+                self.queue.append((rid, seq))
+                self._queued.set()
+        if isinstance(event, ResourcesPut):
+            self._resources[event.resources.resources_id] = event.resources
+            self._latest_resources = event.resources.resources_id
+        for subscriber in self._subscribers:
+            subscriber(seq, event)
+        return seq
+
+    async def load(self, rollout_id: str) -> tuple[RolloutState, int]:
+        state: RolloutState | None = None
+        for seq in self._by_rollout.get(rollout_id, ()):
+            state = evolve(state, self.events[seq - 1])
+        if state is None:
+            raise RolloutNotFoundError(rollout_id)
+        return state, self._version[rollout_id]
+
+    async def append(self, rollout_id: str, events: Sequence[RolloutEvent], expected: int, command_id: str) -> int:
+        if self._version.get(rollout_id, 0) != expected:
+            raise StaleStateError(f"rollout {rollout_id} is past version {expected}")
+        seq = expected
+        for event in events:
+            seq = self._add(event)
+        return seq
+
+    async def publish(self, event: AnyEvent) -> int:
+        return self._add(event)
+
+    async def append_spans(
+        self, rollout_id: str, attempt_id: str, spans: list[Span], *, numbered: bool, reserve: int = 0
+    ) -> tuple[int | None, float, int]:
+        key = (rollout_id, attempt_id)
+        high = self._span_high.get(key, 0)
+        if numbered:
+            first = high + 1
+            for j, span in enumerate(spans):
+                span.sequence_id = high + 1 + j
+            high += len(spans)
+        else:
+            high = max([high, *(s.sequence_id for s in spans)])
+            first = high + 1
+        high += reserve
+        at = self.clock()
+        seq = self._add(SpansAdded(time=at, rollout_id=rollout_id, attempt_id=attempt_id, spans=spans, seq_high=high))
+        self._span_high[key] = high
+        if spans:
+            self._span_head[key] = SpanHead(seq=seq, time=at, has_spans=True)
+        return first, at, seq
+
+    async def span_head(self, rollout_id: str, attempt_id: str) -> SpanHead:
+        return self._span_head.get((rollout_id, attempt_id), SpanHead())
+
+    async def resources(self, resources_id: str | None) -> ResourcesUpdate | None:
+        if resources_id is None:
+            resources_id = self._latest_resources
+        return self._resources.get(resources_id) if resources_id is not None else None
+
+    async def next_queued(self, wait_s: float) -> MemoryQueued | None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while not self.queue:
+            left = deadline - loop.time()
+            if left <= 0:
+                return None
+            self._queued.clear()
+            try:
+                await asyncio.wait_for(self._queued.wait(), left)
+            except TimeoutError:
+                return None
+        rid, seq = self.queue.popleft()
+        event = self.events[seq - 1]
+        created = RolloutState(rollout=event.rollout) if isinstance(event, RolloutCreated) else None
+        return MemoryQueued(self, rid, seq, created)
+
+    async def read(self, from_seq: int = 0) -> AsyncIterator[tuple[int, AnyEvent]]:
+        """Every event after ``from_seq``, in order (those appended meanwhile included)."""
+        seq = from_seq
+        while seq < len(self.events):
+            seq += 1
+            yield seq, self.events[seq - 1]
+
+    async def close(self) -> None:
+        """Nothing to release."""

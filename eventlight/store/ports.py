@@ -1,0 +1,144 @@
+"""The two ports the one store (``eventlight.store.service``) is written against.
+
+* ``EventLog``: the source of truth. Append a command's events to one rollout with an expected
+  version (the log refuses a stale one with ``StaleStateError``), load a rollout (its state folded
+  from its events, span batches included, and its version), read the whole log from a position,
+  plus the few things every backend keeps in the log itself: span batches numbered per attempt,
+  resources snapshots, worker events and the runners' work queue.
+* ``ReadModel``: what the projector wrote (``eventlight.store.fold`` folds batches of events into
+  it, with their checkpoint, in one transaction) and the queries over it.
+
+A rollout's *version* is the log position of its last rollout event (spans excluded); both backends
+number positions with one counter for the whole log (the JetStream stream sequence, the list index).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Literal, Protocol
+
+import msgspec
+
+from eventlight.core.commands import RolloutState
+from eventlight.core.events import AnyEvent, RolloutEvent
+from eventlight.core.types import (
+    Attempt,
+    PaginatedResult,
+    ResourcesUpdate,
+    Rollout,
+    Span,
+    Worker,
+)
+
+
+class StaleStateError(Exception):
+    """An append's expected version was stale; reload and decide again."""
+
+
+class SpanHead(msgspec.Struct, frozen=True):
+    """An attempt's last span batch: its log position (0: none), time and whether it held spans."""
+
+    seq: int = 0
+    time: float = 0.0
+    has_spans: bool = False
+
+
+class Queued(Protocol):
+    """A rollout offered by the work queue: ``rollout_id``, its log position ``seq`` and, when the
+    queue entry is the rollout's creation, ``created`` (the state it created, saving a load)."""
+
+    rollout_id: str
+    seq: int
+    created: RolloutState | None
+
+    async def ack(self) -> None:
+        """Done with it (claimed and finished, or not claimable any more)."""
+
+    async def nak(self, delay_s: float) -> None:
+        """Offer it again after ``delay_s`` seconds."""
+
+    async def in_progress(self) -> None:
+        """Still working on it (extends the claim's lease)."""
+
+
+class EventLog(Protocol):
+    """The event-log port (see the module docstring)."""
+
+    async def load(self, rollout_id: str) -> tuple[RolloutState, int]:
+        """The rollout's state and version.
+
+        Raises:
+            RolloutNotFoundError: The rollout has no events.
+        """
+        ...
+
+    async def append(self, rollout_id: str, events: Sequence[RolloutEvent], expected: int, command_id: str) -> int:
+        """Append a command's events to one rollout (``expected=0``: a new rollout); the new version.
+
+        ``command_id`` makes a retried append idempotent where the backend can (JetStream's duplicate
+        window). Raises ``StaleStateError`` when ``expected`` is not the rollout's version.
+        """
+        ...
+
+    async def publish(self, event: AnyEvent) -> int:
+        """Append an event of another aggregate (resources, a worker) unfenced; its position."""
+        ...
+
+    async def append_spans(
+        self, rollout_id: str, attempt_id: str, spans: list[Span], *, numbered: bool, reserve: int = 0
+    ) -> tuple[int | None, float, int]:
+        """Append a span batch (``numbered``: give the spans the attempt's next ids), reserving
+        ``reserve`` ids after it. Returns ``(first id given out or None if the log already held this
+        batch, the batch's time, its position)``."""
+        ...
+
+    async def span_head(self, rollout_id: str, attempt_id: str) -> SpanHead:
+        """The attempt's last span batch."""
+        ...
+
+    async def resources(self, resources_id: str | None) -> ResourcesUpdate | None:
+        """A resources snapshot by id, or the latest one (``None``)."""
+        ...
+
+    async def next_queued(self, wait_s: float) -> Queued | None:
+        """The oldest rollout on the work queue, waiting up to ``wait_s`` seconds; ``None`` if none."""
+        ...
+
+    def read(self, from_seq: int = 0) -> AsyncIterator[tuple[int, AnyEvent]]:
+        """Every event after position ``from_seq``, in log order."""
+        ...
+
+    async def close(self) -> None:
+        """Release what the log holds; idempotent."""
+        ...
+
+
+class ReadModel(Protocol):
+    """The read-model port: the projection and its queries (arguments as ``LightningStore``'s)."""
+
+    async def sync(self, seq: int) -> None:
+        """Wait until the projection includes log position ``seq``."""
+        ...
+
+    async def query_rollouts(self, **filters: Any) -> PaginatedResult[Rollout]: ...
+
+    async def get_rollout_by_id(self, rollout_id: str) -> Rollout | None: ...
+
+    async def query_attempts(self, rollout_id: str, **paging: Any) -> PaginatedResult[Attempt]: ...
+
+    async def get_latest_attempt(self, rollout_id: str) -> Attempt | None: ...
+
+    async def wait_for_rollouts(self, rollout_ids: list[str], timeout: float | None) -> list[Rollout]: ...
+
+    async def query_spans(self, rollout_id: str, attempt_id: str | None, **filters: Any) -> PaginatedResult[Span]: ...
+
+    async def query_resources(self, **filters: Any) -> PaginatedResult[ResourcesUpdate]: ...
+
+    async def query_workers(self, **filters: Any) -> PaginatedResult[Worker]: ...
+
+    async def statistics(self) -> dict[str, Any]: ...
+
+    async def close(self) -> None: ...
+
+
+Order = Literal["asc", "desc"]
