@@ -142,6 +142,9 @@ class Projector:
         watchdog_interval_s: Seconds between watchdog passes.
         on_commit: Called after each commit with ``(last_seq, ids of the rollouts that are in a
             terminal status after it)``; ``wait_for_rollouts`` re-reads only when one of its ids is there.
+        durable: Name of the JetStream consumer it reads (``projector``, from ``streams/``). A
+            rebuild passes a new name and a pool on a fresh schema: the consumer is created at
+            stream sequence 1, so the same code folds the whole log into empty tables.
     """
 
     def __init__(
@@ -151,8 +154,10 @@ class Projector:
         *,
         watchdog_interval_s: float = 1.0,
         on_commit: Callable[[int, set[str]], None] | None = None,
+        durable: str = "projector",
     ):
         self.log = log_
+        self.durable = durable
         self.pool = pool
         self.watchdog_interval_s = watchdog_interval_s
         self.on_commit = on_commit
@@ -254,7 +259,9 @@ class Projector:
 
     async def _become_leader(self) -> None:
         self._lock_conn = await self.pool.acquire()
-        key = zlib.crc32(self.log.settings.pg_schema.encode())
+        # one writer per schema it writes (the pool's), so a rebuild into another schema is not a standby
+        schema = await self._lock_conn.fetchval("SELECT current_schema()") or self.log.settings.pg_schema
+        key = zlib.crc32(schema.encode())
         while not await self._lock_conn.fetchval("SELECT pg_try_advisory_lock($1)", key):  # noqa: ASYNC110
             await asyncio.sleep(0.5)  # a standby polls for the advisory lock
         self.checkpoint = int(await self._lock_conn.fetchval("SELECT last_seq FROM projector_checkpoint") or 0)
@@ -263,14 +270,14 @@ class Projector:
 
     async def _subscribe(self) -> Any:
         cfg = ConsumerConfig(
-            durable_name="projector",
+            durable_name=self.durable,
             ack_policy=AckPolicy.ALL,
             ack_wait=60,
             max_ack_pending=20000,
             deliver_policy=DeliverPolicy.ALL,
         )
         return await self.log.js.pull_subscribe(
-            f"{self.log.prefix}.>", durable="projector", stream=self.log.stream, config=cfg
+            f"{self.log.prefix}.>", durable=self.durable, stream=self.log.stream, config=cfg
         )
 
     # -- applying a batch ---------------------------------------------------------------------
