@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from eventlight.errors import InvalidInputError, ResourcesNotFoundError
+from eventlight.errors import InvalidInputError, InvalidTransitionError, ResourcesNotFoundError
 from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.types import EnqueueRolloutRequest, Span
 
@@ -110,3 +110,11 @@ async def test_add_many_spans_returns_spans_in_the_order_given(store: Any) -> No
     ]
     got = await store.add_many_spans(spans)
     assert [s.span_id for s in got] == [s.span_id for s in spans]
+
+
+async def test_an_attempt_running_on_its_spans_cannot_go_back_to_preparing(store: Any) -> None:
+    """``running`` -> ``preparing`` is not a transition; the writer must know the span made it running."""
+    r = await store.start_rollout({"x": 1})
+    await store.add_span(span(r.rollout_id, r.attempt.attempt_id, "0000000000000001"))
+    with pytest.raises(InvalidTransitionError):
+        await store.update_attempt(r.rollout_id, r.attempt.attempt_id, status="preparing")
