@@ -35,9 +35,12 @@ Choices where Agent-lightning 0.3.0's code and its docs differ, item by item aga
     13. a span revives ``unresponsive`` but never ``timeout``/``failed``; queue entries of rollouts that
         left ``queuing``/``requeuing`` are skipped;
     14. workers are derived from events: claim → busy, empty poll → idle, ``timeout``/``unresponsive`` →
-        unknown; ``update_worker`` only stamps heartbeats; a store marks a worker idle once per run of
-        empty polls (later empty polls leave ``last_dequeue_time`` as it is); ``worker_id`` must be a
-        token (no dots, spaces or wildcards: ``InvalidInputError``) on every backend;
+        unknown; ``update_worker`` only stamps heartbeats; an empty poll records ``idle`` and
+        ``last_dequeue_time`` at once after the worker was busy, else at most once a second (each is
+        an fsynced event), so ``last_dequeue_time`` is the last poll to within 1 s; ``query_workers``
+        without ``sort_by`` is insertion order; ``worker_id`` must be a token (no dots, spaces or
+        wildcards: ``InvalidInputError``) on every backend; ``add_many_spans`` returns the spans it
+        recorded in the order given;
     15.-17. there is no REST/OTLP store server yet (``capabilities["otlp_traces"]`` is ``False``);
         errors are raised in-process as the ``EventlightError`` tree;
     18. ``Span``'s nullable fields are required keys as in 0.3.0; ``NamedResources`` is tagged by

@@ -37,6 +37,8 @@ class Changes:
         spans: ``(span, position)`` in log order (duplicates are dropped by the read model).
         resources: ``resources_id -> (snapshot, first position in the batch, last position)``.
         workers: New worker records by id.
+        worker_created_seq: Log position of the event that first recorded each worker new in the batch
+            (the read model's insertion order of workers, which a rebuild reproduces).
         terminal: Rollouts in a terminal status after the batch.
         last_seq: The batch's last position (the checkpoint).
     """
@@ -48,6 +50,7 @@ class Changes:
         self.spans: list[tuple[Any, int]] = []
         self.resources: dict[str, tuple[ResourcesUpdate, int, int]] = {}
         self.workers: dict[str, Worker] = {}
+        self.worker_created_seq: dict[str, int] = {}
         self.terminal: set[str] = set()
         self.last_seq = 0
 
@@ -104,6 +107,8 @@ def fold_event(
         current = b.workers[wid] if wid in b.workers else lookup_worker(wid)
         w = evolve_worker(current, event, wid, attempt)
         if w is not None:
+            if current is None:
+                b.worker_created_seq[wid] = seq
             b.workers[wid] = w
 
 

@@ -10,9 +10,11 @@ Policies (the same on every backend):
     * ``worker_id`` values become subject tokens: one with dots, spaces or wildcards is refused with
       ``InvalidInputError`` by ``dequeue_rollout``, ``start_rollout``, ``start_attempt`` and
       ``update_worker``;
-    * an empty poll marks a worker ``idle`` once (one ``WorkerIdle`` event, which sets
-      ``last_dequeue_time``); further empty polls by this store write nothing until the worker
-      claims again, so they leave ``last_dequeue_time`` where it is;
+    * an empty poll marks a worker ``idle`` (a ``WorkerIdle`` event, which sets
+      ``last_dequeue_time`` and ``idle``): at once after the worker claimed or started an attempt
+      through this store, else at most once per ``IDLE_REFRESH_S`` (1 s), so ``last_dequeue_time``
+      is the worker's last poll to within a second (0.3.0 writes it on every poll; here each write
+      is an fsynced event, and a spinning poller would write hundreds a second);
     * a claim keeps its queue entry in progress (``update_worker`` extends it) until the attempt
       finishes through this store.
 """
@@ -63,6 +65,9 @@ from eventlight.store.validate import (
 UNSET = c.UNSET
 Unset = c.Unset
 ENDED = ("succeeded", "failed", "timeout", "unresponsive")
+IDLE_REFRESH_S = 1.0
+"""An empty poll re-marks an idle worker (``last_dequeue_time``) at most this often, in seconds."""
+MAX_IDLE_MARKS = 4096  # workers whose last idle mark this store remembers
 
 
 class EventStore(LightningStore):
@@ -78,7 +83,7 @@ class EventStore(LightningStore):
         self._clock = clock
         self._last_write = 0
         self._held: dict[tuple[str, str], Queued] = {}
-        self._idle_workers: set[str] = set()
+        self._idle_marks: dict[str, float] = {}  # worker id -> clock of this store's last WorkerIdle
         self._closed = False
         self._event_log: EventLog | None = None
         self._read_model: ReadModel | None = None
@@ -213,7 +218,10 @@ class EventStore(LightningStore):
             attempt_id=generate_id("at-", 8),
             worker_id=worker_id,
         )
-        return (await self._loop.create(cmd)).attempted_rollout()
+        started = (await self._loop.create(cmd)).attempted_rollout()
+        if worker_id is not None:
+            self._idle_marks.pop(worker_id, None)
+        return started
 
     async def dequeue_rollout(self, worker_id: str | None = None, *, wait_s: float = 0.0) -> AttemptedRollout | None:
         """Claim the oldest queued rollout.
@@ -238,7 +246,7 @@ class EventStore(LightningStore):
                 claimed = await self._claim(item, worker_id)
                 if claimed is not None:
                     if worker_id is not None:
-                        self._idle_workers.discard(worker_id)
+                        self._idle_marks.pop(worker_id, None)
                     return claimed
             if item is None or (wait_s > 0 and asyncio.get_running_loop().time() >= deadline):
                 await self._mark_idle(worker_id)
@@ -261,16 +269,25 @@ class EventStore(LightningStore):
         return outcome.state.attempted_rollout()
 
     async def _mark_idle(self, worker_id: str | None) -> None:
-        if worker_id is None or worker_id in self._idle_workers:
+        if worker_id is None:
             return
-        self._idle_workers.add(worker_id)
-        self._wrote(await self._log().publish(WorkerIdle(time=self._clock(), worker_id=worker_id)))
+        now = self._clock()
+        last = self._idle_marks.get(worker_id)
+        if last is not None and 0.0 <= now - last < IDLE_REFRESH_S:
+            return
+        if len(self._idle_marks) >= MAX_IDLE_MARKS:
+            self._idle_marks.pop(next(iter(self._idle_marks)))
+        self._idle_marks[worker_id] = now
+        self._wrote(await self._log().publish(WorkerIdle(time=now, worker_id=worker_id)))
 
     async def start_attempt(self, rollout_id: str, worker_id: str | None = None) -> AttemptedRollout:
         if worker_id is not None:
             check_token("worker_id", worker_id)
         cmd = c.StartAttempt(attempt_id=generate_id("at-", 8), worker_id=worker_id)
-        return (await self._loop.execute(rollout_id, cmd)).state.attempted_rollout()
+        started = (await self._loop.execute(rollout_id, cmd)).state.attempted_rollout()
+        if worker_id is not None:
+            self._idle_marks.pop(worker_id, None)  # busy now: its next empty poll marks it idle at once
+        return started
 
     async def update_rollout(
         self,

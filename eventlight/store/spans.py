@@ -80,7 +80,12 @@ class SpanWriter:
                     added.extend(chunk)
                     self.loop.spans_written(rid, aid, at)
                 seen.update(s.span_id for s in chunk)  # only once written: a failed append may be retried
-        return added
+        recorded = {(s.rollout_id, s.attempt_id, s.span_id): s for s in added}
+        ordered = []  # in the order given (as 0.3.0 returns them), each recorded span once
+        for span in spans:
+            if (key := (span.rollout_id, span.attempt_id, span.span_id)) in recorded:
+                ordered.append(recorded.pop(key))
+        return ordered
 
     async def reserve(self, rollout_attempt_ids: Sequence[tuple[str, str]]) -> list[int]:
         """One new sequence id per ``(rollout_id, attempt_id)``, increasing within an attempt.

@@ -351,7 +351,8 @@ class Projector:
                 UPSERT_RESOURCES, [resources_row(r, first, last) for r, first, last in b.resources.values()]
             )
         if b.workers:
-            await conn.executemany(UPSERT_WORKER, [worker_row(w) for w in b.workers.values()])
+            rows = [worker_row(w, b.worker_created_seq.get(wid)) for wid, w in b.workers.items()]
+            await conn.executemany(UPSERT_WORKER, rows)
         await conn.execute("UPDATE projector_checkpoint SET last_seq = $1, updated_at = now()", b.last_seq)
 
 

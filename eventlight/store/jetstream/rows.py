@@ -132,7 +132,7 @@ def resources_row(r: Any, first_seq: int, last_seq: int) -> tuple[Any, ...]:
     return (r.resources_id, r.create_time, r.update_time, r.version, dumps(r.resources), first_seq, last_seq)
 
 
-def worker_row(w: Worker) -> tuple[Any, ...]:
+def worker_row(w: Worker, created_seq: int | None = None) -> tuple[Any, ...]:
     return (
         w.worker_id,
         w.status,
@@ -143,6 +143,7 @@ def worker_row(w: Worker) -> tuple[Any, ...]:
         w.last_idle_time,
         w.current_rollout_id,
         w.current_attempt_id,
+        created_seq,
     )
 
 
@@ -184,11 +185,12 @@ ON CONFLICT (resources_id) DO UPDATE SET
 
 UPSERT_WORKER = """
 INSERT INTO workers (worker_id, status, heartbeat_stats, last_heartbeat_time, last_dequeue_time, last_busy_time,
-                     last_idle_time, current_rollout_id, current_attempt_id)
-VALUES ($1, $2, $3::jsonb, $4, $5, $6, $7, $8, $9)
+                     last_idle_time, current_rollout_id, current_attempt_id, created_seq)
+VALUES ($1, $2, $3::jsonb, $4, $5, $6, $7, $8, $9, $10)
 ON CONFLICT (worker_id) DO UPDATE SET
   status = EXCLUDED.status, heartbeat_stats = EXCLUDED.heartbeat_stats,
   last_heartbeat_time = EXCLUDED.last_heartbeat_time, last_dequeue_time = EXCLUDED.last_dequeue_time,
   last_busy_time = EXCLUDED.last_busy_time, last_idle_time = EXCLUDED.last_idle_time,
-  current_rollout_id = EXCLUDED.current_rollout_id, current_attempt_id = EXCLUDED.current_attempt_id
+  current_rollout_id = EXCLUDED.current_rollout_id, current_attempt_id = EXCLUDED.current_attempt_id,
+  created_seq = COALESCE(workers.created_seq, EXCLUDED.created_seq)
 """
