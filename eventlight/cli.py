@@ -11,7 +11,8 @@ they stop with the same one-line hint to run ``eventlight up``.
 
 Errors: every failure is one line on stderr, never a traceback (``EVENTLIGHT_LOG_LEVEL=DEBUG``
 logs the traceback of an unexpected one). Exit codes: 0 done, 1 a server is missing or does not
-answer (or the runners died), 2 a wrong argument (option, agent spec, namespace, SQL), 130 Ctrl+C.
+answer (or the runners died), 2 a wrong argument (option, agent spec, namespace, SQL), 130 Ctrl+C,
+143 SIGTERM.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import asyncio
 import importlib
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Coroutine, Sequence
@@ -40,6 +42,7 @@ from eventlight.settings import Settings
 EXIT_UNAVAILABLE = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
 
 _log = logging.getLogger(__name__)
 console = Console()
@@ -546,29 +549,49 @@ def runner(
     n: Annotated[int, typer.Option("--n-runners", "-n", min=1, help="Runner processes (at least 1).")] = 1,
     namespace: NamespaceOpt = None,
 ) -> None:
-    """Run runner processes that consume the namespace's rollout queue until Ctrl+C.
+    """Run runner processes that consume the namespace's rollout queue until Ctrl+C or SIGTERM.
+
+    A process that dies is restarted (at most about once a minute when it keeps dying). Ctrl+C or
+    SIGTERM gives attempts in flight 10 s to finish, then records the rest failed (their rollouts
+    are requeued or failed by their RolloutConfig); a second Ctrl+C does so at once.
 
     Servers: uses $EVENTLIGHT_NATS_URL when set, else the embedded NATS `eventlight up` started;
     never starts or stops one (without it: exit 1, 'run `eventlight up`'), so stopping the runners
     leaves the servers to the trainer and other runners."""
+    from eventlight.runner_pool import GRACEFUL_STOP_S, RunnerPool
     from eventlight.services import redact
-    from eventlight.trainer import RunnerPool
 
     settings = _settings(namespace)
     the_agent = load_agent(agent)
     nats_url = _run(_runner_nats(settings))
     pool = RunnerPool(the_agent, n, settings, nats_url, log_level=settings.log_level)
+    signal.signal(signal.SIGTERM, _raise_terminated)
     pool.start()
     console.print(f"{n} runner(s) consuming {settings.stream_name} on {escape(redact(nats_url))}; Ctrl+C to stop")
     try:
-        while pool.alive():
+        while pool.supervising():
             time.sleep(0.5)
-    except KeyboardInterrupt:
-        console.print("stopping runners…")
-        pool.stop()
-        raise typer.Exit(EXIT_INTERRUPTED) from None
+    except (KeyboardInterrupt, _Terminated) as e:
+        console.print(
+            f"stopping runners: attempts in flight get {GRACEFUL_STOP_S:.0f} s to finish, then are recorded "
+            "failed (Ctrl+C again: at once)…"
+        )
+        try:
+            pool.stop()
+        except (KeyboardInterrupt, _Terminated):
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            pool.stop(graceful_s=0)
+        raise typer.Exit(EXIT_INTERRUPTED if isinstance(e, KeyboardInterrupt) else EXIT_TERMINATED) from None
     codes = pool.stop()
     raise CliError(f"runner processes exited (exit codes {codes}); their log is above", EXIT_UNAVAILABLE)
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived (raised by ``_raise_terminated`` in the main thread)."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise _Terminated
 
 
 def _register_bench() -> None:

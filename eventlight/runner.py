@@ -14,7 +14,13 @@ Differences from 0.3.0, each deliberate:
       sleep loop, and is never an error (peer failure C19);
     * heartbeats run as an asyncio task (``update_worker`` with a system snapshot every
       ``heartbeat_interval`` seconds); on the JetStream store they also keep the claimed queue
-      message in progress.
+      message in progress;
+    * a failed dequeue (a NATS error during a claim, a malformed queue message, a timeout) is one
+      log line and a retry after a capped backoff (``Backoff``: 0.1 s doubling to 5 s), never the
+      end of the loop; a status the store could not record is retried before the next dequeue, so
+      a NATS blip does not leave the attempt ``running``;
+    * worker ids are unique across processes and machines: ``Worker-<index>@<host>-<pid>-<tag>``
+      (``worker_name``); ``worker_id`` stays the index the Trainer passes, as in Agent-lightning.
 """
 
 from __future__ import annotations
@@ -25,14 +31,18 @@ import functools
 import inspect
 import logging
 import os
+import re
+import secrets
 import socket
 import time
 from collections.abc import Sequence
 from typing import Any
 
+import nats.errors
 import psutil
 
 from eventlight.agent import LitAgent
+from eventlight.core.errors import EventlightError
 from eventlight.core.types import AttemptedRollout, Span
 from eventlight.emitter import emit_reward
 from eventlight.store.base import LightningStore
@@ -67,6 +77,56 @@ def system_snapshot() -> dict[str, Any]:
     }
 
 
+class Backoff:
+    """Delays between retries of a failing call: ``first_s`` doubling up to ``max_s``.
+
+    Args:
+        first_s: The first delay, seconds.
+        max_s: The cap, seconds.
+    """
+
+    def __init__(self, first_s: float = 0.1, max_s: float = 5.0):
+        self.first_s = first_s
+        self.max_s = max_s
+        self._next_s = first_s
+
+    def next(self) -> float:
+        """The delay before the next try; doubles the one after it (capped)."""
+        delay = self._next_s
+        self._next_s = min(self.max_s, delay * 2)
+        return delay
+
+    def reset(self) -> None:
+        """Start again from ``first_s`` (after a success)."""
+        self._next_s = self.first_s
+
+
+@functools.lru_cache(maxsize=4)
+def _process_tag(pid: int) -> str:
+    """``<host>-<pid>-<4 hex>`` for this process (cached per pid, so a forked child gets its own)."""
+    host = re.sub(r"[^A-Za-z0-9_\-]+", "-", socket.gethostname()).strip("-")[:63] or "host"
+    return f"{host}-{pid}-{secrets.token_hex(2)}"
+
+
+def worker_name(index: int | None) -> str:
+    """The worker id of runner ``index`` in this process: ``Worker-<index>@<host>-<pid>-<tag>``.
+
+    Unique across processes and machines (two containers may share a host name and a pid; the
+    random tag tells them apart) and a valid id (letters, digits, ``_-:@+=``; no dots). Agent-
+    lightning names workers ``Worker-<index>``, which every process shares.
+    """
+    return f"Worker-{'Unknown' if index is None else index}@{_process_tag(os.getpid())}"
+
+
+def _describe(e: BaseException) -> str:
+    """One line naming an error: its type and message, and the driver error it was mapped from."""
+    text = f"{type(e).__name__}: {e}"
+    cause = e.__cause__
+    if cause is not None and not isinstance(e, EventlightError):
+        text += f" (from {type(cause).__name__})"
+    return text
+
+
 class LitAgentRunner:
     """Runs an agent on rollouts from the store's queue.
 
@@ -92,6 +152,7 @@ class LitAgentRunner:
         self._agent: LitAgent[Any] | None = None
         self._store: LightningStore | None = None
         self._hooks: Sequence[Hook] = ()
+        self._unrecorded: dict[tuple[str, str], str] = {}  # (rollout_id, attempt_id) -> status to record
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -133,7 +194,8 @@ class LitAgentRunner:
             self.teardown()
 
     def get_worker_id(self) -> str:
-        return f"Worker-{self.worker_id}" if self.worker_id is not None else "Worker-Unknown"
+        """This runner's worker id (``worker_name``): ``Worker-<index>@<host>-<pid>-<tag>``."""
+        return worker_name(self.worker_id)
 
     def get_store(self) -> LightningStore:
         if self._store is None:
@@ -155,10 +217,19 @@ class LitAgentRunner:
         """
         store = self.get_store()
         count = 0
+        backoff = Backoff()
         heartbeat = asyncio.create_task(self._heartbeat_loop()) if self.heartbeat_interval > 0 else None
         try:
             while (event is None or not event.is_set()) and (self.max_rollouts is None or count < self.max_rollouts):
-                claimed = await self._dequeue(store)
+                await self._record_unrecorded()
+                try:
+                    claimed = await self._dequeue(store)
+                except Exception as e:  # a NATS error, a malformed queue message, a timeout: never fatal
+                    delay = backoff.next()
+                    log.warning("[%s] dequeue failed, again in %.1f s: %s", self.get_worker_id(), delay, _describe(e))
+                    await asyncio.sleep(delay)
+                    continue
+                backoff.reset()
                 if claimed is None:
                     continue
                 await self._step_impl(claimed)
@@ -290,7 +361,30 @@ class LitAgentRunner:
         try:
             await self.get_store().update_attempt(rid, aid, status=status)
         except Exception as e:
-            log.warning("%s could not record status %s: %s", prefix, status, e)
+            if _retryable(e):  # tried again before the next dequeue, on this store or the next one
+                self._unrecorded[(rid, aid)] = status
+            log.warning("%s could not record status %s: %s", prefix, status, _describe(e))
+
+    async def _record_unrecorded(self) -> None:
+        """Record the statuses ``_finish`` could not (a NATS error); drop those the store refuses."""
+        for (rid, aid), status in list(self._unrecorded.items()):
+            try:
+                await self.get_store().update_attempt(rid, aid, status=status)
+            except Exception as e:
+                if _retryable(e):
+                    return  # the store is still failing: the dequeue that follows backs off
+                log.warning("[%s | Rollout %s] status %s not recorded: %s", self.get_worker_id(), rid, status, e)
+            else:
+                log.info("[%s | Rollout %s] recorded status %s late", self.get_worker_id(), rid, status)
+            del self._unrecorded[(rid, aid)]
+
+
+def _retryable(e: BaseException) -> bool:
+    """Whether repeating the call may succeed: the tree's ``retryable``, or an unmapped driver,
+    network or timeout error."""
+    if isinstance(e, EventlightError):
+        return e.retryable
+    return isinstance(e, (nats.errors.Error, OSError, TimeoutError))
 
 
 @functools.lru_cache(maxsize=16)

@@ -9,7 +9,9 @@
 3. opens the algorithm's store, which runs the projector and the watchdog in this process;
 4. starts the LLM proxy, if one is given, on that store;
 5. runs the algorithm; when it returns (or fails, or Ctrl+C), stops the runners — first by their
-   stop event, then SIGTERM, then SIGKILL — and the servers it started itself.
+   stop event, then SIGTERM (attempts still in flight are recorded ``failed``), then SIGKILL — and
+   the servers it started itself. Until then a runner process that dies is restarted
+   (``eventlight.runner_pool``).
 """
 
 from __future__ import annotations
@@ -17,9 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import multiprocessing as mp
 import signal
-import time
 from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +27,7 @@ from eventlight.agent import LitAgent
 from eventlight.algorithm.base import Algorithm
 from eventlight.core.errors import LLMUnavailableError
 from eventlight.runner import Hook, LitAgentRunner
+from eventlight.runner_pool import RunnerPool
 from eventlight.services import Services, prepare_services, stop_services
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
@@ -36,105 +37,6 @@ if TYPE_CHECKING:
     from eventlight.llm_proxy import LLMProxy
 
 log = logging.getLogger(__name__)
-
-GRACEFUL_STOP_S = 10.0
-
-
-def _runner_main(
-    agent: LitAgent[Any],
-    runner: LitAgentRunner,
-    hooks: Sequence[Hook],
-    settings: Settings,
-    nats_url: str,
-    worker_index: int,
-    stop: Any,
-    log_level: str,
-) -> None:
-    """Entry point of a runner process."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent coordinates shutdown (peer failure C06)
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [runner-%(process)d] %(name)s: %(message)s")
-
-    async def run() -> None:
-        async with JetStreamLightningStore(settings, nats_url=nats_url) as store:
-            with runner.run_context(agent=agent, store=store, hooks=hooks, worker_id=worker_index):
-                await runner.iter(event=stop)
-
-    try:
-        import uvloop
-
-        uvloop.run(run())
-    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux and macOS
-        asyncio.run(run())
-
-
-class RunnerPool:
-    """``n`` runner processes consuming one namespace's queue.
-
-    Args:
-        agent: The agent each process runs (pickled into the process).
-        n: Number of processes.
-        settings: Namespace to consume.
-        nats_url: NATS server.
-        runner: Template runner (copied into each process); defaults to ``LitAgentRunner(OtelTracer())``.
-        hooks: Hooks every runner calls.
-    """
-
-    def __init__(
-        self,
-        agent: LitAgent[Any],
-        n: int,
-        settings: Settings,
-        nats_url: str,
-        *,
-        runner: LitAgentRunner | None = None,
-        hooks: Sequence[Hook] = (),
-        log_level: str = "WARNING",
-    ):
-        if n < 1:
-            raise ValueError(f"n_runners must be >= 1, got {n}")
-        self.ctx = mp.get_context("spawn")
-        self.stop_event = self.ctx.Event()
-        self.procs = [
-            self.ctx.Process(
-                target=_runner_main,
-                name=f"eventlight-runner-{i}",
-                daemon=True,
-                args=(
-                    agent,
-                    runner or LitAgentRunner(OtelTracer()),
-                    tuple(hooks),
-                    settings,
-                    nats_url,
-                    i,
-                    self.stop_event,
-                    log_level,
-                ),
-            )
-            for i in range(n)
-        ]
-
-    def start(self) -> None:
-        for p in self.procs:
-            p.start()
-        log.info("started %d runner processes", len(self.procs))
-
-    def alive(self) -> int:
-        return sum(p.is_alive() for p in self.procs)
-
-    def stop(self, graceful_s: float = GRACEFUL_STOP_S) -> list[int | None]:
-        """Stop the processes: stop event, then SIGTERM, then SIGKILL. Returns their exit codes."""
-        self.stop_event.set()
-        deadline = time.monotonic() + graceful_s  # one deadline for all, not one per process
-        for p in self.procs:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
-        for p in self.procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=3)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=3)
-        return [p.exitcode for p in self.procs]
 
 
 class Trainer:

@@ -260,10 +260,10 @@ async def test_runner_runs_heartbeats_into_status_and_stops_on_ctrl_c(namespace:
             out = ""
             for _ in range(120):
                 out = (await asyncio.to_thread(cli, "status", env=env_of(namespace))).stdout
-                if "Worker-0" in out:
+                if "Worker-0@" in out:
                     break
                 await asyncio.sleep(0.5)
-        assert re.search(r"Worker-0\s+\S+\s+\d+ s ago", out), out
+        assert re.search(r"Worker-0@\S+\s+\S+\s+\d+ s ago", out), out
     finally:
         proc.send_signal(signal.SIGINT)
         out_bytes, err_bytes = await asyncio.wait_for(proc.communicate(), 60)

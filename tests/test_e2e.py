@@ -98,7 +98,7 @@ async def test_apo_improves_the_prompt_through_the_whole_loop(
         rollouts = await store.query_rollouts()
         assert len(rollouts) >= len(val) + len(train) // 2
         assert {r.status for r in rollouts} == {"succeeded"}
-        workers = {r.attempt.worker_id for r in rollouts}
+        workers = {r.attempt.worker_id.partition("@")[0] for r in rollouts}
         assert workers == {"Worker-0", "Worker-1"}, "both runner processes should have claimed work"
         spans = await store.query_spans(rollouts[0].rollout_id)
         names = [s.name for s in spans]

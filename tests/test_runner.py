@@ -128,7 +128,7 @@ async def test_iter_consumes_the_queue_until_stopped() -> None:
         stop.set()
         assert await asyncio.wait_for(task, 10) == 5
     assert {r.status for r in finished} == {"succeeded"}
-    worker = await store.get_worker_by_id("Worker-3")
+    worker = await store.get_worker_by_id(runner.get_worker_id())
     assert worker.status == "idle" and worker.last_heartbeat_time is not None and worker.heartbeat_stats
 
 

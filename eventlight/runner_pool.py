@@ -1,0 +1,317 @@
+"""Runner processes: ``RunnerPool`` starts, restarts and stops them; ``serve`` is one process's loop.
+
+A runner process (``_runner_main``, started with ``spawn``):
+
+* opens a write-only ``JetStreamLightningStore`` and runs ``LitAgentRunner.iter`` on it. When the
+  NATS connection closes for good (nats-py gives up after ``max_reconnect_attempts``, about 10 s of
+  outage), it closes that store and opens a new one, retrying every ``Backoff`` delay (0.1 s
+  doubling to 5 s) until the server answers, then goes on consuming. An explicit loop rather than
+  nats-py's ``max_reconnect_attempts=-1``: the store's connection settings stay what the projector,
+  the CLI and the algorithm's store use, and a connection closed for any other reason (a server in
+  lame-duck mode, a slow-consumer disconnect) is recovered the same way. The attempt in flight when
+  the connection closes is cancelled and recorded ``failed`` once a store answers again (its spans
+  from the outage are lost either way);
+* on SIGTERM cancels the attempt in flight, which the runner records ``failed`` (the rollout is then
+  requeued or failed by its ``RolloutConfig``: under the default one it fails, so nothing stays
+  ``running``), and exits 0. A second SIGTERM kills it at once. SIGINT is ignored: the parent
+  coordinates shutdown (peer failure C06);
+* stops the same way when its parent dies (it checks its parent pid every ``PARENT_CHECK_S``), so a
+  kill -9 of ``eventlight runner`` or of a trainer leaves no orphan working, and exits hard when that
+  stop takes longer than ``GRACEFUL_STOP_S`` (a synchronous agent blocks the event loop). Not
+  ``PR_SET_PDEATHSIG``: Linux ties it to the parent *thread*, and ``RunnerPool`` restarts children
+  from its supervisor thread.
+
+``RunnerPool.stop`` sets the processes' stop event (each finishes its attempt in flight, if it can
+within ``graceful_s``), then sends SIGTERM (the attempts still running are recorded ``failed``), then
+SIGKILL. Until then the pool restarts a process that exits: after ``restart_delay_s`` (1 s, doubling
+to ``RESTART_MAX_S`` while a slot's processes keep dying within ``RESTART_STABLE_S`` of their start),
+each restart one warning line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import signal
+import threading
+import time
+from collections.abc import Coroutine, Sequence
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from eventlight.agent import LitAgent
+from eventlight.core.errors import ServiceUnavailableError
+from eventlight.runner import Backoff, Hook, LitAgentRunner
+from eventlight.settings import Settings
+from eventlight.store.jetstream import JetStreamLightningStore
+from eventlight.tracer import OtelTracer
+
+log = logging.getLogger(__name__)
+
+GRACEFUL_STOP_S = 10.0  # what a stop leaves attempts in flight to finish before SIGTERM fails them
+KILL_AFTER_S = 3.0  # SIGTERM to SIGKILL
+PARENT_CHECK_S = 0.5
+CONNECTION_CHECK_S = 0.5
+SUPERVISE_S = 0.5
+RESTART_MIN_S = 1.0
+RESTART_MAX_S = 60.0
+RESTART_STABLE_S = 60.0  # a process that lived this long resets its slot's restart delay
+
+
+def restart_delay_s(quick_deaths: int) -> float:
+    """Seconds before restarting a slot whose processes died ``quick_deaths`` times in a row, each
+    within ``RESTART_STABLE_S`` of its start: 1 s, 2 s, 4 s, ... up to ``RESTART_MAX_S``."""
+    return min(RESTART_MAX_S, RESTART_MIN_S * 2 ** max(0, quick_deaths - 1))
+
+
+# -- one runner process ------------------------------------------------------------------------
+
+
+def _runner_main(
+    agent: LitAgent[Any],
+    runner: LitAgentRunner,
+    hooks: Sequence[Hook],
+    settings: Settings,
+    nats_url: str,
+    worker_index: int,
+    stop: Any,
+    log_level: str,
+    parent_pid: int,
+) -> None:
+    """Entry point of a runner process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent coordinates shutdown (peer failure C06)
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [runner-%(process)d] %(name)s: %(message)s")
+    _watch_parent(parent_pid)
+    with contextlib.suppress(asyncio.CancelledError):  # SIGTERM: the attempt in flight is recorded failed
+        _run(serve(agent, runner, hooks, settings, nats_url, worker_index, stop))
+
+
+def _run(coro: Coroutine[Any, Any, None]) -> None:
+    try:
+        import uvloop
+
+        uvloop.run(coro)
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux and macOS
+        asyncio.run(coro)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Stop this process (SIGTERM to itself, then a hard exit) once ``parent_pid`` is no longer its parent."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_CHECK_S)
+        log.warning("runner process %d: parent %d is gone; stopping", os.getpid(), parent_pid)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(GRACEFUL_STOP_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="eventlight-parent-watch", daemon=True).start()
+
+
+async def serve(
+    agent: LitAgent[Any],
+    runner: LitAgentRunner,
+    hooks: Sequence[Hook],
+    settings: Settings,
+    nats_url: str,
+    worker_index: int,
+    stop: Any,
+) -> None:
+    """Run ``runner`` on the namespace's queue until ``stop`` is set (or ``max_rollouts``), opening
+    a new store whenever the NATS connection closes for good.
+
+    SIGTERM cancels it: the attempt in flight is recorded ``failed`` and ``CancelledError`` raised.
+
+    Args:
+        stop: Anything with ``is_set()`` (a ``multiprocessing`` or ``threading`` event).
+    """
+    _cancel_on_sigterm()
+    backoff = Backoff()
+    while not stop.is_set():
+        try:
+            store = await JetStreamLightningStore(settings, nats_url=nats_url).start()
+        except ServiceUnavailableError as e:
+            delay = backoff.next()
+            log.warning("runner %d: no store yet, retrying in %.1f s: %s", worker_index, delay, e)
+            await asyncio.sleep(delay)
+            continue
+        backoff.reset()
+        try:
+            with runner.run_context(agent=agent, store=store, hooks=hooks, worker_id=worker_index):
+                if await _unless_disconnected(store, runner.iter(event=stop)):
+                    return
+        finally:
+            await store.close()
+        log.warning("[%s] the NATS connection closed for good; reconnecting", runner.get_worker_id())
+
+
+def _cancel_on_sigterm() -> None:
+    loop = asyncio.get_running_loop()
+    main = asyncio.current_task()
+    assert main is not None
+
+    def on_sigterm() -> None:
+        log.info("runner process %d: SIGTERM; recording the attempt in flight as failed", os.getpid())
+        loop.remove_signal_handler(signal.SIGTERM)  # a second one kills at once
+        main.cancel()
+
+    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+
+
+async def _unless_disconnected(store: JetStreamLightningStore, work: Coroutine[Any, Any, Any]) -> bool:
+    """Await ``work``; return ``True`` when it ends, ``False`` (after cancelling it) when the store's
+    NATS connection closes for good first."""
+    task = asyncio.ensure_future(work)
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=CONNECTION_CHECK_S)
+            if not task.done() and store.nc is not None and store.nc.is_closed:
+                task.cancel()
+                await asyncio.wait({task})
+                return False
+        task.result()
+        return True
+    finally:
+        if not task.done():  # we were cancelled (SIGTERM): let the runner record its attempt first
+            task.cancel()
+            await asyncio.wait({task})
+
+
+# -- the pool ----------------------------------------------------------------------------------
+
+
+class RunnerPool:
+    """``n`` runner processes consuming one namespace's queue, restarted when they die.
+
+    Args:
+        agent: The agent each process runs (pickled into the process).
+        n: Number of processes.
+        settings: Namespace to consume.
+        nats_url: NATS server.
+        runner: Template runner (copied into each process); defaults to ``LitAgentRunner(OtelTracer())``.
+        hooks: Hooks every runner calls.
+        log_level: Log level inside the processes.
+    """
+
+    def __init__(
+        self,
+        agent: LitAgent[Any],
+        n: int,
+        settings: Settings,
+        nats_url: str,
+        *,
+        runner: LitAgentRunner | None = None,
+        hooks: Sequence[Hook] = (),
+        log_level: str = "WARNING",
+    ):
+        if n < 1:
+            raise ValueError(f"n_runners must be >= 1, got {n}")
+        self.ctx = mp.get_context("spawn")
+        self.stop_event = self.ctx.Event()
+        self._args = (agent, runner or LitAgentRunner(OtelTracer()), tuple(hooks), settings, nats_url)
+        self._log_level = log_level
+        self.procs: list[BaseProcess] = [self._process(i) for i in range(n)]
+        self.restarts = 0
+        self._started_at = [0.0] * n
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._supervisor: threading.Thread | None = None
+
+    def _process(self, index: int) -> BaseProcess:
+        agent, runner, hooks, settings, nats_url = self._args
+        return self.ctx.Process(  # type: ignore[attr-defined,no-any-return]
+            target=_runner_main,
+            name=f"eventlight-runner-{index}",
+            daemon=True,
+            args=(agent, runner, hooks, settings, nats_url, index, self.stop_event, self._log_level, os.getpid()),
+        )
+
+    def start(self) -> None:
+        """Start the processes and the thread that restarts them."""
+        for i, p in enumerate(self.procs):
+            p.start()
+            self._started_at[i] = time.monotonic()
+        self._supervisor = threading.Thread(target=self._supervise, name="eventlight-runner-pool", daemon=True)
+        self._supervisor.start()
+        log.info("started %d runner processes", len(self.procs))
+
+    def alive(self) -> int:
+        """How many processes are running now."""
+        return sum(p.is_alive() for p in self.procs)
+
+    def supervising(self) -> bool:
+        """Whether the pool still keeps its processes running (started and not stopped)."""
+        return self._supervisor is not None and self._supervisor.is_alive()
+
+    def _supervise(self) -> None:
+        quick_deaths = [0] * len(self.procs)
+        due: dict[int, float] = {}  # slot -> when to restart it
+        while True:
+            with self._lock:
+                if self._stopping:
+                    return
+                procs = list(self.procs)
+            now = time.monotonic()
+            for i, p in enumerate(procs):
+                if i in due or p.exitcode is None:
+                    continue
+                lived = now - self._started_at[i]
+                quick_deaths[i] = quick_deaths[i] + 1 if lived < RESTART_STABLE_S else 0
+                due[i] = now + restart_delay_s(quick_deaths[i])
+                log.warning(
+                    "runner process %d (pid %s) exited with code %s after %.1f s; restarting it in %.1f s",
+                    i, p.pid, p.exitcode, lived, due[i] - now,
+                )  # fmt: skip
+            for i, at in sorted(due.items()):
+                if at <= now and self._restart(i):
+                    del due[i]
+            waits = [at - now for at in due.values() if at > now] + [SUPERVISE_S]
+            sentinels = [p.sentinel for p in procs if p.exitcode is None]
+            if sentinels:
+                mp.connection.wait(sentinels, timeout=min(waits))
+            else:
+                time.sleep(min(waits))
+
+    def _restart(self, index: int) -> bool:
+        with self._lock:
+            if self._stopping:
+                return False
+            p = self._process(index)
+            p.start()
+            self.procs[index] = p
+            self._started_at[index] = time.monotonic()
+            self.restarts += 1
+        log.warning("runner process %d restarted as pid %s (restart %d of this pool)", index, p.pid, self.restarts)
+        return True
+
+    def stop(self, graceful_s: float = GRACEFUL_STOP_S) -> list[int | None]:
+        """Stop the processes: stop event, then SIGTERM after ``graceful_s`` (attempts still in
+        flight are recorded ``failed``), then SIGKILL. No process is restarted from the call on.
+
+        Returns:
+            Their exit codes (``0`` after a stop event or SIGTERM).
+        """
+        with self._lock:
+            self._stopping = True
+            procs = [p for p in self.procs if p.pid is not None]
+        self.stop_event.set()
+        if self._supervisor is not None and self._supervisor is not threading.current_thread():
+            self._supervisor.join(timeout=SUPERVISE_S * 4)
+        deadline = time.monotonic() + graceful_s  # one deadline for all, not one per process
+        for p in procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=KILL_AFTER_S)
+            if p.is_alive():
+                log.warning("runner process pid %s ignored SIGTERM for %.0f s; killing it", p.pid, KILL_AFTER_S)
+                p.kill()
+                p.join(timeout=KILL_AFTER_S)
+        return [p.exitcode for p in procs]

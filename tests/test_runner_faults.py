@@ -1,0 +1,349 @@
+"""Runners under transient faults (issue 12, point 5): retries with backoff, reconnects after a NATS
+outage, release what they hold when stopped, die with their parent, are restarted, have unique ids.
+
+The process tests start real ``eventlight runner`` processes (``tests/fault_agents.py``); the outage
+test kills and restarts a nats-server of its own, on its own port and data folder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import fault_agents
+import nats.errors
+import psutil
+import pytest
+
+import eventlight as agl
+from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
+from eventlight.runner import Backoff, worker_name
+from eventlight.runner_pool import RESTART_MAX_S, RunnerPool, restart_delay_s
+from eventlight.services import Services, drop_namespace, prepare_services, stop_services
+from eventlight.settings import Settings
+from eventlight.store.jetstream import JetStreamLightningStore
+from eventlight.store.validate import is_token
+
+ROOT = Path(__file__).resolve().parent.parent
+AGENTS = "tests/fault_agents.py"
+ENV_VARS = ("EVENTLIGHT_NATS_URL", "EVENTLIGHT_PG_DSN", "EVENTLIGHT_NAMESPACE", "EVENTLIGHT_STATE_DIR")
+RESOURCES = {"prompt_template": agl.PromptTemplate(template="{q}")}
+
+
+# -- in one process ----------------------------------------------------------------------------
+
+
+def test_backoff_doubles_from_a_tenth_of_a_second_to_five() -> None:
+    b = Backoff()
+    assert [b.next() for _ in range(8)] == [0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 5.0, 5.0]
+    b.reset()
+    assert b.next() == 0.1
+
+
+class FlakyStore(agl.InMemoryLightningStore):
+    """Fails the dequeues and the status updates it is told to, in order, then behaves."""
+
+    def __init__(self, dequeue_faults: list[Exception], update_faults: list[Exception]):
+        super().__init__()
+        self.dequeue_faults = dequeue_faults
+        self.update_faults = update_faults
+
+    async def dequeue_rollout(self, worker_id: str | None = None) -> Any:
+        if self.dequeue_faults:
+            raise self.dequeue_faults.pop(0)
+        return await super().dequeue_rollout(worker_id)
+
+    async def update_attempt(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("status") in ("succeeded", "failed") and self.update_faults:
+            raise self.update_faults.pop(0)
+        return await super().update_attempt(*args, **kwargs)
+
+
+async def test_dequeue_and_status_faults_are_one_line_each_and_the_runner_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    nats_down = ServiceUnavailableError("nats://127.0.0.1:1", "pull from the runners queue failed")
+    dequeue_faults: list[Exception] = [
+        nats_down,
+        nats_down,
+        InvalidInputError("not an eventlight event: malformed queue message"),
+        nats.errors.TimeoutError(),
+    ]
+    store = FlakyStore(dequeue_faults, [ServiceUnavailableError("nats://127.0.0.1:1", "publish failed")])
+    await store.add_resources(RESOURCES)
+    made = [await store.enqueue_rollout({"q": i}) for i in range(2)]
+    runner = agl.LitAgentRunner(agl.OtelTracer(), max_rollouts=2, poll_interval=0.01, heartbeat_interval=0)
+    with caplog.at_level(logging.WARNING, logger="eventlight.runner"):
+        with runner.run_context(agent=fault_agents.quick, store=store):
+            assert await asyncio.wait_for(runner.iter(), 20) == 2
+            dequeue_faults.append(nats_down)  # a fault after a success starts from 0.1 s again
+            runner.max_rollouts = 1
+            await store.enqueue_rollout({"q": 2})
+            assert await asyncio.wait_for(runner.iter(), 20) == 1
+    failed = [r.getMessage() for r in caplog.records if "dequeue failed" in r.getMessage()]
+    delays = [float(re.search(r"again in ([\d.]+) s", m).group(1)) for m in failed]  # type: ignore[union-attr]
+    assert delays == [0.1, 0.2, 0.4, 0.8, 0.1], failed
+    assert all("\n" not in m for m in failed)
+    assert sum("could not record status succeeded" in r.getMessage() for r in caplog.records) == 1
+    got = [await store.get_rollout_by_id(r.rollout_id) for r in made]
+    assert [r.status for r in got] == ["succeeded", "succeeded"]  # the first one recorded late
+
+
+async def test_a_malformed_queue_message_does_not_stop_the_runner(
+    namespace: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    import nats
+
+    nc = await nats.connect(namespace.nats_url)
+    try:
+        await nc.jetstream().publish(f"{namespace.subject_prefix}.r.rbad.q", b"\xffnot an event")
+    finally:
+        await nc.close()
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
+        await store.add_resources(RESOURCES)
+        good = await store.enqueue_rollout({"q": 1})
+        runner = agl.LitAgentRunner(agl.OtelTracer(), max_rollouts=1, poll_interval=0.2, heartbeat_interval=0)
+        async with JetStreamLightningStore(namespace) as runner_store:
+            with caplog.at_level(logging.WARNING, logger="eventlight.runner"):
+                with runner.run_context(agent=fault_agents.quick, store=runner_store):
+                    assert await asyncio.wait_for(runner.iter(), 30) == 1
+        done = await store.wait_for_rollouts(rollout_ids=[good.rollout_id], timeout=30)
+    assert [r.status for r in done] == ["succeeded"]
+    assert any("dequeue failed" in r.getMessage() and "InvalidInputError" in r.getMessage() for r in caplog.records)
+
+
+def test_worker_ids_are_unique_across_processes_and_valid() -> None:
+    here = worker_name(0)
+    code = "from eventlight.runner import worker_name; print(worker_name(0))"
+    others = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True) for _ in "ab"]
+    ids = {here, *(o.stdout.strip() for o in others)}
+    assert len(ids) == 3, ids
+    for wid in ids:
+        assert is_token(wid) and wid.startswith("Worker-0@"), wid
+    assert f"-{os.getpid()}-" in here
+    runner = agl.LitAgentRunner(agl.OtelTracer())
+    runner.init_worker(3, agl.InMemoryLightningStore())
+    assert runner.worker_id == 3 and runner.get_worker_id() == worker_name(3)  # Agent-lightning: an index
+
+
+def test_restart_delay_is_capped() -> None:
+    assert [restart_delay_s(k) for k in (0, 1, 2, 3)] == [1.0, 1.0, 2.0, 4.0]
+    assert restart_delay_s(50) == RESTART_MAX_S
+
+
+# -- real processes ----------------------------------------------------------------------------
+
+
+def _env(settings: Settings) -> dict[str, str]:
+    base = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
+    return {
+        **base,
+        "EVENTLIGHT_NATS_URL": settings.nats_url or "",
+        "EVENTLIGHT_PG_DSN": settings.pg_dsn or "",
+        "EVENTLIGHT_NAMESPACE": settings.namespace,
+        "EVENTLIGHT_STATE_DIR": str(settings.state_dir),
+        "EVENTLIGHT_LOG_LEVEL": "INFO",
+    }
+
+
+async def _start_runner(settings: Settings, agent: str, n: int) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "eventlight.cli", "runner", f"{AGENTS}:{agent}", "-n", str(n)),
+        cwd=ROOT,
+        env=_env(settings),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+
+
+async def _stop_runner(proc: asyncio.subprocess.Process, sig: int = signal.SIGINT) -> tuple[int, str]:
+    if proc.returncode is None:
+        with _suppress_lookup():
+            proc.send_signal(sig)
+    try:
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+    except TimeoutError:
+        proc.kill()
+        _, err = await proc.communicate()
+    return proc.returncode or 0, err.decode(errors="replace")
+
+
+def _suppress_lookup() -> Any:
+    return contextlib.suppress(ProcessLookupError)
+
+
+async def _until_running(store: JetStreamLightningStore, rollout_ids: list[str], timeout_s: float = 60) -> None:
+    """Until each rollout has an attempt in flight (``preparing`` until its first span, then ``running``)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = [await store.get_rollout_by_id(rid) for rid in rollout_ids]
+        if all(r is not None and r.status in ("preparing", "running") for r in got):
+            return
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"not all running after {timeout_s} s: {[r and r.status for r in got]}")
+
+
+async def _settled(store: JetStreamLightningStore, rollout_ids: list[str], timeout_s: float = 30) -> list[Any]:
+    """The rollouts once none is ``running`` or ``preparing`` any more (or after ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        await store.sync_all()
+        got = [await store.get_rollout_by_id(rid) for rid in rollout_ids]
+        if time.monotonic() > deadline or all(r.status not in ("running", "preparing") for r in got):
+            return got
+        await asyncio.sleep(0.2)
+
+
+async def test_ctrl_c_on_eventlight_runner_fails_its_attempts_in_flight(namespace: Settings) -> None:
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
+        await store.add_resources(RESOURCES)
+        made = [await store.enqueue_rollout({"sleep_s": 600}) for _ in range(2)]  # the default RolloutConfig
+        proc = await _start_runner(namespace, "slow", 2)
+        try:
+            await _until_running(store, [r.rollout_id for r in made])
+        finally:
+            t0 = time.monotonic()
+            code, err = await _stop_runner(proc, signal.SIGINT)
+        stop_s = time.monotonic() - t0
+        got = await _settled(store, [r.rollout_id for r in made])
+    assert code == 130, err
+    assert [(r.status, r.attempt.status) for r in got] == [("failed", "failed")] * 2, err
+    assert "Traceback" not in err
+    print(f"\nCtrl+C: {len(got)} attempts in flight recorded failed; the runner exited in {stop_s:.1f} s")
+
+
+async def test_runner_pool_stop_fails_in_flight_attempts_and_requeues_by_config(namespace: Settings) -> None:
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
+        await store.add_resources(RESOURCES)
+        config = agl.RolloutConfig(max_attempts=2, retry_condition=["failed"])
+        made = await store.enqueue_rollout({"sleep_s": 600}, config=config)
+        pool = RunnerPool(fault_agents.slow, 1, namespace, namespace.nats_url or "", log_level="INFO")
+        pool.start()
+        try:
+            await _until_running(store, [made.rollout_id])
+        finally:
+            codes = await asyncio.to_thread(pool.stop, 0.5)
+        [got] = await _settled(store, [made.rollout_id])
+        attempts = await store.query_attempts(made.rollout_id)
+    assert codes == [0]
+    assert got.status in ("requeuing", "queuing") and [a.status for a in attempts] == ["failed"], (got, attempts)
+
+
+async def test_kill_9_of_the_runner_parent_leaves_no_orphans(namespace: Settings) -> None:
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
+        await store.add_resources(RESOURCES)
+        made = await store.enqueue_rollout({"sleep_s": 600})
+        proc = await _start_runner(namespace, "slow", 2)
+        try:
+            await _until_running(store, [made.rollout_id])
+            children = psutil.Process(proc.pid).children(recursive=True)
+            runners = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+            assert len(runners) == 2, [c.cmdline() for c in children]
+            proc.kill()
+            t0 = time.monotonic()
+            _, still = psutil.wait_procs(runners, timeout=15)
+            gone_s = time.monotonic() - t0
+        finally:
+            for p in locals().get("runners", []):  # orphans hold the parent's pipes open
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.kill()
+            await _stop_runner(proc)
+        [got] = await _settled(store, [made.rollout_id])
+    assert not still, f"orphans still running: {[p.pid for p in still]}"
+    assert (got.status, got.attempt.status) == ("failed", "failed")
+    print(f"\nkill -9 of the parent: both children gone in {gone_s:.1f} s, the attempt in flight failed")
+
+
+async def test_runner_pool_restarts_a_dead_runner_unless_stopping(
+    namespace: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
+        await store.add_resources(RESOURCES)
+        first = await store.enqueue_rollout({"q": 1})
+        pool = RunnerPool(fault_agents.quick, 1, namespace, namespace.nats_url or "", log_level="INFO")
+        with caplog.at_level(logging.WARNING, logger="eventlight.runner_pool"):
+            pool.start()
+            try:
+                [done] = await store.wait_for_rollouts(rollout_ids=[first.rollout_id], timeout=60)
+                old = pool.procs[0].pid
+                assert old is not None
+                os.kill(old, signal.SIGKILL)
+                t0 = time.monotonic()
+                while pool.procs[0].pid == old or not pool.procs[0].is_alive():
+                    assert time.monotonic() - t0 < 15, "not restarted"
+                    await asyncio.sleep(0.1)
+                restart_s = time.monotonic() - t0
+                second = await store.enqueue_rollout({"q": 2})
+                [again] = await store.wait_for_rollouts(rollout_ids=[second.rollout_id], timeout=60)
+            finally:
+                codes = await asyncio.to_thread(pool.stop, 5)
+    assert done.status == again.status == "succeeded"
+    assert again.attempt.worker_id != done.attempt.worker_id and f"-{pool.procs[0].pid}-" in again.attempt.worker_id
+    assert pool.restarts == 1 and pool.alive() == 0 and codes == [0]  # none restarted after the stop
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(f"pid {old}) exited with code -9" in m for m in lines), lines
+    print(f"\nrestart: a kill -9'd runner came back in {restart_s:.1f} s and took the next rollout")
+
+
+# -- a NATS outage longer than nats-py's reconnect budget ----------------------------------------
+
+
+@pytest.fixture
+async def own_nats(services: tuple[Settings, Services], tmp_path: Path) -> AsyncIterator[Settings]:
+    """A namespace on a nats-server of this test's own (killable), with the session's Postgres."""
+    _, svc = services
+    base = Settings(state_dir=tmp_path / "state", namespace=f"t{uuid.uuid4().hex[:10]}", pg_dsn=svc.pg_dsn)
+    started = await prepare_services(base)
+    settings = Settings(
+        nats_url=started.nats_url, pg_dsn=svc.pg_dsn, state_dir=base.state_dir, namespace=base.namespace
+    )
+    try:
+        yield settings
+    finally:
+        await prepare_services(base)  # running again, whatever the test left
+        await drop_namespace(started.nats_url, svc.pg_dsn, settings)
+        await stop_services(base)
+
+
+OUTAGE_S = 15.0  # nats-py gives up after 5 reconnects 2 s apart: the runner's connection closes for good
+
+
+async def test_runner_survives_a_nats_outage_longer_than_the_client_reconnects(own_nats: Settings) -> None:
+    settings = own_nats
+    base = Settings(state_dir=settings.state_dir, namespace=settings.namespace, pg_dsn=settings.pg_dsn)
+    proc = await _start_runner(settings, "quick", 1)
+    try:
+        async with JetStreamLightningStore(settings, pg_dsn=settings.pg_dsn) as store:
+            await store.add_resources(RESOURCES)
+            before = [await store.enqueue_rollout({"q": i}) for i in range(2)]
+            done = await store.wait_for_rollouts(rollout_ids=[r.rollout_id for r in before], timeout=60)
+            assert [r.status for r in done] == ["succeeded"] * 2
+        nats_pid = (await prepare_services(base)).nats_pid
+        assert nats_pid is not None
+        os.kill(nats_pid, signal.SIGKILL)
+        await asyncio.sleep(OUTAGE_S)
+        assert proc.returncode is None, "the runner exited during the outage"
+        restarted = await prepare_services(base)  # same port and data folder
+        assert restarted.nats_url == settings.nats_url and restarted.nats_pid != nats_pid
+        t0 = time.monotonic()
+        async with JetStreamLightningStore(settings, pg_dsn=settings.pg_dsn) as store:
+            after = [await store.enqueue_rollout({"q": i}) for i in range(3)]
+            finished = await store.wait_for_rollouts(rollout_ids=[r.rollout_id for r in after], timeout=60)
+            resume_s = time.monotonic() - t0
+    finally:
+        code, err = await _stop_runner(proc)
+    assert [r.status for r in finished] == ["succeeded"] * 3, err
+    assert {r.attempt.worker_id for r in finished} == {done[0].attempt.worker_id}, "the same process resumed"
+    assert "closed for good; reconnecting" in err and code == 130, err
+    print(f"\nNATS outage of {OUTAGE_S:.0f} s survived; 3 new rollouts finished {resume_s:.1f} s after the restart")
