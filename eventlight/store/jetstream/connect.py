@@ -17,6 +17,27 @@ async def _nats_error(e: Exception) -> None:
     log.warning("NATS: %s", e if str(e) else type(e).__name__)
 
 
+class _Events:
+    """Logs a lost and a regained connection; a close asked for by the program logs nothing."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.nc: NATS | None = None
+
+    async def disconnected(self) -> None:
+        if self.nc is not None and not self.nc.is_closed:
+            log.warning(
+                "NATS connection to %s lost; reconnecting every %.0f s until it is back", self.url, RECONNECT_WAIT_S
+            )
+
+    async def reconnected(self) -> None:
+        log.warning("NATS reconnected to %s", self.url)
+
+
+RECONNECT_WAIT_S = 1.0
+"""Seconds between reconnect attempts after the connection is lost (nats-py's default is 2)."""
+
+
 async def _reachable(url: str, timeout_s: float = 3.0) -> str | None:
     """``None`` if something accepts TCP connections at the first server of ``url``, else why not."""
     from urllib.parse import urlsplit
@@ -37,6 +58,9 @@ async def _reachable(url: str, timeout_s: float = 3.0) -> str | None:
 async def connect_nats(url: str, *, name: str = "eventlight") -> NATS:
     """Connect to NATS and check the server can do per-rollout optimistic appends.
 
+    Once connected, the client reconnects for as long as it takes after the server goes away
+    (every ``RECONNECT_WAIT_S``), so a store, its projector and a runner resume by themselves.
+
     Raises:
         ServiceUnavailableError: The server cannot be reached (at once when nothing listens, instead
             of nats-py's reconnect attempts), or is older than 2.11 (it ignores
@@ -47,17 +71,25 @@ async def connect_nats(url: str, *, name: str = "eventlight") -> NATS:
     why = await _reachable(url)
     if why is not None:
         raise ServiceUnavailableError(url, f"NATS is not reachable: {why}")
+    events = _Events(url)
     try:
         nc = await nats.connect(
             url,
             name=name,
             connect_timeout=3,
-            max_reconnect_attempts=5,
+            # an outage of any length is waited out: a store never closes for good because the
+            # server was away (nats-py's default gives up after 60 tries, ours after 5 did in ~10 s);
+            # calls made meanwhile time out as ServiceUnavailableError (retryable)
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=RECONNECT_WAIT_S,
             allow_reconnect=True,
             error_cb=_nats_error,
+            disconnected_cb=events.disconnected,
+            reconnected_cb=events.reconnected,
         )
     except Exception as e:  # nats-py raises several unrelated types for "cannot connect"
         raise ServiceUnavailableError(url, f"NATS did not accept a connection ({e!r})") from e
+    events.nc = nc
     sv = nc.connected_server_version
     if (sv.major, sv.minor) < (2, 11):
         await nc.close()
