@@ -115,12 +115,14 @@ async def test_a_malformed_queue_message_does_not_stop_the_runner(
         good = await store.enqueue_rollout({"q": 1})
         runner = agl.LitAgentRunner(agl.OtelTracer(), max_rollouts=1, poll_interval=0.2, heartbeat_interval=0)
         async with JetStreamLightningStore(namespace) as runner_store:
-            with caplog.at_level(logging.WARNING, logger="eventlight.runner"):
+            with caplog.at_level(logging.WARNING):
                 with runner.run_context(agent=fault_agents.quick, store=runner_store):
                     assert await asyncio.wait_for(runner.iter(), 30) == 1
         done = await store.wait_for_rollouts(rollout_ids=[good.rollout_id], timeout=30)
+        consumer = await store.log.js.consumer_info(store.log.stream, "runners")
     assert [r.status for r in done] == ["succeeded"]
-    assert any("dequeue failed" in r.getMessage() and "InvalidInputError" in r.getMessage() for r in caplog.records)
+    assert any("dropping queue entry" in r.getMessage() and "rbad" in r.getMessage() for r in caplog.records)
+    assert consumer.num_ack_pending == 0 and consumer.num_pending == 0  # dropped, not redelivered for ever
 
 
 def test_worker_ids_are_unique_across_processes_and_valid() -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -31,6 +32,7 @@ from eventlight.core.errors import (
     ConcurrencyError,
     InvalidInputError,
     InvalidTransitionError,
+    NotFoundError,
     ResourcesNotFoundError,
 )
 from eventlight.core.events import ResourcesPut, WorkerHeartbeat, WorkerIdle
@@ -62,6 +64,7 @@ from eventlight.store.validate import (
     is_token,
 )
 
+log = logging.getLogger(__name__)
 UNSET = c.UNSET
 Unset = c.Unset
 ENDED = ("succeeded", "failed", "timeout", "unresponsive")
@@ -261,6 +264,10 @@ class EventStore(LightningStore):
             outcome = await self._loop.execute(item.rollout_id, cmd, hint=hint, max_tries=3)
         except InvalidTransitionError:
             await item.ack()  # cancelled, revived or already claimed since it was queued
+            return None
+        except (NotFoundError, InvalidInputError) as e:  # a queue entry no rollout stands behind
+            log.warning("dropping queue entry %d on rollout %r: %s", item.seq, item.rollout_id, e)
+            await item.ack()  # else it would come back every ack wait, for ever
             return None
         except ConcurrencyError:
             await item.nak(0.1)
