@@ -150,6 +150,7 @@ class LitAgentRunner:
         self.heartbeat_interval = heartbeat_interval
         self.worker_id: int | None = None
         self._agent: LitAgent[Any] | None = None
+        self._seen_errors: set[tuple[str, str]] = set()
         self._store: LightningStore | None = None
         self._hooks: Sequence[Hook] = ()
         self._unrecorded: dict[tuple[str, str], str] = {}  # (rollout_id, attempt_id) -> status to record
@@ -329,14 +330,28 @@ class LitAgentRunner:
             log.info("%s cancelled; recording the attempt as failed", prefix)
             await asyncio.shield(self._finish(rid, aid, "failed", prefix))
             raise
-        except Exception:
-            log.exception("%s agent raised", prefix)
+        except Exception as exc:
+            self._log_agent_error(prefix, exc)
             if raise_on_exception:
                 await self._finish(rid, aid, "failed", prefix)
                 raise
         await self._hook("on_rollout_end", agent=agent, runner=self, rollout=rollout, spans=spans)
         await self._finish(rid, aid, status, prefix)
         return rid
+
+    def _log_agent_error(self, prefix: str, exc: Exception) -> None:
+        """The first failure of each kind with its traceback, later ones of that kind in one line.
+
+        A dead backend makes every rollout fail the same way; one traceback tells the story, a
+        hundred bury the line that says what happened.
+        """
+        kind = (type(exc).__qualname__, str(exc)[:80])
+        if kind in self._seen_errors:
+            log.error("%s agent raised %s: %s (traceback above, first time)", prefix, type(exc).__name__, exc)
+            return
+        if len(self._seen_errors) < 64:
+            self._seen_errors.add(kind)
+        log.exception("%s agent raised", prefix)
 
     async def _post_process(self, rollout: AttemptedRollout, result: Any) -> list[Span]:
         """Store spans the agent returned; return the attempt's spans for ``on_rollout_end``."""

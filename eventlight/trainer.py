@@ -189,7 +189,9 @@ async def _stop_when_llm_fails(run: Coroutine[Any, Any, Any], proxy: LLMProxy | 
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        raise LLMUnavailableError(proxy.endpoint, f"{failing.result()}; the run was stopped")
+        backends = sorted({str(e["litellm_params"].get("api_base") or "?") for e in proxy.model_list})
+        where = f"{proxy.endpoint} (backend {', '.join(backends)})"
+        raise LLMUnavailableError(where, f"{failing.result()}; the run was stopped, its results are void")
     finally:
         failing.cancel()
         if not task.done():

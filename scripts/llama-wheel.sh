@@ -6,7 +6,7 @@
 # builds for the AVX2/FMA level every x86-64 machine of our kind has, with AVX-512 and AMX off.
 # The wheel is cached under ${EVENTLIGHT_WHEEL_CACHE:-~/.cache/eventlight/wheels}/<flags hash>/,
 # so a second venv (or CI run) on the same machine installs it in seconds; a new machine builds it
-# (about 10 minutes on 2 cores).
+# (6–11 minutes on 2 cores).
 #
 #   scripts/llama-wheel.sh PYTHON VERSION    e.g. scripts/llama-wheel.sh .venv/bin/python 0.3.36
 set -euo pipefail
@@ -23,7 +23,7 @@ key=$(printf '%s %s %s' "$version" "$flags" "$("$python" -c 'import sys; print(s
 dir="${EVENTLIGHT_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/eventlight/wheels}/llama-$key"
 wheel=$(ls "$dir"/llama_cpp_python-"$version"-*.whl 2>/dev/null | head -n1 || true)
 if [ -z "$wheel" ]; then
-  echo "Building llama-cpp-python $version for a portable CPU level (about 10 minutes the first time)…" >&2
+  echo "Building llama-cpp-python $version for a portable CPU level (6–11 minutes on 2 cores, once)…" >&2
   mkdir -p "$dir"
   tmp=$(mktemp -d "$dir/.build.XXXXXX")
   trap 'rm -rf "$tmp"' EXIT

@@ -177,4 +177,7 @@ async def test_demo_whose_llm_dies_mid_run_stops_with_exit_1(services: Any) -> N
     assert done.returncode == 1, done.stdout + done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "LLM calls failed" in errors[0] and "llama died" in errors[0], done.stderr
+    assert f"backend {url}" in errors[0], errors[0]  # the dead backend is named, not only the proxy
     assert "val reward, initial prompt" not in done.stdout
+    with_traceback = [line for line in done.stderr.splitlines() if line.endswith("agent raised")]
+    assert len(with_traceback) <= 2, done.stderr  # one traceback per kind of failure, not one per rollout

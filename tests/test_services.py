@@ -2,8 +2,8 @@
 
 The embedded servers live in a fresh folder in the system temp folder (never under /root: Postgres runs as
 ``postgres`` when the tests run as root). Every test stops what it started; the fixture kills
-and reports any process still naming its folder. ``EVENTLIGHT_TEST_NATS_URL`` (default
-``nats://127.0.0.1:4222``) is an existing server used for stream tests; those skip without it.
+and reports any process still naming its folder. The tests that need an existing NATS use the test
+session's own server (the ``services`` fixture), never whatever listens on the machine's 4222.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import nats
@@ -29,7 +30,6 @@ from eventlight import services as svc
 from eventlight.core.errors import ServiceUnavailableError
 from eventlight.settings import Settings
 
-EXISTING_NATS = os.environ.get("EVENTLIGHT_TEST_NATS_URL", "nats://127.0.0.1:4222")
 STREAMS_DIR = Path(__file__).resolve().parent.parent / "streams"
 
 
@@ -79,13 +79,6 @@ async def root_dir() -> AsyncIterator[Path]:
         p.kill()
     shutil.rmtree(root, ignore_errors=True)
     assert not leftovers, f"processes left running: {[p.info['cmdline'] for p in leftovers]}"
-
-
-async def _existing_nats_or_skip() -> str:
-    why = await svc._nats_probe(EXISTING_NATS)
-    if why:
-        pytest.skip(f"no NATS at {EXISTING_NATS}: {why}")
-    return EXISTING_NATS
 
 
 def _write_migrations(folder: Path) -> Path:
@@ -181,8 +174,10 @@ async def test_dead_nats_url_names_the_url(root_dir: Path, monkeypatch: pytest.M
     assert not (root_dir / "state" / "services.json").exists()
 
 
-async def test_unreachable_pg_dsn_falls_back_to_embedded(root_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
-    existing = await _existing_nats_or_skip()
+async def test_unreachable_pg_dsn_falls_back_to_embedded(
+    root_dir: Path, caplog: pytest.LogCaptureFixture, services: tuple[Settings, Any]
+) -> None:
+    existing = services[1].nats_url
     dead = f"postgresql://postgres:s3cret@127.0.0.1:{_free_port()}/postgres"
     settings = Settings(nats_url=existing, pg_dsn=dead, state_dir=root_dir / "state")
     with caplog.at_level(logging.WARNING, logger="eventlight.services"):
@@ -208,8 +203,8 @@ async def test_state_dir_postgres_cannot_enter(root_dir: Path) -> None:
     assert not _procs_naming(root_dir)  # the nats-server it had started was stopped again
 
 
-async def test_apply_streams_idempotent_and_updates(tmp_path: Path) -> None:
-    url = await _existing_nats_or_skip()
+async def test_apply_streams_idempotent_and_updates(tmp_path: Path, services: tuple[Settings, Any]) -> None:
+    url = services[1].nats_url
     settings = Settings(namespace=_ns())
     nc = await nats.connect(url)
     try:

@@ -132,7 +132,6 @@ async def main(args: argparse.Namespace) -> int:
         return await train(args)
     except (agl.EventlightError, FileNotFoundError, OSError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        print("the run stopped before it could train; nothing above is a result", file=sys.stderr)
         return 1
 
 
