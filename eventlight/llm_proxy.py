@@ -66,6 +66,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse  # noqa:
 from eventlight.core.errors import LLMUnavailableError  # noqa: E402
 from eventlight.core.types import LLM, Event, OtelResource, ProxyLLM, Span, TraceStatus  # noqa: E402
 from eventlight.llm_health import LLMCallHealth  # noqa: E402
+from eventlight.net import free_port  # noqa: E402
 
 if TYPE_CHECKING:
     from eventlight.store.base import LightningStore
@@ -409,12 +410,6 @@ class _EmbeddedServer(uvicorn.Server):
         yield
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host if host not in ("", "::") else "0.0.0.0", 0))
-        return int(s.getsockname()[1])
-
-
 def _outbound_ipv4() -> str:
     """The machine's default outbound IPv4 (no packet is sent); ``127.0.0.1`` when there is none."""
     try:
@@ -490,7 +485,7 @@ class LLMProxy:
         if num_retries < 0:
             raise ValueError(f"num_retries must be >= 0, got {num_retries}")
         self._host = host or "127.0.0.1"
-        self._port = int(port) if port is not None else _free_port(self._host)
+        self._port = int(port) if port is not None else free_port(self._host)
         self._model_list = _check_model_list(model_list or [])
         self._store = store
         self._num_retries = num_retries

@@ -23,7 +23,6 @@ import contextlib
 import importlib.util
 import os
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ from types import TracebackType
 import httpx
 
 from eventlight.core.errors import ServiceUnavailableError
+from eventlight.net import free_port
 
 __all__ = ["DEFAULT_MODEL_ALIAS", "LocalLLMServer", "find_smollm2_gguf"]
 
@@ -61,12 +61,6 @@ def find_smollm2_gguf() -> Path:
     # Prefer an instruct model if the package ever ships more than one file.
     found.sort(key=lambda p: ("instruct" not in p.name.lower(), p.name))
     return found[0].resolve()
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _usable_cores() -> int:
@@ -177,7 +171,7 @@ class LocalLLMServer:
         if self.gguf_path is None:
             self.gguf_path = find_smollm2_gguf()
         if self.port is None:
-            self.port = _free_port("127.0.0.1")
+            self.port = free_port("127.0.0.1")
         return [
             sys.executable, "-m", "llama_cpp.server",
             "--model", str(self.gguf_path),

@@ -15,7 +15,7 @@ import pytest
 from llm_stub import ScriptedLLM
 
 import eventlight as agl
-from eventlight.services import Services
+from eventlight.ops import Services
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
 from examples.room_booking.agent import INITIAL_PROMPT, load_tasks, render_rooms, room_booker, split

@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import msgspec
-import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.js.client import JetStreamContext
 
@@ -31,7 +30,7 @@ from eventlight.core.evolve import evolve, spans_arrived
 from eventlight.core.types import ResourcesUpdate, Span
 from eventlight.settings import Settings
 from eventlight.store.jetstream.layout import rollout_filter, span_subject, subject_for
-from eventlight.store.jetstream.nats_errors import nats_errors
+from eventlight.store.jetstream.nats_errors import JsNotFoundError, nats_errors
 from eventlight.store.jetstream.queue import JetStreamQueued, RunnersQueue
 from eventlight.store.jetstream.spanlog import SpanLog
 from eventlight.store.ports import SpanHead
@@ -183,7 +182,7 @@ class JetStreamEventLog:
             with nats_errors(self.server(), f"reading {subject}"):
                 try:
                     msg = await self.js.get_msg(self.stream, seq=seq + 1, subject=subject, next=True)
-                except nats.js.errors.NotFoundError:
+                except JsNotFoundError:
                     return
             seq = msg.seq
             yield msg
@@ -203,7 +202,7 @@ class JetStreamEventLog:
         with nats_errors(self.server(), f"reading {subject}"):
             try:
                 msg = await self.js.get_msg(self.stream, subject=subject)
-            except nats.js.errors.NotFoundError:
+            except JsNotFoundError:
                 return None
         return decode_event(msg.data), msg.seq
 
@@ -216,7 +215,7 @@ class JetStreamEventLog:
         with nats_errors(self.server(), f"reading {subject}"):
             try:
                 return await self.js.get_msg(self.stream, subject=subject)
-            except nats.js.errors.NotFoundError:
+            except JsNotFoundError:
                 return None
 
     async def span_head(self, rollout_id: str, attempt_id: str) -> SpanHead:
