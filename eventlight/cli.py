@@ -54,8 +54,9 @@ class CliError(Exception):
         self.exit_code = exit_code
 
 
-def _class_named(cls: type, name: str) -> type:
-    """A base class by name (typer >= 0.20 vendors click as ``typer._click``, older ones use click)."""
+def _class_named(cls: type[BaseException], name: str) -> Any:
+    """A base class by name (typer >= 0.20 vendors click as ``typer._click``, older ones use click);
+    ``Any``: which module defines it depends on the installed typer."""
     return next(c for c in cls.__mro__ if c.__name__ == name)
 
 
@@ -92,10 +93,19 @@ def _exit_code_of(e: BaseException) -> int:
 class _OneLineErrors(TyperGroup):
     """Typer's group, printing usage errors and failures as one line on stderr instead of a panel."""
 
-    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, **extra: Any) -> Any:
-        extra.pop("standalone_mode", None)
+    def main(
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        windows_expand_args: bool = True,
+        **extra: Any,
+    ) -> Any:
         try:
-            rv = super().main(args, prog_name, standalone_mode=False, **extra)
+            rv = super().main(
+                args, prog_name, complete_var, standalone_mode=False, windows_expand_args=windows_expand_args, **extra
+            )
         except _ClickException as e:
             if type(e).__name__ == "NoArgsIsHelpError":
                 console.print(e.format_message())

@@ -2,7 +2,7 @@
 
 Agent-lightning's ``agentlightning.llm_proxy.LLMProxy`` with the same public names, served in-process
 (FastAPI app, ``uvicorn.Server.serve()`` as an asyncio task on the caller's event loop) and forwarding
-with a ``litellm.Router`` built from an Agent-lightning ``model_list``::
+with a ``Router`` built from an Agent-lightning ``model_list``::
 
     proxy = LLMProxy(model_list=[{"model_name": "m", "litellm_params": {
         "model": "hosted_vllm/Qwen3-4B", "api_base": "http://127.0.0.1:8000/v1"}}], store=store)
@@ -62,6 +62,9 @@ import openai  # noqa: E402
 import uvicorn  # noqa: E402
 from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.responses import JSONResponse, Response, StreamingResponse  # noqa: E402
+from litellm.exceptions import ServiceUnavailableError as LiteLLMUnavailable  # noqa: E402
+from litellm.exceptions import Timeout as LiteLLMTimeout  # noqa: E402
+from litellm.router import Router  # noqa: E402
 
 from eventlight.core.errors import LLMUnavailableError  # noqa: E402
 from eventlight.core.types import LLM, Event, OtelResource, ProxyLLM, Span, TraceStatus  # noqa: E402
@@ -116,6 +119,11 @@ def _attr_value(value: Any) -> Any:
     return json.dumps(value, default=str, ensure_ascii=False)
 
 
+def _mapping(value: Any) -> Mapping[str, Any]:
+    """``value`` when it is a mapping, else an empty one (fields of a response may be missing or null)."""
+    return value if isinstance(value, Mapping) else {}
+
+
 def _put(attrs: dict[str, Any], key: str, value: Any) -> None:
     if value is not None:
         attrs[key] = _attr_value(value)
@@ -134,7 +142,7 @@ def _put_tool_calls(attrs: dict[str, Any], prefix: str, tool_calls: Any) -> None
     for j, call in enumerate(tool_calls):
         if not isinstance(call, Mapping):
             continue
-        function = call.get("function") if isinstance(call.get("function"), Mapping) else {}
+        function = _mapping(call.get("function"))
         _put(attrs, f"{prefix}.tool_calls.{j}.id", call.get("id"))
         _put(attrs, f"{prefix}.tool_calls.{j}.type", call.get("type") or "function")
         _put(attrs, f"{prefix}.tool_calls.{j}.name", function.get("name"))
@@ -219,7 +227,7 @@ def build_chat_span_attributes(
             if not isinstance(choice, Mapping):
                 continue
             i = choice.get("index", len(finish_reasons))
-            message = choice.get("message") if isinstance(choice.get("message"), Mapping) else {}
+            message = _mapping(choice.get("message"))
             prefix = f"gen_ai.completion.{i}"
             _put(attrs, f"{prefix}.role", message.get("role") or "assistant")
             _put(attrs, f"{prefix}.content", message.get("content"))
@@ -233,7 +241,7 @@ def build_chat_span_attributes(
                 attrs["logprobs.content"] = json.dumps(logprobs["content"], default=str)
         if finish_reasons:
             attrs["gen_ai.response.finish_reasons"] = finish_reasons
-        usage = response.get("usage") if isinstance(response.get("usage"), Mapping) else {}
+        usage = _mapping(response.get("usage"))
         for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
             value = usage.get(key)
             if isinstance(value, int) and not isinstance(value, bool):
@@ -371,7 +379,7 @@ def _upstream_error(exc: BaseException) -> tuple[int, str, str]:
     while cur is not None and len(chain) < 16:
         chain.append(cur)
         cur = cur.__cause__ or cur.__context__
-    if any(isinstance(e, (openai.APITimeoutError, litellm.Timeout, TimeoutError)) for e in chain):
+    if any(isinstance(e, (openai.APITimeoutError, LiteLLMTimeout, TimeoutError)) for e in chain):
         return 504, "Timeout", f"upstream timed out: {getattr(exc, 'message', exc)}"
     if any(isinstance(e, openai.APIConnectionError) for e in chain) and not any(
         isinstance(e, openai.APIStatusError) and e.response is not None and e.body is not None for e in chain
@@ -387,7 +395,8 @@ def _upstream_error(exc: BaseException) -> tuple[int, str, str]:
     body = getattr(exc, "body", None)
     message = None
     if isinstance(body, Mapping):
-        inner = body.get("error") if isinstance(body.get("error"), Mapping) else body
+        error = body.get("error")
+        inner = error if isinstance(error, Mapping) else body
         message = inner.get("message")
     if not isinstance(message, str) or not message:
         message = str(getattr(exc, "message", None) or exc)
@@ -491,7 +500,7 @@ class LLMProxy:
         self._num_retries = num_retries
         self._return_token_ids = return_token_ids
         self._request_timeout_s = request_timeout_s
-        self._router: litellm.Router | None = None
+        self._router: Router | None = None
         self._server: _EmbeddedServer | None = None
         self._serve_task: asyncio.Task[None] | None = None
         self._pending: set[asyncio.Task[Any]] = set()
@@ -645,8 +654,8 @@ class LLMProxy:
         while not server.started:
             if task.done():
                 self._server, self._serve_task = None, None
-                exc = task.exception() if not task.cancelled() else None
-                raise RuntimeError(f"LLMProxy server exited during startup: {exc!r}") from exc
+                failure = task.exception() if not task.cancelled() else None
+                raise RuntimeError(f"LLMProxy server exited during startup: {failure!r}") from failure
             if time.monotonic() > deadline:
                 await self.stop()
                 raise RuntimeError(f"LLMProxy did not start within {_STARTUP_TIMEOUT_S} s")
@@ -733,7 +742,7 @@ class LLMProxy:
 
     # -- forwarding -----------------------------------------------------------------------
 
-    def _build_router(self) -> litellm.Router | None:
+    def _build_router(self) -> Router | None:
         if not self._model_list:
             return None
         entries = []
@@ -745,7 +754,8 @@ class LLMProxy:
                 extra["return_token_ids"] = True
                 params["extra_body"] = extra
             entries.append({**entry, "litellm_params": params})
-        return litellm.Router(model_list=entries, num_retries=0, timeout=self._request_timeout_s)
+        router: Router = Router(model_list=entries, num_retries=0, timeout=self._request_timeout_s)
+        return router
 
     def _system_of(self, model: Any) -> str | None:
         for entry in self._model_list:
@@ -762,7 +772,7 @@ class LLMProxy:
         """
         router = self._router
         if router is None:
-            raise litellm.ServiceUnavailableError(
+            raise LiteLLMUnavailable(
                 message="the LLM proxy has no backend models; call update_model_list()",
                 llm_provider="",
                 model=str(body.get("model")),
@@ -788,7 +798,7 @@ class LLMProxy:
                     delay,
                 )
                 await asyncio.sleep(delay)
-        completion = resp.model_dump(mode="json", warnings=False)
+        completion: dict[str, Any] = resp.model_dump(mode="json", warnings=False)  # type: ignore[no-untyped-call]
         for choice in completion.get("choices") or []:
             extra = choice.get("provider_specific_fields")
             if isinstance(extra, dict) and choice.get("token_ids") is None and extra.get("token_ids") is not None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import io
 import os
 import signal
 import sys
@@ -152,7 +153,7 @@ class LocalLLMServer:
         self.base_url: str | None = None
         self.startup_s: float | None = None
         self._proc: asyncio.subprocess.Process | None = None
-        self._log_file = None
+        self._log_file: io.BufferedWriter | None = None
         self._lock = asyncio.Lock()
 
     @property
@@ -229,7 +230,7 @@ class LocalLLMServer:
         self.startup_s = time.monotonic() - t0
         return base_url
 
-    def _open_log(self, cmd: list[str]):
+    def _open_log(self, cmd: list[str]) -> io.BufferedWriter:
         f = open(self.log_path, "ab")  # closed in stop()
         f.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} {' '.join(cmd)}\n".encode())
         f.flush()

@@ -88,9 +88,7 @@ def _run(argv: list[str], cwd: Path, env: dict[str, str], timeout_s: float = 300
 
 
 @pytest.mark.timeout(900)
-def test_wheel_installs_and_runs_outside_the_checkout(
-    tmp_path: Path, services: tuple[Settings, Services]
-) -> None:
+def test_wheel_installs_and_runs_outside_the_checkout(tmp_path: Path, services: tuple[Settings, Services]) -> None:
     if (source := _package_source()) is None:
         pytest.skip("no package index reachable and no pip cache: cannot install the wheel's dependencies")
     _, svc = services

@@ -43,13 +43,13 @@ def _substitute(value: Any, ns: str) -> Any:
     return value
 
 
-def config_kwargs(spec: dict[str, Any], cls: type, source: Path) -> dict[str, Any]:
+def config_kwargs(spec: dict[str, Any], cls: type[Any], source: Path) -> dict[str, Any]:
     """Map a JSON definition onto nats-py config fields: ``*_s`` keys are seconds, enums by value.
 
     Raises:
         InvalidInputError: A key that ``cls`` does not have.
     """
-    fields = set(cls.__dataclass_fields__)
+    fields = {f.name for f in dataclasses.fields(cls)}
     out: dict[str, Any] = {}
     for key, value in spec.items():
         if key in ("kind", "stream"):

@@ -161,7 +161,7 @@ class JetStreamEventLog:
         if not spans:
             return state, version
         state = None
-        merged: list[tuple[int, Any]] = sorted([*items, *spans], key=lambda item: item[0])
+        merged: list[tuple[Any, ...]] = sorted([*items, *spans], key=lambda item: item[0])
         for item in merged:
             if len(item) == 2:
                 state = evolve(state, item[1])
@@ -184,7 +184,7 @@ class JetStreamEventLog:
                     msg = await self.js.get_msg(self.stream, seq=seq + 1, subject=subject, next=True)
                 except JsNotFoundError:
                     return
-            seq = msg.seq
+            seq = int(msg.seq or seq + 1)
             yield msg
 
     async def read(self, from_seq: int = 0) -> AsyncIterator[tuple[int, AnyEvent]]:
@@ -204,7 +204,7 @@ class JetStreamEventLog:
                 msg = await self.js.get_msg(self.stream, subject=subject)
             except JsNotFoundError:
                 return None
-        return decode_event(msg.data), msg.seq
+        return decode_event(msg.data or b""), int(msg.seq or 0)
 
     async def resources(self, resources_id: str | None) -> ResourcesUpdate | None:
         subject = f"{self.prefix}.res.{'>' if resources_id is None else resources_id}"

@@ -264,7 +264,8 @@ async def fetch_rows(
     conn: asyncpg.Connection, table: str, cols: str, where: Where, logic: str, tail: str
 ) -> list[asyncpg.Record]:
     """The rows of one page (``tail`` from ``order_page``)."""
-    return await conn.fetch(f"SELECT {cols} FROM {table} {where.sql(logic)} {tail}", *where.args)
+    rows: list[asyncpg.Record] = await conn.fetch(f"SELECT {cols} FROM {table} {where.sql(logic)} {tail}", *where.args)
+    return rows
 
 
 async def fetch_page(
