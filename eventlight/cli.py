@@ -325,7 +325,7 @@ def sql(
     """Run one SQL statement over the projections and print the result.
 
     Tables rollouts, attempts, spans, resources, workers; views rollout_rewards,
-    reward_by_resources, llm_calls (see migrations/001_read_models.sql).
+    reward_by_resources, llm_calls (see eventlight/_data/migrations/001_read_models.sql).
 
     The query runs in a read-only transaction, as the role eventlight_reader that may only read
     this namespace's tables, with a statement timeout: the tables are a projection of the stream,

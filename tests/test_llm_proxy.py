@@ -520,7 +520,7 @@ async def test_bad_request_bodies_get_json_errors() -> None:
 
 
 async def test_internal_failure_answers_json_500(monkeypatch: pytest.MonkeyPatch) -> None:
-    import eventlight.llm_proxy as module
+    import eventlight.llm_proxy.span_attributes as module
 
     def broken(*args: Any, **kwargs: Any) -> dict[str, Any]:
         raise KeyError("bug")
