@@ -364,7 +364,7 @@ async def _closed_loop(op: Any, concurrency: int, seconds: float) -> int:
 
 async def run_ceiling(span_counts: list[int], seconds: float) -> dict[str, Any]:
     """Start embedded servers in a temporary state dir, probe each ``S``, stop them; never raises."""
-    from eventlight.services import ensure_services, stop_services
+    from eventlight.ops import ensure_services, stop_services
     from eventlight.settings import Settings
 
     cores = os.cpu_count() or 1

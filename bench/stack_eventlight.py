@@ -28,7 +28,7 @@ from typing import Any
 import eventlight as agl
 from bench.workload import RUNNER_POLL_S, plan_task, run_plan
 from eventlight.core.types import AttemptedRollout, Span, TraceStatus
-from eventlight.services import Services, drop_namespace, prepare_services, stop_services
+from eventlight.ops import Services, drop_namespace, prepare_services, stop_services
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.trainer import RunnerPool

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from bench import require_positive
 from eventlight.core.types import RolloutConfig, Span
-from eventlight.services import prepare_services, stop_services
+from eventlight.ops import prepare_services, stop_services
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
 

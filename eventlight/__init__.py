@@ -51,6 +51,7 @@ from eventlight.emitter import (
     emit_reward,
     operation,
 )
+from eventlight.ops import Services, ensure_services, prepare_services, stop_services
 from eventlight.rewards import (
     find_final_reward,
     find_reward_spans,
@@ -61,7 +62,6 @@ from eventlight.rewards import (
     is_reward_span,
 )
 from eventlight.runner import Hook, LitAgentRunner
-from eventlight.services import Services, ensure_services, prepare_services, stop_services
 from eventlight.settings import Settings
 from eventlight.store import UNSET, InMemoryLightningStore, LightningStore, LightningStoreCapabilities
 from eventlight.store.jetstream import JetStreamLightningStore

@@ -693,7 +693,8 @@ def _tool_calls(span: Span, spans: Sequence[Span]) -> list[dict[str, Any]]:
             continue
         if not isinstance(tool, dict):
             raise ValueError(f"tool attributes of span {child.span_id} are not a dict: {tool!r}")
-        call = tool.get("call") if isinstance(tool.get("call"), dict) else {}
+        raw_call = tool.get("call")
+        call: dict[str, Any] = raw_call if isinstance(raw_call, dict) else {}
         calls.append(
             {
                 "id": call.get("id"),

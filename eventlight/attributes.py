@@ -116,7 +116,8 @@ def unflatten_attributes(flat: Mapping[str, Any]) -> dict[str, Any] | list[Any]:
     root: dict[str, Any] = {}
     for key, value in flat.items():
         _insert(root, key.split("."), value, key)
-    return _listify(root)
+    nested: dict[str, Any] | list[Any] = _listify(root)
+    return nested
 
 
 def filter_attributes(attributes: Mapping[str, Any], prefix: str) -> dict[str, Any]:

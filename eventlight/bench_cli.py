@@ -1,71 +1,40 @@
-"""``eventlight bench``: measure eventlight against Agent-lightning 0.3.0 on this machine.
+"""``eventlight bench``: run the throughput suite of the source checkout (``python -m bench``).
 
-A thin typer command over the ``bench/`` package at the repository root (see ``bench/README.md``);
-it is registered in ``eventlight.cli`` with ``app.command()(bench)``.
+The suite (``bench/``, with its side-by-side runs against Agent-lightning 0.3.0) is not part of the
+installed package: it lives in the source checkout. This command runs ``python -m bench`` there with
+the same arguments, the checkout being the one eventlight is installed from (an editable install)
+or the current folder; without one it says where the suite lives. Registered in ``eventlight.cli``.
 """
 
 from __future__ import annotations
 
+import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Annotated
 
 import typer
 
-REPO = Path(__file__).resolve().parent.parent
+__all__ = ["bench", "find_checkout"]
 
 
-def _import_bench() -> None:
-    """Put the repository root on ``sys.path`` so ``bench`` imports (it is not an installed package)."""
-    if not (REPO / "bench" / "__init__.py").is_file():
-        raise typer.BadParameter(f"no bench/ package next to eventlight/ ({REPO}); run from a source checkout")
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
+def find_checkout() -> Path | None:
+    """The source checkout holding ``bench/``: the one eventlight runs from, else the current folder."""
+    for root in (Path(__file__).resolve().parent.parent, Path.cwd()):
+        if (root / "bench" / "__main__.py").is_file() and (root / "eventlight" / "__init__.py").is_file():
+            return root
+    return None
 
 
-def bench(
-    scenarios: Annotated[
-        list[str] | None,
-        typer.Argument(
-            help="Scenarios: batch, single, heavy, batch_nosleep, single_nosleep, heavy_nosleep, half_load, and micro "
-            "(store operations per second). Default: all of them."
-        ),
-    ] = None,
-    vs: Annotated[
-        str | None, typer.Option("--vs", help="Also run the peer: 'agentlightning' (0.3.0, in bench/.peer-venv).")
-    ] = None,
-    scale: Annotated[float, typer.Option(min=0.001, help="Factor on every scenario's task count.")] = 1.0,
-    out: Annotated[Path | None, typer.Option(help="Output folder (default bench/results/<time>).")] = None,
-    seed: Annotated[int, typer.Option(help="Workload seed, the same for both stacks.")] = 1,
-    micro_seconds: Annotated[float, typer.Option(help="Seconds per micro operation.")] = 3.0,
-    timeout_s: Annotated[float, typer.Option(help="Limit of each scenario's measured part.")] = 300.0,
-    ceiling: Annotated[bool, typer.Option(help="Run the raw JetStream + COPY ceiling probe.")] = True,
-) -> None:
-    """Measure eventlight (and Agent-lightning 0.3.0 with --vs agentlightning) on the same workload:
-    prints a table and writes results.json, table.md and chart.png."""
-    _import_bench()
-    from bench.suite import SuiteConfig, run_suite
-    from bench.workload import SCENARIOS
-
-    chosen = scenarios or [*SCENARIOS, "micro"]
-    out_dir = out or REPO / "bench" / "results" / time.strftime("%Y%m%d-%H%M%S")
-    cfg = SuiteConfig(
-        scenarios=chosen,
-        vs=vs,
-        scale=scale,
-        out_dir=out_dir,
-        seed=seed,
-        micro_seconds=micro_seconds,
-        timeout_s=timeout_s,
-        ceiling=ceiling,
-        log=lambda line: typer.echo(line, err=True),
-    )
-    try:
-        results = run_suite(cfg)
-    except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
-    from bench.report import render
-
-    typer.echo(render(results))
-    typer.echo(f"results: {out_dir}/results.json, table.md, chart.png")
+def bench(ctx: typer.Context) -> None:
+    """Throughput benchmark, side by side with Agent-lightning 0.3.0: ``python -m bench`` of the source
+    checkout, with these arguments (``eventlight bench --help`` lists them)."""
+    root = find_checkout()
+    if root is None:
+        typer.echo(
+            "eventlight bench: the benchmark suite lives in the source checkout (bench/ next to eventlight/, "
+            "see bench/README.md), not in the installed package; run it from a checkout: "
+            "`python -m bench ...` or `eventlight bench ...` there",
+            err=True,
+        )
+        raise typer.Exit(2)
+    raise typer.Exit(subprocess.call([sys.executable, "-m", "bench", *ctx.args], cwd=root))

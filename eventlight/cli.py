@@ -57,8 +57,9 @@ class CliError(Exception):
         self.exit_code = exit_code
 
 
-def _class_named(cls: type, name: str) -> type:
-    """A base class by name (typer >= 0.20 vendors click as ``typer._click``, older ones use click)."""
+def _class_named(cls: type[BaseException], name: str) -> Any:
+    """A base class by name (typer >= 0.20 vendors click as ``typer._click``, older ones use click);
+    ``Any``: which module defines it depends on the installed typer."""
     return next(c for c in cls.__mro__ if c.__name__ == name)
 
 
@@ -95,10 +96,19 @@ def _exit_code_of(e: BaseException) -> int:
 class _OneLineErrors(TyperGroup):
     """Typer's group, printing usage errors and failures as one line on stderr instead of a panel."""
 
-    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, **extra: Any) -> Any:
-        extra.pop("standalone_mode", None)
+    def main(
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        windows_expand_args: bool = True,
+        **extra: Any,
+    ) -> Any:
         try:
-            rv = super().main(args, prog_name, standalone_mode=False, **extra)
+            rv = super().main(
+                args, prog_name, complete_var, standalone_mode=False, windows_expand_args=windows_expand_args, **extra
+            )
         except _ClickException as e:
             if type(e).__name__ == "NoArgsIsHelpError":
                 console.print(e.format_message())
@@ -169,7 +179,8 @@ def up(namespace: NamespaceOpt = None) -> None:
     """Start (or find) NATS and Postgres and apply streams and migrations for the namespace.
 
     The servers keep running after this command (until `eventlight down`)."""
-    from eventlight.services import prepare_services, redact
+    from eventlight.net import redact
+    from eventlight.ops import prepare_services
 
     t0 = time.monotonic()
     services = _run(prepare_services(_settings(namespace)))
@@ -181,7 +192,7 @@ def up(namespace: NamespaceOpt = None) -> None:
 @app.command()
 def down(namespace: NamespaceOpt = None) -> None:
     """Stop the servers eventlight started (never ones it did not start)."""
-    from eventlight.services import stop_services
+    from eventlight.ops import stop_services
 
     stopped = _run(stop_services(_settings(namespace)))
     console.print("stopped " + (", ".join(stopped) if stopped else "nothing (no embedded server was running)"))
@@ -200,7 +211,7 @@ def _no_servers(settings: Settings, variable: str) -> CliError:
 
 
 async def _need_nats(settings: Settings) -> Any:
-    from eventlight.services import find_nats
+    from eventlight.ops import find_nats
 
     found = await find_nats(settings)
     if found is None:
@@ -209,7 +220,7 @@ async def _need_nats(settings: Settings) -> Any:
 
 
 async def _need_pg(settings: Settings) -> Any:
-    from eventlight.services import find_pg
+    from eventlight.ops import find_pg
 
     found = await find_pg(settings)
     if found is None:
@@ -232,15 +243,13 @@ async def _connect_pg(settings: Settings, found: Any = None) -> Any:
         CliError: No server, or the namespace's schema does not exist.
         ServiceUnavailableError: The server does not answer.
     """
-    import asyncpg
-
-    from eventlight.services import apply_migrations, redact
+    from eventlight.net import redact
+    from eventlight.ops import apply_migrations
+    from eventlight.store.jetstream import pg_errors
 
     found = found or await _need_pg(settings)
-    try:
-        conn = await asyncpg.connect(found.url, server_settings={"search_path": settings.pg_schema}, timeout=5)
-    except (OSError, asyncpg.PostgresError, TimeoutError) as e:
-        raise ServiceUnavailableError(f"{found.origin} {redact(found.url)}", str(e)) from e
+    where = f"{found.origin} {redact(found.url)}"
+    conn = await pg_errors.connect(found.url, server_settings={"search_path": settings.pg_schema}, name=where)
     try:
         exists = await conn.fetchval("SELECT 1 FROM pg_namespace WHERE nspname = $1", settings.pg_schema)
         if not exists:
@@ -271,26 +280,11 @@ def _check_query(query: str) -> None:
         raise CliError(f"the query is not valid UTF-8 (byte {bad!r} at position {e.start})") from None
 
 
-def _sql_error(e: Exception) -> CliError:
-    import asyncpg
-
-    text = str(e)
-    if isinstance(e, asyncpg.ReadOnlySQLTransactionError):
-        return CliError(
-            f"SQL error: {text}: `eventlight sql` only reads; the tables are projected from the stream, "
-            "so write through the store API"
-        )
-    if "cannot insert multiple commands into a prepared statement" in text:
-        return CliError("SQL error: several statements given; `eventlight sql` runs one statement at a time")
-    return CliError(f"SQL error: {text}")
-
-
 async def _query(settings: Settings, query: str, timeout_s: float) -> tuple[list[Any], list[Any]]:
     """Run ``query`` as the read-only role ``eventlight_reader`` (``eventlight.sql_reader``)."""
-    import asyncpg
-
     from eventlight.cli_output import Column
     from eventlight.sql_reader import connect_reader
+    from eventlight.store.jetstream.pg_errors import sql_error_detail
 
     found = await _need_pg(settings)
     owner = await _connect_pg(settings, found)  # brings the schema (and the reader's grants) up to date
@@ -303,17 +297,13 @@ async def _query(settings: Settings, query: str, timeout_s: float) -> tuple[list
             stmt = await conn.prepare(query)
             rows = await stmt.fetch(timeout=timeout_s + 5)  # the server's statement_timeout fires first
         cols = [Column(a.name, a.type.name) for a in stmt.get_attributes()]
-    except asyncpg.QueryCanceledError as e:
-        raise CliError(f"SQL error: the query ran longer than --timeout-s {timeout_s:g} s and was cancelled") from e
-    except asyncpg.InsufficientPrivilegeError as e:
-        raise CliError(
-            f"SQL error: {e} (`eventlight sql` runs as the read-only role eventlight_reader: "
-            "the namespace's tables and views only)"
-        ) from e
-    except asyncpg.PostgresError as e:
-        raise _sql_error(e) from e
     except TimeoutError as e:
         raise CliError(f"SQL error: no answer within {timeout_s + 5:g} s") from e
+    except Exception as e:
+        detail = sql_error_detail(e, timeout_s)
+        if detail is None:
+            raise
+        raise CliError(f"SQL error: {detail}") from e
     finally:
         await conn.close()
     return cols, rows
@@ -338,7 +328,7 @@ def sql(
     """Run one SQL statement over the projections and print the result.
 
     Tables rollouts, attempts, spans, resources, workers; views rollout_rewards,
-    reward_by_resources, llm_calls (see migrations/001_read_models.sql).
+    reward_by_resources, llm_calls (see eventlight/_data/migrations/001_read_models.sql).
 
     The query runs in a read-only transaction, as the role eventlight_reader that may only read
     this namespace's tables, with a statement timeout: the tables are a projection of the stream,
@@ -365,7 +355,7 @@ def sql(
 
 
 def _describe(name: str, found: Any) -> str:
-    from eventlight.services import redact
+    from eventlight.net import redact
 
     if found.origin == "embedded":
         where = f"embedded, {name} pid {found.pid}" + (f" ({found.kind})" if found.kind != "embedded" else "")
@@ -375,16 +365,18 @@ def _describe(name: str, found: Any) -> str:
 
 async def _stream_state(url: str, settings: Settings) -> tuple[int, int] | None:
     """(messages, last sequence) of the namespace's stream, ``None`` when it does not exist."""
-    from nats.js.errors import NotFoundError
-
+    from eventlight.net import redact
     from eventlight.store.jetstream.connect import connect_nats
+    from eventlight.store.jetstream.nats_errors import JsNotFoundError, nats_errors
 
     nc = await connect_nats(url, name="eventlight-cli")
     try:
-        info = await nc.jetstream().stream_info(settings.stream_name)
+        with nats_errors(redact(url), "stream info"):
+            try:
+                info = await nc.jetstream().stream_info(settings.stream_name)
+            except JsNotFoundError:
+                return None
         return int(info.state.messages), int(info.state.last_seq)
-    except NotFoundError:
-        return None
     finally:
         await nc.close()
 
@@ -558,8 +550,8 @@ def runner(
     Servers: uses $EVENTLIGHT_NATS_URL when set, else the embedded NATS `eventlight up` started;
     never starts or stops one (without it: exit 1, 'run `eventlight up`'), so stopping the runners
     leaves the servers to the trainer and other runners."""
+    from eventlight.net import redact
     from eventlight.runner_pool import GRACEFUL_STOP_S, RunnerPool
-    from eventlight.services import redact
 
     settings = _settings(namespace)
     the_agent = load_agent(agent)
@@ -597,7 +589,12 @@ def _raise_terminated(signum: int, frame: Any) -> None:
 def _register_bench() -> None:
     from eventlight.bench_cli import bench
 
-    app.command(help="Throughput benchmark, side by side with Agent-lightning 0.3.0 (see bench/README.md).")(bench)
+    app.command(
+        help="Throughput benchmark, side by side with Agent-lightning 0.3.0: `python -m bench` of the source "
+        "checkout (see bench/README.md); `eventlight bench --help` lists its options.",
+        context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+        add_help_option=False,
+    )(bench)
 
 
 _register_bench()

@@ -257,7 +257,8 @@ class operation:  # noqa: N801 - Agent-lightning's public name
     def span(self) -> SpanCoreFields:
         if self._rec is None:
             raise RuntimeError("Span is not ready yet.")
-        return self._rec.get_recorded_span()
+        recorded: SpanCoreFields = self._rec.get_recorded_span()
+        return recorded
 
 
 def _io(kind: str, value: Any) -> dict[str, Any]:

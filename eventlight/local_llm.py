@@ -21,9 +21,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import io
 import os
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -32,6 +32,7 @@ from types import TracebackType
 import httpx
 
 from eventlight.core.errors import ServiceUnavailableError
+from eventlight.net import free_port
 
 __all__ = ["DEFAULT_MODEL_ALIAS", "LocalLLMServer", "find_smollm2_gguf"]
 
@@ -61,12 +62,6 @@ def find_smollm2_gguf() -> Path:
     # Prefer an instruct model if the package ever ships more than one file.
     found.sort(key=lambda p: ("instruct" not in p.name.lower(), p.name))
     return found[0].resolve()
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _usable_cores() -> int:
@@ -158,7 +153,7 @@ class LocalLLMServer:
         self.base_url: str | None = None
         self.startup_s: float | None = None
         self._proc: asyncio.subprocess.Process | None = None
-        self._log_file = None
+        self._log_file: io.BufferedWriter | None = None
         self._lock = asyncio.Lock()
 
     @property
@@ -177,7 +172,7 @@ class LocalLLMServer:
         if self.gguf_path is None:
             self.gguf_path = find_smollm2_gguf()
         if self.port is None:
-            self.port = _free_port("127.0.0.1")
+            self.port = free_port("127.0.0.1")
         return [
             sys.executable, "-m", "llama_cpp.server",
             "--model", str(self.gguf_path),
@@ -235,7 +230,7 @@ class LocalLLMServer:
         self.startup_s = time.monotonic() - t0
         return base_url
 
-    def _open_log(self, cmd: list[str]):
+    def _open_log(self, cmd: list[str]) -> io.BufferedWriter:
         f = open(self.log_path, "ab")  # closed in stop()
         f.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} {' '.join(cmd)}\n".encode())
         f.flush()

@@ -65,7 +65,7 @@ RESTART_STABLE_S = 60.0  # a process that lived this long resets its slot's rest
 def restart_delay_s(quick_deaths: int) -> float:
     """Seconds before restarting a slot whose processes died ``quick_deaths`` times in a row, each
     within ``RESTART_STABLE_S`` of its start: 1 s, 2 s, 4 s, ... up to ``RESTART_MAX_S``."""
-    return min(RESTART_MAX_S, RESTART_MIN_S * 2 ** max(0, quick_deaths - 1))
+    return float(min(RESTART_MAX_S, RESTART_MIN_S * 2.0 ** max(0, quick_deaths - 1)))
 
 
 # -- one runner process ------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 
 from eventlight.core.errors import ServiceUnavailableError
+from eventlight.store.jetstream import pg_errors
 
 __all__ = ["READER_ROLE", "connect_reader", "reader_dsn"]
 
@@ -59,20 +60,17 @@ async def connect_reader(owner: asyncpg.Connection, dsn: str, schema: str, *, ti
         "statement_timeout": str(max(1, int(timeout_s * 1000))),
         "default_transaction_read_only": "on",
     }
-    try:
-        return await asyncpg.connect(reader_dsn(dsn), server_settings=settings, timeout=CONNECT_TIMEOUT_S)
-    except (asyncpg.InvalidPasswordError, asyncpg.InvalidAuthorizationSpecificationError):
-        password = secrets.token_urlsafe(24)
-        await owner.execute(f"ALTER ROLE {READER_ROLE} PASSWORD '{password}'")  # urlsafe: no quote inside
-    except (OSError, asyncpg.PostgresError, TimeoutError) as e:
-        raise _cannot_connect(dsn, e) from e
-    try:
-        return await asyncpg.connect(reader_dsn(dsn, password), server_settings=settings, timeout=CONNECT_TIMEOUT_S)
-    except (OSError, asyncpg.PostgresError, TimeoutError) as e:
-        raise _cannot_connect(dsn, e) from e
-
-
-def _cannot_connect(dsn: str, e: BaseException) -> ServiceUnavailableError:
     parts = urlsplit(dsn)
     where = f"{READER_ROLE}@{parts.hostname or 'localhost'}:{parts.port or 5432}{parts.path}"
-    return ServiceUnavailableError(where, f"the read-only role cannot connect: {e}")
+    try:
+        return await pg_errors.connect(
+            reader_dsn(dsn), server_settings=settings, timeout_s=CONNECT_TIMEOUT_S, name=where
+        )
+    except ServiceUnavailableError as e:
+        if not isinstance(e.__cause__, pg_errors.AUTH_FAILURES):
+            raise
+    password = secrets.token_urlsafe(24)
+    await owner.execute(f"ALTER ROLE {READER_ROLE} PASSWORD '{password}'")  # urlsafe: no quote inside
+    return await pg_errors.connect(
+        reader_dsn(dsn, password), server_settings=settings, timeout_s=CONNECT_TIMEOUT_S, name=where
+    )

@@ -3,7 +3,7 @@
 ``Trainer(algorithm=APO(...), n_runners=N).fit(agent, train, val)`` (Agent-lightning's entry point):
 
 1. finds or starts NATS and Postgres and applies ``streams/`` and ``migrations/``
-   (``eventlight.services.prepare_services``);
+   (``eventlight.ops.prepare_services``);
 2. starts ``n_runners`` runner processes (``spawn``); each opens a write-only
    ``JetStreamLightningStore`` (no Postgres connection) and consumes the rollout queue;
 3. opens the algorithm's store, which runs the projector and the watchdog in this process;
@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any
 from eventlight.agent import LitAgent
 from eventlight.algorithm.base import Algorithm
 from eventlight.core.errors import LLMUnavailableError
+from eventlight.ops import Services, prepare_services, stop_services
 from eventlight.runner import Hook, LitAgentRunner
 from eventlight.runner_pool import RunnerPool
-from eventlight.services import Services, prepare_services, stop_services
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.tracer import OtelTracer, Tracer

@@ -21,7 +21,7 @@ from typing import TypeVar
 
 import pytest
 
-from eventlight.services import (
+from eventlight.ops import (
     Services,
     apply_migrations,
     apply_streams,

@@ -18,7 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 from eventlight.cli import CliError, app, load_agent
-from eventlight.services import Services
+from eventlight.ops import Services
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
 
@@ -275,7 +275,7 @@ async def test_runner_runs_heartbeats_into_status_and_stops_on_ctrl_c(namespace:
 
 
 def test_redact_hides_passwords_and_tokens() -> None:
-    from eventlight.services import redact
+    from eventlight.net import redact
 
     assert redact("postgresql://u:pw@h:5432/db") == "postgresql://u:***@h:5432/db"
     assert redact("nats://tok@h:4222,nats://a:b@h2:4222") == "nats://***@h:4222,nats://a:***@h2:4222"

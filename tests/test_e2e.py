@@ -15,7 +15,6 @@ import pytest
 from llm_stub import ScriptedLLM
 
 import eventlight as agl
-from eventlight.services import Services
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
 from examples.room_booking.agent import INITIAL_PROMPT, load_tasks, render_rooms, room_booker, split
@@ -45,9 +44,7 @@ def make_llm(tasks: list[dict]) -> Any:
     return reply
 
 
-async def test_apo_improves_the_prompt_through_the_whole_loop(
-    services: tuple[Settings, Services], namespace: Settings
-) -> None:
+async def test_apo_improves_the_prompt_through_the_whole_loop(namespace: Settings) -> None:
     tasks = load_tasks()[:12]
     train, val = split(tasks)
     async with ScriptedLLM(responses=make_llm(tasks)) as url:

@@ -42,7 +42,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from eventlight.core.types import EnqueueRolloutRequest, PaginatedResult, PromptTemplate, RolloutConfig, Span
-from eventlight.services import Services
+from eventlight.ops import Services
 from eventlight.settings import Settings
 from eventlight.store.base import UNSET
 from eventlight.store.jetstream import JetStreamLightningStore

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -14,19 +13,14 @@ import pytest
 
 import eventlight as agl
 from eventlight.core.errors import EventlightError, InvalidInputError, ServiceUnavailableError
+from eventlight.net import free_port
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.store.jetstream.connect import connect_nats
 
 
-def dead_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def test_unreachable_nats_names_the_server() -> None:
-    url = f"nats://127.0.0.1:{dead_port()}"
+    url = f"nats://127.0.0.1:{free_port()}"
     store = JetStreamLightningStore(Settings(namespace="x"), nats_url=url)
     t = time.monotonic()
     with pytest.raises(ServiceUnavailableError, match=url) as info:
@@ -37,7 +31,7 @@ async def test_unreachable_nats_names_the_server() -> None:
 
 
 async def test_unreachable_postgres_names_the_server_without_password(namespace: Settings) -> None:
-    dsn = f"postgresql://postgres:secret@127.0.0.1:{dead_port()}/postgres"
+    dsn = f"postgresql://postgres:secret@127.0.0.1:{free_port()}/postgres"
     store = JetStreamLightningStore(namespace, pg_dsn=dsn)
     with pytest.raises(ServiceUnavailableError, match="127.0.0.1") as info:
         await store.start()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import uuid
@@ -18,19 +17,14 @@ from llm_stub import Reply, ScriptedLLM
 from eventlight.core.errors import LLMUnavailableError, ServiceUnavailableError
 from eventlight.llm_health import LLMCallHealth
 from eventlight.llm_proxy import LLMProxy
-from eventlight.services import drop_namespace
+from eventlight.net import free_port
+from eventlight.ops import drop_namespace
 from eventlight.settings import Settings
 from eventlight.trainer import _stop_when_llm_fails
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "stub-model"
 pytestmark = pytest.mark.filterwarnings("ignore:.*`ReadOnly` qualifier:UserWarning")
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def proxy_for(url: str) -> LLMProxy:
@@ -83,7 +77,7 @@ async def test_check_passes_on_a_live_backend_and_counts_nothing() -> None:
 
 
 async def test_check_names_proxy_backend_and_cause_when_the_backend_is_down() -> None:
-    backend = f"http://127.0.0.1:{closed_port()}/v1"
+    backend = f"http://127.0.0.1:{free_port()}/v1"
     async with proxy_for(backend) as proxy:
         with pytest.raises(LLMUnavailableError) as info:
             await proxy.check(timeout_s=10)
@@ -159,7 +153,7 @@ def run_demo(services: Any, *args: str, timeout: float = 240) -> subprocess.Comp
 
 @pytest.mark.e2e
 def test_demo_with_a_dead_llm_exits_1_with_one_line_and_no_rewards(services: Any) -> None:
-    dead = f"http://127.0.0.1:{closed_port()}/v1"
+    dead = f"http://127.0.0.1:{free_port()}/v1"
     done = run_demo(services, "--base-url", dead, "--model", "m", "--tasks", "4")
     assert done.returncode == 1, done.stdout + done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]

@@ -19,6 +19,7 @@ from llm_stub import Reply, ScriptedLLM, ToolCall, toy_tokenize
 from eventlight.attributes import unflatten_attributes
 from eventlight.core.types import LLM, ProxyLLM, Span
 from eventlight.llm_proxy import LLMProxy, chat_completion_to_sse
+from eventlight.net import free_port
 from eventlight.store.memory import InMemoryLightningStore
 
 MODEL = "stub-model"
@@ -414,9 +415,7 @@ async def test_retryable_upstream_failure_is_retried() -> None:
 
 async def test_unreachable_backend_gives_502_and_error_span() -> None:
     store = InMemoryLightningStore()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
+    dead = f"http://127.0.0.1:{free_port()}/v1"
     async with running_proxy(dead, store) as proxy:
         rollout = await store.start_rollout(input={})
         base = proxy.as_resource().get_base_url(rollout.rollout_id, rollout.attempt.attempt_id)
@@ -521,7 +520,7 @@ async def test_bad_request_bodies_get_json_errors() -> None:
 
 
 async def test_internal_failure_answers_json_500(monkeypatch: pytest.MonkeyPatch) -> None:
-    import eventlight.llm_proxy as module
+    import eventlight.llm_proxy.span_attributes as module
 
     def broken(*args: Any, **kwargs: Any) -> dict[str, Any]:
         raise KeyError("bug")

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from eventlight.core.errors import ServiceUnavailableError
-from eventlight.local_llm import DEFAULT_MODEL_ALIAS, LocalLLMServer, _free_port, find_smollm2_gguf
+from eventlight.local_llm import DEFAULT_MODEL_ALIAS, LocalLLMServer, find_smollm2_gguf
+from eventlight.net import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "room_booking"
@@ -210,7 +211,7 @@ class _CrashOnFirstCompletion(LocalLLMServer):
 
     def command(self) -> list[str]:
         if self.port is None:
-            self.port = _free_port("127.0.0.1")
+            self.port = free_port("127.0.0.1")
         return [sys.executable, "-c", _CRASHING_SERVER, str(self.port)]
 
 

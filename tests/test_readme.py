@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import eventlight as agl
-from eventlight.services import drop_namespace
+from eventlight.ops import drop_namespace
 from eventlight.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]

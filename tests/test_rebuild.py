@@ -14,7 +14,7 @@ from typing import Any
 import asyncpg
 
 from eventlight.core.types import PromptTemplate, RolloutConfig, Span
-from eventlight.services import apply_migrations
+from eventlight.ops import apply_migrations
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore, pg
 from eventlight.store.jetstream.projector import Projector

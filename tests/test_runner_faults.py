@@ -28,9 +28,9 @@ import pytest
 
 import eventlight as agl
 from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
+from eventlight.ops import Services, drop_namespace, prepare_services, stop_services
 from eventlight.runner import Backoff, worker_name
 from eventlight.runner_pool import RESTART_MAX_S, RunnerPool, restart_delay_s
-from eventlight.services import Services, drop_namespace, prepare_services, stop_services
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.store.validate import is_token

@@ -1,4 +1,4 @@
-"""Real tests of eventlight.services: embedded nats-server and Postgres, streams, migrations.
+"""Real tests of eventlight.ops: embedded nats-server and Postgres, streams, migrations.
 
 The embedded servers live in a fresh folder in the system temp folder (never under /root: Postgres runs as
 ``postgres`` when the tests run as root). Every test stops what it started; the fixture kills
@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import tempfile
 import time
 import uuid
@@ -26,17 +25,15 @@ import nats
 import psutil
 import pytest
 
-from eventlight import services as svc
+from eventlight import ops as svc
+from eventlight._data import data_dir
 from eventlight.core.errors import ServiceUnavailableError
+from eventlight.net import free_port
+from eventlight.ops.nats_server import nats_probe
+from eventlight.ops.postgres import system_bindir
 from eventlight.settings import Settings
 
-STREAMS_DIR = Path(__file__).resolve().parent.parent / "streams"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+STREAMS_DIR = data_dir("streams")
 
 
 def _procs_naming(folder: Path) -> list[psutil.Process]:
@@ -161,7 +158,7 @@ async def test_embedded_start_reuse_stop_restart(root_dir: Path) -> None:
 
 
 async def test_dead_nats_url_names_the_url(root_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    url = f"nats://127.0.0.1:{_free_port()}"
+    url = f"nats://127.0.0.1:{free_port()}"
     monkeypatch.setenv("EVENTLIGHT_NATS_URL", url)
     monkeypatch.delenv("EVENTLIGHT_PG_DSN", raising=False)
     settings = Settings.from_env(state_dir=root_dir / "state")
@@ -178,21 +175,21 @@ async def test_unreachable_pg_dsn_falls_back_to_embedded(
     root_dir: Path, caplog: pytest.LogCaptureFixture, services: tuple[Settings, Any]
 ) -> None:
     existing = services[1].nats_url
-    dead = f"postgresql://postgres:s3cret@127.0.0.1:{_free_port()}/postgres"
+    dead = f"postgresql://postgres:s3cret@127.0.0.1:{free_port()}/postgres"
     settings = Settings(nats_url=existing, pg_dsn=dead, state_dir=root_dir / "state")
-    with caplog.at_level(logging.WARNING, logger="eventlight.services"):
+    with caplog.at_level(logging.WARNING, logger="eventlight.ops"):
         services = await svc.ensure_services(settings)
     assert services.nats_url == existing and services.nats_pid is None
     assert services.pg_dsn != dead and services.pg_kind in ("system", "pgserver")
     assert services.started == [f"postgres pid {services.pg_pid}"]
     assert "does not answer" in caplog.text and "s3cret" not in caplog.text
     assert await svc.stop_services(settings) == [f"postgres pid {services.pg_pid}"]
-    assert await svc._nats_probe(existing) is None  # the external server was left alone
+    assert await nats_probe(existing) is None  # the external server was left alone
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="only root hands Postgres to the postgres user")
 async def test_state_dir_postgres_cannot_enter(root_dir: Path) -> None:
-    if svc._system_bindir() is None:
+    if system_bindir() is None:
         pytest.skip("no system Postgres binaries")
     closed = root_dir / "closed"
     closed.mkdir(mode=0o700)

@@ -817,7 +817,7 @@ class APO(Algorithm, Generic[T_task]):
             response = await self.async_openai_client.chat.completions.create(
                 model=model, messages=messages, temperature=self.diversity_temperature, **extra
             )
-            content = response.choices[0].message.content
+            content: str | None = response.choices[0].message.content
         except Exception as e:  # the optimizer LLM must not end the run (difference f)
             log.error("%s %s call to %s failed: %s: %s", prefix, what, model, type(e).__name__, e)
             return None

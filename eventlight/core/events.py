@@ -145,7 +145,7 @@ _ROLLOUT_FIELDS = ("input", "mode", "resources_id", "status", "end_time", "confi
 def _attempt_updated_v1(raw: dict[str, Any]) -> dict[str, Any]:
     """v1 shipped the whole attempt after the change: read it as every field set."""
     attempt = raw.get("attempt") or {}
-    out = {k: raw[k] for k in ("type", "time", "rollout_status", "rollout_end_time") if k in raw}
+    out: dict[str, Any] = {k: raw[k] for k in ("type", "time", "rollout_status", "rollout_end_time") if k in raw}
     out.update(v=2, rollout_id=attempt.get("rollout_id"), attempt_id=attempt.get("attempt_id"))
     out.update({k: attempt[k] for k in _ATTEMPT_FIELDS if k in attempt})
     return out
@@ -195,7 +195,8 @@ def decode_event(data: bytes) -> AnyEvent:
         raise InvalidInputError(f"not an eventlight event: {e}") from e
     current = _current_version(type(event))
     if event.v == current:
-        return event
+        decoded: AnyEvent = event
+        return decoded
     upcast = _upcaster(data)
     if upcast is not None:
         return _upcast(upcast, data)
@@ -206,7 +207,8 @@ def decode_event(data: bytes) -> AnyEvent:
 
 def _upcast(upcast: Callable[[dict[str, Any]], dict[str, Any]], data: bytes) -> AnyEvent:
     try:
-        return msgspec.convert(upcast(msgspec.json.decode(data)), AnyEvent)  # type: ignore[arg-type]
+        upcasted: AnyEvent = msgspec.convert(upcast(msgspec.json.decode(data)), AnyEvent)  # type: ignore[arg-type]
+        return upcasted
     except (msgspec.DecodeError, RecursionError) as e:  # includes ValidationError
         raise InvalidInputError(f"not an eventlight event (after upcasting): {e}") from e
 

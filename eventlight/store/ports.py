@@ -120,21 +120,80 @@ class ReadModel(Protocol):
         """Wait until the projection includes log position ``seq``."""
         ...
 
-    async def query_rollouts(self, **filters: Any) -> PaginatedResult[Rollout]: ...
+    async def query_rollouts(
+        self,
+        *,
+        status_in: Sequence[str] | None = None,
+        rollout_id_in: Sequence[str] | None = None,
+        rollout_id_contains: str | None = None,
+        filter_logic: Literal["and", "or"] = "and",
+        sort_by: str | None = None,
+        sort_order: Literal["asc", "desc"] = "asc",
+        limit: int = -1,
+        offset: int = 0,
+        status: Sequence[str] | None = None,
+        rollout_ids: Sequence[str] | None = None,
+    ) -> PaginatedResult[Rollout]: ...
 
     async def get_rollout_by_id(self, rollout_id: str) -> Rollout | None: ...
 
-    async def query_attempts(self, rollout_id: str, **paging: Any) -> PaginatedResult[Attempt]: ...
+    async def query_attempts(
+        self,
+        rollout_id: str,
+        *,
+        sort_by: str | None = "sequence_id",
+        sort_order: Literal["asc", "desc"] = "asc",
+        limit: int = -1,
+        offset: int = 0,
+    ) -> PaginatedResult[Attempt]: ...
 
     async def get_latest_attempt(self, rollout_id: str) -> Attempt | None: ...
 
     async def wait_for_rollouts(self, rollout_ids: list[str], timeout: float | None) -> list[Rollout]: ...
 
-    async def query_spans(self, rollout_id: str, attempt_id: str | None, **filters: Any) -> PaginatedResult[Span]: ...
+    async def query_spans(
+        self,
+        rollout_id: str,
+        attempt_id: str | None,
+        *,
+        trace_id: str | None = None,
+        trace_id_contains: str | None = None,
+        span_id: str | None = None,
+        span_id_contains: str | None = None,
+        parent_id: str | None = None,
+        parent_id_contains: str | None = None,
+        name: str | None = None,
+        name_contains: str | None = None,
+        filter_logic: Literal["and", "or"] = "and",
+        limit: int = -1,
+        offset: int = 0,
+        sort_by: str | None = "sequence_id",
+        sort_order: Literal["asc", "desc"] = "asc",
+    ) -> PaginatedResult[Span]: ...
 
-    async def query_resources(self, **filters: Any) -> PaginatedResult[ResourcesUpdate]: ...
+    async def query_resources(
+        self,
+        *,
+        resources_id: str | None = None,
+        resources_id_contains: str | None = None,
+        sort_by: str | None = None,
+        sort_order: Literal["asc", "desc"] = "asc",
+        limit: int = -1,
+        offset: int = 0,
+    ) -> PaginatedResult[ResourcesUpdate]: ...
 
-    async def query_workers(self, **filters: Any) -> PaginatedResult[Worker]: ...
+    async def query_workers(
+        self,
+        *,
+        status_in: Sequence[str] | None = None,
+        worker_id_contains: str | None = None,
+        filter_logic: Literal["and", "or"] = "and",
+        sort_by: str | None = None,
+        sort_order: Literal["asc", "desc"] = "asc",
+        limit: int = -1,
+        offset: int = 0,
+        worker_id_in: Sequence[str] | None = None,
+    ) -> PaginatedResult[Worker]: ...
 
     async def statistics(self) -> dict[str, Any]: ...
 

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import eventlight as agl  # noqa: E402
-from eventlight.services import stop_services  # noqa: E402
+from eventlight.ops import stop_services  # noqa: E402
 from eventlight.store.jetstream import JetStreamLightningStore  # noqa: E402
 from examples.room_booking.agent import INITIAL_PROMPT, load_tasks, room_booker, split  # noqa: E402
 

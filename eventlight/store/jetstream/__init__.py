@@ -101,7 +101,7 @@ class JetStreamLightningStore(EventStore):
             self.log = JetStreamEventLog(self.nc, self.settings, self._clock)
             if self.pg_dsn is not None:
                 self.pool = await self._open_pool(self.pg_dsn)
-                self.read_model = SqlReadModel(self.pool, self.nc, self.log.prefix, None)
+                self.read_model = SqlReadModel(self.pool, self.nc, self.log.prefix, None, server=self.pg_dsn)
                 await self.read_model.start()
             if self.run_projector:
                 assert self.pool is not None and self.read_model is not None
@@ -129,7 +129,7 @@ class JetStreamLightningStore(EventStore):
             raise InvalidInputError(
                 f"namespace {self.settings.namespace!r} has no tables in Postgres schema "
                 f"{self.settings.pg_schema!r}; run `eventlight up` (or "
-                "eventlight.services.apply_migrations) first"
+                "eventlight.ops.apply_migrations) first"
             )
         return pool
 

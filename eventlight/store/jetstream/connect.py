@@ -9,6 +9,7 @@ import logging
 from nats.aio.client import Client as NATS
 
 from eventlight.core.errors import ServiceUnavailableError
+from eventlight.net import redact
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +56,25 @@ async def _reachable(url: str, timeout_s: float = 3.0) -> str | None:
     return None
 
 
-async def connect_nats(url: str, *, name: str = "eventlight") -> NATS:
+async def _quiet(_e: Exception) -> None:
+    return None
+
+
+async def connect_nats(
+    url: str, *, name: str = "eventlight", timeout_s: float = 3.0, reconnect: bool = True, quiet: bool = False
+) -> NATS:
     """Connect to NATS and check the server can do per-rollout optimistic appends.
 
-    Once connected, the client reconnects for as long as it takes after the server goes away
-    (every ``RECONNECT_WAIT_S``), so a store, its projector and a runner resume by themselves.
+    The one way eventlight connects to NATS: the stores, the runners, ``eventlight.ops`` and the CLI.
+    With ``reconnect`` (the default) the client reconnects for as long as it takes after the server
+    goes away (every ``RECONNECT_WAIT_S``), so a store, its projector and a runner resume by themselves.
+
+    Args:
+        url: A NATS URL, or several separated by commas.
+        name: The client name the server shows.
+        timeout_s: Seconds to wait for the TCP connection and for the server's answer.
+        reconnect: Reconnect after a lost connection, for ever; ``False`` for a one-off call.
+        quiet: Do not log connection errors (probes, which report them themselves).
 
     Raises:
         ServiceUnavailableError: The server cannot be reached (at once when nothing listens, instead
@@ -68,33 +83,36 @@ async def connect_nats(url: str, *, name: str = "eventlight") -> NATS:
     """
     import nats
 
-    why = await _reachable(url)
+    why = await _reachable(url, timeout_s)
     if why is not None:
-        raise ServiceUnavailableError(url, f"NATS is not reachable: {why}")
-    events = _Events(url)
+        raise ServiceUnavailableError(redact(url), f"NATS is not reachable: {why}")
+    events = _Events(redact(url))
     try:
-        nc = await nats.connect(
-            url,
-            name=name,
-            connect_timeout=3,
-            # an outage of any length is waited out: a store never closes for good because the
-            # server was away (nats-py's default gives up after 60 tries, ours after 5 did in ~10 s);
-            # calls made meanwhile time out as ServiceUnavailableError (retryable)
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=RECONNECT_WAIT_S,
-            allow_reconnect=True,
-            error_cb=_nats_error,
-            disconnected_cb=events.disconnected,
-            reconnected_cb=events.reconnected,
+        nc = await asyncio.wait_for(
+            nats.connect(
+                url,
+                name=name,
+                connect_timeout=timeout_s,
+                # an outage of any length is waited out: a store never closes for good because the
+                # server was away (5 tries, as before, gave up in ~10 s); calls made meanwhile time
+                # out as ServiceUnavailableError (retryable)
+                max_reconnect_attempts=-1 if reconnect else 0,
+                reconnect_time_wait=RECONNECT_WAIT_S,
+                allow_reconnect=reconnect,
+                error_cb=_quiet if quiet else _nats_error,
+                disconnected_cb=events.disconnected,
+                reconnected_cb=events.reconnected,
+            ),
+            timeout_s + 0.5,
         )
     except Exception as e:  # nats-py raises several unrelated types for "cannot connect"
-        raise ServiceUnavailableError(url, f"NATS did not accept a connection ({e!r})") from e
+        raise ServiceUnavailableError(redact(url), f"NATS did not accept a connection ({e!r})") from e
     events.nc = nc
     sv = nc.connected_server_version
     if (sv.major, sv.minor) < (2, 11):
         await nc.close()
         raise ServiceUnavailableError(
-            url,
+            redact(url),
             f"nats-server {nc.connected_server_version} is too old: eventlight needs >= 2.11 "
             "(per-rollout expected-sequence appends); unset EVENTLIGHT_NATS_URL to use the bundled 2.15",
         )

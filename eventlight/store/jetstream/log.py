@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import msgspec
-import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.js.client import JetStreamContext
 
@@ -31,7 +30,7 @@ from eventlight.core.evolve import evolve, spans_arrived
 from eventlight.core.types import ResourcesUpdate, Span
 from eventlight.settings import Settings
 from eventlight.store.jetstream.layout import rollout_filter, span_subject, subject_for
-from eventlight.store.jetstream.nats_errors import nats_errors
+from eventlight.store.jetstream.nats_errors import JsNotFoundError, nats_errors
 from eventlight.store.jetstream.queue import JetStreamQueued, RunnersQueue
 from eventlight.store.jetstream.spanlog import SpanLog
 from eventlight.store.ports import SpanHead
@@ -162,7 +161,7 @@ class JetStreamEventLog:
         if not spans:
             return state, version
         state = None
-        merged: list[tuple[int, Any]] = sorted([*items, *spans], key=lambda item: item[0])
+        merged: list[tuple[Any, ...]] = sorted([*items, *spans], key=lambda item: item[0])
         for item in merged:
             if len(item) == 2:
                 state = evolve(state, item[1])
@@ -183,9 +182,9 @@ class JetStreamEventLog:
             with nats_errors(self.server(), f"reading {subject}"):
                 try:
                     msg = await self.js.get_msg(self.stream, seq=seq + 1, subject=subject, next=True)
-                except nats.js.errors.NotFoundError:
+                except JsNotFoundError:
                     return
-            seq = msg.seq
+            seq = int(msg.seq or seq + 1)
             yield msg
 
     async def read(self, from_seq: int = 0) -> AsyncIterator[tuple[int, AnyEvent]]:
@@ -203,9 +202,9 @@ class JetStreamEventLog:
         with nats_errors(self.server(), f"reading {subject}"):
             try:
                 msg = await self.js.get_msg(self.stream, subject=subject)
-            except nats.js.errors.NotFoundError:
+            except JsNotFoundError:
                 return None
-        return decode_event(msg.data), msg.seq
+        return decode_event(msg.data or b""), int(msg.seq or 0)
 
     async def resources(self, resources_id: str | None) -> ResourcesUpdate | None:
         subject = f"{self.prefix}.res.{'>' if resources_id is None else resources_id}"
@@ -216,7 +215,7 @@ class JetStreamEventLog:
         with nats_errors(self.server(), f"reading {subject}"):
             try:
                 return await self.js.get_msg(self.stream, subject=subject)
-            except nats.js.errors.NotFoundError:
+            except JsNotFoundError:
                 return None
 
     async def span_head(self, rollout_id: str, attempt_id: str) -> SpanHead:

@@ -5,8 +5,9 @@
 * any other JetStream API error, a timeout, no responders or a closed connection becomes
   ``ServiceUnavailableError`` naming the server.
 
-``nats.js.errors.NotFoundError`` (an API error too) is an answer, not a failure: callers that
-expect it catch it inside the ``with`` block.
+``JsNotFoundError`` (nats-py's ``nats.js.errors.NotFoundError``, an API error too) is an answer,
+not a failure: callers that expect it catch it inside the ``with`` block. Every other module names
+nats-py's errors through this one.
 """
 
 from __future__ import annotations
@@ -19,6 +20,13 @@ import nats.js.errors
 
 from eventlight.core.errors import ServiceUnavailableError
 from eventlight.store.ports import StaleStateError
+
+__all__ = ["NO_MESSAGES", "TRANSPORT_ERRORS", "JsNotFoundError", "nats_errors"]
+
+JsNotFoundError = nats.js.errors.NotFoundError
+
+NO_MESSAGES: tuple[type[BaseException], ...] = (TimeoutError, nats.errors.TimeoutError)
+"""What a pull ``fetch`` raises when no message came within its wait: an answer, not a failure."""
 
 WRONG_LAST_SEQUENCE = 10071
 

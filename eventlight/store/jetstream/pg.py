@@ -15,7 +15,6 @@ from typing import Any
 import asyncpg
 import msgspec
 
-from eventlight.core.errors import ServiceUnavailableError
 from eventlight.core.types import (
     Attempt,
     AttemptedRollout,
@@ -26,6 +25,7 @@ from eventlight.core.types import (
     Span,
     Worker,
 )
+from eventlight.store.jetstream.pg_errors import pg_errors
 from eventlight.store.query import check_paging, check_sort_field
 
 _enc = msgspec.json.Encoder()
@@ -73,16 +73,6 @@ def _lenient_int(digits: str) -> int | float:
     return int(digits) if len(digits) <= 4000 else float(digits)
 
 
-def redact(dsn: str) -> str:
-    """A DSN without its password, for error messages."""
-    if "@" in dsn and "://" in dsn:
-        scheme, rest = dsn.split("://", 1)
-        creds, host = rest.rsplit("@", 1)
-        user = creds.split(":", 1)[0]
-        return f"{scheme}://{user}@{host}"
-    return dsn
-
-
 async def _reset(conn: asyncpg.Connection) -> None:
     """What a connection needs when it goes back to the pool: eventlight sets no session state
     (no LISTEN, no cursors, no settings; the projector unlocks its advisory lock itself), so only
@@ -97,8 +87,8 @@ async def create_pool(dsn: str, schema: str, *, max_size: int = 4) -> asyncpg.Po
     Raises:
         ServiceUnavailableError: Postgres refused or did not answer.
     """
-    try:
-        return await asyncpg.create_pool(
+    with pg_errors(dsn, "connect"):
+        pool: asyncpg.Pool = await asyncpg.create_pool(
             dsn,
             min_size=1,
             max_size=max_size,
@@ -108,8 +98,7 @@ async def create_pool(dsn: str, schema: str, *, max_size: int = 4) -> asyncpg.Po
             server_settings={"search_path": schema, "plan_cache_mode": "force_custom_plan"},
             reset=_reset,
         )
-    except (OSError, asyncpg.PostgresError, TimeoutError) as e:
-        raise ServiceUnavailableError(redact(dsn), f"Postgres refused a connection ({e!r})") from e
+        return pool
 
 
 # -- rows -> structs -----------------------------------------------------------------------
@@ -275,7 +264,8 @@ async def fetch_rows(
     conn: asyncpg.Connection, table: str, cols: str, where: Where, logic: str, tail: str
 ) -> list[asyncpg.Record]:
     """The rows of one page (``tail`` from ``order_page``)."""
-    return await conn.fetch(f"SELECT {cols} FROM {table} {where.sql(logic)} {tail}", *where.args)
+    rows: list[asyncpg.Record] = await conn.fetch(f"SELECT {cols} FROM {table} {where.sql(logic)} {tail}", *where.args)
+    return rows
 
 
 async def fetch_page(

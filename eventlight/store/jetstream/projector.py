@@ -25,8 +25,6 @@ from collections.abc import Callable
 from typing import Any
 
 import asyncpg
-import nats.errors
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from eventlight.core.commands import RolloutState
 from eventlight.core.errors import InvalidInputError
@@ -34,7 +32,9 @@ from eventlight.core.events import AnyEvent
 from eventlight.core.types import Worker
 from eventlight.core.types import now as wall_clock
 from eventlight.store.fold import Changes, Missing, fold_batch, in_flight
+from eventlight.store.jetstream.definitions import consumer_config
 from eventlight.store.jetstream.log import JetStreamEventLog
+from eventlight.store.jetstream.nats_errors import NO_MESSAGES
 from eventlight.store.jetstream.pg import (
     ATTEMPT_COLS,
     ROLLOUT_COLS,
@@ -43,6 +43,7 @@ from eventlight.store.jetstream.pg import (
     rollout_from_row,
     worker_from_row,
 )
+from eventlight.store.jetstream.pg_errors import SERVER_FAILURES
 from eventlight.store.jetstream.rows import (
     INSERT_SPAN,
     UPSERT_ATTEMPT,
@@ -63,16 +64,7 @@ log = logging.getLogger(__name__)
 BATCH = 512
 MAX_FOLD_ROUNDS = 8
 
-TRANSIENT: tuple[type[BaseException], ...] = (
-    OSError,
-    TimeoutError,
-    asyncpg.InterfaceError,
-    asyncpg.PostgresConnectionError,  # 08: connection lost
-    asyncpg.exceptions.OperatorInterventionError,  # 57: shutdown, cancelled
-    asyncpg.exceptions.InsufficientResourcesError,  # 53: disk full, too many connections
-    asyncpg.exceptions.TransactionRollbackError,  # 40: serialization failure, deadlock
-    asyncpg.exceptions.LockNotAvailableError,
-)
+TRANSIENT = SERVER_FAILURES
 """Failures of the servers rather than of an event: a batch failing with one is retried as it is."""
 
 
@@ -164,7 +156,7 @@ class Projector:
         while not self._stopping:
             try:
                 msgs = await psub.fetch(BATCH, timeout=0.25)
-            except (TimeoutError, nats.errors.TimeoutError):
+            except NO_MESSAGES:
                 continue
             except Exception:
                 log.exception("projector fetch failed; retrying in 1 s")
@@ -229,13 +221,7 @@ class Projector:
         log.info("projector of %s leads from stream sequence %d", self.log.settings.namespace, self.checkpoint)
 
     async def _subscribe(self) -> Any:
-        cfg = ConsumerConfig(
-            durable_name="projector",
-            ack_policy=AckPolicy.ALL,
-            ack_wait=60,
-            max_ack_pending=20000,
-            deliver_policy=DeliverPolicy.ALL,
-        )
+        cfg = consumer_config("projector", self.log.settings.namespace)  # streams/003_projector.json
         return await self.log.js.pull_subscribe(
             f"{self.log.prefix}.>", durable="projector", stream=self.log.stream, config=cfg
         )

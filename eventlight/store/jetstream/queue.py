@@ -14,14 +14,13 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-import nats.errors
-from nats.js.api import AckPolicy, ConsumerConfig
 
 from eventlight.core.commands import RolloutState
 from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
 from eventlight.core.events import RolloutCreated, decode_event
+from eventlight.store.jetstream.definitions import consumer_config
 from eventlight.store.jetstream.layout import rollout_of_subject
-from eventlight.store.jetstream.nats_errors import TRANSPORT_ERRORS, nats_errors
+from eventlight.store.jetstream.nats_errors import NO_MESSAGES, TRANSPORT_ERRORS, nats_errors
 
 if TYPE_CHECKING:
     from eventlight.store.jetstream.log import JetStreamEventLog
@@ -76,13 +75,7 @@ class RunnersQueue:
     async def _subscription(self) -> Any:
         if self._sub is None:
             subject = f"{self.log.prefix}.r.*.q"
-            cfg = ConsumerConfig(
-                durable_name="runners",
-                ack_policy=AckPolicy.EXPLICIT,
-                ack_wait=30,
-                max_ack_pending=10000,
-                filter_subject=subject,
-            )
+            cfg = consumer_config("runners", self.log.settings.namespace)  # streams/002_runners.json
             with nats_errors(self.log.server(), "subscribing to the runners queue"):
                 self._sub = await self.log.js.pull_subscribe(
                     subject, durable="runners", stream=self.log.stream, config=cfg
@@ -101,7 +94,7 @@ class RunnersQueue:
             return JetStreamQueued(msg) if msg is not None else None
         try:
             msgs = await sub.fetch(1, timeout=max(0.05, wait_s))
-        except (TimeoutError, nats.errors.TimeoutError):
+        except NO_MESSAGES:
             return None
         return JetStreamQueued(msgs[0]) if msgs else None  # nats-py may hand back an empty batch
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Literal
 
 import asyncpg
@@ -29,6 +29,8 @@ from eventlight.core.types import (
 )
 from eventlight.store.jetstream import pg
 from eventlight.store.jetstream.layout import rollout_of_subject
+from eventlight.store.jetstream.nats_errors import nats_errors
+from eventlight.store.jetstream.pg_errors import pg_errors
 from eventlight.store.jetstream.projector import Projector
 from eventlight.store.query import check_paging, deprecated_alias
 
@@ -73,10 +75,14 @@ class SqlReadModel:
         nc: The NATS connection (``wait_for_rollouts`` follows terminal events on the stream).
         prefix: The namespace's subject prefix (``el.<ns>``).
         projector: This process's projector, if it runs one (its commits wake waiters).
+        server: The Postgres DSN, named (without its password) when the server fails.
     """
 
-    def __init__(self, pool: asyncpg.Pool, nc: NATS, prefix: str, projector: Projector | None):
+    def __init__(
+        self, pool: asyncpg.Pool, nc: NATS, prefix: str, projector: Projector | None, server: str = "postgres"
+    ):
         self.pool = pool
+        self.server = server
         self.nc = nc
         self.prefix = prefix
         self.projector = projector
@@ -85,9 +91,17 @@ class SqlReadModel:
         self._waiters: list[_Waiter] = []
         self._watch_sub: Any = None
 
+    @contextlib.asynccontextmanager
+    async def _conn(self) -> AsyncIterator[asyncpg.Connection]:
+        """A pooled connection; a server failure inside the block becomes ``ServiceUnavailableError``."""
+        with pg_errors(self.server, "read-model query"):
+            async with self.pool.acquire() as conn:
+                yield conn
+
     async def start(self) -> None:
         """Follow terminal events (only ever published on a rollout's ``e`` subject: ``enters_queue``)."""
-        self._watch_sub = await self.nc.subscribe(f"{self.prefix}.r.*.e", cb=self._on_rollout_event)
+        with nats_errors(str(self.nc.connected_url or "nats"), "subscribing to terminal events"):
+            self._watch_sub = await self.nc.subscribe(f"{self.prefix}.r.*.e", cb=self._on_rollout_event)
 
     async def close(self) -> None:
         """Stop following the stream; idempotent (the store closes the pool)."""
@@ -141,7 +155,7 @@ class SqlReadModel:
             if self.projector.checkpoint >= target:
                 return
         else:  # another process projects (this one has none, or a standby): read its checkpoint
-            async with self.pool.acquire() as conn:
+            async with self._conn() as conn:
                 while time.monotonic() < deadline:
                     if await conn.fetchval("SELECT last_seq FROM projector_checkpoint") >= target:
                         return
@@ -203,7 +217,7 @@ class SqlReadModel:
         Raises:
             RolloutNotFoundError: An id is unknown.
         """
-        async with self.pool.acquire() as conn:
+        async with self._conn() as conn:
             rows = await conn.fetch("SELECT rollout_id, status FROM rollouts WHERE rollout_id = ANY($1::text[])", ids)
         status = {r[0]: r[1] for r in rows}
         for rid in ids:
@@ -247,7 +261,7 @@ class SqlReadModel:
         n = len(w.args)
         check_paging(limit, offset, sort_order, filter_logic)
         tail = pg.order_page(Rollout, w, sort_by, sort_order, limit, offset, "created_seq")
-        async with self.pool.acquire() as conn:
+        async with self._conn() as conn:
             if rollout_id_in is None and rollout_id_contains is None:
                 # all rollouts, or a status filter: the total comes from the trigger-kept counts
                 # (migrations/002), so a page costs the same on 10^2 or 10^6 rollouts
@@ -288,7 +302,7 @@ class SqlReadModel:
         w = pg.Where()
         w.exact("rollout_id", rollout_id, must=True)
         tail = pg.order_page(Attempt, w, sort_by, sort_order, limit, offset, "sequence_id")
-        async with self.pool.acquire() as conn:
+        async with self._conn() as conn:
             await self._require_rollout(conn, rollout_id)
             rows, total = await pg.fetch_page(conn, "attempts", pg.ATTEMPT_COLS, w, "and", tail, 1, limit, offset)
         return pg.paginated([pg.attempt_from_row(r) for r in rows], limit, offset, total)
@@ -317,7 +331,7 @@ class SqlReadModel:
         sort_order: Literal["asc", "desc"] = "asc",
     ) -> PaginatedResult[Span]:
         check_paging(limit, offset, sort_order, filter_logic)
-        async with self.pool.acquire() as conn:
+        async with self._conn() as conn:
             row = await self._require_rollout(conn, rollout_id)
             w = pg.Where()
             w.exact("rollout_id", rollout_id, must=True)
@@ -367,7 +381,7 @@ class SqlReadModel:
         n = len(w.args)
         tail = pg.order_page(ResourcesUpdate, w, sort_by, sort_order, limit, offset, "created_seq")
         cols = "resources_id, create_time, update_time, version, resources::text"
-        async with self.pool.acquire() as conn:
+        async with self._conn() as conn:
             rows, total = await pg.fetch_page(conn, "resources", cols, w, "and", tail, n, limit, offset)
         return pg.paginated([pg.resources_from_row(r) for r in rows], limit, offset, total)
 
@@ -390,12 +404,12 @@ class SqlReadModel:
         w.contains("worker_id", worker_id_contains)
         n = len(w.args)
         tail = pg.order_page(Worker, w, sort_by, sort_order, limit, offset, "created_seq NULLS FIRST, worker_id")
-        async with self.pool.acquire() as conn:
+        async with self._conn() as conn:
             rows, total = await pg.fetch_page(conn, "workers", pg.WORKER_COLS, w, filter_logic, tail, n, limit, offset)
         return pg.paginated([pg.worker_from_row(r) for r in rows], limit, offset, total)
 
     async def statistics(self) -> dict[str, Any]:
-        async with self.pool.acquire() as conn:
+        async with self._conn() as conn:
             row = await conn.fetchrow(
                 "SELECT (SELECT count(*) FROM rollouts), (SELECT count(*) FROM attempts), "
                 "(SELECT count(*) FROM spans), (SELECT count(*) FROM resources), (SELECT count(*) FROM workers), "

@@ -53,7 +53,7 @@ def decode_for_projection(data: bytes) -> AnyEvent:
         except (msgspec.DecodeError, RecursionError):  # DecodeError includes ValidationError
             pass  # an older version, or malformed: decode_event upcasts or explains
         else:
-            if raw.v == 1 and all(memoryview(sp.attributes)[:1] == b"{" for sp in raw.spans):
+            if raw.v == 1 and all(bytes(memoryview(sp.attributes)[:1]) == b"{" for sp in raw.spans):
                 return SpansAdded(
                     time=raw.time,
                     rollout_id=raw.rollout_id,

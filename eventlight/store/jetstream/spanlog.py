@@ -98,7 +98,8 @@ class SpanLog:
     async def _write(self, key: tuple[str, str], state: _Attempt) -> None:
         try:
             while state.pending:
-                group, count = [], 0
+                group: list[_Request] = []
+                count = 0
                 while state.pending and (not group or count + len(state.pending[0].spans) <= MAX_SPANS_PER_MESSAGE):
                     req = state.pending.pop(0)
                     group.append(req)

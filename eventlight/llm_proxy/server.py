@@ -1,0 +1,561 @@
+"""``LLMProxy``: the in-process server (FastAPI under ``uvicorn.Server.serve()``), its routes and span publishing."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from litellm.exceptions import ServiceUnavailableError as LiteLLMUnavailable
+from litellm.router import Router
+
+from eventlight.core.types import LLM, ProxyLLM, Span
+from eventlight.llm_health import LLMCallHealth
+from eventlight.llm_proxy.span_attributes import make_span
+from eventlight.llm_proxy.sse import aiter_chunks, chat_completion_to_sse
+from eventlight.llm_proxy.upstream import (
+    CHECK_HEADER,
+    build_router,
+    check_model_list,
+    check_models,
+    error_response,
+    retryable,
+    upstream_error,
+)
+from eventlight.net import free_port
+
+if TYPE_CHECKING:
+    from eventlight.store.base import LightningStore
+
+log = logging.getLogger(__name__)
+
+
+_STARTUP_TIMEOUT_S = 30.0
+_SHUTDOWN_TIMEOUT_S = 5.0
+_SPAN_WAIT_S = 5.0
+
+_OWN_KEYS = frozenset({"model", "messages", "stream", "stream_options"})
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """A uvicorn server that leaves the host process's signal handlers alone."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:  # type: ignore[override]
+        yield
+
+
+def _outbound_ipv4() -> str:
+    """The machine's default outbound IPv4 (no packet is sent); ``127.0.0.1`` when there is none."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 1))
+            return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
+class LLMProxy:
+    """An OpenAI-compatible proxy that forwards with LiteLLM and records one span per LLM call.
+
+    Args:
+        port: TCP port to listen on; ``None`` picks a free one now (kept across restarts).
+        model_list: LiteLLM ``model_list`` entries ``{"model_name": str, "litellm_params": {"model":
+            "openai/<name>" | "hosted_vllm/<name>" | ..., "api_base": ..., "api_key": ...}}``.
+        store: Where spans go; without one, routed calls are forwarded but not recorded.
+        host: Interface to bind. ``0.0.0.0``/``::`` bind all and advertise the default outbound IPv4.
+        num_retries: Extra tries after a retryable upstream failure (429, 408, 5xx, connection
+            errors, timeouts); a 4xx is never retried.
+        return_token_ids: Ask the backend for token ids (vLLM's ``return_token_ids: true`` in the
+            request body). ``None`` (default): for ``hosted_vllm/`` deployments and ``openai/``
+            deployments with an explicit non-OpenAI ``api_base``; ``True``: every deployment;
+            ``False``: never. An ``extra_body`` already in ``litellm_params`` wins.
+        request_timeout_s: Seconds to wait for one upstream answer.
+        health: Where the outcome of every forwarded call is counted (``Trainer`` stops a run when
+            most recent calls fail); default ``LLMCallHealth()``: more than half of the last 20.
+
+    Raises:
+        ValueError: A ``model_list`` entry is malformed, or ``num_retries < 0``.
+    """
+
+    def __init__(
+        self,
+        port: int | None = None,
+        model_list: Sequence[Mapping[str, Any]] | None = None,
+        store: LightningStore | None = None,
+        host: str = "127.0.0.1",
+        num_retries: int = 0,
+        *,
+        return_token_ids: bool | None = None,
+        request_timeout_s: float = 600.0,
+        health: LLMCallHealth | None = None,
+    ):
+        if num_retries < 0:
+            raise ValueError(f"num_retries must be >= 0, got {num_retries}")
+        self._host = host or "127.0.0.1"
+        self._port = int(port) if port is not None else free_port(self._host)
+        self._model_list = check_model_list(model_list or [])
+        self._store = store
+        self._num_retries = num_retries
+        self._return_token_ids = return_token_ids
+        self._request_timeout_s = request_timeout_s
+        self._router: Router | None = None
+        self._server: _EmbeddedServer | None = None
+        self._serve_task: asyncio.Task[None] | None = None
+        self._pending: set[asyncio.Task[Any]] = set()
+        self._warned_unrouted = False
+        self._warned_no_store = False
+        self.health = health if health is not None else LLMCallHealth()
+        self._app = self._build_app()
+
+    # -- configuration --------------------------------------------------------------------
+
+    @property
+    def host(self) -> str:
+        """The interface the server binds."""
+        return self._host
+
+    @property
+    def port(self) -> int:
+        """The TCP port (chosen at construction when none was given)."""
+        return self._port
+
+    @property
+    def access_host(self) -> str:
+        """The host written into URLs: ``host``, or the outbound IPv4 when binding all interfaces."""
+        if self._host in ("0.0.0.0", "::", ""):
+            return _outbound_ipv4()
+        return self._host
+
+    @property
+    def endpoint(self) -> str:
+        """Base URL of the unrouted API, ``http://<access_host>:<port>/v1``."""
+        host = self.access_host
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self._port}/v1"
+
+    @property
+    def model_list(self) -> list[dict[str, Any]]:
+        """A copy of the configured LiteLLM ``model_list``."""
+        return [dict(e) for e in self._model_list]
+
+    @property
+    def app(self) -> FastAPI:
+        """The ASGI application (for mounting elsewhere or for in-process test clients)."""
+        return self._app
+
+    def get_store(self) -> LightningStore | None:
+        """The store spans go to."""
+        return self._store
+
+    def set_store(self, store: LightningStore | None) -> None:
+        """Use ``store`` for sequence ids and spans from the next request on."""
+        self._store = store
+
+    def update_model_list(self, model_list: Sequence[Mapping[str, Any]]) -> None:
+        """Replace the backends.
+
+        Unlike Agent-lightning (where it only takes effect on the next ``restart()``), a running
+        proxy routes new requests with the new list at once; requests in flight finish on the old one.
+
+        Raises:
+            ValueError: An entry is malformed.
+        """
+        self._model_list = check_model_list(model_list)
+        if self.is_running():
+            self._router = self._build_router()
+
+    def as_resource(
+        self,
+        rollout_id: str | None = None,
+        attempt_id: str | None = None,
+        model: str | None = None,
+        sampling_parameters: dict[str, Any] | None = None,
+    ) -> LLM:
+        """The proxy as an ``LLM`` resource.
+
+        Args:
+            rollout_id: With ``attempt_id``, bake that attempt's route into a plain ``LLM``.
+            attempt_id: See ``rollout_id``.
+            model: Model name for clients; default: the only ``model_name`` configured.
+            sampling_parameters: Defaults for clients, e.g. ``{"temperature": 0.7}``.
+
+        Returns:
+            ``ProxyLLM(endpoint="http://host:port/v1", ...)`` without ids (a runner resolves it
+            with ``get_base_url(rollout_id, attempt_id)``), or ``LLM`` with endpoint
+            ``http://host:port/rollout/<rid>/attempt/<aid>/v1`` with both ids.
+
+        Raises:
+            ValueError: Exactly one of the ids is given, or ``model`` is ``None`` and the model
+                list holds zero or several different ``model_name`` values.
+        """
+        if (rollout_id is None) != (attempt_id is None):
+            raise ValueError("rollout_id and attempt_id must be given together")
+        if model is None:
+            names = sorted({e["model_name"] for e in self._model_list})
+            if len(names) != 1:
+                raise ValueError(f"cannot pick a model: the model list has {len(names)} names {names}; pass model=")
+            model = names[0]
+        proxy_llm = ProxyLLM(endpoint=self.endpoint, model=model, sampling_parameters=dict(sampling_parameters or {}))
+        if rollout_id is None:
+            return proxy_llm
+        return LLM(
+            endpoint=proxy_llm.get_base_url(rollout_id, attempt_id),
+            model=model,
+            sampling_parameters=dict(sampling_parameters or {}),
+        )
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def is_running(self) -> bool:
+        """Whether the server task is up and accepting connections."""
+        return (
+            self._serve_task is not None
+            and not self._serve_task.done()
+            and self._server is not None
+            and self._server.started
+        )
+
+    async def start(self) -> None:
+        """Bind ``host:port`` and serve on the running event loop; returns once it accepts connections.
+
+        Calling it while running does nothing.
+
+        Raises:
+            OSError: The port cannot be bound (e.g. it is in use).
+            RuntimeError: The server did not come up within 30 s.
+        """
+        if self.is_running():
+            return
+        if self._store is None:
+            log.warning("LLMProxy starts without a store: calls are forwarded but no span is recorded")
+        self._router = self._build_router()
+        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self._host, self._port))
+        except OSError as exc:
+            sock.close()
+            raise OSError(exc.errno, f"LLMProxy cannot bind {self._host}:{self._port}: {exc.strerror}") from exc
+        config = uvicorn.Config(
+            self._app,
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=int(_SHUTDOWN_TIMEOUT_S),
+        )
+        server = _EmbeddedServer(config)
+        task = asyncio.create_task(server.serve(sockets=[sock]), name=f"eventlight-llm-proxy:{self._port}")
+        self._server, self._serve_task = server, task
+        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+        while not server.started:
+            if task.done():
+                self._server, self._serve_task = None, None
+                failure = task.exception() if not task.cancelled() else None
+                raise RuntimeError(f"LLMProxy server exited during startup: {failure!r}") from failure
+            if time.monotonic() > deadline:
+                await self.stop()
+                raise RuntimeError(f"LLMProxy did not start within {_STARTUP_TIMEOUT_S} s")
+            await asyncio.sleep(0.01)
+        log.info("LLMProxy serving on %s (%d model entries)", self.endpoint, len(self._model_list))
+
+    async def stop(self) -> None:
+        """Stop serving and wait for spans still being published; idempotent.
+
+        Requests in flight get up to 5 s to finish before their connections are dropped.
+        """
+        server, task = self._server, self._serve_task
+        self._server, self._serve_task = None, None
+        if server is not None and task is not None:
+            server.should_exit = True
+            try:
+                await asyncio.wait_for(asyncio.shield(task), _SHUTDOWN_TIMEOUT_S + 2)
+            except TimeoutError:
+                server.force_exit = True
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            except Exception:  # the server crashed earlier; nothing left to stop
+                log.exception("LLMProxy server task ended with an error")
+        if self._pending:
+            await asyncio.wait(list(self._pending), timeout=_SPAN_WAIT_S)
+        self._router = None
+
+    async def restart(self) -> None:
+        """``stop()`` then ``start()`` on the same port (e.g. after ``update_model_list``).
+
+        Raises:
+            OSError: The port cannot be bound again.
+            RuntimeError: The server did not come up.
+        """
+        await self.stop()
+        await self.start()
+
+    async def __aenter__(self) -> LLMProxy:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def check(self, *, timeout_s: float = 120.0) -> None:
+        """Send one short chat completion per model name through the running proxy to its backend.
+
+        Run it before the first rollout: a backend that is down, or a local model that crashes on
+        its first request, fails here with one line instead of failing every rollout. The check
+        records no span and does not count towards ``health``.
+
+        Args:
+            timeout_s: Seconds to wait for each answer (a cold local model may take a while).
+
+        Raises:
+            LLMUnavailableError: A model did not answer with a completion; the message names the
+                proxy endpoint, the backend ``api_base`` and the cause.
+            RuntimeError: The proxy is not running.
+        """
+        if not self.is_running():
+            raise RuntimeError("LLMProxy.check() needs a running proxy; call start() first")
+        url = (
+            f"http://127.0.0.1:{self._port}/v1/chat/completions"
+            if self._host in ("0.0.0.0", "::", "")
+            else (f"{self.endpoint}/chat/completions")
+        )
+        await check_models(url, self.endpoint, self._model_list, timeout_s)
+
+    # -- forwarding -----------------------------------------------------------------------
+
+    def _build_router(self) -> Router | None:
+        return build_router(self._model_list, self._return_token_ids, self._request_timeout_s)
+
+    def _system_of(self, model: Any) -> str | None:
+        for entry in self._model_list:
+            if entry["model_name"] == model:
+                name = entry["litellm_params"]["model"]
+                return name.split("/", 1)[0] if "/" in name else "openai"
+        return None
+
+    async def _forward(self, body: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+        """Call the backend without streaming; return the completion dict and the provider name.
+
+        Raises:
+            Exception: LiteLLM's error after the retries allowed for retryable failures.
+        """
+        router = self._router
+        if router is None:
+            raise LiteLLMUnavailable(
+                message="the LLM proxy has no backend models; call update_model_list()",
+                llm_provider="",
+                model=str(body.get("model")),
+            )
+        kwargs = {k: v for k, v in body.items() if k not in _OWN_KEYS}
+        attempt = 0
+        while True:
+            try:
+                resp = await router.acompletion(model=body["model"], messages=body["messages"], stream=False, **kwargs)
+                break
+            except Exception as exc:
+                status, _, message = upstream_error(exc)
+                if attempt >= self._num_retries or not retryable(status):
+                    raise
+                attempt += 1
+                delay = min(0.5 * 2 ** (attempt - 1), 8.0)
+                log.warning(
+                    "upstream failed (%s: %s); retry %d/%d in %.1f s",
+                    status,
+                    message,
+                    attempt,
+                    self._num_retries,
+                    delay,
+                )
+                await asyncio.sleep(delay)
+        completion: dict[str, Any] = resp.model_dump(mode="json", warnings=False)  # type: ignore[no-untyped-call]
+        for choice in completion.get("choices") or []:
+            extra = choice.get("provider_specific_fields")
+            if isinstance(extra, dict) and choice.get("token_ids") is None and extra.get("token_ids") is not None:
+                choice["token_ids"] = extra["token_ids"]
+        hidden = getattr(resp, "_hidden_params", None) or {}
+        return completion, hidden.get("custom_llm_provider")
+
+    # -- spans ----------------------------------------------------------------------------
+
+    async def _publish(self, store: LightningStore, span: Span) -> None:
+        try:
+            await store.add_many_spans([span])
+        except Exception:
+            log.exception(
+                "LLMProxy could not record span %s (rollout %s, attempt %s, sequence %d)",
+                span.span_id,
+                span.rollout_id,
+                span.attempt_id,
+                span.sequence_id,
+            )
+
+    async def _record(self, store: LightningStore, span: Span) -> None:
+        """Publish ``span``; wait at most 5 s (publication continues in the background after that)."""
+        task = asyncio.create_task(self._publish(store, span), name=f"llm-proxy-span:{span.span_id}")
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+        try:
+            await asyncio.wait_for(asyncio.shield(task), _SPAN_WAIT_S)
+        except TimeoutError:
+            log.warning("recording span %s takes over %.0f s; answering the client first", span.span_id, _SPAN_WAIT_S)
+
+    # -- HTTP -----------------------------------------------------------------------------
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="eventlight LLM proxy", docs_url=None, redoc_url=None, openapi_url=None)
+
+        async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+            # Logged with its traceback by the server; the client gets JSON, never a traceback.
+            log.error("LLMProxy failed on %s: %s: %s", request.url.path, type(exc).__name__, exc)
+            return error_response(500, f"LLM proxy internal error: {type(exc).__name__}: {exc}", "internal_error")
+
+        app.add_exception_handler(Exception, internal_error)
+
+        async def routed(request: Request, rollout_id: str, attempt_id: str) -> Response:
+            return await self._handle_chat(request, rollout_id, attempt_id)
+
+        async def unrouted(request: Request) -> Response:
+            if not self._warned_unrouted and request.headers.get(CHECK_HEADER) is None:
+                self._warned_unrouted = True
+                log.warning(
+                    "LLMProxy got %s without /rollout/<id>/attempt/<id>: it is forwarded but not recorded "
+                    "(resolve the ProxyLLM with get_base_url(rollout_id, attempt_id))",
+                    request.url.path,
+                )
+            return await self._handle_chat(request, None, None)
+
+        async def models() -> dict[str, Any]:
+            names = sorted({e["model_name"] for e in self._model_list})
+            now = int(time.time())
+            return {
+                "object": "list",
+                "data": [{"id": n, "object": "model", "created": now, "owned_by": "eventlight"} for n in names],
+            }
+
+        async def models_routed(rollout_id: str, attempt_id: str) -> dict[str, Any]:
+            return await models()
+
+        async def health() -> dict[str, Any]:
+            return {"status": "ok", "models": len(self._model_list)}
+
+        for prefix in (
+            "/rollout/{rollout_id}/attempt/{attempt_id}/v1",
+            "/rollout/{rollout_id}/attempt/{attempt_id}",
+        ):
+            app.add_api_route(f"{prefix}/chat/completions", routed, methods=["POST"])
+            app.add_api_route(f"{prefix}/models", models_routed, methods=["GET"])
+        for prefix in ("/v1", ""):
+            app.add_api_route(f"{prefix}/chat/completions", unrouted, methods=["POST"])
+            app.add_api_route(f"{prefix}/models", models, methods=["GET"])
+        app.add_api_route("/health", health, methods=["GET"])
+        return app
+
+    async def _resolve_sequence(
+        self, store: LightningStore, rollout_id: str, attempt_id: str
+    ) -> tuple[str, int] | JSONResponse:
+        """Allocate the call's sequence id; a 404/503 response when the store refuses."""
+        try:
+            if attempt_id == "latest":
+                latest = await store.get_latest_attempt(rollout_id)
+                if latest is None:
+                    raise ValueError(f"rollout {rollout_id!r} has no attempt")
+                attempt_id = latest.attempt_id
+            (sequence_id,) = await store.get_many_span_sequence_ids([(rollout_id, attempt_id)])
+            return attempt_id, sequence_id
+        except ValueError as exc:  # NotFoundError and InvalidInputError are ValueErrors
+            return error_response(
+                404, f"unknown rollout {rollout_id!r} / attempt {attempt_id!r}: {exc}", "not_found_error"
+            )
+        except Exception as exc:
+            log.exception("LLMProxy could not allocate a sequence id for %s/%s", rollout_id, attempt_id)
+            return error_response(
+                503,
+                f"the store could not allocate a span sequence id for rollout {rollout_id!r} / "
+                f"attempt {attempt_id!r}: {type(exc).__name__}: {exc}",
+                "store_unavailable",
+            )
+
+    async def _handle_chat(self, request: Request, rollout_id: str | None, attempt_id: str | None) -> Response:
+        start_time = time.time()
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return error_response(400, f"request body is not JSON: {exc}", "invalid_request_error")
+        if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+            return error_response(
+                400,
+                "request body must be a JSON object with a 'messages' list",
+                "invalid_request_error",
+                param="messages",
+            )
+        if not body.get("model"):
+            names = {e["model_name"] for e in self._model_list}
+            if len(names) != 1:
+                return error_response(400, "request has no 'model'", "invalid_request_error", param="model")
+            body["model"] = names.pop()
+        streaming = bool(body.get("stream"))
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage")) if streaming else False
+
+        store = self._store if rollout_id is not None else None
+        sequence_id = 0
+        if rollout_id is not None and store is None and not self._warned_no_store:
+            self._warned_no_store = True
+            log.warning("LLMProxy has no store: routed calls are forwarded but not recorded")
+        if store is not None and rollout_id is not None and attempt_id is not None:
+            resolved = await self._resolve_sequence(store, rollout_id, attempt_id)
+            if isinstance(resolved, JSONResponse):
+                return resolved
+            attempt_id, sequence_id = resolved
+
+        completion: dict[str, Any] | None = None
+        error: dict[str, Any] | None = None
+        system = self._system_of(body["model"])
+        try:
+            completion, provider = await self._forward(body)
+            system = provider or system
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            status, err_type, message = upstream_error(exc)
+            error = {"type": err_type, "status_code": status, "message": message}
+            log.info("upstream error %d for model %r: %s", status, body.get("model"), message)
+        if request.headers.get(CHECK_HEADER) is None:
+            status = 200 if error is None else error["status_code"]
+            detail = "" if error is None else error["message"]
+            self.health.record(ok=error is None, status=status, detail=detail, model=str(body.get("model")))
+
+        if store is not None and rollout_id is not None and attempt_id is not None:
+            span = make_span(
+                body,
+                completion,
+                error,
+                system=system,
+                streaming=streaming,
+                rollout_id=rollout_id,
+                attempt_id=attempt_id,
+                sequence_id=sequence_id,
+                start_time=start_time,
+            )
+            await self._record(store, span)
+
+        if error is not None:
+            return error_response(error["status_code"], error["message"], error["type"])
+        assert completion is not None
+        if streaming:
+            return StreamingResponse(
+                aiter_chunks(chat_completion_to_sse(completion, include_usage=include_usage)),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        return JSONResponse(completion)

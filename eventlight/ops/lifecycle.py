@@ -1,0 +1,134 @@
+"""Start, reuse and stop the servers eventlight needs (``eventlight up`` / ``down``)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+
+from eventlight.net import redact
+from eventlight.ops.nats_server import ensure_nats, stop_nats
+from eventlight.ops.pg_pgserver import ensure_pgserver, stop_pgserver
+from eventlight.ops.pg_system import ensure_system_pg, stop_system_pg
+from eventlight.ops.postgres import choose_pg_kind, pg_probe
+from eventlight.ops.schema import apply_migrations
+from eventlight.ops.state import PgServer, Services, existing_state_dir, state_dir, state_lock, write_services_file
+from eventlight.ops.streams import apply_streams
+from eventlight.settings import Settings
+from eventlight.store.jetstream.connect import connect_nats
+
+_log = logging.getLogger(__name__)
+
+
+async def ensure_services(settings: Settings) -> Services:
+    """Use the configured servers, or start (or reuse) the embedded ones.
+
+    NATS: ``settings.nats_url`` must answer within 2 s; without it nats-server from the venv
+    runs under ``<state_dir>/nats``. Postgres: ``settings.pg_dsn`` when it answers within 3 s
+    (else a warning and the embedded one); the embedded one uses the system binaries, else
+    ``pgserver``. Servers left running by an earlier call are reused, on the same ports and data.
+    If a later step fails, the servers this call started are stopped again.
+
+    Args:
+        settings: Service URLs and the state folder.
+
+    Returns:
+        Where the servers are; ``started`` lists those this call started.
+
+    Raises:
+        ServiceUnavailableError: A configured NATS URL does not answer, or an embedded server
+            cannot be found or does not become ready (10 s for NATS, 60 s for Postgres).
+    """
+    state = state_dir(settings)
+    async with state_lock(state):
+        nats_url, nats_pid, nats_started = await ensure_nats(settings, state)
+        try:
+            pg = await ensure_pg(settings, state)
+        except BaseException:
+            if nats_started:
+                await stop_nats(state)
+            raise
+        started = [f"nats-server pid {nats_pid}"] if nats_started else []
+        started += [f"postgres pid {pg.pid}"] if pg.started else []
+        services = Services(nats_url, pg.dsn, started, nats_pid, pg.pid, pg.kind)
+        write_services_file(state, services)
+    return services
+
+
+async def prepare_services(settings: Settings) -> Services:
+    """Find or start NATS and Postgres (``ensure_services``), then apply the namespace's streams and tables.
+
+    What a program needs before it opens a ``JetStreamLightningStore`` on a namespace, new or not::
+
+        settings = Settings.from_env(namespace="scratch")
+        services = await prepare_services(settings)
+        async with JetStreamLightningStore(settings, nats_url=services.nats_url, pg_dsn=services.pg_dsn) as store:
+            ...
+
+    Both steps are idempotent. If applying fails, the servers this call started are stopped again.
+
+    Args:
+        settings: Namespace, service URLs and the state folder.
+
+    Returns:
+        Where the servers are (``started`` lists those this call started).
+
+    Raises:
+        ServiceUnavailableError: A server cannot be started or reached.
+    """
+    services = await ensure_services(settings)
+    try:
+        nc = await connect_nats(services.nats_url)
+        try:
+            await apply_streams(nc, settings)
+        finally:
+            await nc.close()
+        await apply_migrations(services.pg_dsn, settings.pg_schema)
+    except BaseException:
+        if services.started:  # do not leave half a setup running
+            with contextlib.suppress(Exception):
+                await stop_services(settings)
+        raise
+    return services
+
+
+async def stop_services(settings: Settings) -> list[str]:
+    """Stop the embedded servers this project started in ``settings.state_dir``.
+
+    Only pids from the state folder's pid files whose command line names that folder are
+    signalled, so a system NATS or Postgres is never touched. Calling it again does nothing.
+
+    Args:
+        settings: Gives the state folder.
+
+    Returns:
+        What was stopped, e.g. ``["nats-server pid 123", "postgres pid 456"]``.
+
+    Raises:
+        ServiceUnavailableError: ``pg_ctl stop`` failed.
+    """
+    state = existing_state_dir(settings)
+    if state is None:
+        return []
+    async with state_lock(state):
+        stopped = [await stop_nats(state), await stop_system_pg(state), await stop_pgserver(state)]
+        with contextlib.suppress(FileNotFoundError):
+            (state / "services.json").unlink()
+    return [s for s in stopped if s]
+
+
+async def ensure_pg(settings: Settings, state: Path) -> PgServer:
+    if settings.pg_dsn:
+        why = await pg_probe(settings.pg_dsn)
+        if why is None:
+            return PgServer(settings.pg_dsn, None, "external", False)
+        _log.warning(
+            "EVENTLIGHT_PG_DSN %s does not answer (%s); using the embedded Postgres in %s",
+            redact(settings.pg_dsn),
+            why,
+            state,
+        )
+    kind = choose_pg_kind(state)
+    if kind == "system":
+        return await ensure_system_pg(state)
+    return await ensure_pgserver(state)

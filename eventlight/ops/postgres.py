@@ -1,0 +1,102 @@
+"""Postgres: probe a DSN, and pick the embedded server (system binaries, else ``pgserver``)."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import logging
+import os
+import pwd
+import re
+import shutil
+import subprocess
+import warnings
+from pathlib import Path
+from typing import Any
+
+from eventlight.core.errors import ServiceUnavailableError
+from eventlight.store.jetstream import pg_errors
+
+_log = logging.getLogger(__name__)
+
+PG_PROBE_TIMEOUT_S = 3.0
+PG_INSTALL_HINT = "install Postgres (`apt-get install postgresql`) or `pip install pgserver`"
+
+
+async def pg_probe(dsn: str, timeout_s: float = PG_PROBE_TIMEOUT_S) -> str | None:
+    """Connect once and run ``SELECT 1``; return ``None`` on success, else why not."""
+    try:
+        conn = await pg_errors.connect(dsn, timeout_s=timeout_s)
+    except ServiceUnavailableError as e:
+        return str(e.__cause__ or e)
+    try:
+        with pg_errors.pg_errors(dsn, "SELECT 1"):
+            await conn.fetchval("SELECT 1")
+        return None
+    except ServiceUnavailableError as e:
+        return str(e.__cause__ or e)
+    finally:
+        await conn.close()
+
+
+def choose_pg_kind(state: Path) -> str:
+    """Keep the kind whose data already exists; else system binaries, else pgserver.
+
+    Raises:
+        ServiceUnavailableError: Neither is available (with the install hint).
+    """
+    if (state / "pg" / "data" / "PG_VERSION").exists():
+        return "system"
+    if (state / "pg-pgserver" / "PG_VERSION").exists() or not _system_pg_usable():
+        if _pgserver_importable():
+            return "pgserver"
+        raise ServiceUnavailableError("embedded postgres", f"no Postgres binaries found; {PG_INSTALL_HINT}")
+    return "system"
+
+
+def _system_pg_usable() -> bool:
+    if system_bindir() is None:
+        return False
+    if os.geteuid() == 0:
+        try:
+            pwd.getpwnam("postgres")
+        except KeyError:
+            _log.warning("running as root and there is no `postgres` user; cannot use system Postgres")
+            return False
+    return True
+
+
+def _pgserver_importable() -> bool:
+    try:
+        import_pgserver()
+    except ImportError:
+        return False
+    return True
+
+
+def import_pgserver() -> Any:
+    with warnings.catch_warnings():  # platformdirs warns at import when XDG_RUNTIME_DIR is unset
+        warnings.simplefilter("ignore")
+        import pgserver
+    return pgserver
+
+
+def _pg_version_key(bindir: Path) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", bindir.parent.name)) or (0,)
+
+
+def system_bindir(major: str | None = None) -> Path | None:
+    """Directory holding ``initdb``/``pg_ctl``/``postgres``; ``major`` prefers that version."""
+    candidates = [Path(p).parent for p in glob.glob("/usr/lib/postgresql/*/bin/initdb")]
+    candidates.sort(key=_pg_version_key, reverse=True)
+    if major:
+        candidates = [c for c in candidates if c.parent.name == major] or candidates
+    pg_config = shutil.which("pg_config")
+    if pg_config and not major:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            out = subprocess.run([pg_config, "--bindir"], capture_output=True, text=True, timeout=10)
+            candidates.insert(0, Path(out.stdout.strip()))
+    for c in candidates:
+        if all((c / exe).exists() for exe in ("initdb", "pg_ctl", "postgres")):
+            return c
+    return None

@@ -1,0 +1,100 @@
+"""asyncpg errors mapped to eventlight's, in one place (``raise ... from e``).
+
+* ``pg_errors(server, what)``: a failure of the server or of the connection (refused, lost, shut
+  down, out of resources, a bad password, a missing database, a timeout) becomes
+  ``ServiceUnavailableError`` naming the server with its password hidden; any other Postgres error
+  (an error in the statement or its data) is left to the caller, which knows what it asked.
+* ``sql_error_detail(e)``: what to tell a user whose own SQL failed (``eventlight sql``).
+* ``SERVER_FAILURES``: the exception types that mean "the server failed, not the event": the
+  projector retries a batch failing with one as it is.
+* ``AUTH_FAILURES``: a role that may not log in that way (``eventlight sql`` then sets a password).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import asyncpg
+
+from eventlight.core.errors import ServiceUnavailableError
+from eventlight.net import redact
+
+__all__ = ["AUTH_FAILURES", "SERVER_FAILURES", "connect", "pg_errors", "sql_error_detail"]
+
+SERVER_FAILURES: tuple[type[BaseException], ...] = (
+    OSError,
+    TimeoutError,
+    asyncpg.InterfaceError,
+    asyncpg.PostgresConnectionError,  # 08: connection lost
+    asyncpg.exceptions.OperatorInterventionError,  # 57: shutdown, cancelled
+    asyncpg.exceptions.InsufficientResourcesError,  # 53: disk full, too many connections
+    asyncpg.exceptions.TransactionRollbackError,  # 40: serialization failure, deadlock
+    asyncpg.exceptions.LockNotAvailableError,
+)
+
+AUTH_FAILURES: tuple[type[BaseException], ...] = (
+    asyncpg.InvalidPasswordError,
+    asyncpg.InvalidAuthorizationSpecificationError,
+)
+
+_CONNECT_FAILURES: tuple[type[BaseException], ...] = (
+    *SERVER_FAILURES,
+    *AUTH_FAILURES,
+    asyncpg.exceptions.InvalidCatalogNameError,  # no such database
+)
+
+
+@contextlib.contextmanager
+def pg_errors(server: str, what: str) -> Iterator[None]:
+    """Map server failures raised inside the block to ``ServiceUnavailableError``.
+
+    Args:
+        server: The DSN (redacted here) named in the error.
+        what: What the block does, for the message (``"connect"``, ``"apply migrations"``).
+
+    Raises:
+        ServiceUnavailableError: The server or the connection failed.
+    """
+    try:
+        yield
+    except _CONNECT_FAILURES as e:
+        raise ServiceUnavailableError(redact(server), f"Postgres: {what} failed ({e!r})") from e
+
+
+async def connect(
+    dsn: str, *, timeout_s: float = 5.0, server_settings: dict[str, str] | None = None, name: str | None = None
+) -> asyncpg.Connection:
+    """One connection, or ``ServiceUnavailableError`` naming ``name`` (default: the redacted DSN).
+
+    Raises:
+        ServiceUnavailableError: Postgres refused or did not answer within ``timeout_s`` seconds.
+    """
+    with pg_errors(name or dsn, "connect"):
+        conn: asyncpg.Connection = await asyncpg.connect(dsn, timeout=timeout_s, server_settings=server_settings)
+        return conn
+
+
+def sql_error_detail(e: BaseException, timeout_s: float) -> str | None:
+    """What to tell a user whose own statement failed with ``e``; ``None`` when ``e`` is no SQL error.
+
+    ``timeout_s`` is the statement timeout in force (a cancelled statement names it).
+    """
+    text = str(e)
+    if isinstance(e, asyncpg.QueryCanceledError):
+        return f"the query ran longer than --timeout-s {timeout_s:g} s and was cancelled"
+    if isinstance(e, asyncpg.InsufficientPrivilegeError):
+        return (
+            f"{text} (`eventlight sql` runs as the read-only role eventlight_reader: "
+            "the namespace's tables and views only)"
+        )
+    if isinstance(e, asyncpg.ReadOnlySQLTransactionError):
+        return (
+            f"{text}: `eventlight sql` only reads; the tables are projected from the stream, "
+            "so write through the store API"
+        )
+    if "cannot insert multiple commands into a prepared statement" in text:
+        return "several statements given; `eventlight sql` runs one statement at a time"
+    if isinstance(e, asyncpg.PostgresError):
+        return text
+    return None
