@@ -238,13 +238,14 @@ class Projector:
         conn, self._lock_conn = self._lock_conn, None
         if conn is None:
             return
-        if not conn.is_closed():
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(conn.execute("SELECT pg_advisory_unlock_all()"), 2)
         try:
+            if not conn.is_closed():
+                await asyncio.wait_for(conn.execute("SELECT pg_advisory_unlock_all()"), 2)
             await self.pool.release(conn, timeout=2)
-        except Exception:
-            conn.terminate()
+        except Exception as e:  # lost, or already back in the pool: the lock went with the session
+            log.debug("projector: giving the lock connection back: %r", e)
+            with contextlib.suppress(Exception):
+                conn.terminate()
 
     async def _become_leader(self) -> None:
         """Hold the advisory lock, take the next term and read what the watchdog must watch."""
