@@ -34,6 +34,7 @@ from faults import (
     workload,
 )
 
+from eventlight.core.errors import ServiceUnavailableError
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.store.jetstream.projector import Projector
@@ -218,7 +219,7 @@ async def test_postgres_stopped_and_started_mid_run() -> None:
     os.chmod(home, 0o755)  # pytest's root-only tmp_path
     base = Settings(state_dir=home / "state", namespace="pgfault")
     started = await svc.ensure_services(base)
-    stops, recover_s = 0, []
+    stops, recover_s, named = 0, [], []
     ledger = Ledger()
     try:
         async with namespace_on(started.nats_url, started.pg_dsn) as ns:
@@ -234,6 +235,9 @@ async def test_postgres_stopped_and_started_mid_run() -> None:
                         await svc._stop_system_pg(state)
                         await svc._stop_pgserver(state)
                         stops += 1
+                        with pytest.raises(ServiceUnavailableError) as down:  # item 7: the cause is named
+                            await reader.sync(10**12, timeout_s=1.5)
+                        named.append(down.value.server)
                         await asyncio.sleep(rng.uniform(0.5, 1.5))  # writes go on meanwhile
                         at_stop = await stream_last_seq(writer)
                         t0 = time.monotonic()
@@ -259,5 +263,7 @@ async def test_postgres_stopped_and_started_mid_run() -> None:
         doubled=verdict.doubled,
         stuck=verdict.stuck,
         catch_up_max_s=round(max(recover_s, default=0), 2),
+        sync_error_names=sorted(set(named)),
     )
     assert stops >= 1 and (verdict.lost, verdict.doubled, verdict.stuck) == (0, 0, 0)
+    assert named == ["Postgres"] * stops

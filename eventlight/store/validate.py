@@ -20,6 +20,8 @@ def is_token(value: str) -> bool:
     return bool(_TOKEN.match(value))
 
 
+MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
+"""The largest payload an event may carry (the stream's ``max_msg_size``, ``streams/001_events.json``)."""
 MAX_DEPTH = 256
 """How deep a payload may nest (JSON arrays and objects); deeper is refused before it is written."""
 
@@ -38,7 +40,7 @@ def check_payload(what: str, value: msgspec.Struct) -> None:
         builtins = msgspec.to_builtins(value)
         msgspec.convert(builtins, type(value))
         _check_depth(builtins, MAX_DEPTH)
-        _json.encode(builtins)
+        size = len(_json.encode(builtins))
     except msgspec.ValidationError as e:
         raise InvalidTypeError(f"{what}: {str(e).replace('$.', '')}") from e
     except RecursionError as e:
@@ -48,6 +50,11 @@ def check_payload(what: str, value: msgspec.Struct) -> None:
         raise InvalidInputError(f"{what}: a string is not valid Unicode text ({e}{f': {bad!r}' if bad else ''})") from e
     except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as e:
         raise InvalidTypeError(f"{what}: a value cannot be stored as JSON ({e})") from e
+    if size > MAX_PAYLOAD_BYTES:
+        raise InvalidInputError(
+            f"{what}: the payload is {size:,} bytes, over the {MAX_PAYLOAD_BYTES:,} an event may hold; "
+            "store large inputs elsewhere and pass a reference"
+        )
 
 
 def _check_depth(value: Any, left: int) -> None:

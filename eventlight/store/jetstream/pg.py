@@ -8,8 +8,9 @@ an identifier, so no caller string reaches SQL unquoted.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import asyncpg
@@ -26,7 +27,7 @@ from eventlight.core.types import (
     Span,
     Worker,
 )
-from eventlight.store.query import check_paging, check_sort_field
+from eventlight.store.query import check_paging, check_sort_field, check_values
 
 _enc = msgspec.json.Encoder()
 
@@ -110,6 +111,29 @@ async def create_pool(dsn: str, schema: str, *, max_size: int = 4) -> asyncpg.Po
         )
     except (OSError, asyncpg.PostgresError, TimeoutError) as e:
         raise ServiceUnavailableError(redact(dsn), f"Postgres refused a connection ({e!r})") from e
+
+
+PG_DOWN: tuple[type[BaseException], ...] = (
+    OSError,
+    TimeoutError,
+    asyncpg.InterfaceError,
+    asyncpg.PostgresConnectionError,  # 08: connection lost or refused
+    asyncpg.exceptions.OperatorInterventionError,  # 57: shutdown, cannot connect now
+)
+"""asyncpg/OS errors that mean Postgres cannot be reached (not that a query is wrong)."""
+
+
+@contextlib.asynccontextmanager
+async def pg_errors(what: str) -> AsyncIterator[None]:
+    """Map "Postgres cannot be reached" errors raised inside the block to ``ServiceUnavailableError``.
+
+    Raises:
+        ServiceUnavailableError: Postgres refused, dropped or did not answer (``server="Postgres"``).
+    """
+    try:
+        yield
+    except PG_DOWN as e:
+        raise ServiceUnavailableError("Postgres", f"{what}: Postgres did not answer ({e!r})") from e
 
 
 # -- rows -> structs -----------------------------------------------------------------------
@@ -231,9 +255,9 @@ class Where:
         return f"${len(self.args)}"
 
     def within(self, col: str, values: Sequence[Any] | None, *, must: bool = False) -> None:
+        values = check_values(f"{col}_in", values)
         if values is None:
             return
-        values = list(values)
         if len(values) == 1:  # an equality can walk a (col, order) index in order
             cond = f"{col} = {self.arg(values[0])}"
         else:

@@ -129,28 +129,45 @@ class SqlReadModel:
         if target == 0:
             return
         deadline = time.monotonic() + timeout_s
-        if self.projector is not None and self.projector.leader.is_set():  # this process projects
-            async with self._changed:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(
-                        self._changed.wait_for(
-                            lambda: self.projector is not None and self.projector.checkpoint >= target
-                        ),
-                        timeout_s,
-                    )
-            if self.projector.checkpoint >= target:
-                return
-        else:  # another process projects (this one has none, or a standby): read its checkpoint
-            async with self.pool.acquire() as conn:
-                while time.monotonic() < deadline:
-                    if await conn.fetchval("SELECT last_seq FROM projector_checkpoint") >= target:
-                        return
-                    await asyncio.sleep(0.005)
+        while True:  # in steps of at most a second: the local projector may lose or gain the lead
+            step_end = min(deadline, time.monotonic() + 1.0)
+            projector = self.projector
+            if projector is not None and projector.leader.is_set():  # this process projects
+                async with self._changed:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(
+                            self._changed.wait_for(lambda p=projector: p.checkpoint >= target),
+                            max(0.0, step_end - time.monotonic()),
+                        )
+                if projector.checkpoint >= target:
+                    return
+            else:  # another process projects (this one has none, or a standby): read its checkpoint
+                async with pg.pg_errors("waiting for the projection"), self.pool.acquire() as conn:
+                    while time.monotonic() < step_end:
+                        if await conn.fetchval("SELECT last_seq FROM projector_checkpoint") >= target:
+                            return
+                        await asyncio.sleep(0.005)
+            if time.monotonic() >= deadline:
+                break
+        why = await self._postgres_down()
+        if why is not None:
+            raise ServiceUnavailableError(
+                "Postgres", f"the projection cannot reach stream sequence {target}: Postgres does not answer ({why})"
+            )
         raise ServiceUnavailableError(
             "projector",
             f"the projection did not reach stream sequence {target} within {timeout_s:.0f} s; "
             "is a projector running for this namespace?",
         )
+
+    async def _postgres_down(self) -> str | None:
+        """Why Postgres does not answer, or ``None`` when it does (the projector is the one missing)."""
+        try:
+            async with self.pool.acquire(timeout=2) as conn:
+                await conn.fetchval("SELECT 1", timeout=2)
+        except pg.PG_DOWN as e:
+            return repr(e)
+        return None
 
     async def wait_for_rollouts(self, rollout_ids: list[str], timeout: float | None) -> list[Rollout]:
         """The rollouts among ``rollout_ids`` in a terminal status, once all are or ``timeout`` passes.
@@ -203,7 +220,7 @@ class SqlReadModel:
         Raises:
             RolloutNotFoundError: An id is unknown.
         """
-        async with self.pool.acquire() as conn:
+        async with pg.pg_errors("reading the projection"), self.pool.acquire() as conn:
             rows = await conn.fetch("SELECT rollout_id, status FROM rollouts WHERE rollout_id = ANY($1::text[])", ids)
         status = {r[0]: r[1] for r in rows}
         for rid in ids:
@@ -247,7 +264,7 @@ class SqlReadModel:
         n = len(w.args)
         check_paging(limit, offset, sort_order, filter_logic)
         tail = pg.order_page(Rollout, w, sort_by, sort_order, limit, offset, "created_seq")
-        async with self.pool.acquire() as conn:
+        async with pg.pg_errors("reading the projection"), self.pool.acquire() as conn:
             if rollout_id_in is None and rollout_id_contains is None:
                 # all rollouts, or a status filter: the total comes from the trigger-kept counts
                 # (migrations/002), so a page costs the same on 10^2 or 10^6 rollouts
@@ -288,7 +305,7 @@ class SqlReadModel:
         w = pg.Where()
         w.exact("rollout_id", rollout_id, must=True)
         tail = pg.order_page(Attempt, w, sort_by, sort_order, limit, offset, "sequence_id")
-        async with self.pool.acquire() as conn:
+        async with pg.pg_errors("reading the projection"), self.pool.acquire() as conn:
             await self._require_rollout(conn, rollout_id)
             rows, total = await pg.fetch_page(conn, "attempts", pg.ATTEMPT_COLS, w, "and", tail, 1, limit, offset)
         return pg.paginated([pg.attempt_from_row(r) for r in rows], limit, offset, total)
@@ -317,7 +334,7 @@ class SqlReadModel:
         sort_order: Literal["asc", "desc"] = "asc",
     ) -> PaginatedResult[Span]:
         check_paging(limit, offset, sort_order, filter_logic)
-        async with self.pool.acquire() as conn:
+        async with pg.pg_errors("reading the projection"), self.pool.acquire() as conn:
             row = await self._require_rollout(conn, rollout_id)
             w = pg.Where()
             w.exact("rollout_id", rollout_id, must=True)
@@ -367,7 +384,7 @@ class SqlReadModel:
         n = len(w.args)
         tail = pg.order_page(ResourcesUpdate, w, sort_by, sort_order, limit, offset, "created_seq")
         cols = "resources_id, create_time, update_time, version, resources::text"
-        async with self.pool.acquire() as conn:
+        async with pg.pg_errors("reading the projection"), self.pool.acquire() as conn:
             rows, total = await pg.fetch_page(conn, "resources", cols, w, "and", tail, n, limit, offset)
         return pg.paginated([pg.resources_from_row(r) for r in rows], limit, offset, total)
 
@@ -390,12 +407,12 @@ class SqlReadModel:
         w.contains("worker_id", worker_id_contains)
         n = len(w.args)
         tail = pg.order_page(Worker, w, sort_by, sort_order, limit, offset, "created_seq NULLS FIRST, worker_id")
-        async with self.pool.acquire() as conn:
+        async with pg.pg_errors("reading the projection"), self.pool.acquire() as conn:
             rows, total = await pg.fetch_page(conn, "workers", pg.WORKER_COLS, w, filter_logic, tail, n, limit, offset)
         return pg.paginated([pg.worker_from_row(r) for r in rows], limit, offset, total)
 
     async def statistics(self) -> dict[str, Any]:
-        async with self.pool.acquire() as conn:
+        async with pg.pg_errors("reading the projection"), self.pool.acquire() as conn:
             row = await conn.fetchrow(
                 "SELECT (SELECT count(*) FROM rollouts), (SELECT count(*) FROM attempts), "
                 "(SELECT count(*) FROM spans), (SELECT count(*) FROM resources), (SELECT count(*) FROM workers), "
