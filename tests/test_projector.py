@@ -120,7 +120,8 @@ FOREIGN: dict[str, Any] = {  # what another writer might put on a span subject
 @pytest.mark.parametrize("kind", sorted(FOREIGN))
 async def test_foreign_span_payloads_are_skipped_and_numbering_goes_on(namespace: Settings, kind: str) -> None:
     """Spans are projected with their attributes as raw JSON (``decode_for_projection``); a payload on
-    a span subject that is not a valid ``SpansAdded`` is counted as malformed and skipped, whatever
+    a span subject that is not a valid ``SpansAdded`` is dead-lettered (a row in
+    ``projector_dead_letters``, in the batch's transaction) and skipped, whatever
     fails first (JSON syntax, a type, the nesting depth), the projection goes on, and the next
     numbered span continues the attempt's counter (``span_head`` looks past a foreign last message)."""
     async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
@@ -138,7 +139,10 @@ async def test_foreign_span_payloads_are_skipped_and_numbering_goes_on(namespace
         # a batch-shaped foreign payload's ids (50) count as taken: the counter never reuses an id
         expected = 51 if kind == "attributes_not_an_object" else 4
         assert after.sequence_id == expected
-        assert store.projector.malformed == 1 and store.projector.dead_letters == 0
+        assert store.projector.malformed == 1 and store.projector.dead_letters == 1
+        async with store.pool.acquire() as conn:
+            [dead] = await conn.fetch("SELECT subject, error FROM projector_dead_letters")
+        assert dead["subject"] == f"{store.log.prefix}.s.{rid}.{aid}" and "malformed event" in dead["error"]
         spans = await store.query_spans(rid)
         assert [(s.name, s.sequence_id) for s in spans] == [("pre", 1), ("pre", 2), ("pre", 3), ("after", expected)]
         assert spans[-1].attributes == {"k": "v\ufffdw", "n": 1.5, "l": [1, "2"]}

@@ -32,6 +32,7 @@ from eventlight.net import free_port
 from eventlight.ops.nats_server import nats_probe
 from eventlight.ops.postgres import system_bindir
 from eventlight.settings import Settings
+from eventlight.store.jetstream.definitions import consumer_config
 
 STREAMS_DIR = data_dir("streams")
 
@@ -208,8 +209,7 @@ async def test_apply_streams_idempotent_and_updates(tmp_path: Path, services: tu
         expected = [
             f"stream {settings.stream_name}",
             f"consumer {settings.stream_name}/runners",
-            f"consumer {settings.stream_name}/projector",
-        ]
+        ]  # 003_projector.json is a template: the projector makes its own reader per term
         assert await svc.apply_streams(nc, settings) == expected
         assert await svc.apply_streams(nc, settings) == expected
         js = nc.jetstream()
@@ -219,9 +219,12 @@ async def test_apply_streams_idempotent_and_updates(tmp_path: Path, services: tu
         runners = (await js.consumer_info(settings.stream_name, "runners")).config
         assert runners.filter_subject == f"el.{settings.namespace}.r.*.q"
         assert (runners.ack_policy, runners.ack_wait, runners.max_ack_pending) == ("explicit", 30, 10000)
-        projector = (await js.consumer_info(settings.stream_name, "projector")).config
-        assert projector.filter_subject in (None, "")
-        assert (projector.ack_policy, projector.ack_wait, projector.max_ack_pending) == ("all", 60, 20000)
+        template = consumer_config("projector", settings.namespace)
+        assert (template.ack_policy, template.deliver_policy, template.mem_storage) == (
+            "none",
+            "by_start_sequence",
+            True,
+        )
 
         edited = shutil.copytree(STREAMS_DIR, tmp_path / "streams")
         spec = json.loads((edited / "002_runners.json").read_text())

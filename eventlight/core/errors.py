@@ -9,6 +9,7 @@
     │   └── ResourcesNotFoundError               .resources_id
     ├── InvalidTransitionError (also ValueError) the decider refused a command; .current, .requested
     ├── InvalidInputError (also ValueError)      a malformed span, filter or argument
+    │   └── InvalidTypeError (also TypeError)    a value of the wrong type (``mode=123``); nothing written
     ├── ConcurrencyError                         an append lost its optimistic-concurrency race too often
     └── ServiceUnavailableError                  NATS or Postgres cannot be reached; .server, retryable
         └── LLMUnavailableError                  the LLM behind a proxy fails its check or most calls
@@ -67,6 +68,12 @@ class InvalidTransitionError(EventlightError, ValueError):
 
 class InvalidInputError(EventlightError, ValueError):
     """A malformed argument: a span without ids, an unknown filter field, a bad status name."""
+
+
+class InvalidTypeError(InvalidInputError, TypeError):
+    """A payload value whose type is not its field's (``enqueue_rollout(mode=123)``,
+    ``RolloutConfig(timeout_seconds="10")``): refused before anything is written. Also a
+    ``TypeError``, as Python raises for a wrongly typed argument."""
 
 
 class ConcurrencyError(EventlightError):

@@ -40,7 +40,7 @@ async def apply_streams(nc_or_js: Any, settings: Settings, streams_dir: Path | N
         with nats_errors(server, f"applying {path.name}"):
             if spec["kind"] == "stream":
                 applied.append(await _apply_stream(js, stream_config(path, spec)))
-            else:
+            elif spec["kind"] == "consumer":
                 consumer = consumer_from(path, spec)
                 await js.add_consumer(spec["stream"], consumer)
                 applied.append(f"consumer {spec['stream']}/{consumer.durable_name}")

@@ -78,7 +78,30 @@ def _field_types(cls: type) -> dict[str, Any]:
     return {f.name: f.type for f in msgspec.structs.fields(cls)}
 
 
+def check_values(field: str, values: Any) -> list[Any] | None:
+    """A ``*_in`` filter's values as a list: a sequence of strings, or ``None`` (no filter).
+
+    Raises:
+        InvalidInputError: A lone string (``status_in="queuing"`` would be read as its characters),
+            a non-sequence, or a value that is not a string.
+    """
+    if values is None:
+        return None
+    if isinstance(values, (str, bytes)):
+        raise InvalidInputError(
+            f"{field} filter must be a list of strings, got the string {values!r}; use [{values!r}]"
+        )
+    if not isinstance(values, Iterable):
+        raise InvalidInputError(f"{field} filter must be a list of strings, got {type(values).__name__}")
+    out = list(values)
+    for v in out:
+        if not isinstance(v, str):
+            raise InvalidInputError(f"{field} filter values must be strings, got {v!r}")
+    return out
+
+
 def within(field: str, values: Sequence[Any] | None) -> Condition | None:
+    values = check_values(f"{field}_in", values)
     if values is None:
         return None
     allowed = set(values)

@@ -27,6 +27,8 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+import msgspec
+
 from eventlight.core import commands as c
 from eventlight.core.errors import (
     ConcurrencyError,
@@ -57,6 +59,7 @@ from eventlight.store.ports import EventLog, Queued, ReadModel
 from eventlight.store.spans import SpanWriter
 from eventlight.store.validate import (
     check_one_attempt,
+    check_payload,
     check_resources,
     check_spans,
     check_stats,
@@ -164,7 +167,7 @@ class EventStore(LightningStore):
     def _create_command(
         self, input: Any, mode: str | None, resources_id: str | None, config: RolloutConfig | None, metadata: Any
     ) -> c.CreateRollout:
-        return c.CreateRollout(
+        cmd = c.CreateRollout(
             rollout_id=generate_id("ro-", 12),
             input=input,
             mode=mode,
@@ -172,6 +175,8 @@ class EventStore(LightningStore):
             config=config,
             metadata=metadata,
         )
+        check_payload("enqueue_rollout", cmd)
+        return cmd
 
     async def enqueue_rollout(
         self,
@@ -221,6 +226,7 @@ class EventStore(LightningStore):
             attempt_id=generate_id("at-", 8),
             worker_id=worker_id,
         )
+        check_payload("start_rollout", cmd)
         started = (await self._loop.create(cmd)).attempted_rollout()
         if worker_id is not None:
             self._idle_marks.pop(worker_id, None)
@@ -306,11 +312,12 @@ class EventStore(LightningStore):
         config: RolloutConfig | Unset = UNSET,
         metadata: dict[str, Any] | None | Unset = UNSET,
     ) -> Rollout:
-        if isinstance(resources_id, str) and not await self._resources_exist(resources_id):
-            raise ResourcesNotFoundError(resources_id)
         cmd = c.UpdateRollout(
             input=input, mode=mode, resources_id=resources_id, status=status, config=config, metadata=metadata
         )
+        check_payload("update_rollout", msgspec.structs.replace(cmd, status=UNSET))  # the decider names statuses
+        if isinstance(resources_id, str) and not await self._resources_exist(resources_id):
+            raise ResourcesNotFoundError(resources_id)
         return (await self._loop.execute(rollout_id, cmd)).state.rollout
 
     async def _resources_exist(self, resources_id: str) -> bool:
@@ -325,6 +332,15 @@ class EventStore(LightningStore):
         last_heartbeat_time: float | None | Unset = UNSET,
         metadata: dict[str, Any] | None | Unset = UNSET,
     ) -> Attempt:
+        check_payload(
+            "update_attempt",
+            c.UpdateAttempt(  # the status is the decider's to check (it names the valid ones)
+                attempt_id=attempt_id,
+                worker_id=worker_id,
+                last_heartbeat_time=last_heartbeat_time,
+                metadata=metadata,
+            ),
+        )
         cached = self._loop.cached(rollout_id)
         state = cached[0] if cached is not None else await self._loop.load(rollout_id)
         try:
@@ -402,6 +418,7 @@ class EventStore(LightningStore):
             version=old.version + 1 if old else 1,
             resources=dict(resources),
         )
+        check_payload("resources", snap)
         self._wrote(await self._log().publish(ResourcesPut(time=at, resources=snap)))
         return snap
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from eventlight.core.errors import InvalidInputError
+from eventlight.core.errors import InvalidInputError, InvalidTypeError
 from eventlight.core.types import LLM, PromptTemplate, ProxyLLM, Span
 
 _json = msgspec.json.Encoder()
@@ -18,6 +18,52 @@ _TOKEN = re.compile(r"^[A-Za-z0-9_\-:@+=]{1,200}$")
 def is_token(value: str) -> bool:
     """Whether ``value`` can be an id (a NATS subject token: no dots, spaces or wildcards)."""
     return bool(_TOKEN.match(value))
+
+
+MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
+"""The largest payload an event may carry (the stream's ``max_msg_size``, ``streams/001_events.json``)."""
+MAX_DEPTH = 256
+"""How deep a payload may nest (JSON arrays and objects); deeper is refused before it is written."""
+
+
+def check_payload(what: str, value: msgspec.Struct) -> None:
+    """Validate a command or snapshot against its own type before anything is written: msgspec
+    structs are not checked when built, so ``RolloutConfig(timeout_seconds="10")`` or
+    ``update_attempt(metadata="str")`` would otherwise reach the log and poison the rollout.
+
+    Raises:
+        InvalidTypeError: A field's value is not of its type (the message names the field).
+        InvalidInputError: A value cannot be stored as JSON (not JSON-like, a lone surrogate,
+            nested deeper than ``MAX_DEPTH``).
+    """
+    try:
+        builtins = msgspec.to_builtins(value)
+        msgspec.convert(builtins, type(value))
+        _check_depth(builtins, MAX_DEPTH)
+        size = len(_json.encode(builtins))
+    except msgspec.ValidationError as e:
+        raise InvalidTypeError(f"{what}: {str(e).replace('$.', '')}") from e
+    except RecursionError as e:
+        raise InvalidInputError(f"{what}: a value is nested deeper than {MAX_DEPTH} levels") from e
+    except UnicodeError as e:
+        bad = e.object[e.start : e.end] if isinstance(e, UnicodeEncodeError) else ""
+        raise InvalidInputError(f"{what}: a string is not valid Unicode text ({e}{f': {bad!r}' if bad else ''})") from e
+    except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as e:
+        raise InvalidTypeError(f"{what}: a value cannot be stored as JSON ({e})") from e
+    if size > MAX_PAYLOAD_BYTES:
+        raise InvalidInputError(
+            f"{what}: the payload is {size:,} bytes, over the {MAX_PAYLOAD_BYTES:,} an event may hold; "
+            "store large inputs elsewhere and pass a reference"
+        )
+
+
+def _check_depth(value: Any, left: int) -> None:
+    if isinstance(value, (dict, list)):
+        if left <= 0:
+            raise RecursionError
+        for item in value.values() if isinstance(value, dict) else value:
+            if isinstance(item, (dict, list)):
+                _check_depth(item, left - 1)
 
 
 def check_token(what: str, value: Any) -> str:

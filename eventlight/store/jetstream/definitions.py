@@ -65,14 +65,16 @@ def load_definitions(ns: str, streams_dir: Path | None = None) -> list[Definitio
     """The definitions in ``streams_dir`` (default: the packaged ones), in file-name order.
 
     Raises:
-        InvalidInputError: A definition's ``kind`` is neither ``stream`` nor ``consumer``.
+        InvalidInputError: A definition's ``kind`` is not ``stream``, ``consumer`` (a durable that
+            ``apply_streams`` creates) or ``consumer_template`` (settings of consumers a component
+            creates itself, such as the projector's reader; ``consumer_config`` finds it by ``name``).
         FileNotFoundError: No such folder.
     """
     folder = streams_dir or data_dir("streams")
     defs = [(p, _substitute(json.loads(p.read_text()), ns)) for p in sorted(folder.glob("*.json"))]
     for path, spec in defs:
-        if spec.get("kind") not in ("stream", "consumer"):
-            raise InvalidInputError(f"{path.name}: 'kind' must be 'stream' or 'consumer'")
+        if spec.get("kind") not in ("stream", "consumer", "consumer_template"):
+            raise InvalidInputError(f"{path.name}: 'kind' must be 'stream', 'consumer' or 'consumer_template'")
     return defs
 
 
@@ -89,14 +91,15 @@ def consumer_from(path: Path, spec: dict[str, Any]) -> js_api.ConsumerConfig:
 @cache
 def _packaged_consumers(ns: str) -> dict[str, js_api.ConsumerConfig]:
     return {
-        spec["durable_name"]: consumer_from(path, spec)
+        spec.get("durable_name") or spec["name"]: consumer_from(path, spec)
         for path, spec in load_definitions(ns)
-        if spec["kind"] == "consumer"
+        if spec["kind"] in ("consumer", "consumer_template")
     }
 
 
 def consumer_config(durable: str, ns: str) -> js_api.ConsumerConfig:
-    """The packaged definition of the durable consumer ``durable`` in namespace ``ns`` (a fresh copy).
+    """The packaged definition of the consumer ``durable`` (a durable's name, or a template's ``name``)
+    in namespace ``ns`` (a fresh copy).
 
     Raises:
         InvalidInputError: No packaged definition names that durable.

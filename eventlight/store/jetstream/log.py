@@ -24,7 +24,7 @@ from nats.aio.client import Client as NATS
 from nats.js.client import JetStreamContext
 
 from eventlight.core.commands import RolloutState
-from eventlight.core.errors import RolloutNotFoundError
+from eventlight.core.errors import InvalidInputError, RolloutNotFoundError
 from eventlight.core.events import AnyEvent, ResourcesPut, RolloutEvent, decode_event, encode_event
 from eventlight.core.evolve import evolve, spans_arrived
 from eventlight.core.types import ResourcesUpdate, Span
@@ -119,8 +119,15 @@ class JetStreamEventLog:
             headers["Nats-Expected-Last-Subject-Sequence-Subject"] = rollout_filter(self.prefix, subject.split(".")[3])
         elif expected_subject_seq is not None:
             headers["Nats-Expected-Last-Subject-Sequence"] = str(expected_subject_seq)
+        data = encode_event(event)
+        limit = self.nc.max_payload
+        if limit and len(data) > limit:
+            raise InvalidInputError(
+                f"the event for {subject} is {len(data):,} bytes, over the NATS server's max_payload of {limit:,} "
+                "bytes: store large inputs elsewhere and pass a reference, or split span batches"
+            )
         with nats_errors(self.server(), f"publish to {subject}"):
-            ack = await self.js.publish(subject, encode_event(event), headers=headers)
+            ack = await self.js.publish(subject, data, headers=headers)
         return ack.seq, bool(ack.duplicate)
 
     async def publish(self, event: AnyEvent) -> int:
@@ -208,8 +215,23 @@ class JetStreamEventLog:
 
     async def resources(self, resources_id: str | None) -> ResourcesUpdate | None:
         subject = f"{self.prefix}.res.{'>' if resources_id is None else resources_id}"
-        found = await self.last_event(subject)
+        try:
+            found = await self.last_event(subject)
+        except InvalidInputError:  # a foreign last message: the last valid snapshot before it
+            log.warning("%s: the last message is not a resources snapshot; reading back past it", subject)
+            return await self._last_valid_resources(subject)
         return found[0].resources if found and isinstance(found[0], ResourcesPut) else None
+
+    async def _last_valid_resources(self, subject: str) -> ResourcesUpdate | None:
+        last: ResourcesUpdate | None = None
+        async for msg in self._messages(subject):
+            try:
+                event = decode_event(msg.data or b"")
+            except InvalidInputError:
+                continue
+            if isinstance(event, ResourcesPut):
+                last = event.resources
+        return last
 
     async def _last_msg(self, subject: str) -> Any:
         with nats_errors(self.server(), f"reading {subject}"):

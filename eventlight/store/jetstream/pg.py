@@ -26,7 +26,7 @@ from eventlight.core.types import (
     Worker,
 )
 from eventlight.store.jetstream.pg_errors import pg_errors
-from eventlight.store.query import check_paging, check_sort_field
+from eventlight.store.query import check_paging, check_sort_field, check_values
 
 _enc = msgspec.json.Encoder()
 
@@ -220,9 +220,9 @@ class Where:
         return f"${len(self.args)}"
 
     def within(self, col: str, values: Sequence[Any] | None, *, must: bool = False) -> None:
+        values = check_values(f"{col}_in", values)
         if values is None:
             return
-        values = list(values)
         if len(values) == 1:  # an equality can walk a (col, order) index in order
             cond = f"{col} = {self.arg(values[0])}"
         else:

@@ -30,7 +30,7 @@ from eventlight.core.types import (
 from eventlight.store.jetstream import pg
 from eventlight.store.jetstream.layout import rollout_of_subject
 from eventlight.store.jetstream.nats_errors import nats_errors
-from eventlight.store.jetstream.pg_errors import pg_errors
+from eventlight.store.jetstream.pg_errors import SERVER_FAILURES, pg_errors
 from eventlight.store.jetstream.projector import Projector
 from eventlight.store.query import check_paging, deprecated_alias
 
@@ -143,28 +143,49 @@ class SqlReadModel:
         if target == 0:
             return
         deadline = time.monotonic() + timeout_s
-        if self.projector is not None and self.projector.leader.is_set():  # this process projects
-            async with self._changed:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(
-                        self._changed.wait_for(
-                            lambda: self.projector is not None and self.projector.checkpoint >= target
-                        ),
-                        timeout_s,
-                    )
-            if self.projector.checkpoint >= target:
-                return
-        else:  # another process projects (this one has none, or a standby): read its checkpoint
-            async with self._conn() as conn:
-                while time.monotonic() < deadline:
-                    if await conn.fetchval("SELECT last_seq FROM projector_checkpoint") >= target:
-                        return
-                    await asyncio.sleep(0.005)
+        while True:  # in steps of at most a second: the local projector may lose or gain the lead
+            step_end = min(deadline, time.monotonic() + 1.0)
+            projector = self.projector
+            if projector is not None and projector.leader.is_set():  # this process projects
+
+                def reached(local: Any = projector) -> bool:
+                    return bool(local.checkpoint >= target)
+
+                async with self._changed:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._changed.wait_for(reached), max(0.0, step_end - time.monotonic()))
+                if reached():
+                    return
+            else:  # another process projects (this one has none, or a standby): read its checkpoint
+                try:
+                    async with self._conn() as conn:
+                        while time.monotonic() < step_end:
+                            if await conn.fetchval("SELECT last_seq FROM projector_checkpoint") >= target:
+                                return
+                            await asyncio.sleep(0.005)
+                except ServiceUnavailableError as e:  # the cause is Postgres, not a missing projector
+                    raise ServiceUnavailableError("Postgres", f"waiting for stream sequence {target}: {e}") from e
+            if time.monotonic() >= deadline:
+                break
+        why = await self._postgres_down()
+        if why is not None:
+            raise ServiceUnavailableError(
+                "Postgres", f"the projection cannot reach stream sequence {target}: Postgres does not answer ({why})"
+            )
         raise ServiceUnavailableError(
             "projector",
             f"the projection did not reach stream sequence {target} within {timeout_s:.0f} s; "
             "is a projector running for this namespace?",
         )
+
+    async def _postgres_down(self) -> str | None:
+        """Why Postgres does not answer, or ``None`` when it does (the projector is the one missing)."""
+        try:
+            async with self.pool.acquire(timeout=2) as conn:
+                await conn.fetchval("SELECT 1", timeout=2)
+        except SERVER_FAILURES as e:
+            return repr(e)
+        return None
 
     async def wait_for_rollouts(self, rollout_ids: list[str], timeout: float | None) -> list[Rollout]:
         """The rollouts among ``rollout_ids`` in a terminal status, once all are or ``timeout`` passes.
