@@ -16,7 +16,7 @@ $(BIN)/python:
 	$(BIN)/pip install --quiet --upgrade pip
 
 $(VENV)/.installed-dev: pyproject.toml constraints.txt | $(BIN)/python
-	$(PIP) -e '.[dev,bench]'
+	$(PIP) -e '.[dev,bench,replay]'
 	touch $@
 
 # The local LLM: llama-cpp-python built once for a portable CPU level (no -march=native, no AMX;

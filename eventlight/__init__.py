@@ -51,6 +51,7 @@ from eventlight.emitter import (
     emit_reward,
     operation,
 )
+from eventlight.logreplay import replay
 from eventlight.rewards import (
     find_final_reward,
     find_reward_spans,
@@ -140,6 +141,7 @@ __all__ = [
     "operation",
     "prepare_services",
     "prompt_rollout",
+    "replay",
     "rollout",
     "stop_services",
 ]

@@ -580,6 +580,15 @@ def _register_bench() -> None:
 _register_bench()
 
 
+def _register_replay() -> None:
+    from eventlight.logreplay.cli import register
+
+    register(app, sys.modules[__name__])  # replay, export, import
+
+
+_register_replay()
+
+
 def main() -> None:
     """Console entry point."""
     level = os.environ.get("EVENTLIGHT_LOG_LEVEL", "INFO").upper()
