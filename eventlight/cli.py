@@ -282,11 +282,15 @@ def _sql_error(e: Exception) -> CliError:
     return CliError(f"SQL error: {text}")
 
 
-async def _query(settings: Settings, query: str, timeout_s: float) -> tuple[list[Any], list[Any]]:
-    """Run ``query`` as the read-only role ``eventlight_reader`` (``eventlight.sql_reader``)."""
+async def _query(
+    settings: Settings, query: str, timeout_s: float, params: Sequence[str] = ()
+) -> tuple[list[Any], list[Any]]:
+    """Run ``query`` as the read-only role ``eventlight_reader`` (``eventlight.sql_reader``), with
+    ``params`` bound to ``$1``, ``$2``, … (``eventlight.sql_params``)."""
     import asyncpg
 
     from eventlight.cli_output import Column
+    from eventlight.sql_params import bind
     from eventlight.sql_reader import connect_reader
 
     found = await _need_pg(settings)
@@ -298,7 +302,8 @@ async def _query(settings: Settings, query: str, timeout_s: float) -> tuple[list
     try:
         async with conn.transaction(readonly=True):
             stmt = await conn.prepare(query)
-            rows = await stmt.fetch(timeout=timeout_s + 5)  # the server's statement_timeout fires first
+            values = bind(params, stmt.get_parameters())
+            rows = await stmt.fetch(*values, timeout=timeout_s + 5)  # the server's statement_timeout fires first
         cols = [Column(a.name, a.type.name) for a in stmt.get_attributes()]
     except asyncpg.QueryCanceledError as e:
         raise CliError(f"SQL error: the query ran longer than --timeout-s {timeout_s:g} s and was cancelled") from e
@@ -330,12 +335,17 @@ def sql(
     timeout_s: Annotated[
         float, typer.Option("--timeout-s", min=0.001, help="Cancel the query after this many seconds.")
     ] = 30.0,
+    param: Annotated[
+        list[str] | None,
+        typer.Option("--param", "-p", help="A value for $1, $2, … in order (repeatable); bound, never pasted in."),
+    ] = None,
     namespace: NamespaceOpt = None,
 ) -> None:
     """Run one SQL statement over the projections and print the result.
 
-    Tables rollouts, attempts, spans, resources, workers; views rollout_rewards,
-    reward_by_resources, llm_calls (see migrations/001_read_models.sql).
+    Tables rollouts, attempts, spans, resources, workers; views v_rollouts, v_attempts, v_spans,
+    v_rewards, llm_calls, reward_by_resources, rollout_rewards (see migrations/007_documented_views.sql
+    and the README's example queries). Values go in as --param, for $1, $2, …
 
     The query runs in a read-only transaction, as the role eventlight_reader that may only read
     this namespace's tables, with a statement timeout: the tables are a projection of the stream,
@@ -348,7 +358,7 @@ def sql(
     if output_format not in FORMATS:
         raise CliError(f"--format {output_format!r}: expected one of {', '.join(FORMATS)}")
     _check_query(query)
-    cols, rows = _run(_query(_settings(namespace), query, timeout_s))
+    cols, rows = _run(_query(_settings(namespace), query, timeout_s, param or ()))
     if output_format != "table":
         sys.stdout.write(result_text(cols, rows, output_format))
         return
