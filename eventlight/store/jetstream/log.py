@@ -27,7 +27,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.client import JetStreamContext
 
 from eventlight.core.commands import RolloutState
-from eventlight.core.errors import RolloutNotFoundError
+from eventlight.core.errors import RolloutNotFoundError, ServiceUnavailableError
 from eventlight.core.events import AnyEvent, ResourcesPut, RolloutEvent, decode_event, encode_event
 from eventlight.core.evolve import evolve, spans_arrived
 from eventlight.core.types import ResourcesUpdate, Span
@@ -74,6 +74,21 @@ def _span_batch(data: bytes | None) -> _SpanHead | None:
 
 def _span_high(head: _SpanHead) -> int:
     return max([head.seq_high, *(s.sequence_id for s in head.spans)])
+
+
+async def _next(sub: Any, messages: Any, server: str) -> Any:
+    """The subscription's next message; waits at most ``SCAN_IDLE_S`` when none is queued.
+
+    Raises:
+        ServiceUnavailableError: Nothing came for ``SCAN_IDLE_S`` seconds.
+    """
+    if sub.pending_msgs > 0:
+        return await messages.__anext__()
+    try:
+        async with asyncio.timeout(SCAN_IDLE_S):
+            return await messages.__anext__()
+    except TimeoutError as e:
+        raise ServiceUnavailableError(server, f"no message for {SCAN_IDLE_S:g} s while reading the stream") from e
 
 
 class JetStreamEventLog:
@@ -229,22 +244,23 @@ class JetStreamEventLog:
             return
         cut = len(self.prefix) + 1
         cfg = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=from_seq + 1)
-        with nats_errors(self.server(), f"reading {self.stream}"):
+        server = self.server()
+        with nats_errors(server, f"reading {self.stream}"):
             sub = await self.js.subscribe(f"{self.prefix}.>", ordered_consumer=True, config=cfg, stream=self.stream)
-        try:
-            while True:
-                with nats_errors(self.server(), f"reading {self.stream}"):
-                    msg = await sub.next_msg(timeout=SCAN_IDLE_S)
-                meta = msg.metadata
-                seq = meta.sequence.stream
-                if seq > until:
-                    return
-                yield seq, msg.subject[cut:], msg.data
-                if seq >= until or meta.num_pending == 0:
-                    return
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+            try:
+                messages = sub.messages  # no task and timer per message, as next_msg has
+                while True:
+                    msg = await _next(sub, messages, server)
+                    meta = msg.metadata
+                    seq = meta.sequence.stream
+                    if seq > until:
+                        return
+                    yield seq, msg.subject[cut:], msg.data
+                    if seq >= until or meta.num_pending == 0:
+                        return
+            finally:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
 
     async def last_event(self, subject: str) -> tuple[AnyEvent, int] | None:
         """The last event on a subject (wildcards allowed), or ``None``."""
