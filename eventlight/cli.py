@@ -280,9 +280,13 @@ def _check_query(query: str) -> None:
         raise CliError(f"the query is not valid UTF-8 (byte {bad!r} at position {e.start})") from None
 
 
-async def _query(settings: Settings, query: str, timeout_s: float) -> tuple[list[Any], list[Any]]:
-    """Run ``query`` as the read-only role ``eventlight_reader`` (``eventlight.sql_reader``)."""
+async def _query(
+    settings: Settings, query: str, timeout_s: float, params: Sequence[str] = ()
+) -> tuple[list[Any], list[Any]]:
+    """Run ``query`` as the read-only role ``eventlight_reader`` (``eventlight.sql_reader``), with
+    ``params`` bound to ``$1``, ``$2``, … (``eventlight.sql_params``)."""
     from eventlight.cli_output import Column
+    from eventlight.sql_params import bind
     from eventlight.sql_reader import connect_reader
     from eventlight.store.jetstream.pg_errors import sql_error_detail
 
@@ -295,7 +299,8 @@ async def _query(settings: Settings, query: str, timeout_s: float) -> tuple[list
     try:
         async with conn.transaction(readonly=True):
             stmt = await conn.prepare(query)
-            rows = await stmt.fetch(timeout=timeout_s + 5)  # the server's statement_timeout fires first
+            values = bind(params, stmt.get_parameters())
+            rows = await stmt.fetch(*values, timeout=timeout_s + 5)  # the server's statement_timeout fires first
         cols = [Column(a.name, a.type.name) for a in stmt.get_attributes()]
     except TimeoutError as e:
         raise CliError(f"SQL error: no answer within {timeout_s + 5:g} s") from e
@@ -323,12 +328,18 @@ def sql(
     timeout_s: Annotated[
         float, typer.Option("--timeout-s", min=0.001, help="Cancel the query after this many seconds.")
     ] = 30.0,
+    param: Annotated[
+        list[str] | None,
+        typer.Option("--param", "-p", help="A value for $1, $2, … in order (repeatable); bound, never pasted in."),
+    ] = None,
     namespace: NamespaceOpt = None,
 ) -> None:
     """Run one SQL statement over the projections and print the result.
 
-    Tables rollouts, attempts, spans, resources, workers; views rollout_rewards,
-    reward_by_resources, llm_calls (see eventlight/_data/migrations/001_read_models.sql).
+    Tables rollouts, attempts, spans, resources, workers; views v_rollouts, v_attempts, v_spans,
+    v_rewards, llm_calls, reward_by_resources, rollout_rewards (see
+    eventlight/_data/migrations/008_documented_views.sql and the README's example queries). Values
+    go in as --param, for $1, $2, …
 
     The query runs in a read-only transaction, as the role eventlight_reader that may only read
     this namespace's tables, with a statement timeout: the tables are a projection of the stream,
@@ -341,7 +352,7 @@ def sql(
     if output_format not in FORMATS:
         raise CliError(f"--format {output_format!r}: expected one of {', '.join(FORMATS)}")
     _check_query(query)
-    cols, rows = _run(_query(_settings(namespace), query, timeout_s))
+    cols, rows = _run(_query(_settings(namespace), query, timeout_s, param or ()))
     if output_format != "table":
         sys.stdout.write(result_text(cols, rows, output_format))
         return
@@ -598,6 +609,15 @@ def _register_bench() -> None:
 
 
 _register_bench()
+
+
+def _register_replay() -> None:
+    from eventlight.logreplay.cli import register
+
+    register(app, sys.modules[__name__])  # replay, export, import
+
+
+_register_replay()
 
 
 def main() -> None:

@@ -70,6 +70,7 @@ EXPECTED = {
     "llm_rollout",
     "operation",
     "prompt_rollout",
+    "replay",
     "rollout",
     "LLMUnavailableError",
     "Services",

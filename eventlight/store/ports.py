@@ -108,6 +108,15 @@ class EventLog(Protocol):
         """Every event after position ``from_seq``, in log order."""
         ...
 
+    async def head_seq(self) -> int:
+        """The log's last position now (0: empty)."""
+        ...
+
+    def scan(self, from_seq: int = 0, until_seq: int | None = None) -> AsyncIterator[tuple[int, str, bytes]]:
+        """The raw log after ``from_seq`` up to ``until_seq`` (default: the head now) as ``(position,
+        subject below el.<ns>., payload)``, undecoded (``eventlight.replay`` reads it); never writes."""
+        ...
+
     async def close(self) -> None:
         """Release what the log holds; idempotent."""
         ...

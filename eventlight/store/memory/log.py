@@ -20,6 +20,7 @@ from eventlight.core.events import (
     RolloutCreated,
     RolloutEvent,
     SpansAdded,
+    encode_event,
     enters_queue,
     rollout_id_of,
 )
@@ -164,6 +165,20 @@ class MemoryEventLog:
         while seq < len(self.events):
             seq += 1
             yield seq, self.events[seq - 1]
+
+    async def head_seq(self) -> int:
+        """The last position now (0: empty)."""
+        return len(self.events)
+
+    async def scan(self, from_seq: int = 0, until_seq: int | None = None) -> AsyncIterator[tuple[int, str, bytes]]:
+        """The log after ``from_seq`` up to ``until_seq`` (default: the head now) as the JetStream
+        log's ``scan`` gives it: ``(position, subject without the prefix, encoded payload)``."""
+        from eventlight.store.jetstream.layout import subject_for  # pure; the subjects both logs name
+
+        until = len(self.events) if until_seq is None else min(until_seq, len(self.events))
+        for seq in range(from_seq + 1, until + 1):
+            event = self.events[seq - 1]
+            yield seq, subject_for("", event)[1:], encode_event(event)
 
     async def close(self) -> None:
         """Nothing to release."""

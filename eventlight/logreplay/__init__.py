@@ -1,0 +1,21 @@
+"""The log over time: replay stored traces into datasets, rebuild the read models, export and import.
+
+===========  ===================================================================================
+module       what
+===========  ===================================================================================
+``replay``   ``eventlight.replay(...)``: the log → selected attempts → adapter → records
+``select``   the one-pass fold of the raw log that selects attempts (``Filters``, ``LogFold``)
+``records``  an attempt's spans in order, the adapter and reward function, one record per item
+``writer``   records as JSON lines or Parquet, deterministic
+``rebuild``  the whole log into a fresh schema, compared with the live one, swapped in on request
+``transfer`` a slice of the log to a file and back into another namespace, without duplicates
+``cli``      ``eventlight replay``, ``eventlight export``, ``eventlight import``
+===========  ===================================================================================
+"""
+
+from __future__ import annotations
+
+from eventlight.logreplay.replay import Replay, ReplayError, ReplayStats, replay
+from eventlight.logreplay.select import Bound
+
+__all__ = ["Bound", "Replay", "ReplayError", "ReplayStats", "replay"]

@@ -1,0 +1,184 @@
+"""``eventlight replay``, ``eventlight export`` and ``eventlight import`` (registered by ``eventlight.cli``).
+
+Errors follow ``eventlight.cli``: one line on stderr, exit 1 when a server is missing or does not
+answer, 2 for a wrong argument (an unknown adapter, a bad range, a file name without a known suffix).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.markup import escape
+from rich.progress import Progress, TextColumn, TimeElapsedColumn
+
+from eventlight.settings import Settings
+
+NamespaceOpt = Annotated[
+    str | None,
+    typer.Option("--namespace", "-N", help="Namespace (default: $EVENTLIGHT_NAMESPACE or 'default')."),
+]
+
+_cli: Any = None
+"""The ``eventlight.cli`` module that registered these commands (``__main__`` under ``python -m``):
+its ``CliError`` is the one its error handler knows."""
+
+
+async def _nats_settings(settings: Settings) -> Settings:
+    """``settings`` with the NATS URL found (``$EVENTLIGHT_NATS_URL`` or the embedded server), after
+    checking the namespace's stream exists."""
+    import msgspec
+
+    found = await _cli._need_nats(settings)
+    if await _cli._stream_state(found.url, settings) is None:
+        raise _cli._no_namespace(settings, f"no stream {settings.stream_name}")
+    return msgspec.structs.replace(settings, nats_url=str(found.url))
+
+
+def _progress() -> Progress:
+    return Progress(
+        TextColumn("[progress.description]{task.description}"),
+        TextColumn("{task.fields[events]:>10,} events read"),
+        TextColumn("{task.fields[records]:>10,} records written"),
+        TimeElapsedColumn(),
+        console=_cli.err,
+        transient=False,
+    )
+
+
+async def _replay_to_file(settings: Settings, out: Path, opts: dict[str, Any]) -> Any:
+    from eventlight.logreplay.replay import replay
+    from eventlight.logreplay.writer import open_writer
+
+    run = replay(settings, **opts)  # an unknown adapter or a bad range fails before connecting
+    settings = await _nats_settings(settings)
+    run.source = settings
+    writer = open_writer(out)
+    with _progress() as bar:
+        task = bar.add_task("replay", events=0, records=0)
+        run.on_progress = lambda s: bar.update(task, events=s.events, records=s.records)
+        try:
+            async for record in run:
+                writer.write(record)
+        finally:
+            writer.close()
+        bar.update(task, events=run.stats.events, records=run.stats.records)
+    return run
+
+
+def replay_command(
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="FILE.jsonl or FILE.parquet.")] = None,
+    adapter: Annotated[
+        str, typer.Option("--adapter", "-a", help="triplets | messages | proxy-triplets | MODULE:CALLABLE.")
+    ] = "triplets",
+    since: Annotated[
+        str | None, typer.Option(help="Attempts that started at/after: a log position or ISO time.")
+    ] = None,
+    until: Annotated[
+        str | None, typer.Option(help="Attempts that started at/before: a log position or ISO time.")
+    ] = None,
+    status: Annotated[list[str] | None, typer.Option("--status", help="Attempt status to keep (repeatable).")] = None,
+    resources_id: Annotated[
+        list[str] | None, typer.Option("--resources-id", help="The rollout's resources id to keep (repeatable).")
+    ] = None,
+    mode: Annotated[
+        list[str] | None, typer.Option("--mode", help="Rollout mode to keep: train, val (repeatable).")
+    ] = None,
+    min_reward: Annotated[
+        float | None, typer.Option("--min-reward", help="Keep attempts with a final reward >= X.")
+    ] = None,
+    reward: Annotated[
+        str | None, typer.Option("--reward", help="MODULE:CALLABLE of an attempt's spans: relabel its reward.")
+    ] = None,
+    rebuild: Annotated[
+        bool,
+        typer.Option("--rebuild", help="Project the whole log into a fresh schema and compare it with the live one."),
+    ] = False,
+    swap: Annotated[
+        bool, typer.Option("--swap", help="With --rebuild: put the rebuilt schema in place of the live one.")
+    ] = False,
+    namespace: NamespaceOpt = None,
+) -> None:
+    """Replay stored traces from the log into a dataset, or (--rebuild) the read models.
+
+    Reads the namespace's event log itself (never the read models), up to its head when the replay
+    starts, and writes one record per triplet or conversation of each selected attempt, with its
+    rollout and attempt ids, resources version, reward and log positions. Same log, same bytes out.
+
+    Servers: uses $EVENTLIGHT_NATS_URL (and for --rebuild $EVENTLIGHT_PG_DSN) when set, else the
+    embedded servers `eventlight up` started; never starts or stops one."""
+    settings = _cli._settings(namespace)
+    if rebuild:
+        from eventlight.logreplay.rebuild import rebuild_command
+
+        rebuild_command(settings, swap)
+        return
+    if swap:
+        raise _cli.CliError("--swap goes with --rebuild")
+    if out is None:
+        raise _cli.CliError("--out FILE.jsonl|FILE.parquet is required (or --rebuild)")
+    opts: dict[str, Any] = {
+        "adapter": adapter,
+        "since": since,
+        "until": until,
+        "statuses": status or None,
+        "modes": mode or None,
+        "resources_ids": resources_id or None,
+        "min_reward": min_reward,
+        "reward": reward,
+    }
+    run = _cli._run(_replay_to_file(settings, out, opts))
+    for e in run.errors:
+        _cli.err.print(f"[yellow]skipped:[/yellow] rollout {e.rollout_id} attempt {e.attempt_id}: {escape(e.error)}")
+    s = run.stats
+    _cli.console.print(
+        f"{s.records} record(s) from {s.attempts} attempt(s) → {escape(str(out))}  "
+        f"[dim]({s.events} events and {s.spans} spans read up to log position {s.head_seq}"
+        f"{f'; {len(run.errors)} attempt(s) skipped' if run.errors else ''})[/dim]"
+    )
+
+
+def export_command(
+    out: Annotated[Path, typer.Option("--out", "-o", help="The file to write (JSON lines).")],
+    since: Annotated[int, typer.Option(help="Export entries after this log position.")] = 0,
+    until: Annotated[
+        int | None, typer.Option(help="Export entries up to this log position (default: the head).")
+    ] = None,
+    namespace: NamespaceOpt = None,
+) -> None:
+    """Write a slice of the namespace's event log to a file, as stored (payloads untouched).
+
+    Servers: uses $EVENTLIGHT_NATS_URL when set, else the embedded NATS; never starts one."""
+    from eventlight.logreplay.transfer import export_log
+
+    if until is not None and until < since:
+        raise _cli.CliError(f"bad range: --until {until} is before --since {since}")
+    settings = _cli._run(_nats_settings(_cli._settings(namespace)))
+    n, first, last = _cli._run(export_log(settings, out, since, until))
+    _cli.console.print(f"{n} entries (log positions {first}..{last}) → {escape(str(out))}")
+
+
+def import_command(
+    file: Annotated[Path, typer.Argument(help="A file `eventlight export` wrote.")],
+    namespace: NamespaceOpt = None,
+) -> None:
+    """Append an exported slice to this namespace's log; what it already holds is not appended again.
+
+    Servers: uses $EVENTLIGHT_NATS_URL when set, else the embedded NATS; never starts one."""
+    from eventlight.logreplay.transfer import import_log
+
+    if not file.is_file():
+        raise _cli.CliError(f"no file {file}")
+    settings = _cli._run(_nats_settings(_cli._settings(namespace)))
+    added, present = _cli._run(import_log(settings, file))
+    _cli.console.print(f"{added} entries appended, {present} already present in {settings.stream_name}")
+
+
+def register(app: typer.Typer, cli: Any) -> None:
+    """Add the commands to the ``eventlight`` app; ``cli`` is the module that holds it."""
+    global _cli
+    _cli = cli
+    app.command("replay")(replay_command)
+    app.command("export")(export_command)
+    app.command("import")(import_command)

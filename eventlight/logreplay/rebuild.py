@@ -1,0 +1,171 @@
+"""``eventlight replay --rebuild``: the whole log into a fresh schema, compared, swapped in on request.
+
+The fresh schema (``<schema>_rebuild``) gets the migrations and then the whole log, folded by the
+projector's own code (``Projector.rebuild``: no consumer, no leader lock, no watchdog). Each
+read-model table is then compared with the live one by row count and a checksum (md5 over the
+sorted md5s of the rows' text), so a difference is found without moving the rows to the client.
+``--swap`` renames the live schema to ``<schema>_replaced_<unix time>`` and the rebuilt one to the
+live name in one transaction, only while no projector of the namespace holds its advisory lock
+(a running one would go on writing into the swapped-in schema from its own checkpoint).
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from typing import Any
+
+import msgspec
+
+from eventlight.core.errors import InvalidInputError
+from eventlight.settings import Settings
+
+TABLES = ("rollouts", "attempts", "spans", "resources", "workers", "rollout_status_counts")
+"""The read-model tables compared (``rollout_status_counts``: its rows with ``n <> 0``; a status a
+rollout passed through inside one batch never gets a row, so rows at 0 depend on batching)."""
+
+NO_WATCHDOG_S = 3600.0
+
+
+class TableDiff(msgspec.Struct, frozen=True):
+    table: str
+    live_rows: int
+    rebuilt_rows: int
+    live_sum: str
+    rebuilt_sum: str
+
+    @property
+    def same(self) -> bool:
+        return self.live_rows == self.rebuilt_rows and self.live_sum == self.rebuilt_sum
+
+
+class RebuildReport(msgspec.Struct, kw_only=True):
+    schema: str
+    live_checkpoint: int
+    rebuilt_checkpoint: int
+    seconds: float
+    tables: list[TableDiff]
+    swapped_out: str | None = None
+
+    @property
+    def same(self) -> bool:
+        return all(t.same for t in self.tables)
+
+
+def _q(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+async def table_sums(conn: Any, schema: str) -> dict[str, tuple[int, str]]:
+    """``table -> (row count, checksum)`` of a schema's read-model tables."""
+    out: dict[str, tuple[int, str]] = {}
+    for name in TABLES:
+        where = " WHERE t.n <> 0" if name == "rollout_status_counts" else ""
+        row = await conn.fetchrow(
+            f"SELECT count(*) AS n, coalesce(md5(string_agg(md5(t::text), ',' ORDER BY md5(t::text))), '') AS sum"
+            f" FROM {_q(schema)}.{_q(name)} t{where}"
+        )
+        out[name] = (int(row["n"]), str(row["sum"]))
+    return out
+
+
+async def rebuild(settings: Settings, pg_dsn: str, *, swap: bool = False) -> RebuildReport:
+    """Rebuild the namespace's read models from its log into ``<schema>_rebuild`` and compare.
+
+    Args:
+        settings: The namespace, with ``nats_url`` set.
+        pg_dsn: The Postgres holding the live schema.
+        swap: Put the rebuilt schema in place of the live one afterwards.
+
+    Raises:
+        InvalidInputError: ``swap`` while a projector of the namespace runs.
+        ServiceUnavailableError: NATS or Postgres cannot be reached.
+    """
+    from eventlight.ops import apply_migrations
+    from eventlight.store.jetstream import pg, pg_errors
+    from eventlight.store.jetstream.connect import connect_nats
+    from eventlight.store.jetstream.log import JetStreamEventLog
+    from eventlight.store.jetstream.projector import Projector
+
+    live = settings.pg_schema
+    fresh = f"{live}_rebuild"
+    assert settings.nats_url is not None
+    conn = await pg_errors.connect(pg_dsn)
+    try:
+        await conn.execute(f"DROP SCHEMA IF EXISTS {_q(fresh)} CASCADE")  # an earlier rebuild left behind
+        await apply_migrations(pg_dsn, fresh)
+        nc = await connect_nats(settings.nats_url, name="eventlight-rebuild")
+        pool = await pg.create_pool(pg_dsn, fresh)
+        t0 = time.perf_counter()
+        try:
+            log_ = JetStreamEventLog(nc, settings, time.time)
+            rebuilt_at = await Projector(log_, pool, watchdog_interval_s=NO_WATCHDOG_S).rebuild()
+        finally:
+            await pool.close()
+            await nc.close()
+        seconds = time.perf_counter() - t0
+        live_at = int(await conn.fetchval(f"SELECT last_seq FROM {_q(live)}.projector_checkpoint") or 0)
+        a, b = await table_sums(conn, live), await table_sums(conn, fresh)
+        diffs = [TableDiff(t, a[t][0], b[t][0], a[t][1], b[t][1]) for t in TABLES]
+        report = RebuildReport(
+            schema=fresh, live_checkpoint=live_at, rebuilt_checkpoint=rebuilt_at, seconds=seconds, tables=diffs
+        )
+        if swap:
+            report.swapped_out = await _swap(conn, live, fresh)
+            report.schema = live
+        return report
+    finally:
+        await conn.close()
+
+
+async def _swap(conn: Any, live: str, fresh: str) -> str:
+    """Rename ``live`` away and ``fresh`` to ``live`` in one transaction, under the projector's lock."""
+    key = zlib.crc32(live.encode())  # the projector's leader lock (eventlight.store.jetstream.projector)
+    if not await conn.fetchval("SELECT pg_try_advisory_lock($1)", key):
+        raise InvalidInputError(
+            f"a projector of schema {live} is running (it holds the leader lock): stop the trainers and stores "
+            "opened with pg_dsn, then swap"
+        )
+    try:
+        old = f"{live}_replaced_{int(time.time())}"
+        async with conn.transaction():
+            await conn.execute(f"ALTER SCHEMA {_q(live)} RENAME TO {_q(old)}")
+            await conn.execute(f"ALTER SCHEMA {_q(fresh)} RENAME TO {_q(live)}")
+        return old
+    finally:
+        await conn.execute("SELECT pg_advisory_unlock($1)", key)
+
+
+def rebuild_command(settings: Settings, swap: bool) -> None:
+    """The CLI side: find the servers, rebuild, print the comparison; exit 1 when they differ
+    (and nothing was swapped)."""
+    from rich.table import Table
+
+    from eventlight.logreplay import cli
+
+    CliError, _need_pg, _run, console = cli._cli.CliError, cli._cli._need_pg, cli._cli._run, cli._cli.console
+    EXIT_UNAVAILABLE, _nats_settings = cli._cli.EXIT_UNAVAILABLE, cli._nats_settings
+
+    async def go() -> RebuildReport:
+        s = await _nats_settings(settings)
+        found = await _need_pg(s)
+        return await rebuild(s, str(found.url), swap=swap)
+
+    report = _run(go())
+    table = Table("table", "live rows", "rebuilt rows", "checksum", box=None, header_style="dim")
+    for t in report.tables:
+        table.add_row(t.table, str(t.live_rows), str(t.rebuilt_rows), "same" if t.same else "[red]differs[/red]")
+    console.print(
+        f"rebuilt {settings.pg_schema} from the log into {settings.pg_schema}_rebuild in {report.seconds:.2f} s "
+        f"(log position {report.rebuilt_checkpoint}; the live projection is at {report.live_checkpoint})"
+    )
+    console.print(table)
+    if report.swapped_out is not None:
+        console.print(f"swapped: the rebuilt schema is now {settings.pg_schema}; the old one is {report.swapped_out}")
+        return
+    if not report.same:
+        raise CliError(
+            "the rebuilt read model differs from the live one (see above); --swap puts the rebuilt one in place",
+            EXIT_UNAVAILABLE,
+        )
+    console.print(f"identical; {settings.pg_schema}_rebuild can be dropped, or swapped in with --swap")

@@ -1,0 +1,209 @@
+"""From a selected attempt to records: its spans in order, the adapter, rewards, provenance.
+
+An attempt's spans are its span batches decoded in log order and sorted by ``(sequence_id, log
+position)``; a span id seen twice keeps its first copy (the read model's rule). The adapter gets
+that list (``TracerTraceToTriplet`` builds the span tree from it, Agent-lightning's ``TraceTree``).
+
+Each item the adapter returns becomes one record::
+
+    rollout_id, attempt_id, attempt_sequence_id, index      which attempt, which item of it
+    mode, status, resources_id, resources_version           the rollout and attempt as the log has them
+    final_reward                                            the attempt's reward (``find_final_reward``,
+                                                            or ``--reward``'s function of the spans)
+    attempt_seq, log_positions                              where it came from: the log position of
+                                                            the attempt's start and of its span batches
+    prompt, response, reward, metadata                      a ``Triplet``'s fields
+    messages, tools                                         or the keys of a dict item (``TraceToMessages``)
+
+With a reward function the triplets' ``reward`` is relabelled as Agent-lightning's
+``to_trajectory(final_reward=...)`` does: the last triplet gets the new reward, the others ``None``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from eventlight.core.errors import InvalidInputError
+from eventlight.core.events import SpansAdded, decode_event
+from eventlight.core.types import Span, Triplet
+from eventlight.logreplay.select import Selected
+from eventlight.rewards import find_final_reward
+
+AdapterFn = Callable[[Sequence[Span]], Any]
+RewardFn = Callable[[Sequence[Span]], Any]
+
+BUILTIN_ADAPTERS = ("triplets", "messages", "proxy-triplets")
+
+PROVENANCE = (
+    "rollout_id",
+    "attempt_id",
+    "attempt_sequence_id",
+    "index",
+    "mode",
+    "status",
+    "resources_id",
+    "resources_version",
+    "final_reward",
+    "attempt_seq",
+    "log_positions",
+)
+"""The fields every record has, whatever the adapter."""
+
+
+def load_callable(spec: str, what: str) -> Any:
+    """Import ``module:attribute`` (dotted attribute allowed; ``path/to/file.py:attribute`` too).
+
+    Raises:
+        InvalidInputError: The spec is malformed, the module cannot be imported or has no such attribute.
+    """
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise InvalidInputError(f"{what} {spec!r}: expected MODULE:CALLABLE, e.g. mypkg.rewards:score")
+    if module_name.endswith(".py"):
+        path = Path(module_name)
+        if not path.is_file():
+            raise InvalidInputError(f"{what} {spec!r}: no Python file {module_name}")
+        sys.path.insert(0, str(path.resolve().parent))
+        module_name = path.stem
+    if str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as e:  # the user's module, whatever it raises while importing
+        raise InvalidInputError(f"{what} {spec!r}: importing {module_name!r} failed: {type(e).__name__}: {e}") from e
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise InvalidInputError(f"{what} {spec!r}: {module_name} has no attribute {attr!r}") from None
+    if not callable(obj):
+        raise InvalidInputError(f"{what} {spec!r} is a {type(obj).__name__}, not callable")
+    return obj
+
+
+def resolve_adapter(adapter: str | AdapterFn) -> AdapterFn:
+    """``triplets`` (``TracerTraceToTriplet``), ``messages`` (``TraceToMessages``), ``proxy-triplets``
+    (``LlmProxyTraceToTriplet``), ``MODULE:CALLABLE`` (an adapter class is instantiated without
+    arguments), or a callable of the spans.
+
+    Raises:
+        InvalidInputError: An unknown name or a spec that does not import.
+    """
+    if callable(adapter):
+        return adapter
+    from eventlight.adapter import LlmProxyTraceToTriplet, TracerTraceToTriplet, TraceToMessages
+
+    builtin: dict[str, Callable[[], AdapterFn]] = {
+        "triplets": TracerTraceToTriplet,
+        "messages": TraceToMessages,
+        "proxy-triplets": LlmProxyTraceToTriplet,
+    }
+    if adapter in builtin:
+        return builtin[adapter]()
+    if ":" not in adapter:
+        raise InvalidInputError(
+            f"unknown adapter {adapter!r}: expected one of {', '.join(BUILTIN_ADAPTERS)} or MODULE:CALLABLE"
+        )
+    obj = load_callable(adapter, "adapter")
+    if isinstance(obj, type):
+        try:
+            obj = obj()
+        except Exception as e:
+            raise InvalidInputError(f"adapter {adapter!r}: {obj.__name__}() failed: {type(e).__name__}: {e}") from e
+    return obj  # type: ignore[no-any-return]
+
+
+def resolve_reward(reward: str | RewardFn | None) -> RewardFn | None:
+    """A reward function of an attempt's spans (``MODULE:CALLABLE`` or a callable), or ``None``."""
+    if reward is None or callable(reward):
+        return reward
+    return load_callable(reward, "reward function")  # type: ignore[no-any-return]
+
+
+def attempt_spans(selected: Selected) -> tuple[list[Span], list[int]]:
+    """The attempt's spans in sequence order (first copy of a span id kept) and the log positions
+    of the batches that held them."""
+    seen: set[str] = set()
+    spans: list[tuple[int, int, Span]] = []
+    positions: list[int] = []
+    for pos, data in selected.batches:
+        event = decode_event(data)
+        if not isinstance(event, SpansAdded):
+            continue
+        kept = False
+        for span in event.spans:
+            if span.span_id in seen:
+                continue
+            seen.add(span.span_id)
+            spans.append((span.sequence_id, pos, span))
+            kept = True
+        if kept:
+            positions.append(pos)
+    spans.sort(key=lambda t: (t[0], t[1]))
+    return [s for _, _, s in spans], positions
+
+
+def _reward_value(value: Any, where: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{where} returned {type(value).__name__}, expected a number or None")
+    return float(value)
+
+
+def item_fields(item: Any) -> dict[str, Any]:
+    """A record's payload fields for one adapter item (a ``Triplet``, a dict, or anything else as ``value``)."""
+    if isinstance(item, Triplet):
+        return {"prompt": item.prompt, "response": item.response, "reward": item.reward, "metadata": item.metadata}
+    if isinstance(item, msgspec.Struct):
+        return msgspec.structs.asdict(item)
+    if isinstance(item, Mapping):
+        return dict(item)
+    if hasattr(item, "model_dump"):  # a pydantic Triplet from Agent-lightning code
+        return dict(item.model_dump())
+    return {"value": item}
+
+
+def records_of(selected: Selected, adapter: AdapterFn, reward_fn: RewardFn | None) -> list[dict[str, Any]]:
+    """The records of one attempt (see the module docstring).
+
+    Raises:
+        Exception: Whatever the adapter or reward function raised, for the caller to report.
+    """
+    spans, positions = attempt_spans(selected)
+    if reward_fn is not None:
+        final = _reward_value(reward_fn(spans), "the reward function")
+    else:
+        final = find_final_reward(spans)
+    items = list(adapter(spans))
+    attempt, rollout = selected.attempt, selected.rollout
+    base = {
+        "rollout_id": rollout.rollout_id,
+        "attempt_id": attempt.attempt_id,
+        "attempt_sequence_id": attempt.sequence_id,
+        "mode": rollout.mode,
+        "status": attempt.status,
+        "resources_id": rollout.resources_id,
+        "resources_version": selected.resources_version,
+        "final_reward": final,
+        "attempt_seq": selected.started_seq,
+        "log_positions": positions,
+    }
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        fields = item_fields(item)
+        clash = sorted(set(fields) & set(PROVENANCE))
+        if clash:
+            raise ValueError(f"the adapter's item {i} has fields named like the record's own: {', '.join(clash)}")
+        if reward_fn is not None and isinstance(item, Triplet):
+            fields["reward"] = final if i == len(items) - 1 else None
+        elif "reward" not in fields and not isinstance(item, Triplet):
+            fields["reward"] = final
+        out.append({**base, "index": i, **fields})
+    return out

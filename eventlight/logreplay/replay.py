@@ -1,0 +1,263 @@
+"""``eventlight.replay(...)``: old traces as new datasets, read from the log itself.
+
+A replay reads the event log (never the read models) from position 1 up to its head when the
+replay starts, so the same log gives the same records in the same order whatever was appended
+since; folds it (``select.LogFold``); then for each selected attempt, in the order the attempts
+started, decodes its spans, runs the adapter and yields its records (``records``). An adapter or
+reward function that raises on one attempt is recorded in ``Replay.errors`` with the rollout and
+attempt ids, logged, and the replay goes on. It never writes to the log: ``EventLog.scan`` reads
+with an ephemeral ordered consumer.
+
+Example::
+
+    async for record in eventlight.replay(settings, adapter="triplets", statuses=["succeeded"]):
+        ...
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
+
+import msgspec
+
+from eventlight.core.errors import InvalidInputError
+from eventlight.logreplay.records import AdapterFn, RewardFn, records_of, resolve_adapter, resolve_reward
+from eventlight.logreplay.select import Bound, Filters, LogFold
+from eventlight.settings import Settings
+from eventlight.store.ports import EventLog
+
+log = logging.getLogger(__name__)
+
+PROGRESS_EVERY = 2000
+
+
+class ReplayError(msgspec.Struct, frozen=True):
+    """One attempt the adapter or the reward function failed on."""
+
+    rollout_id: str
+    attempt_id: str
+    error: str
+
+
+class ReplayStats(msgspec.Struct):
+    """Counters of a replay: log entries read, spans in them, attempts selected, records yielded."""
+
+    events: int = 0
+    spans: int = 0
+    attempts: int = 0
+    records: int = 0
+    head_seq: int = 0
+
+
+Progress = Callable[[ReplayStats], None]
+
+
+def _set(values: str | Iterable[str] | None) -> frozenset[str] | None:
+    if values is None:
+        return None
+    return frozenset([values] if isinstance(values, str) else values)
+
+
+class Replay(AsyncIterator[dict[str, Any]]):
+    """An async iterator of replayed records (see the module docstring); ``errors`` and ``stats``
+    fill in as it runs. Build it with ``eventlight.replay``."""
+
+    def __init__(
+        self,
+        source: Settings | EventLog | Any,
+        adapter: str | AdapterFn,
+        filters: Filters,
+        min_reward: float | None,
+        reward: str | RewardFn | None,
+        on_progress: Progress | None,
+    ):
+        self.source = source
+        self.adapter = resolve_adapter(adapter)  # an unknown adapter fails here, before any read
+        self.reward = resolve_reward(reward)
+        self.filters = filters
+        self.min_reward = min_reward
+        self.on_progress = on_progress
+        self.errors: list[ReplayError] = []
+        self.stats = ReplayStats()
+        self._it: AsyncIterator[dict[str, Any]] | None = None
+
+    def __aiter__(self) -> Replay:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        if self._it is None:
+            self._it = self._run()
+        return await self._it.__anext__()
+
+    async def aclose(self) -> None:
+        """Stop early and release the connection a ``Settings`` source opened."""
+        if self._it is not None and hasattr(self._it, "aclose"):
+            await self._it.aclose()
+
+    async def _run(self) -> AsyncIterator[dict[str, Any]]:
+        async with _open_log(self.source) as log_:
+            fold = await self._read(log_)
+        for selected in fold.selected():
+            try:
+                records = records_of(selected, self.adapter, self.reward)
+            except Exception as e:  # the user's adapter or reward function: report, go on
+                err = ReplayError(selected.rollout.rollout_id, selected.attempt.attempt_id, f"{type(e).__name__}: {e}")
+                log.warning("replay: rollout %s attempt %s skipped: %s", err.rollout_id, err.attempt_id, err.error)
+                self.errors.append(err)
+                continue
+            if self.min_reward is not None and not _at_least(records, self.min_reward):
+                continue
+            self.stats.attempts += 1
+            for record in records:
+                self.stats.records += 1
+                if self.on_progress is not None and self.stats.records % 100 == 0:
+                    self.on_progress(self.stats)
+                yield record
+        if self.on_progress is not None:
+            self.on_progress(self.stats)
+
+    async def _read(self, log_: EventLog) -> LogFold:
+        fold = LogFold(self.filters)
+        self.stats.head_seq = await log_.head_seq()
+        async for seq, subject, data in log_.scan(0, self.stats.head_seq):
+            fold.add(seq, subject, data)
+            if self.on_progress is not None and fold.events % PROGRESS_EVERY == 0:
+                self.stats.events, self.stats.spans = fold.events, fold.spans
+                self.on_progress(self.stats)
+        self.stats.events, self.stats.spans = fold.events, fold.spans
+        for seq, why in fold.malformed:
+            log.warning(
+                "replay: the entry at log position %d is not an event this version reads (%s); skipped", seq, why
+            )
+        return fold
+
+
+def _at_least(records: list[dict[str, Any]], threshold: float) -> bool:
+    final = records[0]["final_reward"] if records else None
+    return final is not None and final >= threshold
+
+
+class _open_log:  # noqa: N801 - used as a context manager
+    """The event log of a source: a ``Settings`` (connects to its NATS, closes after), an event log,
+    or a started store (its log)."""
+
+    def __init__(self, source: Any):
+        self.source = source
+        self.nc: Any = None
+
+    async def __aenter__(self) -> EventLog:
+        if isinstance(self.source, Settings):
+            from eventlight.store.jetstream.connect import connect_nats
+            from eventlight.store.jetstream.log import JetStreamEventLog
+
+            if self.source.nats_url is None:
+                raise InvalidInputError("replay needs a NATS URL (settings.nats_url or EVENTLIGHT_NATS_URL)")
+            self.nc = await connect_nats(self.source.nats_url, name="eventlight-replay")
+            return JetStreamEventLog(self.nc, self.source, clock=None)  # type: ignore[return-value]
+        log_ = getattr(self.source, "log", self.source)
+        if not hasattr(log_, "scan"):
+            raise InvalidInputError(
+                f"cannot replay from a {type(self.source).__name__}: give Settings, a store or its log"
+            )
+        return log_  # type: ignore[no-any-return]
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.nc is not None:
+            await self.nc.close()
+
+
+def replay(
+    source: Settings | EventLog | Any,
+    *,
+    adapter: str | AdapterFn = "triplets",
+    since: Bound | int | float | str | None = None,
+    until: Bound | int | float | str | None = None,
+    statuses: str | Iterable[str] | None = None,
+    modes: str | Iterable[str] | None = None,
+    resources_ids: str | Iterable[str] | None = None,
+    min_reward: float | None = None,
+    reward: str | RewardFn | None = None,
+    on_progress: Progress | None = None,
+) -> Replay:
+    """Replay stored traces into records, as an async iterator (``eventlight replay`` from Python).
+
+    Args:
+        source: ``Settings`` (the namespace's stream on ``settings.nats_url``), a started store
+            (``InMemoryLightningStore``, ``JetStreamLightningStore``) or its event log.
+        adapter: ``"triplets"`` (``TracerTraceToTriplet``), ``"messages"`` (``TraceToMessages``),
+            ``"proxy-triplets"`` (``LlmProxyTraceToTriplet``), ``"module:callable"``, or a callable
+            of an attempt's spans returning a list of items.
+        since, until: Select attempts that started at or after / at or before a bound: an ``int``
+            is a log position (stream sequence), a ``float`` seconds since the epoch, a ``str`` as
+            ``parse_bound`` reads it, or a ``Bound``.
+        statuses: Attempt statuses to keep (e.g. ``"succeeded"``).
+        modes, resources_ids: The rollout's ``mode`` / ``resources_id`` to keep.
+        min_reward: Keep attempts whose final reward is at least this (none: dropped).
+        reward: A function of an attempt's spans returning its new reward (relabelling), or its
+            ``"module:callable"``.
+        on_progress: Called now and then with the ``ReplayStats``.
+
+    Returns:
+        A ``Replay``: iterate it for the records; ``errors`` lists the attempts that failed.
+
+    Raises:
+        InvalidInputError: An unknown adapter or reward spec, or a range whose start is after its end.
+        ServiceUnavailableError: NATS cannot be reached (when iterating).
+    """
+    lo, hi = as_bound(since), as_bound(until)
+    check_range(lo, hi)
+    filters = Filters(since=lo, until=hi, statuses=_set(statuses), modes=_set(modes), resources_ids=_set(resources_ids))
+    return Replay(source, adapter, filters, min_reward, reward, on_progress)
+
+
+def parse_bound(text: str) -> Bound:
+    """``"1234"`` (a log position) or an ISO 8601 time (``"2026-05-01"``, ``"2026-05-01T12:00:00Z"``;
+    without a zone, UTC).
+
+    Raises:
+        InvalidInputError: Neither.
+    """
+    from datetime import UTC, datetime
+
+    text = text.strip()
+    if text.isdigit():
+        return Bound(seq=int(text))
+    try:
+        when = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise InvalidInputError(
+            f"{text!r} is neither a log position (an integer) nor an ISO 8601 time (e.g. 2026-05-01T12:00:00Z)"
+        ) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return Bound(time=when.timestamp())
+
+
+def as_bound(value: Bound | int | float | str | None) -> Bound | None:
+    if value is None or isinstance(value, Bound):
+        return value
+    if isinstance(value, bool):
+        raise InvalidInputError(f"not a range bound: {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise InvalidInputError(f"a log position is at least 0, not {value}")
+        return Bound(seq=value)
+    if isinstance(value, float):
+        return Bound(time=value)
+    return parse_bound(value)
+
+
+def check_range(lo: Bound | None, hi: Bound | None) -> None:
+    """Refuse a range whose start is after its end (when both are positions or both are times).
+
+    Raises:
+        InvalidInputError: It is.
+    """
+    if lo is None or hi is None:
+        return
+    if lo.seq is not None and hi.seq is not None and lo.seq > hi.seq:
+        raise InvalidInputError(f"bad range: --since {lo.seq} is after --until {hi.seq}")
+    if lo.time is not None and hi.time is not None and lo.time > hi.time:
+        raise InvalidInputError("bad range: --since is later than --until")

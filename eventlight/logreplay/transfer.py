@@ -1,0 +1,169 @@
+"""``eventlight export`` / ``eventlight import``: a slice of the log to a file and into another namespace.
+
+The file is JSON lines: a header ``{"eventlight_export": 1, "namespace", "stream", "since", "until"}``
+then one entry a line, ``{"seq", "subject", "data"}``, with ``subject`` below ``el.<ns>.`` and the
+payload embedded verbatim (``data_b64`` for one that is not JSON), so an import appends exactly the
+bytes the source holds, old event shapes included (readers upcast them).
+
+Import appends the entries in file order under the target's prefix, each with ``Nats-Msg-Id``
+set to a digest of its subject and payload (JetStream drops a repeat inside its duplicate window).
+Past the window, what the target already holds is found per aggregate (a rollout's subject tree,
+an attempt's span subject, a resources id, a worker): an aggregate the target lacks is appended
+whole without a look; for one it has, the digests of its stored messages are read once and
+entries already there are skipped. So importing the same file twice appends nothing the second
+time, and importing into a namespace that already holds part of the slice appends only the rest.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from eventlight.core.errors import InvalidInputError
+from eventlight.settings import Settings
+
+FORMAT = 1
+
+
+_NO_DATA = msgspec.Raw(b"null")
+
+
+class _Entry(msgspec.Struct, omit_defaults=True):
+    seq: int
+    subject: str
+    data: msgspec.Raw = _NO_DATA
+    data_b64: str | None = None
+
+    def payload(self) -> bytes:
+        if self.data_b64 is not None:
+            return base64.b64decode(self.data_b64)
+        return bytes(self.data)
+
+
+_entry = msgspec.json.Decoder(_Entry)
+_enc = msgspec.json.Encoder()
+
+
+def _is_json(data: bytes) -> bool:
+    try:
+        msgspec.json.decode(data, type=msgspec.Raw)
+    except msgspec.DecodeError:
+        return False
+    return bool(data)
+
+
+async def export_log(settings: Settings, out: Path, since: int, until: int | None) -> tuple[int, int, int]:
+    """Write entries after ``since`` up to ``until`` (default: the head now) of the namespace's log.
+
+    Returns:
+        ``(entries written, first position, last position)``.
+    """
+    from eventlight.store.jetstream.connect import connect_nats
+    from eventlight.store.jetstream.log import JetStreamEventLog
+
+    assert settings.nats_url is not None
+    nc = await connect_nats(settings.nats_url, name="eventlight-export")
+    n, first, last = 0, 0, 0
+    try:
+        log_ = JetStreamEventLog(nc, settings, None)
+        head = await log_.head_seq()
+        until = head if until is None else min(until, head)
+        header = {"eventlight_export": FORMAT, "namespace": settings.namespace, "since": since, "until": until}
+        with out.open("wb") as f:
+            f.write(_enc.encode(header) + b"\n")
+            async for seq, subject, data in log_.scan(since, until):
+                entry = (
+                    _Entry(seq, subject, data=msgspec.Raw(data))
+                    if _is_json(data)
+                    else _Entry(seq, subject, data_b64=base64.b64encode(data).decode())
+                )
+                f.write(_enc.encode(entry) + b"\n")
+                n, first, last = n + 1, first or seq, seq
+    finally:
+        await nc.close()
+    return n, first, last
+
+
+def _aggregate(subject: str) -> str:
+    """The subject filter of the aggregate an entry belongs to (below the prefix)."""
+    parts = subject.split(".")
+    if parts[0] == "r" and len(parts) >= 2:
+        return f"r.{parts[1]}.>"
+    return subject
+
+
+def _digest(subject: str, data: bytes) -> str:
+    return hashlib.sha256(subject.encode() + b"\x00" + data).hexdigest()[:40]
+
+
+def read_export(path: Path) -> tuple[dict[str, Any], list[_Entry]]:
+    """The header and entries of an export file.
+
+    Raises:
+        InvalidInputError: Not a file ``eventlight export`` wrote.
+    """
+    with path.open("rb") as f:
+        lines = f.read().splitlines()
+    try:
+        header = msgspec.json.decode(lines[0]) if lines else None
+        if not isinstance(header, dict) or header.get("eventlight_export") != FORMAT:
+            raise InvalidInputError(f"{path} is not an eventlight export (format {FORMAT})")
+        return header, [_entry.decode(line) for line in lines[1:] if line.strip()]
+    except msgspec.DecodeError as e:
+        raise InvalidInputError(f"{path} is not an eventlight export: {e}") from e
+
+
+async def import_log(settings: Settings, path: Path) -> tuple[int, int]:
+    """Append an export file's entries to the namespace's log, skipping those it holds.
+
+    Returns:
+        ``(entries appended, entries already there)``.
+
+    Raises:
+        InvalidInputError: Not an export file.
+        ServiceUnavailableError: NATS cannot be reached or refused an append.
+    """
+    from eventlight.store.jetstream.connect import connect_nats
+    from eventlight.store.jetstream.log import JetStreamEventLog
+    from eventlight.store.jetstream.nats_errors import nats_errors
+
+    _, entries = read_export(path)
+    assert settings.nats_url is not None
+    nc = await connect_nats(settings.nats_url, name="eventlight-import")
+    added = present = 0
+    try:
+        log_ = JetStreamEventLog(nc, settings, None)
+        held: dict[str, set[str]] = {}
+        for e in entries:
+            data = e.payload()
+            agg = _aggregate(e.subject)
+            if agg not in held:
+                held[agg] = await _held(log_, agg)
+            digest = _digest(e.subject, data)
+            if digest in held[agg]:
+                present += 1
+                continue
+            subject = f"{log_.prefix}.{e.subject}"
+            with nats_errors(log_.server(), f"publish to {subject}"):
+                ack = await log_.js.publish(subject, data, headers={"Nats-Msg-Id": f"import:{digest}"})
+            held[agg].add(digest)
+            if ack.duplicate:
+                present += 1
+            else:
+                added += 1
+    finally:
+        await nc.close()
+    return added, present
+
+
+async def _held(log_: Any, aggregate: str) -> set[str]:
+    """Digests of the messages the log holds on an aggregate's subjects (none read if it has none)."""
+    subject = f"{log_.prefix}.{aggregate}"
+    if await log_._last_msg(subject) is None:
+        return set()
+    cut = len(log_.prefix) + 1
+    return {_digest(m.subject[cut:], m.data or b"") async for m in log_._messages(subject)}

@@ -1,0 +1,142 @@
+"""Record files: JSON lines or Parquet, the same records in the same order, byte for byte the same
+for the same input.
+
+* ``.jsonl``: one JSON object a line, keys sorted (msgspec), nested values as they are; loads with
+  ``pandas.read_json(lines=True)`` and ``datasets.load_dataset("json", data_files=...)``.
+* ``.parquet``: the provenance fields as typed columns (strings, int64, double,
+  ``log_positions: list<int64>``), ``reward`` as double, and every other field as JSON text (the
+  adapters' prompts, responses and messages differ in shape from row to row, which Parquet's one
+  schema per file cannot hold); loads with ``pyarrow.parquet.read_table``, ``pandas.read_parquet``
+  and ``datasets.load_dataset("parquet", ...)``. Needs the ``replay`` extra (pyarrow).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+import msgspec
+
+from eventlight.core.errors import InvalidInputError
+from eventlight.logreplay.records import PROVENANCE
+
+ROW_GROUP = 4096
+
+_encoder = msgspec.json.Encoder(order="sorted", enc_hook=repr)
+
+
+def to_json(value: Any) -> bytes:
+    """Deterministic JSON (sorted keys; an unknown type as its ``repr``)."""
+    return _encoder.encode(value)
+
+
+class RecordWriter(Protocol):
+    def write(self, record: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonlWriter:
+    """Writes ``path`` as JSON lines."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._f = path.open("wb")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._f.write(to_json(record) + b"\n")
+
+    def close(self) -> None:
+        self._f.close()
+
+
+_TYPES = {
+    "rollout_id": "string",
+    "attempt_id": "string",
+    "attempt_sequence_id": "int64",
+    "index": "int64",
+    "mode": "string",
+    "status": "string",
+    "resources_id": "string",
+    "resources_version": "int64",
+    "final_reward": "float64",
+    "attempt_seq": "int64",
+    "log_positions": "list<int64>",
+    "reward": "float64",
+}
+
+
+class ParquetWriter:
+    """Writes ``path`` as Parquet in row groups; the columns are fixed by the first row group."""
+
+    def __init__(self, path: Path):
+        try:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+        except ImportError as e:
+            raise InvalidInputError(
+                "Parquet output needs pyarrow: pip install 'eventlight[replay]' (or write .jsonl)"
+            ) from e
+        self.pa, self.pq = pa, pq
+        self.path = path
+        self._rows: list[dict[str, Any]] = []
+        self._schema: Any = None
+        self._writer: Any = None
+        self._count = 0
+
+    def _arrow_type(self, name: str) -> Any:
+        kind = _TYPES.get(name, "json")
+        if kind == "list<int64>":
+            return self.pa.list_(self.pa.int64())
+        return self.pa.string() if kind == "json" else getattr(self.pa, kind)()
+
+    def _make_schema(self) -> Any:
+        extra = sorted({k for r in self._rows for k in r} - set(PROVENANCE))
+        names = [*PROVENANCE, *extra]
+        return self.pa.schema([(n, self._arrow_type(n)) for n in names])
+
+    def _cell(self, name: str, value: Any) -> Any:
+        if name in _TYPES or value is None:
+            return value
+        return to_json(value).decode()
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._rows.append(record)
+        if len(self._rows) >= ROW_GROUP:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._schema is None:
+            self._schema = self._make_schema()
+            self._writer = self.pq.ParquetWriter(self.path, self._schema)
+        names = self._schema.names
+        for r in self._rows:
+            self._count += 1
+            unknown = set(r) - set(names)
+            if unknown:
+                raise InvalidInputError(
+                    f"record {self._count} has fields {sorted(unknown)} that the first {ROW_GROUP} records lack: "
+                    "a Parquet file has one set of columns (write .jsonl instead)"
+                )
+        columns = {n: [self._cell(n, r.get(n)) for r in self._rows] for n in names}
+        self._writer.write_table(self.pa.table(columns, schema=self._schema))
+        self._rows = []
+
+    def close(self) -> None:
+        if self._rows or self._schema is None:
+            self._flush()
+        self._writer.close()
+
+
+def open_writer(path: Path) -> RecordWriter:
+    """A writer for ``path`` by its suffix (``.jsonl`` or ``.parquet``).
+
+    Raises:
+        InvalidInputError: Another suffix, or Parquet without pyarrow.
+    """
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        return JsonlWriter(path)
+    if suffix == ".parquet":
+        return ParquetWriter(path)
+    raise InvalidInputError(f"--out {path}: expected a .jsonl or .parquet file name")

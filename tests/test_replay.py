@@ -1,0 +1,241 @@
+"""``eventlight replay``: the log (never the read models) → selected attempts → adapter → records.
+
+Runs on real NATS for the JetStream log and on the in-memory log; the CLI is run as a user runs it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+import eventlight
+from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
+from eventlight.core.types import Span
+from eventlight.settings import Settings
+from eventlight.store.jetstream import JetStreamLightningStore
+from eventlight.store.memory import InMemoryLightningStore
+from tests.test_cli import assert_one_line_error, cli, env_of
+
+
+def llm_span(rid: str, aid: str, seq: int, text: str, start: float) -> Span:
+    return Span.from_attributes(
+        attributes={
+            "gen_ai.prompt.0.role": "user",
+            "gen_ai.prompt.0.content": f"q {text}",
+            "gen_ai.completion.0.role": "assistant",
+            "gen_ai.completion.0.content": f"a {text}",
+            "gen_ai.response.id": f"resp-{aid}-{seq}",
+            "prompt_token_ids": [1, 2, seq],
+            "response_token_ids": [3, seq],
+        },
+        rollout_id=rid,
+        attempt_id=aid,
+        sequence_id=seq,
+        name="openai.chat.completion",
+        start_time=start,
+        end_time=start + 1,
+    )
+
+
+def reward_span(rid: str, aid: str, seq: int, value: float, start: float) -> Span:
+    return Span.from_attributes(
+        attributes={"agentlightning.reward.0.name": "primary", "agentlightning.reward.0.value": value},
+        rollout_id=rid,
+        attempt_id=aid,
+        sequence_id=seq,
+        name="agentlightning.annotation",
+        start_time=start,
+        end_time=start,
+    )
+
+
+async def workload(store: Any) -> dict[str, str]:
+    """Three rollouts: train succeeded (reward 0.9, two LLM calls), val succeeded (0.2), train failed."""
+    res = await store.add_resources({"p": eventlight.PromptTemplate(template="v1 {x}")})
+    ids: dict[str, str] = {}
+    for name, mode, reward, status in (
+        ("good", "train", 0.9, "succeeded"),
+        ("val", "val", 0.2, "succeeded"),
+        ("bad", "train", None, "failed"),
+    ):
+        r = await store.enqueue_rollout({"task": name}, mode=mode, resources_id=res.resources_id)
+        d = await store.dequeue_rollout(worker_id="w1")
+        assert d.rollout_id == r.rollout_id
+        aid = d.attempt.attempt_id
+        spans = [llm_span(r.rollout_id, aid, 1, name, 10.0), llm_span(r.rollout_id, aid, 2, name + "2", 12.0)]
+        await store.add_many_spans(spans[:1])
+        await store.add_many_spans(spans[1:])
+        if reward is not None:
+            await store.add_span(reward_span(r.rollout_id, aid, 3, reward, 14.0))
+        await store.update_attempt(r.rollout_id, aid, status=status)
+        ids[name] = r.rollout_id
+    return ids
+
+
+async def collect(run: Any) -> list[dict[str, Any]]:
+    return [r async for r in run]
+
+
+async def test_replay_on_memory_gives_triplets_with_provenance() -> None:
+    async with InMemoryLightningStore() as store:
+        ids = await workload(store)
+        records = await collect(eventlight.replay(store, adapter="triplets"))
+        # two LLM calls per attempt, in sequence order; the reward goes to the last call before it
+        assert [(r["rollout_id"], r["index"]) for r in records] == [
+            (ids[n], i) for n in ("good", "val", "bad") for i in (0, 1)
+        ]
+        good = records[1]
+        assert good["prompt"]["token_ids"] == [1, 2, 2] and good["response"]["token_ids"] == [3, 2]
+        assert good["reward"] == 0.9 and good["final_reward"] == 0.9 and records[0]["reward"] is None
+        assert good["status"] == "succeeded" and good["mode"] == "train" and good["resources_version"] == 1
+        assert good["attempt_seq"] < good["log_positions"][0] and len(good["log_positions"]) == 3
+        msgs = await collect(eventlight.replay(store, adapter="messages", statuses="succeeded", modes="train"))
+        assert len(msgs) == 2 and msgs[0]["messages"][-1] == {"role": "assistant", "content": "a good"}
+
+
+async def test_filters_and_reward_relabelling() -> None:
+    async with InMemoryLightningStore() as store:
+        ids = await workload(store)
+        kept = await collect(eventlight.replay(store, min_reward=0.5))
+        assert {r["rollout_id"] for r in kept} == {ids["good"]}
+        by_pos = await collect(eventlight.replay(store, since=kept[0]["attempt_seq"] + 1))
+        assert {r["rollout_id"] for r in by_pos} == {ids["val"], ids["bad"]}
+
+        def score(spans: list[Span]) -> float:  # a new reward on old rollouts: calls made
+            return float(sum(s.name == "openai.chat.completion" for s in spans))
+
+        relabelled = await collect(eventlight.replay(store, reward=score, statuses=["failed"]))
+        assert [(r["reward"], r["final_reward"]) for r in relabelled] == [(None, 2.0), (2.0, 2.0)]
+
+
+async def test_an_adapter_that_raises_on_one_attempt_is_reported_and_the_rest_replays() -> None:
+    async with InMemoryLightningStore() as store:
+        ids = await workload(store)
+
+        def picky(spans: list[Span]) -> list[dict[str, Any]]:
+            if any("bad" in str(s.attributes) for s in spans):
+                raise RuntimeError("cannot adapt this one")
+            return [{"n": len(spans)}]
+
+        run = eventlight.replay(store, adapter=picky)
+        records = await collect(run)
+        assert [r["rollout_id"] for r in records] == [ids["good"], ids["val"]]
+        assert len(run.errors) == 1 and run.errors[0].rollout_id == ids["bad"]
+        assert "RuntimeError: cannot adapt this one" in run.errors[0].error and run.errors[0].attempt_id
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "says"),
+    [
+        ({"adapter": "nope"}, "unknown adapter 'nope'"),
+        ({"adapter": "no_such_module:f"}, "importing 'no_such_module' failed"),
+        ({"since": 10, "until": 3}, "bad range"),
+        ({"since": "yesterday-ish"}, "neither a log position"),
+        ({"reward": "json:no_such_function"}, "has no attribute"),
+    ],
+)
+def test_bad_arguments_fail_before_reading(kwargs: dict[str, Any], says: str) -> None:
+    with pytest.raises(InvalidInputError, match=says.replace("(", r"\(")):
+        eventlight.replay(Settings(nats_url="nats://127.0.0.1:1"), **kwargs)
+
+
+async def test_unreachable_nats_is_one_error() -> None:
+    with pytest.raises(ServiceUnavailableError, match="not reachable"):
+        await collect(eventlight.replay(Settings(nats_url="nats://127.0.0.1:1")))
+
+
+async def last_seq(store: JetStreamLightningStore) -> int:
+    info = await store.log.js.stream_info(store.log.stream)
+    return int(info.state.last_seq)
+
+
+async def test_jetstream_replay_reads_the_log_writes_nothing_and_matches_memory(namespace: Settings) -> None:
+    async with JetStreamLightningStore(namespace) as store:  # no Postgres: the log alone
+        await workload(store)
+        before = await last_seq(store)
+        run = eventlight.replay(namespace, adapter="triplets")
+        records = await collect(run)
+        assert await last_seq(store) == before, "a replay wrote to the log it read"
+    assert run.stats.head_seq == before and run.stats.spans == 8 and len(records) == 6
+    async with InMemoryLightningStore() as mem:
+        await workload(mem)
+        same = await collect(eventlight.replay(mem, adapter="triplets"))
+    strip = (
+        "rollout_id",
+        "attempt_id",
+        "resources_id",
+        "attempt_seq",
+        "log_positions",
+        "metadata",
+        "prompt",
+        "response",
+    )
+    assert [{k: v for k, v in r.items() if k not in strip} for r in records] == [
+        {k: v for k, v in r.items() if k not in strip} for r in same
+    ]
+
+
+async def test_old_event_shapes_replay_through_the_upcaster(namespace: Settings) -> None:
+    """An ``AttemptUpdated`` v1 (a whole attempt snapshot) written straight to the stream is read
+    as the v2 fact by the replay."""
+    async with JetStreamLightningStore(namespace) as store:
+        r = await store.enqueue_rollout({"task": "old"}, mode="train")
+        d = await store.dequeue_rollout(worker_id="w1")
+        aid = d.attempt.attempt_id
+        await store.add_many_spans([llm_span(r.rollout_id, aid, 1, "old", 10.0)])
+        attempt = msgspec.to_builtins(d.attempt)
+        attempt.update(status="succeeded", end_time=20.0)
+        v1 = {
+            "type": "attempt_updated",
+            "v": 1,
+            "time": 20.0,
+            "attempt": attempt,
+            "rollout_status": "succeeded",
+            "rollout_end_time": 20.0,
+        }
+        await store.log.js.publish(f"{store.log.prefix}.r.{r.rollout_id}.e", json.dumps(v1).encode())
+    records = await collect(eventlight.replay(namespace, statuses=["succeeded"]))
+    assert [(x["rollout_id"], x["status"]) for x in records] == [(r.rollout_id, "succeeded")]
+
+
+def _read_all(path: Path) -> Any:
+    import pandas as pd
+
+    return pd.read_json(path, lines=True) if path.suffix == ".jsonl" else pd.read_parquet(path)
+
+
+async def test_cli_replay_writes_the_same_bytes_twice_and_loads_everywhere(namespace: Settings, tmp_path: Path) -> None:
+    async with JetStreamLightningStore(namespace) as store:
+        await workload(store)
+    env = env_of(namespace)
+    for suffix in (".jsonl", ".parquet"):
+        a, b = tmp_path / f"a{suffix}", tmp_path / f"b{suffix}"
+        for out in (a, b):
+            result = cli("replay", "--adapter", "triplets", "--status", "succeeded", "--out", str(out), env=env)
+            assert result.returncode == 0, result.stderr
+            assert "4 record(s) from 2 attempt(s)" in result.stdout
+        assert a.read_bytes() == b.read_bytes(), f"{suffix}: same input, different bytes"
+        frame = _read_all(a)
+        assert len(frame) == 4 and set(frame["status"]) == {"succeeded"}
+        assert {"rollout_id", "attempt_id", "resources_version", "final_reward", "log_positions"} <= set(frame.columns)
+    import pyarrow.parquet as pq
+
+    assert pq.read_table(tmp_path / "a.parquet").num_rows == 4
+    datasets = pytest.importorskip("datasets")
+    for kind, name in (("json", "a.jsonl"), ("parquet", "a.parquet")):
+        ds = datasets.load_dataset(kind, data_files=str(tmp_path / name), split="train", cache_dir=str(tmp_path / "hf"))
+        assert ds.num_rows == 4
+
+
+def test_cli_replay_bad_input_is_one_line(namespace: Settings, tmp_path: Path) -> None:
+    env = env_of(namespace)
+    out = str(tmp_path / "x.jsonl")
+    assert_one_line_error(cli("replay", "--adapter", "nope", "--out", out, env=env), 2, "unknown adapter")
+    assert_one_line_error(cli("replay", "--since", "9", "--until", "2", "--out", out, env=env), 2, "bad range")
+    assert_one_line_error(cli("replay", "--out", str(tmp_path / "x.csv"), env=env), 2, ".jsonl or .parquet")
+    gone = {**env, "EVENTLIGHT_NATS_URL": "nats://127.0.0.1:1"}
+    assert_one_line_error(cli("replay", "--out", out, env=gone), 1, "cannot reach", "127.0.0.1:1")
