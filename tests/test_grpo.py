@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from rl_tiny import tiny_agent, tiny_policy  # noqa: E402
+from test_demo import run_main_job  # noqa: E402
 
 import eventlight as agl  # noqa: E402
 from eventlight.algorithm.grpo import GRPO, GRPOConfig, TrainingStoppedError  # noqa: E402
@@ -237,3 +238,12 @@ async def test_each_checkpoint_is_a_resources_version_and_a_run_resumes(namespac
     assert events2[0] == {"event": "resume", "step": 2, "version": "r1-step2"}
     assert [e["step"] for e in events2 if e["event"] == "step"] == [3]
     assert latest_checkpoint(tmp_path / "ckpt").name == "step-00003"
+
+
+@pytest.mark.e2e
+def test_the_grpo_demo_that_cannot_train_exits_1_with_one_line(services, tmp_path) -> None:
+    done = run_main_job(services, "--model-dir", str(tmp_path / "missing"), "--steps", "1")
+    assert done.returncode == 1, done.stdout + done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "no model at" in errors[0], done.stderr
+    assert "held-out reward" not in done.stdout and "Traceback" not in done.stderr

@@ -134,11 +134,17 @@ class Policy:
 
     @classmethod
     def from_pretrained(cls, path: Path | str, **kwargs: Any) -> Policy:
-        """Load a model folder (``base_model_dir`` or a checkpoint)."""
+        """Load a model folder (``base_model_dir`` or a checkpoint); never downloads.
+
+        Raises:
+            FileNotFoundError: ``path`` holds no model.
+        """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        if not (Path(path) / "config.json").is_file():
+            raise FileNotFoundError(f"no model at {path} (a folder with config.json and model.safetensors)")
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, local_files_only=True)
         return cls(model, tokenizer, **kwargs)
 
     @property
