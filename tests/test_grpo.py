@@ -104,7 +104,11 @@ async def test_proxy_spans_hold_exactly_the_policy_tokens(namespace: agl.Setting
             llm = proxy.as_resource(attempted.rollout_id, attempted.attempt.attempt_id, model="p")
             async with openai.AsyncOpenAI(base_url=llm.endpoint, api_key="x", max_retries=0) as client:
                 await client.chat.completions.create(
-                    model="p", messages=[{"role": "user", "content": "2 + 3?"}], temperature=1.0, max_tokens=6
+                    model="p",
+                    messages=[{"role": "user", "content": "2 + 3?"}],
+                    temperature=1.0,
+                    max_tokens=6,
+                    logprobs=True,
                 )
                 with pytest.raises(openai.BadRequestError, match="maximum context length"):
                     await client.chat.completions.create(
@@ -118,6 +122,8 @@ async def test_proxy_spans_hold_exactly_the_policy_tokens(namespace: agl.Setting
     assert triplets[0].prompt["token_ids"] == prompt_ids
     response_ids = triplets[0].response["token_ids"]
     assert 1 <= len(response_ids) <= 6
+    logprobs = [entry["logprob"] for entry in triplets[0].response["logprobs"]]
+    assert len(logprobs) == len(response_ids) and all(lp <= 0.0 for lp in logprobs)
     batch = collate(samples_from_triplets(triplets, 1.0, max_seq_len=64), pad_id=policy.pad_id)
     n_p = len(prompt_ids)
     assert batch.response_mask[0].tolist() == [0] * n_p + [1] * len(response_ids)

@@ -140,7 +140,10 @@ async def train(args: argparse.Namespace) -> int:
     say(f"loading SmolLM2-135M-Instruct (converted once from the GGUF) and starting {args.n_runners} runners…")
     try:
         await trainer.fit_async(adder, train_items, val_dataset=held_out)
-        return report(trainer, grpo, run_id, time.monotonic() - started)
+        code = report(trainer, grpo, run_id, time.monotonic() - started)
+        if code == 0 and grpo.policy is not None and grpo.checkpoint_dir is not None:
+            grpo.policy.drop_optimizer_state(grpo.checkpoint_dir)  # a finished run keeps its weights only
+        return code
     finally:
         if trainer.services is not None and trainer.services.started:
             await stop_services(trainer.settings)
@@ -169,7 +172,7 @@ def report(trainer: agl.Trainer, grpo, run_id: str, wall_s: float) -> int:
     skipped = {k: v for k, v in grpo.counters.items() if k not in ("rollouts_enqueued", "spans_read") and v}
     print(f"  skipped             : {skipped or 'nothing'}")
     print(f"  wall time           : {wall_s:.0f} s; one update {step_s:.1f} s; peak memory {peak_gb:.1f} GB")
-    print(f"  checkpoint          : {grpo.checkpoint_dir} (resume with --resume {run_id})")
+    print(f"  last checkpoint     : {grpo.checkpoint_dir} (weights; --resume {run_id} --steps N continues)")
     query = report_sql(run_id)
     print("  reward by checkpoint (the SQL views, this run only):")
     cli = Path(sys.executable).with_name("eventlight")
