@@ -158,7 +158,7 @@ class GRPO(Algorithm):
         if self.get_llm_proxy() is None:
             raise ValueError("GRPO serves its model through the LLM proxy; give the Trainer an llm_proxy")
         self.policy = self.policy or await asyncio.to_thread(self._load_policy)
-        start = await asyncio.to_thread(self._resume)
+        start = await self.policy.call(self._resume)
         self.server = PolicyServer(self.policy, max_context_tokens=self.config.max_seq_len)
         await self.server.start()
         try:
@@ -334,9 +334,9 @@ class GRPO(Algorithm):
             log.warning("GRPO step %d from %s: nothing to train on (%s)", step + 1, version, dict(skipped))
             record.update(loss=float("nan"), sequences=0, tokens=0, step_s=0.0, grad_norm=0.0, trained=False)
         else:
-            stats = await asyncio.to_thread(self.policy.train_step, samples, clip_eps=self.config.clip_eps)
+            stats = await self.policy.call(self.policy.train_step, samples, clip_eps=self.config.clip_eps)
             record.update(stats, trained=True)
-        await asyncio.to_thread(self._checkpoint, step + 1)
+        await self.policy.call(self._checkpoint, step + 1)
         self.steps.append(record)
         self._emit(record)
         return bool(samples)

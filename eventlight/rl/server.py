@@ -157,7 +157,7 @@ class PolicyServer:
 
     async def _run(self, jobs: list[_Job], temperature: float, top_p: float, max_new: int) -> None:
         try:
-            gens = await asyncio.to_thread(
+            gens = await self.policy.call(
                 self.policy.generate,
                 [j.prompt_ids for j in jobs],
                 temperature=temperature,
