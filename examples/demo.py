@@ -1,0 +1,43 @@
+"""``make demo``: the main job. GRPO on sums by default; ``--algorithm apo`` runs the APO demo.
+
+    python examples/demo.py [--algorithm grpo|apo] [options of that demo]
+
+``grpo`` is ``examples/arithmetic/train_grpo.py`` (SmolLM2-135M learns, on the CPU, in minutes);
+``apo`` is ``examples/room_booking/train_apo.py`` unchanged (prompt optimisation, its LLM check and
+run id). ``--help`` after the algorithm shows that demo's options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, add_help=False
+    )
+    p.add_argument("--algorithm", choices=["grpo", "apo"], default="grpo", help="which demo (default grpo)")
+    args, rest = p.parse_known_args(argv)
+    if args.algorithm == "apo":
+        from examples.room_booking import train_apo as demo
+    else:
+        from examples.arithmetic import train_grpo as demo  # type: ignore[no-redef]
+    logging.basicConfig(
+        level=os.environ.get("EVENTLIGHT_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return asyncio.run(demo.main(demo.parse_args(rest)))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,255 @@
+"""GRPO on the CPU: the math, the spans → triplets → tensors path, one real optimizer step, and the
+checkpoint-as-resources-version loop through the store (with a tiny random model, nothing downloaded).
+
+Skipped without the ``rl`` extra (torch, transformers).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from rl_tiny import tiny_agent, tiny_policy  # noqa: E402
+from test_demo import run_main_job  # noqa: E402
+
+import eventlight as agl  # noqa: E402
+from eventlight.algorithm.grpo import GRPO, GRPOConfig, TrainingStoppedError  # noqa: E402
+from eventlight.core.types import Rollout, Triplet  # noqa: E402
+from eventlight.rl.batch import Sample, collate, samples_from_triplets  # noqa: E402
+from eventlight.rl.grpo_math import group_advantages, policy_loss, sequence_logprobs  # noqa: E402
+from eventlight.rl.policy import latest_checkpoint  # noqa: E402
+from eventlight.rl.server import PolicyServer  # noqa: E402
+
+# -- math ------------------------------------------------------------------------------------
+
+
+def test_group_advantages_on_hand_made_groups() -> None:
+    adv = group_advantages([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 3.0], ["a", "a", "a", "a", "b", "b", "c"])
+    assert adv[:4] == pytest.approx([1.0, -1.0, -1.0, 1.0], abs=1e-5)  # mean 0.5, std 0.5
+    assert adv[4:] == [0.0, 0.0, 0.0]  # equal rewards and a group of one carry no signal
+    centred = group_advantages([1.0, 0.0, 0.5], ["g"] * 3, scale_by_std=False)
+    assert centred == pytest.approx([0.5, -0.5, 0.0])
+    with pytest.raises(ValueError):
+        group_advantages([1.0], ["a", "b"])
+
+
+def test_policy_loss_is_the_token_mean_and_clips() -> None:
+    logp = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.5, 0.5, 0.5]]))
+    mask = torch.tensor([[0, 1, 1], [0, 0, 1]])
+    adv = torch.tensor([2.0, -1.0])
+    loss, stats = policy_loss(logp, logp, adv, mask)
+    assert stats["tokens"] == 3
+    assert float(loss) == pytest.approx((-2.0 - 2.0 + 1.0) / 3)  # ratio 1: -A per response token
+    # ratio 1.5 with a positive advantage is clipped at 1.2; with a negative one it is not
+    old = logp - math.log(1.5)
+    loss, stats = policy_loss(logp, old, adv, mask, clip_eps=0.2)
+    assert float(loss) == pytest.approx((-2.0 * 1.2 * 2 + 1.0 * 1.5) / 3, rel=1e-5)
+    assert stats["clip_fraction"] == pytest.approx(2 / 3)
+    with pytest.raises(ValueError):
+        policy_loss(logp, logp, adv, torch.zeros_like(mask))
+
+
+def test_sequence_logprobs_align_with_the_token_they_score() -> None:
+    logits = torch.zeros(1, 3, 4)
+    logits[0, 0, 2] = 10.0  # position 0 predicts token 2 at position 1
+    out = sequence_logprobs(logits, torch.tensor([[1, 2, 3]]))
+    assert out[0, 0] == 0.0
+    assert out[0, 1] > -0.01 and out[0, 2] == pytest.approx(-math.log(4), abs=1e-4)
+
+
+# -- triplets → tensors ---------------------------------------------------------------------------
+
+
+def test_samples_skip_and_count_bad_triplets_and_mask_only_the_response() -> None:
+    ok = Triplet(prompt={"token_ids": [5, 6, 7]}, response={"token_ids": [8, 9]}, reward=1.0)
+    no_ids = Triplet(prompt={"token_ids": []}, response={"token_ids": [8]}, reward=1.0)
+    too_long = Triplet(prompt={"token_ids": list(range(10, 20))}, response={"token_ids": [1]}, reward=1.0)
+    skipped: Counter[str] = Counter()
+    samples = samples_from_triplets([ok, no_ids, too_long], 0.5, max_seq_len=8, skipped=skipped)
+    assert skipped == {"no_token_ids": 1, "too_long": 1}
+    assert samples == [Sample((5, 6, 7), (8, 9), 0.5)]
+    batch = collate(samples + [Sample((5,), (4, 3, 2, 1), -1.0)], pad_id=0)
+    assert batch.input_ids.tolist() == [[5, 6, 7, 8, 9], [5, 4, 3, 2, 1]]
+    assert batch.response_mask.tolist() == [[0, 0, 0, 1, 1], [0, 1, 1, 1, 1]]
+    assert batch.attention_mask.tolist() == [[1] * 5, [1] * 5]
+    with pytest.raises(ValueError):
+        collate([], pad_id=0)
+
+
+async def test_proxy_spans_hold_exactly_the_policy_tokens(namespace: agl.Settings) -> None:
+    """Policy server behind the LLM proxy: the span's ids are the server's, and the mask covers the response."""
+    import openai
+
+    policy = tiny_policy()
+    async with (
+        agl.JetStreamLightningStore(namespace, nats_url=namespace.nats_url, pg_dsn=namespace.pg_dsn) as store,
+        PolicyServer(policy, max_context_tokens=64) as server,
+    ):
+        proxy = agl.LLMProxy(
+            model_list=[
+                {
+                    "model_name": "p",
+                    "litellm_params": {"model": "openai/p", "api_base": server.endpoint, "api_key": "x"},
+                }
+            ],
+            store=store,
+        )
+        async with proxy:
+            attempted = await store.start_rollout(input={"q": "2 + 3?"})
+            llm = proxy.as_resource(attempted.rollout_id, attempted.attempt.attempt_id, model="p")
+            async with openai.AsyncOpenAI(base_url=llm.endpoint, api_key="x", max_retries=0) as client:
+                await client.chat.completions.create(
+                    model="p",
+                    messages=[{"role": "user", "content": "2 + 3?"}],
+                    temperature=1.0,
+                    max_tokens=6,
+                    logprobs=True,
+                )
+                with pytest.raises(openai.BadRequestError, match="maximum context length"):
+                    await client.chat.completions.create(
+                        model="p", messages=[{"role": "user", "content": "9" * 80}], max_tokens=6
+                    )
+            spans = list(await store.query_spans(attempted.rollout_id, attempt_id="latest"))
+    ok = [s for s in spans if s.attributes.get("http.status_code") == 200]
+    assert len(ok) == 1 and len(spans) == 2  # the refused call is recorded as an error span
+    triplets = agl.TracerTraceToTriplet().adapt(ok)
+    prompt_ids = policy.chat_prompt_ids([{"role": "user", "content": "2 + 3?"}])
+    assert triplets[0].prompt["token_ids"] == prompt_ids
+    response_ids = triplets[0].response["token_ids"]
+    assert 1 <= len(response_ids) <= 6
+    logprobs = [entry["logprob"] for entry in triplets[0].response["logprobs"]]
+    assert len(logprobs) == len(response_ids) and all(lp <= 0.0 for lp in logprobs)
+    batch = collate(samples_from_triplets(triplets, 1.0, max_seq_len=64), pad_id=policy.pad_id)
+    n_p = len(prompt_ids)
+    assert batch.response_mask[0].tolist() == [0] * n_p + [1] * len(response_ids)
+    assert batch.input_ids[0, n_p:].tolist() == response_ids
+
+
+# -- one real optimizer step --------------------------------------------------------------------
+
+
+def _surrogate(policy, samples) -> float:
+    """-Σ A·log p over response tokens: what the policy gradient descends."""
+    with torch.no_grad():
+        batch = collate(samples, policy.pad_id)
+        logp = sequence_logprobs(policy.model(input_ids=batch.input_ids).logits, batch.input_ids)
+        return float(-(batch.advantages[:, None] * logp * batch.response_mask).sum() / batch.response_mask.sum())
+
+
+def test_one_optimizer_step_changes_the_weights_and_lowers_the_loss() -> None:
+    policy = tiny_policy(lr=1e-2)
+    samples = [
+        Sample((4, 10, 11, 1, 5), (12, 13, 1), 1.0),
+        Sample((4, 10, 11, 1, 5), (20, 21, 22, 1), -1.0),
+        Sample((4, 14, 1, 5), (15, 1), 1.0),
+    ]
+    before = {k: v.clone() for k, v in policy.model.state_dict().items()}
+    loss_before = _surrogate(policy, samples)
+    stats = policy.train_step(samples)
+    assert stats["sequences"] == 3 and stats["tokens"] == 9
+    changed = [k for k, v in policy.model.state_dict().items() if not torch.equal(v, before[k])]
+    assert changed, "the optimizer step changed no weight"
+    assert _surrogate(policy, samples) < loss_before
+    with pytest.raises(ValueError):
+        policy.train_step([Sample((4,), (), 1.0)])  # no response token: nothing reaches the optimizer
+
+
+def test_checkpoints_resume_from_the_last_complete_one(tmp_path) -> None:
+    policy = tiny_policy()
+    policy.train_step([Sample((4, 10), (12, 1), 1.0), Sample((4, 10), (13, 1), -1.0)])
+    policy.save_checkpoint(tmp_path, 1, {"version": "v-step1"})
+    (tmp_path / ".tmp-step-00002-1").mkdir()  # a crash while writing step 2 leaves step 1 in force
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-00001"
+    fresh = tiny_policy(seed=1)
+    state = fresh.load_checkpoint(latest_checkpoint(tmp_path))
+    assert state["step"] == 1 and state["version"] == "v-step1"
+    for (k, a), b in zip(policy.model.state_dict().items(), fresh.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b), k
+    assert fresh.optimizer.state_dict()["state"], "the optimizer state came back too"
+
+
+# -- the loop through the store -----------------------------------------------------------------
+
+
+async def test_empty_steps_are_counted_then_stop_the_run(monkeypatch) -> None:
+    grpo = GRPO(GRPOConfig(steps=5, batch_size=2, group_size=2, max_empty_steps=2), policy=tiny_policy())
+    grpo.set_store(agl.InMemoryLightningStore())
+    weights = {k: v.clone() for k, v in grpo.policy.model.state_dict().items()}
+
+    async def publish(step: int) -> str:
+        return grpo.version(step)
+
+    async def enqueue(tasks, val, version):
+        return [f"{version}-{i}" for i in range(len(tasks) * 2)], []
+
+    async def wait(ids):  # every rollout failed
+        return {i: Rollout(rollout_id=i, input={}, start_time=0.0, status="failed") for i in ids}
+
+    monkeypatch.setattr(grpo, "_publish", publish)
+    monkeypatch.setattr(grpo, "_enqueue", enqueue)
+    monkeypatch.setattr(grpo, "_wait", wait)
+    with pytest.raises(TrainingStoppedError, match="2 steps in a row"):
+        await grpo._loop([{"q": "1"}, {"q": "2"}], [], 0)
+    assert grpo.counters["empty_steps"] == 2 and grpo.counters["failed_rollouts"] == 8
+    assert all(torch.equal(v, weights[k]) for k, v in grpo.policy.model.state_dict().items())
+
+
+@pytest.mark.e2e
+async def test_each_checkpoint_is_a_resources_version_and_a_run_resumes(namespace: agl.Settings, tmp_path) -> None:
+    train = [{"q": f"{a} + {b}?"} for a in range(3) for b in range(3)]
+    val = [{"q": "1 + 1?"}, {"q": "2 + 2?"}]
+
+    def make(steps: int, events: list) -> GRPO:
+        config = GRPOConfig(
+            steps=steps, batch_size=2, group_size=3, eval_every=2, max_new_tokens=6, lr=1e-3, version_prefix="r1-"
+        )
+        return GRPO(config, policy=tiny_policy(), checkpoint_dir=tmp_path / "ckpt", progress=events.append)
+
+    events: list[dict] = []
+    grpo = make(2, events)
+    trainer = agl.Trainer(algorithm=grpo, n_runners=1, llm_proxy=agl.LLMProxy(), check_llm=False, settings=namespace)
+    await trainer.fit_async(tiny_agent, train, val_dataset=val)
+    assert grpo.versions == ["r1-step0", "r1-step1", "r1-step2"]
+    assert [e["step"] for e in events if e["event"] == "eval"] == [0, 2]
+    assert [e["trained"] for e in events if e["event"] == "step"] == [True, True]
+    assert latest_checkpoint(tmp_path / "ckpt").name == "step-00002"
+
+    async with agl.JetStreamLightningStore(namespace, nats_url=namespace.nats_url, pg_dsn=namespace.pg_dsn) as store:
+        for version in grpo.versions:
+            snapshot = await store.get_resources_by_id(version)
+            assert snapshot is not None and snapshot.resources["main_llm"].model == version
+        rollouts = list(await store.query_rollouts())
+        by_version = Counter((r.resources_id, r.mode) for r in rollouts)
+        assert by_version == {
+            ("r1-step0", "train"): 6,
+            ("r1-step0", "val"): 2,
+            ("r1-step1", "train"): 6,
+            ("r1-step2", "val"): 2,
+        }
+        spans = list(await store.query_spans(rollouts[0].rollout_id, attempt_id="latest"))
+        llm_spans = [s for s in spans if s.name == "openai.chat.completion"]
+        assert llm_spans[0].attributes["gen_ai.response.model"] == rollouts[0].resources_id
+        assert llm_spans[0].attributes["response_token_ids"]
+
+    # a restarted run resumes after its last checkpoint: only step 3 is left
+    events2: list[dict] = []
+    grpo2 = make(3, events2)
+    trainer2 = agl.Trainer(algorithm=grpo2, n_runners=1, llm_proxy=agl.LLMProxy(), check_llm=False, settings=namespace)
+    await trainer2.fit_async(tiny_agent, train, val_dataset=val)
+    assert events2[0] == {"event": "resume", "step": 2, "version": "r1-step2"}
+    assert [e["step"] for e in events2 if e["event"] == "step"] == [3]
+    assert latest_checkpoint(tmp_path / "ckpt").name == "step-00003"
+
+
+@pytest.mark.e2e
+def test_the_grpo_demo_that_cannot_train_exits_1_with_one_line(services, tmp_path) -> None:
+    done = run_main_job(services, "--model-dir", str(tmp_path / "missing"), "--steps", "1")
+    assert done.returncode == 1, done.stdout + done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "no model at" in errors[0], done.stderr
+    assert "held-out reward" not in done.stdout and "Traceback" not in done.stderr
