@@ -3,23 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
-import sys
-import uuid
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from demo_runs import run_script
 from llm_stub import Reply, ScriptedLLM
 
 from eventlight.core.errors import LLMUnavailableError, ServiceUnavailableError
 from eventlight.llm_health import LLMCallHealth
 from eventlight.llm_proxy import LLMProxy
 from eventlight.net import free_port
-from eventlight.ops import drop_namespace
-from eventlight.settings import Settings
 from eventlight.trainer import _stop_when_llm_fails
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,21 +130,8 @@ async def test_a_run_that_ends_normally_is_not_touched() -> None:
 
 
 def run_demo(services: Any, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    """Run the demo script in a namespace of its own on the session's servers, dropped afterwards."""
-    settings, svc = services
-    namespace = f"demo_{uuid.uuid4().hex[:8]}"
-    env = {
-        **os.environ,
-        "EVENTLIGHT_NATS_URL": svc.nats_url,
-        "EVENTLIGHT_PG_DSN": svc.pg_dsn,
-        "EVENTLIGHT_NAMESPACE": namespace,
-        "EVENTLIGHT_STATE_DIR": str(settings.state_dir),
-    }
-    cmd = [sys.executable, str(ROOT / "examples/room_booking/train_apo.py"), "--n-runners", "1", *args]
-    try:
-        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    finally:
-        asyncio.run(drop_namespace(svc.nats_url, svc.pg_dsn, Settings(namespace=namespace)))
+    """Run the APO demo script in a namespace of its own on the session's servers."""
+    return run_script(services, ROOT / "examples/room_booking/train_apo.py", *args, timeout=timeout)
 
 
 @pytest.mark.e2e
