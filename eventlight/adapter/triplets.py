@@ -267,6 +267,3 @@ class LlmProxyTraceToTriplet(TraceToTripletBase):
                 seen.add(rid)
             calls.append((span, prompt, response, rid))
         return calls
-
-
-# ------------------------------------------------------------------------------------------
