@@ -115,11 +115,10 @@ async def raw_consume(nats_url: str, stream: str, prefix: str) -> tuple[int, flo
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    from eventlight.ops import apply_migrations, apply_streams, drop_namespace
-
     import eventlight
     from eventlight.cli import _need_nats, _need_pg
     from eventlight.logreplay.rebuild import rebuild
+    from eventlight.ops import apply_migrations, apply_streams, drop_namespace
     from eventlight.settings import Settings
     from eventlight.store.jetstream import JetStreamLightningStore
     from eventlight.store.jetstream.connect import connect_nats

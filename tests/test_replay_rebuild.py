@@ -6,12 +6,12 @@ from pathlib import Path
 
 import asyncpg
 import pytest
-from eventlight.ops import Services
 
 import eventlight
 from eventlight.core.errors import InvalidInputError
 from eventlight.logreplay.rebuild import rebuild
 from eventlight.logreplay.transfer import export_log, import_log
+from eventlight.ops import Services
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
 from tests import test_rebuild
