@@ -592,7 +592,7 @@ def test_batch_iter_over_dataset() -> None:
 
 
 async def test_append_mode_adds_one_sentence_and_keeps_placeholders() -> None:
-    from eventlight.algorithm.apo import _appended
+    from eventlight.algorithm.apo.prompts import _appended
 
     assert _appended("Q: {q}", '"Answer with {one} word."\nextra') == "Q: {q}\nAnswer with {{one}} word."
     assert _appended("Q: {q}", "  \n") is None

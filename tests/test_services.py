@@ -240,3 +240,18 @@ async def test_apply_streams_idempotent_and_updates(tmp_path: Path, services: tu
             await nc.jetstream().stream_info(settings.stream_name)
     finally:
         await nc.close()
+
+
+async def test_a_program_on_configured_servers_keeps_the_record_of_the_embedded_ones(
+    services: tuple[Settings, Any],
+) -> None:
+    """`eventlight up`'s record (what `down` stops, what `status` shows) survives a program that
+    reaches the same servers through EVENTLIGHT_NATS_URL / EVENTLIGHT_PG_DSN."""
+    base, embedded = services
+    if embedded.nats_pid is None:
+        pytest.skip("the session's NATS is not embedded")
+    configured = Settings(nats_url=embedded.nats_url, pg_dsn=embedded.pg_dsn, state_dir=base.state_dir, namespace=_ns())
+    found = await svc.ensure_services(configured)
+    assert found.nats_pid is None and not found.started  # external from this program's point of view
+    record = svc.read_services(base)
+    assert record is not None and record.nats_pid == embedded.nats_pid

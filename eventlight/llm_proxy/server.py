@@ -1,10 +1,9 @@
-"""``LLMProxy``: the in-process server (FastAPI under ``uvicorn.Server.serve()``), its routes and span publishing."""
+"""``LLMProxy``: the in-process server (FastAPI under ``uvicorn.Server.serve()``): configuration and lifecycle."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import socket
 import time
@@ -12,23 +11,16 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from litellm.exceptions import ServiceUnavailableError as LiteLLMUnavailable
+from fastapi import FastAPI
 from litellm.router import Router
 
-from eventlight.core.types import LLM, ProxyLLM, Span
+from eventlight.core.types import LLM, ProxyLLM
 from eventlight.llm_health import LLMCallHealth
-from eventlight.llm_proxy.span_attributes import make_span
-from eventlight.llm_proxy.sse import aiter_chunks, chat_completion_to_sse
+from eventlight.llm_proxy.forwarding import _SPAN_WAIT_S
+from eventlight.llm_proxy.routes import ChatRoutes
 from eventlight.llm_proxy.upstream import (
-    CHECK_HEADER,
-    build_router,
     check_model_list,
     check_models,
-    error_response,
-    retryable,
-    upstream_error,
 )
 from eventlight.net import free_port
 
@@ -37,12 +29,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-
 _STARTUP_TIMEOUT_S = 30.0
 _SHUTDOWN_TIMEOUT_S = 5.0
-_SPAN_WAIT_S = 5.0
-
-_OWN_KEYS = frozenset({"model", "messages", "stream", "stream_options"})
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -63,7 +51,7 @@ def _outbound_ipv4() -> str:
         return "127.0.0.1"
 
 
-class LLMProxy:
+class LLMProxy(ChatRoutes):
     """An OpenAI-compatible proxy that forwards with LiteLLM and records one span per LLM call.
 
     Args:
@@ -331,231 +319,3 @@ class LLMProxy:
             else (f"{self.endpoint}/chat/completions")
         )
         await check_models(url, self.endpoint, self._model_list, timeout_s)
-
-    # -- forwarding -----------------------------------------------------------------------
-
-    def _build_router(self) -> Router | None:
-        return build_router(self._model_list, self._return_token_ids, self._request_timeout_s)
-
-    def _system_of(self, model: Any) -> str | None:
-        for entry in self._model_list:
-            if entry["model_name"] == model:
-                name = entry["litellm_params"]["model"]
-                return name.split("/", 1)[0] if "/" in name else "openai"
-        return None
-
-    async def _forward(self, body: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
-        """Call the backend without streaming; return the completion dict and the provider name.
-
-        Raises:
-            Exception: LiteLLM's error after the retries allowed for retryable failures.
-        """
-        router = self._router
-        if router is None:
-            raise LiteLLMUnavailable(
-                message="the LLM proxy has no backend models; call update_model_list()",
-                llm_provider="",
-                model=str(body.get("model")),
-            )
-        kwargs = {k: v for k, v in body.items() if k not in _OWN_KEYS}
-        attempt = 0
-        while True:
-            try:
-                resp = await router.acompletion(model=body["model"], messages=body["messages"], stream=False, **kwargs)
-                break
-            except Exception as exc:
-                status, _, message = upstream_error(exc)
-                if attempt >= self._num_retries or not retryable(status):
-                    raise
-                attempt += 1
-                delay = min(0.5 * 2 ** (attempt - 1), 8.0)
-                log.warning(
-                    "upstream failed (%s: %s); retry %d/%d in %.1f s",
-                    status,
-                    message,
-                    attempt,
-                    self._num_retries,
-                    delay,
-                )
-                await asyncio.sleep(delay)
-        completion: dict[str, Any] = resp.model_dump(mode="json", warnings=False)  # type: ignore[no-untyped-call]
-        for choice in completion.get("choices") or []:
-            extra = choice.get("provider_specific_fields")
-            if isinstance(extra, dict) and choice.get("token_ids") is None and extra.get("token_ids") is not None:
-                choice["token_ids"] = extra["token_ids"]
-        hidden = getattr(resp, "_hidden_params", None) or {}
-        return completion, hidden.get("custom_llm_provider")
-
-    # -- spans ----------------------------------------------------------------------------
-
-    async def _publish(self, store: LightningStore, span: Span) -> None:
-        try:
-            await store.add_many_spans([span])
-        except Exception:
-            log.exception(
-                "LLMProxy could not record span %s (rollout %s, attempt %s, sequence %d)",
-                span.span_id,
-                span.rollout_id,
-                span.attempt_id,
-                span.sequence_id,
-            )
-
-    async def _record(self, store: LightningStore, span: Span) -> None:
-        """Publish ``span``; wait at most 5 s (publication continues in the background after that)."""
-        task = asyncio.create_task(self._publish(store, span), name=f"llm-proxy-span:{span.span_id}")
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
-        try:
-            await asyncio.wait_for(asyncio.shield(task), _SPAN_WAIT_S)
-        except TimeoutError:
-            log.warning("recording span %s takes over %.0f s; answering the client first", span.span_id, _SPAN_WAIT_S)
-
-    # -- HTTP -----------------------------------------------------------------------------
-
-    def _build_app(self) -> FastAPI:
-        app = FastAPI(title="eventlight LLM proxy", docs_url=None, redoc_url=None, openapi_url=None)
-
-        async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-            # Logged with its traceback by the server; the client gets JSON, never a traceback.
-            log.error("LLMProxy failed on %s: %s: %s", request.url.path, type(exc).__name__, exc)
-            return error_response(500, f"LLM proxy internal error: {type(exc).__name__}: {exc}", "internal_error")
-
-        app.add_exception_handler(Exception, internal_error)
-
-        async def routed(request: Request, rollout_id: str, attempt_id: str) -> Response:
-            return await self._handle_chat(request, rollout_id, attempt_id)
-
-        async def unrouted(request: Request) -> Response:
-            if not self._warned_unrouted and request.headers.get(CHECK_HEADER) is None:
-                self._warned_unrouted = True
-                log.warning(
-                    "LLMProxy got %s without /rollout/<id>/attempt/<id>: it is forwarded but not recorded "
-                    "(resolve the ProxyLLM with get_base_url(rollout_id, attempt_id))",
-                    request.url.path,
-                )
-            return await self._handle_chat(request, None, None)
-
-        async def models() -> dict[str, Any]:
-            names = sorted({e["model_name"] for e in self._model_list})
-            now = int(time.time())
-            return {
-                "object": "list",
-                "data": [{"id": n, "object": "model", "created": now, "owned_by": "eventlight"} for n in names],
-            }
-
-        async def models_routed(rollout_id: str, attempt_id: str) -> dict[str, Any]:
-            return await models()
-
-        async def health() -> dict[str, Any]:
-            return {"status": "ok", "models": len(self._model_list)}
-
-        for prefix in (
-            "/rollout/{rollout_id}/attempt/{attempt_id}/v1",
-            "/rollout/{rollout_id}/attempt/{attempt_id}",
-        ):
-            app.add_api_route(f"{prefix}/chat/completions", routed, methods=["POST"])
-            app.add_api_route(f"{prefix}/models", models_routed, methods=["GET"])
-        for prefix in ("/v1", ""):
-            app.add_api_route(f"{prefix}/chat/completions", unrouted, methods=["POST"])
-            app.add_api_route(f"{prefix}/models", models, methods=["GET"])
-        app.add_api_route("/health", health, methods=["GET"])
-        return app
-
-    async def _resolve_sequence(
-        self, store: LightningStore, rollout_id: str, attempt_id: str
-    ) -> tuple[str, int] | JSONResponse:
-        """Allocate the call's sequence id; a 404/503 response when the store refuses."""
-        try:
-            if attempt_id == "latest":
-                latest = await store.get_latest_attempt(rollout_id)
-                if latest is None:
-                    raise ValueError(f"rollout {rollout_id!r} has no attempt")
-                attempt_id = latest.attempt_id
-            (sequence_id,) = await store.get_many_span_sequence_ids([(rollout_id, attempt_id)])
-            return attempt_id, sequence_id
-        except ValueError as exc:  # NotFoundError and InvalidInputError are ValueErrors
-            return error_response(
-                404, f"unknown rollout {rollout_id!r} / attempt {attempt_id!r}: {exc}", "not_found_error"
-            )
-        except Exception as exc:
-            log.exception("LLMProxy could not allocate a sequence id for %s/%s", rollout_id, attempt_id)
-            return error_response(
-                503,
-                f"the store could not allocate a span sequence id for rollout {rollout_id!r} / "
-                f"attempt {attempt_id!r}: {type(exc).__name__}: {exc}",
-                "store_unavailable",
-            )
-
-    async def _handle_chat(self, request: Request, rollout_id: str | None, attempt_id: str | None) -> Response:
-        start_time = time.time()
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return error_response(400, f"request body is not JSON: {exc}", "invalid_request_error")
-        if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
-            return error_response(
-                400,
-                "request body must be a JSON object with a 'messages' list",
-                "invalid_request_error",
-                param="messages",
-            )
-        if not body.get("model"):
-            names = {e["model_name"] for e in self._model_list}
-            if len(names) != 1:
-                return error_response(400, "request has no 'model'", "invalid_request_error", param="model")
-            body["model"] = names.pop()
-        streaming = bool(body.get("stream"))
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage")) if streaming else False
-
-        store = self._store if rollout_id is not None else None
-        sequence_id = 0
-        if rollout_id is not None and store is None and not self._warned_no_store:
-            self._warned_no_store = True
-            log.warning("LLMProxy has no store: routed calls are forwarded but not recorded")
-        if store is not None and rollout_id is not None and attempt_id is not None:
-            resolved = await self._resolve_sequence(store, rollout_id, attempt_id)
-            if isinstance(resolved, JSONResponse):
-                return resolved
-            attempt_id, sequence_id = resolved
-
-        completion: dict[str, Any] | None = None
-        error: dict[str, Any] | None = None
-        system = self._system_of(body["model"])
-        try:
-            completion, provider = await self._forward(body)
-            system = provider or system
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            status, err_type, message = upstream_error(exc)
-            error = {"type": err_type, "status_code": status, "message": message}
-            log.info("upstream error %d for model %r: %s", status, body.get("model"), message)
-        if request.headers.get(CHECK_HEADER) is None:
-            status = 200 if error is None else error["status_code"]
-            detail = "" if error is None else error["message"]
-            self.health.record(ok=error is None, status=status, detail=detail, model=str(body.get("model")))
-
-        if store is not None and rollout_id is not None and attempt_id is not None:
-            span = make_span(
-                body,
-                completion,
-                error,
-                system=system,
-                streaming=streaming,
-                rollout_id=rollout_id,
-                attempt_id=attempt_id,
-                sequence_id=sequence_id,
-                start_time=start_time,
-            )
-            await self._record(store, span)
-
-        if error is not None:
-            return error_response(error["status_code"], error["message"], error["type"])
-        assert completion is not None
-        if streaming:
-            return StreamingResponse(
-                aiter_chunks(chat_completion_to_sse(completion, include_usage=include_usage)),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
-        return JSONResponse(completion)

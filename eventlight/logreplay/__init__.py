@@ -9,8 +9,9 @@ module       what
 ``writer``   records as JSON lines or Parquet, deterministic
 ``rebuild``  the whole log into a fresh schema, compared with the live one, swapped in on request
 ``transfer`` a slice of the log to a file and back into another namespace, without duplicates
-``cli``      ``eventlight replay``, ``eventlight export``, ``eventlight import``
 ===========  ===================================================================================
+
+The commands (``eventlight replay``, ``export``, ``import``) live in ``eventlight.cli.replay``.
 """
 
 from __future__ import annotations

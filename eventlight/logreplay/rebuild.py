@@ -141,10 +141,9 @@ def rebuild_command(settings: Settings, swap: bool) -> None:
     (and nothing was swapped)."""
     from rich.table import Table
 
-    from eventlight.logreplay import cli
-
-    CliError, _need_pg, _run, console = cli._cli.CliError, cli._cli._need_pg, cli._cli._run, cli._cli.console
-    EXIT_UNAVAILABLE, _nats_settings = cli._cli.EXIT_UNAVAILABLE, cli._nats_settings
+    from eventlight.cli.common import EXIT_UNAVAILABLE, CliError, _run, console
+    from eventlight.cli.discovery import _need_pg
+    from eventlight.cli.replay import _nats_settings
 
     async def go() -> RebuildReport:
         s = await _nats_settings(settings)

@@ -51,7 +51,10 @@ async def ensure_services(settings: Settings) -> Services:
         started = [f"nats-server pid {nats_pid}"] if nats_started else []
         started += [f"postgres pid {pg.pid}"] if pg.started else []
         services = Services(nats_url, pg.dsn, started, nats_pid, pg.pid, pg.kind)
-        write_services_file(state, services)
+        if nats_pid is not None or pg.pid is not None:
+            # only embedded servers are recorded: a program run against external (or configured)
+            # servers must not overwrite the record `eventlight down` and `status` rely on
+            write_services_file(state, services)
     return services
 
 

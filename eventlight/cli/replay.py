@@ -1,4 +1,4 @@
-"""``eventlight replay``, ``eventlight export`` and ``eventlight import`` (registered by ``eventlight.cli``).
+"""``eventlight replay``, ``eventlight export`` and ``eventlight import`` (registered by ``eventlight.cli.app``).
 
 Errors follow ``eventlight.cli``: one line on stderr, exit 1 when a server is missing or does not
 answer, 2 for a wrong argument (an unknown adapter, a bad range, a file name without a known suffix).
@@ -13,16 +13,10 @@ import typer
 from rich.markup import escape
 from rich.progress import Progress, TextColumn, TimeElapsedColumn
 
+from eventlight.cli.common import CliError, NamespaceOpt, _run, _settings, console, err
+from eventlight.cli.discovery import _need_nats, _no_namespace
+from eventlight.cli.status import _stream_state
 from eventlight.settings import Settings
-
-NamespaceOpt = Annotated[
-    str | None,
-    typer.Option("--namespace", "-N", help="Namespace (default: $EVENTLIGHT_NAMESPACE or 'default')."),
-]
-
-_cli: Any = None
-"""The ``eventlight.cli`` module that registered these commands (``__main__`` under ``python -m``):
-its ``CliError`` is the one its error handler knows."""
 
 
 async def _nats_settings(settings: Settings) -> Settings:
@@ -30,9 +24,9 @@ async def _nats_settings(settings: Settings) -> Settings:
     checking the namespace's stream exists."""
     import msgspec
 
-    found = await _cli._need_nats(settings)
-    if await _cli._stream_state(found.url, settings) is None:
-        raise _cli._no_namespace(settings, f"no stream {settings.stream_name}")
+    found = await _need_nats(settings)
+    if await _stream_state(found.url, settings) is None:
+        raise _no_namespace(settings, f"no stream {settings.stream_name}")
     return msgspec.structs.replace(settings, nats_url=str(found.url))
 
 
@@ -42,7 +36,7 @@ def _progress() -> Progress:
         TextColumn("{task.fields[events]:>10,} events read"),
         TextColumn("{task.fields[records]:>10,} records written"),
         TimeElapsedColumn(),
-        console=_cli.err,
+        console=err,
         transient=False,
     )
 
@@ -108,16 +102,16 @@ def replay_command(
 
     Servers: uses $EVENTLIGHT_NATS_URL (and for --rebuild $EVENTLIGHT_PG_DSN) when set, else the
     embedded servers `eventlight up` started; never starts or stops one."""
-    settings = _cli._settings(namespace)
+    settings = _settings(namespace)
     if rebuild:
         from eventlight.logreplay.rebuild import rebuild_command
 
         rebuild_command(settings, swap)
         return
     if swap:
-        raise _cli.CliError("--swap goes with --rebuild")
+        raise CliError("--swap goes with --rebuild")
     if out is None:
-        raise _cli.CliError("--out FILE.jsonl|FILE.parquet is required (or --rebuild)")
+        raise CliError("--out FILE.jsonl|FILE.parquet is required (or --rebuild)")
     opts: dict[str, Any] = {
         "adapter": adapter,
         "since": since,
@@ -128,11 +122,11 @@ def replay_command(
         "min_reward": min_reward,
         "reward": reward,
     }
-    run = _cli._run(_replay_to_file(settings, out, opts))
+    run = _run(_replay_to_file(settings, out, opts))
     for e in run.errors:
-        _cli.err.print(f"[yellow]skipped:[/yellow] rollout {e.rollout_id} attempt {e.attempt_id}: {escape(e.error)}")
+        err.print(f"[yellow]skipped:[/yellow] rollout {e.rollout_id} attempt {e.attempt_id}: {escape(e.error)}")
     s = run.stats
-    _cli.console.print(
+    console.print(
         f"{s.records} record(s) from {s.attempts} attempt(s) → {escape(str(out))}  "
         f"[dim]({s.events} events and {s.spans} spans read up to log position {s.head_seq}"
         f"{f'; {len(run.errors)} attempt(s) skipped' if run.errors else ''})[/dim]"
@@ -153,10 +147,10 @@ def export_command(
     from eventlight.logreplay.transfer import export_log
 
     if until is not None and until < since:
-        raise _cli.CliError(f"bad range: --until {until} is before --since {since}")
-    settings = _cli._run(_nats_settings(_cli._settings(namespace)))
-    n, first, last = _cli._run(export_log(settings, out, since, until))
-    _cli.console.print(f"{n} entries (log positions {first}..{last}) → {escape(str(out))}")
+        raise CliError(f"bad range: --until {until} is before --since {since}")
+    settings = _run(_nats_settings(_settings(namespace)))
+    n, first, last = _run(export_log(settings, out, since, until))
+    console.print(f"{n} entries (log positions {first}..{last}) → {escape(str(out))}")
 
 
 def import_command(
@@ -169,16 +163,14 @@ def import_command(
     from eventlight.logreplay.transfer import import_log
 
     if not file.is_file():
-        raise _cli.CliError(f"no file {file}")
-    settings = _cli._run(_nats_settings(_cli._settings(namespace)))
-    added, present = _cli._run(import_log(settings, file))
-    _cli.console.print(f"{added} entries appended, {present} already present in {settings.stream_name}")
+        raise CliError(f"no file {file}")
+    settings = _run(_nats_settings(_settings(namespace)))
+    added, present = _run(import_log(settings, file))
+    console.print(f"{added} entries appended, {present} already present in {settings.stream_name}")
 
 
-def register(app: typer.Typer, cli: Any) -> None:
-    """Add the commands to the ``eventlight`` app; ``cli`` is the module that holds it."""
-    global _cli
-    _cli = cli
+def register(app: typer.Typer) -> None:
+    """Add the commands to the ``eventlight`` app."""
     app.command("replay")(replay_command)
     app.command("export")(export_command)
     app.command("import")(import_command)

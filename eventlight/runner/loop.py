@@ -30,101 +30,20 @@ import contextlib
 import functools
 import inspect
 import logging
-import os
-import re
-import secrets
-import socket
 import time
 from collections.abc import Sequence
 from typing import Any
 
-import nats.errors
-import psutil
-
 from eventlight.agent import LitAgent
-from eventlight.core.errors import EventlightError
 from eventlight.core.types import AttemptedRollout, Span
 from eventlight.emitter import emit_reward
+from eventlight.runner.hooks import Hook
+from eventlight.runner.identity import system_snapshot, worker_name
+from eventlight.runner.retry import Backoff, _describe, _retryable
 from eventlight.store.base import LightningStore
 from eventlight.tracer import OtelTracer, Tracer
 
 log = logging.getLogger(__name__)
-
-
-class Hook:
-    """Callbacks around each attempt; all async, keyword-only, no-ops by default."""
-
-    async def on_rollout_start(self, *, agent: Any, runner: Any, rollout: Any) -> None: ...
-
-    async def on_trace_start(self, *, agent: Any, runner: Any, tracer: Any, rollout: Any) -> None: ...
-
-    async def on_trace_end(self, *, agent: Any, runner: Any, tracer: Any, rollout: Any) -> None: ...
-
-    async def on_rollout_end(self, *, agent: Any, runner: Any, rollout: Any, spans: Any) -> None: ...
-
-
-def system_snapshot() -> dict[str, Any]:
-    """The heartbeat payload: host, CPU and memory use of this machine and process."""
-    vm = psutil.virtual_memory()
-    return {
-        "timestamp": time.time(),
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "cpu_usage_pct": psutil.cpu_percent(interval=None),
-        "mem_used_gb": round(vm.used / 2**30, 3),
-        "mem_total_gb": round(vm.total / 2**30, 3),
-        "process_rss_mb": round(psutil.Process().memory_info().rss / 2**20, 1),
-    }
-
-
-class Backoff:
-    """Delays between retries of a failing call: ``first_s`` doubling up to ``max_s``.
-
-    Args:
-        first_s: The first delay, seconds.
-        max_s: The cap, seconds.
-    """
-
-    def __init__(self, first_s: float = 0.1, max_s: float = 5.0):
-        self.first_s = first_s
-        self.max_s = max_s
-        self._next_s = first_s
-
-    def next(self) -> float:
-        """The delay before the next try; doubles the one after it (capped)."""
-        delay = self._next_s
-        self._next_s = min(self.max_s, delay * 2)
-        return delay
-
-    def reset(self) -> None:
-        """Start again from ``first_s`` (after a success)."""
-        self._next_s = self.first_s
-
-
-@functools.lru_cache(maxsize=4)
-def _process_tag(pid: int) -> str:
-    """``<host>-<pid>-<4 hex>`` for this process (cached per pid, so a forked child gets its own)."""
-    host = re.sub(r"[^A-Za-z0-9_\-]+", "-", socket.gethostname()).strip("-")[:63] or "host"
-    return f"{host}-{pid}-{secrets.token_hex(2)}"
-
-
-def worker_name(index: int | None) -> str:
-    """The worker id of runner ``index`` in this process: ``Worker-<index>@<host>-<pid>-<tag>``.
-
-    Unique across processes and machines (two containers may share a host name and a pid; the
-    random tag tells them apart) and a valid id (letters, digits, ``_-:@+=``; no dots). Agent-
-    lightning names workers ``Worker-<index>``, which every process shares.
-    """
-    return f"Worker-{'Unknown' if index is None else index}@{_process_tag(os.getpid())}"
-
-
-def _describe(e: BaseException) -> str:
-    """One line naming an error: its type and message, and the driver error it was mapped from."""
-    text = f"{type(e).__name__}: {e}"
-    cause = e.__cause__
-    if cause is not None and not isinstance(e, EventlightError):
-        text += f" (from {type(cause).__name__})"
-    return text
 
 
 class LitAgentRunner:
@@ -392,14 +311,6 @@ class LitAgentRunner:
             else:
                 log.info("[%s | Rollout %s] recorded status %s late", self.get_worker_id(), rid, status)
             del self._unrecorded[(rid, aid)]
-
-
-def _retryable(e: BaseException) -> bool:
-    """Whether repeating the call may succeed: the tree's ``retryable``, or an unmapped driver,
-    network or timeout error."""
-    if isinstance(e, EventlightError):
-        return e.retryable
-    return isinstance(e, (nats.errors.Error, OSError, TimeoutError))
 
 
 @functools.lru_cache(maxsize=16)

@@ -1,0 +1,90 @@
+"""Span names, attribute keys and small attribute readers shared by the adapters."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from eventlight.attributes import unflatten_attributes
+from eventlight.core.types import Span
+
+log = logging.getLogger(__name__)
+
+VIRTUAL_ROOT_ID = "virtual-root"
+EVENTLIGHT_PROXY_SPAN = "openai.chat.completion"
+"""The span eventlight's ``LLMProxy`` records per call, with ``prompt_token_ids``/``response_token_ids``."""
+OPERATION_SPAN = "agentlightning.operation"
+OPERATION_NAME = "agentlightning.operation.name"
+REWARD_OPERATION = "agentlightning.reward"
+RESPONSE_ID_KEYS = ("gen_ai.response.id", "agentlightning.operation.output.id")
+PROMPT_ID_KEYS = ("prompt_token_ids", "agentlightning.operation.output.prompt_token_ids")
+RESPONSE_TOKEN_KEYS = (
+    "response_token_ids",
+    "agentlightning.operation.output.response_token_ids.0",
+    "agentlightning.operation.output.choices.0.token_ids",
+    "agentlightning.operation.output.choices.0.provider_specific_fields.token_ids",
+)
+
+
+# ------------------------------------------------------------------------------------------
+# Small attribute readers
+
+
+def _first_str(attrs: Mapping[str, Any], keys: Iterable[str]) -> str | None:
+    for key in keys:
+        value = attrs.get(key)
+        if isinstance(value, str):
+            return value
+        if value is not None:
+            log.warning("attribute %s is not a string: %r", key, value)
+    return None
+
+
+def _first_ids(attrs: Mapping[str, Any], keys: Iterable[str]) -> list[int] | None:
+    for key in keys:
+        value = attrs.get(key)
+        if value is None:
+            continue
+        if isinstance(value, (list, tuple)) and all(isinstance(x, int) for x in value):
+            return list(value)
+        log.warning("attribute %s is not a list of ints: %r", key, value)
+    return None
+
+
+def _nested(attrs: Mapping[str, Any], prefix: str) -> dict[str, Any] | list[Any] | None:
+    """Unflatten the keys below ``prefix.`` (a key equal to ``prefix`` itself is ignored)."""
+    cut = len(prefix) + 1
+    below = {k[cut:]: v for k, v in attrs.items() if k.startswith(prefix + ".")}
+    return unflatten_attributes(below) if below else None
+
+
+def _first_nested(attrs: Mapping[str, Any], prefixes: Iterable[str]) -> dict[str, Any] | list[Any] | None:
+    for prefix in prefixes:
+        found = _nested(attrs, prefix)
+        if found:
+            return found
+    return None
+
+
+def _time(value: float | None, missing: float) -> float:
+    return missing if value is None else value
+
+
+# ------------------------------------------------------------------------------------------
+# The span tree
+
+
+def _agent_name(span: Span) -> str | None:
+    """The agent a span stands for, from the attributes common agent frameworks write."""
+    attrs = span.attributes or {}
+    candidates = (
+        attrs.get("agent.name"),  # OpenAI Agents SDK
+        attrs.get("operation.name") if attrs.get("agentops.span.kind") == "agent" else None,  # AgentOps
+        attrs.get("recipient_agent_type"),  # AutoGen
+        attrs.get("langchain.chain.type"),  # LangGraph
+        attrs.get("executor.id"),  # agent-framework
+        attrs.get("agentlightning.operation.input.name") if attrs.get("type") == "agent" else None,  # Weave
+        attrs.get("lc_name") if span.name.startswith("langchain.Chain.") else None,  # Weave + LangChain
+    )
+    return next((str(c) for c in candidates if c is not None), None)

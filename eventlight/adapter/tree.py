@@ -1,0 +1,239 @@
+"""``TraceTree``: a span tree built from a flat span list, and its repair and LLM-call search."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from eventlight.adapter.attrs import (
+    OPERATION_NAME,
+    OPERATION_SPAN,
+    RESPONSE_ID_KEYS,
+    REWARD_OPERATION,
+    VIRTUAL_ROOT_ID,
+    _agent_name,
+    _first_str,
+    _time,
+)
+from eventlight.adapter.base import RewardMatchPolicy
+from eventlight.core.types import Span
+from eventlight.rewards import get_reward_value
+
+
+class TraceTree:
+    """A span and its children, built from a flat span list (Agent-lightning ``TraceTree``).
+
+    Attributes:
+        id: The span id (``"virtual-root"`` for the synthetic root over several roots).
+        span: The span; synthetic nodes get an ``agentlightning.virtual`` span with no attributes.
+        children: Child nodes in input order.
+    """
+
+    def __init__(self, id: str, span: Span, children: list[TraceTree] | None = None):
+        self.id = id
+        self.span = span
+        self.children = children or []
+
+    @property
+    def start_time(self) -> float | None:
+        return self.span.start_time
+
+    @property
+    def end_time(self) -> float | None:
+        return self.span.end_time
+
+    def traverse(self) -> list[TraceTree]:
+        """All nodes, depth first, pre-order, children in input order."""
+        out = [self]
+        for child in self.children:
+            out.extend(child.traverse())
+        return out
+
+    def agent_name(self) -> str | None:
+        return _agent_name(self.span)
+
+    def reward(self) -> float | None:
+        return get_reward_value(self.span)
+
+    def is_reward_span(self) -> bool:
+        """A reward-carrying span, or an ``agentlightning.operation`` named ``agentlightning.reward``."""
+        if self.reward() is not None:
+            return True
+        attrs = self.span.attributes or {}
+        return self.span.name == OPERATION_SPAN and attrs.get(OPERATION_NAME) == REWARD_OPERATION
+
+    # -- construction ----------------------------------------------------------------------
+
+    @classmethod
+    def from_spans(cls, spans: Sequence[Span]) -> TraceTree:
+        """Link spans by ``parent_id``; missing parents and several roots get synthetic nodes.
+
+        Raises:
+            ValueError: ``spans`` is empty, or no span is a root (every parent is itself a span).
+        """
+        if not spans:
+            raise ValueError("no spans to build a trace tree from")
+        by_id = {s.span_id: s for s in spans}
+        children: dict[str, list[str]] = {}
+        roots = [s.span_id for s in spans if s.parent_id is None]
+        for s in spans:
+            if s.parent_id is not None:
+                children.setdefault(s.parent_id, []).append(s.span_id)
+        roots += [pid for pid in children if pid not in by_id]  # lost parents (e.g. a session span)
+        if not roots:
+            raise ValueError("no root span found in the trace (parent links form a cycle)")
+        nodes = [cls._build(rid, by_id, children) for rid in roots]
+        if len(nodes) == 1:
+            return nodes[0]
+        return cls(VIRTUAL_ROOT_ID, _synthetic_span(VIRTUAL_ROOT_ID, nodes, name="virtual-root"), nodes)
+
+    @classmethod
+    def _build(cls, node_id: str, by_id: dict[str, Span], children: dict[str, list[str]]) -> TraceTree:
+        kids = [cls._build(cid, by_id, children) for cid in children.get(node_id, [])]
+        span = by_id.get(node_id) or _synthetic_span(node_id, kids)
+        return cls(node_id, span, kids)
+
+    # -- repair ----------------------------------------------------------------------------
+
+    def repair_hierarchy(self) -> None:
+        """Move top-level children under the span that encloses them most tightly in time.
+
+        Mixed instrumentation can leave LLM spans floating directly under the root instead of
+        under their agent. Like Agent-lightning: if this node has one child, repair that child
+        instead; otherwise each original child (until one remains) is moved under the node of the
+        tree (not itself, not this root) whose ``[start, end]`` contains it with the smallest
+        strictly positive slack. Simplified: only this top level is repaired, and nodes with a
+        missing start or end time are neither moved nor chosen as parents.
+        """
+        if len(self.children) == 1:
+            self.children[0].repair_hierarchy()
+            return
+        for node in list(self.children):
+            if len(self.children) == 1:
+                break
+            parent = self._tightest_enclosing(node)
+            if parent is not None:
+                self.children.remove(node)
+                parent.children.append(node)
+
+    def _tightest_enclosing(self, child: TraceTree) -> TraceTree | None:
+        if child.start_time is None or child.end_time is None:
+            return None
+        best: TraceTree | None = None
+        best_slack = float("inf")
+        for node in self.traverse():
+            if node is self or node.id == child.id or node.start_time is None or node.end_time is None:
+                continue
+            if node.start_time <= child.start_time and node.end_time >= child.end_time:
+                slack = (node.end_time - child.end_time) + (child.start_time - node.start_time)
+                if 0 < slack < best_slack:
+                    best, best_slack = node, slack
+        return best
+
+    # -- LLM calls and rewards ---------------------------------------------------------------
+
+    def find_llm_calls(
+        self,
+        *,
+        llm_call_match: str,
+        agent_match: str | None,
+        exclude_llm_call_in_reward: bool = True,
+        dedup_llm_call: bool = True,
+    ) -> list[tuple[TraceTree, str]]:
+        """LLM call nodes (DFS pre-order) with the name of their enclosing matching agent.
+
+        Rules (Agent-lightning 0.3): the span name must ``re.search``-match ``llm_call_match``;
+        with ``agent_match=None`` the whole tree counts (agent ``"*"``), otherwise only nodes below
+        an agent whose name matches (a non-matching agent resets it); with
+        ``exclude_llm_call_in_reward`` nothing below a reward span counts; with ``dedup_llm_call``
+        a response id seen before, or a nested match without response id below a matched call, is
+        skipped. A node's own agent/reward status applies to its descendants only.
+        """
+        walker = _LlmCallWalker(llm_call_match, agent_match, exclude_llm_call_in_reward, dedup_llm_call)
+        walker.visit(self, "*" if agent_match is None else None, False, False)
+        return walker.found
+
+    def match_rewards(self, policy: RewardMatchPolicy | str, llm_calls: Sequence[TraceTree]) -> dict[str, float]:
+        """Map LLM call ids to the rewards credited to them (see ``RewardMatchPolicy``).
+
+        Spans without a start time sort last; a call without an end time is never credited.
+        """
+        ids = {c.id for c in llm_calls}
+        rewards: dict[str, float] = {}
+        if RewardMatchPolicy(policy) is RewardMatchPolicy.FIRST_OCCURRENCE:
+            ordered = sorted(self.traverse(), key=lambda n: _time(n.start_time, float("inf")))
+            _credit_in_order(ordered, ids, rewards)
+        else:
+            for node in self.traverse():
+                _credit_in_order(node.children, ids, rewards)
+        return rewards
+
+
+class _LlmCallWalker:
+    """Depth-first search state of ``TraceTree.find_llm_calls``."""
+
+    def __init__(self, llm_call_match: str, agent_match: str | None, exclude_in_reward: bool, dedup: bool):
+        self.llm_call_match = llm_call_match
+        self.agent_match = agent_match
+        self.exclude_in_reward = exclude_in_reward
+        self.dedup = dedup
+        self.seen_response_ids: set[str] = set()
+        self.found: list[tuple[TraceTree, str]] = []
+
+    def visit(self, node: TraceTree, agent: str | None, in_reward: bool, in_llm_call: bool) -> None:
+        if self._is_call(node, agent, in_reward, in_llm_call):
+            self.found.append((node, agent))  # type: ignore[arg-type]  # _is_call checks agent
+            in_llm_call = True
+        name = node.agent_name()
+        if name is not None:
+            agent = name if self.agent_match is None or re.search(self.agent_match, name) else None
+        in_reward = in_reward or (self.exclude_in_reward and node.is_reward_span())
+        for child in node.children:
+            self.visit(child, agent, in_reward, in_llm_call)
+
+    def _is_call(self, node: TraceTree, agent: str | None, in_reward: bool, in_llm_call: bool) -> bool:
+        if agent is None or in_reward or re.search(self.llm_call_match, node.span.name) is None:
+            return False
+        if not self.dedup:
+            return True
+        response_id = _first_str(node.span.attributes or {}, RESPONSE_ID_KEYS)
+        if response_id is None:
+            return not in_llm_call
+        if response_id in self.seen_response_ids:
+            return False
+        self.seen_response_ids.add(response_id)
+        return True
+
+
+def _credit_in_order(nodes: Sequence[TraceTree], llm_ids: set[str], rewards: dict[str, float]) -> None:
+    """Walk ``nodes`` in order; each reward goes to the latest unrewarded call that ended before it."""
+    calls: list[tuple[str, float]] = []
+    for node in nodes:
+        if node.id in llm_ids:
+            calls.append((node.id, _time(node.end_time, float("inf"))))
+        value = node.reward()
+        if value is None:
+            continue
+        start = _time(node.start_time, float("inf"))
+        for call_id, end in reversed(calls):
+            if end <= start and call_id not in rewards:
+                rewards[call_id] = value
+                break
+
+
+def _synthetic_span(span_id: str, children: Sequence[TraceTree], name: str | None = None) -> Span:
+    """A placeholder span covering ``children`` in time, with ids copied from the first child."""
+    first = children[0].span
+    starts = [c.start_time for c in children if c.start_time is not None]
+    ends = [c.end_time for c in children if c.end_time is not None]
+    return Span.from_attributes(
+        attributes={},
+        rollout_id=first.rollout_id,
+        attempt_id=first.attempt_id,
+        sequence_id=first.sequence_id,
+        trace_id=first.trace_id,
+        span_id=span_id,
+        name=name,
+        start_time=min(starts) if starts else None,
+        end_time=max(ends) if ends else None,
+    )

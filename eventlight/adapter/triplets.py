@@ -1,0 +1,269 @@
+"""Triplet adapters: ``TracerTraceToTriplet`` (span tree + reward matching) and ``LlmProxyTraceToTriplet``."""
+
+from __future__ import annotations
+
+import ast
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from eventlight.adapter.attrs import (
+    EVENTLIGHT_PROXY_SPAN,
+    PROMPT_ID_KEYS,
+    RESPONSE_ID_KEYS,
+    RESPONSE_TOKEN_KEYS,
+    _first_ids,
+    _first_nested,
+    _first_str,
+    _time,
+)
+from eventlight.adapter.base import RewardMatchPolicy, TraceToTripletBase
+from eventlight.adapter.tree import TraceTree
+from eventlight.core.types import Span, Triplet
+from eventlight.rewards import get_reward_value
+
+log = logging.getLogger(__name__)
+
+# ------------------------------------------------------------------------------------------
+# Triplets from tracer spans
+
+
+def _image_urls(prompt: Any) -> list[str]:
+    """URLs of ``image_url`` content parts in prompt messages, in order."""
+    messages = prompt if isinstance(prompt, list) else [prompt] if isinstance(prompt, dict) else []
+    urls: list[str] = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            try:
+                content = json.loads(content)
+            except json.JSONDecodeError:
+                continue
+        for part in content if isinstance(content, list) else []:
+            is_image = isinstance(part, dict) and part.get("type") == "image_url"
+            image = part.get("image_url") if is_image else None
+            if isinstance(image, dict) and "url" in image:
+                urls.append(image["url"])
+    return urls
+
+
+def _strip_keys(data: Any, keys: frozenset[str]) -> Any:
+    if isinstance(data, dict):
+        return {k: v for k, v in data.items() if k not in keys}
+    return data
+
+
+_RESPONSE_META_DROP = frozenset({"choices", "prompt_token_ids", "response_token_ids"})
+
+
+def span_to_triplet(span: Span, agent_name: str) -> Triplet:
+    """Build the triplet of one LLM call span (reward left ``None``).
+
+    Returns:
+        ``Triplet(prompt={"token_ids", "raw_content", "image_urls"}, response={"token_ids",
+        "raw_content"[, "logprobs"]}, metadata={"request", "response", "response_id", "agent_name"})``;
+        raw contents are the unflattened ``gen_ai.prompt`` / ``gen_ai.completion`` (or the Weave
+        ``agentlightning.operation.*`` equivalents).
+    """
+    attrs = span.attributes or {}
+    prompt_raw = _first_nested(attrs, ("gen_ai.prompt", "agentlightning.operation.input.messages"))
+    response: dict[str, Any] = {
+        "token_ids": _first_ids(attrs, RESPONSE_TOKEN_KEYS) or [],
+        "raw_content": _first_nested(attrs, ("gen_ai.completion", "agentlightning.operation.output.choices")),
+    }
+    if isinstance(attrs.get("logprobs.content"), str):
+        response["logprobs"] = json.loads(attrs["logprobs.content"])
+    request_meta = _first_nested(attrs, ("gen_ai.request", "agentlightning.operation.input"))
+    response_meta = _first_nested(attrs, ("gen_ai.response", "agentlightning.operation.output"))
+    return Triplet(
+        prompt={
+            "token_ids": _first_ids(attrs, PROMPT_ID_KEYS) or [],
+            "raw_content": prompt_raw,
+            "image_urls": _image_urls(prompt_raw),
+        },
+        response=response,
+        metadata={
+            "request": _strip_keys(request_meta, frozenset({"messages"})),
+            "response": _strip_keys(response_meta, _RESPONSE_META_DROP),
+            "response_id": _first_str(attrs, RESPONSE_ID_KEYS),
+            "agent_name": agent_name,
+        },
+    )
+
+
+def _as_spans(source: Sequence[Any]) -> list[Span]:
+    """Accept eventlight spans or OpenTelemetry ``ReadableSpan`` (converted with dummy ids)."""
+    if all(isinstance(s, Span) for s in source):
+        return list(source)
+    from eventlight.otel import span_from_readable
+
+    return [s if isinstance(s, Span) else span_from_readable(s, "dummy", "dummy", 0) for s in source]
+
+
+class TracerTraceToTriplet(TraceToTripletBase):
+    """Triplets from tracer spans: one per LLM call, rewards matched by time (Agent-lightning 0.3).
+
+    Args:
+        repair_hierarchy: Re-parent floating top-level spans first (``TraceTree.repair_hierarchy``,
+            a simplified version: top level only, spans without timestamps left alone).
+        llm_call_match: Regex (``re.search``) on span names that marks LLM calls.
+        agent_match: Regex on agent names; only calls below a matching agent count. ``None`` = all.
+        exclude_llm_call_in_reward: Ignore LLM calls inside reward spans (e.g. an LLM judge).
+        reward_match: ``RewardMatchPolicy`` (or its string value).
+        _skip_empty_token_spans: Drop calls lacking prompt or response token ids.
+
+    Output order is DFS pre-order with children in input order (not time order).
+    """
+
+    def __init__(
+        self,
+        repair_hierarchy: bool = True,
+        llm_call_match: str = r"openai\.chat\.completion",
+        agent_match: str | None = None,
+        exclude_llm_call_in_reward: bool = True,
+        reward_match: RewardMatchPolicy | str = RewardMatchPolicy.FIRST_OCCURRENCE,
+        _skip_empty_token_spans: bool = False,
+    ):
+        self.repair_hierarchy = repair_hierarchy
+        self.llm_call_match = llm_call_match
+        self.agent_match = agent_match
+        self.exclude_llm_call_in_reward = exclude_llm_call_in_reward
+        self.reward_match = RewardMatchPolicy(reward_match)
+        self._skip_empty_token_spans = _skip_empty_token_spans
+
+    def build_tree(self, source: Sequence[Any]) -> TraceTree:
+        """The (optionally repaired) span tree of ``source``.
+
+        Raises:
+            ValueError: ``source`` is empty.
+        """
+        tree = TraceTree.from_spans(_as_spans(source))
+        if self.repair_hierarchy:
+            tree.repair_hierarchy()
+        return tree
+
+    def adapt(self, source: Sequence[Any], /) -> list[Triplet]:
+        """Convert the spans of one attempt into triplets.
+
+        Returns:
+            One triplet per matched LLM call; ``[]`` (with a warning naming the spans seen) when no
+            span matches ``llm_call_match`` or ``source`` is empty.
+        """
+        if not source:
+            return []
+        tree = self.build_tree(source)
+        calls = tree.find_llm_calls(
+            llm_call_match=self.llm_call_match,
+            agent_match=self.agent_match,
+            exclude_llm_call_in_reward=self.exclude_llm_call_in_reward,
+        )
+        pairs = [(node, span_to_triplet(node.span, agent)) for node, agent in calls]
+        if self._skip_empty_token_spans:
+            pairs = [(n, t) for n, t in pairs if t.prompt["token_ids"] and t.response["token_ids"]]
+        if not pairs:
+            names = sorted({n.span.name for n in tree.traverse()})
+            log.warning("no span matches llm_call_match=%r; span names seen: %s", self.llm_call_match, names)
+            return []
+        rewards = tree.match_rewards(self.reward_match, [n for n, _ in pairs])
+        for node, triplet in pairs:
+            triplet.reward = rewards.get(node.id)
+        return [t for _, t in pairs]
+
+
+# ------------------------------------------------------------------------------------------
+# Triplets from LLM proxy spans
+
+
+def _literal(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            return value
+    return value
+
+
+def _int_list(value: Any) -> list[int]:
+    value = _literal(value)
+    if isinstance(value, (list, tuple)) and value and all(isinstance(x, int) for x in value):
+        return list(value)
+    return []
+
+
+def _raw_request_ids(attrs: Mapping[str, Any]) -> tuple[list[int], list[int]]:
+    """Token ids of a ``raw_gen_ai_request`` span (vLLM via LiteLLM), flat or stringified."""
+    prompt = _int_list(attrs.get("llm.hosted_vllm.prompt_token_ids"))
+    nested = _literal(attrs.get("llm.hosted_vllm.response_token_ids"))
+    response = _int_list(nested[0]) if isinstance(nested, list) and nested else []
+    response = response or _int_list(attrs.get("llm.hosted_vllm.response_token_ids.0"))
+    choices = _literal(attrs.get("llm.hosted_vllm.choices"))
+    if not response and isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        response = _int_list(choices[0].get("token_ids"))
+    return prompt, response or _int_list(attrs.get("llm.hosted_vllm.choices.0.token_ids"))
+
+
+class LlmProxyTraceToTriplet(TraceToTripletBase):
+    """Triplets from LLM proxy spans, ordered purely by ``sequence_id`` (Agent-lightning, experimental).
+
+    Timestamps are ignored on purpose: proxies on other machines may have skewed clocks.
+
+    1. Spans are sorted by ``(sequence_id, start_time)``.
+    2. LLM calls are ``raw_gen_ai_request`` spans (``llm.hosted_vllm.prompt_token_ids``, response
+       from ``llm.hosted_vllm.response_token_ids[0]`` or ``llm.hosted_vllm.choices[0].token_ids``;
+       strings are parsed with ``ast.literal_eval``) or ``litellm_request`` spans
+       (``prompt_token_ids``/``response_token_ids``). Both lists must be non-empty. Calls are
+       deduplicated by ``gen_ai.response.id`` or ``llm.hosted_vllm.id``. Extension: spans named
+       ``openai.chat.completion`` with ``prompt_token_ids``/``response_token_ids`` (what
+       eventlight's own ``LLMProxy`` records) count too.
+    3. Each reward, in sequence order, goes to the latest unrewarded call with a strictly smaller
+       sequence id.
+    """
+
+    def adapt(self, source: Sequence[Span], /) -> list[Triplet]:
+        """Convert proxy spans into ``Triplet(prompt={"token_ids"}, response={"token_ids"}, reward,
+        metadata={"response_id"})`` items in sequence order."""
+        spans = sorted(source, key=lambda s: (s.sequence_id, _time(s.start_time, 0.0)))
+        calls = self._llm_calls(spans)
+        rewarded: dict[int, float] = {}
+        for span in spans:
+            value = get_reward_value(span)
+            if value is None:
+                continue
+            for i in reversed(range(len(calls))):
+                if i not in rewarded and calls[i][0].sequence_id < span.sequence_id:
+                    rewarded[i] = value
+                    break
+        return [
+            Triplet(
+                prompt={"token_ids": prompt},
+                response={"token_ids": response},
+                reward=rewarded.get(i),
+                metadata={"response_id": rid},
+            )
+            for i, (_, prompt, response, rid) in enumerate(calls)
+        ]
+
+    @staticmethod
+    def _llm_calls(spans: Sequence[Span]) -> list[tuple[Span, list[int], list[int], str | None]]:
+        calls: list[tuple[Span, list[int], list[int], str | None]] = []
+        seen: set[str] = set()
+        for span in spans:
+            attrs = span.attributes or {}
+            if span.name == "raw_gen_ai_request":
+                prompt, response = _raw_request_ids(attrs)
+            elif span.name in ("litellm_request", EVENTLIGHT_PROXY_SPAN):
+                prompt = _int_list(attrs.get("prompt_token_ids"))
+                response = _int_list(attrs.get("response_token_ids"))
+            else:
+                continue
+            if not (prompt and response):
+                continue
+            rid = attrs.get("gen_ai.response.id") or attrs.get("llm.hosted_vllm.id")
+            rid = rid if isinstance(rid, str) and rid else None
+            if rid is not None and rid in seen:
+                continue
+            if rid is not None:
+                seen.add(rid)
+            calls.append((span, prompt, response, rid))
+        return calls

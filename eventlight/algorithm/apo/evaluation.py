@@ -1,0 +1,152 @@
+"""Rolling a candidate prompt out on a batch of tasks and scoring it (mixed into ``APO``)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, Generic
+
+import msgspec
+
+from eventlight.adapter import OpenAIMessages, TraceToMessages
+from eventlight.algorithm.apo.models import ProgressCallback, RolloutResultForAPO, T_task, VersionedPromptTemplate
+from eventlight.algorithm.base import Algorithm
+from eventlight.core.errors import EventlightError
+from eventlight.core.types import (
+    EnqueueRolloutRequest,
+    NamedResources,
+    PromptTemplate,
+    Rollout,
+    RolloutConfig,
+    Span,
+)
+from eventlight.rewards import find_final_reward
+
+log = logging.getLogger(__name__)
+
+
+class RolloutEvaluation(Algorithm, Generic[T_task]):
+    """Scores a prompt by rolling it out through the store; the evaluation half of ``APO``."""
+
+    rollout_config: RolloutConfig | None
+    rollout_batch_timeout: float
+    progress: ProgressCallback | None
+    history: list[tuple[str, str, float, int]]
+
+    def get_adapter(self) -> TraceToMessages:
+        """The adapter, which must turn spans into chat messages.
+
+        Raises:
+            ValueError: Unset, or not a ``TraceToMessages`` (pass ``adapter=TraceToMessages()`` to
+                the trainer; its default is ``TracerTraceToTriplet``).
+        """
+        adapter = super().get_adapter()
+        if not isinstance(adapter, TraceToMessages):
+            raise ValueError(f"APO needs a TraceToMessages adapter, got {type(adapter).__name__}")
+        return adapter
+
+    def _emit(self, event: dict[str, Any]) -> None:
+        if self.progress is None:
+            return
+        try:
+            self.progress(event)
+        except Exception:
+            log.exception("APO progress callback failed on %s", event.get("event"))
+
+    # -- evaluation ---------------------------------------------------------------------------
+
+    def _resources_for(self, name: str, template: PromptTemplate) -> NamedResources:
+        return {**(self.get_initial_resources() or {}), name: template}
+
+    async def evaluate_prompt_on_batch(
+        self,
+        prompt: VersionedPromptTemplate,
+        resource_name: str,
+        dataset: Sequence[T_task],
+        mode: str,
+        *,
+        prefix: str | None = None,
+    ) -> tuple[list[RolloutResultForAPO], float]:
+        """Publish ``prompt`` as resources ``prompt.version``, roll out ``dataset``, and score it.
+
+        Args:
+            prompt: The candidate.
+            resource_name: The name the agent reads the template under.
+            dataset: Tasks, one rollout each, all enqueued at once.
+            mode: ``"train"`` or ``"val"``.
+            prefix: Log prefix.
+
+        Returns:
+            ``(results, score)``: a result per rollout that finished within
+            ``rollout_batch_timeout`` (in task order) and their mean final reward (``None`` = 0;
+            0.0 when none finished).
+        """
+        store = self.get_store()
+        await store.put_resources(prompt.version, self._resources_for(resource_name, prompt.prompt_template))
+        requests = [
+            EnqueueRolloutRequest(input=task, mode=mode, resources_id=prompt.version, config=self.rollout_config)
+            for task in dataset
+        ]
+        ids = [r.rollout_id for r in await store.enqueue_many_rollouts(requests)]
+        finished = await store.wait_for_rollouts(rollout_ids=ids, timeout=self.rollout_batch_timeout)
+        if len(finished) < len(ids):
+            await self._cancel_unfinished(ids, finished, prefix or "")
+        results = await self.get_rollout_results(finished, prefix=prefix)
+        score = sum(r["final_reward"] or 0.0 for r in results) / max(1, len(results))
+        self.history.append((prompt.version, mode, score, len(results)))
+        self._emit(
+            {
+                "event": "eval",
+                "version": prompt.version,
+                "mode": mode,
+                "score": score,
+                "n": len(results),
+                "requested": len(ids),
+            }
+        )
+        return results, score
+
+    async def _cancel_unfinished(self, ids: list[str], finished: list[Rollout], prefix: str) -> None:
+        done = {r.rollout_id for r in finished}
+        late = [rid for rid in ids if rid not in done]
+        log.warning(
+            "%s %d/%d rollouts unfinished after %.0f s; cancelling them",
+            prefix,
+            len(late),
+            len(ids),
+            self.rollout_batch_timeout,
+        )
+        for rid in late:
+            try:
+                await self.get_store().update_rollout(rid, status="cancelled")
+            except EventlightError as e:  # finished meanwhile
+                log.debug("%s could not cancel %s: %s", prefix, rid, e)
+
+    async def get_rollout_results(
+        self, rollouts: Sequence[Rollout], *, prefix: str | None = None
+    ) -> list[RolloutResultForAPO]:
+        """Spans (latest attempt), messages, final reward and status of finished rollouts.
+
+        Raises:
+            ValueError: A reward span is malformed (see ``eventlight.rewards``).
+        """
+        store = self.get_store()
+        results: list[RolloutResultForAPO] = []
+        for rollout in rollouts:
+            spans = list(await store.query_spans(rollout.rollout_id, attempt_id="latest"))
+            results.append(
+                RolloutResultForAPO(
+                    status=rollout.status,
+                    final_reward=find_final_reward(spans),
+                    spans=[msgspec.to_builtins(s) for s in spans],
+                    messages=self._messages(spans, rollout.rollout_id, prefix),
+                )
+            )
+        return results
+
+    def _messages(self, spans: list[Span], rollout_id: str, prefix: str | None) -> list[OpenAIMessages]:
+        try:
+            return self.get_adapter().adapt(spans)
+        except ValueError as e:
+            log.warning("%s could not turn the spans of %s into messages: %s", prefix or "", rollout_id, e)
+            return []

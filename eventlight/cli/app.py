@@ -1,0 +1,87 @@
+"""The typer app: the root callback, every command in the order ``--help`` lists them, ``main``."""
+
+from __future__ import annotations
+
+import logging
+import os
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+
+from eventlight.cli.common import console, err
+from eventlight.cli.errors import _OneLineErrors
+from eventlight.cli.runner import runner
+from eventlight.cli.servers import down, up
+from eventlight.cli.sql import sql
+from eventlight.cli.status import status
+
+app = typer.Typer(
+    cls=_OneLineErrors,
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="eventlight: train agents from their traces.",
+)
+
+
+def _version() -> str:
+    try:
+        return package_version("eventlight")
+    except PackageNotFoundError:  # a source tree on sys.path, not installed
+        return "unknown (not installed)"
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        console.print(f"eventlight {_version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_show_version, is_eager=True, help="Print the version and exit."),
+    ] = False,
+) -> None:
+    """eventlight: train agents from their traces."""
+
+
+for _command in (up, down, sql, status, runner):
+    app.command()(_command)
+
+
+def _register_bench() -> None:
+    from eventlight.bench_cli import bench
+
+    app.command(
+        help="Throughput benchmark, side by side with Agent-lightning 0.3.0: `python -m bench` of the source "
+        "checkout (see bench/README.md); `eventlight bench --help` lists its options.",
+        context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+        add_help_option=False,
+    )(bench)
+
+
+_register_bench()
+
+
+def _register_replay() -> None:
+    from eventlight.cli.replay import register
+
+    register(app)  # replay, export, import
+
+
+_register_replay()
+
+
+def main() -> None:
+    """Console entry point."""
+    level = os.environ.get("EVENTLIGHT_LOG_LEVEL", "INFO").upper()
+    if level not in logging.getLevelNamesMapping():
+        err.print(f"[yellow]warning:[/yellow] EVENTLIGHT_LOG_LEVEL={escape(level)!r} is not a log level; using INFO")
+        level = "INFO"
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    app()

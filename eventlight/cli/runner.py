@@ -1,0 +1,158 @@
+"""``eventlight runner``: load an agent by ``module:attribute`` and run runner processes for it."""
+
+from __future__ import annotations
+
+import importlib
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.markup import escape
+
+from eventlight.cli.common import (
+    EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
+    EXIT_UNAVAILABLE,
+    CliError,
+    NamespaceOpt,
+    _run,
+    _settings,
+    console,
+)
+from eventlight.cli.discovery import _need_nats, _no_namespace
+from eventlight.cli.status import _stream_state
+from eventlight.settings import Settings
+
+# ---------------------------------------------------------------------------------------------
+# runner
+
+AGENT_EXPECTED = (
+    "expected module:attribute naming a LitAgent instance or a function decorated with "
+    "@eventlight.rollout (or @llm_rollout / @prompt_rollout), e.g. examples.room_booking.agent:room_booker"
+)
+
+
+def _import_module(spec: str, module_name: str) -> Any:
+    if module_name.endswith(".py") or "/" in module_name:
+        path = Path(module_name)
+        if not path.is_file() or path.suffix != ".py":
+            raise CliError(f"agent {spec!r}: no Python file {module_name}; {AGENT_EXPECTED}")
+        sys.path.insert(0, str(path.resolve().parent))  # spawned runner processes inherit sys.path
+        module_name = path.stem
+    if str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
+            msg = f"agent {spec!r}: no module named {e.name!r} (searched the current folder and sys.path)"
+            raise CliError(msg) from None
+        raise CliError(f"agent {spec!r}: importing {module_name!r} failed: {type(e).__name__}: {e}") from None
+    except Exception as e:  # the user's module raised while importing
+        raise CliError(f"agent {spec!r}: importing {module_name!r} failed: {type(e).__name__}: {e}") from None
+
+
+def _what(obj: Any) -> str:
+    import inspect
+
+    if inspect.ismodule(obj):
+        return "a module"
+    if inspect.isclass(obj):
+        return f"the class {obj.__name__}"
+    if inspect.isroutine(obj):
+        return "a function without @eventlight.rollout"
+    return f"a {type(obj).__name__}"
+
+
+def load_agent(spec: str) -> Any:
+    """Import ``module:attribute`` (or ``path/to/file.py:attribute``) and check it is an agent.
+
+    ``attribute`` may be dotted (``module:holder.agent``). A ``LitAgent`` subclass is instantiated
+    without arguments.
+
+    Returns:
+        The ``LitAgent``.
+
+    Raises:
+        CliError: The spec is malformed, the module or attribute does not exist, importing the
+            module failed, or the attribute is not an agent (exit code 2).
+    """
+    from eventlight.agent import LitAgent
+
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise CliError(f"agent {spec!r}: {AGENT_EXPECTED}")
+    obj = _import_module(spec, module_name)
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise CliError(f"agent {spec!r}: {module_name} has no attribute {attr!r}; {AGENT_EXPECTED}") from None
+    if isinstance(obj, type) and issubclass(obj, LitAgent):
+        try:
+            obj = obj()
+        except Exception as e:
+            raise CliError(f"agent {spec!r}: {obj.__name__}() failed ({type(e).__name__}: {e})") from None
+    if not isinstance(obj, LitAgent):
+        raise CliError(f"agent {spec!r} is {_what(obj)}, not an agent: {AGENT_EXPECTED}")
+    return obj
+
+
+async def _runner_nats(settings: Settings) -> str:
+    found = await _need_nats(settings)
+    if await _stream_state(found.url, settings) is None:
+        raise _no_namespace(settings, f"no stream {settings.stream_name}")
+    return str(found.url)
+
+
+def runner(
+    agent: Annotated[str, typer.Argument(help="The agent, as module:attribute or path/to/file.py:attribute.")],
+    n: Annotated[int, typer.Option("--n-runners", "-n", min=1, help="Runner processes (at least 1).")] = 1,
+    namespace: NamespaceOpt = None,
+) -> None:
+    """Run runner processes that consume the namespace's rollout queue until Ctrl+C or SIGTERM.
+
+    A process that dies is restarted (at most about once a minute when it keeps dying). Ctrl+C or
+    SIGTERM gives attempts in flight 10 s to finish, then records the rest failed (their rollouts
+    are requeued or failed by their RolloutConfig); a second Ctrl+C does so at once.
+
+    Servers: uses $EVENTLIGHT_NATS_URL when set, else the embedded NATS `eventlight up` started;
+    never starts or stops one (without it: exit 1, 'run `eventlight up`'), so stopping the runners
+    leaves the servers to the trainer and other runners."""
+    from eventlight.net import redact
+    from eventlight.runner_pool import GRACEFUL_STOP_S, RunnerPool
+
+    settings = _settings(namespace)
+    the_agent = load_agent(agent)
+    nats_url = _run(_runner_nats(settings))
+    pool = RunnerPool(the_agent, n, settings, nats_url, log_level=settings.log_level)
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    pool.start()
+    console.print(f"{n} runner(s) consuming {settings.stream_name} on {escape(redact(nats_url))}; Ctrl+C to stop")
+    try:
+        while pool.supervising():
+            time.sleep(0.5)
+    except (KeyboardInterrupt, _Terminated) as e:
+        console.print(
+            f"stopping runners: attempts in flight get {GRACEFUL_STOP_S:.0f} s to finish, then are recorded "
+            "failed (Ctrl+C again: at once)…"
+        )
+        try:
+            pool.stop()
+        except (KeyboardInterrupt, _Terminated):
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            pool.stop(graceful_s=0)
+        raise typer.Exit(EXIT_INTERRUPTED if isinstance(e, KeyboardInterrupt) else EXIT_TERMINATED) from None
+    codes = pool.stop()
+    raise CliError(f"runner processes exited (exit codes {codes}); their log is above", EXIT_UNAVAILABLE)
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived (raised by ``_raise_terminated`` in the main thread)."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise _Terminated

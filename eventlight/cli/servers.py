@@ -1,0 +1,34 @@
+"""``eventlight up`` / ``eventlight down``: start and stop the embedded servers."""
+
+from __future__ import annotations
+
+import time
+
+from rich.markup import escape
+
+from eventlight.cli.common import NamespaceOpt, _run, _settings, console
+
+# ---------------------------------------------------------------------------------------------
+# up / down
+
+
+def up(namespace: NamespaceOpt = None) -> None:
+    """Start (or find) NATS and Postgres and apply streams and migrations for the namespace.
+
+    The servers keep running after this command (until `eventlight down`)."""
+    from eventlight.net import redact
+    from eventlight.ops import prepare_services
+
+    t0 = time.monotonic()
+    services = _run(prepare_services(_settings(namespace)))
+    console.print(f"NATS      {escape(redact(services.nats_url))}")
+    console.print(f"Postgres  {escape(redact(services.pg_dsn))}")
+    console.print(f"started   {', '.join(services.started) or 'nothing (reused)'} in {time.monotonic() - t0:.2f} s")
+
+
+def down(namespace: NamespaceOpt = None) -> None:
+    """Stop the servers eventlight started (never ones it did not start)."""
+    from eventlight.ops import stop_services
+
+    stopped = _run(stop_services(_settings(namespace)))
+    console.print("stopped " + (", ".join(stopped) if stopped else "nothing (no embedded server was running)"))

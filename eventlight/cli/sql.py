@@ -1,0 +1,111 @@
+"""``eventlight sql``: one read-only statement against the namespace's projections."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Annotated, Any
+
+import typer
+
+from eventlight.cli.common import CliError, NamespaceOpt, _run, _settings, console
+from eventlight.cli.discovery import _connect_pg, _need_pg
+from eventlight.settings import Settings
+
+# ---------------------------------------------------------------------------------------------
+# sql
+
+
+def _check_query(query: str) -> None:
+    """Refuse what cannot be one SQL statement before connecting.
+
+    Raises:
+        CliError: Empty, or not valid UTF-8 (an argument the shell passed as raw bytes).
+    """
+    if not query.strip().strip(";").strip():
+        raise CliError('empty query: give one SQL statement, e.g. eventlight sql "SELECT * FROM rollouts LIMIT 5"')
+    try:
+        query.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = query.encode("utf-8", "surrogateescape")[e.start : e.start + 1]
+        raise CliError(f"the query is not valid UTF-8 (byte {bad!r} at position {e.start})") from None
+
+
+async def _query(
+    settings: Settings, query: str, timeout_s: float, params: Sequence[str] = ()
+) -> tuple[list[Any], list[Any]]:
+    """Run ``query`` as the read-only role ``eventlight_reader`` (``eventlight.sql_reader``), with
+    ``params`` bound to ``$1``, ``$2``, … (``eventlight.sql_params``)."""
+    from eventlight.cli_output import Column
+    from eventlight.sql_params import bind
+    from eventlight.sql_reader import connect_reader
+    from eventlight.store.jetstream.pg_errors import sql_error_detail
+
+    found = await _need_pg(settings)
+    owner = await _connect_pg(settings, found)  # brings the schema (and the reader's grants) up to date
+    try:
+        conn = await connect_reader(owner, found.url, settings.pg_schema, timeout_s=timeout_s)
+    finally:
+        await owner.close()
+    try:
+        async with conn.transaction(readonly=True):
+            stmt = await conn.prepare(query)
+            values = bind(params, stmt.get_parameters())
+            rows = await stmt.fetch(*values, timeout=timeout_s + 5)  # the server's statement_timeout fires first
+        cols = [Column(a.name, a.type.name) for a in stmt.get_attributes()]
+    except TimeoutError as e:
+        raise CliError(f"SQL error: no answer within {timeout_s + 5:g} s") from e
+    except Exception as e:
+        detail = sql_error_detail(e, timeout_s)
+        if detail is None:
+            raise
+        raise CliError(f"SQL error: {detail}") from e
+    finally:
+        await conn.close()
+    return cols, rows
+
+
+def sql(
+    query: Annotated[str, typer.Argument(help="One SQL statement, run against the namespace's read models.")],
+    output_format: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            "-f",
+            help="table: for reading (UTC times, folded cells, compact JSON); csv / json (JSON lines): raw values.",
+        ),
+    ] = "table",
+    timeout_s: Annotated[
+        float, typer.Option("--timeout-s", min=0.001, help="Cancel the query after this many seconds.")
+    ] = 30.0,
+    param: Annotated[
+        list[str] | None,
+        typer.Option("--param", "-p", help="A value for $1, $2, … in order (repeatable); bound, never pasted in."),
+    ] = None,
+    namespace: NamespaceOpt = None,
+) -> None:
+    """Run one SQL statement over the projections and print the result.
+
+    Tables rollouts, attempts, spans, resources, workers; views v_rollouts, v_attempts, v_spans,
+    v_rewards, llm_calls, reward_by_resources, rollout_rewards (see
+    eventlight/_data/migrations/008_documented_views.sql and the README's example queries). Values
+    go in as --param, for $1, $2, …
+
+    The query runs in a read-only transaction, as the role eventlight_reader that may only read
+    this namespace's tables, with a statement timeout: the tables are a projection of the stream,
+    and a row changed here would silently disagree with it (write through the store API instead).
+
+    Servers: uses $EVENTLIGHT_PG_DSN when set, else the embedded Postgres `eventlight up` started;
+    never starts or stops one (without it: exit 1, 'run `eventlight up`')."""
+    from eventlight.cli_output import FORMATS, result_table, result_text
+
+    if output_format not in FORMATS:
+        raise CliError(f"--format {output_format!r}: expected one of {', '.join(FORMATS)}")
+    _check_query(query)
+    cols, rows = _run(_query(_settings(namespace), query, timeout_s, param or ()))
+    if output_format != "table":
+        sys.stdout.write(result_text(cols, rows, output_format))
+        return
+    if cols:
+        console.print(result_table(cols, rows, console.width))
+    console.print(f"{len(rows)} row(s)")

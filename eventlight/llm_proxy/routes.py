@@ -1,0 +1,184 @@
+"""The proxy's HTTP routes: one span per routed chat completion (mixed into ``LLMProxy``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from eventlight.llm_health import LLMCallHealth
+from eventlight.llm_proxy.forwarding import Forwarding
+from eventlight.llm_proxy.span_attributes import make_span
+from eventlight.llm_proxy.sse import aiter_chunks, chat_completion_to_sse
+from eventlight.llm_proxy.upstream import (
+    CHECK_HEADER,
+    error_response,
+    upstream_error,
+)
+
+if TYPE_CHECKING:
+    from eventlight.store.base import LightningStore
+
+log = logging.getLogger(__name__)
+
+
+class ChatRoutes(Forwarding):
+    """The FastAPI app: chat completions (routed and unrouted), models, health."""
+
+    _store: LightningStore | None
+    _warned_unrouted: bool
+    _warned_no_store: bool
+    health: LLMCallHealth
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="eventlight LLM proxy", docs_url=None, redoc_url=None, openapi_url=None)
+
+        async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+            # Logged with its traceback by the server; the client gets JSON, never a traceback.
+            log.error("LLMProxy failed on %s: %s: %s", request.url.path, type(exc).__name__, exc)
+            return error_response(500, f"LLM proxy internal error: {type(exc).__name__}: {exc}", "internal_error")
+
+        app.add_exception_handler(Exception, internal_error)
+
+        async def routed(request: Request, rollout_id: str, attempt_id: str) -> Response:
+            return await self._handle_chat(request, rollout_id, attempt_id)
+
+        async def unrouted(request: Request) -> Response:
+            if not self._warned_unrouted and request.headers.get(CHECK_HEADER) is None:
+                self._warned_unrouted = True
+                log.warning(
+                    "LLMProxy got %s without /rollout/<id>/attempt/<id>: it is forwarded but not recorded "
+                    "(resolve the ProxyLLM with get_base_url(rollout_id, attempt_id))",
+                    request.url.path,
+                )
+            return await self._handle_chat(request, None, None)
+
+        async def models() -> dict[str, Any]:
+            names = sorted({e["model_name"] for e in self._model_list})
+            now = int(time.time())
+            return {
+                "object": "list",
+                "data": [{"id": n, "object": "model", "created": now, "owned_by": "eventlight"} for n in names],
+            }
+
+        async def models_routed(rollout_id: str, attempt_id: str) -> dict[str, Any]:
+            return await models()
+
+        async def health() -> dict[str, Any]:
+            return {"status": "ok", "models": len(self._model_list)}
+
+        for prefix in (
+            "/rollout/{rollout_id}/attempt/{attempt_id}/v1",
+            "/rollout/{rollout_id}/attempt/{attempt_id}",
+        ):
+            app.add_api_route(f"{prefix}/chat/completions", routed, methods=["POST"])
+            app.add_api_route(f"{prefix}/models", models_routed, methods=["GET"])
+        for prefix in ("/v1", ""):
+            app.add_api_route(f"{prefix}/chat/completions", unrouted, methods=["POST"])
+            app.add_api_route(f"{prefix}/models", models, methods=["GET"])
+        app.add_api_route("/health", health, methods=["GET"])
+        return app
+
+    async def _resolve_sequence(
+        self, store: LightningStore, rollout_id: str, attempt_id: str
+    ) -> tuple[str, int] | JSONResponse:
+        """Allocate the call's sequence id; a 404/503 response when the store refuses."""
+        try:
+            if attempt_id == "latest":
+                latest = await store.get_latest_attempt(rollout_id)
+                if latest is None:
+                    raise ValueError(f"rollout {rollout_id!r} has no attempt")
+                attempt_id = latest.attempt_id
+            (sequence_id,) = await store.get_many_span_sequence_ids([(rollout_id, attempt_id)])
+            return attempt_id, sequence_id
+        except ValueError as exc:  # NotFoundError and InvalidInputError are ValueErrors
+            return error_response(
+                404, f"unknown rollout {rollout_id!r} / attempt {attempt_id!r}: {exc}", "not_found_error"
+            )
+        except Exception as exc:
+            log.exception("LLMProxy could not allocate a sequence id for %s/%s", rollout_id, attempt_id)
+            return error_response(
+                503,
+                f"the store could not allocate a span sequence id for rollout {rollout_id!r} / "
+                f"attempt {attempt_id!r}: {type(exc).__name__}: {exc}",
+                "store_unavailable",
+            )
+
+    async def _handle_chat(self, request: Request, rollout_id: str | None, attempt_id: str | None) -> Response:
+        start_time = time.time()
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return error_response(400, f"request body is not JSON: {exc}", "invalid_request_error")
+        if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+            return error_response(
+                400,
+                "request body must be a JSON object with a 'messages' list",
+                "invalid_request_error",
+                param="messages",
+            )
+        if not body.get("model"):
+            names = {e["model_name"] for e in self._model_list}
+            if len(names) != 1:
+                return error_response(400, "request has no 'model'", "invalid_request_error", param="model")
+            body["model"] = names.pop()
+        streaming = bool(body.get("stream"))
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage")) if streaming else False
+
+        store = self._store if rollout_id is not None else None
+        sequence_id = 0
+        if rollout_id is not None and store is None and not self._warned_no_store:
+            self._warned_no_store = True
+            log.warning("LLMProxy has no store: routed calls are forwarded but not recorded")
+        if store is not None and rollout_id is not None and attempt_id is not None:
+            resolved = await self._resolve_sequence(store, rollout_id, attempt_id)
+            if isinstance(resolved, JSONResponse):
+                return resolved
+            attempt_id, sequence_id = resolved
+
+        completion: dict[str, Any] | None = None
+        error: dict[str, Any] | None = None
+        system = self._system_of(body["model"])
+        try:
+            completion, provider = await self._forward(body)
+            system = provider or system
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            status, err_type, message = upstream_error(exc)
+            error = {"type": err_type, "status_code": status, "message": message}
+            log.info("upstream error %d for model %r: %s", status, body.get("model"), message)
+        if request.headers.get(CHECK_HEADER) is None:
+            status = 200 if error is None else error["status_code"]
+            detail = "" if error is None else error["message"]
+            self.health.record(ok=error is None, status=status, detail=detail, model=str(body.get("model")))
+
+        if store is not None and rollout_id is not None and attempt_id is not None:
+            span = make_span(
+                body,
+                completion,
+                error,
+                system=system,
+                streaming=streaming,
+                rollout_id=rollout_id,
+                attempt_id=attempt_id,
+                sequence_id=sequence_id,
+                start_time=start_time,
+            )
+            await self._record(store, span)
+
+        if error is not None:
+            return error_response(error["status_code"], error["message"], error["type"])
+        assert completion is not None
+        if streaming:
+            return StreamingResponse(
+                aiter_chunks(chat_completion_to_sse(completion, include_usage=include_usage)),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        return JSONResponse(completion)

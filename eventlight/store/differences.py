@@ -1,0 +1,67 @@
+"""How eventlight's ``LightningStore`` behaves where Agent-lightning 0.3.0's code and docs differ.
+
+A documentation module (no code): the deliberate choices of ``eventlight.store.base.LightningStore``
+on every backend, item by item.
+
+Choices where Agent-lightning 0.3.0's code and its docs differ, item by item against
+``spec/seed_store_types.md`` §7 (status transitions are listed in ``eventlight.core.decider``):
+    1. unknown ids raise (docs), including ``query_spans``, ``query_attempts``, ``get_latest_attempt``,
+       ``wait_for_rollouts``, ``get_next_span_sequence_id`` and an unknown ``resources_id`` on
+       enqueue/start; ``update_resources`` on an unknown id raises too, and ``put_resources`` is
+       0.3.0's create-or-replace under its own name;
+    2. ``enqueue_rollout``/``enqueue_many_rollouts``/``start_rollout`` with ``resources_id=None`` take
+       the latest resources (added or updated) at that moment (0.3.0's behaviour, which runners rely on);
+    3. span sequence ids are counted per attempt (the docs allow it; 0.3.0 counts per rollout) and start
+       at 1; a span with its own ``sequence_id`` raises the counter; out-of-order ids are accepted, and
+       a duplicate is the same ``(rollout_id, attempt_id, span_id)`` (0.3.0);
+    4. ``wait_for_rollouts`` is keyword-only, ``timeout<=0`` only checks, ``requeuing`` is not finished,
+       results keep ``rollout_ids`` order, and it listens to events instead of polling;
+    5. filters: an empty ``*_in`` list matches nothing, ``None`` is no filter, all conditions of a query
+       join one pool combined by ``filter_logic``; ``query_spans(filter_logic="or")`` without filters
+       matches everything (0.3.0 returns nothing); ``status=``/``rollout_ids=`` are deprecated aliases;
+    6. ``limit=-1`` is unlimited, ``limit=0`` an empty page, ``total`` counts before paging; a negative
+       offset or ``limit < -1`` raises ``InvalidInputError``;
+    7. ``sort_by`` must name a field (``InvalidInputError``, a ``ValueError``); ``None`` values sort
+       last ascending and first descending on both backends; no ``sort_by`` is insertion order;
+    8. ``update_attempt(attempt_id="latest")`` and rollout propagation only from the latest attempt;
+    9. attempts get ``end_time`` on every terminal status, ``timeout``/``unresponsive`` included (docs);
+    10. ``cancelled`` is sticky: a late attempt update cannot overwrite it (0.3.0 lets it);
+    11. a requeued rollout goes to the queue's tail once; ``max_attempts`` counts ``start_attempt``'s
+        attempts too, and ``start_attempt`` itself ignores the budget (0.3.0);
+    12. the watchdog is a running component (in the projector's process, every second by default), not
+        a check run lazily before store calls, so nothing needs a debounce setting;
+    13. a span revives ``unresponsive`` but never ``timeout``/``failed``; queue entries of rollouts that
+        left ``queuing``/``requeuing`` are skipped;
+    14. workers are derived from events: claim → busy, empty poll → idle, ``timeout``/``unresponsive`` →
+        unknown; ``update_worker`` only stamps heartbeats; an empty poll records ``idle`` and
+        ``last_dequeue_time`` at once after the worker was busy, else at most once a second (each is
+        an fsynced event), so ``last_dequeue_time`` is the last poll to within 1 s; ``query_workers``
+        without ``sort_by`` is insertion order; ``worker_id`` must be a token (no dots, spaces or
+        wildcards: ``InvalidInputError``) on every backend; ``add_many_spans`` returns the spans it
+        recorded in the order given;
+    15.-17. there is no REST/OTLP store server yet (``capabilities["otlp_traces"]`` is ``False``);
+        errors are raised in-process as the ``EventlightError`` tree;
+    18. ``Span``'s nullable fields are required keys as in 0.3.0; ``NamedResources`` is tagged by
+        ``resource_type``;
+    20. every method appears atomic: writes are per-rollout optimistic appends (``command_loop``).
+
+Other behaviours to know:
+    * ``start_attempt`` is an explicit retry: it moves even a finished or cancelled rollout back to
+      ``preparing`` (0.3.0); only late *attempt updates* cannot overwrite ``cancelled``;
+    * ids that could never have been issued (with dots, spaces, wildcards) are simply not found;
+    * a span is validated before anything is written (ids, name, JSON-encodable attributes);
+      NUL characters are kept in the stream and stored as U+FFFD in Postgres, which cannot hold NUL;
+      JSON numbers are Postgres ``numeric`` there: ``-0.0`` reads back as ``0.0`` and a float written
+      in exponent form with an integral value (``1e16``) as an ``int`` (the stream keeps the original);
+    * on JetStream, reads see the caller's own writes (``sync``); another process's writes appear
+      once the projector has committed them (usually milliseconds); ``wait_for_rollouts`` follows
+      the stream itself; a non-blocking ``dequeue_rollout`` sees every enqueue acknowledged before
+      it, from any process (within 10 ms of any write to the namespace's stream it waits out those
+      10 ms for the queue's consumer to count recent enqueues);
+    * an update decides on the whole rollout, spans included: after an attempt's first span,
+      ``update_attempt`` without a status returns and keeps ``running``; events carry only the
+      fields they change, so a writer that decided on an older state never overwrites newer ones;
+    * ``dequeue_rollout(wait_s=...)`` (an eventlight extension) long-polls on both backends;
+    * a closed JetStream store raises ``InvalidInputError``; the in-memory store keeps its data and
+      only stops its watchdog.
+"""

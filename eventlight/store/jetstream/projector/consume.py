@@ -1,0 +1,161 @@
+"""Reading the stream by sequence from the checkpoint, and ``rebuild`` (mixed into ``Projector``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import uuid
+from typing import Any
+
+from eventlight.core.commands import RolloutState
+from eventlight.store.fold import in_flight
+from eventlight.store.jetstream.definitions import consumer_config
+from eventlight.store.jetstream.nats_errors import NO_MESSAGES
+from eventlight.store.jetstream.projector.batch import BatchWriter
+from eventlight.store.jetstream.projector.common import BATCH, NOT_THE_EVENTS, READ_ERRORS, RETRY_S, Deposed, _Gap
+from eventlight.store.watchdog import Watchdog
+
+log = logging.getLogger(__name__)
+
+
+def _seq_range(msgs: list[Any]) -> str:
+    return f"{msgs[0].metadata.sequence.stream}-{msgs[-1].metadata.sequence.stream}"
+
+
+class _Replayed:
+    """A stored message read by ``rebuild`` in the shape ``apply`` takes (no ack)."""
+
+    class _Meta:
+        class _Seq:
+            def __init__(self, seq: int):
+                self.stream = seq
+
+        def __init__(self, seq: int):
+            self.sequence = self._Seq(seq)
+
+    def __init__(self, seq: int, subject: str, data: bytes):
+        self.metadata = self._Meta(seq)
+        self.subject = subject
+        self.data = data
+
+
+class Consumer(BatchWriter):
+    """Reads the stream from the checkpoint and applies it batch by batch; ``rebuild`` from 0."""
+
+    watchdog: Watchdog
+    last_error: BaseException | None
+    _lock_lost: asyncio.Event
+    _stopping: bool
+
+    async def _project(self) -> None:
+        """Read the stream from the checkpoint and apply it batch by batch, in order."""
+        while not self._stopping:
+            psub = await self._subscribe(self.checkpoint)
+            try:
+                await self._consume(psub)
+            except _Gap as e:
+                log.warning("projector: %s; reading again from stream sequence %d", e, self.checkpoint + 1)
+            except (Deposed, asyncio.CancelledError):
+                raise
+            except READ_ERRORS as e:
+                log.warning("projector: reading the stream failed (%r); reading again from the checkpoint", e)
+                await asyncio.sleep(RETRY_S)
+            finally:
+                with contextlib.suppress(Exception):
+                    await psub.unsubscribe()
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.log.js.delete_consumer(self.log.stream, psub._consumer), 2)
+
+    async def _consume(self, psub: Any) -> None:
+        delivered = 0  # the consumer's delivery sequence: no acks, so no redelivery, so no gap
+        while not self._stopping:
+            try:
+                msgs = await psub.fetch(BATCH, timeout=0.25)
+            except NO_MESSAGES:
+                continue
+            if not msgs:  # nats-py may return an empty batch (a status message, not an error)
+                continue
+            for i, msg in enumerate(msgs):
+                if msg.metadata.sequence.consumer != delivered + 1:
+                    msgs = msgs[:i]
+                    if msgs:
+                        await self._apply_until_done(msgs)
+                    raise _Gap(f"delivery {delivered + 1} expected, {msg.metadata.sequence.consumer} came")
+                delivered += 1
+            await self._apply_until_done(msgs)
+
+    async def _apply_until_done(self, msgs: list[Any]) -> None:
+        """Apply one fetched batch, retrying *this* batch until it is done (or the projector stops
+        or is deposed): the checkpoint moves only past what was applied. An event that cannot be
+        projected on its own is dead-lettered (``_apply_isolating``); a failure of the servers
+        (``TRANSIENT``) is retried every second."""
+        while not self._stopping:
+            try:
+                try:
+                    await self.apply(msgs)
+                except NOT_THE_EVENTS:
+                    raise
+                except Exception:  # some event of the batch cannot be projected: find it, keep the others
+                    await self._apply_isolating(msgs)
+                return
+            except Deposed:
+                raise
+            except Exception:
+                log.exception("projector batch (stream sequences %s) failed; retrying it in 1 s", _seq_range(msgs))
+                if self._lock_lost.is_set():
+                    raise Deposed("the advisory-lock connection to Postgres was lost") from None
+                await asyncio.sleep(1)
+
+    async def _apply_isolating(self, msgs: list[Any]) -> None:
+        """Apply a batch one message at a time; a message that fails on its own with anything but a
+        server failure (``TRANSIENT``) is recorded in ``projector_dead_letters`` and skipped: the
+        stream keeps it, and the projection goes on."""
+        for msg in msgs:
+            try:
+                await self.apply([msg])
+            except NOT_THE_EVENTS:
+                raise
+            except Exception as e:
+                seq = msg.metadata.sequence.stream
+                log.error("projector: skipping the event at stream sequence %d (%s): %r", seq, msg.subject, e)
+                async with self.pool.acquire() as conn, conn.transaction():
+                    await self._advance(conn, seq)
+                    await self._dead_letter(conn, [(seq, msg.subject, f"{type(e).__name__}: {e}")])
+                self.checkpoint = seq
+                self.dead_letters += 1
+                if self.on_commit is not None:
+                    self.on_commit(seq, set())
+
+    async def _subscribe(self, after_seq: int) -> Any:
+        """An ephemeral consumer of the whole namespace from stream sequence ``after_seq + 1``,
+        without acknowledgements (the checkpoint in Postgres is the position)."""
+        template = consumer_config("projector", self.log.settings.namespace)  # streams/003_projector.json
+        cfg = dataclasses.replace(
+            template, name=f"projector-{self.term}-{uuid.uuid4().hex[:8]}", opt_start_seq=after_seq + 1
+        )
+        return await self.log.js.pull_subscribe(f"{self.log.prefix}.>", stream=self.log.stream, config=cfg)
+
+    async def rebuild(self, batch_size: int = BATCH) -> int:
+        """Project the whole log into this projector's schema (empty tables expected), without the
+        consumer or the leader lock; returns the last stream sequence applied."""
+        row = await self.pool.fetchrow("SELECT term, last_seq FROM projector_checkpoint")
+        self.term, self.checkpoint = int(row["term"]), int(row["last_seq"])
+        batch: list[Any] = []
+        async for msg in self.log._messages(f"{self.log.prefix}.>", self.checkpoint):
+            batch.append(_Replayed(msg.seq, msg.subject, msg.data or b""))
+            if len(batch) >= batch_size:
+                await self.apply(batch)
+                batch = []
+        if batch:
+            await self.apply(batch)
+        return self.checkpoint
+
+    def in_flight(self) -> list[tuple[str, RolloutState, int]]:
+        """``(rollout_id, state, version)`` of the rollouts the watchdog watches."""
+        return [(rid, self.states[rid], self.rollout_seq.get(rid, 0)) for rid in in_flight(self.states)]
+
+    async def watch_once(self, now: float | None = None) -> int:
+        """One watchdog tick; how many attempts it marked ``timeout``/``unresponsive``."""
+        return len(await self.watchdog.tick(now))

@@ -1,0 +1,218 @@
+"""``Projector``: leadership (the advisory lock and the term), lifecycle and the watchdog."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import asyncpg
+
+from eventlight.core.commands import RolloutState
+from eventlight.core.types import Worker
+from eventlight.core.types import now as wall_clock
+from eventlight.store.jetstream.log import JetStreamEventLog
+from eventlight.store.jetstream.pg import (
+    ATTEMPT_COLS,
+    ROLLOUT_COLS,
+    attempt_from_row,
+    rollout_from_row,
+)
+from eventlight.store.jetstream.projector.common import (
+    LOCK_PING_S,
+    LOCK_PING_TIMEOUT_S,
+    RETRY_MAX_S,
+    RETRY_S,
+    START_DECIDE_S,
+    Deposed,
+    _spawn,
+)
+from eventlight.store.jetstream.projector.consume import Consumer
+from eventlight.store.watchdog import Watchdog
+
+log = logging.getLogger(__name__)
+
+
+class Projector(Consumer):
+    """Projects one namespace's stream into Postgres.
+
+    Args:
+        log_: The event log (NATS side).
+        pool: A pool whose connections use the namespace's schema (or a fresh one, for ``rebuild``).
+        watchdog_interval_s: Seconds between watchdog ticks.
+        on_commit: Called after each commit with ``(last_seq, ids of the rollouts that are in a
+            terminal status after it)``; ``wait_for_rollouts`` re-reads only when one of its ids is there.
+        clock: Wall-clock seconds, for the watchdog.
+    """
+
+    def __init__(
+        self,
+        log_: JetStreamEventLog,
+        pool: asyncpg.Pool,
+        *,
+        watchdog_interval_s: float = 1.0,
+        on_commit: Callable[[int, set[str]], None] | None = None,
+        clock: Callable[[], float] = wall_clock,
+    ):
+        self.log = log_
+        self.pool = pool
+        self.on_commit = on_commit
+        self.checkpoint = 0
+        self.term = 0
+        self.states: dict[str, RolloutState] = {}
+        self.rollout_seq: dict[str, int] = {}
+        self.workers: dict[str, Worker] = {}
+        self.malformed = 0
+        self.dead_letters = 0
+        self.terms_led = 0
+        self.watchdog = Watchdog(log_, self.in_flight, clock, watchdog_interval_s)
+        self.leader = asyncio.Event()
+        self.last_error: BaseException | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._lock_conn: asyncpg.Connection | None = None
+        self._lock_lost = asyncio.Event()
+        self._decided = asyncio.Event()  # the first try for the lock is over (leader, standby or failed)
+        self._stopping = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start competing for leadership; the leader projects and runs the watchdog. Returns once
+        the first try for the lock is over (so the first store of a namespace returns as leader)."""
+        self._tasks.append(_spawn(self._run(), "eventlight-projector"))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._decided.wait(), START_DECIDE_S)
+
+    async def close(self) -> None:
+        """Stop the projector and the watchdog and give up leadership; bounded in time."""
+        self._stopping = True  # the loops also stop on their own: Python 3.11's wait_for (inside
+        # nats-py's fetch) can swallow a cancellation, which left this task running for ever
+        tasks, self._tasks = list(self._tasks), []
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=5)
+            for t in pending:
+                log.warning("%s did not stop within 5 s", t.get_name())
+        await self._step_down()
+
+    async def _run(self) -> None:
+        """Lead, and when leadership ends (lock lost, deposed, a server failure) compete again."""
+        delay = RETRY_S
+        while not self._stopping:
+            try:
+                await self._lead()
+                delay = RETRY_S
+            except Deposed as e:
+                log.warning("projector of %s stopped leading (term %d): %s", self.log.settings.namespace, self.term, e)
+                self.last_error = e
+                delay = RETRY_S
+            except Exception as e:  # Postgres or NATS down: wait and compete again
+                log.warning("projector of %s: %r; retrying in %.1f s", self.log.settings.namespace, e, delay)
+                self.last_error = e
+                delay = min(delay * 2, RETRY_MAX_S)
+            finally:
+                self._decided.set()
+                await self._step_down()
+            if not self._stopping:
+                await asyncio.sleep(delay)
+
+    async def _lead(self) -> None:
+        """Take the lock and a new term, then project and watch until one of them ends."""
+        await self._become_leader()
+        tasks = [
+            _spawn(self._project(), "eventlight-projection", quiet=True),
+            _spawn(self._watch_lock(), "eventlight-projector-lock", quiet=True),
+            _spawn(self.watchdog.run(lambda: self._stopping or not self.leader.is_set()), "eventlight-watchdog"),
+        ]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                if not t.cancelled() and t.exception() is not None:
+                    raise t.exception()  # type: ignore[misc]
+        finally:
+            self.leader.clear()
+            for t in tasks:
+                t.cancel()
+            await asyncio.wait(tasks, timeout=5)
+
+    async def _step_down(self) -> None:
+        """Stop leading and give the lock connection back (it unlocks, or it is already gone)."""
+        self.leader.clear()
+        conn, self._lock_conn = self._lock_conn, None
+        if conn is None:
+            return
+        try:
+            if not conn.is_closed():
+                await asyncio.wait_for(conn.execute("SELECT pg_advisory_unlock_all()"), 2)
+            await self.pool.release(conn, timeout=2)
+        except Exception as e:  # lost, or already back in the pool: the lock went with the session
+            log.debug("projector: giving the lock connection back: %r", e)
+            with contextlib.suppress(Exception):
+                conn.terminate()
+
+    async def _become_leader(self) -> None:
+        """Hold the advisory lock, take the next term and read what the watchdog must watch."""
+        conn = await self.pool.acquire()
+        self._lock_conn = conn
+        self._lock_lost.clear()
+        conn.add_termination_listener(lambda _c: self._lock_lost.set())
+        key = zlib.crc32(self.log.settings.pg_schema.encode())
+        while not await conn.fetchval("SELECT pg_try_advisory_lock($1)", key):  # noqa: ASYNC110
+            self._decided.set()
+            if self._stopping:
+                raise Deposed("stopping")
+            await asyncio.sleep(0.5)  # a standby polls for the advisory lock
+        async with conn.transaction():
+            row = await conn.fetchrow("UPDATE projector_checkpoint SET term = term + 1 RETURNING term, last_seq")
+            self.term, self.checkpoint = int(row["term"]), int(row["last_seq"])
+            await self._load_in_flight(conn)
+        self.terms_led += 1
+        self.leader.set()
+        self._decided.set()
+        log.info(
+            "projector of %s leads (term %d) from stream sequence %d, %d rollouts in flight",
+            self.log.settings.namespace,
+            self.term,
+            self.checkpoint,
+            len(self.states),
+        )
+
+    async def _load_in_flight(self, conn: asyncpg.Connection) -> None:
+        """Forget what an earlier term cached (another leader may have written since) and read the
+        rollouts in flight from the read model, so the watchdog watches them after any restart."""
+        self.states.clear()
+        self.rollout_seq.clear()
+        self.workers.clear()
+        rows = await conn.fetch(
+            f"SELECT {ROLLOUT_COLS}, last_seq FROM rollouts WHERE status IN ('preparing', 'running')"
+        )
+        if not rows:
+            return
+        ids = [r[0] for r in rows]
+        attempts: dict[str, list[Any]] = {rid: [] for rid in ids}
+        for a in await conn.fetch(
+            f"SELECT {ATTEMPT_COLS} FROM attempts WHERE rollout_id = ANY($1::text[]) ORDER BY rollout_id, sequence_id",
+            ids,
+        ):
+            attempts[a[0]].append(attempt_from_row(a))
+        for r in rows:
+            self.states[r[0]] = RolloutState(rollout=rollout_from_row(r), attempts=tuple(attempts[r[0]]))
+            self.rollout_seq[r[0]] = int(r[9])
+
+    async def _watch_lock(self) -> None:
+        """Return (raise ``Deposed``) as soon as the advisory-lock connection is lost."""
+        conn = self._lock_conn
+        assert conn is not None
+        while not self._stopping:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._lock_lost.wait(), LOCK_PING_S)
+            if self._lock_lost.is_set() or conn.is_closed():
+                raise Deposed("the advisory-lock connection to Postgres was lost")
+            try:
+                await asyncio.wait_for(conn.fetchval("SELECT 1"), LOCK_PING_TIMEOUT_S)
+            except Exception as e:
+                raise Deposed(f"the advisory-lock connection to Postgres does not answer ({e!r})") from e

@@ -1,0 +1,232 @@
+"""The read model's queries over the projector's tables (``migrations/``)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Literal
+
+import asyncpg
+
+from eventlight.core.errors import AttemptNotFoundError, RolloutNotFoundError
+from eventlight.core.types import (
+    Attempt,
+    PaginatedResult,
+    ResourcesUpdate,
+    Rollout,
+    Span,
+    Worker,
+)
+from eventlight.store.jetstream import pg
+from eventlight.store.jetstream.pg_errors import pg_errors
+from eventlight.store.query import check_paging, deprecated_alias
+
+
+class SqlQueries:
+    """The queries over the projector's tables, each on one pooled connection."""
+
+    pool: asyncpg.Pool
+    server: str
+
+    @contextlib.asynccontextmanager
+    async def _conn(self) -> AsyncIterator[asyncpg.Connection]:
+        """A pooled connection; a server failure inside the block becomes ``ServiceUnavailableError``."""
+        with pg_errors(self.server, "read-model query"):
+            async with self.pool.acquire() as conn:
+                yield conn
+
+    async def _attempt_map(self, conn: asyncpg.Connection, rollouts: list[Rollout]) -> dict[str, Attempt]:
+        ids = [r.rollout_id for r in rollouts]
+        rows = await conn.fetch(
+            f"SELECT {pg.ATTEMPT_COLS} FROM attempts a WHERE (a.rollout_id, a.attempt_id) IN "
+            "(SELECT rollout_id, latest_attempt_id FROM rollouts WHERE rollout_id = ANY($1::text[]))",
+            ids,
+        )
+        return {row[0]: pg.attempt_from_row(row) for row in rows}
+
+    async def query_rollouts(
+        self,
+        *,
+        status_in: Sequence[str] | None = None,
+        rollout_id_in: Sequence[str] | None = None,
+        rollout_id_contains: str | None = None,
+        filter_logic: Literal["and", "or"] = "and",
+        sort_by: str | None = None,
+        sort_order: Literal["asc", "desc"] = "asc",
+        limit: int = -1,
+        offset: int = 0,
+        status: Sequence[str] | None = None,
+        rollout_ids: Sequence[str] | None = None,
+    ) -> PaginatedResult[Rollout]:
+        status_in = deprecated_alias(status_in, status, "status_in", "status")
+        rollout_id_in = deprecated_alias(rollout_id_in, rollout_ids, "rollout_id_in", "rollout_ids")
+        w = pg.Where()
+        w.within("status", status_in)
+        w.within("rollout_id", rollout_id_in)
+        w.contains("rollout_id", rollout_id_contains)
+        n = len(w.args)
+        check_paging(limit, offset, sort_order, filter_logic)
+        tail = pg.order_page(Rollout, w, sort_by, sort_order, limit, offset, "created_seq")
+        async with self._conn() as conn:
+            if rollout_id_in is None and rollout_id_contains is None:
+                # all rollouts, or a status filter: the total comes from the trigger-kept counts
+                # (migrations/002), so a page costs the same on 10^2 or 10^6 rollouts
+                rows = await pg.fetch_rows(conn, "rollouts", pg.ROLLOUT_COLS, w, filter_logic, tail)
+                total = await conn.fetchval(
+                    "SELECT coalesce(sum(n), 0) FROM rollout_status_counts"
+                    + ("" if status_in is None else " WHERE status = ANY($1::text[])"),
+                    *([] if status_in is None else [list(status_in)]),
+                )
+                total = int(total)
+            else:
+                rows, total = await pg.fetch_page(
+                    conn, "rollouts", pg.ROLLOUT_COLS, w, filter_logic, tail, n, limit, offset
+                )
+            items = [pg.rollout_from_row(r) for r in rows]
+            attempts = await self._attempt_map(conn, items)
+        return pg.paginated([pg.attach(r, attempts.get(r.rollout_id)) for r in items], limit, offset, total)
+
+    async def get_rollout_by_id(self, rollout_id: str) -> Rollout | None:
+        page = await self.query_rollouts(rollout_id_in=[rollout_id])
+        return page[0] if page else None
+
+    async def _require_rollout(self, conn: asyncpg.Connection, rollout_id: str) -> asyncpg.Record:
+        row = await conn.fetchrow("SELECT latest_attempt_id FROM rollouts WHERE rollout_id = $1", rollout_id)
+        if row is None:
+            raise RolloutNotFoundError(rollout_id)
+        return row
+
+    async def query_attempts(
+        self,
+        rollout_id: str,
+        *,
+        sort_by: str | None = "sequence_id",
+        sort_order: Literal["asc", "desc"] = "asc",
+        limit: int = -1,
+        offset: int = 0,
+    ) -> PaginatedResult[Attempt]:
+        w = pg.Where()
+        w.exact("rollout_id", rollout_id, must=True)
+        tail = pg.order_page(Attempt, w, sort_by, sort_order, limit, offset, "sequence_id")
+        async with self._conn() as conn:
+            await self._require_rollout(conn, rollout_id)
+            rows, total = await pg.fetch_page(conn, "attempts", pg.ATTEMPT_COLS, w, "and", tail, 1, limit, offset)
+        return pg.paginated([pg.attempt_from_row(r) for r in rows], limit, offset, total)
+
+    async def get_latest_attempt(self, rollout_id: str) -> Attempt | None:
+        page = await self.query_attempts(rollout_id, sort_order="desc", limit=1)
+        return page[0] if page else None
+
+    async def query_spans(
+        self,
+        rollout_id: str,
+        attempt_id: str | None,
+        *,
+        trace_id: str | None = None,
+        trace_id_contains: str | None = None,
+        span_id: str | None = None,
+        span_id_contains: str | None = None,
+        parent_id: str | None = None,
+        parent_id_contains: str | None = None,
+        name: str | None = None,
+        name_contains: str | None = None,
+        filter_logic: Literal["and", "or"] = "and",
+        limit: int = -1,
+        offset: int = 0,
+        sort_by: str | None = "sequence_id",
+        sort_order: Literal["asc", "desc"] = "asc",
+    ) -> PaginatedResult[Span]:
+        check_paging(limit, offset, sort_order, filter_logic)
+        async with self._conn() as conn:
+            row = await self._require_rollout(conn, rollout_id)
+            w = pg.Where()
+            w.exact("rollout_id", rollout_id, must=True)
+            if attempt_id == "latest":
+                if row[0] is None:
+                    return PaginatedResult([], limit=limit, offset=offset, total=0)
+                w.exact("attempt_id", row[0], must=True)
+            elif attempt_id is not None:
+                exists = await conn.fetchval(
+                    "SELECT 1 FROM attempts WHERE rollout_id = $1 AND attempt_id = $2", rollout_id, attempt_id
+                )
+                if not exists:
+                    raise AttemptNotFoundError(rollout_id, attempt_id)
+                w.exact("attempt_id", attempt_id, must=True)
+            for col, value in (
+                ("trace_id", trace_id),
+                ("span_id", span_id),
+                ("parent_id", parent_id),
+                ("name", name),
+            ):
+                w.exact(col, value)
+            for col, needle in (
+                ("trace_id", trace_id_contains),
+                ("span_id", span_id_contains),
+                ("parent_id", parent_id_contains),
+                ("name", name_contains),
+            ):
+                w.contains(col, needle)
+            n = len(w.args)
+            tail = pg.order_page(Span, w, sort_by, sort_order, limit, offset, "sequence_id, stream_seq")
+            rows, total = await pg.fetch_page(conn, "spans", pg.SPAN_COLS, w, filter_logic, tail, n, limit, offset)
+        return pg.paginated([pg.span_from_row(r) for r in rows], limit, offset, total)
+
+    async def query_resources(
+        self,
+        *,
+        resources_id: str | None = None,
+        resources_id_contains: str | None = None,
+        sort_by: str | None = None,
+        sort_order: Literal["asc", "desc"] = "asc",
+        limit: int = -1,
+        offset: int = 0,
+    ) -> PaginatedResult[ResourcesUpdate]:
+        w = pg.Where()
+        w.exact("resources_id", resources_id, must=True)
+        w.contains("resources_id", resources_id_contains)
+        n = len(w.args)
+        tail = pg.order_page(ResourcesUpdate, w, sort_by, sort_order, limit, offset, "created_seq")
+        cols = "resources_id, create_time, update_time, version, resources::text"
+        async with self._conn() as conn:
+            rows, total = await pg.fetch_page(conn, "resources", cols, w, "and", tail, n, limit, offset)
+        return pg.paginated([pg.resources_from_row(r) for r in rows], limit, offset, total)
+
+    async def query_workers(
+        self,
+        *,
+        status_in: Sequence[str] | None = None,
+        worker_id_contains: str | None = None,
+        filter_logic: Literal["and", "or"] = "and",
+        sort_by: str | None = None,
+        sort_order: Literal["asc", "desc"] = "asc",
+        limit: int = -1,
+        offset: int = 0,
+        worker_id_in: Sequence[str] | None = None,
+    ) -> PaginatedResult[Worker]:
+        check_paging(limit, offset, sort_order, filter_logic)
+        w = pg.Where()
+        w.within("worker_id", worker_id_in, must=True)
+        w.within("status", status_in)
+        w.contains("worker_id", worker_id_contains)
+        n = len(w.args)
+        tail = pg.order_page(Worker, w, sort_by, sort_order, limit, offset, "created_seq NULLS FIRST, worker_id")
+        async with self._conn() as conn:
+            rows, total = await pg.fetch_page(conn, "workers", pg.WORKER_COLS, w, filter_logic, tail, n, limit, offset)
+        return pg.paginated([pg.worker_from_row(r) for r in rows], limit, offset, total)
+
+    async def statistics(self) -> dict[str, Any]:
+        async with self._conn() as conn:
+            row = await conn.fetchrow(
+                "SELECT (SELECT count(*) FROM rollouts), (SELECT count(*) FROM attempts), "
+                "(SELECT count(*) FROM spans), (SELECT count(*) FROM resources), (SELECT count(*) FROM workers), "
+                "(SELECT last_seq FROM projector_checkpoint)"
+            )
+        keys = (
+            "total_rollouts",
+            "total_attempts",
+            "total_spans",
+            "total_resources",
+            "total_workers",
+            "projected_seq",
+        )
+        return dict(zip(keys, row, strict=True))

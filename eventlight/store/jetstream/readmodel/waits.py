@@ -1,0 +1,205 @@
+"""Waiting on the projection: ``sync`` (read-your-writes) and ``wait_for_rollouts``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+import msgspec
+from nats.aio.client import Client as NATS
+
+from eventlight.core.errors import RolloutNotFoundError, ServiceUnavailableError
+from eventlight.core.types import (
+    TERMINAL_ROLLOUT_STATUSES,
+    Rollout,
+)
+from eventlight.store.jetstream.layout import rollout_of_subject
+from eventlight.store.jetstream.pg_errors import SERVER_FAILURES
+from eventlight.store.jetstream.projector import Projector
+from eventlight.store.jetstream.readmodel.queries import SqlQueries
+
+SYNC_TIMEOUT_S = 30.0
+MAX_HINTS = 100_000
+
+
+class _RolloutStatus(msgspec.Struct):
+    status: str | None = None
+
+
+class _StatusPeek(msgspec.Struct):
+    """The rollout status an event carries, if any: ``AttemptStarted``/``AttemptUpdated``'s
+    ``rollout_status``, ``RolloutUpdated``'s ``status``, ``RolloutCreated``'s ``rollout.status``;
+    decoding only these fields skips the rest of the event (inputs, metadata)."""
+
+    rollout_status: str | None = None
+    status: str | None = None
+    rollout: _RolloutStatus | None = None
+    type: str = ""
+
+
+_status_peek = msgspec.json.Decoder(_StatusPeek)
+
+
+class _Waiter:
+    """A ``wait_for_rollouts`` call: the ids it still waits for; ``dirty`` once a projector commit
+    in this process has put one of them in a terminal status (it then reads Postgres again)."""
+
+    __slots__ = ("dirty", "ids")
+
+    def __init__(self, ids: set[str]):
+        self.ids = ids
+        self.dirty = False
+
+
+class Waits(SqlQueries):
+    """Read-your-writes (``sync``) and ``wait_for_rollouts``, woken by the local projector's commits
+    and by terminal events on the stream."""
+
+    nc: NATS
+    prefix: str
+    projector: Projector | None
+    _changed: asyncio.Condition
+    _hints: set[str]
+    _waiters: list[_Waiter]
+
+    async def _on_rollout_event(self, msg: Any) -> None:
+        try:
+            peek = _status_peek.decode(msg.data)
+        except msgspec.DecodeError:
+            return
+        status = peek.rollout.status if peek.rollout is not None else (peek.rollout_status or peek.status)
+        if status in TERMINAL_ROLLOUT_STATUSES:
+            rid = rollout_of_subject(msg.subject)
+            if len(self._hints) >= MAX_HINTS:  # hints of rollouts nobody waits for; they only speed up waits
+                self._hints.clear()
+            self._hints.add(rid)
+            await self._notify()
+
+    def _on_commit(self, last_seq: int, finished: set[str]) -> None:
+        for waiter in self._waiters:
+            if not waiter.dirty and not waiter.ids.isdisjoint(finished):
+                waiter.dirty = True
+        asyncio.get_running_loop().create_task(self._notify())
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def sync(self, seq: int, timeout_s: float = SYNC_TIMEOUT_S) -> None:
+        """Wait until the projection includes stream sequence ``seq``.
+
+        Raises:
+            ServiceUnavailableError: The projector did not get there within ``timeout_s`` seconds.
+        """
+        target = seq
+        if target == 0:
+            return
+        deadline = time.monotonic() + timeout_s
+        while True:  # in steps of at most a second: the local projector may lose or gain the lead
+            step_end = min(deadline, time.monotonic() + 1.0)
+            projector = self.projector
+            if projector is not None and projector.leader.is_set():  # this process projects
+
+                def reached(local: Any = projector) -> bool:
+                    return bool(local.checkpoint >= target)
+
+                async with self._changed:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._changed.wait_for(reached), max(0.0, step_end - time.monotonic()))
+                if reached():
+                    return
+            else:  # another process projects (this one has none, or a standby): read its checkpoint
+                try:
+                    async with self._conn() as conn:
+                        while time.monotonic() < step_end:
+                            if await conn.fetchval("SELECT last_seq FROM projector_checkpoint") >= target:
+                                return
+                            await asyncio.sleep(0.005)
+                except ServiceUnavailableError as e:  # the cause is Postgres, not a missing projector
+                    raise ServiceUnavailableError("Postgres", f"waiting for stream sequence {target}: {e}") from e
+            if time.monotonic() >= deadline:
+                break
+        why = await self._postgres_down()
+        if why is not None:
+            raise ServiceUnavailableError(
+                "Postgres", f"the projection cannot reach stream sequence {target}: Postgres does not answer ({why})"
+            )
+        raise ServiceUnavailableError(
+            "projector",
+            f"the projection did not reach stream sequence {target} within {timeout_s:.0f} s; "
+            "is a projector running for this namespace?",
+        )
+
+    async def _postgres_down(self) -> str | None:
+        """Why Postgres does not answer, or ``None`` when it does (the projector is the one missing)."""
+        try:
+            async with self.pool.acquire(timeout=2) as conn:
+                await conn.fetchval("SELECT 1", timeout=2)
+        except SERVER_FAILURES as e:
+            return repr(e)
+        return None
+
+    async def wait_for_rollouts(self, rollout_ids: list[str], timeout: float | None) -> list[Rollout]:
+        """The rollouts among ``rollout_ids`` in a terminal status, once all are or ``timeout`` passes.
+
+        Reads Postgres once at the start (one query while none is finished), then only when this
+        process's projector commits a terminal status for one of them (or every 2 s), so a caller
+        polling with short timeouts costs one query per call; with the projector elsewhere it
+        follows the stream's terminal events (see the class docstring).
+
+        Raises:
+            RolloutNotFoundError: An id is unknown.
+        """
+        ids = list(dict.fromkeys(rollout_ids))
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        waiter = _Waiter(set(ids))
+        self._waiters.append(waiter)
+        try:
+            by_id = await self._finished_among(ids)
+            while True:
+                if len(by_id) == len(ids) or (deadline is not None and time.monotonic() >= deadline):
+                    return [by_id[r] for r in rollout_ids if r in by_id]
+                waiter.ids.difference_update(by_id)
+                self._hints.difference_update(by_id)
+                local = self.projector is not None and self.projector.leader.is_set()
+                if local:  # this process projects: its commits say when one of ours has finished (2 s: a fallback)
+                    step = 2.0
+                    ready: Any = lambda: waiter.dirty  # noqa: E731
+                else:  # a terminal event seen on the stream is being projected elsewhere: poll until it is
+                    step = 0.02 if self._hints.intersection(waiter.ids) else 2.0
+                    ready = None
+                remaining = None if deadline is None else deadline - time.monotonic()
+                wait = step if remaining is None else max(0.0, min(step, remaining))
+                async with self._changed:
+                    with contextlib.suppress(TimeoutError):
+                        if ready is None:
+                            await asyncio.wait_for(self._changed.wait(), wait)
+                        else:
+                            await asyncio.wait_for(self._changed.wait_for(ready), wait)
+                if local and not waiter.dirty and wait < step:
+                    continue  # the deadline came and no commit finished one of ours: nothing new to read
+                waiter.dirty = False
+                done = await self.query_rollouts(rollout_id_in=ids, status_in=sorted(TERMINAL_ROLLOUT_STATUSES))
+                by_id = {r.rollout_id: r for r in done}
+        finally:
+            self._waiters.remove(waiter)
+
+    async def _finished_among(self, ids: list[str]) -> dict[str, Rollout]:
+        """The rollouts among ``ids`` in a terminal status, by id (the others' rows are not loaded).
+
+        Raises:
+            RolloutNotFoundError: An id is unknown.
+        """
+        async with self._conn() as conn:
+            rows = await conn.fetch("SELECT rollout_id, status FROM rollouts WHERE rollout_id = ANY($1::text[])", ids)
+        status = {r[0]: r[1] for r in rows}
+        for rid in ids:
+            if rid not in status:
+                raise RolloutNotFoundError(rid)
+        finished = [rid for rid in ids if status[rid] in TERMINAL_ROLLOUT_STATUSES]
+        if not finished:
+            return {}
+        done = await self.query_rollouts(rollout_id_in=finished, status_in=sorted(TERMINAL_ROLLOUT_STATUSES))
+        return {r.rollout_id: r for r in done}

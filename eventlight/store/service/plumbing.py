@@ -1,0 +1,114 @@
+"""``EventStore``'s plumbing: the two ports, the command loop over them, read-your-writes, closing."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+from eventlight.core import commands as c
+from eventlight.core.errors import (
+    InvalidInputError,
+    ResourcesNotFoundError,
+)
+from eventlight.store.base import LightningStore
+from eventlight.store.command_loop import CommandLoop
+from eventlight.store.ports import EventLog, Queued, ReadModel
+from eventlight.store.spans import SpanWriter
+from eventlight.store.validate import (
+    check_token,
+    is_token,
+)
+
+UNSET = c.UNSET
+Unset = c.Unset
+
+
+class StorePlumbing(LightningStore):
+    """The ports, the command loop and span writer over them, read-your-writes, ``close``; the
+    helpers every part of ``EventStore`` shares (resources resolution, releasing a claim)."""
+
+    def __init__(self, log: EventLog | None, reads: ReadModel | None, clock: Callable[[], float]):
+        self._clock = clock
+        self._last_write = 0
+        self._held: dict[tuple[str, str], Queued] = {}
+        self._idle_marks: dict[str, float] = {}  # worker id -> clock of this store's last WorkerIdle
+        self._closed = False
+        self._event_log: EventLog | None = None
+        self._read_model: ReadModel | None = None
+        self._commands: CommandLoop | None = None
+        self._span_writer: SpanWriter | None = None
+        if log is not None:
+            self._bind(log, reads)
+
+    def _bind(self, log: EventLog, reads: ReadModel | None) -> None:
+        """Attach the ports (a backend that connects in ``start()`` binds them there)."""
+        self._event_log = log
+        self._read_model = reads
+        self._commands = CommandLoop(log, self._clock, self._wrote)
+        self._span_writer = SpanWriter(log, self._commands, self._wrote)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidInputError("this store is closed")
+        if self._event_log is None:
+            raise InvalidInputError("the store is not started; use `async with store:` or `await store.start()`")
+
+    @property
+    def _loop(self) -> CommandLoop:
+        self._check_open()
+        assert self._commands is not None
+        return self._commands
+
+    @property
+    def _spans(self) -> SpanWriter:
+        self._check_open()
+        assert self._span_writer is not None
+        return self._span_writer
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    def _wrote(self, seq: int) -> None:
+        self._last_write = max(self._last_write, seq)
+
+    def _log(self) -> EventLog:
+        self._check_open()
+        assert self._event_log is not None
+        return self._event_log
+
+    async def _reads(self) -> ReadModel:
+        """The read model, synced with this store's last write (read-your-writes)."""
+        self._check_open()
+        if self._read_model is None:
+            raise InvalidInputError("this store was opened without Postgres (pg_dsn=None); it cannot answer queries")
+        await self._read_model.sync(self._last_write)
+        return self._read_model
+
+    async def close(self) -> None:
+        """Close the read model and the log; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._read_model is not None:
+            await self._read_model.close()
+        if self._event_log is not None:
+            await self._event_log.close()
+
+    # -- resources resolution -----------------------------------------------------------------
+
+    async def _resolve_resources(self, resources_id: str | None) -> str | None:
+        if resources_id is None:
+            latest = await self._log().resources(None)
+            return latest.resources_id if latest else None
+        check_token("resources_id", resources_id)
+        if await self._log().resources(resources_id) is None:
+            raise ResourcesNotFoundError(resources_id)
+        return resources_id
+
+    async def _resources_exist(self, resources_id: str) -> bool:
+        return is_token(resources_id) and await self._log().resources(resources_id) is not None
+
+    async def _release(self, rollout_id: str, attempt_id: str) -> None:
+        item = self._held.pop((rollout_id, attempt_id), None)
+        if item is not None:
+            with contextlib.suppress(Exception):
+                await item.ack()

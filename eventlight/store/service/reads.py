@@ -1,0 +1,155 @@
+"""Reads of ``EventStore``: the queries, answered by the read model (read-your-writes)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from eventlight.core.types import (
+    Attempt,
+    PaginatedResult,
+    ResourcesUpdate,
+    Rollout,
+    Span,
+    Worker,
+)
+from eventlight.store.service.plumbing import StorePlumbing
+
+
+class Reads(StorePlumbing):
+    """Queries, answered by the read model after it has seen this store's last write."""
+
+    # -- reads (the read model) -----------------------------------------------------------------
+
+    async def query_rollouts(
+        self,
+        *,
+        status_in: Sequence[str] | None = None,
+        rollout_id_in: Sequence[str] | None = None,
+        rollout_id_contains: str | None = None,
+        filter_logic: Literal["and", "or"] = "and",
+        sort_by: str | None = None,
+        sort_order: Literal["asc", "desc"] = "asc",
+        limit: int = -1,
+        offset: int = 0,
+        status: Sequence[str] | None = None,
+        rollout_ids: Sequence[str] | None = None,
+    ) -> PaginatedResult[Rollout]:
+        return await (await self._reads()).query_rollouts(
+            status_in=status_in,
+            rollout_id_in=rollout_id_in,
+            rollout_id_contains=rollout_id_contains,
+            filter_logic=filter_logic,
+            sort_by=sort_by,
+            sort_order=sort_order,
+            limit=limit,
+            offset=offset,
+            status=status,
+            rollout_ids=rollout_ids,
+        )
+
+    async def get_rollout_by_id(self, rollout_id: str) -> Rollout | None:
+        return await (await self._reads()).get_rollout_by_id(rollout_id)
+
+    async def query_attempts(
+        self,
+        rollout_id: str,
+        *,
+        sort_by: str | None = "sequence_id",
+        sort_order: Literal["asc", "desc"] = "asc",
+        limit: int = -1,
+        offset: int = 0,
+    ) -> PaginatedResult[Attempt]:
+        reads = await self._reads()
+        return await reads.query_attempts(
+            rollout_id, sort_by=sort_by, sort_order=sort_order, limit=limit, offset=offset
+        )
+
+    async def get_latest_attempt(self, rollout_id: str) -> Attempt | None:
+        return await (await self._reads()).get_latest_attempt(rollout_id)
+
+    async def wait_for_rollouts(self, *, rollout_ids: list[str], timeout: float | None = None) -> list[Rollout]:
+        return await (await self._reads()).wait_for_rollouts(list(rollout_ids), timeout)
+
+    async def query_spans(
+        self,
+        rollout_id: str,
+        attempt_id: str | None = None,
+        *,
+        trace_id: str | None = None,
+        trace_id_contains: str | None = None,
+        span_id: str | None = None,
+        span_id_contains: str | None = None,
+        parent_id: str | None = None,
+        parent_id_contains: str | None = None,
+        name: str | None = None,
+        name_contains: str | None = None,
+        filter_logic: Literal["and", "or"] = "and",
+        limit: int = -1,
+        offset: int = 0,
+        sort_by: str | None = "sequence_id",
+        sort_order: Literal["asc", "desc"] = "asc",
+    ) -> PaginatedResult[Span]:
+        return await (await self._reads()).query_spans(
+            rollout_id,
+            attempt_id,
+            trace_id=trace_id,
+            trace_id_contains=trace_id_contains,
+            span_id=span_id,
+            span_id_contains=span_id_contains,
+            parent_id=parent_id,
+            parent_id_contains=parent_id_contains,
+            name=name,
+            name_contains=name_contains,
+            filter_logic=filter_logic,
+            limit=limit,
+            offset=offset,
+            sort_by=sort_by,
+            sort_order=sort_order,
+        )
+
+    async def query_resources(
+        self,
+        *,
+        resources_id: str | None = None,
+        resources_id_contains: str | None = None,
+        sort_by: str | None = None,
+        sort_order: Literal["asc", "desc"] = "asc",
+        limit: int = -1,
+        offset: int = 0,
+    ) -> PaginatedResult[ResourcesUpdate]:
+        return await (await self._reads()).query_resources(
+            resources_id=resources_id,
+            resources_id_contains=resources_id_contains,
+            sort_by=sort_by,
+            sort_order=sort_order,
+            limit=limit,
+            offset=offset,
+        )
+
+    async def query_workers(
+        self,
+        *,
+        status_in: Sequence[str] | None = None,
+        worker_id_contains: str | None = None,
+        filter_logic: Literal["and", "or"] = "and",
+        sort_by: str | None = None,
+        sort_order: Literal["asc", "desc"] = "asc",
+        limit: int = -1,
+        offset: int = 0,
+        worker_id_in: Sequence[str] | None = None,
+    ) -> PaginatedResult[Worker]:
+        return await (await self._reads()).query_workers(
+            status_in=status_in,
+            worker_id_contains=worker_id_contains,
+            filter_logic=filter_logic,
+            sort_by=sort_by,
+            sort_order=sort_order,
+            limit=limit,
+            offset=offset,
+            worker_id_in=worker_id_in,
+        )
+
+    async def statistics(self) -> dict[str, Any]:
+        """Counts of rollouts, attempts, spans, resources and workers, plus ``name``."""
+        return {"name": type(self).__name__, **await (await self._reads()).statistics()}

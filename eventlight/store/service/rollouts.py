@@ -1,0 +1,176 @@
+"""Rollout and attempt commands of ``EventStore``: enqueue, start, update."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from eventlight.core import commands as c
+from eventlight.core.errors import (
+    InvalidTransitionError,
+    ResourcesNotFoundError,
+)
+from eventlight.core.types import (
+    Attempt,
+    AttemptedRollout,
+    AttemptStatus,
+    EnqueueRolloutRequest,
+    Rollout,
+    RolloutConfig,
+    RolloutStatus,
+    generate_id,
+)
+from eventlight.store.service.plumbing import UNSET, StorePlumbing, Unset
+from eventlight.store.validate import (
+    check_payload,
+    check_token,
+)
+
+ENDED = ("succeeded", "failed", "timeout", "unresponsive")
+
+
+class RolloutCommands(StorePlumbing):
+    """Create rollouts (queued or started) and update rollouts and attempts through the command loop."""
+
+    # -- rollouts -------------------------------------------------------------------------------
+
+    def _create_command(
+        self, input: Any, mode: str | None, resources_id: str | None, config: RolloutConfig | None, metadata: Any
+    ) -> c.CreateRollout:
+        cmd = c.CreateRollout(
+            rollout_id=generate_id("ro-", 12),
+            input=input,
+            mode=mode,
+            resources_id=resources_id,
+            config=config,
+            metadata=metadata,
+        )
+        check_payload("enqueue_rollout", cmd)
+        return cmd
+
+    async def enqueue_rollout(
+        self,
+        input: Any,
+        mode: str | None = None,
+        resources_id: str | None = None,
+        config: RolloutConfig | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> Rollout:
+        cmd = self._create_command(input, mode, await self._resolve_resources(resources_id), config, metadata)
+        return (await self._loop.create(cmd)).rollout
+
+    async def enqueue_many_rollouts(self, rollouts: Sequence[EnqueueRolloutRequest]) -> list[Rollout]:
+        """``enqueue_rollout`` for each request, in order; ``resources_id=None`` resolved once."""
+        latest: str | None | Unset = UNSET
+        cmds = []
+        for r in rollouts:
+            if r.resources_id is None:
+                if latest is UNSET:
+                    latest = await self._resolve_resources(None)
+                res: str | None = latest if not isinstance(latest, Unset) else None
+            else:
+                res = await self._resolve_resources(r.resources_id)
+            cmds.append(self._create_command(r.input, r.mode, res, r.config, r.metadata))
+        states = await asyncio.gather(*(self._loop.create(cmd) for cmd in cmds))
+        return [s.rollout for s in states]
+
+    async def start_rollout(
+        self,
+        input: Any,
+        mode: str | None = None,
+        resources_id: str | None = None,
+        config: RolloutConfig | None = None,
+        metadata: dict[str, Any] | None = None,
+        worker_id: str | None = None,
+    ) -> AttemptedRollout:
+        if worker_id is not None:
+            check_token("worker_id", worker_id)
+        cmd = c.CreateRollout(
+            rollout_id=generate_id("ro-", 12),
+            input=input,
+            mode=mode,
+            resources_id=await self._resolve_resources(resources_id),
+            config=config,
+            metadata=metadata,
+            queued=False,
+            attempt_id=generate_id("at-", 8),
+            worker_id=worker_id,
+        )
+        check_payload("start_rollout", cmd)
+        started = (await self._loop.create(cmd)).attempted_rollout()
+        if worker_id is not None:
+            self._idle_marks.pop(worker_id, None)
+        return started
+
+    async def update_rollout(
+        self,
+        rollout_id: str,
+        input: Any | Unset = UNSET,
+        mode: str | None | Unset = UNSET,
+        resources_id: str | None | Unset = UNSET,
+        status: RolloutStatus | Unset = UNSET,
+        config: RolloutConfig | Unset = UNSET,
+        metadata: dict[str, Any] | None | Unset = UNSET,
+    ) -> Rollout:
+        cmd = c.UpdateRollout(
+            input=input, mode=mode, resources_id=resources_id, status=status, config=config, metadata=metadata
+        )
+        check_payload("update_rollout", msgspec.structs.replace(cmd, status=UNSET))  # the decider names statuses
+        if isinstance(resources_id, str) and not await self._resources_exist(resources_id):
+            raise ResourcesNotFoundError(resources_id)
+        return (await self._loop.execute(rollout_id, cmd)).state.rollout
+
+    async def update_attempt(
+        self,
+        rollout_id: str,
+        attempt_id: str,
+        status: AttemptStatus | Unset = UNSET,
+        worker_id: str | None | Unset = UNSET,
+        last_heartbeat_time: float | None | Unset = UNSET,
+        metadata: dict[str, Any] | None | Unset = UNSET,
+    ) -> Attempt:
+        check_payload(
+            "update_attempt",
+            c.UpdateAttempt(  # the status is the decider's to check (it names the valid ones)
+                attempt_id=attempt_id,
+                worker_id=worker_id,
+                last_heartbeat_time=last_heartbeat_time,
+                metadata=metadata,
+            ),
+        )
+        cached = self._loop.cached(rollout_id)
+        state = cached[0] if cached is not None else await self._loop.load(rollout_id)
+        try:
+            aid = state.attempt(attempt_id).attempt_id
+        except ValueError:
+            if cached is None:
+                raise
+            state, cached = await self._loop.load(rollout_id), None
+            aid = state.attempt(attempt_id).attempt_id
+        head = None
+        if cached is not None and state.attempt(aid).status in ("preparing", "unresponsive"):
+            # spans of other processes may have moved it: read the span head during the append
+            head = asyncio.ensure_future(self._log().span_head(rollout_id, aid))
+        cmd = c.UpdateAttempt(
+            attempt_id=aid,
+            status=status,
+            worker_id=worker_id,
+            last_heartbeat_time=last_heartbeat_time,
+            metadata=metadata,
+        )
+        try:
+            outcome = await self._loop.execute(rollout_id, cmd)
+        except InvalidTransitionError:
+            await self._release(rollout_id, aid)
+            raise
+        finally:
+            if head is not None and not head.done():
+                await asyncio.wait([head])
+        new = outcome.state if head is None else self._loop.head_seen(outcome, aid, head.result())
+        attempt = new.attempt(aid)
+        if attempt.status in ENDED:
+            await self._release(rollout_id, aid)
+        return attempt

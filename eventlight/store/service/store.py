@@ -1,0 +1,19 @@
+"""``EventStore``: the one ``LightningStore``, assembled from its parts."""
+
+from __future__ import annotations
+
+from eventlight.store.service.claims import Claims
+from eventlight.store.service.reads import Reads
+from eventlight.store.service.reports import Reports
+from eventlight.store.service.resources import Resources
+from eventlight.store.service.rollouts import RolloutCommands
+
+
+class EventStore(RolloutCommands, Claims, Resources, Reports, Reads):
+    """The store over an event log and (optionally) a read model.
+
+    Args:
+        log: The event log (the source of truth).
+        reads: The read model; ``None`` for a write-only store (reads raise ``InvalidInputError``).
+        clock: Wall-clock seconds (injectable for tests of timing rules).
+    """
