@@ -255,3 +255,25 @@ async def test_a_program_on_configured_servers_keeps_the_record_of_the_embedded_
     assert found.nats_pid is None and not found.started  # external from this program's point of view
     record = svc.read_services(base)
     assert record is not None and record.nats_pid == embedded.nats_pid
+
+
+async def test_drop_namespace_also_drops_what_a_rebuild_left_beside_it(services: tuple[Settings, Any]) -> None:
+    _, found = services
+    settings = Settings(namespace=_ns())
+    other = Settings(namespace=_ns())
+    conn = await asyncpg.connect(found.pg_dsn)
+    try:
+        names = [
+            settings.pg_schema,
+            f"{settings.pg_schema}_rebuild",
+            f"{settings.pg_schema}_replaced_1",
+            other.pg_schema,
+        ]
+        for name in names:
+            await conn.execute(f'CREATE SCHEMA "{name}"')
+        await svc.drop_namespace(None, found.pg_dsn, settings)
+        left = {r[0] for r in await conn.fetch("SELECT nspname FROM pg_namespace WHERE nspname = ANY($1)", names)}
+        assert left == {other.pg_schema}  # only the namespace's own schemas went
+    finally:
+        await conn.execute(f'DROP SCHEMA IF EXISTS "{other.pg_schema}"')
+        await conn.close()

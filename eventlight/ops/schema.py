@@ -84,7 +84,8 @@ async def _apply_one(conn: asyncpg.Connection, schema: str, version: str, sql: s
 
 
 async def drop_namespace(nats_url: str | None, pg_dsn: str | None, settings: Settings) -> None:
-    """Delete the namespace's stream (with its consumers) and ``DROP SCHEMA … CASCADE``.
+    """Delete the namespace's stream (with its consumers) and ``DROP SCHEMA … CASCADE``, with the
+    schemas ``eventlight replay --rebuild`` leaves beside it (``<schema>_rebuild``, ``<schema>_replaced_*``).
 
     Args:
         nats_url: NATS server; ``None`` skips the stream.
@@ -100,7 +101,13 @@ async def drop_namespace(nats_url: str | None, pg_dsn: str | None, settings: Set
         conn = await pg_errors.connect(pg_dsn, timeout_s=CONNECT_TIMEOUT_S)
         try:
             with pg_errors.pg_errors(pg_dsn, f"drop schema {settings.pg_schema}"):
-                await conn.execute(f"DROP SCHEMA IF EXISTS {_quote_ident(settings.pg_schema)} CASCADE")
+                siblings = await conn.fetch(
+                    "SELECT nspname FROM pg_namespace WHERE nspname = $1 || '_rebuild' "
+                    "OR starts_with(nspname, $1 || '_replaced_')",
+                    settings.pg_schema,
+                )
+                for name in [settings.pg_schema, *(r[0] for r in siblings)]:
+                    await conn.execute(f"DROP SCHEMA IF EXISTS {_quote_ident(name)} CASCADE")
         finally:
             await conn.close()
 
