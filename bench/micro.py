@@ -89,7 +89,8 @@ async def _measure(
     t0 = time.perf_counter()
     await asyncio.gather(*(worker(w) for w in range(concurrency)))
     elapsed = time.perf_counter() - t0
-    cpu = sampler.close_window()["cpu_s"]["total"]
+    cpu_by_role = sampler.close_window()["cpu_s"]
+    cpu = cpu_by_role["total"]
     n = len(lat)
     return {
         "ops": n,
@@ -98,6 +99,7 @@ async def _measure(
         "p50_ms": None if not lat else round(percentile(lat, 50) * 1000, 3),  # type: ignore[operator]
         "p99_ms": None if not lat else round(percentile(lat, 99) * 1000, 3),  # type: ignore[operator]
         "cpu_us_per_op": round(cpu / n * 1e6, 1) if n else None,
+        "cpu_us_per_op_by_role": {role: round(s / n * 1e6, 1) for role, s in cpu_by_role.items()} if n else None,
         "errors": len(errors),
         "first_error": errors[0] if errors else None,
         "ran_out": exhausted,

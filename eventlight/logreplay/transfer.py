@@ -148,7 +148,7 @@ async def import_log(settings: Settings, path: Path) -> tuple[int, int]:
                 present += 1
                 continue
             subject = f"{log_.prefix}.{e.subject}"
-            with nats_errors(log_.server(), f"publish to {subject}"):
+            with nats_errors(log_.server, f"publish to {subject}"):
                 ack = await log_.js.publish(subject, data, headers={"Nats-Msg-Id": f"import:{digest}"})
             held[agg].add(digest)
             if ack.duplicate:

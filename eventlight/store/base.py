@@ -158,6 +158,11 @@ class LightningStore(ABC):
     ) -> Attempt:
         """Change an attempt (``attempt_id="latest"`` allowed); the latest attempt moves its rollout.
 
+        Returns the attempt as this update left it. After a final status (``succeeded``, ``failed``,
+        ``timeout``) its ``last_heartbeat_time`` may lack span batches that other processes wrote
+        since this store last saw the rollout (deciding a final status does not need them, so they
+        are not read); ``get_attempt``/``query_attempts`` include them.
+
         Raises:
             RolloutNotFoundError / AttemptNotFoundError: Unknown ids.
             InvalidTransitionError: The attempt already finished.

@@ -63,6 +63,10 @@ class CommandLoop:
         while len(self._states) > RECENT_ROLLOUTS:
             self._states.popitem(last=False)
 
+    def forget(self, rollout_id: str) -> None:
+        """Drop a rollout's cached state (the next command on it reloads it from the log)."""
+        self._states.pop(rollout_id, None)
+
     async def load(self, rollout_id: str) -> RolloutState:
         """The rollout's state as the log holds it now (cached afterwards).
 

@@ -179,7 +179,7 @@ class JetStreamLightningStore(EventStore):
         """Wait until the projection includes everything on the stream now, whoever wrote it."""
         log_ = self._log()
         assert isinstance(log_, JetStreamEventLog)
-        with nats_errors(log_.server(), "stream info"):
+        with nats_errors(log_.server, "stream info"):
             info = await log_.js.stream_info(log_.stream)
         await self.sync(info.state.last_seq, timeout_s)
 

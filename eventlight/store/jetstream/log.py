@@ -146,7 +146,7 @@ class JetStreamEventLog:
                 f"the event for {subject} is {len(data):,} bytes, over the NATS server's max_payload of {limit:,} "
                 "bytes: store large inputs elsewhere and pass a reference, or split span batches"
             )
-        with nats_errors(self.server(), f"publish to {subject}"):
+        with nats_errors(self.server, f"publish to {subject}"):
             ack = await self.js.publish(subject, data, headers=headers)
         return ack.seq, bool(ack.duplicate)
 
@@ -206,7 +206,7 @@ class JetStreamEventLog:
         """
         seq = from_seq
         while until_seq is None or seq < until_seq:
-            with nats_errors(self.server(), f"reading {subject}"):
+            with nats_errors(self.server, f"reading {subject}"):
                 try:
                     msg = await self.js.get_msg(self.stream, seq=seq + 1, subject=subject, next=True)
                 except JsNotFoundError:
@@ -230,7 +230,7 @@ class JetStreamEventLog:
         Raises:
             ServiceUnavailableError: NATS did not answer.
         """
-        with nats_errors(self.server(), f"stream info {self.stream}"):
+        with nats_errors(self.server, f"stream info {self.stream}"):
             info = await self.js.stream_info(self.stream)
         return int(info.state.last_seq)
 
@@ -270,7 +270,7 @@ class JetStreamEventLog:
 
     async def last_event(self, subject: str) -> tuple[AnyEvent, int] | None:
         """The last event on a subject (wildcards allowed), or ``None``."""
-        with nats_errors(self.server(), f"reading {subject}"):
+        with nats_errors(self.server, f"reading {subject}"):
             try:
                 msg = await self.js.get_msg(self.stream, subject=subject)
             except JsNotFoundError:
@@ -298,7 +298,7 @@ class JetStreamEventLog:
         return last
 
     async def _last_msg(self, subject: str) -> Any:
-        with nats_errors(self.server(), f"reading {subject}"):
+        with nats_errors(self.server, f"reading {subject}"):
             try:
                 return await self.js.get_msg(self.stream, subject=subject)
             except JsNotFoundError:

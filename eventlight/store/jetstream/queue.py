@@ -76,7 +76,7 @@ class RunnersQueue:
         if self._sub is None:
             subject = f"{self.log.prefix}.r.*.q"
             cfg = consumer_config("runners", self.log.settings.namespace)  # streams/002_runners.json
-            with nats_errors(self.log.server(), "subscribing to the runners queue"):
+            with nats_errors(self.log.server, "subscribing to the runners queue"):
                 self._sub = await self.log.js.pull_subscribe(
                     subject, durable="runners", stream=self.log.stream, config=cfg
                 )
@@ -131,7 +131,7 @@ class RunnersQueue:
         Raises:
             ServiceUnavailableError: NATS did not answer.
         """
-        with nats_errors(self.log.server(), "stream info"):
+        with nats_errors(self.log.server, "stream info"):
             reply = await self.log.nc.request(f"$JS.API.STREAM.INFO.{self.log.stream}", b"", timeout=10.0)
         try:
             info = _stream_times_decoder.decode(reply.data)

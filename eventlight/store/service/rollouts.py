@@ -29,7 +29,8 @@ from eventlight.store.validate import (
     check_token,
 )
 
-ENDED = ("succeeded", "failed", "timeout", "unresponsive")
+FINAL = ("succeeded", "failed", "timeout")
+ENDED = (*FINAL, "unresponsive")
 
 
 class RolloutCommands(StorePlumbing):
@@ -151,7 +152,8 @@ class RolloutCommands(StorePlumbing):
             state, cached = await self._loop.load(rollout_id), None
             aid = state.attempt(attempt_id).attempt_id
         head = None
-        if cached is not None and state.attempt(aid).status in ("preparing", "unresponsive"):
+        unseen_spans = cached is not None and state.attempt(aid).status in ("preparing", "unresponsive")
+        if unseen_spans and status not in FINAL:
             # spans of other processes may have moved it: read the span head during the append
             head = asyncio.ensure_future(self._log().span_head(rollout_id, aid))
         cmd = c.UpdateAttempt(
@@ -170,6 +172,10 @@ class RolloutCommands(StorePlumbing):
             if head is not None and not head.done():
                 await asyncio.wait([head])
         new = outcome.state if head is None else self._loop.head_seen(outcome, aid, head.result())
+        if unseen_spans and head is None:
+            # a final status is decided the same with or without spans of other processes; only
+            # their heartbeat time is not folded in here, so the next command reloads the rollout
+            self._loop.forget(rollout_id)
         attempt = new.attempt(aid)
         if attempt.status in ENDED:
             await self._release(rollout_id, aid)
