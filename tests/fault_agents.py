@@ -16,3 +16,12 @@ async def quick(task: dict, prompt_template: agl.PromptTemplate) -> float:
 async def slow(task: dict, prompt_template: agl.PromptTemplate) -> float:
     await asyncio.sleep(float(task.get("sleep_s", 600)))
     return 1.0
+
+
+@agl.rollout
+async def traced(task: dict, prompt_template: agl.PromptTemplate) -> float:
+    """``task["spans"]`` object spans (default 3), then the reward span of the returned value."""
+    for k in range(int(task.get("spans", 3))):
+        agl.emit_object({"k": k, "i": task.get("i")})
+        await asyncio.sleep(0)
+    return 1.0
