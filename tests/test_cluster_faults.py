@@ -63,6 +63,17 @@ async def test_connect_uses_whichever_listed_server_answers(services: tuple[Sett
     assert str(none.value).count("nothing answers") == 2  # each server named with its cause
 
 
+def test_stream_replicas_are_checked_and_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert Settings().stream_replicas is None  # the single node's default: as the definitions say (1)
+    monkeypatch.setenv("EVENTLIGHT_STREAM_REPLICAS", "3")
+    assert Settings.from_env().stream_replicas == 3
+    with pytest.raises(InvalidInputError, match="1 to 5"):
+        Settings(stream_replicas=7)
+    monkeypatch.setenv("EVENTLIGHT_STREAM_REPLICAS", "three")
+    with pytest.raises(InvalidInputError, match="EVENTLIGHT_STREAM_REPLICAS must be a whole number"):
+        Settings.from_env()
+
+
 def test_a_jetstream_503_is_named_as_an_election() -> None:
     import nats.js.errors
 
