@@ -1,14 +1,15 @@
 """Settings: every environment variable eventlight reads, declared in one place.
 
-=============================  ==========================================================  ======================
-variable                       meaning                                                     default
-=============================  ==========================================================  ======================
-``EVENTLIGHT_NATS_URL``        use this NATS server instead of starting one                (start the embedded one)
-``EVENTLIGHT_PG_DSN``          use this Postgres when reachable                            (start the embedded one)
-``EVENTLIGHT_STATE_DIR``       where embedded servers keep data, pid files and logs        ``./.eventlight``
-``EVENTLIGHT_NAMESPACE``       stream prefix ``el.<ns>`` and Postgres schema ``el_<ns>``   ``default``
-``EVENTLIGHT_LOG_LEVEL``       log level of the CLI                                        ``INFO``
-=============================  ==========================================================  ======================
+==============================  ===========================================================  ========================
+variable                        meaning                                                      default
+==============================  ===========================================================  ========================
+``EVENTLIGHT_NATS_URL``         use this NATS server (a cluster: its URLs, comma-separated)  (start the embedded one)
+``EVENTLIGHT_PG_DSN``           use this Postgres when reachable                             (start the embedded one)
+``EVENTLIGHT_STATE_DIR``        where embedded servers keep data, pid files and logs         ``./.eventlight``
+``EVENTLIGHT_NAMESPACE``        stream prefix ``el.<ns>`` and Postgres schema ``el_<ns>``    ``default``
+``EVENTLIGHT_LOG_LEVEL``        log level of the CLI                                         ``INFO``
+``EVENTLIGHT_STREAM_REPLICAS``  replicas of the namespace's stream (3 on a 3-node cluster)   the definitions' (1)
+==============================  ===========================================================  ========================
 """
 
 from __future__ import annotations
@@ -39,11 +40,15 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """Where the services are and how to name things; validated once, passed whole.
 
     Attributes:
-        nats_url: NATS server URL, or ``None`` to start the embedded one.
+        nats_url: NATS server URL (several, comma-separated, for a cluster), or ``None`` to start
+            the embedded one.
         pg_dsn: Postgres DSN, or ``None`` to start the embedded one.
         state_dir: Folder for embedded servers' data, pid files and logs.
         namespace: Isolates streams (``el.<ns>.…``) and the Postgres schema (``el_<ns>``).
         log_level: Log level the CLI configures.
+        stream_replicas: Replicas of the namespace's stream when ``apply_streams`` creates or
+            updates it (JetStream's ``num_replicas``, 1-5; 3 on a 3-node cluster makes an ack mean a
+            quorum holds the write); ``None``: as ``eventlight/_data/streams`` says (1).
     """
 
     nats_url: str | None = None
@@ -51,13 +56,20 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     state_dir: Path = Path(".eventlight")
     namespace: str = "default"
     log_level: str = "INFO"
+    stream_replicas: int | None = None
 
     def __post_init__(self) -> None:
         check_namespace(self.namespace)
+        if self.stream_replicas is not None and not 1 <= self.stream_replicas <= 5:
+            raise InvalidInputError(f"stream_replicas must be 1 to 5 (JetStream's limit), not {self.stream_replicas}")
 
     @classmethod
     def from_env(cls, **overrides: object) -> Settings:
-        """Read the environment variables above; keyword arguments win over them."""
+        """Read the environment variables above; keyword arguments win over them.
+
+        Raises:
+            InvalidInputError: A variable's value is not valid (a namespace, a number of replicas).
+        """
         env = os.environ
         values: dict[str, object] = {
             "nats_url": env.get("EVENTLIGHT_NATS_URL") or None,
@@ -65,6 +77,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             "state_dir": Path(env.get("EVENTLIGHT_STATE_DIR", ".eventlight")).absolute(),
             "namespace": env.get("EVENTLIGHT_NAMESPACE", "default"),
             "log_level": env.get("EVENTLIGHT_LOG_LEVEL", "INFO"),
+            "stream_replicas": _int_or_none("EVENTLIGHT_STREAM_REPLICAS", env.get("EVENTLIGHT_STREAM_REPLICAS")),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
@@ -80,3 +93,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def pg_schema(self) -> str:
         return f"el_{self.namespace}"
+
+
+def _int_or_none(name: str, value: str | None) -> int | None:
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise InvalidInputError(f"{name} must be a whole number, not {value!r}") from None

@@ -134,3 +134,27 @@ async def runner_store(store: object, backend_namespace: Settings | None) -> Asy
         return
     async with JetStreamLightningStore(backend_namespace) as s:
         yield s
+
+
+BadInputRows = list[tuple[str, str, str]]
+"""(entry point, input tried, the answer it got): one row per bad input of the bad-input suites."""
+
+
+@pytest.fixture(scope="session")
+def bad_input_table(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BadInputRows]:
+    """Rows the bad-input suites add; at the end of the session they are written as a Markdown table
+    to ``bad_inputs.md`` under pytest's base temporary folder, and printed (visible with ``-s``)."""
+    rows: BadInputRows = []
+    yield rows
+    if not rows:
+        return
+    cell = lambda text: text.replace("|", "\\|").replace("\n", " ")  # noqa: E731
+    lines = ["| entry | input | answer |", "| --- | --- | --- |"]
+    lines += [f"| {cell(e)} | {cell(i)} | {cell(a)} |" for e, i, a in rows]
+    per_entry: dict[str, int] = {}
+    for entry, _, _ in rows:
+        per_entry[entry] = per_entry.get(entry, 0) + 1
+    out = tmp_path_factory.getbasetemp() / "bad_inputs.md"
+    out.write_text("\n".join(lines) + "\n")
+    counts = ", ".join(f"{e}: {n}" for e, n in per_entry.items())
+    print(f"\n[bad inputs] {len(rows)} tried ({counts}); table in {out}\n" + "\n".join(lines))

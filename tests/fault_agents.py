@@ -16,3 +16,23 @@ async def quick(task: dict, prompt_template: agl.PromptTemplate) -> float:
 async def slow(task: dict, prompt_template: agl.PromptTemplate) -> float:
     await asyncio.sleep(float(task.get("sleep_s", 600)))
     return 1.0
+
+
+@agl.rollout
+async def traced(task: dict, prompt_template: agl.PromptTemplate) -> float:
+    """``task["spans"]`` object spans (default 3), then the reward span of the returned value."""
+    for k in range(int(task.get("spans", 3))):
+        agl.emit_object({"k": k, "i": task.get("i")})
+        await asyncio.sleep(0)
+    return 1.0
+
+
+@agl.rollout
+async def flaky(task: dict, prompt_template: agl.PromptTemplate, rollout: agl.AttemptedRollout) -> float:
+    """Like ``traced``, taking ``task["sleep_s"]``; raises in its first attempt when ``task["fail_first"]``."""
+    for k in range(int(task.get("spans", 3))):
+        agl.emit_object({"k": k, "i": task.get("i")})
+    await asyncio.sleep(float(task.get("sleep_s", 0)))
+    if task.get("fail_first") and rollout.attempt.sequence_id == 1:
+        raise RuntimeError("the first attempt fails")
+    return 1.0

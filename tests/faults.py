@@ -95,15 +95,15 @@ class NatsServer:
 @contextlib.asynccontextmanager
 async def namespace_on(nats_url: str, pg_dsn: str, replicas: int = 1) -> AsyncIterator[Settings]:
     """A fresh namespace (stream + schema) on the given servers, dropped afterwards."""
-    settings = Settings(nats_url=nats_url, pg_dsn=pg_dsn, namespace=f"f{uuid.uuid4().hex[:10]}")
+    settings = Settings(
+        nats_url=nats_url,
+        pg_dsn=pg_dsn,
+        namespace=f"f{uuid.uuid4().hex[:10]}",
+        stream_replicas=replicas if replicas > 1 else None,
+    )
     nc = await connect_nats(nats_url)
     try:
         await apply_streams(nc, settings)
-        if replicas > 1:
-            js = nc.jetstream()
-            cfg = (await js.stream_info(settings.stream_name)).config
-            cfg.num_replicas = replicas
-            await js.update_stream(cfg)
     finally:
         await nc.close()
     await apply_migrations(pg_dsn, settings.pg_schema)

@@ -30,6 +30,19 @@ async def _nats_settings(settings: Settings) -> Settings:
     return msgspec.structs.replace(settings, nats_url=str(found.url))
 
 
+def _writable(out: Path) -> Path:
+    """``out`` if its folder exists and is not ``out`` itself (checked before any server is asked).
+
+    Raises:
+        CliError: The folder is missing, or ``out`` is a folder.
+    """
+    if out.is_dir():
+        raise CliError(f"--out {out} is a folder: give a file name")
+    if not out.absolute().parent.is_dir():
+        raise CliError(f"--out {out}: no folder {out.absolute().parent}")
+    return out
+
+
 def _progress() -> Progress:
     return Progress(
         TextColumn("[progress.description]{task.description}"),
@@ -122,7 +135,7 @@ def replay_command(
         "min_reward": min_reward,
         "reward": reward,
     }
-    run = _run(_replay_to_file(settings, out, opts))
+    run = _run(_replay_to_file(settings, _writable(out), opts))
     for e in run.errors:
         err.print(f"[yellow]skipped:[/yellow] rollout {e.rollout_id} attempt {e.attempt_id}: {escape(e.error)}")
     s = run.stats
@@ -135,9 +148,9 @@ def replay_command(
 
 def export_command(
     out: Annotated[Path, typer.Option("--out", "-o", help="The file to write (JSON lines).")],
-    since: Annotated[int, typer.Option(help="Export entries after this log position.")] = 0,
+    since: Annotated[int, typer.Option(min=0, help="Export entries after this log position.")] = 0,
     until: Annotated[
-        int | None, typer.Option(help="Export entries up to this log position (default: the head).")
+        int | None, typer.Option(min=0, help="Export entries up to this log position (default: the head).")
     ] = None,
     namespace: NamespaceOpt = None,
 ) -> None:
@@ -148,6 +161,7 @@ def export_command(
 
     if until is not None and until < since:
         raise CliError(f"bad range: --until {until} is before --since {since}")
+    _writable(out)
     settings = _run(_nats_settings(_settings(namespace)))
     n, first, last = _run(export_log(settings, out, since, until))
     console.print(f"{n} entries (log positions {first}..{last}) → {escape(str(out))}")

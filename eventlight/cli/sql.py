@@ -16,19 +16,26 @@ from eventlight.settings import Settings
 # sql
 
 
-def _check_query(query: str) -> None:
-    """Refuse what cannot be one SQL statement before connecting.
+def _check_query(query: str, params: Sequence[str] = ()) -> None:
+    """Refuse what cannot be one SQL statement, or a ``--param`` that cannot be text, before connecting.
 
     Raises:
-        CliError: Empty, or not valid UTF-8 (an argument the shell passed as raw bytes).
+        CliError: Empty, or the query or a parameter not valid UTF-8 (an argument the shell passed
+            as raw bytes).
     """
     if not query.strip().strip(";").strip():
         raise CliError('empty query: give one SQL statement, e.g. eventlight sql "SELECT * FROM rollouts LIMIT 5"')
+    _utf8(query, "the query")
+    for k, value in enumerate(params, 1):
+        _utf8(value, f"--param ${k}")
+
+
+def _utf8(text: str, what: str) -> None:
     try:
-        query.encode("utf-8")
+        text.encode("utf-8")
     except UnicodeEncodeError as e:
-        bad = query.encode("utf-8", "surrogateescape")[e.start : e.start + 1]
-        raise CliError(f"the query is not valid UTF-8 (byte {bad!r} at position {e.start})") from None
+        bad = text.encode("utf-8", "surrogateescape")[e.start : e.start + 1]
+        raise CliError(f"{what} is not valid UTF-8 (byte {bad!r} at position {e.start})") from None
 
 
 async def _query(
@@ -101,7 +108,7 @@ def sql(
 
     if output_format not in FORMATS:
         raise CliError(f"--format {output_format!r}: expected one of {', '.join(FORMATS)}")
-    _check_query(query)
+    _check_query(query, param or ())
     cols, rows = _run(_query(_settings(namespace), query, timeout_s, param or ()))
     if output_format != "table":
         sys.stdout.write(result_text(cols, rows, output_format))

@@ -30,6 +30,7 @@ TERMINAL_ROLLOUT_STATUSES: frozenset[str] = frozenset({"failed", "succeeded", "c
 TERMINAL_ATTEMPT_STATUSES: frozenset[str] = frozenset({"failed", "succeeded", "unresponsive", "timeout"})
 ROLLOUT_STATUSES: frozenset[str] = frozenset(RolloutStatus.__args__)  # type: ignore[attr-defined]
 ATTEMPT_STATUSES: frozenset[str] = frozenset(AttemptStatus.__args__)  # type: ignore[attr-defined]
+ROLLOUT_MODES: frozenset[str] = frozenset(RolloutMode.__args__)  # type: ignore[attr-defined]
 
 
 def generate_id(prefix: str, length: int) -> str:

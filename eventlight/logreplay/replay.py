@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 
 from eventlight.core.errors import InvalidInputError
+from eventlight.core.types import ATTEMPT_STATUSES, ROLLOUT_MODES
 from eventlight.logreplay.records import AdapterFn, RewardFn, records_of, resolve_adapter, resolve_reward
 from eventlight.logreplay.select import Bound, Filters, LogFold
 from eventlight.settings import Settings
@@ -54,10 +55,23 @@ class ReplayStats(msgspec.Struct):
 Progress = Callable[[ReplayStats], None]
 
 
-def _set(values: str | Iterable[str] | None) -> frozenset[str] | None:
+def _set(
+    values: str | Iterable[str] | None, allowed: frozenset[str] | None = None, what: str = ""
+) -> frozenset[str] | None:
+    """The values as a set; with ``allowed``, refuse one outside it (a typo would select nothing).
+
+    Raises:
+        InvalidInputError: A value not in ``allowed``.
+    """
     if values is None:
         return None
-    return frozenset([values] if isinstance(values, str) else values)
+    got = frozenset([values] if isinstance(values, str) else values)
+    bad = sorted(v for v in got if allowed is not None and v not in allowed)
+    if allowed is not None and bad:
+        raise InvalidInputError(
+            f"unknown {what} {', '.join(map(repr, bad))}: expected one of {', '.join(sorted(allowed))}"
+        )
+    return got
 
 
 class Replay(AsyncIterator[dict[str, Any]]):
@@ -203,12 +217,19 @@ def replay(
         A ``Replay``: iterate it for the records; ``errors`` lists the attempts that failed.
 
     Raises:
-        InvalidInputError: An unknown adapter or reward spec, or a range whose start is after its end.
+        InvalidInputError: An unknown adapter or reward spec, attempt status or rollout mode, or a
+            range whose start is after its end.
         ServiceUnavailableError: NATS cannot be reached (when iterating).
     """
     lo, hi = as_bound(since), as_bound(until)
     check_range(lo, hi)
-    filters = Filters(since=lo, until=hi, statuses=_set(statuses), modes=_set(modes), resources_ids=_set(resources_ids))
+    filters = Filters(
+        since=lo,
+        until=hi,
+        statuses=_set(statuses, ATTEMPT_STATUSES, "attempt status"),
+        modes=_set(modes, ROLLOUT_MODES, "rollout mode"),
+        resources_ids=_set(resources_ids),
+    )
     return Replay(source, adapter, filters, min_reward, reward, on_progress)
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Sequence
 
 from nats.aio.client import Client as NATS
 
-from eventlight.core.errors import ServiceUnavailableError
+from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
 from eventlight.net import redact
 
 log = logging.getLogger(__name__)
@@ -39,12 +40,26 @@ RECONNECT_WAIT_S = 1.0
 """Seconds between reconnect attempts after the connection is lost (nats-py's default is 2)."""
 
 
-async def _reachable(url: str, timeout_s: float = 3.0) -> str | None:
-    """``None`` if something accepts TCP connections at the first server of ``url``, else why not."""
+def server_urls(url: str | Sequence[str]) -> list[str]:
+    """The servers named by ``url``: one URL, several separated by commas, or a list of them.
+
+    ``host:port`` without a scheme gets ``nats://``. ``EVENTLIGHT_NATS_URL`` takes the same form, so a
+    cluster is given by all its servers (``nats://a:4222,nats://b:4222,nats://c:4222``).
+
+    Raises:
+        InvalidInputError: No server is named.
+    """
+    parts = url.split(",") if isinstance(url, str) else [p for u in url for p in u.split(",")]
+    urls = [p.strip() if "://" in p else f"nats://{p.strip()}" for p in parts if p.strip()]
+    if not urls:
+        raise InvalidInputError(f"no NATS server in {url!r}")
+    return urls
+
+
+async def _reachable_one(url: str, timeout_s: float) -> str | None:
     from urllib.parse import urlsplit
 
-    first = url.split(",")[0].strip()
-    parts = urlsplit(first if "://" in first else f"nats://{first}")
+    parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 4222
     try:
         _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
@@ -56,12 +71,23 @@ async def _reachable(url: str, timeout_s: float = 3.0) -> str | None:
     return None
 
 
+async def _reachable(urls: list[str], timeout_s: float = 3.0) -> str | None:
+    """``None`` if something accepts TCP connections at one of ``urls`` at least, else why not (each)."""
+    whys = await asyncio.gather(*(_reachable_one(u, timeout_s) for u in urls))
+    return None if any(w is None for w in whys) else "; ".join(w for w in whys if w is not None)
+
+
 async def _quiet(_e: Exception) -> None:
     return None
 
 
 async def connect_nats(
-    url: str, *, name: str = "eventlight", timeout_s: float = 3.0, reconnect: bool = True, quiet: bool = False
+    url: str | Sequence[str],
+    *,
+    name: str = "eventlight",
+    timeout_s: float = 3.0,
+    reconnect: bool = True,
+    quiet: bool = False,
 ) -> NATS:
     """Connect to NATS and check the server can do per-rollout optimistic appends.
 
@@ -70,27 +96,31 @@ async def connect_nats(
     goes away (every ``RECONNECT_WAIT_S``), so a store, its projector and a runner resume by themselves.
 
     Args:
-        url: A NATS URL, or several separated by commas.
+        url: A NATS URL, several separated by commas, or a list of URLs (``server_urls``): the servers
+            of a cluster, tried in turn; the client also learns the others from the one it reaches.
         name: The client name the server shows.
         timeout_s: Seconds to wait for the TCP connection and for the server's answer.
         reconnect: Reconnect after a lost connection, for ever; ``False`` for a one-off call.
         quiet: Do not log connection errors (probes, which report them themselves).
 
     Raises:
-        ServiceUnavailableError: The server cannot be reached (at once when nothing listens, instead
+        InvalidInputError: ``url`` names no server.
+        ServiceUnavailableError: No server can be reached (at once when nothing listens, instead
             of nats-py's reconnect attempts), or is older than 2.11 (it ignores
             ``Nats-Expected-Last-Subject-Sequence-Subject``, which eventlight's fencing needs).
     """
     import nats
 
-    why = await _reachable(url, timeout_s)
+    urls = server_urls(url)
+    shown = redact(",".join(urls))
+    why = await _reachable(urls, timeout_s)
     if why is not None:
-        raise ServiceUnavailableError(redact(url), f"NATS is not reachable: {why}")
-    events = _Events(redact(url))
+        raise ServiceUnavailableError(shown, f"NATS is not reachable: {why}")
+    events = _Events(shown)
     try:
         nc = await asyncio.wait_for(
             nats.connect(
-                url,
+                urls,
                 name=name,
                 connect_timeout=timeout_s,
                 # an outage of any length is waited out: a store never closes for good because the
@@ -106,13 +136,13 @@ async def connect_nats(
             timeout_s + 0.5,
         )
     except Exception as e:  # nats-py raises several unrelated types for "cannot connect"
-        raise ServiceUnavailableError(redact(url), f"NATS did not accept a connection ({e!r})") from e
+        raise ServiceUnavailableError(shown, f"NATS did not accept a connection ({e!r})") from e
     events.nc = nc
     sv = nc.connected_server_version
     if (sv.major, sv.minor) < (2, 11):
         await nc.close()
         raise ServiceUnavailableError(
-            redact(url),
+            shown,
             f"nats-server {nc.connected_server_version} is too old: eventlight needs >= 2.11 "
             "(per-rollout expected-sequence appends); unset EVENTLIGHT_NATS_URL to use the bundled 2.15",
         )

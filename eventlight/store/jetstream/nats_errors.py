@@ -36,6 +36,8 @@ ANY_NATS_ERROR: tuple[type[BaseException], ...] = (nats.errors.Error,)
 
 WRONG_LAST_SEQUENCE = 10071
 MESSAGE_TOO_LARGE = 10054
+NO_LEADER = 503
+"""The status of a JetStream API answer while the stream or consumer has no leader (no responders)."""
 
 TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
     nats.errors.TimeoutError,
@@ -84,6 +86,10 @@ class nats_errors:  # noqa: N801 - used as a function: ``with nats_errors(server
                 raise StaleStateError(str(e)) from e
             if e.err_code == MESSAGE_TOO_LARGE:
                 raise InvalidInputError(f"{what}: the event is larger than the stream's max_msg_size ({e})") from e
+            if e.code == NO_LEADER or isinstance(e, nats.js.errors.ServiceUnavailableError):
+                raise ServiceUnavailableError(
+                    self._name(), f"{what} failed: JetStream has no leader for it now (503: a cluster is electing one)"
+                ) from e
             raise ServiceUnavailableError(self._name(), f"{what} failed: {e}") from e
         if isinstance(e, nats.errors.MaxPayloadError):
             raise InvalidInputError(f"{what}: the event is larger than the NATS server's max_payload ({e!r})") from e
