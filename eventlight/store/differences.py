@@ -34,7 +34,8 @@ Choices where Agent-lightning 0.3.0's code and its docs differ, item by item aga
     11. a requeued rollout goes to the queue's tail once; ``max_attempts`` counts ``start_attempt``'s
         attempts too, and ``start_attempt`` itself ignores the budget (0.3.0);
     12. the watchdog is a running component (in the projector's process, every second by default), not
-        a check run lazily before store calls, so nothing needs a debounce setting;
+        a check run lazily before store calls, so nothing needs a debounce setting; the in-memory
+        store starts it on its first call from a running loop, so it runs without ``async with`` too;
     13. a span revives ``unresponsive`` but never ``timeout``/``failed``; queue entries of rollouts that
         left ``queuing``/``requeuing`` are skipped;
     14. workers are derived from events: claim → busy, empty poll → idle, ``timeout``/``unresponsive`` →
