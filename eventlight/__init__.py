@@ -26,6 +26,7 @@ from eventlight.core.errors import (
     ResourcesNotFoundError,
     RolloutNotFoundError,
     ServiceUnavailableError,
+    WrongEventLoopError,
 )
 from eventlight.core.types import (
     LLM,
@@ -125,6 +126,7 @@ __all__ = [
     "Trainer",
     "Triplet",
     "Worker",
+    "WrongEventLoopError",
     "algo",
     "emit_annotation",
     "emit_exception",

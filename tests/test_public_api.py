@@ -77,6 +77,7 @@ EXPECTED = {
     "ensure_services",
     "prepare_services",
     "stop_services",
+    "WrongEventLoopError",
 }
 
 

@@ -4,6 +4,7 @@
   ``unresponsive_seconds`` (its watchdog starts on first use from a running loop);
 * on JetStream, a burst of concurrent reads right after ``start()`` does not starve the projector of
   Postgres connections (readers waiting for read-your-writes hold none);
+* a JetStream store used from a second event loop fails at once, naming the cause.
 """
 
 from __future__ import annotations
@@ -15,10 +16,13 @@ import weakref
 
 import pytest
 
+from eventlight.core.errors import WrongEventLoopError
 from eventlight.core.types import RolloutConfig
+from eventlight.ops import Services
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.store.memory import InMemoryLightningStore
+from tests.conftest import fresh_namespace
 
 
 async def test_memory_store_without_async_with_times_out_attempts() -> None:
@@ -126,3 +130,43 @@ async def test_readers_waiting_for_a_projector_hold_no_connection(namespace: Set
             got = await asyncio.wait_for(asyncio.gather(*readers), 10)
         assert [r.rollout_id for r in got if r is not None] == [rollout.rollout_id] * 16
 
+
+async def test_a_jetstream_store_used_from_another_event_loop_fails_at_once(namespace: Settings) -> None:
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
+        r = await store.enqueue_rollout("x")
+
+        def elsewhere() -> tuple[BaseException | None, float]:
+            t0 = time.monotonic()
+            try:
+                asyncio.run(store.get_rollout_by_id(r.rollout_id))
+            except BaseException as e:
+                return e, time.monotonic() - t0
+            return None, time.monotonic() - t0
+
+        for _ in range(2):  # a thread's loop; then the same again (nothing was left half-done)
+            error, took_s = await asyncio.to_thread(elsewhere)
+            assert isinstance(error, WrongEventLoopError) and isinstance(error, RuntimeError), error
+            assert "another event loop" in str(error) and "one store per event loop" in str(error)
+            assert took_s < 1.0
+        assert (await store.get_rollout_by_id(r.rollout_id)) is not None  # its own loop still works
+
+
+def test_a_jetstream_store_after_its_asyncio_run_ended_fails_at_once(services: tuple[Settings, Services]) -> None:
+    fixture_loop = asyncio.new_event_loop()  # the namespace's set-up and tear-down (an async generator)
+    namespace_cm = fresh_namespace(services)
+    settings = fixture_loop.run_until_complete(namespace_cm.__aenter__())
+    try:
+        store = JetStreamLightningStore(settings, pg_dsn=settings.pg_dsn)
+
+        async def first() -> str:
+            await store.start()
+            return (await store.enqueue_rollout("x")).rollout_id
+
+        rid = asyncio.run(first())
+        t0 = time.monotonic()
+        with pytest.raises(WrongEventLoopError, match=r"another event loop \(closed\)"):
+            asyncio.run(store.get_rollout_by_id(rid))
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        fixture_loop.run_until_complete(namespace_cm.__aexit__(None, None, None))
+        fixture_loop.close()
