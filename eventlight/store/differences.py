@@ -70,6 +70,15 @@ Other behaviours to know:
     * ``dequeue_rollout(wait_s=...)`` (an eventlight extension) long-polls on both backends;
     * ``statistics()`` has 0.3.0's ``name``, ``total_*`` counts and ``uptime`` (seconds since the store
       object was made), not the in-memory store's byte budgets (eventlight's memory store has none);
+    * every public name and submodule of ``agentlightning`` 0.3.0 exists under ``eventlight``
+      (``tests/test_port_names.py``); those that cannot apply raise ``NotImplementedError`` on use,
+      naming what to use instead: ``LightningStoreServer``/``LightningStoreClient`` (no REST server
+      yet), ``CollectionBasedLightningStore``, ``AgentOpsTracer``, ``VERL``, the 0.1 client/server
+      names (``AgentLightningClient``/``Server``, ``DevTaskLoader``, ``Task``, ``LegacyAgentRunner``),
+      ``lightning_cli``, OTLP ingestion, and ``ExecutionStrategy.execute`` (the strategy classes carry
+      0.3.0's settings; ``Trainer`` runs runners as queue consumers); ``LightningStoreThreaded`` runs
+      its store on a loop thread of its own, so any thread or event loop may call it;
+    * a JetStream store called from another event loop than its own raises ``WrongEventLoopError``;
     * a closed JetStream store raises ``InvalidInputError``; the in-memory store keeps its data and
       only stops its watchdog.
 """
