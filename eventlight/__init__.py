@@ -4,9 +4,25 @@
 is an event on NATS JetStream, projected into Postgres (see DESIGN.md).
 """
 
+from eventlight import (
+    client,
+    config,
+    env_var,
+    execution,
+    instrumentation,
+    litagent,
+    logging,
+    resources,
+    reward,
+    semconv,
+    server,
+    types,
+    utils,
+)
 from eventlight.adapter import (
     Adapter,
     LlmProxyTraceToTriplet,
+    OtelTraceAdapter,
     RewardMatchPolicy,
     TraceAdapter,
     TracerTraceToTriplet,
@@ -14,7 +30,10 @@ from eventlight.adapter import (
     TraceToTripletBase,
 )
 from eventlight.agent import FunctionalLitAgent, LitAgent, llm_rollout, prompt_rollout, rollout
-from eventlight.algorithm import APO, Algorithm, Baseline, FastAlgorithm, algo
+from eventlight.algorithm import APO, VERL, Algorithm, Baseline, FastAlgorithm, algo
+from eventlight.client import AgentLightningClient, DevTaskLoader
+from eventlight.component import build_component
+from eventlight.config import lightning_cli
 from eventlight.core.errors import (
     AttemptNotFoundError,
     ConcurrencyError,
@@ -26,6 +45,7 @@ from eventlight.core.errors import (
     ResourcesNotFoundError,
     RolloutNotFoundError,
     ServiceUnavailableError,
+    WrongEventLoopError,
 )
 from eventlight.core.types import (
     LLM,
@@ -51,6 +71,16 @@ from eventlight.emitter import (
     emit_reward,
     operation,
 )
+from eventlight.env_var import LightningEnvVar, resolve_bool_env_var, resolve_int_env_var, resolve_str_env_var
+from eventlight.execution import (
+    ClientServerExecutionStrategy,
+    ExecutionEvent,
+    ExecutionStrategy,
+    MultiprocessingEvent,
+    SharedMemoryExecutionStrategy,
+    ThreadingEvent,
+)
+from eventlight.logging import configure_logger, setup_logging, setup_module_logging
 from eventlight.logreplay import replay
 from eventlight.ops import Services, ensure_services, prepare_services, stop_services
 from eventlight.rewards import (
@@ -62,12 +92,65 @@ from eventlight.rewards import (
     get_rewards_from_span,
     is_reward_span,
 )
-from eventlight.runner import Hook, LitAgentRunner
+from eventlight.runner import Hook, LegacyAgentRunner, LitAgentRunner, Runner
+from eventlight.server import AgentLightningServer
 from eventlight.settings import Settings
-from eventlight.store import UNSET, InMemoryLightningStore, LightningStore, LightningStoreCapabilities
+from eventlight.store import (
+    UNSET,
+    CollectionBasedLightningStore,
+    InMemoryLightningStore,
+    LightningStore,
+    LightningStoreCapabilities,
+    LightningStoreClient,
+    LightningStoreServer,
+    LightningStoreStatistics,
+    LightningStoreThreaded,
+)
 from eventlight.store.jetstream import JetStreamLightningStore
-from eventlight.tracer import DummyTracer, OtelTracer, SpanCoreFields, Tracer, get_active_tracer
+from eventlight.tracer import (
+    AgentOpsTracer,
+    DummyTracer,
+    OtelTracer,
+    SpanCoreFields,
+    Tracer,
+    clear_active_tracer,
+    get_active_tracer,
+    set_active_tracer,
+)
 from eventlight.trainer import Trainer
+from eventlight.types import (
+    AttemptStatus,
+    Attributes,
+    AttributeValue,
+    Dataset,
+    Event,
+    FilterField,
+    FilterOptions,
+    GenericResponse,
+    Link,
+    OtelResource,
+    ParallelWorkerBase,
+    Resource,
+    ResourceUnion,
+    RolloutLegacy,
+    RolloutMode,
+    RolloutRawResult,
+    RolloutRawResultLegacy,
+    RolloutStatus,
+    SortOptions,
+    SpanAttributeNames,
+    SpanContext,
+    SpanLike,
+    SpanNames,
+    SpanRecordingContext,
+    StatusCode,
+    Task,
+    TaskIfAny,
+    TaskInput,
+    TraceState,
+    TraceStatus,
+    WorkerStatus,
+)
 
 __all__ = [
     "APO",
@@ -125,6 +208,7 @@ __all__ = [
     "Trainer",
     "Triplet",
     "Worker",
+    "WrongEventLoopError",
     "algo",
     "emit_annotation",
     "emit_exception",
@@ -144,6 +228,81 @@ __all__ = [
     "replay",
     "rollout",
     "stop_services",
+    # Agent-lightning 0.3.0's other public names and submodules (tests/test_port_names.py)
+    "AgentLightningClient",
+    "AgentLightningServer",
+    "AgentOpsTracer",
+    "AttemptStatus",
+    "AttributeValue",
+    "Attributes",
+    "ClientServerExecutionStrategy",
+    "CollectionBasedLightningStore",
+    "Dataset",
+    "DevTaskLoader",
+    "Event",
+    "ExecutionEvent",
+    "ExecutionStrategy",
+    "FilterField",
+    "FilterOptions",
+    "GenericResponse",
+    "LegacyAgentRunner",
+    "LightningEnvVar",
+    "LightningStoreClient",
+    "LightningStoreServer",
+    "LightningStoreStatistics",
+    "LightningStoreThreaded",
+    "Link",
+    "MultiprocessingEvent",
+    "OtelResource",
+    "OtelTraceAdapter",
+    "ParallelWorkerBase",
+    "Resource",
+    "ResourceUnion",
+    "RolloutLegacy",
+    "RolloutMode",
+    "RolloutRawResult",
+    "RolloutRawResultLegacy",
+    "RolloutStatus",
+    "Runner",
+    "SharedMemoryExecutionStrategy",
+    "SortOptions",
+    "SpanAttributeNames",
+    "SpanContext",
+    "SpanLike",
+    "SpanNames",
+    "SpanRecordingContext",
+    "StatusCode",
+    "Task",
+    "TaskIfAny",
+    "TaskInput",
+    "ThreadingEvent",
+    "TraceState",
+    "TraceStatus",
+    "VERL",
+    "WorkerStatus",
+    "build_component",
+    "clear_active_tracer",
+    "client",
+    "config",
+    "configure_logger",
+    "env_var",
+    "execution",
+    "instrumentation",
+    "lightning_cli",
+    "litagent",
+    "logging",
+    "resolve_bool_env_var",
+    "resolve_int_env_var",
+    "resolve_str_env_var",
+    "resources",
+    "reward",
+    "semconv",
+    "server",
+    "set_active_tracer",
+    "setup_logging",
+    "setup_module_logging",
+    "types",
+    "utils",
 ]
 
 

@@ -15,11 +15,37 @@ import inspect
 import json
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from eventlight.attributes import flatten_attributes
 from eventlight.core.types import TraceStatus
+from eventlight.rewards import (  # 0.3.0's agentlightning.emitter re-exports the readers too
+    find_final_reward,
+    find_reward_spans,
+    get_message_value,
+    get_object_value,
+    get_reward_value,
+    get_rewards_from_span,
+    is_reward_span,
+)
 from eventlight.tracer import DummyTracer, SpanCoreFields, Tracer, get_active_tracer
+
+__all__ = [
+    "emit_annotation",
+    "emit_exception",
+    "emit_message",
+    "emit_object",
+    "emit_reward",
+    "find_final_reward",
+    "find_reward_spans",
+    "get_message_value",
+    "get_object_value",
+    "get_reward_value",
+    "get_rewards_from_span",
+    "is_reward_span",
+    "operation",
+    "reward",
+]
 
 AGL_ANNOTATION = "agentlightning.annotation"
 AGL_MESSAGE = "agentlightning.message"
@@ -287,3 +313,31 @@ class _DummyOperation:
         if self.done is None:
             raise RuntimeError("Span is not ready yet.")
         return self.done
+
+
+_Fn = TypeVar("_Fn", bound=Callable[..., Any])
+
+
+def reward(fn: _Fn) -> _Fn:
+    """Decorate a reward function (sync or async) so that each number it returns is also recorded
+    with ``emit_reward`` (Agent-lightning 0.3.0's deprecated ``agentlightning.emitter.reward``);
+    ``None`` is returned without a span. The decorated function returns what ``fn`` returns."""
+
+    def record(value: Any) -> Any:
+        if value is not None:
+            emit_reward(float(value) if isinstance(value, (int, float)) else value)
+        return value
+
+    if inspect.iscoroutinefunction(fn):
+
+        @functools.wraps(fn)
+        async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+            return record(await fn(*args, **kwargs))
+
+        return cast(_Fn, async_wrapper)
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return record(fn(*args, **kwargs))
+
+    return cast(_Fn, wrapper)

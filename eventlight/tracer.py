@@ -31,6 +31,7 @@ from opentelemetry.trace import Status, StatusCode
 from eventlight.core.types import Span, TraceStatus
 from eventlight.otel import span_from_readable
 from eventlight.store.base import LightningStore
+from eventlight.unavailable import unavailable_class
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,17 @@ class SpanCoreFields(msgspec.Struct, kw_only=True):
     attributes: dict[str, Any]
     start_time: float | None
     end_time: float | None
+
+
+def set_active_tracer(tracer: Tracer) -> None:
+    """Make ``tracer`` the active tracer of the current context (0.3.0: of the process; here a
+    context variable, so concurrent rollouts in one process keep their own)."""
+    _active_tracer.set(tracer)
+
+
+def clear_active_tracer() -> None:
+    """Forget the active tracer of the current context."""
+    _active_tracer.set(None)
 
 
 def get_active_tracer() -> Tracer | None:
@@ -321,3 +333,11 @@ def _core(span: Any) -> SpanCoreFields:
         start_time=span.start_time / 1e9 if span.start_time else None,
         end_time=span.end_time / 1e9 if span.end_time else None,
     )
+
+
+AgentOpsTracer = unavailable_class(
+    "AgentOpsTracer",
+    "eventlight does not run AgentOps' server manager; use OtelTracer (the default tracer of "
+    "LitAgentRunner), which records the same OpenTelemetry spans, AgentOps-instrumented ones included",
+    __name__,
+)

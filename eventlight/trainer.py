@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from eventlight.agent import LitAgent
 from eventlight.algorithm.base import Algorithm
+from eventlight.component import build_component
 from eventlight.core.errors import LLMUnavailableError
 from eventlight.ops import Services, prepare_services, stop_services
 from eventlight.runner import Hook, LitAgentRunner
@@ -37,6 +38,9 @@ if TYPE_CHECKING:
     from eventlight.llm_proxy import LLMProxy
 
 log = logging.getLogger(__name__)
+
+
+__all__ = ["Trainer", "build_component"]
 
 
 class Trainer:

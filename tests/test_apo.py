@@ -505,7 +505,7 @@ async def test_baseline_without_resources_or_data(caplog: pytest.LogCaptureFixtu
         await baseline.run()
         assert "empty" in caplog.text
         async with running(FakeRunners(store, lambda task, template: (1.0, "succeeded"))):
-            await store.put_resources("other", RESOURCES)
+            await store.update_resources("other", RESOURCES)
             await asyncio.wait_for(baseline.run(train_dataset=["x"]), 30)
     assert "no initial resources" in caplog.text
     (rollout,) = await store.query_rollouts()

@@ -330,8 +330,8 @@ class Equivalence(RuleBasedStateMachine):
         self.learn(self.both("update_resources", self.pick_resources(i) or "rs-missing", resources))
 
     @rule(name=st.sampled_from(["prod", "staging"]), resources=RESOURCES)
-    def put_resources(self, name: str, resources: Any) -> None:
-        self.learn(self.both("put_resources", name, resources))
+    def update_named_resources(self, name: str, resources: Any) -> None:
+        self.learn(self.both("update_resources", name, resources))
 
     @rule(worker=ANY_WORKER.filter(lambda w: w is not None), stats=st.one_of(st.just(UNSET), st.just({"gpu": 1})))
     def update_worker(self, worker: str, stats: Any) -> None:

@@ -43,7 +43,7 @@ async def workload(store: Any) -> None:
     late one), attempt and rollout updates, heartbeats, empty polls and watchdog decisions."""
     res = await store.add_resources({"p": PromptTemplate(template="v1 {x}")})
     await store.update_resources(res.resources_id, {"p": PromptTemplate(template="v2 {x}")})
-    await store.put_resources("prod", {"p": PromptTemplate(template="prod {x}")})
+    await store.update_resources("prod", {"p": PromptTemplate(template="prod {x}")})
     retry = RolloutConfig(max_attempts=2, retry_condition=["failed", "timeout"], timeout_seconds=30.0)
     silent = RolloutConfig(unresponsive_seconds=5.0)
     a = await store.enqueue_rollout({"x": 1}, mode="train", config=retry, metadata={"k": 1})

@@ -8,6 +8,7 @@ with writes made through another store.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
@@ -308,8 +309,12 @@ async def test_query_spans_filters(store: Any) -> None:
     assert [s.span_id for s in await store.query_spans(r.rollout_id, span_id=spans[0].span_id)] == [spans[0].span_id]
 
 
-async def test_duplicate_spans_are_reported_and_stored_once(store: Any, runner_store: Any) -> None:
-    """A duplicate is the same ``(rollout_id, attempt_id, span_id)``; ``add_span`` returns ``None``."""
+async def test_duplicate_spans_are_reported_and_stored_once(
+    store: Any, runner_store: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A duplicate is the same ``(rollout_id, attempt_id, span_id)``; ``add_span`` returns ``None`` and
+    logs a warning (0.3.0 logs the same text)."""
+    caplog.set_level(logging.WARNING, logger="eventlight.store.spans")
     r = await store.enqueue_rollout("dup")
     d = await runner_store.dequeue_rollout()
     aid = d.attempt.attempt_id
@@ -320,6 +325,11 @@ async def test_duplicate_spans_are_reported_and_stored_once(store: Any, runner_s
     second = reward_span(r.rollout_id, aid, 2, 2.0)
     added = await runner_store.add_many_spans([second, first, second])
     assert [s.span_id for s in added] == [second.span_id]
+    dropped = [rec.getMessage() for rec in caplog.records if rec.name == "eventlight.store.spans"]
+    assert dropped == [  # one warning per span dropped, 0.3.0's text
+        f"Duplicated span added for rollout={r.rollout_id}, attempt={aid}, span={span.span_id}. Skipping."
+        for span in (first, first, first, second)
+    ]
     await settle(store)
     assert [s.span_id for s in await store.query_spans(r.rollout_id)] == [first.span_id, second.span_id]
 
@@ -361,7 +371,7 @@ async def test_query_workers_filters_sorts_and_pages(store: Any, runner_store: A
 
 async def test_query_resources_filters_sorts_and_pages(store: Any) -> None:
     for rid in ("prompt-a", "prompt-b", "other"):
-        await store.put_resources(rid, {"p": PromptTemplate(template=rid)})
+        await store.update_resources(rid, {"p": PromptTemplate(template=rid)})
     assert [x.resources_id for x in await store.query_resources(resources_id="prompt-b")] == ["prompt-b"]
     assert [x.resources_id for x in await store.query_resources(resources_id_contains="prompt")] == [
         "prompt-a",
@@ -438,6 +448,30 @@ async def test_query_arguments_of_the_wrong_type_are_refused(store: Any) -> None
             await store.update_worker("w-args", stats)
 
 
+async def test_wrong_argument_types_are_also_type_errors(store: Any) -> None:
+    """Where Agent-lightning 0.3.0 raises ``TypeError`` for a wrongly typed argument (``offset="1"``,
+    ``limit=None``, ``heartbeat_stats=None`` or a list), eventlight's error is both an
+    ``InvalidInputError`` and a ``TypeError``; so are the other wrong types (0.3.0: ``ValueError``)."""
+    r = await store.enqueue_rollout("types")
+    calls = {
+        "offset='1'": lambda: store.query_rollouts(offset="1"),
+        "limit=None": lambda: store.query_rollouts(limit=None),
+        "limit=None (spans)": lambda: store.query_spans(r.rollout_id, limit=None),
+        "heartbeat_stats=None": lambda: store.update_worker("w-types", None),
+        "heartbeat_stats=[1, 2]": lambda: store.update_worker("w-types", [1, 2]),
+        "a dict for a span": lambda: store.add_many_spans([{"name": "x"}]),
+        "worker_id=123": lambda: store.dequeue_rollout(worker_id=123),
+        "status_in=[1]": lambda: store.query_rollouts(status_in=[1]),
+        "resources 'str'": lambda: store.add_resources("str"),
+        "mode=123": lambda: store.enqueue_rollout("x", mode=123),
+    }
+    for name, call in calls.items():
+        with pytest.raises(TypeError) as info:
+            await call()
+        assert isinstance(info.value, InvalidInputError) and isinstance(info.value, ValueError), name
+    assert len(await store.query_rollouts()) == 1 and await store.get_worker_by_id("w-types") is None
+
+
 async def test_resources_versioning(store: Any) -> None:
     a = await store.add_resources({"p": PromptTemplate(template="v1")})
     b = await store.add_resources({"p": PromptTemplate(template="other")})
@@ -446,15 +480,19 @@ async def test_resources_versioning(store: Any) -> None:
     assert u.version == 2 and u.create_time == a.create_time
     latest = await store.get_latest_resources()
     assert latest.resources_id == a.resources_id and latest.resources["p"].template == "v2"
-    with pytest.raises(ResourcesNotFoundError):
-        await store.update_resources("rs-nope", {"p": PromptTemplate(template="x")})
-    put = await store.put_resources("v0", {"p": PromptTemplate(template="seed")})
-    assert put.version == 1 and (await store.get_resources_by_id("v0")).resources["p"].template == "seed"
     assert await store.get_resources_by_id("rs-nope") is None
+    put = await store.update_resources("v0", {"p": PromptTemplate(template="seed")})  # an unknown id: created (0.3.0)
+    assert put.version == 1 and put.create_time == put.update_time
+    assert (await store.get_resources_by_id("v0")).resources["p"].template == "seed"
+    assert (await store.get_latest_resources()).resources_id == "v0"
+    again = await store.update_resources("v0", {"p": PromptTemplate(template="seed 2")})
+    assert again.version == 2 and again.create_time == put.create_time
     listed = await store.query_resources()
     assert [x.resources_id for x in listed] == [a.resources_id, b.resources_id, "v0"]
     with pytest.raises(InvalidInputError):
         await store.add_resources({"p": "not a resource"})
+    with pytest.raises(InvalidInputError, match="not a valid id"):
+        await store.update_resources("has space", {"p": PromptTemplate(template="x")})
 
 
 async def test_worker_heartbeats(store: Any) -> None:
@@ -502,6 +540,7 @@ async def test_statistics_and_capabilities(store: Any, runner_store: Any, zero_c
     await settle(store)
     stats = await store.statistics()
     assert stats["name"] == type(store).__name__
+    assert isinstance(stats["uptime"], float) and 0.0 < stats["uptime"] < 600  # seconds since construction (0.3.0)
     assert (stats["total_rollouts"], stats["total_attempts"], stats["total_spans"]) == (1, 1, 1)
     caps = store.capabilities
     assert caps.get("async_safe") is True and caps.get("otlp_traces", False) is False

@@ -14,7 +14,7 @@ Span attributes follow the OpenTelemetry GenAI conventions as AgentOps/OpenLLMet
 token-id attributes that Agent-lightning patches in (``prompt_token_ids``, ``response_token_ids``).
 """
 
-from eventlight.adapter.base import Adapter, RewardMatchPolicy, TraceAdapter, TraceToTripletBase
+from eventlight.adapter.base import Adapter, OtelTraceAdapter, RewardMatchPolicy, TraceAdapter, TraceToTripletBase
 from eventlight.adapter.messages import OpenAIMessages, TraceToMessages
 from eventlight.adapter.tree import TraceTree
 from eventlight.adapter.triplets import LlmProxyTraceToTriplet, TracerTraceToTriplet
@@ -23,6 +23,7 @@ __all__ = [
     "Adapter",
     "LlmProxyTraceToTriplet",
     "OpenAIMessages",
+    "OtelTraceAdapter",
     "RewardMatchPolicy",
     "TraceAdapter",
     "TraceToMessages",

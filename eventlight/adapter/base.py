@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from enum import StrEnum
 from typing import Generic, TypeVar
 
+from opentelemetry.sdk.trace import ReadableSpan
+
 from eventlight.core.types import Span, Triplet
 
 T_from = TypeVar("T_from")
@@ -29,6 +31,11 @@ class Adapter(Generic[T_from, T_to]):
 
 class TraceAdapter(Adapter[Sequence[Span], T_to], Generic[T_to]):
     """An adapter from the spans of one attempt (ordered by ``sequence_id``)."""
+
+
+class OtelTraceAdapter(Adapter[Sequence[ReadableSpan], T_to], Generic[T_to]):
+    """An adapter from OpenTelemetry ``ReadableSpan`` objects (0.3.0's base of OTel adapters);
+    ``eventlight.otel.span_from_readable`` turns one into a ``Span`` for the trace adapters."""
 
 
 class TraceToTripletBase(TraceAdapter[list[Triplet]]):

@@ -10,6 +10,14 @@ from eventlight.algorithm.base import (
     batch_iter_over_dataset,
 )
 from eventlight.algorithm.baseline import Baseline
+from eventlight.unavailable import unavailable_class
+
+VERL = unavailable_class(
+    "VERL",
+    "VERL is not built into eventlight yet; train a local model with eventlight.algorithm.grpo.GRPO "
+    "(GRPO on the event store), or prompts with APO",
+    __name__,
+)
 
 __all__ = [
     "APO",
@@ -19,6 +27,7 @@ __all__ = [
     "FastAlgorithm",
     "FunctionalAlgorithm",
     "RolloutResultForAPO",
+    "VERL",
     "VersionedPromptTemplate",
     "algo",
     "batch_iter_over_dataset",

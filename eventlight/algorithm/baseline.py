@@ -42,7 +42,7 @@ def format_span(span: Span, verbosity: SpanVerbosity) -> str:
 class Baseline(FastAlgorithm):
     """Enqueue every train item (mode ``"train"``) then every val item (mode ``"val"``), ``n_epochs`` times.
 
-    Initial resources, if any, are published as ``"default"`` (``store.put_resources``) and every
+    Initial resources, if any, are published as ``"default"`` (``store.update_resources``) and every
     rollout uses them. For each finished rollout it logs the status, each attempt, each span of
     the latest attempt and, if an adapter is set, the adapted data.
 
@@ -97,7 +97,7 @@ class Baseline(FastAlgorithm):
         if not resources:
             log.warning("Baseline: no initial resources; rollouts use the store's latest resources")
             return None
-        await self.get_store().put_resources("default", resources)
+        await self.get_store().update_resources("default", resources)
         return "default"
 
     async def _run_epoch(self, items: list[tuple[Any, str]], resources_id: str | None) -> None:

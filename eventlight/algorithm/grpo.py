@@ -2,7 +2,7 @@
 
 Each step, for the weights of version ``<prefix>step<k>``:
 
-1. the version is recorded as a resources snapshot (``put_resources``) whose LLM is the proxy,
+1. the version is recorded as a resources snapshot (``update_resources``) whose LLM is the proxy,
    with the version as model name; the policy server (``eventlight.rl.server``), which serves these
    weights in this process, is that name's backend in the proxy's model list;
 2. ``batch_size`` training tasks are enqueued ``group_size`` times each (mode ``"train"``), and the
@@ -235,7 +235,7 @@ class GRPO(Algorithm):
             model=version,
             sampling_parameters={"temperature": self.config.temperature, "max_tokens": self.config.max_new_tokens},
         )
-        await self.get_store().put_resources(version, {self.resource_name: llm})
+        await self.get_store().update_resources(version, {self.resource_name: llm})
         return version
 
     async def _enqueue(self, tasks: list[Any], val: list[Any], version: str) -> tuple[list[str], list[str]]:

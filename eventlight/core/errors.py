@@ -11,6 +11,7 @@
     ├── InvalidInputError (also ValueError)      a malformed span, filter or argument
     │   └── InvalidTypeError (also TypeError)    a value of the wrong type (``mode=123``); nothing written
     ├── ConcurrencyError                         an append lost its optimistic-concurrency race too often
+    ├── WrongEventLoopError (also RuntimeError)  a store used from another event loop than its own
     └── ServiceUnavailableError                  NATS or Postgres cannot be reached; .server, retryable
         └── LLMUnavailableError                  the LLM behind a proxy fails its check or most calls
 
@@ -80,6 +81,12 @@ class ConcurrencyError(EventlightError):
     """An append kept losing the optimistic-concurrency race on one rollout."""
 
     retryable = True
+
+
+class WrongEventLoopError(EventlightError, RuntimeError):
+    """A store whose connections belong to one event loop was called from another (a second
+    ``asyncio.run``, another thread): refused at once instead of hanging on the other loop's sockets.
+    Open one store per event loop."""
 
 
 class ServiceUnavailableError(EventlightError):

@@ -9,5 +9,15 @@ from eventlight.runner.hooks import Hook
 from eventlight.runner.identity import system_snapshot, worker_name
 from eventlight.runner.loop import LitAgentRunner
 from eventlight.runner.retry import Backoff
+from eventlight.unavailable import unavailable_class
 
-__all__ = ["Backoff", "Hook", "LitAgentRunner", "system_snapshot", "worker_name"]
+Runner = LitAgentRunner
+"""0.3.0's runner base class; eventlight has one runner, ``LitAgentRunner``."""
+
+LegacyAgentRunner = unavailable_class(
+    "LegacyAgentRunner",
+    "the 0.1 client/server runner is not supported; use LitAgentRunner (or Trainer(n_runners=...))",
+    __name__,
+)
+
+__all__ = ["Backoff", "Hook", "LegacyAgentRunner", "LitAgentRunner", "Runner", "system_snapshot", "worker_name"]

@@ -30,7 +30,7 @@ from eventlight.core.types import (
 )
 from eventlight.store.validate import check_one_attempt
 
-__all__ = ["UNSET", "LightningStore", "LightningStoreCapabilities"]
+__all__ = ["UNSET", "LightningStore", "LightningStoreCapabilities", "LightningStoreStatistics"]
 
 
 class LightningStoreCapabilities(TypedDict, total=False):
@@ -38,6 +38,19 @@ class LightningStoreCapabilities(TypedDict, total=False):
     async_safe: bool
     zero_copy: bool
     otlp_traces: bool
+
+
+class LightningStoreStatistics(TypedDict, total=False):
+    """What ``statistics()`` returns (Agent-lightning 0.3.0's keys; absent keys are unknown)."""
+
+    name: str
+    total_rollouts: int
+    total_attempts: int
+    total_spans: int
+    total_resources: int
+    total_workers: int
+    uptime: float
+    """Seconds since the store object was made."""
 
 
 class LightningStore(ABC):
@@ -329,15 +342,12 @@ class LightningStore(ABC):
 
     @abstractmethod
     async def update_resources(self, resources_id: str, resources: NamedResources) -> ResourcesUpdate:
-        """Replace a snapshot's resources (``version + 1``); it becomes the latest.
+        """Create or replace the snapshot ``resources_id``: ``version + 1`` of an existing id, version 1 of
+        a new one (Agent-lightning 0.3.0's behaviour); it becomes the latest.
 
         Raises:
-            ResourcesNotFoundError: Unknown id (use ``put_resources`` to create-or-replace).
+            InvalidInputError: ``resources_id`` is not a valid id, or ``resources`` are not resources.
         """
-
-    @abstractmethod
-    async def put_resources(self, resources_id: str, resources: NamedResources) -> ResourcesUpdate:
-        """Create or replace the snapshot ``resources_id`` (Agent-lightning 0.3.0's ``update_resources``)."""
 
     @abstractmethod
     async def get_resources_by_id(self, resources_id: str) -> ResourcesUpdate | None:

@@ -7,20 +7,25 @@ Choices where Agent-lightning 0.3.0's code and its docs differ, item by item aga
 ``spec/seed_store_types.md`` §7 (status transitions are listed in ``eventlight.core.decider``):
     1. unknown ids raise (docs), including ``query_spans``, ``query_attempts``, ``get_latest_attempt``,
        ``wait_for_rollouts``, ``get_next_span_sequence_id`` and an unknown ``resources_id`` on
-       enqueue/start; ``update_resources`` on an unknown id raises too, and ``put_resources`` is
-       0.3.0's create-or-replace under its own name;
+       enqueue/start; but ``update_resources`` on an unknown id creates it (version 1), as 0.3.0 does
+       and its users rely on to publish named resources;
     2. ``enqueue_rollout``/``enqueue_many_rollouts``/``start_rollout`` with ``resources_id=None`` take
        the latest resources (added or updated) at that moment (0.3.0's behaviour, which runners rely on);
     3. span sequence ids are counted per attempt (the docs allow it; 0.3.0 counts per rollout) and start
        at 1; a span with its own ``sequence_id`` raises the counter; out-of-order ids are accepted, and
-       a duplicate is the same ``(rollout_id, attempt_id, span_id)`` (0.3.0);
+       a duplicate is the same ``(rollout_id, attempt_id, span_id)`` (0.3.0), dropped with 0.3.0's log
+       line (``Duplicated span added for rollout=…, attempt=…, span=…. Skipping.``, at WARNING where
+       0.3.0 logs ERROR) when this store object or the stream's duplicate window sees it;
     4. ``wait_for_rollouts`` is keyword-only, ``timeout<=0`` only checks, ``requeuing`` is not finished,
        results keep ``rollout_ids`` order, and it listens to events instead of polling;
     5. filters: an empty ``*_in`` list matches nothing, ``None`` is no filter, all conditions of a query
        join one pool combined by ``filter_logic``; ``query_spans(filter_logic="or")`` without filters
        matches everything (0.3.0 returns nothing); ``status=``/``rollout_ids=`` are deprecated aliases;
     6. ``limit=-1`` is unlimited, ``limit=0`` an empty page, ``total`` counts before paging; a negative
-       offset or ``limit < -1`` raises ``InvalidInputError``;
+       offset or ``limit < -1`` raises ``InvalidInputError`` (0.3.0 accepts them); an argument of the
+       wrong type (``offset="1"``, ``limit=None``, ``heartbeat_stats=None``, a ``dict`` for a span, an
+       int id) raises ``InvalidTypeError``, which is an ``InvalidInputError``, a ``ValueError`` and a
+       ``TypeError``, so code catching 0.3.0's ``TypeError`` or pydantic's ``ValueError`` still works;
     7. ``sort_by`` must name a field (``InvalidInputError``, a ``ValueError``); ``None`` values sort
        last ascending and first descending on both backends; no ``sort_by`` is insertion order;
     8. ``update_attempt(attempt_id="latest")`` and rollout propagation only from the latest attempt;
@@ -29,7 +34,8 @@ Choices where Agent-lightning 0.3.0's code and its docs differ, item by item aga
     11. a requeued rollout goes to the queue's tail once; ``max_attempts`` counts ``start_attempt``'s
         attempts too, and ``start_attempt`` itself ignores the budget (0.3.0);
     12. the watchdog is a running component (in the projector's process, every second by default), not
-        a check run lazily before store calls, so nothing needs a debounce setting;
+        a check run lazily before store calls, so nothing needs a debounce setting; the in-memory
+        store starts it on its first call from a running loop, so it runs without ``async with`` too;
     13. a span revives ``unresponsive`` but never ``timeout``/``failed``; queue entries of rollouts that
         left ``queuing``/``requeuing`` are skipped;
     14. workers are derived from events: claim → busy, empty poll → idle, ``timeout``/``unresponsive`` →
@@ -62,6 +68,17 @@ Other behaviours to know:
       ``update_attempt`` without a status returns and keeps ``running``; events carry only the
       fields they change, so a writer that decided on an older state never overwrites newer ones;
     * ``dequeue_rollout(wait_s=...)`` (an eventlight extension) long-polls on both backends;
+    * ``statistics()`` has 0.3.0's ``name``, ``total_*`` counts and ``uptime`` (seconds since the store
+      object was made), not the in-memory store's byte budgets (eventlight's memory store has none);
+    * every public name and submodule of ``agentlightning`` 0.3.0 exists under ``eventlight``
+      (``tests/test_port_names.py``); those that cannot apply raise ``NotImplementedError`` on use,
+      naming what to use instead: ``LightningStoreServer``/``LightningStoreClient`` (no REST server
+      yet), ``CollectionBasedLightningStore``, ``AgentOpsTracer``, ``VERL``, the 0.1 client/server
+      names (``AgentLightningClient``/``Server``, ``DevTaskLoader``, ``Task``, ``LegacyAgentRunner``),
+      ``lightning_cli``, OTLP ingestion, and ``ExecutionStrategy.execute`` (the strategy classes carry
+      0.3.0's settings; ``Trainer`` runs runners as queue consumers); ``LightningStoreThreaded`` runs
+      its store on a loop thread of its own, so any thread or event loop may call it;
+    * a JetStream store called from another event loop than its own raises ``WrongEventLoopError``;
     * a closed JetStream store raises ``InvalidInputError``; the in-memory store keeps its data and
       only stops its watchdog.
 """

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from eventlight.core.errors import InvalidInputError
+from eventlight.core.errors import InvalidInputError, InvalidTypeError
 from eventlight.core.types import PaginatedResult
 
 T = TypeVar("T")
@@ -28,11 +28,12 @@ def check_paging(limit: int, offset: int, sort_order: str, filter_logic: str = "
     """Validate paging arguments.
 
     Raises:
+        InvalidTypeError: ``limit`` or ``offset`` is not an int (also a ``TypeError``, as in 0.3.0).
         InvalidInputError: ``limit`` < -1, ``offset`` < 0, or an unknown order or logic.
     """
     for name, value in (("limit", limit), ("offset", offset)):
         if not isinstance(value, int) or isinstance(value, bool):
-            raise InvalidInputError(f"{name} must be an int, got {value!r}")
+            raise InvalidTypeError(f"{name} must be an int, got {value!r}")
     if limit < -1:
         raise InvalidInputError(f"limit must be -1 (unlimited) or >= 0, got {limit}")
     if offset < 0:
@@ -82,21 +83,19 @@ def check_values(field: str, values: Any) -> list[Any] | None:
     """A ``*_in`` filter's values as a list: a sequence of strings, or ``None`` (no filter).
 
     Raises:
-        InvalidInputError: A lone string (``status_in="queuing"`` would be read as its characters),
+        InvalidTypeError: A lone string (``status_in="queuing"`` would be read as its characters),
             a non-sequence, or a value that is not a string.
     """
     if values is None:
         return None
     if isinstance(values, (str, bytes)):
-        raise InvalidInputError(
-            f"{field} filter must be a list of strings, got the string {values!r}; use [{values!r}]"
-        )
+        raise InvalidTypeError(f"{field} filter must be a list of strings, got the string {values!r}; use [{values!r}]")
     if not isinstance(values, Iterable):
-        raise InvalidInputError(f"{field} filter must be a list of strings, got {type(values).__name__}")
+        raise InvalidTypeError(f"{field} filter must be a list of strings, got {type(values).__name__}")
     out = list(values)
     for v in out:
         if not isinstance(v, str):
-            raise InvalidInputError(f"{field} filter values must be strings, got {v!r}")
+            raise InvalidTypeError(f"{field} filter values must be strings, got {v!r}")
     return out
 
 

@@ -5,16 +5,20 @@ drops them. ``add_span``/``add_many_spans`` also report them at write time (``No
 the result) when they repeat a span this store object already wrote (it remembers the span ids of
 its last ``RECENT_ATTEMPTS`` attempts) or, on JetStream, re-send the same batch from any process
 within the stream's duplicate window (120 s). A duplicate written by another process after that
-is dropped silently but returned as if recorded.
+is dropped silently but returned as if recorded. Each duplicate reported is also logged as a warning,
+with Agent-lightning 0.3.0's text (``Duplicated span added for rollout=…, attempt=…, span=…. Skipping.``).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 
 from eventlight.core.types import Span
 from eventlight.store.command_loop import CommandLoop
 from eventlight.store.ports import EventLog
+
+log = logging.getLogger(__name__)
 
 SPANS_PER_MESSAGE = 256
 RECENT_ATTEMPTS = 256  # attempts whose span ids this store remembers for duplicate checks
@@ -72,6 +76,8 @@ class SpanWriter:
                 if span.span_id not in seen and span.span_id not in batch_ids:
                     batch_ids.add(span.span_id)
                     fresh.append(span)
+                else:
+                    _dropped(rid, aid, span.span_id)
             for i in range(0, len(fresh), SPANS_PER_MESSAGE):
                 chunk = fresh[i : i + SPANS_PER_MESSAGE]
                 first, at, seq = await self.log.append_spans(rid, aid, chunk, numbered=numbered)
@@ -79,6 +85,9 @@ class SpanWriter:
                 if first is not None:
                     added.extend(chunk)
                     self.loop.spans_written(rid, aid, at)
+                else:  # the log had this very batch already (another store re-sent it)
+                    for span in chunk:
+                        _dropped(rid, aid, span.span_id)
                 seen.update(s.span_id for s in chunk)  # only once written: a failed append may be retried
         recorded = {(s.rollout_id, s.attempt_id, s.span_id): s for s in added}
         ordered = []  # in the order given (as 0.3.0 returns them), each recorded span once
@@ -110,3 +119,7 @@ class SpanWriter:
             out.append(next_id[key])
             next_id[key] += 1
         return out
+
+
+def _dropped(rollout_id: str, attempt_id: str, span_id: str) -> None:
+    log.warning("Duplicated span added for rollout=%s, attempt=%s, span=%s. Skipping.", rollout_id, attempt_id, span_id)

@@ -70,9 +70,12 @@ def check_token(what: str, value: Any) -> str:
     """Validate an id that becomes a NATS subject token (no dots, spaces or wildcards).
 
     Raises:
+        InvalidTypeError: ``value`` is not a string.
         InvalidInputError: ``value`` is not such a string.
     """
-    if not isinstance(value, str) or not _TOKEN.match(value):
+    if not isinstance(value, str):
+        raise InvalidTypeError(f"{what} must be a str, got {type(value).__name__} {value!r}")
+    if not _TOKEN.match(value):
         raise InvalidInputError(
             f"{what} {value!r} is not a valid id: use 1-200 letters, digits or '_-:@+=' (no dots or spaces)"
         )
@@ -83,15 +86,15 @@ def check_spans(spans: Sequence[Any]) -> None:
     """Validate spans before anything is written, so a span a backend accepts is one it can store.
 
     Raises:
-        InvalidInputError: An item is not a ``Span``; lacks its rollout, attempt, span or trace id;
-            has a negative sequence id, a name that is not a string, attributes that are not a
-            ``dict`` with string keys, or an attribute value that cannot be encoded as JSON.
+        InvalidTypeError: An item is not a ``Span``, its name not a string or its attributes not a dict.
+        InvalidInputError: An item lacks its rollout, attempt, span or trace id; has a negative
+            sequence id, a non-string attribute key, or an attribute value that cannot be encoded as JSON.
     """
     for i, span in enumerate(spans):
         if not isinstance(span, Span):
-            raise InvalidInputError(f"span #{i} is a {type(span).__name__}, not an eventlight Span")
+            raise InvalidTypeError(f"span #{i} is a {type(span).__name__}, not an eventlight Span")
         if not isinstance(span.name, str):
-            raise InvalidInputError(f"span #{i} has a name of type {type(span.name).__name__}, not str")
+            raise InvalidTypeError(f"span #{i} has a name of type {type(span.name).__name__}, not str")
         for field in ("rollout_id", "attempt_id", "span_id", "trace_id"):
             value = getattr(span, field)
             if not value or not isinstance(value, str):
@@ -102,7 +105,7 @@ def check_spans(spans: Sequence[Any]) -> None:
         if not isinstance(sid, int) or isinstance(sid, bool) or not 0 <= sid < 2**63:
             raise InvalidInputError(f"span #{i} ({span.name!r}) has an invalid sequence_id {span.sequence_id!r}")
         if not isinstance(span.attributes, dict):
-            raise InvalidInputError(
+            raise InvalidTypeError(
                 f"span #{i} ({span.name!r}) has attributes of type {type(span.attributes).__name__}, not dict"
             )
         for key, value in span.attributes.items():
@@ -132,10 +135,11 @@ def check_stats(stats: Any) -> dict[str, Any]:
     """Validate a worker's ``heartbeat_stats`` (a JSON-encodable ``dict``); returns a copy.
 
     Raises:
-        InvalidInputError: Not a dict, or not encodable as JSON.
+        InvalidTypeError: Not a dict (0.3.0 raises ``TypeError`` too).
+        InvalidInputError: Not encodable as JSON.
     """
     if not isinstance(stats, Mapping):
-        raise InvalidInputError(f"heartbeat_stats must be a dict, got {type(stats).__name__}")
+        raise InvalidTypeError(f"heartbeat_stats must be a dict, got {type(stats).__name__}")
     try:
         _json.encode(stats)
     except (TypeError, ValueError, msgspec.EncodeError) as e:
@@ -147,10 +151,10 @@ def check_resources(resources: Mapping[str, Any]) -> None:
     """Validate named resources.
 
     Raises:
-        InvalidInputError: Not a mapping of names to ``LLM``/``ProxyLLM``/``PromptTemplate``.
+        InvalidTypeError: Not a mapping of names to ``LLM``/``ProxyLLM``/``PromptTemplate``.
     """
     if not isinstance(resources, Mapping):
-        raise InvalidInputError(f"resources must be a dict of name -> resource, got {type(resources).__name__}")
+        raise InvalidTypeError(f"resources must be a dict of name -> resource, got {type(resources).__name__}")
     for name, res in resources.items():
         if not isinstance(name, str) or not isinstance(res, (LLM, ProxyLLM, PromptTemplate)):
-            raise InvalidInputError(f"resource {name!r} is a {type(res).__name__}, not an LLM or PromptTemplate")
+            raise InvalidTypeError(f"resource {name!r} is a {type(res).__name__}, not an LLM or PromptTemplate")

@@ -82,7 +82,7 @@ class RolloutEvaluation(Algorithm, Generic[T_task]):
             0.0 when none finished).
         """
         store = self.get_store()
-        await store.put_resources(prompt.version, self._resources_for(resource_name, prompt.prompt_template))
+        await store.update_resources(prompt.version, self._resources_for(resource_name, prompt.prompt_template))
         requests = [
             EnqueueRolloutRequest(input=task, mode=mode, resources_id=prompt.version, config=self.rollout_config)
             for task in dataset

@@ -51,7 +51,7 @@ class APO(TextualGradient, RolloutEvaluation[T_task]):
         cut to ``MAX_CRITIQUE_CHARS``. Raise the attribute ``evidence_char_budget`` for larger models.
     (b) The published resources are ALL initial resources with the tuned template replaced, so an
         agent that also needs its LLM (e.g. a ``ProxyLLM``) still gets it. They are published with
-        ``store.put_resources(version, ...)``; the resources id is the version ("v0", "v1", ...),
+        ``store.update_resources(version, ...)``; the resources id is the version ("v0", "v1", ...),
         after ``version_prefix`` when one is given (``"run-0412-v0"``), so that a second run in the
         same store does not overwrite the first run's prompts.
     (c) Each batch is enqueued at once with ``enqueue_many_rollouts`` (so runners work on it

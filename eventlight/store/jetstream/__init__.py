@@ -21,7 +21,7 @@ from collections.abc import Callable
 import asyncpg
 from nats.aio.client import Client as NATS
 
-from eventlight.core.errors import InvalidInputError
+from eventlight.core.errors import InvalidInputError, WrongEventLoopError
 from eventlight.core.events import AnyEvent
 from eventlight.core.types import now as wall_clock
 from eventlight.settings import Settings
@@ -80,6 +80,7 @@ class JetStreamLightningStore(EventStore):
         self.pool: asyncpg.Pool | None = None
         self.projector: Projector | None = None
         self.read_model: SqlReadModel | None = None
+        self._home_loop: asyncio.AbstractEventLoop | None = None  # the loop start() ran on
 
     @property
     def capabilities(self) -> LightningStoreCapabilities:
@@ -96,6 +97,7 @@ class JetStreamLightningStore(EventStore):
             raise InvalidInputError("JetStreamLightningStore needs a NATS URL (settings.nats_url or nats_url=)")
         if self.run_projector and self.pg_dsn is None:
             raise InvalidInputError("the projector needs Postgres (pg_dsn)")
+        self._home_loop = asyncio.get_running_loop()
         self.nc = await connect_nats(self.nats_url)
         try:
             self.log = JetStreamEventLog(self.nc, self.settings, self._clock)
@@ -136,10 +138,41 @@ class JetStreamLightningStore(EventStore):
     async def __aenter__(self) -> JetStreamLightningStore:
         return await self.start()
 
+    def _check_open(self) -> None:
+        super()._check_open()
+        self._check_loop()
+
+    def _check_loop(self) -> None:
+        """Refuse a call from another event loop than the one ``start()`` ran on: its NATS
+        connection, Postgres pool and projector belong to that loop (a call from here would wait on
+        sockets nobody reads, then fail with asyncio's "attached to a different loop").
+
+        Raises:
+            WrongEventLoopError: The running loop is not the store's.
+        """
+        home = self._home_loop
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        if home is None or running is home:
+            return
+        state = "closed" if home.is_closed() else "still running" if home.is_running() else "not running"
+        raise WrongEventLoopError(
+            f"this {type(self).__name__} was started on another event loop ({state}), and its NATS "
+            "connection, Postgres pool and projector belong to that loop; open one store per event "
+            "loop (per asyncio.run or thread), or call this one only from the loop that started it"
+        )
+
     async def close(self) -> None:
-        """Stop the projector, unsubscribe, close NATS and Postgres; idempotent."""
+        """Stop the projector, unsubscribe, close NATS and Postgres; idempotent.
+
+        Raises:
+            WrongEventLoopError: Called from another event loop than the one the store started on.
+        """
         if self._closed:
             return
+        self._check_loop()
         if self.projector is not None:
             await self.projector.close()
         if self.read_model is not None:

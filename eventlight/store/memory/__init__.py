@@ -3,14 +3,18 @@
 For tests and quick local work, in one process (``capabilities`` says so). The log is a list of
 events (``MemoryEventLog.events``); the read model is their fold by the projector's code
 (``eventlight.store.fold``), applied as each event is appended. The watchdog runs when
-``run_watchdog(now)`` is called, and every ``watchdog_interval_s`` seconds in a background task
-while the store is used inside ``async with`` (``start()``/``close()``).
+``run_watchdog(now)`` is called, and every ``watchdog_interval_s`` seconds in a background task on
+the running event loop: from ``start()`` (``async with``), or else from the first store call made
+inside a running loop, so a store used without ``async with`` (as Agent-lightning 0.3.0's is) still
+enforces ``timeout_seconds`` and ``unresponsive_seconds``. A store used from a later loop (a second
+``asyncio.run``) starts it again there; ``close()`` stops it for good.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import weakref
 from collections.abc import Callable
 
 from eventlight.core.events import AnyEvent
@@ -43,27 +47,49 @@ class InMemoryLightningStore(EventStore):
         super().__init__(self.log, self.read_model, clock)
         self.watchdog = Watchdog(self.log, self.read_model.in_flight, clock, watchdog_interval_s)
         self._watchdog_task: asyncio.Task[None] | None = None
+        self._watchdog_closed = False
 
     @property
     def capabilities(self) -> LightningStoreCapabilities:
         return {"async_safe": True, "thread_safe": False, "zero_copy": False, "otlp_traces": False}
 
     async def start(self) -> InMemoryLightningStore:
-        """Start the background watchdog."""
-        if self._watchdog_task is None:
-            self._watchdog_task = asyncio.create_task(self.watchdog.run(), name="eventlight-watchdog")
+        """Start the background watchdog (again, after ``close()``)."""
+        self._watchdog_closed = False
+        self._ensure_watchdog()
         return self
 
     async def __aenter__(self) -> InMemoryLightningStore:
         return await self.start()
 
+    def _check_open(self) -> None:
+        super()._check_open()
+        self._ensure_watchdog()  # every store call passes here: the watchdog starts on first use
+
+    def _ensure_watchdog(self) -> None:
+        """Run the watchdog on the running loop unless it already runs there (or ``close()`` stopped it)."""
+        if self._watchdog_closed:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # called outside a loop: the next call from a loop starts it
+        task = self._watchdog_task
+        if task is not None and not task.done() and task.get_loop() is loop:
+            return
+        store = weakref.ref(self)  # the task must not keep a store nobody uses alive
+        self._watchdog_task = loop.create_task(self.watchdog.run(lambda: store() is None), name="eventlight-watchdog")
+
     async def close(self) -> None:
         """Stop the watchdog; the data stay readable (the in-memory store never closes its log)."""
-        if self._watchdog_task is not None:
-            self._watchdog_task.cancel()
+        self._watchdog_closed = True
+        task, self._watchdog_task = self._watchdog_task, None
+        if task is None or task.done():
+            return
+        task.cancel()
+        if task.get_loop() is asyncio.get_running_loop():
             with contextlib.suppress(asyncio.CancelledError):
-                await self._watchdog_task
-            self._watchdog_task = None
+                await task
 
     async def sync_all(self, timeout_s: float = 0.0) -> None:
         """Nothing to wait for: reads see every write at once (the JetStream store's ``sync_all``)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 
 from eventlight.core import commands as c
@@ -29,6 +30,7 @@ class StorePlumbing(LightningStore):
 
     def __init__(self, log: EventLog | None, reads: ReadModel | None, clock: Callable[[], float]):
         self._clock = clock
+        self._created_monotonic = time.monotonic()  # for statistics()["uptime"]
         self._last_write = 0
         self._held: dict[tuple[str, str], Queued] = {}
         self._idle_marks: dict[str, float] = {}  # worker id -> clock of this store's last WorkerIdle

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -151,5 +152,7 @@ class Reads(StorePlumbing):
         )
 
     async def statistics(self) -> dict[str, Any]:
-        """Counts of rollouts, attempts, spans, resources and workers, plus ``name``."""
-        return {"name": type(self).__name__, **await (await self._reads()).statistics()}
+        """Counts of rollouts, attempts, spans, resources and workers, plus ``name`` and ``uptime``
+        (seconds since this store object was made, as in Agent-lightning 0.3.0)."""
+        counts = await (await self._reads()).statistics()
+        return {"name": type(self).__name__, **counts, "uptime": time.monotonic() - self._created_monotonic}

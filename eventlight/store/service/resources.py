@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from eventlight.core.errors import (
-    ResourcesNotFoundError,
-)
 from eventlight.core.events import ResourcesPut
 from eventlight.core.types import (
     NamedResources,
@@ -44,12 +41,6 @@ class Resources(StorePlumbing):
         return await self._put(generate_id("rs-", 12), resources, None)
 
     async def update_resources(self, resources_id: str, resources: NamedResources) -> ResourcesUpdate:
-        old = await self.get_resources_by_id(resources_id)
-        if old is None:
-            raise ResourcesNotFoundError(resources_id)
-        return await self._put(resources_id, resources, old)
-
-    async def put_resources(self, resources_id: str, resources: NamedResources) -> ResourcesUpdate:
         check_token("resources_id", resources_id)
         return await self._put(resources_id, resources, await self.get_resources_by_id(resources_id))
 

@@ -21,6 +21,8 @@ from eventlight.store.jetstream.projector import Projector
 from eventlight.store.jetstream.readmodel.queries import SqlQueries
 
 SYNC_TIMEOUT_S = 30.0
+POLL_MIN_S = 0.005  # a waiter reading another process's checkpoint: first pause, doubled up to
+POLL_MAX_S = 0.05
 MAX_HINTS = 100_000
 
 
@@ -110,15 +112,8 @@ class Waits(SqlQueries):
                         await asyncio.wait_for(self._changed.wait_for(reached), max(0.0, step_end - time.monotonic()))
                 if reached():
                     return
-            else:  # another process projects (this one has none, or a standby): read its checkpoint
-                try:
-                    async with self._conn() as conn:
-                        while time.monotonic() < step_end:
-                            if await conn.fetchval("SELECT last_seq FROM projector_checkpoint") >= target:
-                                return
-                            await asyncio.sleep(0.005)
-                except ServiceUnavailableError as e:  # the cause is Postgres, not a missing projector
-                    raise ServiceUnavailableError("Postgres", f"waiting for stream sequence {target}: {e}") from e
+            elif await self._poll_checkpoint(target, step_end):  # another process projects (this one
+                return  # has none, or a standby): read its checkpoint
             if time.monotonic() >= deadline:
                 break
         why = await self._postgres_down()
@@ -131,6 +126,30 @@ class Waits(SqlQueries):
             f"the projection did not reach stream sequence {target} within {timeout_s:.0f} s; "
             "is a projector running for this namespace?",
         )
+
+    async def _poll_checkpoint(self, target: int, until: float) -> bool:
+        """Read the checkpoint until it reaches ``target`` (``True``) or ``until`` passes (``False``),
+        holding a pooled connection only for each read, never while sleeping between them: waiters
+        must not starve the projector, which needs a connection to commit (and this process's own
+        projector may take the lead at any moment).
+
+        Raises:
+            ServiceUnavailableError: Postgres does not answer.
+        """
+        pause_s = POLL_MIN_S
+        while True:
+            try:
+                async with self._conn() as conn:
+                    last_seq = await conn.fetchval("SELECT last_seq FROM projector_checkpoint")
+            except ServiceUnavailableError as e:  # the cause is Postgres, not a missing projector
+                raise ServiceUnavailableError("Postgres", f"waiting for stream sequence {target}: {e}") from e
+            if last_seq >= target:
+                return True
+            left = until - time.monotonic()
+            if left <= 0:
+                return False
+            await asyncio.sleep(min(pause_s, left))
+            pause_s = min(pause_s * 2, POLL_MAX_S)
 
     async def _postgres_down(self) -> str | None:
         """Why Postgres does not answer, or ``None`` when it does (the projector is the one missing)."""
