@@ -92,7 +92,7 @@ class RunnersQueue:
         if wait_s <= 0:
             msg = await self._pull()
             return JetStreamQueued(msg) if msg is not None else None
-        with nats_errors(self.log.server(), "pull from the runners queue"):  # inside: a timeout is no error
+        with nats_errors(self.log.server, "pull from the runners queue"):  # inside: a timeout is no error
             try:
                 msgs = await sub.fetch(1, timeout=max(0.05, wait_s))
             except NO_MESSAGES:
