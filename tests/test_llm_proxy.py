@@ -321,6 +321,25 @@ async def test_prompt_with_tool_history_and_list_content_is_flattened() -> None:
         assert a["gen_ai.prompt.1.tool_calls.0.name"] == "f"
         assert a["gen_ai.prompt.1.tool_calls.0.id"] == "c1"
         assert a["gen_ai.prompt.2.tool_call_id"] == "c1" and a["gen_ai.prompt.2.content"] == "42"
+        # the same call in the current GenAI conventions (JSON messages of parts)
+        assert json.loads(a["gen_ai.input.messages"]) == [
+            {
+                "role": "user",
+                "parts": [
+                    {"type": "text", "content": "look"},
+                    {"type": "uri", "modality": "image", "uri": "data:image/png;base64,AA"},
+                ],
+            },
+            {"role": "assistant", "parts": [{"type": "tool_call", "id": "c1", "name": "f", "arguments": {"a": 1}}]},
+            {"role": "tool", "parts": [{"type": "tool_call_response", "id": "c1", "response": "42"}]},
+        ]
+        (out,) = json.loads(a["gen_ai.output.messages"])
+        assert out["role"] == "assistant" and out["parts"] == [{"type": "text", "content": "done"}]
+        assert out["finish_reason"] == a["gen_ai.completion.0.finish_reason"]
+        assert a["gen_ai.provider.name"] == a["gen_ai.system"]
+        assert a["gen_ai.usage.input_tokens"] == a["gen_ai.usage.prompt_tokens"]
+        assert a["gen_ai.usage.output_tokens"] == a["gen_ai.usage.completion_tokens"]
+        assert "gen_ai.system_instructions" not in a  # no system message
         check_legal_attributes(a)
 
 

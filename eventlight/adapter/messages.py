@@ -10,6 +10,7 @@ from typing import Any, TypedDict
 from eventlight.adapter.attrs import _nested
 from eventlight.adapter.base import TraceAdapter
 from eventlight.core.types import Span
+from eventlight.genai import INPUT_MESSAGES, OUTPUT_MESSAGES, openai_messages
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,8 @@ class TraceToMessages(TraceAdapter[list[OpenAIMessages]]):
 
     Every span with any ``gen_ai.prompt.*``, ``gen_ai.completion.*``, ``gen_ai.request.*`` or
     ``gen_ai.response.*`` attribute gives one record (no tree: two instrumentation layers recording
-    the same call give two records). Prompt messages come from ``gen_ai.prompt.{i}.*``; each
+    the same call give two records). Prompt messages come from ``gen_ai.prompt.{i}.*`` (or, without
+    it, from the current conventions' ``gen_ai.input.messages`` / ``gen_ai.output.messages``); each
     ``gen_ai.completion.{i}`` with role ``assistant`` is appended, carrying as ``tool_calls`` the
     direct child spans with ``tool.*`` attributes (``tool.call.id``, ``tool.call.type``,
     ``tool.name``, ``tool.parameters``); ``tools`` come from ``gen_ai.request.functions.{i}``.
@@ -133,6 +135,8 @@ class TraceToMessages(TraceAdapter[list[OpenAIMessages]]):
     def _record(self, span: Span, spans: Sequence[Span]) -> OpenAIMessages | None:
         attrs = span.attributes or {}
         prompt, completion = _group(attrs, "gen_ai.prompt"), _group(attrs, "gen_ai.completion")
+        if prompt is None and completion is None:  # the current GenAI conventions
+            prompt, completion = openai_messages(attrs, INPUT_MESSAGES), openai_messages(attrs, OUTPUT_MESSAGES)
         request, response = _group(attrs, "gen_ai.request"), _group(attrs, "gen_ai.response")
         for what, value, kind in (
             ("prompt", prompt, list),
