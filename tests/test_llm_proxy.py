@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
+import msgspec
 import openai
 import pytest
 from llm_stub import Reply, ScriptedLLM, ToolCall, toy_tokenize
@@ -722,3 +723,50 @@ async def test_scripted_llm_script_forms() -> None:
         r = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "ping"}])
         assert r.choices[0].message.content == "echo: ping"
         await client.close()
+
+
+async def test_no_credential_reaches_a_span_or_a_client_chosen_backend() -> None:
+    """A client cannot point the proxy at another backend (LiteLLM would hand it the deployment's
+    ``api_key``), and no key or authorization header is stored in any span, on success, on a
+    stream or on an upstream error."""
+    store = InMemoryLightningStore()
+    secrets = ("sk-test", "sk-client-secret", "sk-body-secret", "x-secret-header")
+
+    def script(messages: list[dict[str, Any]], request: dict[str, Any]) -> Reply:
+        if last_user(messages) == "fail":
+            return Reply(status=400, error_message="bad request")
+        return Reply(content="fine")
+
+    hijack = ScriptedLLM(responses="hijacked")
+    async with ScriptedLLM(responses=script) as url, hijack as other:
+        async with running_proxy(url, store) as proxy:
+            rollout = await store.start_rollout(input={})
+            base = proxy.as_resource().get_base_url(rollout.rollout_id, rollout.attempt.attempt_id)
+            headers = {"Authorization": "Bearer sk-client-secret", "x-api-key": "x-secret-header"}
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "api_base": other,
+                "base_url": other,
+                "api_key": "sk-body-secret",
+                "litellm_params": {"api_base": other},
+                "temperature": 0.5,
+            }
+            async with httpx.AsyncClient(timeout=30) as http:
+                ok = await http.post(f"{base}/chat/completions", json=body, headers=headers)
+                streamed = await http.post(f"{base}/chat/completions", json={**body, "stream": True}, headers=headers)
+                failed = await http.post(
+                    f"{base}/chat/completions",
+                    json={**body, "messages": [{"role": "user", "content": "fail"}]},
+                    headers=headers,
+                )
+        other_requests = len(hijack.requests)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "fine"
+    assert streamed.status_code == 200 and failed.status_code == 400
+    assert other_requests == 0  # the client's api_base / base_url were not used
+    spans = await spans_of(store, rollout.rollout_id)
+    assert len(spans) == 3 and spans[0].attributes["gen_ai.request.temperature"] == 0.5  # sampling passes on
+    stored = msgspec.json.encode(spans).decode()
+    for secret in secrets:
+        assert secret not in stored, secret
+    assert "authorization" not in stored.lower()
