@@ -1,8 +1,8 @@
 """``create_app``: the FastAPI application of ``eventlight serve`` over one store.
 
-Routes: Agent-lightning 0.3.0's ``/v1/agl/...`` (``eventlight.server.routes``), the OpenAPI
-description at ``/openapi.json`` (and ``/docs``). Around them, outermost first: the bearer token (when one
-is set), the body ceiling.
+Routes: Agent-lightning 0.3.0's ``/v1/agl/...`` (``eventlight.server.routes``), OTLP ``/v1/traces``
+(``eventlight.server.otlp``), the OpenAPI description at ``/openapi.json`` (and ``/docs``). Around
+them, outermost first: the bearer token (when one is set), the body ceiling.
 Errors: ``eventlight.server.errors``.
 """
 
@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from eventlight.server import otlp
 from eventlight.server.auth import BearerAuth
 from eventlight.server.codec import openapi_components
 from eventlight.server.errors import install_error_handlers
@@ -57,6 +58,7 @@ def create_app(
     app.state.identity = dict(identity or {"store": type(store).__name__})
     app.state.max_body_bytes = max_body_bytes
     app.include_router(agl_router())
+    app.include_router(otlp.router)
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes)
     if token:
