@@ -9,6 +9,8 @@ variable                        meaning                                         
 ``EVENTLIGHT_NAMESPACE``        stream prefix ``el.<ns>`` and Postgres schema ``el_<ns>``    ``default``
 ``EVENTLIGHT_LOG_LEVEL``        log level of the CLI                                         ``INFO``
 ``EVENTLIGHT_STREAM_REPLICAS``  replicas of the namespace's stream (3 on a 3-node cluster)   the definitions' (1)
+``EVENTLIGHT_SERVER_TOKEN``     bearer token ``eventlight serve`` requires and               none (no token asked)
+                                ``LightningStoreClient`` sends
 ==============================  ===========================================================  ========================
 """
 

@@ -12,6 +12,7 @@
     │   └── InvalidTypeError (also TypeError)    a value of the wrong type (``mode=123``); nothing written
     ├── ConcurrencyError                         an append lost its optimistic-concurrency race too often
     ├── WrongEventLoopError (also RuntimeError)  a store used from another event loop than its own
+    ├── AuthenticationError (also PermissionError) a store server refused the bearer token (HTTP 401)
     └── ServiceUnavailableError                  NATS or Postgres cannot be reached; .server, retryable
         └── LLMUnavailableError                  the LLM behind a proxy fails its check or most calls
 
@@ -87,6 +88,10 @@ class WrongEventLoopError(EventlightError, RuntimeError):
     """A store whose connections belong to one event loop was called from another (a second
     ``asyncio.run``, another thread): refused at once instead of hanging on the other loop's sockets.
     Open one store per event loop."""
+
+
+class AuthenticationError(EventlightError, PermissionError):
+    """A store server (``eventlight serve --token``) refused the request's bearer token, or it had none."""
 
 
 class ServiceUnavailableError(EventlightError):
