@@ -46,6 +46,7 @@ from typing import Any
 from eventlight.agent import LitAgent
 from eventlight.core.errors import ServiceUnavailableError
 from eventlight.runner import Backoff, Hook, LitAgentRunner
+from eventlight.runner.metrics import RunnerMetrics
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.tracer import OtelTracer
@@ -81,11 +82,15 @@ def _runner_main(
     stop: Any,
     log_level: str,
     parent_pid: int,
+    metrics_port: int | None = None,
 ) -> None:
-    """Entry point of a runner process."""
+    """Entry point of a runner process (``/metrics`` on ``metrics_port + worker_index`` when given)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent coordinates shutdown (peer failure C06)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [runner-%(process)d] %(name)s: %(message)s")
     _watch_parent(parent_pid)
+    if metrics_port is not None and runner.metrics is not None:
+        runner.metrics.serve(metrics_port + worker_index)
+        log.info("runner %d: metrics on http://127.0.0.1:%d/metrics", worker_index, metrics_port + worker_index)
     with contextlib.suppress(asyncio.CancelledError):  # SIGTERM: the attempt in flight is recorded failed
         _run(serve(agent, runner, hooks, settings, nats_url, worker_index, stop))
 
@@ -196,6 +201,8 @@ class RunnerPool:
         runner: Template runner (copied into each process); defaults to ``LitAgentRunner(OtelTracer())``.
         hooks: Hooks every runner calls.
         log_level: Log level inside the processes.
+        metrics_port: When set, process ``i`` serves Prometheus ``/metrics`` on ``127.0.0.1:metrics_port + i``
+            (``eventlight.runner.metrics``); the default runner then counts into a ``RunnerMetrics``.
     """
 
     def __init__(
@@ -208,12 +215,18 @@ class RunnerPool:
         runner: LitAgentRunner | None = None,
         hooks: Sequence[Hook] = (),
         log_level: str = "WARNING",
+        metrics_port: int | None = None,
     ):
         if n < 1:
             raise ValueError(f"n_runners must be >= 1, got {n}")
+        if runner is None:
+            runner = LitAgentRunner(OtelTracer(), metrics=RunnerMetrics() if metrics_port is not None else None)
+        elif metrics_port is not None and runner.metrics is None:
+            raise ValueError("metrics_port needs a runner that counts: LitAgentRunner(metrics=RunnerMetrics())")
+        self.metrics_port = metrics_port
         self.ctx = mp.get_context("spawn")
         self.stop_event = self.ctx.Event()
-        self._args = (agent, runner or LitAgentRunner(OtelTracer()), tuple(hooks), settings, nats_url)
+        self._args = (agent, runner, tuple(hooks), settings, nats_url)
         self._log_level = log_level
         self.procs: list[BaseProcess] = [self._process(i) for i in range(n)]
         self.restarts = 0
@@ -228,7 +241,18 @@ class RunnerPool:
             target=_runner_main,
             name=f"eventlight-runner-{index}",
             daemon=True,
-            args=(agent, runner, hooks, settings, nats_url, index, self.stop_event, self._log_level, os.getpid()),
+            args=(
+                agent,
+                runner,
+                hooks,
+                settings,
+                nats_url,
+                index,
+                self.stop_event,
+                self._log_level,
+                os.getpid(),
+                self.metrics_port,
+            ),  # fmt: skip
         )
 
     def start(self) -> None:

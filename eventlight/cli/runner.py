@@ -111,6 +111,14 @@ async def _runner_nats(settings: Settings) -> str:
 def runner(
     agent: Annotated[str, typer.Argument(help="The agent, as module:attribute or path/to/file.py:attribute.")],
     n: Annotated[int, typer.Option("--n-runners", "-n", min=1, help="Runner processes (at least 1).")] = 1,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            max=65535,
+            help="Serve Prometheus /metrics on 127.0.0.1: runner i on this port + i (default: none).",
+        ),
+    ] = None,
     namespace: NamespaceOpt = None,
 ) -> None:
     """Run runner processes that consume the namespace's rollout queue until Ctrl+C or SIGTERM.
@@ -128,10 +136,14 @@ def runner(
     settings = _settings(namespace)
     the_agent = load_agent(agent)
     nats_url = _run(_runner_nats(settings))
-    pool = RunnerPool(the_agent, n, settings, nats_url, log_level=settings.log_level)
+    if metrics_port is not None and metrics_port + n - 1 > 65535:
+        raise CliError(f"--metrics-port {metrics_port} with {n} runners goes past port 65535")
+    pool = RunnerPool(the_agent, n, settings, nats_url, log_level=settings.log_level, metrics_port=metrics_port)
     signal.signal(signal.SIGTERM, _raise_terminated)
     pool.start()
     console.print(f"{n} runner(s) consuming {settings.stream_name} on {escape(redact(nats_url))}; Ctrl+C to stop")
+    if metrics_port is not None:
+        console.print(f"metrics on http://127.0.0.1:{metrics_port}…{metrics_port + n - 1}/metrics")
     try:
         while pool.supervising():
             time.sleep(0.5)

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from eventlight.llm_health import LLMCallHealth
 from eventlight.llm_proxy.forwarding import Forwarding
+from eventlight.llm_proxy.metrics import CONTENT_TYPE_LATEST, ProxyMetrics
 from eventlight.llm_proxy.span_attributes import make_span
 from eventlight.llm_proxy.sse import aiter_chunks, chat_completion_to_sse
 from eventlight.llm_proxy.upstream import (
@@ -28,12 +29,13 @@ log = logging.getLogger(__name__)
 
 
 class ChatRoutes(Forwarding):
-    """The FastAPI app: chat completions (routed and unrouted), models, health."""
+    """The FastAPI app: chat completions (routed and unrouted), models, health, metrics."""
 
     _store: LightningStore | None
     _warned_unrouted: bool
     _warned_no_store: bool
     health: LLMCallHealth
+    metrics: ProxyMetrics
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="eventlight LLM proxy", docs_url=None, redoc_url=None, openapi_url=None)
@@ -72,6 +74,9 @@ class ChatRoutes(Forwarding):
         async def health() -> dict[str, Any]:
             return {"status": "ok", "models": len(self._model_list)}
 
+        async def metrics() -> Response:
+            return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
         for prefix in (
             "/rollout/{rollout_id}/attempt/{attempt_id}/v1",
             "/rollout/{rollout_id}/attempt/{attempt_id}",
@@ -82,6 +87,7 @@ class ChatRoutes(Forwarding):
             app.add_api_route(f"{prefix}/chat/completions", unrouted, methods=["POST"])
             app.add_api_route(f"{prefix}/models", models, methods=["GET"])
         app.add_api_route("/health", health, methods=["GET"])
+        app.add_api_route("/metrics", metrics, methods=["GET"])
         return app
 
     async def _resolve_sequence(
@@ -157,6 +163,12 @@ class ChatRoutes(Forwarding):
             status = 200 if error is None else error["status_code"]
             detail = "" if error is None else error["message"]
             self.health.record(ok=error is None, status=status, detail=detail, model=str(body.get("model")))
+            self.metrics.record(
+                model=str(body.get("model")),
+                latency_s=time.time() - start_time,
+                completion=completion,
+                error_status=None if error is None else int(error["status_code"]),
+            )
 
         if store is not None and rollout_id is not None and attempt_id is not None:
             span = make_span(

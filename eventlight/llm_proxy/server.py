@@ -17,6 +17,7 @@ from litellm.router import Router
 from eventlight.core.types import LLM, ProxyLLM
 from eventlight.llm_health import LLMCallHealth
 from eventlight.llm_proxy.forwarding import _SPAN_WAIT_S
+from eventlight.llm_proxy.metrics import ProxyMetrics
 from eventlight.llm_proxy.routes import ChatRoutes
 from eventlight.llm_proxy.upstream import (
     check_model_list,
@@ -102,6 +103,7 @@ class LLMProxy(ChatRoutes):
         self._warned_unrouted = False
         self._warned_no_store = False
         self.health = health if health is not None else LLMCallHealth()
+        self.metrics = ProxyMetrics()  # served at /metrics
         self._app = self._build_app()
 
     # -- configuration --------------------------------------------------------------------

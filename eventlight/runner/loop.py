@@ -39,6 +39,7 @@ from eventlight.core.types import AttemptedRollout, Span
 from eventlight.emitter import emit_exception, emit_reward
 from eventlight.runner.hooks import Hook
 from eventlight.runner.identity import system_snapshot, worker_name
+from eventlight.runner.metrics import RunnerMetrics
 from eventlight.runner.retry import Backoff, _describe, _retryable
 from eventlight.store.base import LightningStore
 from eventlight.tracer import OtelTracer, Tracer
@@ -54,6 +55,8 @@ class LitAgentRunner:
         max_rollouts: Stop after this many rollouts (``None``: until stopped).
         poll_interval: Seconds one dequeue waits for work before checking the stop event.
         heartbeat_interval: Seconds between heartbeats; ``<= 0`` disables them.
+        metrics: Where attempts and dequeue failures are counted (``RunnerMetrics.serve`` exposes
+            them to Prometheus); ``None``: not counted.
     """
 
     def __init__(
@@ -62,8 +65,10 @@ class LitAgentRunner:
         max_rollouts: int | None = None,
         poll_interval: float = 1.0,
         heartbeat_interval: float = 10.0,
+        metrics: RunnerMetrics | None = None,
     ):
         self.tracer = tracer or OtelTracer()
+        self.metrics = metrics
         self.max_rollouts = max_rollouts
         self.poll_interval = poll_interval
         self.heartbeat_interval = heartbeat_interval
@@ -145,6 +150,8 @@ class LitAgentRunner:
                 try:
                     claimed = await self._dequeue(store)
                 except Exception as e:  # a NATS error, a malformed queue message, a timeout: never fatal
+                    if self.metrics is not None:
+                        self.metrics.dequeue_failures.inc()
                     delay = backoff.next()
                     log.warning("[%s] dequeue failed, again in %.1f s: %s", self.get_worker_id(), delay, _describe(e))
                     await asyncio.sleep(delay)
@@ -227,6 +234,20 @@ class LitAgentRunner:
         return method(rollout.input, resources=resources, rollout=rollout)
 
     async def _step_impl(self, rollout: AttemptedRollout, raise_on_exception: bool = False) -> str:
+        """Run one claimed attempt and record its status; returns the rollout's id."""
+        start, status = time.monotonic(), "failed"
+        if self.metrics is not None:
+            self.metrics.in_flight.inc()
+        try:
+            status = await self._run_attempt(rollout, raise_on_exception)
+        finally:
+            if self.metrics is not None:
+                self.metrics.in_flight.dec()
+                self.metrics.finished(status, rollout.mode, time.monotonic() - start)
+        return rollout.rollout_id
+
+    async def _run_attempt(self, rollout: AttemptedRollout, raise_on_exception: bool) -> str:
+        """The attempt, hooks and all; returns the status it recorded."""
         agent = self._agent_or_raise()
         rid, aid = rollout.rollout_id, rollout.attempt.attempt_id
         prefix = f"[{self.get_worker_id()} | Rollout {rid}]"
@@ -261,7 +282,7 @@ class LitAgentRunner:
                 raise
         await self._hook("on_rollout_end", agent=agent, runner=self, rollout=rollout, spans=spans)
         await self._finish(rid, aid, status, prefix)
-        return rid
+        return status
 
     def _log_agent_error(self, prefix: str, exc: Exception) -> None:
         """The first failure of each kind with its traceback, later ones of that kind in one line.

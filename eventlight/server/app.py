@@ -1,7 +1,8 @@
 """``create_app``: the FastAPI application of ``eventlight serve`` over one store.
 
 Routes: Agent-lightning 0.3.0's ``/v1/agl/...`` (``eventlight.server.routes``), OTLP ``/v1/traces``
-(``eventlight.server.otlp``), the OpenAPI description at ``/openapi.json`` (and ``/docs``). Around
+(``eventlight.server.otlp``), Prometheus ``/metrics`` (``eventlight.server.metrics``), the OpenAPI
+description at ``/openapi.json`` (and ``/docs``). Around
 them, outermost first: the bearer token (when one is set), the body ceiling.
 Errors: ``eventlight.server.errors``.
 """
@@ -13,7 +14,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from eventlight.server import otlp
+from eventlight.server import metrics, otlp
 from eventlight.server.auth import BearerAuth
 from eventlight.server.codec import openapi_components
 from eventlight.server.errors import install_error_handlers
@@ -59,6 +60,7 @@ def create_app(
     app.state.max_body_bytes = max_body_bytes
     app.include_router(agl_router())
     app.include_router(otlp.router)
+    app.include_router(metrics.router)
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes)
     if token:

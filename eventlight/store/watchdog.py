@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import Callable
 
 from eventlight.core import decider
 from eventlight.core.commands import CheckHealth, RolloutState
-from eventlight.core.events import AnyEvent, AttemptUpdated
+from eventlight.core.events import AnyEvent, AttemptUpdated, RolloutUpdated
 from eventlight.store.ports import EventLog, StaleStateError
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,10 @@ class Watchdog:
         in_flight: The rollouts to check, from the read model.
         clock: Wall-clock seconds.
         interval_s: Seconds between ticks of ``run``.
+
+    Attributes:
+        actions: Events this watchdog appended, by action: ``attempt_<status>`` and
+            ``rollout_<status>`` (what ``/metrics`` reports as ``eventlight_watchdog_actions_total``).
     """
 
     def __init__(self, log_: EventLog, in_flight: InFlight, clock: Callable[[], float], interval_s: float = 1.0):
@@ -39,6 +44,7 @@ class Watchdog:
         self.in_flight = in_flight
         self.clock = clock
         self.interval_s = interval_s
+        self.actions: Counter[str] = Counter()
 
     async def tick(self, now: float | None = None) -> list[AnyEvent]:
         """One pass at ``now`` (default: the clock); returns the events it appended."""
@@ -53,6 +59,7 @@ class Watchdog:
             except StaleStateError:
                 continue  # something newer happened; the next tick sees it
             appended.extend(events)
+            self.actions.update(_action(e) for e in events)
             first = events[0]
             if isinstance(first, AttemptUpdated):
                 log.info("watchdog: rollout %s attempt %s -> %s", rid, first.attempt_id, first.status)
@@ -66,3 +73,12 @@ class Watchdog:
                 await self.tick()
             except Exception:
                 log.exception("watchdog pass failed")
+
+
+def _action(event: AnyEvent) -> str:
+    """``attempt_timeout``, ``rollout_requeuing``, ...: what one watchdog event did."""
+    if isinstance(event, AttemptUpdated) and isinstance(event.status, str):
+        return f"attempt_{event.status}"
+    if isinstance(event, RolloutUpdated) and isinstance(event.status, str):
+        return f"rollout_{event.status}"
+    return type(event).__name__
