@@ -149,8 +149,10 @@ async def test_status_shows_services_rollouts_spans_and_worker_heartbeats(namesp
     assert re.search(r"^Postgres\s+postgresql://\S+\s+external, from EVENTLIGHT_PG_DSN", out, re.M), out
     assert f"stream {namespace.stream_name} (" in out and "events)" in out
     assert re.search(r"^rollouts\s+.*queuing=2", out, re.M), out
-    assert re.search(r"^spans\s+0$", out, re.M) and re.search(r"^projection\s+up to date$", out, re.M), out
-    assert re.search(r"Worker-7\s+busy\s+\d+ s ago", out), out
+    assert re.search(r"^spans\s+0$", out, re.M) and re.search(
+        r"^projection\s+up to date \(lag 0 events\)$", out, re.M
+    ), out
+    assert re.search(r"Worker-7\s+yes\s+busy\s+\d+ s ago", out), out
     assert "not running" not in out + result.stderr
 
 
@@ -263,7 +265,7 @@ async def test_runner_runs_heartbeats_into_status_and_stops_on_ctrl_c(namespace:
                 if "Worker-0@" in out:
                     break
                 await asyncio.sleep(0.5)
-        assert re.search(r"Worker-0@\S+\s+\S+\s+\d+ s ago", out), out
+        assert re.search(r"Worker-0@\S+\s+yes\s+\S+\s+\d+ s ago", out), out
     finally:
         proc.send_signal(signal.SIGINT)
         out_bytes, err_bytes = await asyncio.wait_for(proc.communicate(), 60)

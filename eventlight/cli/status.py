@@ -1,4 +1,9 @@
-"""``eventlight status``: the servers, the stream, the projection and the workers of a namespace."""
+"""``eventlight status``: the servers, the stream, the projection, the queue and the workers of a namespace.
+
+Workers are listed by the age of their last heartbeat, live ones first (alive: a heartbeat within
+``LIVE_HEARTBEAT_S``, ``eventlight.store.liveness``); when rollouts wait and no worker is alive, a
+``warning`` line says so.
+"""
 
 from __future__ import annotations
 
@@ -52,7 +57,8 @@ async def _status(settings: Settings) -> dict[str, Any]:
         projected = await conn.fetchval("SELECT last_seq FROM projector_checkpoint")
         by_status = await conn.fetch("SELECT status, count(*) FROM rollouts GROUP BY status ORDER BY status")
         workers = await conn.fetch(
-            "SELECT worker_id, status, last_heartbeat_time, current_rollout_id FROM workers ORDER BY worker_id"
+            "SELECT worker_id, status, last_heartbeat_time, current_rollout_id FROM workers "
+            "ORDER BY last_heartbeat_time DESC NULLS LAST, worker_id"
         )
         spans = await conn.fetchval("SELECT count(*) FROM spans")
     finally:
@@ -70,28 +76,56 @@ async def _status(settings: Settings) -> dict[str, Any]:
 
 def _projection_line(stream: tuple[int, int] | None, projected: int | None) -> str:
     if stream is None or projected is None or projected >= stream[1]:
-        return "up to date"
+        return "up to date (lag 0 events)"
     return (
-        f"at event {projected} of {stream[1]} ({stream[1] - projected} behind: the tables below advance only "
+        f"at event {projected} of {stream[1]} (lag {stream[1] - projected} events: the tables below advance only "
         "while a trainer or another store opened with pg_dsn projects)"
     )
 
 
-def _workers_table(workers: list[Any], now: float) -> Table:
-    from eventlight.cli_output import age
+def _queue_line(by_status: dict[str, int]) -> str:
+    from eventlight.store.liveness import QUEUED_STATUSES
 
-    table = Table("worker", "status", "last heartbeat", "rollout", box=None, pad_edge=False, header_style="dim")
-    for w in workers:
-        beat = age(now - w["last_heartbeat_time"]) if w["last_heartbeat_time"] is not None else "never"
-        table.add_row(escape(w["worker_id"]), w["status"], beat, escape(w["current_rollout_id"] or ""))
+    depth = sum(by_status.get(s, 0) for s in QUEUED_STATUSES)
+    parts = ", ".join(f"{s}={by_status[s]}" for s in QUEUED_STATUSES if by_status.get(s))
+    return f"{depth} rollout(s) waiting" + (f" ({parts})" if parts else "")
+
+
+def _as_workers(rows: list[Any]) -> list[Any]:
+    from eventlight.core.types import Worker
+
+    return [Worker(worker_id=r["worker_id"], last_heartbeat_time=r["last_heartbeat_time"]) for r in rows]
+
+
+def _workers_line(rows: list[Any], now: float) -> str:
+    from eventlight.store.liveness import LIVE_HEARTBEAT_S, is_alive
+
+    if not rows:
+        return "none"
+    live = sum(is_alive(w, now) for w in _as_workers(rows))
+    return f"{live} live (a heartbeat in the last {LIVE_HEARTBEAT_S:.0f} s), {len(rows) - live} silent"
+
+
+def _workers_table(rows: list[Any], now: float) -> Table:
+    from eventlight.cli_output import age
+    from eventlight.store.liveness import is_alive
+
+    table = Table(
+        "worker", "alive", "status", "last heartbeat", "rollout", box=None, pad_edge=False, header_style="dim"
+    )
+    for r, w in zip(rows, _as_workers(rows), strict=True):
+        beat = age(now - r["last_heartbeat_time"]) if r["last_heartbeat_time"] is not None else "never"
+        alive = "yes" if is_alive(w, now) else "[yellow]no[/yellow]"
+        table.add_row(escape(r["worker_id"]), alive, r["status"], beat, escape(r["current_rollout_id"] or ""))
     return table
 
 
 def status(namespace: NamespaceOpt = None) -> None:
-    """Show the services, rollouts by status, spans and workers.
+    """Show the services, projector lag, queue depth, rollouts by status, spans and workers.
 
-    Services: where each server is and whether it is embedded or external; workers: status, last
-    heartbeat and current rollout.
+    Services: where each server is and whether it is embedded or external; workers: alive or not
+    (a heartbeat in the last 30 s), status, last heartbeat and current rollout, live ones first;
+    a warning when rollouts wait and no worker is alive.
 
     Servers: uses $EVENTLIGHT_NATS_URL / $EVENTLIGHT_PG_DSN when set, else the embedded servers
     `eventlight up` started; never starts or stops any (without them: exit 1, 'run `eventlight up`')."""
@@ -108,7 +142,19 @@ def status(namespace: NamespaceOpt = None) -> None:
     )
     console.print(f"projection {_projection_line(s['stream'], s['projected'])}")
     console.print("rollouts   " + (", ".join(f"{st}={n}" for st, n in s["by_status"]) or "none"))
+    by_status = {st: int(n) for st, n in s["by_status"]}
+    console.print(f"queue      {_queue_line(by_status)}")
     console.print(f"spans      {s['spans']}")
-    console.print(f"workers    {len(s['workers']) or 'none'}")
+    now = time.time()
+    console.print(f"workers    {_workers_line(s['workers'], now)}")
     if s["workers"]:
-        console.print(_workers_table(s["workers"], time.time()))
+        console.print(_workers_table(s["workers"], now))
+    _warn_if_nobody_runs(by_status, s["workers"], now)
+
+
+def _warn_if_nobody_runs(by_status: dict[str, int], rows: list[Any], now: float) -> None:
+    from eventlight.store.liveness import QUEUED_STATUSES, no_live_worker
+
+    message = no_live_worker(sum(by_status.get(st, 0) for st in QUEUED_STATUSES), _as_workers(rows), now)
+    if message is not None:
+        console.print(f"[yellow]warning[/yellow]    {escape(message)}")

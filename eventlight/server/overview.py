@@ -16,6 +16,7 @@ import msgspec
 
 from eventlight.rewards import find_final_reward
 from eventlight.store.base import LightningStore
+from eventlight.store.liveness import QUEUED_STATUSES
 from eventlight.store.watchdog import Watchdog
 
 __all__ = [
@@ -28,8 +29,6 @@ __all__ = [
     "reward_by_resources",
 ]
 
-QUEUED_STATUSES = ("queuing", "requeuing")
-"""Rollout statuses that wait for a runner: the queue depth counts them."""
 
 SQL_ROLLOUTS_BY_STATUS = "SELECT status, count(*) FROM rollouts GROUP BY status"
 SQL_ATTEMPTS_BY_STATUS = "SELECT status, count(*) FROM attempts GROUP BY status"

@@ -1,0 +1,60 @@
+"""Which workers are alive, by the age of their last heartbeat, and whether waiting rollouts have none.
+
+A runner heartbeats every ``heartbeat_interval`` seconds (10 by default, ``LitAgentRunner``); a
+worker whose last heartbeat is older than ``LIVE_HEARTBEAT_S`` (three intervals) is taken for gone.
+``eventlight status`` shows this; a trainer can stop on ``waiting_without_workers(store)`` instead of
+waiting for ever on rollouts nobody runs::
+
+    message = await waiting_without_workers(store)
+    if message is not None:
+        raise RuntimeError(message)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from eventlight.core.types import Worker
+from eventlight.store.base import LightningStore
+
+__all__ = ["LIVE_HEARTBEAT_S", "QUEUED_STATUSES", "is_alive", "no_live_worker", "waiting_without_workers"]
+
+LIVE_HEARTBEAT_S = 30.0
+"""A worker is alive while its last heartbeat is at most this many seconds old."""
+
+QUEUED_STATUSES = ("queuing", "requeuing")
+"""Rollout statuses that wait for a runner: the queue depth counts them."""
+
+
+def is_alive(worker: Worker, now: float, live_s: float = LIVE_HEARTBEAT_S) -> bool:
+    """Whether ``worker`` sent a heartbeat within ``live_s`` seconds of ``now`` (wall-clock seconds)."""
+    beat = worker.last_heartbeat_time
+    return beat is not None and now - beat <= live_s
+
+
+def no_live_worker(waiting: int, workers: Sequence[Worker], now: float, live_s: float = LIVE_HEARTBEAT_S) -> str | None:
+    """A one-line explanation when ``waiting`` rollouts wait and no worker is alive; else ``None``."""
+    if waiting <= 0 or any(is_alive(w, now, live_s) for w in workers):
+        return None
+    seen = f"{len(workers)} known, none" if workers else "none has ever"
+    return (
+        f"{waiting} rollout(s) wait in the queue and no runner is alive ({seen} sent a heartbeat in the last "
+        f"{live_s:.0f} s): start runners (`eventlight runner module:agent`) or check why they died"
+    )
+
+
+async def waiting_without_workers(
+    store: LightningStore, now: float | None = None, live_s: float = LIVE_HEARTBEAT_S
+) -> str | None:
+    """``no_live_worker`` over ``store``'s queued rollouts and workers (two queries).
+
+    Raises:
+        ServiceUnavailableError: The store did not answer.
+    """
+    waiting = await store.query_rollouts(status_in=list(QUEUED_STATUSES), limit=1)
+    total = waiting.total
+    if total == 0:
+        return None
+    workers = await store.query_workers()
+    return no_live_worker(total, list(workers), time.time() if now is None else now, live_s)

@@ -1,0 +1,65 @@
+"""``eventlight status``: queue depth, projector lag and live workers by heartbeat age, run as a user
+runs it (a subprocess) against the test servers; and the liveness rules it shares with the Trainer."""
+
+from __future__ import annotations
+
+import re
+import time
+
+from eventlight.core.types import Worker
+from eventlight.settings import Settings
+from eventlight.store.jetstream import JetStreamLightningStore
+from eventlight.store.liveness import LIVE_HEARTBEAT_S, is_alive, no_live_worker, waiting_without_workers
+from tests.test_cli import cli, env_of
+
+
+def test_liveness_is_the_age_of_the_last_heartbeat() -> None:
+    now = 1_000.0
+    fresh = Worker(worker_id="a", last_heartbeat_time=now - 5)
+    old = Worker(worker_id="b", last_heartbeat_time=now - LIVE_HEARTBEAT_S - 1)
+    never = Worker(worker_id="c")
+    assert is_alive(fresh, now) and not is_alive(old, now) and not is_alive(never, now)
+    assert no_live_worker(0, [], now) is None  # nothing waits: nothing to say
+    assert no_live_worker(3, [fresh, old], now) is None
+    message = no_live_worker(3, [old, never], now)
+    assert message is not None and "3 rollout(s) wait" in message and "2 known, none" in message
+    assert "none has ever" in (no_live_worker(1, [], now) or "")
+
+
+async def test_status_shows_queue_depth_and_live_workers(namespace: Settings) -> None:
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
+        for i in range(3):
+            await store.enqueue_rollout({"i": i})
+        await store.update_worker("Worker-live", {"cpu": 0.1})
+        await store.sync_all()
+        assert await waiting_without_workers(store) is None
+    out = cli("status", env=env_of(namespace)).stdout
+    assert re.search(r"^queue\s+3 rollout\(s\) waiting \(queuing=3\)$", out, re.M), out
+    assert re.search(r"^workers\s+1 live \(a heartbeat in the last 30 s\), 0 silent$", out, re.M), out
+    assert re.search(r"Worker-live\s+yes\s+\S+\s+\d+ s ago", out), out
+    assert "warning" not in out
+
+
+async def test_status_warns_when_rollouts_wait_and_no_worker_is_alive(namespace: Settings) -> None:
+    long_ago = time.time() - 600
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn, clock=lambda: long_ago) as store:
+        await store.enqueue_rollout({"q": 1})
+        await store.update_worker("Worker-gone", {"cpu": 0.1})  # its last heartbeat: 10 min ago
+        await store.sync_all()
+        message = await waiting_without_workers(store)
+    assert message is not None and "1 rollout(s) wait" in message
+    out = cli("status", env=env_of(namespace)).stdout
+    assert re.search(r"^workers\s+0 live .*, 1 silent$", out, re.M), out
+    assert re.search(r"Worker-gone\s+no\s+\S+\s+10 min ago", out), out
+    assert re.search(r"^warning\s+1 rollout\(s\) wait in the queue and no runner is alive", out, re.M), out
+
+
+async def test_status_shows_projector_lag(namespace: Settings) -> None:
+    async with JetStreamLightningStore(namespace) as writer:  # a runner's store: nothing projects
+        for i in range(2):
+            await writer.enqueue_rollout({"i": i})
+    out = cli("status", env=env_of(namespace)).stdout
+    found = re.search(r"^projection\s+at event (\d+) of (\d+) \(lag (\d+) events", out, re.M)
+    assert found, out
+    projected, head, lag = map(int, found.groups())
+    assert lag == head - projected >= 2
