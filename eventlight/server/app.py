@@ -1,9 +1,9 @@
 """``create_app``: the FastAPI application of ``eventlight serve`` over one store.
 
 Routes: Agent-lightning 0.3.0's ``/v1/agl/...`` (``eventlight.server.routes``), OTLP ``/v1/traces``
-(``eventlight.server.otlp``), Prometheus ``/metrics`` (``eventlight.server.metrics``), the OpenAPI
-description at ``/openapi.json`` (and ``/docs``). Around
-them, outermost first: the bearer token (when one is set), the body ceiling.
+(``eventlight.server.otlp``), Prometheus ``/metrics`` (``eventlight.server.metrics``), the dashboard
+at ``/dashboard`` (``eventlight.server.dashboard``), the OpenAPI description at ``/openapi.json``
+(and ``/docs``). Around them, outermost first: the bearer token (when one is set), the body ceiling.
 Errors: ``eventlight.server.errors``.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from eventlight.server import metrics, otlp
+from eventlight.server import dashboard, metrics, otlp
 from eventlight.server.auth import BearerAuth
 from eventlight.server.codec import openapi_components
 from eventlight.server.errors import install_error_handlers
@@ -61,6 +61,7 @@ def create_app(
     app.include_router(agl_router())
     app.include_router(otlp.router)
     app.include_router(metrics.router)
+    app.include_router(dashboard.router)
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes)
     if token:
