@@ -39,8 +39,8 @@ async def apply_streams(nc_or_js: Any, settings: Settings, streams_dir: Path | N
     for path, spec in sorted(defs, key=lambda d: d[1]["kind"] != "stream"):
         with nats_errors(server, f"applying {path.name}"):
             if spec["kind"] == "stream":
-                if settings.stream_replicas is not None:
-                    spec = {**spec, "num_replicas": settings.stream_replicas}
+                if settings.replicas is not None:
+                    spec = {**spec, "num_replicas": settings.replicas}
                 applied.append(await _apply_stream(js, stream_config(path, spec)))
             elif spec["kind"] == "consumer":
                 consumer = consumer_from(path, spec)
