@@ -20,6 +20,13 @@ from eventlight.core.types import Span
 from eventlight.rewards import get_reward_value
 
 
+class _Unset:
+    """The type of ``_UNSET``: a node's reward not read yet."""
+
+
+_UNSET = _Unset()
+
+
 class TraceTree:
     """A span and its children, built from a flat span list (Agent-lightning ``TraceTree``).
 
@@ -33,6 +40,7 @@ class TraceTree:
         self.id = id
         self.span = span
         self.children = children or []
+        self._reward: float | None | _Unset = _UNSET
 
     @property
     def start_time(self) -> float | None:
@@ -56,7 +64,10 @@ class TraceTree:
         return _agent_name(self.span)
 
     def reward(self) -> float | None:
-        return get_reward_value(self.span)
+        """The span's reward (``get_reward_value``), read once per node."""
+        if isinstance(self._reward, _Unset):
+            self._reward = get_reward_value(self.span)
+        return self._reward
 
     def is_reward_span(self) -> bool:
         """A reward-carrying span, or an ``agentlightning.operation`` named ``agentlightning.reward``."""
