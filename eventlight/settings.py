@@ -9,6 +9,7 @@ variable                        meaning                                         
 ``EVENTLIGHT_NAMESPACE``        stream prefix ``el.<ns>`` and Postgres schema ``el_<ns>``    ``default``
 ``EVENTLIGHT_LOG_LEVEL``        log level of the CLI                                         ``INFO``
 ``EVENTLIGHT_STREAM_REPLICAS``  replicas of the namespace's stream (3 on a 3-node cluster)   the definitions' (1)
+``EVENTLIGHT_RETENTION_S``      retire terminal rollouts this long after they end (archive)  (off: nothing retired)
 ==============================  ===========================================================  ========================
 """
 
@@ -49,6 +50,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         stream_replicas: Replicas of the namespace's stream when ``apply_streams`` creates or
             updates it (JetStream's ``num_replicas``, 1-5; 3 on a 3-node cluster makes an ack mean a
             quorum holds the write); ``None``: as ``eventlight/_data/streams`` says (1).
+        retention_s: Seconds a terminal rollout stays in the hot stream after it ended; then
+            ``retire`` may move it to the archive stream ``EL_<NS>_ARCHIVE`` (created by
+            ``apply_streams`` only when this is set). ``None`` (the default): no archive, nothing
+            is retired.
     """
 
     nats_url: str | None = None
@@ -57,11 +62,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     namespace: str = "default"
     log_level: str = "INFO"
     stream_replicas: int | None = None
+    retention_s: float | None = None
 
     def __post_init__(self) -> None:
         check_namespace(self.namespace)
         if self.stream_replicas is not None and not 1 <= self.stream_replicas <= 5:
             raise InvalidInputError(f"stream_replicas must be 1 to 5 (JetStream's limit), not {self.stream_replicas}")
+        if self.retention_s is not None and not self.retention_s >= 0:
+            raise InvalidInputError(f"retention_s must be 0 or more seconds, not {self.retention_s}")
 
     @classmethod
     def from_env(cls, **overrides: object) -> Settings:
@@ -78,6 +86,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             "namespace": env.get("EVENTLIGHT_NAMESPACE", "default"),
             "log_level": env.get("EVENTLIGHT_LOG_LEVEL", "INFO"),
             "stream_replicas": _int_or_none("EVENTLIGHT_STREAM_REPLICAS", env.get("EVENTLIGHT_STREAM_REPLICAS")),
+            "retention_s": _float_or_none("EVENTLIGHT_RETENTION_S", env.get("EVENTLIGHT_RETENTION_S")),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
@@ -94,6 +103,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     def pg_schema(self) -> str:
         return f"el_{self.namespace}"
 
+    @property
+    def archive_stream_name(self) -> str:
+        return f"EL_{self.namespace.upper()}_ARCHIVE"
+
+    @property
+    def archive_prefix(self) -> str:
+        return f"elarc.{self.namespace}"
+
 
 def _int_or_none(name: str, value: str | None) -> int | None:
     if not value:
@@ -102,3 +119,12 @@ def _int_or_none(name: str, value: str | None) -> int | None:
         return int(value)
     except ValueError:
         raise InvalidInputError(f"{name} must be a whole number, not {value!r}") from None
+
+
+def _float_or_none(name: str, value: str | None) -> float | None:
+    if not value:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise InvalidInputError(f"{name} must be a number of seconds, not {value!r}") from None
