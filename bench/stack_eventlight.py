@@ -181,12 +181,13 @@ class Stack:
         self.settings: Settings | None = None
         self.services: Services | None = None
         self.pool: RunnerPool | None = None
+        self.settings_overrides: dict[str, Any] = {}
 
     async def start(self) -> None:
         self.state_dir = Path(tempfile.mkdtemp(prefix="elbench-", dir=tempfile.gettempdir()))
         os.chmod(self.state_dir, 0o755)  # Postgres runs as `postgres` when we are root
         ns = f"b{uuid.uuid4().hex[:10]}"
-        self.settings = Settings(state_dir=self.state_dir, namespace=ns, log_level="WARNING")
+        self.settings = Settings(state_dir=self.state_dir, namespace=ns, log_level="WARNING", **self.settings_overrides)
         self.services = await prepare_services(self.settings)
 
     def server_roles(self) -> dict[str, int]:
