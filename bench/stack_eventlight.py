@@ -182,6 +182,7 @@ class Stack:
         self.settings: Settings | None = None
         self.services: Services | None = None
         self.pool: RunnerPool | None = None
+        self.settings_overrides: dict[str, Any] = {}
 
     async def start(self) -> None:
         self.state_dir = Path(tempfile.mkdtemp(prefix="elbench-", dir=tempfile.gettempdir()))
@@ -192,6 +193,7 @@ class Stack:
             namespace=ns,
             log_level="WARNING",
             durability=bench_durability(),  # type: ignore[arg-type]
+            **self.settings_overrides,
         )
         self.services = await prepare_services(self.settings)
 

@@ -13,6 +13,7 @@ variable                        meaning                                         
                                 ``replicated`` (see ``DURABILITY``)
 ``EVENTLIGHT_SERVER_TOKEN``     bearer token ``eventlight serve`` requires and               none (no token asked)
                                 ``LightningStoreClient`` sends
+``EVENTLIGHT_RETENTION_S``      retire terminal rollouts this long after they end (archive)  (off: nothing retired)
 ==============================  ===========================================================  ========================
 """
 
@@ -69,6 +70,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         durability: What an acknowledged write survives (``DURABILITY``): ``fsync`` (the default),
             ``interval`` (the embedded server flushes periodically) or ``replicated`` (R3 streams on
             the cluster ``nats_url`` names; the embedded single server cannot give it).
+        retention_s: Seconds a terminal rollout stays in the hot stream after it ended; then
+            ``retire`` may move it to the archive stream ``EL_<NS>_ARCHIVE`` (created by
+            ``apply_streams`` only when this is set). ``None`` (the default): no archive, nothing
+            is retired.
     """
 
     nats_url: str | None = None
@@ -78,6 +83,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     log_level: str = "INFO"
     stream_replicas: int | None = None
     durability: Durability = "fsync"
+    retention_s: float | None = None
 
     @property
     def replicas(self) -> int | None:
@@ -94,6 +100,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.stream_replicas is not None and not 1 <= self.stream_replicas <= 5:
             raise InvalidInputError(f"stream_replicas must be 1 to 5 (JetStream's limit), not {self.stream_replicas}")
+        if self.retention_s is not None and not self.retention_s >= 0:
+            raise InvalidInputError(f"retention_s must be 0 or more seconds, not {self.retention_s}")
 
     @classmethod
     def from_env(cls, **overrides: object) -> Settings:
@@ -111,6 +119,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             "log_level": env.get("EVENTLIGHT_LOG_LEVEL", "INFO"),
             "stream_replicas": _int_or_none("EVENTLIGHT_STREAM_REPLICAS", env.get("EVENTLIGHT_STREAM_REPLICAS")),
             "durability": env.get("EVENTLIGHT_DURABILITY") or "fsync",
+            "retention_s": _float_or_none("EVENTLIGHT_RETENTION_S", env.get("EVENTLIGHT_RETENTION_S")),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
@@ -127,6 +136,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     def pg_schema(self) -> str:
         return f"el_{self.namespace}"
 
+    @property
+    def archive_stream_name(self) -> str:
+        return f"EL_{self.namespace.upper()}_ARCHIVE"
+
+    @property
+    def archive_prefix(self) -> str:
+        return f"elarc.{self.namespace}"
+
 
 def _int_or_none(name: str, value: str | None) -> int | None:
     if not value:
@@ -135,3 +152,12 @@ def _int_or_none(name: str, value: str | None) -> int | None:
         return int(value)
     except ValueError:
         raise InvalidInputError(f"{name} must be a whole number, not {value!r}") from None
+
+
+def _float_or_none(name: str, value: str | None) -> float | None:
+    if not value:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise InvalidInputError(f"{name} must be a number of seconds, not {value!r}") from None

@@ -18,7 +18,6 @@ def up(namespace: NamespaceOpt = None) -> None:
     The servers keep running after this command (until `eventlight down`)."""
     from eventlight.net import redact
     from eventlight.ops import prepare_services
-
     from eventlight.settings import DURABILITY
 
     t0 = time.monotonic()
