@@ -118,3 +118,25 @@ async def test_retired_rollouts_leave_the_hot_stream_and_the_log_reads_the_same(
         with pytest.raises(RolloutNotFoundError) as never:
             await other.update_rollout("ro-neverexisted", status="cancelled")
         assert not isinstance(never.value, RolloutRetiredError)
+
+
+async def test_the_leading_projector_retires_what_is_due_by_itself(namespace: Settings) -> None:
+    """With ``retention_s`` set, nothing has to call ``retire``: the projector's leader does it each
+    round (every second for a window of 0 s) and leaves rollouts in flight alone."""
+    settings = await _with_archive(namespace)
+    assert settings.pg_dsn is not None
+    async with JetStreamLightningStore(settings, pg_dsn=settings.pg_dsn) as store:
+        ids = await workload(store)
+        live = await store.enqueue_rollout({"task": "live"})
+        retired: list[str] = []
+        for _ in range(100):
+            subjects = await _hot_subjects(store)
+            retired = [rid for rid in ids.values() if not [s for s in subjects if f".{rid}." in s]]
+            if len(retired) == len(ids):
+                break
+            await asyncio.sleep(0.1)
+        assert sorted(retired) == sorted(ids.values()), subjects
+        assert [s for s in subjects if f".{live.rollout_id}." in s], "the queued rollout was retired"
+        assert store.projector is not None and store.projector.retired >= len(ids)
+        got = await store.get_rollout_by_id(ids["good"])  # reads still come from Postgres
+        assert got is not None and got.status == "succeeded"
