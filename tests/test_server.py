@@ -15,7 +15,7 @@ import pytest
 import eventlight as agl
 from eventlight.core.errors import AttemptNotFoundError, InvalidTransitionError, NotFoundError, RolloutNotFoundError
 from eventlight.net import free_port
-from eventlight.server.serving import PortInUseError
+from eventlight.server.serving import PortInUseError, bind
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.store.jetstream.connect import connect_nats
@@ -170,3 +170,27 @@ def test_cli_serve_on_a_taken_port_is_one_line_exit_1() -> None:
     assert done.returncode == 1, done.stderr
     assert done.stderr.strip().count("\n") == 0
     assert f"port {port} on 127.0.0.1 is already in use" in done.stderr and "--port" in done.stderr
+
+
+async def test_accepted_connections_have_nagle_off() -> None:
+    """With Nagle's algorithm on, a response split in two writes on a kept-alive connection waits
+    for the client's delayed ACK (~40 ms a request, measured); asyncio turns it off only on sockets
+    created as TCP, so the listening socket must say it is one."""
+    seen: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        import socket
+
+        seen.append(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+        writer.close()
+
+    sock = bind("127.0.0.1", free_port())
+    server = await asyncio.start_server(handle, sock=sock)
+    async with server:
+        _, writer = await asyncio.open_connection(*sock.getsockname())
+        for _ in range(100):
+            if seen:
+                break
+            await asyncio.sleep(0.01)
+        writer.close()
+    assert seen and seen[0] != 0, seen

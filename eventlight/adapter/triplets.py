@@ -37,6 +37,8 @@ def _image_urls(prompt: Any) -> list[str]:
     for message in messages:
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, str):
+            if not content.lstrip(" \t\n\r").startswith("["):
+                continue  # JSON text that is not a list holds no content parts
             try:
                 content = json.loads(content)
             except json.JSONDecodeError:

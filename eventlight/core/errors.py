@@ -5,6 +5,7 @@
     EventlightError
     ├── NotFoundError (also ValueError)          an id the store does not know
     │   ├── RolloutNotFoundError                 .rollout_id
+    │   │   └── RolloutRetiredError              a write to a rollout retired to the archive
     │   ├── AttemptNotFoundError                 .rollout_id, .attempt_id
     │   └── ResourcesNotFoundError               .resources_id
     ├── InvalidTransitionError (also ValueError) the decider refused a command; .current, .requested
@@ -41,6 +42,19 @@ class NotFoundError(EventlightError, ValueError):
 class RolloutNotFoundError(NotFoundError):
     def __init__(self, rollout_id: str):
         super().__init__(f"rollout {rollout_id!r} does not exist")
+        self.rollout_id = rollout_id
+
+
+class RolloutRetiredError(RolloutNotFoundError):
+    """A write to a rollout that finished and was retired from the hot stream to the archive
+    (``Settings.retention_s``): it accepts no more events; replay, export and rebuild still read it."""
+
+    def __init__(self, rollout_id: str):
+        NotFoundError.__init__(
+            self,
+            f"rollout {rollout_id!r} is retired: it finished more than the retention window ago and its events "
+            "moved to the archive stream, so it accepts no more writes (eventlight replay and export still read it)",
+        )
         self.rollout_id = rollout_id
 
 

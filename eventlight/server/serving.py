@@ -19,6 +19,7 @@ from typing import Any
 
 import uvicorn
 
+from eventlight.net import tcp_listener
 from eventlight.server.app import create_app
 from eventlight.server.limits import DEFAULT_MAX_BODY_BYTES
 from eventlight.store.base import LightningStore, LightningStoreCapabilities
@@ -51,8 +52,7 @@ def bind(host: str, port: int) -> socket.socket:
     Raises:
         PortInUseError: The port is taken. OSError: Another reason (a host that is not ours, ...).
     """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = tcp_listener(host)  # Nagle off on every accepted connection
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT only; a listener still blocks
         sock.bind((host, port))
