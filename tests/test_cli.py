@@ -149,6 +149,7 @@ async def test_status_shows_services_rollouts_spans_and_worker_heartbeats(namesp
     assert re.search(r"^Postgres\s+postgresql://\S+\s+external, from EVENTLIGHT_PG_DSN", out, re.M), out
     assert f"stream {namespace.stream_name} (" in out and "events)" in out
     assert re.search(r"^rollouts\s+.*queuing=2", out, re.M), out
+    assert re.search(r"^durability\s+fsync$", out, re.M), out  # external servers: the setting
     assert re.search(r"^spans\s+0$", out, re.M) and re.search(
         r"^projection\s+up to date \(lag 0 events\)$", out, re.M
     ), out
@@ -165,6 +166,9 @@ async def test_status_and_sql_use_the_embedded_servers_up_recorded(
     assert result.returncode == 0, result.stderr
     if svc.nats_pid is not None:
         assert re.search(rf"^NATS\s+nats://\S+\s+embedded, nats-server pid {svc.nats_pid}", result.stdout, re.M)
+        assert re.search(r"^durability\s+fsync$", result.stdout, re.M), result.stdout  # from its config
+        other = cli("status", env={**env, "EVENTLIGHT_DURABILITY": "interval"})
+        assert re.search(r"^durability\s+fsync \(EVENTLIGHT_DURABILITY asks interval\)$", other.stdout, re.M)
     ok = cli("sql", "SELECT count(*) AS n FROM rollouts", env=env)
     assert ok.returncode == 0 and "1 row(s)" in ok.stdout, ok.stderr
 

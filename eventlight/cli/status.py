@@ -120,6 +120,17 @@ def _workers_table(rows: list[Any], now: float) -> Table:
     return table
 
 
+def _durability_line(settings: Settings, nats: Any) -> str:
+    """The level in force: the embedded server's, from its config; else the setting (external servers)."""
+    from eventlight.ops.nats_server import embedded_durability
+
+    level = embedded_durability(settings.state_dir) if nats.origin == "embedded" else None
+    if level is None:
+        level = settings.durability
+    note = "" if level == settings.durability else f" (EVENTLIGHT_DURABILITY asks {settings.durability})"
+    return f"{level}{note}"
+
+
 def status(namespace: NamespaceOpt = None) -> None:
     """Show the services, projector lag, queue depth, rollouts by status, spans and workers.
 
@@ -134,6 +145,7 @@ def status(namespace: NamespaceOpt = None) -> None:
     stream = f"{s['stream'][0]} events" if s["stream"] is not None else "missing"
     console.print(f"NATS       {_describe('nats-server', s['nats'])}")
     console.print(f"Postgres   {_describe('postgres', s['pg'])}")
+    console.print(f"durability {_durability_line(settings, s['nats'])}")
     if "embedded" in (s["nats"].origin, s["pg"].origin):
         console.print(f"state      {escape(str(settings.state_dir))}")
     console.print(
