@@ -19,7 +19,7 @@ import eventlight as agl
         (lambda: agl.VERL({}), "GRPO"),
         (lambda: agl.DevTaskLoader([], {}), "Trainer.dev"),
         (lambda: agl.CollectionBasedLightningStore(), "EventStore"),
-        (lambda: agl.SharedMemoryExecutionStrategy(n_runners=2).execute(), "Trainer(n_runners"),
+        (lambda: agl.SharedMemoryExecutionStrategy(n_runners=2, main_thread="algorithm").execute(), "Trainer(strategy"),
     ],
 )
 def test_names_that_cannot_apply_raise_naming_what_to_use(make: object, instead: str) -> None:

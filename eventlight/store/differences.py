@@ -75,8 +75,8 @@ Other behaviours to know:
       naming what to use instead: ``LightningStoreServer``/``LightningStoreClient`` (no REST server
       yet), ``CollectionBasedLightningStore``, ``AgentOpsTracer``, ``VERL``, the 0.1 client/server
       names (``AgentLightningClient``/``Server``, ``DevTaskLoader``, ``Task``, ``LegacyAgentRunner``),
-      ``lightning_cli``, OTLP ingestion, and ``ExecutionStrategy.execute`` (the strategy classes carry
-      0.3.0's settings; ``Trainer`` runs runners as queue consumers); ``LightningStoreThreaded`` runs
+      ``lightning_cli``, OTLP ingestion, and ``ExecutionStrategy.execute`` (``Trainer(strategy=...)`` takes
+      the strategies and places runners as queue consumers: ``eventlight.trainer_strategies``); ``LightningStoreThreaded`` runs
       its store on a loop thread of its own, so any thread or event loop may call it;
     * a JetStream store called from another event loop than its own raises ``WrongEventLoopError``;
     * a closed JetStream store raises ``InvalidInputError``; the in-memory store keeps its data and
