@@ -29,6 +29,8 @@ def reply(messages: list[dict[str, Any]], request: dict[str, Any]) -> Reply:
     text = str(messages[-1].get("content") or "")
     if request.get("tools") and not any(m.get("role") == "tool" for m in messages):
         return Reply(content=None, tool_calls=[ToolCall("get_rooms_and_availability", {"date": "2025-10-15"})])
+    if messages[-1].get("role") == "tool":  # the room selector's second call, after its tool call
+        return Reply(content="A103")
     if "Evaluate how well" in text:
         return Reply(content="0.9")
     if "critique" in text.lower() or "# Critique" in text:
@@ -55,7 +57,12 @@ async def run_program(namespace: Settings, url: str, *args: str, timeout_s: floa
     proc = await asyncio.create_subprocess_exec(
         sys.executable, *args, env=env, cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
     )
-    out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
+    finally:
+        if proc.returncode is None:  # timed out or cancelled: never leave the program running
+            proc.kill()
+            await proc.wait()
     text = out.decode(errors="replace")
     assert proc.returncode == 0, text[-4000:]
     return text
@@ -95,3 +102,25 @@ async def test_traces(namespace: Settings) -> None:
         out = await run_program(namespace, url, str(TUTORIALS / "traces.py"))
     assert "Final reward: 1.0" in out and "Paris" in out, out[-3000:]
     assert out.strip().endswith("spans, reward 1.0")
+
+
+async def test_train_first_agent(namespace: Settings) -> None:
+    async with ScriptedLLM(responses=reply) as url:
+        out = await run_program(namespace, url, str(TUTORIALS / "train_first_agent.py"))
+    assert out.strip().endswith("train-first-agent: done"), out[-3000:]
+    done = await rewards(namespace)
+    assert done and all(status == "succeeded" for status, _ in done), done
+    assert any(reward == 1.0 for _, reward in done), done
+
+
+async def test_write_first_algorithm(namespace: Settings) -> None:
+    program = str(TUTORIALS / "write_first_algorithm.py")
+    async with ScriptedLLM(responses=reply) as url:
+        runner = asyncio.ensure_future(run_program(namespace, url, program, "runner", timeout_s=600))
+        try:
+            out = await run_program(namespace, url, program, "algo")
+        finally:
+            runner.cancel()  # the tutorial's runner polls forever; run_program kills its process
+            await asyncio.gather(runner, return_exceptions=True)
+    assert "[Algo] Best prompt found:" in out, out[-3000:]
+    assert out.count("[Algo] Final reward: 0.") + out.count("[Algo] Final reward: 1.0") == 3, out[-3000:]

@@ -10,6 +10,7 @@ Read models are mutable structs (a caller may edit its copy); events (``eventlig
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -33,6 +34,21 @@ ATTEMPT_STATUSES: frozenset[str] = frozenset(AttemptStatus.__args__)  # type: ig
 ROLLOUT_MODES: frozenset[str] = frozenset(RolloutMode.__args__)  # type: ignore[attr-defined]
 
 
+class ModelDump:
+    """``model_dump`` / ``model_dump_json`` as Agent-lightning 0.3.0's pydantic types have them."""
+
+    __slots__ = ()
+
+    def model_dump(self, *, mode: str = "python", **_: Any) -> dict[str, Any]:
+        """The fields as a dict of builtins (nested structs as dicts; ``mode`` accepted for pydantic's calls)."""
+        out: dict[str, Any] = msgspec.to_builtins(self)
+        return out
+
+    def model_dump_json(self, *, indent: int | None = None, **_: Any) -> str:
+        """The fields as JSON text (``indent`` as pydantic's)."""
+        return json.dumps(self.model_dump(), indent=indent)
+
+
 def generate_id(prefix: str, length: int) -> str:
     """Return ``prefix`` followed by ``length`` random hex characters (at most 32)."""
     if length <= 0:
@@ -45,7 +61,7 @@ def now() -> float:
     return time.time()
 
 
-class RolloutConfig(msgspec.Struct, kw_only=True):
+class RolloutConfig(ModelDump, msgspec.Struct, kw_only=True):
     """Retry and liveness policy of one rollout (Agent-lightning ``RolloutConfig``).
 
     Attributes:
@@ -70,7 +86,7 @@ class RolloutConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"retry_condition holds unknown attempt statuses: {bad}")
 
 
-class Attempt(msgspec.Struct, kw_only=True):
+class Attempt(ModelDump, msgspec.Struct, kw_only=True):
     """One execution of a rollout. ``sequence_id`` counts attempts of the rollout from 1."""
 
     rollout_id: str
@@ -84,7 +100,7 @@ class Attempt(msgspec.Struct, kw_only=True):
     metadata: dict[str, Any] | None = None
 
 
-class Rollout(msgspec.Struct, kw_only=True):
+class Rollout(ModelDump, msgspec.Struct, kw_only=True):
     """A unit of work (a task) and its aggregated status; see ``deep-dive_store.md``."""
 
     rollout_id: str
@@ -120,7 +136,7 @@ class EnqueueRolloutRequest(msgspec.Struct, kw_only=True):
     metadata: dict[str, Any] | None = None
 
 
-class Worker(msgspec.Struct, kw_only=True):
+class Worker(ModelDump, msgspec.Struct, kw_only=True):
     """A runner as the store sees it; ``status`` is derived from dequeues and attempt updates."""
 
     worker_id: str
@@ -233,7 +249,7 @@ Resource = LLM | ProxyLLM | PromptTemplate
 NamedResources = dict[str, Resource]
 
 
-class ResourcesUpdate(msgspec.Struct, kw_only=True):
+class ResourcesUpdate(ModelDump, msgspec.Struct, kw_only=True):
     """A versioned snapshot of named resources."""
 
     resources_id: str
@@ -275,7 +291,7 @@ class OtelResource(msgspec.Struct, kw_only=True):
     schema_url: str = ""
 
 
-class Span(msgspec.Struct, kw_only=True):
+class Span(ModelDump, msgspec.Struct, kw_only=True):
     """One OpenTelemetry span of an attempt, with the store's ordering key ``sequence_id``.
 
     ``trace_id`` is 32 hex characters and ``span_id`` 16, as OTLP/JSON and Agent-lightning write them.
@@ -336,7 +352,7 @@ class Span(msgspec.Struct, kw_only=True):
         )
 
 
-class Triplet(msgspec.Struct, kw_only=True):
+class Triplet(ModelDump, msgspec.Struct, kw_only=True):
     """A (prompt, response, reward) transition extracted from spans by an adapter."""
 
     prompt: Any

@@ -56,6 +56,10 @@ class LitAgentRunner:
         heartbeat_interval: Seconds between heartbeats; ``<= 0`` disables them.
     """
 
+    def __class_getitem__(cls, item: Any) -> type[LitAgentRunner]:
+        """``LitAgentRunner[str]`` (0.3.0's runner is generic in the task type) is the class itself."""
+        return cls
+
     def __init__(
         self,
         tracer: Tracer | None = None,
