@@ -9,7 +9,7 @@ PIP    := $(BIN)/pip install --quiet --constraint constraints.txt
 LLAMA_VERSION := $(shell sed -n 's/^llama-cpp-python==//p' constraints.txt)
 export LITELLM_LOCAL_MODEL_COST_MAP ?= True
 
-.PHONY: demo test local rl down clean
+.PHONY: demo test local rl sft down clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,13 @@ $(VENV)/.installed-rl: pyproject.toml constraints.txt | $(VENV)/.installed-local
 	touch $@
 
 rl: $(VENV)/.installed-rl
+
+# SFT's extra (TRL's SFTTrainer) on top of rl's torch and transformers.
+$(VENV)/.installed-sft: pyproject.toml constraints.txt | $(VENV)/.installed-rl
+	$(PIP) -e '.[rl,sft]'
+	touch $@
+
+sft: $(VENV)/.installed-sft
 
 # The main job: GRPO on sums (examples/arithmetic); `make demo ARGS="--algorithm apo"` runs APO.
 demo: $(VENV)/.installed-local-portable $(VENV)/.installed-rl

@@ -10,6 +10,7 @@ JSON, chart). Nothing here imports a stack at import time.
 
 import argparse as _argparse
 import json as _json
+import os as _os
 import sys as _sys
 from pathlib import Path as _Path
 from typing import Any as _Any
@@ -42,3 +43,12 @@ def positive_ints(text: str) -> list[int]:
     if not values or any(v <= 0 for v in values):
         raise _argparse.ArgumentTypeError(f"expected whole numbers > 0, got {text!r}")
     return values
+
+
+def bench_durability() -> str:
+    """The durability level the embedded servers run at: ``EVENTLIGHT_DURABILITY`` (``fsync`` or
+    ``interval``; the benchmark's single embedded node cannot be ``replicated``), else ``fsync``."""
+    level = _os.environ.get("EVENTLIGHT_DURABILITY") or "fsync"
+    if level not in ("fsync", "interval"):
+        raise ValueError(f"EVENTLIGHT_DURABILITY={level!r}: the benchmark runs fsync or interval")
+    return level

@@ -44,7 +44,7 @@ import msgspec
 import nats
 from nats.js.api import AckPolicy, ConsumerConfig, StorageType, StreamConfig
 
-from bench import positive_ints, require_positive, write_json
+from bench import bench_durability, positive_ints, require_positive, write_json
 from bench.procs import ProcessSampler
 from bench.workload import SCENARIOS, expected_spans_per_rollout, random_attributes
 
@@ -371,7 +371,7 @@ async def run_ceiling(span_counts: list[int], seconds: float) -> dict[str, Any]:
     result: dict[str, Any] = {"ok": False, "error": None, "cores": cores, "seconds_per_phase": seconds, "by_spans": {}}
     state = Path(tempfile.mkdtemp(prefix="elceiling-", dir=tempfile.gettempdir()))
     os.chmod(state, 0o755)
-    settings = Settings(state_dir=state, namespace="ceiling", log_level="WARNING")
+    settings = Settings(state_dir=state, namespace="ceiling", log_level="WARNING", durability=bench_durability())  # type: ignore[arg-type]
     sampler = ProcessSampler(0.5, own_role="client").start()
     sampler.add("client", os.getpid())
     try:
@@ -379,7 +379,7 @@ async def run_ceiling(span_counts: list[int], seconds: float) -> dict[str, Any]:
         for pid in (svc.nats_pid, svc.pg_pid):
             if pid is not None:
                 sampler.add("servers", pid)
-        result["servers"] = {"pg_kind": svc.pg_kind, "nats": "embedded, sync_interval always"}
+        result["servers"] = {"pg_kind": svc.pg_kind, "nats": f"embedded, durability {settings.durability}"}
         nc = await nats.connect(svc.nats_url)
         pg = await asyncpg.connect(svc.pg_dsn)
         try:

@@ -84,14 +84,19 @@ def _finished_rollout(i: int, now: float) -> list[Any]:
     rollout = Rollout(rollout_id=rid, input={"i": i}, start_time=now, status="preparing", mode="train")
     attempt = Attempt(rollout_id=rid, attempt_id=aid, sequence_id=1, start_time=now)
     span = make_span(rid, aid, 1, {"task": f"growth-{i}"})
-    done = Attempt(
-        rollout_id=rid, attempt_id=aid, sequence_id=1, start_time=now, end_time=now + 0.1, status="succeeded"
-    )
     return [
         RolloutCreated(time=now, rollout=rollout),
         AttemptStarted(time=now, attempt=attempt),
         SpansAdded(time=now, rollout_id=rid, attempt_id=aid, spans=[span], seq_high=1),
-        AttemptUpdated(time=now + 0.1, attempt=done, rollout_status="succeeded", rollout_end_time=now + 0.1),
+        AttemptUpdated(
+            time=now + 0.1,
+            rollout_id=rid,
+            attempt_id=aid,
+            status="succeeded",
+            end_time=now + 0.1,
+            rollout_status="succeeded",
+            rollout_end_time=now + 0.1,
+        ),
     ]
 
 

@@ -1,6 +1,7 @@
 """Soak: eventlight under a steady load for minutes, memory of every process sampled over time.
 
-    python -m bench.soak [--minutes 10] [--runners 16] [--in-flight 64] [--sleep-s 0.02] [--out FILE.json]
+    python -m bench.soak [--minutes 10] [--runners 16] [--in-flight 64] [--sleep-s 0.02] [--retention-s S]
+                         [--out FILE.json]
 
 Runs the benchmark's ``single`` pattern (``--in-flight`` rollouts kept in flight, enqueued one by one,
 each checked: spans and final reward) without a task limit for ``--minutes``, with the same stack as
@@ -57,11 +58,15 @@ class _TimedAlgorithm(Algorithm):
             i += 1
 
 
-async def soak(minutes: float, runners: int, in_flight: int, sleep_s: float, every_s: float) -> dict[str, Any]:
+async def soak(
+    minutes: float, runners: int, in_flight: int, sleep_s: float, every_s: float, retention_s: float | None = None
+) -> dict[str, Any]:
     import bench.stack_eventlight as mod
 
     scn = replace(SCENARIOS["single"], total_tasks=10**9, n_runners=runners, concurrency=in_flight, sleep_s=sleep_s)
     stack = mod.Stack()
+    if retention_s is not None:  # the algorithm's projector retires finished rollouts to the archive
+        stack.settings_overrides = {"retention_s": retention_s}
     sampler = ProcessSampler(1.0).start()
     sampler.add("algorithm", os.getpid())
     stats_dir = Path(tempfile.mkdtemp(prefix="bench-soak-"))
@@ -146,12 +151,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--in-flight", type=int, default=64)
     parser.add_argument("--sleep-s", type=float, default=0.02)
     parser.add_argument("--every-s", type=float, default=30.0)
+    parser.add_argument(
+        "--retention-s", type=float, default=None, help="retire finished rollouts after this many seconds (archive)"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     require_positive(parser, args, "minutes", "runners", "in_flight", "every_s")
     import uvloop
 
-    result = uvloop.run(soak(args.minutes, args.runners, args.in_flight, args.sleep_s, args.every_s))
+    result = uvloop.run(soak(args.minutes, args.runners, args.in_flight, args.sleep_s, args.every_s, args.retention_s))
     print_and_save(report(result), result, args.out)
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import eventlight as agl
+from bench import bench_durability
 from bench.workload import RUNNER_POLL_S, plan_task, run_plan
 from eventlight.core.types import AttemptedRollout, Span, TraceStatus
 from eventlight.ops import Services, drop_namespace, prepare_services, stop_services
@@ -181,12 +182,19 @@ class Stack:
         self.settings: Settings | None = None
         self.services: Services | None = None
         self.pool: RunnerPool | None = None
+        self.settings_overrides: dict[str, Any] = {}
 
     async def start(self) -> None:
         self.state_dir = Path(tempfile.mkdtemp(prefix="elbench-", dir=tempfile.gettempdir()))
         os.chmod(self.state_dir, 0o755)  # Postgres runs as `postgres` when we are root
         ns = f"b{uuid.uuid4().hex[:10]}"
-        self.settings = Settings(state_dir=self.state_dir, namespace=ns, log_level="WARNING")
+        self.settings = Settings(
+            state_dir=self.state_dir,
+            namespace=ns,
+            log_level="WARNING",
+            durability=bench_durability(),  # type: ignore[arg-type]
+            **self.settings_overrides,
+        )
         self.services = await prepare_services(self.settings)
 
     def server_roles(self) -> dict[str, int]:
@@ -199,7 +207,7 @@ class Stack:
         assert self.services is not None
         return {
             "pg_kind": self.services.pg_kind,
-            "nats": "embedded, sync_interval always",
+            "nats": f"embedded, durability {self.settings.durability if self.settings else 'fsync'}",
         }
 
     async def open_store(self) -> JetStreamLightningStore:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench import bench_durability
 from bench import peer as peer_venv
 from bench.workload import SCENARIOS
 
@@ -109,6 +110,7 @@ def run_suite(cfg: SuiteConfig) -> dict[str, Any]:
             "cpu_count": os.cpu_count(),
             "python": platform.python_version(),
             "load_avg_at_start": list(os.getloadavg()),
+            "durability": bench_durability(),
         },
         "ceiling": None,
         "micro": {},

@@ -4,6 +4,8 @@
 is an event on NATS JetStream, projected into Postgres (see DESIGN.md).
 """
 
+from typing import TYPE_CHECKING
+
 from eventlight import (
     client,
     config,
@@ -101,8 +103,6 @@ from eventlight.store import (
     InMemoryLightningStore,
     LightningStore,
     LightningStoreCapabilities,
-    LightningStoreClient,
-    LightningStoreServer,
     LightningStoreStatistics,
     LightningStoreThreaded,
 )
@@ -118,6 +118,10 @@ from eventlight.tracer import (
     set_active_tracer,
 )
 from eventlight.trainer import Trainer
+
+if TYPE_CHECKING:
+    from eventlight.server.client import LightningStoreClient
+    from eventlight.server.serving import LightningStoreServer
 from eventlight.types import (
     AttemptStatus,
     Attributes,
@@ -312,4 +316,8 @@ def __getattr__(name: str) -> object:
         from eventlight.llm_proxy import LLMProxy
 
         return LLMProxy
+    if name in ("LightningStoreServer", "LightningStoreClient"):  # FastAPI, uvicorn, httpx: on first use
+        import eventlight.server
+
+        return getattr(eventlight.server, name)
     raise AttributeError(f"module 'eventlight' has no attribute {name!r}")

@@ -94,8 +94,8 @@ def _insert(root: dict[str, Any], path: list[str], value: Any, flat_key: str) ->
 def _listify(node: Any) -> Any:
     if not isinstance(node, dict):
         return node
-    converted = {key: _listify(value) for key, value in node.items()}
-    if converted and set(converted) == {str(i) for i in range(len(converted))}:
+    converted = {key: _listify(value) if isinstance(value, dict) else value for key, value in node.items()}
+    if "0" in converted and all(str(i) in converted for i in range(len(converted))):  # keys exactly "0".."n-1"
         return [converted[str(i)] for i in range(len(converted))]
     return converted
 
@@ -115,7 +115,12 @@ def unflatten_attributes(flat: Mapping[str, Any]) -> dict[str, Any] | list[Any]:
     """
     root: dict[str, Any] = {}
     for key, value in flat.items():
-        _insert(root, key.split("."), value, key)
+        if "." in key:
+            _insert(root, key.split("."), value, key)
+        elif isinstance(root.get(key), dict):
+            raise ValueError(f"attribute {key!r} holds a value where other keys nest")
+        else:
+            root[key] = value
     nested: dict[str, Any] | list[Any] = _listify(root)
     return nested
 

@@ -9,6 +9,11 @@ variable                        meaning                                         
 ``EVENTLIGHT_NAMESPACE``        stream prefix ``el.<ns>`` and Postgres schema ``el_<ns>``    ``default``
 ``EVENTLIGHT_LOG_LEVEL``        log level of the CLI                                         ``INFO``
 ``EVENTLIGHT_STREAM_REPLICAS``  replicas of the namespace's stream (3 on a 3-node cluster)   the definitions' (1)
+``EVENTLIGHT_DURABILITY``       what an ack guarantees: ``fsync``, ``interval`` or            ``fsync``
+                                ``replicated`` (see ``DURABILITY``)
+``EVENTLIGHT_SERVER_TOKEN``     bearer token ``eventlight serve`` requires and               none (no token asked)
+                                ``LightningStoreClient`` sends
+``EVENTLIGHT_RETENTION_S``      retire terminal rollouts this long after they end (archive)  (off: nothing retired)
 ==============================  ===========================================================  ========================
 """
 
@@ -17,12 +22,24 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 
 from eventlight.core.errors import InvalidInputError
 
 _NS_RE = re.compile(r"^[a-z0-9_]{1,40}$")
+
+Durability = Literal["fsync", "interval", "replicated"]
+DURABILITY: dict[str, str] = {
+    "fsync": "an ack means the event is fsynced on the server's disk (embedded nats-server: sync_interval always)",
+    "interval": (
+        "an ack means the server holds the event; JetStream flushes to disk every 2 minutes "
+        "(its default sync_interval): survives a crash of the process, not of the machine"
+    ),
+    "replicated": "an ack means a quorum of a 3-node cluster holds the event (R3 streams; needs EVENTLIGHT_NATS_URL)",
+}
+"""The named durability levels and what an acknowledged write survives at each (README: Durability)."""
 
 
 def check_namespace(ns: str) -> str:
@@ -48,7 +65,15 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         log_level: Log level the CLI configures.
         stream_replicas: Replicas of the namespace's stream when ``apply_streams`` creates or
             updates it (JetStream's ``num_replicas``, 1-5; 3 on a 3-node cluster makes an ack mean a
-            quorum holds the write); ``None``: as ``eventlight/_data/streams`` says (1).
+            quorum holds the write); ``None``: as ``eventlight/_data/streams`` says (1), or 3
+            under ``durability="replicated"``.
+        durability: What an acknowledged write survives (``DURABILITY``): ``fsync`` (the default),
+            ``interval`` (the embedded server flushes periodically) or ``replicated`` (R3 streams on
+            the cluster ``nats_url`` names; the embedded single server cannot give it).
+        retention_s: Seconds a terminal rollout stays in the hot stream after it ended; then
+            ``retire`` may move it to the archive stream ``EL_<NS>_ARCHIVE`` (created by
+            ``apply_streams`` only when this is set). ``None`` (the default): no archive, nothing
+            is retired.
     """
 
     nats_url: str | None = None
@@ -57,11 +82,26 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     namespace: str = "default"
     log_level: str = "INFO"
     stream_replicas: int | None = None
+    durability: Durability = "fsync"
+    retention_s: float | None = None
+
+    @property
+    def replicas(self) -> int | None:
+        """The stream's replicas to apply: ``stream_replicas``, else 3 when ``replicated``, else ``None``."""
+        if self.stream_replicas is not None:
+            return self.stream_replicas
+        return 3 if self.durability == "replicated" else None
 
     def __post_init__(self) -> None:
         check_namespace(self.namespace)
+        if self.durability not in DURABILITY:
+            raise InvalidInputError(
+                f"durability must be one of {', '.join(DURABILITY)} (EVENTLIGHT_DURABILITY), not {self.durability!r}"
+            )
         if self.stream_replicas is not None and not 1 <= self.stream_replicas <= 5:
             raise InvalidInputError(f"stream_replicas must be 1 to 5 (JetStream's limit), not {self.stream_replicas}")
+        if self.retention_s is not None and not self.retention_s >= 0:
+            raise InvalidInputError(f"retention_s must be 0 or more seconds, not {self.retention_s}")
 
     @classmethod
     def from_env(cls, **overrides: object) -> Settings:
@@ -78,6 +118,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             "namespace": env.get("EVENTLIGHT_NAMESPACE", "default"),
             "log_level": env.get("EVENTLIGHT_LOG_LEVEL", "INFO"),
             "stream_replicas": _int_or_none("EVENTLIGHT_STREAM_REPLICAS", env.get("EVENTLIGHT_STREAM_REPLICAS")),
+            "durability": env.get("EVENTLIGHT_DURABILITY") or "fsync",
+            "retention_s": _float_or_none("EVENTLIGHT_RETENTION_S", env.get("EVENTLIGHT_RETENTION_S")),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
@@ -94,6 +136,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     def pg_schema(self) -> str:
         return f"el_{self.namespace}"
 
+    @property
+    def archive_stream_name(self) -> str:
+        return f"EL_{self.namespace.upper()}_ARCHIVE"
+
+    @property
+    def archive_prefix(self) -> str:
+        return f"elarc.{self.namespace}"
+
 
 def _int_or_none(name: str, value: str | None) -> int | None:
     if not value:
@@ -102,3 +152,12 @@ def _int_or_none(name: str, value: str | None) -> int | None:
         return int(value)
     except ValueError:
         raise InvalidInputError(f"{name} must be a whole number, not {value!r}") from None
+
+
+def _float_or_none(name: str, value: str | None) -> float | None:
+    if not value:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise InvalidInputError(f"{name} must be a number of seconds, not {value!r}") from None

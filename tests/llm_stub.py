@@ -40,6 +40,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from eventlight.net import tcp_listener
+
 __all__ = ["Reply", "ScriptedLLM", "ToolCall", "toy_tokenize"]
 
 
@@ -271,7 +273,7 @@ class ScriptedLLM:
 
     async def start(self) -> str:
         """Bind and serve; return the base URL ``http://host:port/v1``."""
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock = tcp_listener(self._host)  # Nagle off, as a real server has it
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self._host, self._port or 0))
         self._port = sock.getsockname()[1]

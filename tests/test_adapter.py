@@ -669,3 +669,17 @@ def test_opentelemetry_readable_spans_are_accepted() -> None:
     (t,) = TracerTraceToTriplet().adapt(readable)
     assert (t.prompt["token_ids"], t.response["token_ids"], t.reward) == ([1, 2], [3], 0.5)
     provider.shutdown()
+
+
+def test_image_urls_from_content_parts_as_lists_or_json_text() -> None:
+    from eventlight.adapter.triplets import _image_urls
+
+    part = {"type": "image_url", "image_url": {"url": "http://x/1.png"}}
+    prompt = [
+        {"role": "user", "content": [part, {"type": "text", "text": "hi"}]},
+        {"role": "user", "content": " \n" + json.dumps([{**part, "image_url": {"url": "http://x/2.png"}}])},
+        {"role": "user", "content": json.dumps({"type": "image_url", "image_url": {"url": "http://x/3.png"}})},
+        {"role": "user", "content": "[not json"},
+        {"role": "user", "content": "plain text"},
+    ]
+    assert _image_urls(prompt) == ["http://x/1.png", "http://x/2.png"]

@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
+import msgspec
 import openai
 import pytest
 from llm_stub import Reply, ScriptedLLM, ToolCall, toy_tokenize
@@ -321,6 +322,25 @@ async def test_prompt_with_tool_history_and_list_content_is_flattened() -> None:
         assert a["gen_ai.prompt.1.tool_calls.0.name"] == "f"
         assert a["gen_ai.prompt.1.tool_calls.0.id"] == "c1"
         assert a["gen_ai.prompt.2.tool_call_id"] == "c1" and a["gen_ai.prompt.2.content"] == "42"
+        # the same call in the current GenAI conventions (JSON messages of parts)
+        assert json.loads(a["gen_ai.input.messages"]) == [
+            {
+                "role": "user",
+                "parts": [
+                    {"type": "text", "content": "look"},
+                    {"type": "uri", "modality": "image", "uri": "data:image/png;base64,AA"},
+                ],
+            },
+            {"role": "assistant", "parts": [{"type": "tool_call", "id": "c1", "name": "f", "arguments": {"a": 1}}]},
+            {"role": "tool", "parts": [{"type": "tool_call_response", "id": "c1", "response": "42"}]},
+        ]
+        (out,) = json.loads(a["gen_ai.output.messages"])
+        assert out["role"] == "assistant" and out["parts"] == [{"type": "text", "content": "done"}]
+        assert out["finish_reason"] == a["gen_ai.completion.0.finish_reason"]
+        assert a["gen_ai.provider.name"] == a["gen_ai.system"]
+        assert a["gen_ai.usage.input_tokens"] == a["gen_ai.usage.prompt_tokens"]
+        assert a["gen_ai.usage.output_tokens"] == a["gen_ai.usage.completion_tokens"]
+        assert "gen_ai.system_instructions" not in a  # no system message
         check_legal_attributes(a)
 
 
@@ -703,3 +723,70 @@ async def test_scripted_llm_script_forms() -> None:
         r = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "ping"}])
         assert r.choices[0].message.content == "echo: ping"
         await client.close()
+
+
+async def test_no_credential_reaches_a_span_or_a_client_chosen_backend() -> None:
+    """A client cannot point the proxy at another backend (LiteLLM would hand it the deployment's
+    ``api_key``), and no key or authorization header is stored in any span, on success, on a
+    stream or on an upstream error."""
+    store = InMemoryLightningStore()
+    secrets = ("sk-test", "sk-client-secret", "sk-body-secret", "x-secret-header")
+
+    def script(messages: list[dict[str, Any]], request: dict[str, Any]) -> Reply:
+        if last_user(messages) == "fail":
+            return Reply(status=400, error_message="bad request")
+        return Reply(content="fine")
+
+    hijack = ScriptedLLM(responses="hijacked")
+    async with ScriptedLLM(responses=script) as url, hijack as other:
+        async with running_proxy(url, store) as proxy:
+            rollout = await store.start_rollout(input={})
+            base = proxy.as_resource().get_base_url(rollout.rollout_id, rollout.attempt.attempt_id)
+            headers = {"Authorization": "Bearer sk-client-secret", "x-api-key": "x-secret-header"}
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "api_base": other,
+                "base_url": other,
+                "api_key": "sk-body-secret",
+                "litellm_params": {"api_base": other},
+                "temperature": 0.5,
+            }
+            async with httpx.AsyncClient(timeout=30) as http:
+                ok = await http.post(f"{base}/chat/completions", json=body, headers=headers)
+                streamed = await http.post(f"{base}/chat/completions", json={**body, "stream": True}, headers=headers)
+                failed = await http.post(
+                    f"{base}/chat/completions",
+                    json={**body, "messages": [{"role": "user", "content": "fail"}]},
+                    headers=headers,
+                )
+        other_requests = len(hijack.requests)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "fine"
+    assert streamed.status_code == 200 and failed.status_code == 400
+    assert other_requests == 0  # the client's api_base / base_url were not used
+    spans = await spans_of(store, rollout.rollout_id)
+    assert len(spans) == 3 and spans[0].attributes["gen_ai.request.temperature"] == 0.5  # sampling passes on
+    stored = msgspec.json.encode(spans).decode()
+    for secret in secrets:
+        assert secret not in stored, secret
+    assert "authorization" not in stored.lower()
+
+
+async def test_proxy_connections_have_nagle_off() -> None:
+    """Each call through the proxy on a kept-alive connection waited ~45 ms for a delayed ACK while
+    the proxy's own socket had Nagle's algorithm on (p50 of a call to the scripted backend: 57 ms
+    before, 10 ms after); the accepted connections must have ``TCP_NODELAY``."""
+    import socket
+
+    store = InMemoryLightningStore()
+    async with ScriptedLLM(responses="ok") as url, running_proxy(url, store) as proxy:
+        async with httpx.AsyncClient() as http:
+            r = await http.get(f"{proxy.endpoint.rsplit('/v1', 1)[0]}/health")
+            assert r.status_code == 200
+            server = proxy._server
+            assert server is not None
+            flags = [
+                conn.transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+                for conn in server.server_state.connections
+            ]
+    assert flags and all(flags), flags

@@ -13,8 +13,6 @@ import eventlight as agl
 @pytest.mark.parametrize(
     ("make", "instead"),
     [
-        (lambda: agl.LightningStoreServer(), "JetStreamLightningStore"),
-        (lambda: agl.LightningStoreClient("http://x"), "JetStreamLightningStore"),
         (lambda: agl.AgentOpsTracer(), "OtelTracer"),
         (lambda: agl.VERL({}), "GRPO"),
         (lambda: agl.DevTaskLoader([], {}), "Trainer.dev"),

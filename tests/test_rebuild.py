@@ -12,7 +12,9 @@ import time
 from typing import Any
 
 import asyncpg
+import pytest
 
+from eventlight.core.errors import ServiceUnavailableError
 from eventlight.core.types import PromptTemplate, RolloutConfig, Span
 from eventlight.ops import apply_migrations
 from eventlight.settings import Settings
@@ -75,13 +77,13 @@ async def last_seq(store: JetStreamLightningStore) -> int:
     return int(info.state.last_seq)
 
 
-async def rebuild(store: JetStreamLightningStore, schema: str, dsn: str) -> int:
+async def rebuild(store: JetStreamLightningStore, schema: str, dsn: str, batch_size: int = 512) -> int:
     """Fold the whole stream into ``schema`` with a second projector; returns the last sequence applied."""
     await apply_migrations(dsn, schema)
     pool = await pg.create_pool(dsn, schema)
     try:
         projector = Projector(store.log, pool, watchdog_interval_s=NO_WATCHDOG_S)
-        return await asyncio.wait_for(projector.rebuild(), 30)
+        return await asyncio.wait_for(projector.rebuild(batch_size), 30)
     finally:
         await pool.close()
 
@@ -94,14 +96,15 @@ async def table(conn: asyncpg.Connection, schema: str, name: str) -> list[dict[s
     return sorted((dict(r) for r in rows), key=repr)
 
 
-async def test_rebuilt_read_model_equals_the_live_one(namespace: Settings) -> None:
+@pytest.mark.parametrize("batch_size", [512, 2], ids=["one-batch", "batches-read-ahead"])
+async def test_rebuilt_read_model_equals_the_live_one(namespace: Settings, batch_size: int) -> None:
     dsn = namespace.pg_dsn
     assert dsn is not None
     fresh = f"{namespace.pg_schema}_rebuilt"
     async with JetStreamLightningStore(namespace, pg_dsn=dsn) as store:
         await workload(store)
         try:
-            assert await rebuild(store, fresh, dsn) == await last_seq(store)
+            assert await rebuild(store, fresh, dsn, batch_size) == await last_seq(store)
             conn = await asyncpg.connect(dsn)
             try:
                 for name in TABLES:
@@ -119,3 +122,41 @@ async def test_rebuilt_read_model_equals_the_live_one(namespace: Settings) -> No
                 await conn.execute(f'DROP SCHEMA IF EXISTS "{fresh}" CASCADE')
             finally:
                 await conn.close()
+
+
+async def test_a_read_failure_mid_rebuild_is_raised_not_waited_on(namespace: Settings, monkeypatch: Any) -> None:
+    """The reader task's error reaches the writer (no hang on the batch queue); what was read
+    before it was applied."""
+    dsn = namespace.pg_dsn
+    assert dsn is not None
+    fresh = f"{namespace.pg_schema}_rebuilt"
+    async with JetStreamLightningStore(namespace, pg_dsn=dsn) as store:
+        await workload(store)
+        real_scan = store.log.scan
+
+        async def failing_scan(from_seq: int = 0, until_seq: int | None = None) -> Any:
+            async for i, item in _enumerate(real_scan(from_seq, until_seq)):
+                if i == 5:
+                    raise ServiceUnavailableError("nats://test", "the stream went away")
+                yield item
+
+        monkeypatch.setattr(store.log, "scan", failing_scan)
+        await apply_migrations(dsn, fresh)
+        pool = await pg.create_pool(dsn, fresh)
+        try:
+            projector = Projector(store.log, pool, watchdog_interval_s=NO_WATCHDOG_S)
+            with pytest.raises(ServiceUnavailableError, match="the stream went away"):
+                await asyncio.wait_for(projector.rebuild(2), 30)
+            assert projector.checkpoint == 4  # two batches of two before the failure
+        finally:
+            await pool.close()
+            conn = await asyncpg.connect(dsn)
+            await conn.execute(f'DROP SCHEMA IF EXISTS "{fresh}" CASCADE')
+            await conn.close()
+
+
+async def _enumerate(items: Any) -> Any:
+    i = 0
+    async for item in items:
+        yield i, item
+        i += 1

@@ -114,6 +114,11 @@ async def test_agent_exception_fails_the_attempt_and_the_loop_goes_on() -> None:
         assert await asyncio.wait_for(runner.iter(), 10) == 1
     got = await store.get_rollout_by_id(bad.rollout_id)
     assert got.status == "failed" and got.attempt.status == "failed"
+    # the failure is on the attempt, not only in the runner's log: an exception span
+    (span,) = [s for s in await store.query_spans(bad.rollout_id) if s.name == "agentlightning.exception"]
+    assert span.attributes["exception.type"] == "ConnectionError"
+    assert span.attributes["exception.message"] == "the sub-agent's backend is down"
+    assert "failing_agent" in span.attributes["exception.stacktrace"]
 
 
 async def test_iter_consumes_the_queue_until_stopped() -> None:

@@ -54,8 +54,9 @@ def _first_ids(attrs: Mapping[str, Any], keys: Iterable[str]) -> list[int] | Non
 
 def _nested(attrs: Mapping[str, Any], prefix: str) -> dict[str, Any] | list[Any] | None:
     """Unflatten the keys below ``prefix.`` (a key equal to ``prefix`` itself is ignored)."""
-    cut = len(prefix) + 1
-    below = {k[cut:]: v for k, v in attrs.items() if k.startswith(prefix + ".")}
+    dotted = prefix + "."
+    cut = len(dotted)
+    below = {k[cut:]: v for k, v in attrs.items() if k.startswith(dotted)}
     return unflatten_attributes(below) if below else None
 
 

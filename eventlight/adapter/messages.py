@@ -10,6 +10,7 @@ from typing import Any, TypedDict
 from eventlight.adapter.attrs import _nested
 from eventlight.adapter.base import TraceAdapter
 from eventlight.core.types import Span
+from eventlight.genai import INPUT_MESSAGES, OUTPUT_MESSAGES, openai_messages
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +73,19 @@ def _prompt_message(msg: dict[str, Any]) -> dict[str, Any] | None:
     return out
 
 
-def _tool_calls(span: Span, spans: Sequence[Span]) -> list[dict[str, Any]]:
+def _children(spans: Sequence[Span]) -> dict[str | None, list[Span]]:
+    """Spans by ``parent_id``, in input order."""
+    out: dict[str | None, list[Span]] = {}
+    for span in spans:
+        out.setdefault(span.parent_id, []).append(span)
+    return out
+
+
+def _tool_calls(span: Span, children: Mapping[str | None, list[Span]]) -> list[dict[str, Any]]:
     """Tool calls recorded as direct children of ``span`` with ``tool.*`` attributes."""
     calls: list[dict[str, Any]] = []
-    for child in spans:
-        tool = _group(child.attributes or {}, "tool") if child.parent_id == span.span_id else None
+    for child in children.get(span.span_id, ()):
+        tool = _group(child.attributes or {}, "tool")
         if not tool:
             continue
         if not isinstance(tool, dict):
@@ -115,7 +124,8 @@ class TraceToMessages(TraceAdapter[list[OpenAIMessages]]):
 
     Every span with any ``gen_ai.prompt.*``, ``gen_ai.completion.*``, ``gen_ai.request.*`` or
     ``gen_ai.response.*`` attribute gives one record (no tree: two instrumentation layers recording
-    the same call give two records). Prompt messages come from ``gen_ai.prompt.{i}.*``; each
+    the same call give two records). Prompt messages come from ``gen_ai.prompt.{i}.*`` (or, without
+    it, from the current conventions' ``gen_ai.input.messages`` / ``gen_ai.output.messages``); each
     ``gen_ai.completion.{i}`` with role ``assistant`` is appended, carrying as ``tool_calls`` the
     direct child spans with ``tool.*`` attributes (``tool.call.id``, ``tool.call.type``,
     ``tool.name``, ``tool.parameters``); ``tools`` come from ``gen_ai.request.functions.{i}``.
@@ -128,11 +138,14 @@ class TraceToMessages(TraceAdapter[list[OpenAIMessages]]):
         Raises:
             ValueError: A span's prompt/completion is not a list, or its request/response not a dict.
         """
-        return [record for span in source if (record := self._record(span, source)) is not None]
+        children = _children(source)
+        return [record for span in source if (record := self._record(span, children)) is not None]
 
-    def _record(self, span: Span, spans: Sequence[Span]) -> OpenAIMessages | None:
+    def _record(self, span: Span, children: Mapping[str | None, list[Span]]) -> OpenAIMessages | None:
         attrs = span.attributes or {}
         prompt, completion = _group(attrs, "gen_ai.prompt"), _group(attrs, "gen_ai.completion")
+        if prompt is None and completion is None:  # the current GenAI conventions
+            prompt, completion = openai_messages(attrs, INPUT_MESSAGES), openai_messages(attrs, OUTPUT_MESSAGES)
         request, response = _group(attrs, "gen_ai.request"), _group(attrs, "gen_ai.response")
         for what, value, kind in (
             ("prompt", prompt, list),
@@ -145,7 +158,7 @@ class TraceToMessages(TraceAdapter[list[OpenAIMessages]]):
         if prompt is None and completion is None and request is None and response is None:
             return None
         messages = [m for m in map(_prompt_message, prompt or []) if m is not None]
-        tool_calls = _tool_calls(span, spans)
+        tool_calls = _tool_calls(span, children)
         for comp in completion or []:
             if isinstance(comp, dict) and comp.get("role") == "assistant":
                 message: dict[str, Any] = {"role": "assistant", "content": comp.get("content")}

@@ -21,6 +21,7 @@ from eventlight.adapter.attrs import (
 from eventlight.adapter.base import RewardMatchPolicy, TraceToTripletBase
 from eventlight.adapter.tree import TraceTree
 from eventlight.core.types import Span, Triplet
+from eventlight.genai import INPUT_MESSAGES, OUTPUT_MESSAGES, openai_messages
 from eventlight.rewards import get_reward_value
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,8 @@ def _image_urls(prompt: Any) -> list[str]:
     for message in messages:
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, str):
+            if not content.lstrip(" \t\n\r").startswith("["):
+                continue  # JSON text that is not a list holds no content parts
             try:
                 content = json.loads(content)
             except json.JSONDecodeError:
@@ -64,13 +67,19 @@ def span_to_triplet(span: Span, agent_name: str) -> Triplet:
         ``Triplet(prompt={"token_ids", "raw_content", "image_urls"}, response={"token_ids",
         "raw_content"[, "logprobs"]}, metadata={"request", "response", "response_id", "agent_name"})``;
         raw contents are the unflattened ``gen_ai.prompt`` / ``gen_ai.completion`` (or the Weave
-        ``agentlightning.operation.*`` equivalents).
+        ``agentlightning.operation.*`` equivalents, or the current ``gen_ai.input.messages`` /
+        ``gen_ai.output.messages`` as OpenAI-style messages).
     """
     attrs = span.attributes or {}
     prompt_raw = _first_nested(attrs, ("gen_ai.prompt", "agentlightning.operation.input.messages"))
+    if prompt_raw is None:
+        prompt_raw = openai_messages(attrs, INPUT_MESSAGES)  # the current GenAI conventions
+    completion_raw = _first_nested(attrs, ("gen_ai.completion", "agentlightning.operation.output.choices"))
+    if completion_raw is None:
+        completion_raw = openai_messages(attrs, OUTPUT_MESSAGES)
     response: dict[str, Any] = {
         "token_ids": _first_ids(attrs, RESPONSE_TOKEN_KEYS) or [],
-        "raw_content": _first_nested(attrs, ("gen_ai.completion", "agentlightning.operation.output.choices")),
+        "raw_content": completion_raw,
     }
     if isinstance(attrs.get("logprobs.content"), str):
         response["logprobs"] = json.loads(attrs["logprobs.content"])

@@ -14,6 +14,7 @@ from rich.markup import escape
 from eventlight.cli.common import console, err
 from eventlight.cli.errors import _OneLineErrors
 from eventlight.cli.runner import runner
+from eventlight.cli.serve import serve
 from eventlight.cli.servers import down, up
 from eventlight.cli.sql import sql
 from eventlight.cli.status import status
@@ -50,7 +51,7 @@ def _root(
     """eventlight: train agents from their traces."""
 
 
-for _command in (up, down, sql, status, runner):
+for _command in (up, down, sql, status, runner, serve):
     app.command()(_command)
 
 

@@ -18,10 +18,13 @@ def up(namespace: NamespaceOpt = None) -> None:
     The servers keep running after this command (until `eventlight down`)."""
     from eventlight.net import redact
     from eventlight.ops import prepare_services
+    from eventlight.settings import DURABILITY
 
     t0 = time.monotonic()
-    services = _run(prepare_services(_settings(namespace)))
+    settings = _settings(namespace)
+    services = _run(prepare_services(settings))
     console.print(f"NATS      {escape(redact(services.nats_url))}")
+    console.print(f"durability {settings.durability}: {escape(DURABILITY[settings.durability])}")
     console.print(f"Postgres  {escape(redact(services.pg_dsn))}")
     console.print(f"started   {', '.join(services.started) or 'nothing (reused)'} in {time.monotonic() - t0:.2f} s")
 

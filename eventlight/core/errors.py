@@ -5,6 +5,7 @@
     EventlightError
     ├── NotFoundError (also ValueError)          an id the store does not know
     │   ├── RolloutNotFoundError                 .rollout_id
+    │   │   └── RolloutRetiredError              a write to a rollout retired to the archive
     │   ├── AttemptNotFoundError                 .rollout_id, .attempt_id
     │   └── ResourcesNotFoundError               .resources_id
     ├── InvalidTransitionError (also ValueError) the decider refused a command; .current, .requested
@@ -12,6 +13,7 @@
     │   └── InvalidTypeError (also TypeError)    a value of the wrong type (``mode=123``); nothing written
     ├── ConcurrencyError                         an append lost its optimistic-concurrency race too often
     ├── WrongEventLoopError (also RuntimeError)  a store used from another event loop than its own
+    ├── AuthenticationError (also PermissionError) a store server refused the bearer token (HTTP 401)
     └── ServiceUnavailableError                  NATS or Postgres cannot be reached; .server, retryable
         └── LLMUnavailableError                  the LLM behind a proxy fails its check or most calls
 
@@ -40,6 +42,19 @@ class NotFoundError(EventlightError, ValueError):
 class RolloutNotFoundError(NotFoundError):
     def __init__(self, rollout_id: str):
         super().__init__(f"rollout {rollout_id!r} does not exist")
+        self.rollout_id = rollout_id
+
+
+class RolloutRetiredError(RolloutNotFoundError):
+    """A write to a rollout that finished and was retired from the hot stream to the archive
+    (``Settings.retention_s``): it accepts no more events; replay, export and rebuild still read it."""
+
+    def __init__(self, rollout_id: str):
+        NotFoundError.__init__(
+            self,
+            f"rollout {rollout_id!r} is retired: it finished more than the retention window ago and its events "
+            "moved to the archive stream, so it accepts no more writes (eventlight replay and export still read it)",
+        )
         self.rollout_id = rollout_id
 
 
@@ -87,6 +102,10 @@ class WrongEventLoopError(EventlightError, RuntimeError):
     """A store whose connections belong to one event loop was called from another (a second
     ``asyncio.run``, another thread): refused at once instead of hanging on the other loop's sockets.
     Open one store per event loop."""
+
+
+class AuthenticationError(EventlightError, PermissionError):
+    """A store server (``eventlight serve --token``) refused the request's bearer token, or it had none."""
 
 
 class ServiceUnavailableError(EventlightError):

@@ -25,6 +25,24 @@ _SPAN_WAIT_S = 5.0
 
 _OWN_KEYS = frozenset({"model", "messages", "stream", "stream_options"})
 
+CONNECTION_KEYS = frozenset(
+    {"api_key", "api_base", "base_url", "api_version", "organization", "headers", "extra_headers"}
+    | {"custom_llm_provider", "litellm_params", "model_list", "client", "deployment_id", "mock_response"}
+)
+"""Request-body keys a client may not set: LiteLLM would let them override the deployment's own
+backend and credentials (a client's ``api_base`` would receive the configured ``api_key``)."""
+CONNECTION_PREFIXES = ("aws_", "vertex_", "azure_", "litellm_", "watsonx_")
+
+
+def backend_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """The sampling and tool parameters of a client's body to pass on to the backend: everything
+    but the keys the proxy sets itself and those that choose a backend or carry credentials."""
+    return {
+        k: v
+        for k, v in body.items()
+        if k not in _OWN_KEYS and k not in CONNECTION_KEYS and not k.startswith(CONNECTION_PREFIXES)
+    }
+
 
 class Forwarding:
     """Forwarding one call to the backends (retrying what may be retried) and recording its span."""
@@ -59,7 +77,7 @@ class Forwarding:
                 llm_provider="",
                 model=str(body.get("model")),
             )
-        kwargs = {k: v for k, v in body.items() if k not in _OWN_KEYS}
+        kwargs = backend_kwargs(body)
         attempt = 0
         while True:
             try:

@@ -22,7 +22,7 @@ from eventlight.llm_proxy.upstream import (
     check_model_list,
     check_models,
 )
-from eventlight.net import free_port
+from eventlight.net import free_port, tcp_listener
 
 if TYPE_CHECKING:
     from eventlight.store.base import LightningStore
@@ -227,8 +227,7 @@ class LLMProxy(ChatRoutes):
         if self._store is None:
             log.warning("LLMProxy starts without a store: calls are forwarded but no span is recorded")
         self._router = self._build_router()
-        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock = tcp_listener(self._host)  # Nagle off on every accepted connection
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((self._host, self._port))

@@ -1,5 +1,8 @@
-"""Span attributes of a proxied chat completion: the OpenTelemetry GenAI conventions, flattened as
-Agent-lightning's tracer writes them, plus token ids when the backend returns them."""
+"""Span attributes of a proxied chat completion: the OpenTelemetry GenAI conventions twice, as the
+current JSON attributes (``gen_ai.input.messages``, ``gen_ai.output.messages``,
+``gen_ai.system_instructions``, ``gen_ai.provider.name``, ``gen_ai.usage.input_tokens``; see
+``eventlight.genai``) and flattened as Agent-lightning 0.3's tracer writes them
+(``gen_ai.prompt.{i}.*``, ``gen_ai.completion.{i}.*``), plus token ids when the backend returns them."""
 
 from __future__ import annotations
 
@@ -8,12 +11,10 @@ import logging
 import time
 import uuid
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from eventlight.core.types import Event, OtelResource, Span, TraceStatus
-
-if TYPE_CHECKING:
-    pass
+from eventlight.genai import genai_attributes
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,7 @@ def build_chat_span_attributes(
     """
     attrs: dict[str, Any] = {"gen_ai.operation.name": "chat", "llm.request.type": "chat"}
     _put(attrs, "gen_ai.system", system)
+    _put(attrs, "gen_ai.provider.name", system)
     _put(attrs, "gen_ai.request.model", request.get("model"))
     for key in ("temperature", "top_p", "frequency_penalty", "presence_penalty", "seed", "n"):
         _put(attrs, f"gen_ai.request.{key}", request.get(key))
@@ -130,6 +132,12 @@ def build_chat_span_attributes(
         _put(attrs, f"gen_ai.prompt.{i}.name", message.get("name"))
         _put(attrs, f"gen_ai.prompt.{i}.tool_call_id", message.get("tool_call_id"))
         _put_tool_calls(attrs, f"gen_ai.prompt.{i}", message.get("tool_calls"))
+
+    messages = request.get("messages")
+    choices = response.get("choices") if response is not None else None
+    attrs.update(
+        genai_attributes(messages if isinstance(messages, list) else [], choices if isinstance(choices, list) else None)
+    )
 
     if response is not None:
         _put(attrs, "gen_ai.response.id", response.get("id"))
@@ -158,6 +166,9 @@ def build_chat_span_attributes(
             value = usage.get(key)
             if isinstance(value, int) and not isinstance(value, bool):
                 attrs[f"gen_ai.usage.{key}"] = value
+        for old_key, key in (("prompt_tokens", "input_tokens"), ("completion_tokens", "output_tokens")):
+            if f"gen_ai.usage.{old_key}" in attrs:  # the current names of the same counts
+                attrs[f"gen_ai.usage.{key}"] = attrs[f"gen_ai.usage.{old_key}"]
 
         prompt_ids, per_choice = token_ids(response)
         if prompt_ids is not None:

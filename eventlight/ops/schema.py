@@ -84,7 +84,7 @@ async def _apply_one(conn: asyncpg.Connection, schema: str, version: str, sql: s
 
 
 async def drop_namespace(nats_url: str | None, pg_dsn: str | None, settings: Settings) -> None:
-    """Delete the namespace's stream (with its consumers) and ``DROP SCHEMA … CASCADE``, with the
+    """Delete the namespace's stream (with its consumers) and archive stream, and ``DROP SCHEMA … CASCADE``, with the
     schemas ``eventlight replay --rebuild`` leaves beside it (``<schema>_rebuild``, ``<schema>_replaced_*``).
 
     Args:
@@ -115,7 +115,8 @@ async def drop_namespace(nats_url: str | None, pg_dsn: str | None, settings: Set
 async def _delete_stream(nats_url: str, stream: str) -> None:
     nc = await connect_nats(nats_url, name="eventlight-ops", reconnect=False)
     try:
-        for name in (stream, f"KV_{stream}_SEQ"):  # the events, and the span counters of older versions
+        # the archive (it sources the events), the events, and the span counters of older versions
+        for name in (f"{stream}_ARCHIVE", stream, f"KV_{stream}_SEQ"):
             with nats_errors(redact(nats_url), f"deleting stream {name}"), contextlib.suppress(JsNotFoundError):
                 await nc.jetstream().delete_stream(name)
     finally:

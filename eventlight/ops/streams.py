@@ -17,7 +17,9 @@ async def apply_streams(nc_or_js: Any, settings: Settings, streams_dir: Path | N
     """Create or update the JetStream streams and durable consumers defined in ``streams/*.json``.
 
     ``{ns}``/``{NS}`` in the files become ``settings.namespace`` in lower/upper case; keys
-    ending in ``_s`` are seconds. Streams are applied before consumers. Safe to repeat.
+    ending in ``_s`` are seconds. Streams are applied before consumers. A definition with
+    ``"when": "retention"`` (the archive, ``004_archive.json``) is applied only when
+    ``settings.retention_s`` is set. Safe to repeat.
 
     Args:
         nc_or_js: A connected ``nats.aio.client.Client`` or a JetStream context/manager.
@@ -37,10 +39,12 @@ async def apply_streams(nc_or_js: Any, settings: Settings, streams_dir: Path | N
     defs = load_definitions(settings.namespace, streams_dir)
     applied = []
     for path, spec in sorted(defs, key=lambda d: d[1]["kind"] != "stream"):
+        if spec.get("when") == "retention" and settings.retention_s is None:
+            continue  # the archive exists only where retirement is on (Settings.retention_s)
         with nats_errors(server, f"applying {path.name}"):
             if spec["kind"] == "stream":
-                if settings.stream_replicas is not None:
-                    spec = {**spec, "num_replicas": settings.stream_replicas}
+                if settings.replicas is not None:
+                    spec = {**spec, "num_replicas": settings.replicas}
                 applied.append(await _apply_stream(js, stream_config(path, spec)))
             elif spec["kind"] == "consumer":
                 consumer = consumer_from(path, spec)

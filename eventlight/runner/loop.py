@@ -36,7 +36,7 @@ from typing import Any
 
 from eventlight.agent import LitAgent
 from eventlight.core.types import AttemptedRollout, Span
-from eventlight.emitter import emit_reward
+from eventlight.emitter import emit_exception, emit_reward
 from eventlight.runner.hooks import Hook
 from eventlight.runner.identity import system_snapshot, worker_name
 from eventlight.runner.retry import Backoff, _describe, _retryable
@@ -241,7 +241,12 @@ class LitAgentRunner:
             await self._hook("on_rollout_start", agent=agent, runner=self, rollout=rollout)
             async with self.tracer.trace_context(name=rid, rollout_id=rid, attempt_id=aid):
                 await self._hook("on_trace_start", agent=agent, runner=self, tracer=self.tracer, rollout=rollout)
-                result = await self._call_agent(agent, rollout, resources)
+                try:
+                    result = await self._call_agent(agent, rollout, resources)
+                except Exception as exc:  # visible on the attempt: its type, message and stack
+                    with contextlib.suppress(Exception):
+                        emit_exception(exc)
+                    raise
                 await self._hook("on_trace_end", agent=agent, runner=self, tracer=self.tracer, rollout=rollout)
                 if isinstance(result, (bool, int, float)):
                     emit_reward(float(result))

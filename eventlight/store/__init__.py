@@ -1,16 +1,15 @@
 """Store backends: in-memory and JetStream + Postgres, one API (``LightningStore``)."""
 
+from typing import TYPE_CHECKING
+
 from eventlight.store.base import UNSET, LightningStore, LightningStoreCapabilities, LightningStoreStatistics
 from eventlight.store.memory import InMemoryLightningStore
 from eventlight.store.threaded import LightningStoreThreaded
 from eventlight.unavailable import unavailable_class
 
-_REST = (
-    "eventlight has no REST store server yet (another issue builds it); share one store between "
-    "processes through NATS and Postgres instead: JetStreamLightningStore(settings) in each process"
-)
-LightningStoreServer = unavailable_class("LightningStoreServer", _REST, __name__)
-LightningStoreClient = unavailable_class("LightningStoreClient", _REST, __name__)
+if TYPE_CHECKING:
+    from eventlight.server.client import LightningStoreClient
+    from eventlight.server.serving import LightningStoreServer
 CollectionBasedLightningStore = unavailable_class(
     "CollectionBasedLightningStore",
     "eventlight's stores are event-sourced, not collection-based; subclass "
@@ -30,3 +29,12 @@ __all__ = [
     "LightningStoreStatistics",
     "LightningStoreThreaded",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # the HTTP server and client (FastAPI, uvicorn, httpx) load on first use
+    if name in ("LightningStoreServer", "LightningStoreClient"):
+        import eventlight.server
+
+        return getattr(eventlight.server, name)
+    raise AttributeError(f"module 'eventlight.store' has no attribute {name!r}")

@@ -69,8 +69,9 @@ class LightningStore(ABC):
         """The OTLP/HTTP traces URL of a store whose ``capabilities["otlp_traces"]`` is ``True``.
 
         Raises:
-            NotImplementedError: This store does not serve OTLP (no eventlight store does yet: the
-                tracer publishes span batches to the stream directly).
+            NotImplementedError: This store does not serve OTLP (the stores themselves do not: the
+                tracer publishes span batches to the stream; ``LightningStoreServer`` and
+                ``LightningStoreClient`` do, at ``/v1/traces``).
         """
         raise NotImplementedError(f"{type(self).__name__} does not serve OTLP traces (capabilities['otlp_traces'])")
 

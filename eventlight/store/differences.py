@@ -45,8 +45,13 @@ Choices where Agent-lightning 0.3.0's code and its docs differ, item by item aga
         without ``sort_by`` is insertion order; ``worker_id`` must be a token (no dots, spaces or
         wildcards: ``InvalidInputError``) on every backend; ``add_many_spans`` returns the spans it
         recorded in the order given;
-    15.-17. there is no REST/OTLP store server yet (``capabilities["otlp_traces"]`` is ``False``);
-        errors are raised in-process as the ``EventlightError`` tree;
+    15.-17. ``eventlight serve`` / ``LightningStoreServer`` serve 0.3.0's ``/v1/agl`` routes and OTLP
+        ``/v1/traces`` (``capabilities["otlp_traces"]`` is ``True`` on the server and the client, ``False``
+        on the stores themselves); the server answers errors of the ``EventlightError`` tree with 4xx/5xx
+        and a one-line ``detail`` (0.3.0: 500 with a traceback), a missing entity with ``null``;
+        ``/waits/rollouts`` waits at most 25 s per request; ``LightningStoreClient`` raises the
+        server's errors as the tree (0.3.0's returns ``None`` on any error for ``dequeue``/``get_*``)
+        and accepts long ``wait_for_rollouts`` timeouts (0.3.0's refuses above 0.1 s);
     18. ``Span``'s nullable fields are required keys as in 0.3.0; ``NamedResources`` is tagged by
         ``resource_type``;
     20. every method appears atomic: writes are per-rollout optimistic appends (``command_loop``).
@@ -72,14 +77,13 @@ Other behaviours to know:
       object was made), not the in-memory store's byte budgets (eventlight's memory store has none);
     * every public name and submodule of ``agentlightning`` 0.3.0 exists under ``eventlight``
       (``tests/test_port_names.py``); those that cannot apply raise ``NotImplementedError`` on use,
-      naming what to use instead: ``LightningStoreServer``/``LightningStoreClient`` (no REST server
-      yet), ``CollectionBasedLightningStore``, ``AgentOpsTracer``, ``VERL``, the 0.1 client/server
+      naming what to use instead: ``CollectionBasedLightningStore``, ``AgentOpsTracer``, ``VERL``, the 0.1 client/server
       names (``AgentLightningClient``/``Server``, ``DevTaskLoader``, ``Task``, ``LegacyAgentRunner``),
-      ``lightning_cli``, OTLP ingestion, and ``ExecutionStrategy.execute`` (``Trainer(strategy=...)``
+      ``lightning_cli``, ``utils.otlp`` (the server's ``/v1/traces`` ingests OTLP), and ``ExecutionStrategy.execute`` (``Trainer(strategy=...)``
       takes the strategies and places runners as queue consumers: ``eventlight.trainer_strategies``);
       ``LightningStoreThreaded`` runs its store on a loop thread of its own, so any thread or event
       loop may call it;
-    * ``Trainer``'s ``"cs"`` strategy has no store server: ``server_host``/``server_port``
+    * ``Trainer``'s ``"cs"`` strategy starts no store server (``eventlight serve`` is one, for other processes and languages): ``server_host``/``server_port``
       (``AGL_SERVER_HOST``/``AGL_SERVER_PORT``, ``port=``) are read and kept but unused; the sides
       meet through ``EVENTLIGHT_NATS_URL``, ``EVENTLIGHT_PG_DSN`` and ``EVENTLIGHT_NAMESPACE``;
       ``main_process``/``main_thread`` are validated as in 0.3.0, but the algorithm always runs on

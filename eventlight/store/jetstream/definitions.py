@@ -52,7 +52,7 @@ def config_kwargs(spec: dict[str, Any], cls: type[Any], source: Path) -> dict[st
     fields = {f.name for f in dataclasses.fields(cls)}
     out: dict[str, Any] = {}
     for key, value in spec.items():
-        if key in ("kind", "stream"):
+        if key in ("kind", "stream", "when"):
             continue
         name = key[:-2] if key.endswith("_s") and key[:-2] in fields else key
         if name not in fields:
@@ -79,8 +79,12 @@ def load_definitions(ns: str, streams_dir: Path | None = None) -> list[Definitio
 
 
 def stream_config(path: Path, spec: dict[str, Any]) -> js_api.StreamConfig:
-    """The ``StreamConfig`` of a ``"kind": "stream"`` definition."""
-    return js_api.StreamConfig(**config_kwargs(spec, js_api.StreamConfig, path))
+    """The ``StreamConfig`` of a ``"kind": "stream"`` definition (``sources`` with their subject
+    transforms as JetStream's JSON has them)."""
+    kwargs = config_kwargs(spec, js_api.StreamConfig, path)
+    if "sources" in kwargs:
+        kwargs["sources"] = [js_api.StreamSource.from_response(dict(s)) for s in kwargs["sources"]]
+    return js_api.StreamConfig(**kwargs)
 
 
 def consumer_from(path: Path, spec: dict[str, Any]) -> js_api.ConsumerConfig:

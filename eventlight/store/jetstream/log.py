@@ -14,7 +14,6 @@ spans did to its attempts (``eventlight.core.evolve.spans_arrived``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -22,15 +21,15 @@ from typing import Any
 
 import msgspec
 from nats.aio.client import Client as NATS
-from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.client import JetStreamContext
 
 from eventlight.core.commands import RolloutState
-from eventlight.core.errors import InvalidInputError, RolloutNotFoundError, ServiceUnavailableError
+from eventlight.core.errors import InvalidInputError, RolloutNotFoundError, RolloutRetiredError
 from eventlight.core.events import AnyEvent, ResourcesPut, RolloutEvent, decode_event, encode_event
 from eventlight.core.evolve import evolve, spans_arrived
 from eventlight.core.types import ResourcesUpdate, Span
 from eventlight.settings import Settings
+from eventlight.store.jetstream.archive import RetiredLedger, scan_log
 from eventlight.store.jetstream.layout import rollout_filter, span_subject, subject_for
 from eventlight.store.jetstream.nats_errors import JsNotFoundError, nats_errors
 from eventlight.store.jetstream.queue import JetStreamQueued, RunnersQueue
@@ -39,9 +38,6 @@ from eventlight.store.ports import SpanHead
 from eventlight.store.validate import is_token
 
 log = logging.getLogger(__name__)
-
-SCAN_IDLE_S = 10.0
-"""How long ``scan`` waits for the next message of a range it knows is stored."""
 
 
 class _SpanHead(msgspec.Struct):
@@ -75,21 +71,6 @@ def _span_high(head: _SpanHead) -> int:
     return max([head.seq_high, *(s.sequence_id for s in head.spans)])
 
 
-async def _next(sub: Any, messages: Any, server: str) -> Any:
-    """The subscription's next message; waits at most ``SCAN_IDLE_S`` when none is queued.
-
-    Raises:
-        ServiceUnavailableError: Nothing came for ``SCAN_IDLE_S`` seconds.
-    """
-    if sub.pending_msgs > 0:
-        return await messages.__anext__()
-    try:
-        async with asyncio.timeout(SCAN_IDLE_S):
-            return await messages.__anext__()
-    except TimeoutError as e:
-        raise ServiceUnavailableError(server, f"no message for {SCAN_IDLE_S:g} s while reading the stream") from e
-
-
 class JetStreamEventLog:
     """Appends and reads the events of one namespace.
 
@@ -107,6 +88,7 @@ class JetStreamEventLog:
         self.stream = settings.stream_name
         self.spans = SpanLog(self, clock)
         self.queue = RunnersQueue(self)
+        self.retired = RetiredLedger(self)
 
     def server(self) -> str:
         """The connected server's URL, for error messages."""
@@ -180,6 +162,8 @@ class JetStreamEventLog:
         for _, event in items:
             state = evolve(state, event)
         if state is None:
+            if await self.retired.contains(rollout_id):
+                raise RolloutRetiredError(rollout_id)
             raise RolloutNotFoundError(rollout_id)
         version = items[-1][0]
         aids = [a.attempt_id for a in state.attempts]
@@ -239,34 +223,16 @@ class JetStreamEventLog:
         as ``(sequence, subject without the el.<ns>. prefix, payload)``; nothing is decoded or written.
 
         Read with an ordered consumer (ephemeral, flow-controlled push consumer; JetStream's way to
-        read a stream fast and in order), not one direct get per message as ``read``. Replay, export
-        and the benchmarks use it.
+        read a stream fast and in order), not one direct get per message as ``read``. Replay, export,
+        rebuild and the benchmarks use it. Where the namespace has an archive, the archive first and
+        then the hot stream after it, one log by stream sequence (``archive.scan_log``).
 
         Raises:
             ServiceUnavailableError: NATS did not answer.
         """
         until = await self.head_seq() if until_seq is None else until_seq
-        if until <= from_seq:
-            return
-        cut = len(self.prefix) + 1
-        cfg = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=from_seq + 1)
-        server = self.server()
-        with nats_errors(server, f"reading {self.stream}"):
-            sub = await self.js.subscribe(f"{self.prefix}.>", ordered_consumer=True, config=cfg, stream=self.stream)
-            try:
-                messages = sub.messages  # no task and timer per message, as next_msg has
-                while True:
-                    msg = await _next(sub, messages, server)
-                    meta = msg.metadata
-                    seq = meta.sequence.stream
-                    if seq > until:
-                        return
-                    yield seq, msg.subject[cut:], msg.data
-                    if seq >= until or meta.num_pending == 0:
-                        return
-            finally:
-                with contextlib.suppress(Exception):
-                    await sub.unsubscribe()
+        async for entry in scan_log(self, from_seq, until):
+            yield entry
 
     async def last_event(self, subject: str) -> tuple[AnyEvent, int] | None:
         """The last event on a subject (wildcards allowed), or ``None``."""

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from eventlight.core.errors import ConcurrencyError
+from eventlight.core.errors import ConcurrencyError, RolloutRetiredError
 from eventlight.core.events import SpansAdded
 from eventlight.core.types import Span
 from eventlight.store.ports import StaleStateError
@@ -142,6 +142,8 @@ class SpanLog:
                     cursor = max([cursor, *(s.sequence_id for s in req.spans)])
                     req.first = cursor + 1
                 cursor += req.reserve
+            if state.last_seq == 0 and self.log.settings.retention_s is not None:
+                await self._refuse_retired(rid)
             at = self.clock()
             event = SpansAdded(time=at, rollout_id=rid, attempt_id=aid, spans=spans, seq_high=cursor)
             try:
@@ -154,3 +156,12 @@ class SpanLog:
             state.last_seq, state.high = seq, cursor
             return False, at, seq
         raise ConcurrencyError(f"spans of {rid}/{aid}: {MAX_TRIES} conflicting appends in a row")
+
+    async def _refuse_retired(self, rollout_id: str) -> None:
+        """An empty span subject is a new attempt's, or a retired rollout's (retirement purged it).
+
+        Raises:
+            RolloutRetiredError: The latter.
+        """
+        if await self.log.retired.contains(rollout_id):
+            raise RolloutRetiredError(rollout_id)

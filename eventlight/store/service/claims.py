@@ -48,17 +48,17 @@ class Claims(StorePlumbing):
         if worker_id is not None:
             check_token("worker_id", worker_id)
         log = self._log()
-        deadline = asyncio.get_running_loop().time() + max(0.0, wait_s)
+        clock = asyncio.get_running_loop().time
+        deadline = clock() + wait_s if wait_s > 0 else 0.0
         while True:
-            left = deadline - asyncio.get_running_loop().time()
-            item = await log.next_queued(max(0.0, left) if wait_s > 0 else 0.0)
+            item = await log.next_queued(max(0.0, deadline - clock()) if wait_s > 0 else 0.0)
             if item is not None:
                 claimed = await self._claim(item, worker_id)
                 if claimed is not None:
                     if worker_id is not None:
                         self._idle_marks.pop(worker_id, None)
                     return claimed
-            if item is None or (wait_s > 0 and asyncio.get_running_loop().time() >= deadline):
+            if item is None or (wait_s > 0 and clock() >= deadline):
                 await self._mark_idle(worker_id)
                 return None
 

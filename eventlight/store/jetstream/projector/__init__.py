@@ -23,8 +23,8 @@ One projector per namespace writes at a time, and this is fenced, not assumed:
 The leader also runs the watchdog (``eventlight.store.watchdog``) over the rollouts in flight, which
 it reads from the read model when it takes the lead (so a restart forgets no running attempt).
 
-``rebuild()`` projects the whole log (from sequence 0) into the projector's pool's schema without
-the consumer: a fresh schema rebuilt that way must equal the live one.
+``rebuild()`` projects the whole log (from sequence 0, read with ``EventLog.scan``) into the projector's
+pool's schema without the consumer: a fresh schema rebuilt that way must equal the live one.
 
 Modules: ``leader`` (``Projector``: the lock, the term, lifecycle, the watchdog), ``consume`` (reading
 the stream from the checkpoint, ``rebuild``), ``batch`` (one batch's fold, rows and checkpoint in one

@@ -19,6 +19,9 @@ from eventlight.store.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
+REBUILD_AHEAD = 4
+"""Batches a rebuild reads ahead of its writes."""
+
 
 def _seq_range(msgs: list[Any]) -> str:
     return f"{msgs[0].metadata.sequence.stream}-{msgs[-1].metadata.sequence.stream}"
@@ -139,18 +142,46 @@ class Consumer(BatchWriter):
 
     async def rebuild(self, batch_size: int = BATCH) -> int:
         """Project the whole log into this projector's schema (empty tables expected), without the
-        consumer or the leader lock; returns the last stream sequence applied."""
+        consumer or the leader lock; returns the last stream sequence applied.
+
+        The log is read with ``EventLog.scan`` (an ordered consumer, up to the head when the rebuild
+        starts) in a task of its own, a few batches ahead of the writes, so reading NATS and
+        writing Postgres overlap.
+
+        Raises:
+            ServiceUnavailableError: NATS or Postgres failed.
+        """
         row = await self.pool.fetchrow("SELECT term, last_seq FROM projector_checkpoint")
         self.term, self.checkpoint = int(row["term"]), int(row["last_seq"])
-        batch: list[Any] = []
-        async for msg in self.log._messages(f"{self.log.prefix}.>", self.checkpoint):
-            batch.append(_Replayed(msg.seq, msg.subject, msg.data or b""))
-            if len(batch) >= batch_size:
+        batches: asyncio.Queue[list[Any] | BaseException | None] = asyncio.Queue(maxsize=REBUILD_AHEAD)
+        reader = asyncio.create_task(self._read_batches(batches, batch_size))
+        try:
+            while (batch := await batches.get()) is not None:
+                if isinstance(batch, BaseException):
+                    raise batch
                 await self.apply(batch)
-                batch = []
-        if batch:
-            await self.apply(batch)
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
         return self.checkpoint
+
+    async def _read_batches(self, out: asyncio.Queue[list[Any] | BaseException | None], batch_size: int) -> None:
+        """Put the log after the checkpoint into ``out`` in batches, then ``None`` (or the error)."""
+        prefix = self.log.prefix + "."
+        batch: list[Any] = []
+        try:
+            async for seq, subject, data in self.log.scan(self.checkpoint):
+                batch.append(_Replayed(seq, prefix + subject, data))
+                if len(batch) >= batch_size:
+                    await out.put(batch)
+                    batch = []
+        except Exception as e:  # handed to the writer, which raises it
+            await out.put(e)
+            return
+        if batch:
+            await out.put(batch)
+        await out.put(None)
 
     def in_flight(self) -> list[tuple[str, RolloutState, int]]:
         """``(rollout_id, state, version)`` of the rollouts the watchdog watches."""

@@ -1,4 +1,5 @@
-"""``Projector``: leadership (the advisory lock and the term), lifecycle and the watchdog."""
+"""``Projector``: leadership (the advisory lock and the term), lifecycle, the watchdog and, when
+``Settings.retention_s`` is set, the periodic retirement of terminal rollouts to the archive."""
 
 from __future__ import annotations
 
@@ -36,6 +37,15 @@ from eventlight.store.watchdog import Watchdog
 log = logging.getLogger(__name__)
 
 
+RETIRE_BATCH = 5000
+"""Rollouts one retirement round retires at most (the rest wait for the next round)."""
+
+
+def retire_every_s(retention_s: float) -> float:
+    """Seconds between retirement rounds: a quarter of the window, between 1 s and 60 s."""
+    return max(1.0, min(60.0, retention_s / 4))
+
+
 class Projector(Consumer):
     """Projects one namespace's stream into Postgres.
 
@@ -69,6 +79,8 @@ class Projector(Consumer):
         self.dead_letters = 0
         self.terms_led = 0
         self.watchdog = Watchdog(log_, self.in_flight, clock, watchdog_interval_s)
+        self.clock = clock
+        self.retired = 0
         self.leader = asyncio.Event()
         self.last_error: BaseException | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -128,6 +140,8 @@ class Projector(Consumer):
             _spawn(self._watch_lock(), "eventlight-projector-lock", quiet=True),
             _spawn(self.watchdog.run(lambda: self._stopping or not self.leader.is_set()), "eventlight-watchdog"),
         ]
+        if self.log.settings.retention_s is not None:
+            tasks.append(_spawn(self._retire_loop(self.log.settings.retention_s), "eventlight-retire"))
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for t in done:
@@ -138,6 +152,23 @@ class Projector(Consumer):
             for t in tasks:
                 t.cancel()
             await asyncio.wait(tasks, timeout=5)
+
+    async def _retire_loop(self, retention_s: float) -> None:
+        """The leader retires what is due every ``retire_every_s(retention_s)`` (at most
+        ``RETIRE_BATCH`` rollouts a round); a failed round is logged and tried again next time."""
+        from eventlight.store.jetstream.retire import retire  # only where retirement is on
+
+        every = retire_every_s(retention_s)
+        while not self._stopping and self.leader.is_set():
+            await asyncio.sleep(every)
+            try:
+                report = await retire(self.log, self.pool, self.log.settings, now=self.clock(), limit=RETIRE_BATCH)
+            except Exception as e:  # NATS or Postgres failing: projection reports it; retirement waits
+                log.warning(
+                    "retiring rollouts of %s failed: %r; next try in %.0f s", self.log.settings.namespace, e, every
+                )
+                continue
+            self.retired += report.retired
 
     async def _step_down(self) -> None:
         """Stop leading and give the lock connection back (it unlocks, or it is already gone)."""

@@ -1,4 +1,4 @@
-"""``agentlightning.server`` (0.1's ``AgentLightningServer``): not supported, see the error it raises."""
+"""0.1's ``AgentLightningServer`` (``agentlightning.server``): not supported, see the error it raises."""
 
 from eventlight.unavailable import unavailable_class
 
@@ -8,5 +8,5 @@ AgentLightningServer = unavailable_class(
     "AgentLightningServer",
     "the 0.1 client/server protocol is not supported; an algorithm enqueues rollouts on a LightningStore "
     "(JetStreamLightningStore) and runners consume them",
-    __name__,
+    "eventlight.server",
 )

@@ -1,0 +1,128 @@
+"""``eventlight serve``: the store over HTTP (Agent-lightning's ``/v1/agl`` routes, OTLP ``/v1/traces``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import uuid
+from enum import StrEnum
+from typing import Annotated, Any
+
+import typer
+from rich.markup import escape
+
+from eventlight.cli.common import EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_UNAVAILABLE, CliError, NamespaceOpt, console
+from eventlight.cli.discovery import _need_nats, _need_pg, _no_namespace
+from eventlight.cli.status import _stream_state
+from eventlight.settings import Settings
+
+
+class Backend(StrEnum):
+    jetstream = "jetstream"
+    memory = "memory"
+
+
+def _check_port(host: str, port: int) -> None:
+    """Fail at once when ``host:port`` is taken (before connecting to anything)."""
+    from eventlight.server.serving import PortInUseError, bind
+
+    try:
+        bind(host, port).close()
+    except PortInUseError as e:
+        raise CliError(f"{e.strerror}: choose another with --port", EXIT_UNAVAILABLE) from None
+    except OSError as e:
+        raise CliError(str(e.strerror or e)) from None
+
+
+async def _open_store(settings: Settings, backend: Backend) -> Any:
+    from eventlight.store.jetstream import JetStreamLightningStore
+    from eventlight.store.memory import InMemoryLightningStore
+
+    if backend is Backend.memory:
+        return await InMemoryLightningStore().__aenter__()
+    nats = await _need_nats(settings)
+    if await _stream_state(nats.url, settings) is None:
+        raise _no_namespace(settings, f"no stream {settings.stream_name}")
+    pg = await _need_pg(settings)
+    return await JetStreamLightningStore(settings, nats_url=nats.url, pg_dsn=pg.url).start()
+
+
+async def _serve(settings: Settings, backend: Backend, host: str, port: int, token: str | None, max_body: int) -> int:
+    from eventlight.server.serving import LightningStoreServer
+
+    store = await _open_store(settings, backend)
+    identity = {
+        "instance": f"srv-{uuid.uuid4().hex[:8]}",
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "port": port,
+        "namespace": settings.namespace,
+        "store": type(store).__name__,
+    }
+    server = LightningStoreServer(store, host, port, token=token, max_body_bytes=max_body, identity=identity)
+    stop = asyncio.Event()
+    code = 0
+
+    def _on_term() -> None:
+        nonlocal code
+        code = EXIT_TERMINATED
+        stop.set()
+
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, _on_term)
+    try:
+        await server.start()
+        auth = "bearer token required" if token else "no token (anyone who can connect may write)"
+        console.print(
+            f"serving {escape(type(store).__name__)} of namespace {settings.namespace} on {server.endpoint} "
+            f"({identity['instance']}; {auth}); OpenAPI at {server.endpoint}/docs; Ctrl+C to stop"
+        )
+        await stop.wait()
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+        with contextlib.suppress(Exception):
+            await server.stop()
+        await store.close()
+    return code
+
+
+def serve(
+    host: Annotated[str, typer.Option(help="Interface to bind (0.0.0.0: every interface; then set --token).")] = (
+        "127.0.0.1"
+    ),
+    port: Annotated[int, typer.Option(min=1, max=65535, help="TCP port (Agent-lightning's default).")] = 4747,
+    token: Annotated[
+        str | None,
+        typer.Option(
+            envvar="EVENTLIGHT_SERVER_TOKEN",
+            show_envvar=True,
+            help="Require 'Authorization: Bearer <token>' on every request.",
+        ),
+    ] = None,
+    backend: Annotated[
+        Backend, typer.Option(help="jetstream: the namespace on NATS + Postgres; memory: a store in this process.")
+    ] = Backend.jetstream,
+    max_body_bytes: Annotated[int, typer.Option(min=1, help="Largest request body (413 above).")] = 16 * 1024 * 1024,
+    namespace: NamespaceOpt = None,
+) -> None:
+    """Serve the namespace's store over HTTP: Agent-lightning 0.3.0's /v1/agl routes (its
+    LightningStoreClient works against it), OTLP/HTTP traces at /v1/traces, OpenAPI at /docs.
+
+    Writes through it are events on the namespace's stream like any other. Uses
+    $EVENTLIGHT_NATS_URL / $EVENTLIGHT_PG_DSN, else the servers `eventlight up` started; never
+    starts them. A port that is taken fails at once (exit 1)."""
+    from eventlight.cli.common import _settings
+
+    settings = _settings(namespace)
+    _check_port(host, port)
+    try:
+        code = asyncio.run(_serve(settings, backend, host, port, token or None, max_body_bytes))
+    except KeyboardInterrupt:
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    except OSError as e:  # the port was taken between the check and the start
+        raise CliError(str(e.strerror or e), EXIT_UNAVAILABLE) from None
+    if code:
+        raise typer.Exit(code)

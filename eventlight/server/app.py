@@ -1,0 +1,75 @@
+"""``create_app``: the FastAPI application of ``eventlight serve`` over one store.
+
+Routes: Agent-lightning 0.3.0's ``/v1/agl/...`` (``eventlight.server.routes``), OTLP ``/v1/traces``
+(``eventlight.server.otlp``), the OpenAPI description at ``/openapi.json`` (and ``/docs``). Around
+them, outermost first: the bearer token (when one is set), the body ceiling.
+Errors: ``eventlight.server.errors``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from eventlight.server import otlp
+from eventlight.server.auth import BearerAuth
+from eventlight.server.codec import openapi_components
+from eventlight.server.errors import install_error_handlers
+from eventlight.server.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
+from eventlight.server.routes import agl_router
+from eventlight.store.base import LightningStore
+
+__all__ = ["create_app"]
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("eventlight")
+    except PackageNotFoundError:
+        return "0"
+
+
+def create_app(
+    store: LightningStore,
+    *,
+    identity: dict[str, Any] | None = None,
+    token: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
+    """The ASGI app serving ``store``.
+
+    Args:
+        store: What the routes call; its writes are its own (events, on JetStream).
+        identity: What ``/v1/agl/health`` names besides ``"status": "ok"`` (instance, namespace, ...).
+        token: When set, every request must send ``Authorization: Bearer <token>`` (else 401).
+        max_body_bytes: Larger request bodies (and OTLP bodies that inflate past it) get 413.
+    """
+    app = FastAPI(
+        title="eventlight store server",
+        version=_version(),
+        description="Agent-lightning 0.3.0's store routes (/v1/agl) and OTLP/HTTP traces (/v1/traces) "
+        "over an event-sourced store.",
+    )
+    app.state.store = store
+    app.state.identity = dict(identity or {"store": type(store).__name__})
+    app.state.max_body_bytes = max_body_bytes
+    app.include_router(agl_router())
+    app.include_router(otlp.router)
+    install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes)
+    if token:
+        app.add_middleware(BearerAuth, token=token)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(openapi_components())
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app

@@ -1,0 +1,377 @@
+"""``LightningStoreClient``: the store API over HTTP, against ``eventlight serve`` (Agent-lightning 0.3.0's name).
+
+Every ``LightningStore`` method is one request to the ``/v1/agl`` routes (``add_many_spans`` and
+``get_many_span_sequence_ids`` are one request per item, as 0.3.0's client does, the server having
+no bulk route). Errors come back as the server raised them (``RolloutNotFoundError`` is still a
+``NotFoundError`` and a ``ValueError``); retries: ``eventlight.server.transport``.
+
+Where it differs from 0.3.0's client: errors are raised, not turned into ``None`` (``dequeue_rollout``
+and the ``get_*`` methods answer ``None`` only for "nothing there", as the store does);
+``wait_for_rollouts`` accepts any timeout (a long wait is several requests of at most 20 s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Sequence
+from typing import Any, Literal, TypeVar
+
+import msgspec
+
+from eventlight.core.commands import UNSET
+from eventlight.core.types import (
+    Attempt,
+    AttemptedRollout,
+    EnqueueRolloutRequest,
+    NamedResources,
+    PaginatedResult,
+    ResourcesUpdate,
+    Rollout,
+    RolloutConfig,
+    Span,
+    Worker,
+)
+from eventlight.server.transport import Transport
+from eventlight.store.base import LightningStore, LightningStoreCapabilities
+
+__all__ = ["LightningStoreClient"]
+
+T = TypeVar("T")
+
+_WAIT_CHUNK_S = 20.0
+_AGL = "/v1/agl"
+
+
+def _rollout(item: Any) -> Rollout:
+    return msgspec.convert(item, AttemptedRollout if isinstance(item, dict) and "attempt" in item else Rollout)
+
+
+def _page(data: Any, item: type[T]) -> PaginatedResult[T]:
+    items = [msgspec.convert(x, item) for x in data["items"]]
+    return PaginatedResult(items, limit=data["limit"], offset=data["offset"], total=data["total"])
+
+
+def _set(**fields: Any) -> dict[str, Any]:
+    """The fields that are not ``UNSET`` (what an update sends)."""
+    return {k: msgspec.to_builtins(v) for k, v in fields.items() if v is not UNSET}
+
+
+class LightningStoreClient(LightningStore):
+    """A store reached over HTTP (``eventlight serve``, or anything serving 0.3.0's ``/v1/agl`` routes).
+
+    Args:
+        server_address: ``http://host:port`` of the server.
+        token: Bearer token; default ``$EVENTLIGHT_SERVER_TOKEN`` when set.
+        retry_delays: Seconds between tries of a request that may be retried (see the transport).
+        request_timeout: Seconds one request may take.
+        connection_timeout: Seconds to connect.
+    """
+
+    def __init__(
+        self,
+        server_address: str,
+        *,
+        token: str | None = None,
+        retry_delays: Sequence[float] = (0.2, 0.5, 1.0, 2.0),
+        request_timeout: float = 30.0,
+        connection_timeout: float = 5.0,
+    ):
+        self.server_address = server_address.rstrip("/")
+        self._http = Transport(
+            self.server_address,
+            token=token if token is not None else os.environ.get("EVENTLIGHT_SERVER_TOKEN") or None,
+            retry_delays=retry_delays,
+            request_timeout_s=request_timeout,
+            connect_timeout_s=connection_timeout,
+        )
+
+    @property
+    def capabilities(self) -> LightningStoreCapabilities:
+        return {"async_safe": True, "thread_safe": False, "zero_copy": True, "otlp_traces": True}
+
+    def otlp_traces_endpoint(self) -> str:
+        return f"{self.server_address}/v1/traces"
+
+    async def _get(self, path: str, params: Any = None) -> Any:
+        return await self._http.request("GET", _AGL + path, params=params, idempotent=True)
+
+    async def _post(self, path: str, body: Any = None, *, safe: bool = False, timeout_s: float | None = None) -> Any:
+        return await self._http.request("POST", _AGL + path, json=body, idempotent=safe, timeout_s=timeout_s)
+
+    async def health(self) -> dict[str, Any]:
+        """What ``/v1/agl/health`` says (``status`` and which server answers)."""
+        data: dict[str, Any] = await self._get("/health")
+        return data
+
+    async def statistics(self) -> dict[str, Any]:
+        data: dict[str, Any] = await self._get("/statistics")
+        return data
+
+    async def close(self) -> None:
+        await self._http.close()
+
+    # -- rollouts and the queue ------------------------------------------------------------
+
+    async def enqueue_rollout(
+        self,
+        input: Any,
+        mode: str | None = None,
+        resources_id: str | None = None,
+        config: RolloutConfig | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> Rollout:
+        request = EnqueueRolloutRequest(
+            input=input, mode=mode, resources_id=resources_id, config=config, metadata=metadata
+        )
+        return (await self.enqueue_many_rollouts([request]))[0]
+
+    async def enqueue_many_rollouts(self, rollouts: Sequence[EnqueueRolloutRequest]) -> list[Rollout]:
+        if not rollouts:
+            return []
+        data = await self._post("/queues/rollouts/enqueue", {"rollouts": msgspec.to_builtins(list(rollouts))})
+        return [_rollout(x) for x in data]
+
+    async def start_rollout(
+        self,
+        input: Any,
+        mode: str | None = None,
+        resources_id: str | None = None,
+        config: RolloutConfig | None = None,
+        metadata: dict[str, Any] | None = None,
+        worker_id: str | None = None,
+    ) -> AttemptedRollout:
+        body = {
+            "input": input,
+            "mode": mode,
+            "resources_id": resources_id,
+            "config": msgspec.to_builtins(config),
+            "metadata": metadata,
+            "worker_id": worker_id,
+        }
+        return msgspec.convert(await self._post("/rollouts", body), AttemptedRollout)
+
+    async def dequeue_rollout(self, worker_id: str | None = None) -> AttemptedRollout | None:
+        got = await self.dequeue_many_rollouts(limit=1, worker_id=worker_id)
+        return got[0] if got else None
+
+    async def dequeue_many_rollouts(self, *, limit: int = 1, worker_id: str | None = None) -> list[AttemptedRollout]:
+        if limit <= 0:
+            return []
+        data = await self._post("/queues/rollouts/dequeue", {"limit": limit, "worker_id": worker_id})
+        return [msgspec.convert(x, AttemptedRollout) for x in data]
+
+    async def start_attempt(self, rollout_id: str, worker_id: str | None = None) -> AttemptedRollout:
+        data = await self._post(f"/rollouts/{rollout_id}/attempts", {"worker_id": worker_id})
+        return msgspec.convert(data, AttemptedRollout)
+
+    async def update_rollout(
+        self,
+        rollout_id: str,
+        input: Any = UNSET,
+        mode: Any = UNSET,
+        resources_id: Any = UNSET,
+        status: Any = UNSET,
+        config: Any = UNSET,
+        metadata: Any = UNSET,
+    ) -> Rollout:
+        body = _set(input=input, mode=mode, resources_id=resources_id, status=status, config=config, metadata=metadata)
+        return msgspec.convert(await self._post(f"/rollouts/{rollout_id}", body), Rollout)
+
+    async def update_attempt(
+        self,
+        rollout_id: str,
+        attempt_id: str,
+        status: Any = UNSET,
+        worker_id: Any = UNSET,
+        last_heartbeat_time: Any = UNSET,
+        metadata: Any = UNSET,
+    ) -> Attempt:
+        body = _set(status=status, worker_id=worker_id, last_heartbeat_time=last_heartbeat_time, metadata=metadata)
+        return msgspec.convert(await self._post(f"/rollouts/{rollout_id}/attempts/{attempt_id}", body), Attempt)
+
+    # -- reads -----------------------------------------------------------------------------
+
+    async def query_rollouts(
+        self,
+        *,
+        status_in: Sequence[str] | None = None,
+        rollout_id_in: Sequence[str] | None = None,
+        rollout_id_contains: str | None = None,
+        filter_logic: Literal["and", "or"] = "and",
+        sort_by: str | None = None,
+        sort_order: Literal["asc", "desc"] = "asc",
+        limit: int = -1,
+        offset: int = 0,
+        status: Sequence[str] | None = None,
+        rollout_ids: Sequence[str] | None = None,
+    ) -> PaginatedResult[Rollout]:
+        status_in = status_in if status_in is not None else status
+        rollout_id_in = rollout_id_in if rollout_id_in is not None else rollout_ids
+        body = {
+            "status_in": list(status_in) if status_in is not None else None,
+            "rollout_id_in": list(rollout_id_in) if rollout_id_in is not None else None,
+            "rollout_id_contains": rollout_id_contains,
+            "filter_logic": filter_logic,
+            "sort_by": sort_by,
+            "sort_order": sort_order,
+            "limit": limit,
+            "offset": offset,
+        }
+        data = await self._post("/rollouts/search", body, safe=True)
+        items = [_rollout(x) for x in data["items"]]
+        return PaginatedResult(items, limit=data["limit"], offset=data["offset"], total=data["total"])
+
+    async def get_rollout_by_id(self, rollout_id: str) -> Rollout | None:
+        data = await self._get(f"/rollouts/{rollout_id}")
+        return None if data is None else _rollout(data)
+
+    async def query_attempts(
+        self,
+        rollout_id: str,
+        *,
+        sort_by: str | None = "sequence_id",
+        sort_order: Literal["asc", "desc"] = "asc",
+        limit: int = -1,
+        offset: int = 0,
+    ) -> PaginatedResult[Attempt]:
+        body = {"sort_by": sort_by, "sort_order": sort_order, "limit": limit, "offset": offset}
+        return _page(await self._post(f"/rollouts/{rollout_id}/attempts/search", body, safe=True), Attempt)
+
+    async def get_latest_attempt(self, rollout_id: str) -> Attempt | None:
+        data = await self._get(f"/rollouts/{rollout_id}/attempts/latest")
+        return None if data is None else msgspec.convert(data, Attempt)
+
+    async def wait_for_rollouts(self, *, rollout_ids: list[str], timeout: float | None = None) -> list[Rollout]:
+        deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
+        while True:
+            left = _WAIT_CHUNK_S if deadline is None else max(0.0, deadline - time.monotonic())
+            chunk = min(left, _WAIT_CHUNK_S)
+            body = {"rollout_ids": list(rollout_ids), "timeout": chunk}
+            data = await self._post("/waits/rollouts", body, safe=True, timeout_s=chunk + 15.0)
+            done = [_rollout(x) for x in data]
+            if len(done) >= len(set(rollout_ids)) or (deadline is not None and time.monotonic() >= deadline):
+                return done
+            await asyncio.sleep(0)
+
+    # -- spans -----------------------------------------------------------------------------
+
+    async def add_span(self, span: Span) -> Span | None:
+        data = await self._post("/spans", msgspec.to_builtins(span))
+        return None if data is None else msgspec.convert(data, Span)
+
+    async def add_many_spans(self, spans: Sequence[Span]) -> list[Span]:
+        added = [await self.add_span(span) for span in spans]
+        return [s for s in added if s is not None]
+
+    async def get_next_span_sequence_id(self, rollout_id: str, attempt_id: str) -> int:
+        data = await self._post("/spans/next", {"rollout_id": rollout_id, "attempt_id": attempt_id})
+        return int(data["sequence_id"])
+
+    async def get_many_span_sequence_ids(self, rollout_attempt_ids: Sequence[tuple[str, str]]) -> list[int]:
+        return [await self.get_next_span_sequence_id(r, a) for r, a in rollout_attempt_ids]
+
+    async def query_spans(
+        self,
+        rollout_id: str,
+        attempt_id: str | None = None,
+        *,
+        trace_id: str | None = None,
+        trace_id_contains: str | None = None,
+        span_id: str | None = None,
+        span_id_contains: str | None = None,
+        parent_id: str | None = None,
+        parent_id_contains: str | None = None,
+        name: str | None = None,
+        name_contains: str | None = None,
+        filter_logic: Literal["and", "or"] = "and",
+        limit: int = -1,
+        offset: int = 0,
+        sort_by: str | None = "sequence_id",
+        sort_order: Literal["asc", "desc"] = "asc",
+    ) -> PaginatedResult[Span]:
+        body = {
+            "rollout_id": rollout_id,
+            "attempt_id": attempt_id,
+            "trace_id": trace_id,
+            "trace_id_contains": trace_id_contains,
+            "span_id": span_id,
+            "span_id_contains": span_id_contains,
+            "parent_id": parent_id,
+            "parent_id_contains": parent_id_contains,
+            "name": name,
+            "name_contains": name_contains,
+            "filter_logic": filter_logic,
+            "limit": limit,
+            "offset": offset,
+            "sort_by": sort_by,
+            "sort_order": sort_order,
+        }
+        return _page(await self._post("/spans/search", body, safe=True), Span)
+
+    # -- resources -------------------------------------------------------------------------
+
+    async def add_resources(self, resources: NamedResources) -> ResourcesUpdate:
+        return msgspec.convert(await self._post("/resources", msgspec.to_builtins(resources)), ResourcesUpdate)
+
+    async def update_resources(self, resources_id: str, resources: NamedResources) -> ResourcesUpdate:
+        data = await self._post(f"/resources/{resources_id}", msgspec.to_builtins(resources))
+        return msgspec.convert(data, ResourcesUpdate)
+
+    async def get_resources_by_id(self, resources_id: str) -> ResourcesUpdate | None:
+        data = await self._get(f"/resources/{resources_id}")
+        return None if data is None else msgspec.convert(data, ResourcesUpdate)
+
+    async def get_latest_resources(self) -> ResourcesUpdate | None:
+        data = await self._get("/resources/latest")
+        return None if data is None else msgspec.convert(data, ResourcesUpdate)
+
+    async def query_resources(
+        self,
+        *,
+        resources_id: str | None = None,
+        resources_id_contains: str | None = None,
+        sort_by: str | None = None,
+        sort_order: Literal["asc", "desc"] = "asc",
+        limit: int = -1,
+        offset: int = 0,
+    ) -> PaginatedResult[ResourcesUpdate]:
+        params = {"resources_id": resources_id, "resources_id_contains": resources_id_contains, "sort_by": sort_by}
+        query = {k: v for k, v in params.items() if v is not None} | {
+            "sort_order": sort_order,
+            "limit": limit,
+            "offset": offset,
+        }
+        return _page(await self._get("/resources", query), ResourcesUpdate)
+
+    # -- workers ---------------------------------------------------------------------------
+
+    async def update_worker(self, worker_id: str, heartbeat_stats: Any = UNSET) -> Worker:
+        return msgspec.convert(await self._post(f"/workers/{worker_id}", _set(heartbeat_stats=heartbeat_stats)), Worker)
+
+    async def get_worker_by_id(self, worker_id: str) -> Worker | None:
+        data = await self._get(f"/workers/{worker_id}")
+        return None if data is None else msgspec.convert(data, Worker)
+
+    async def query_workers(
+        self,
+        *,
+        status_in: Sequence[str] | None = None,
+        worker_id_contains: str | None = None,
+        filter_logic: Literal["and", "or"] = "and",
+        sort_by: str | None = None,
+        sort_order: Literal["asc", "desc"] = "asc",
+        limit: int = -1,
+        offset: int = 0,
+    ) -> PaginatedResult[Worker]:
+        body = {
+            "status_in": list(status_in) if status_in is not None else None,
+            "worker_id_contains": worker_id_contains,
+            "filter_logic": filter_logic,
+            "sort_by": sort_by,
+            "sort_order": sort_order,
+            "limit": limit,
+            "offset": offset,
+        }
+        return _page(await self._post("/workers/search", body, safe=True), Worker)

@@ -1,0 +1,109 @@
+"""``POST /v1/traces``: OTLP/HTTP trace export into the store, so any OpenTelemetry SDK or Collector can send.
+
+The spans of each attempt go to the log together (``add_spans_numbered`` when the store allocates
+their sequence ids, one append on JetStream; ``add_many_spans`` when they carry their own), the
+attempts of one request concurrently. Spans that cannot be taken (no rollout or attempt id, an
+attempt the store does not know, a span the store refuses) are counted and explained in
+``partial_success`` of a 200 answer, as the OTLP specification asks; the others are recorded.
+Wire format, content types and whole-request errors: ``eventlight.server.otlp_wire``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import defaultdict
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from eventlight.core.errors import ConcurrencyError, InvalidInputError, NotFoundError
+from eventlight.core.types import Span
+from eventlight.server.otlp_spans import Rejected, spans_from_request
+from eventlight.server.otlp_wire import PROTOBUF, OtlpError, encode_response, encode_status, parse_request
+from eventlight.server.routes.common import store_of
+from eventlight.store.base import LightningStore
+
+__all__ = ["ingest", "router"]
+
+log = logging.getLogger(__name__)
+
+router = APIRouter()
+
+_MAX_REASONS = 20
+
+
+async def _record_attempt(store: LightningStore, rollout_id: str, attempt_id: str, spans: list[Span]) -> str | None:
+    """Record one attempt's spans; the reason they were refused, or ``None``."""
+    numbered = [s for s in spans if s.sequence_id > 0]
+    unnumbered = [s for s in spans if s.sequence_id <= 0]
+    try:
+        if unnumbered:
+            await store.add_spans_numbered(rollout_id, attempt_id, unnumbered)
+        if numbered:
+            await store.add_many_spans(numbered)
+    except (NotFoundError, InvalidInputError, ConcurrencyError) as e:
+        return str(e)
+    return None
+
+
+async def ingest(store: LightningStore, spans: list[Span]) -> list[Rejected]:
+    """Record ``spans`` attempt by attempt; the spans of attempts the store refused.
+
+    Raises:
+        ServiceUnavailableError: NATS or Postgres did not answer (503: the exporter retries).
+    """
+    by_attempt: dict[tuple[str, str], list[Span]] = defaultdict(list)
+    for span in spans:
+        by_attempt[(span.rollout_id, span.attempt_id)].append(span)
+    keys = list(by_attempt)
+    reasons = await asyncio.gather(*(_record_attempt(store, r, a, by_attempt[(r, a)]) for r, a in keys))
+    return [
+        Rejected(span.span_id, span.name, reason)
+        for key, reason in zip(keys, reasons, strict=True)
+        if reason is not None
+        for span in by_attempt[key]
+    ]
+
+
+def _message(rejected: list[Rejected]) -> str:
+    shown = "; ".join(r.describe() for r in rejected[:_MAX_REASONS])
+    more = f"; and {len(rejected) - _MAX_REASONS} more" if len(rejected) > _MAX_REASONS else ""
+    return f"{len(rejected)} span(s) rejected: {shown}{more}"
+
+
+@router.post(
+    "/v1/traces",
+    summary="OTLP/HTTP trace export",
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                PROTOBUF: {"schema": {"type": "string", "format": "binary"}},
+                "application/json": {"schema": {"type": "object", "description": "OTLP/JSON request"}},
+            },
+        },
+        "responses": {"200": {"description": "ExportTraceServiceResponse, partial_success when spans were rejected"}},
+    },
+)
+async def export_traces(request: Request) -> Response:
+    """Take an ``ExportTraceServiceRequest`` (protobuf or JSON, optionally gzip) and record its spans."""
+    kind = PROTOBUF
+    try:
+        kind = "application/json" if "json" in request.headers.get("content-type", "") else PROTOBUF
+        parsed, kind = parse_request(
+            await request.body(),
+            request.headers.get("content-type"),
+            request.headers.get("content-encoding"),
+            request.app.state.max_body_bytes,
+        )
+    except OtlpError as e:
+        return Response(encode_status(kind, e.status, str(e)), status_code=e.status, media_type=kind)
+    spans, rejected = spans_from_request(parsed)
+    rejected += await ingest(store_of(request), spans)
+    if rejected:
+        log.warning("OTLP export: %s", _message(rejected))
+        body = encode_response(kind, len(rejected), _message(rejected))
+    else:
+        body = encode_response(kind)
+    return Response(body, media_type=kind)

@@ -1,0 +1,137 @@
+"""OTLP spans to store spans: which attempt each belongs to, and the fields in eventlight's shape.
+
+As Agent-lightning 0.3.0's ``spans_from_proto``: ``agentlightning.rollout_id``,
+``agentlightning.attempt_id`` and ``agentlightning.span_sequence_id`` are read from the span's
+attributes, else from its resource's; ids are lowercase hex (trace 32, span 16 digits); times are
+seconds; ``AnyValue`` becomes Python (bytes as hex, key-value lists as dicts, arrays as lists). A
+span without a rollout or attempt id is not taken: it is reported with its reason (0.3.0 drops it
+with a log line only). A missing, negative or unreadable sequence id is allocated by the store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import msgspec
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.trace.v1.trace_pb2 import Span as PbSpan
+
+from eventlight.core.types import Event, Link, OtelResource, Span, SpanContext, TraceStatus
+from eventlight.semconv import LightningResourceAttributes as Keys
+
+__all__ = ["Rejected", "spans_from_request"]
+
+_STATUS = {0: "UNSET", 1: "OK", 2: "ERROR"}
+
+
+class Rejected(msgspec.Struct, frozen=True):
+    """A span not taken, and why (one line)."""
+
+    span_id: str
+    name: str
+    reason: str
+
+    def describe(self) -> str:
+        return f"span {self.span_id} ({self.name!r}): {self.reason}"
+
+
+def value_of(v: AnyValue) -> Any:
+    """An OTLP ``AnyValue`` as Python."""
+    kind = v.WhichOneof("value")
+    if kind is None:
+        return None
+    if kind == "array_value":
+        return [value_of(x) for x in v.array_value.values]
+    if kind == "kvlist_value":
+        return attributes_of(v.kvlist_value.values)
+    if kind == "bytes_value":
+        return v.bytes_value.hex()
+    return getattr(v, kind)
+
+
+def attributes_of(kvs: Iterable[KeyValue]) -> dict[str, Any]:
+    """OTLP attributes as a flat dict (later keys win, as the SDK does)."""
+    return {kv.key: value_of(kv.value) for kv in kvs}
+
+
+def _seconds(ns: int) -> float | None:
+    return ns / 1e9 if ns else None
+
+
+def _id_text(value: Any) -> str | None:
+    if value is None or value == "":
+        return None
+    return str(value)
+
+
+def _sequence(value: Any) -> int | None:
+    """A sequence id (an int or a decimal string); ``None`` when missing, negative or unreadable."""
+    if isinstance(value, bool):
+        return None
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        return None
+    return n if n >= 0 else None
+
+
+def _convert(pb: PbSpan, rollout_id: str, attempt_id: str, sequence_id: int, resource: OtelResource) -> Span:
+    trace_id, span_id = pb.trace_id.hex(), pb.span_id.hex()
+    parent_id = pb.parent_span_id.hex() if pb.parent_span_id else None
+    return Span(
+        rollout_id=rollout_id,
+        attempt_id=attempt_id,
+        sequence_id=sequence_id,
+        trace_id=trace_id,
+        span_id=span_id,
+        parent_id=parent_id,
+        name=pb.name,
+        status=TraceStatus(status_code=_STATUS.get(pb.status.code, "UNSET"), description=pb.status.message or None),
+        attributes=attributes_of(pb.attributes),
+        events=[
+            Event(name=e.name, attributes=attributes_of(e.attributes), timestamp=_seconds(e.time_unix_nano))
+            for e in pb.events
+        ],
+        links=[
+            Link(
+                context=SpanContext(trace_id=link.trace_id.hex(), span_id=link.span_id.hex()),
+                attributes=attributes_of(link.attributes) or None,
+            )
+            for link in pb.links
+        ],
+        start_time=_seconds(pb.start_time_unix_nano),
+        end_time=_seconds(pb.end_time_unix_nano),
+        context=SpanContext(trace_id=trace_id, span_id=span_id),
+        parent=SpanContext(trace_id=trace_id, span_id=parent_id) if parent_id else None,
+        resource=resource,
+    )
+
+
+def spans_from_request(request: ExportTraceServiceRequest) -> tuple[list[Span], list[Rejected]]:
+    """The spans of ``request`` that name their attempt, and those that do not.
+
+    A span whose sequence id must be allocated has ``sequence_id == 0`` (the store's own spans
+    start at 1).
+    """
+    spans: list[Span] = []
+    rejected: list[Rejected] = []
+    for rs in request.resource_spans:
+        resource_attrs = attributes_of(rs.resource.attributes)
+        resource = OtelResource(attributes=resource_attrs, schema_url=rs.schema_url)
+        for ss in rs.scope_spans:
+            for pb in ss.spans:
+                attrs = {k: v.value for k, v in ((kv.key, kv) for kv in pb.attributes)}
+                ids = {k: value_of(attrs[k]) if k in attrs else resource_attrs.get(k) for k in Keys}
+                rollout_id, attempt_id = _id_text(ids[Keys.ROLLOUT_ID]), _id_text(ids[Keys.ATTEMPT_ID])
+                if rollout_id is None or attempt_id is None:
+                    missing = " and ".join(
+                        k.value for k, v in ((Keys.ROLLOUT_ID, rollout_id), (Keys.ATTEMPT_ID, attempt_id)) if v is None
+                    )
+                    reason = f"no {missing} in its span or resource attributes"
+                    rejected.append(Rejected(pb.span_id.hex(), pb.name, reason))
+                    continue
+                sequence_id = _sequence(ids[Keys.SPAN_SEQUENCE_ID]) or 0
+                spans.append(_convert(pb, rollout_id, attempt_id, sequence_id, resource))
+    return spans, rejected

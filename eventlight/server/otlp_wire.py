@@ -1,0 +1,198 @@
+"""OTLP/HTTP on the wire: request bytes to an ``ExportTraceServiceRequest``, answers to bytes.
+
+Follows the OTLP/HTTP specification (opentelemetry.io/docs/specs/otlp, "OTLP/HTTP"):
+
+* ``Content-Type: application/x-protobuf`` (binary protobuf) or ``application/json`` (OTLP/JSON:
+  lowerCamelCase keys, ``traceId``/``spanId``/``parentSpanId`` as hex, not base64); any other
+  type is 415;
+* ``Content-Encoding: gzip`` (or none / ``identity``); any other is 415;
+* the answer has the request's content type; an error's body is a ``google.rpc.Status`` (protobuf,
+  or its JSON mapping for a JSON request);
+* a body that does not parse, and span or trace ids of the wrong length (or all zeros, which the
+  spec calls invalid), are 400 for the whole request: the client must not retry it.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import zlib
+from typing import Any
+
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+
+__all__ = ["OtlpError", "encode_response", "encode_status", "parse_request"]
+
+PROTOBUF = "application/x-protobuf"
+JSON = "application/json"
+_GRPC_INVALID_ARGUMENT = 3
+_GRPC_UNIMPLEMENTED = 12
+
+
+class OtlpError(Exception):
+    """A request refused whole: ``status`` (400, 413 or 415) and a one-line message."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def media_type(content_type: str | None) -> str:
+    """``application/x-protobuf`` or ``application/json`` (parameters dropped).
+
+    Raises:
+        OtlpError: 415 for any other type.
+    """
+    kind = (content_type or "").split(";", 1)[0].strip().lower()
+    if kind in (PROTOBUF, JSON):
+        return kind
+    shown = kind or "none"
+    raise OtlpError(415, f"Content-Type {shown} is not supported: send {PROTOBUF} or {JSON} (OTLP/HTTP)")
+
+
+def _decompress(raw: bytes, encoding: str | None, max_bytes: int) -> bytes:
+    coding = (encoding or "identity").strip().lower()
+    if coding == "identity":
+        return raw
+    if coding != "gzip":
+        raise OtlpError(415, f"Content-Encoding {coding} is not supported: send gzip or none")
+    inflater = zlib.decompressobj(wbits=31)
+    try:
+        out = inflater.decompress(raw, max_bytes + 1)
+    except zlib.error as e:
+        raise OtlpError(400, f"the body is not valid gzip: {e}") from None
+    if len(out) > max_bytes:
+        raise OtlpError(413, f"the body inflates to more than the server's limit of {max_bytes} bytes")
+    if not inflater.eof:
+        raise OtlpError(400, "the gzip body is truncated")
+    return out
+
+
+def _hex_to_b64(value: Any, where: str) -> Any:
+    if not isinstance(value, str):
+        raise OtlpError(400, f"{where} must be a hex string, got {type(value).__name__}")
+    try:
+        return base64.b64encode(binascii.unhexlify(value)).decode()
+    except (binascii.Error, ValueError):
+        raise OtlpError(400, f"{where} {value[:40]!r} is not hex (OTLP/JSON ids are hex strings)") from None
+
+
+def _json_ids_to_b64(doc: Any) -> None:
+    """Rewrite the hex ids of an OTLP/JSON document into the base64 that protobuf's JSON mapping reads."""
+    if not isinstance(doc, dict):
+        raise OtlpError(400, f"an OTLP/JSON body is an object, got {type(doc).__name__}")
+    for r, rs in enumerate(doc.get("resourceSpans") or doc.get("resource_spans") or []):
+        for s, ss in enumerate((rs or {}).get("scopeSpans") or (rs or {}).get("scope_spans") or []):
+            for i, span in enumerate((ss or {}).get("spans") or []):
+                where = f"resourceSpans[{r}].scopeSpans[{s}].spans[{i}]"
+                if not isinstance(span, dict):
+                    raise OtlpError(400, f"{where} is not an object")
+                for key in ("traceId", "trace_id", "spanId", "span_id", "parentSpanId", "parent_span_id"):
+                    if key in span:
+                        span[key] = _hex_to_b64(span[key], f"{where}.{key}")
+                for j, link in enumerate(span.get("links") or []):
+                    for key in ("traceId", "trace_id", "spanId", "span_id"):
+                        if isinstance(link, dict) and key in link:
+                            link[key] = _hex_to_b64(link[key], f"{where}.links[{j}].{key}")
+
+
+def _parse_json(data: bytes) -> ExportTraceServiceRequest:
+    try:
+        doc = json.loads(data) if data.strip() else {}
+    except (ValueError, UnicodeDecodeError) as e:
+        raise OtlpError(400, f"the body is not JSON: {e}") from None
+    _json_ids_to_b64(doc)
+    request = ExportTraceServiceRequest()
+    try:
+        json_format.ParseDict(doc, request, ignore_unknown_fields=True)
+    except (json_format.ParseError, TypeError, ValueError) as e:
+        raise OtlpError(400, f"the body is not an OTLP/JSON ExportTraceServiceRequest: {e}") from None
+    return request
+
+
+def _parse_protobuf(data: bytes) -> ExportTraceServiceRequest:
+    request = ExportTraceServiceRequest()
+    try:
+        request.ParseFromString(data)
+    except DecodeError as e:
+        raise OtlpError(400, f"the body is not a protobuf ExportTraceServiceRequest: {e}") from None
+    return request
+
+
+def _check_id(value: bytes, size: int, where: str, *, optional: bool = False) -> None:
+    if optional and not value:
+        return
+    if len(value) != size:
+        raise OtlpError(400, f"{where} must be {size} bytes ({2 * size} hex digits), got {len(value)}")
+    if not any(value):
+        raise OtlpError(400, f"{where} is all zeros, which OTLP calls invalid")
+
+
+def check_ids(request: ExportTraceServiceRequest) -> None:
+    """Every span's ``trace_id`` is 16 bytes, ``span_id`` 8, ``parent_span_id`` empty or 8, none all zeros.
+
+    Raises:
+        OtlpError: 400 naming the first span that breaks it.
+    """
+    for r, rs in enumerate(request.resource_spans):
+        for s, ss in enumerate(rs.scope_spans):
+            for i, span in enumerate(ss.spans):
+                where = f"resourceSpans[{r}].scopeSpans[{s}].spans[{i}]"
+                _check_id(span.trace_id, 16, f"{where}.traceId")
+                _check_id(span.span_id, 8, f"{where}.spanId")
+                _check_id(span.parent_span_id, 8, f"{where}.parentSpanId", optional=True)
+
+
+def parse_request(
+    raw: bytes, content_type: str | None, content_encoding: str | None, max_bytes: int
+) -> tuple[ExportTraceServiceRequest, str]:
+    """The request and its media type (what the answer is encoded in).
+
+    Raises:
+        OtlpError: 415 (type or encoding), 413 (inflates past ``max_bytes``), 400 (does not parse, bad ids).
+    """
+    kind = media_type(content_type)
+    data = _decompress(raw, content_encoding, max_bytes)
+    request = _parse_json(data) if kind == JSON else _parse_protobuf(data)
+    check_ids(request)
+    return request, kind
+
+
+def encode_response(kind: str, rejected: int = 0, message: str = "") -> bytes:
+    """An ``ExportTraceServiceResponse``; ``partial_success`` set when spans were rejected or there is a message."""
+    response = ExportTraceServiceResponse()
+    if rejected or message:
+        response.partial_success.rejected_spans = rejected
+        response.partial_success.error_message = message
+    if kind == JSON:
+        text: str = json_format.MessageToJson(response, indent=None)
+        return text.encode()
+    data: bytes = response.SerializeToString()
+    return data
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def encode_status(kind: str, status: int, message: str) -> bytes:
+    """A ``google.rpc.Status`` (``code``, ``message``) in the request's encoding.
+
+    Written by hand (fields 1 and 2), so no ``googleapis-common-protos`` is needed for it.
+    """
+    code = _GRPC_UNIMPLEMENTED if status == 501 else _GRPC_INVALID_ARGUMENT
+    if kind == JSON:
+        return json.dumps({"code": code, "message": message}).encode()
+    text = message.encode()
+    return b"\x08" + _varint(code) + b"\x12" + _varint(len(text)) + text

@@ -1,0 +1,147 @@
+"""The HTTP side of ``LightningStoreClient``: one httpx client per event loop, retries, errors back into the tree.
+
+What is retried (with ``retry_delays`` between tries):
+
+* a *safe* request (a read, a search, a wait: ``idempotent=True``) after a connection failure, a
+  timeout, 408, 502, 503 or 504;
+* any request, writes included, only when it cannot have been carried out: the connection was
+  never made, or the server answered ``ConcurrencyError`` (nothing was written). A write whose
+  answer was lost is not repeated (it would be a second command), so its error is raised.
+
+An error answer becomes the error class it names (``error_type``, e.g. ``RolloutNotFoundError``
+is a ``NotFoundError``) with the server's one-line message; 401 is ``AuthenticationError``; a
+server that stays unreachable is ``ServiceUnavailableError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+import msgspec
+
+from eventlight.core import errors as E
+from eventlight.net import redact
+
+__all__ = ["Transport"]
+
+log = logging.getLogger(__name__)
+
+_RETRY_STATUSES = frozenset({408, 502, 503, 504})
+_BY_STATUS: dict[int, type[E.EventlightError]] = {
+    400: E.InvalidInputError,
+    401: E.AuthenticationError,
+    404: E.NotFoundError,
+    409: E.InvalidTransitionError,
+    413: E.InvalidInputError,
+    422: E.InvalidTypeError,
+    503: E.ServiceUnavailableError,
+}
+_BY_NAME: dict[str, type[E.EventlightError]] = {
+    cls.__name__: cls for cls in vars(E).values() if isinstance(cls, type) and issubclass(cls, E.EventlightError)
+}
+
+
+def _error(status: int, content: bytes) -> E.EventlightError:
+    """The error an error answer stands for, built without its class's own constructor."""
+    try:
+        body = msgspec.json.decode(content)
+        detail, name = str(body.get("detail", "")), str(body.get("error_type", ""))
+    except (msgspec.DecodeError, AttributeError):
+        detail, name = content[:300].decode(errors="replace"), ""
+    cls = _BY_NAME.get(name) or _BY_STATUS.get(status) or E.EventlightError
+    exc = cls.__new__(cls)
+    Exception.__init__(exc, detail or f"HTTP {status}")
+    if isinstance(exc, E.ServiceUnavailableError):
+        exc.server = ""
+    return exc
+
+
+class Transport:
+    """Requests to ``base_url`` (``http://host:port``) with the retry rules above."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        token: str | None,
+        retry_delays: Sequence[float],
+        request_timeout_s: float,
+        connect_timeout_s: float,
+    ):
+        self.base_url = base_url.rstrip("/")
+        self.retry_delays = tuple(float(d) for d in retry_delays)
+        self.request_timeout_s = request_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._clients: dict[int, httpx.AsyncClient] = {}
+
+    def _client(self) -> httpx.AsyncClient:
+        key = id(asyncio.get_running_loop())
+        client = self._clients.get(key)
+        if client is None or client.is_closed:
+            timeout = httpx.Timeout(self.request_timeout_s, connect=self.connect_timeout_s)
+            limits = httpx.Limits(max_connections=64, max_keepalive_connections=32)
+            client = httpx.AsyncClient(base_url=self.base_url, headers=self._headers, timeout=timeout, limits=limits)
+            self._clients[key] = client
+        return client
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        params: Any = None,
+        idempotent: bool,
+        timeout_s: float | None = None,
+    ) -> Any:
+        """The decoded JSON answer of ``method path``.
+
+        Raises:
+            EventlightError: The error the server answered (its class from ``error_type``).
+            ServiceUnavailableError: The server could not be reached (after the retries allowed).
+        """
+        content = msgspec.json.encode(json) if json is not None else None
+        headers = {"Content-Type": "application/json"} if content is not None else None
+        timeout = httpx.Timeout(timeout_s, connect=self.connect_timeout_s) if timeout_s else None
+        last: Exception | None = None
+        for delay in (0.0, *self.retry_delays):
+            if delay:
+                await asyncio.sleep(delay)
+            try:
+                kwargs: dict[str, Any] = {"content": content, "params": params, "headers": headers}
+                if timeout is not None:
+                    kwargs["timeout"] = timeout
+                response = await self._client().request(method, path, **kwargs)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # never reached the server
+                last = e
+                continue
+            except (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError) as e:
+                last = e
+                if idempotent:
+                    continue
+                break
+            if response.is_success:
+                return msgspec.json.decode(response.content) if response.content else None
+            error = _error(response.status_code, response.content)
+            retry = isinstance(error, E.ConcurrencyError) or (idempotent and response.status_code in _RETRY_STATUSES)
+            if not retry:
+                raise error
+            last = error
+        if isinstance(last, E.EventlightError):
+            raise last
+        where = redact(self.base_url)
+        raise E.ServiceUnavailableError(where, f"{method} {path}: {type(last).__name__}: {last}") from last
+
+    async def close(self) -> None:
+        """Close the httpx clients of this loop (others are dropped); idempotent."""
+        clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            try:
+                await client.aclose()
+            except RuntimeError:  # made on another, closed loop
+                log.debug("dropped an httpx client of another event loop")

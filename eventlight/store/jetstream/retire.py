@@ -1,0 +1,105 @@
+"""Retirement: terminal rollouts past the retention window leave the hot stream (issue 14).
+
+The hot stream ``EL_<NS>`` needs a subject per rollout (its appends fence on ``r.<rid>.>``) and
+nats-server keeps state for every subject it holds, so it should hold what is live. With
+``Settings.retention_s`` set, JetStream sources every event into the archive stream
+(``archive``); ``retire`` then, per batch:
+
+1. takes the position ``bound`` that both the archive (its last sourced position) and the live
+   projection (its checkpoint) have passed;
+2. selects, from the read model, rollouts in a terminal status that ended more than
+   ``retention_s`` ago, whose last state event is at or below ``bound`` and that are not yet
+   listed in ``retired_rollouts``;
+3. appends their ids to the archive's ledger (so a late write finds them: ``RolloutRetiredError``);
+4. purges ``r.<rid>.>`` and ``s.<rid>.>`` from the hot stream below ``bound + 1`` (a message that
+   came after stays: nothing unarchived is ever purged);
+5. lists them in ``retired_rollouts``.
+
+Each step can be repeated: a retirement cut short is finished by the next one.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+
+from eventlight.core.errors import InvalidInputError
+from eventlight.core.types import TERMINAL_ROLLOUT_STATUSES
+from eventlight.settings import Settings
+from eventlight.store.jetstream.archive import archive_head, archived_until
+from eventlight.store.jetstream.log import JetStreamEventLog
+from eventlight.store.jetstream.nats_errors import nats_errors
+
+log = logging.getLogger(__name__)
+
+BATCH = 500
+"""Rollouts per ledger entry."""
+
+_SELECT = """
+SELECT r.rollout_id FROM rollouts r
+ WHERE r.status = ANY($1::text[]) AND r.end_time IS NOT NULL AND r.end_time < $2 AND r.last_seq <= $3
+   AND NOT EXISTS (SELECT 1 FROM retired_rollouts x WHERE x.rollout_id = r.rollout_id)
+ ORDER BY r.last_seq LIMIT $4
+"""
+
+
+class RetireReport(msgspec.Struct, kw_only=True):
+    """What one ``retire`` did: rollouts retired, below which log position, how long it took."""
+
+    retired: int = 0
+    bound: int = 0
+    seconds: float = 0.0
+
+
+async def retire(
+    log_: JetStreamEventLog, pg: Any, settings: Settings, *, now: float, limit: int | None = None
+) -> RetireReport:
+    """Retire what is due (see the module docstring); returns what it did.
+
+    Args:
+        log_: The namespace's event log.
+        pg: An asyncpg pool or connection on the namespace's schema.
+        settings: ``retention_s`` must be set.
+        now: Seconds since the epoch (the clock is passed in).
+        limit: At most this many rollouts (default: all that are due).
+
+    Raises:
+        InvalidInputError: ``settings.retention_s`` is not set, or the namespace has no archive.
+        ServiceUnavailableError: NATS or Postgres failed.
+    """
+    import time
+
+    t0 = time.perf_counter()
+    if settings.retention_s is None:
+        raise InvalidInputError("retirement is off: set Settings.retention_s (EVENTLIGHT_RETENTION_S)")
+    if await archive_head(log_) is None:
+        raise InvalidInputError(f"namespace {settings.namespace} has no archive stream: apply_streams with retention_s")
+    checkpoint = int(await pg.fetchval("SELECT last_seq FROM projector_checkpoint") or 0)
+    bound = min(await archived_until(log_), checkpoint)
+    report = RetireReport(bound=bound)
+    while limit is None or report.retired < limit:
+        take = BATCH if limit is None else min(BATCH, limit - report.retired)
+        rows = await pg.fetch(_SELECT, sorted(TERMINAL_ROLLOUT_STATUSES), now - settings.retention_s, bound, take)
+        ids = [str(r["rollout_id"]) for r in rows]
+        if not ids:
+            break
+        await log_.retired.record(ids, now)
+        for rid in ids:
+            await _purge(log_, rid, bound)
+        await pg.executemany(
+            "INSERT INTO retired_rollouts (rollout_id, retired_at, purged_below_seq) VALUES ($1, $2, $3)"
+            " ON CONFLICT (rollout_id) DO NOTHING",
+            [(rid, now, bound + 1) for rid in ids],
+        )
+        report.retired += len(ids)
+        log.info("retired %d rollouts below log position %d (%s ...)", len(ids), bound + 1, ids[0])
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+async def _purge(log_: JetStreamEventLog, rollout_id: str, bound: int) -> None:
+    for subject in (f"{log_.prefix}.r.{rollout_id}.>", f"{log_.prefix}.s.{rollout_id}.>"):
+        with nats_errors(log_.server, f"purging {subject}"):
+            await log_.js.purge_stream(log_.stream, seq=bound + 1, subject=subject)

@@ -1,0 +1,142 @@
+"""Retirement (issue 14): terminal rollouts past the retention window leave the hot stream for the
+archive stream JetStream sources; replay, export and rebuild read archive + hot as one log; a late
+write to a retired rollout is refused with ``RolloutRetiredError``; off unless ``retention_s`` is set."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+import eventlight
+from eventlight.core.errors import InvalidInputError, RolloutNotFoundError, RolloutRetiredError
+from eventlight.logreplay.rebuild import rebuild
+from eventlight.logreplay.transfer import export_log
+from eventlight.ops import apply_streams
+from eventlight.settings import Settings
+from eventlight.store.jetstream import JetStreamLightningStore
+from eventlight.store.jetstream.archive import archive_head, archived_until, source_position
+from eventlight.store.jetstream.connect import connect_nats
+from eventlight.store.jetstream.retire import retire
+from tests.test_replay import llm_span, workload
+
+
+async def _with_archive(namespace: Settings) -> Settings:
+    settings = msgspec.structs.replace(namespace, retention_s=0.0)
+    nc = await connect_nats(settings.nats_url or "")
+    try:
+        applied = await apply_streams(nc, settings)
+        assert f"stream {settings.archive_stream_name}" in applied
+        config = (await nc.jetstream().stream_info(settings.archive_stream_name)).config
+        [source] = config.sources or []
+        assert source.name == settings.stream_name and len(source.subject_transforms or []) == 4
+    finally:
+        await nc.close()
+    return settings
+
+
+async def _archive_caught_up(store: JetStreamLightningStore) -> None:
+    head = await store.log.head_seq()
+    for _ in range(200):
+        if await archived_until(store.log) >= head:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the archive did not reach log position {head}")
+
+
+async def _hot_subjects(store: JetStreamLightningStore) -> dict[str, int]:
+    info = await store.log.js.stream_info(store.log.stream, subjects_filter=">")
+    return dict(info.state.subjects or {})
+
+
+def test_the_source_header_gives_position_and_subject() -> None:
+    value = "EL_T 7 el.t.r.*.*\x0cel.t.s.*.* elarc.t.r\x0celarc.t.s el.t.r.ro-1.e Abc123"
+    assert source_position({"Nats-Stream-Source": value}) == (7, "el.t.r.ro-1.e")
+    assert source_position({}) is None and source_position(None) is None
+    assert source_position({"Nats-Stream-Source": "EL_T x"}) is None
+
+
+async def test_off_by_default_no_archive_and_retire_refuses(namespace: Settings) -> None:
+    assert Settings().retention_s is None
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
+        assert await archive_head(store.log) is None
+        with pytest.raises(InvalidInputError, match="retirement is off"):
+            await retire(store.log, store.read_model.pool, namespace, now=time.time())  # type: ignore[union-attr]
+        on = msgspec.structs.replace(namespace, retention_s=0.0)
+        with pytest.raises(InvalidInputError, match="no archive stream"):
+            await retire(store.log, store.read_model.pool, on, now=time.time())  # type: ignore[union-attr]
+
+
+async def test_retired_rollouts_leave_the_hot_stream_and_the_log_reads_the_same(
+    namespace: Settings, tmp_path: Path
+) -> None:
+    settings = await _with_archive(namespace)
+    dsn = settings.pg_dsn
+    assert dsn is not None
+    async with JetStreamLightningStore(settings, pg_dsn=dsn) as store:
+        ids = await workload(store)  # three terminal rollouts
+        live = await store.enqueue_rollout({"task": "live"})
+        claimed = await store.dequeue_rollout(worker_id="w2")
+        assert claimed is not None and claimed.rollout_id == live.rollout_id
+        await store.sync_all(timeout_s=10)
+        await _archive_caught_up(store)
+        before = [r async for r in eventlight.replay(settings, adapter="triplets")]
+        await export_log(settings, tmp_path / "before.jsonl", 0, None)
+        pool: Any = store.read_model.pool  # type: ignore[union-attr]
+
+        not_yet = await retire(store.log, pool, msgspec.structs.replace(settings, retention_s=3600.0), now=time.time())
+        assert not_yet.retired == 0  # ended within the retention window
+        report = await retire(store.log, pool, settings, now=time.time() + 1)
+        assert report.retired == 3
+        subjects = await _hot_subjects(store)
+        for rid in ids.values():
+            assert not [s for s in subjects if f".{rid}." in s], f"{rid} is still in the hot stream"
+        assert [s for s in subjects if f".{live.rollout_id}." in s], "the running rollout was retired"
+        assert (await retire(store.log, pool, settings, now=time.time() + 1)).retired == 0  # nothing twice
+
+        after = [r async for r in eventlight.replay(settings, adapter="triplets")]
+        assert after == before and len(after) == 6
+        await export_log(settings, tmp_path / "after.jsonl", 0, None)
+        assert (tmp_path / "after.jsonl").read_bytes() == (tmp_path / "before.jsonl").read_bytes()
+        rebuilt = await rebuild(settings, dsn)
+        assert rebuilt.same, rebuilt.tables
+
+        rid = ids["good"]
+        aid = (await store.get_latest_attempt(rid)).attempt_id  # type: ignore[union-attr]  # reads keep working
+        with pytest.raises(RolloutRetiredError, match="is retired"):
+            await store.update_attempt(rid, aid, status="failed")
+        with pytest.raises(RolloutRetiredError):
+            await store.add_span(llm_span(rid, aid, 9, "late", 20.0))
+        await store.update_attempt(live.rollout_id, claimed.attempt.attempt_id, status="succeeded")  # live: fine
+    async with JetStreamLightningStore(settings) as other:  # another process: reads the ledger
+        with pytest.raises(RolloutRetiredError):
+            await other.update_rollout(ids["bad"], status="cancelled")
+        with pytest.raises(RolloutNotFoundError) as never:
+            await other.update_rollout("ro-neverexisted", status="cancelled")
+        assert not isinstance(never.value, RolloutRetiredError)
+
+
+async def test_the_leading_projector_retires_what_is_due_by_itself(namespace: Settings) -> None:
+    """With ``retention_s`` set, nothing has to call ``retire``: the projector's leader does it each
+    round (every second for a window of 0 s) and leaves rollouts in flight alone."""
+    settings = await _with_archive(namespace)
+    assert settings.pg_dsn is not None
+    async with JetStreamLightningStore(settings, pg_dsn=settings.pg_dsn) as store:
+        ids = await workload(store)
+        live = await store.enqueue_rollout({"task": "live"})
+        retired: list[str] = []
+        for _ in range(100):
+            subjects = await _hot_subjects(store)
+            retired = [rid for rid in ids.values() if not [s for s in subjects if f".{rid}." in s]]
+            if len(retired) == len(ids):
+                break
+            await asyncio.sleep(0.1)
+        assert sorted(retired) == sorted(ids.values()), subjects
+        assert [s for s in subjects if f".{live.rollout_id}." in s], "the queued rollout was retired"
+        assert store.projector is not None and store.projector.retired >= len(ids)
+        got = await store.get_rollout_by_id(ids["good"])  # reads still come from Postgres
+        assert got is not None and got.status == "succeeded"

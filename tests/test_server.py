@@ -1,0 +1,196 @@
+"""``eventlight serve``: the store over HTTP, driven by eventlight's client and by Agent-lightning 0.3.0's."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+import eventlight as agl
+from eventlight.core.errors import AttemptNotFoundError, InvalidTransitionError, NotFoundError, RolloutNotFoundError
+from eventlight.net import free_port
+from eventlight.server.serving import PortInUseError, bind
+from eventlight.settings import Settings
+from eventlight.store.jetstream import JetStreamLightningStore
+from eventlight.store.jetstream.connect import connect_nats
+
+SCRIPTS = Path(__file__).parent / "server_scripts"
+
+
+@pytest.fixture
+async def served(namespace: Settings) -> AsyncIterator[tuple[JetStreamLightningStore, agl.LightningStoreServer]]:
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
+        server = agl.LightningStoreServer(store, port=free_port(), identity={"instance": "srv-test", "ns": "x"})
+        async with server:
+            yield store, server
+
+
+async def _stream_subjects(settings: Settings) -> list[str]:
+    """Subjects of every message on the namespace's stream (the log itself)."""
+    assert settings.nats_url is not None
+    nc = await connect_nats(settings.nats_url)
+    try:
+        js = nc.jetstream()
+        info = await js.stream_info(settings.stream_name)
+        subjects = []
+        for seq in range(info.state.first_seq, info.state.last_seq + 1):
+            msg = await js.get_msg(settings.stream_name, seq)
+            subjects.append(str(msg.subject))
+        return subjects
+    finally:
+        await nc.close()
+
+
+async def test_client_drives_the_store_and_writes_are_events(served: tuple[JetStreamLightningStore, object]) -> None:
+    store, server = served
+    client = agl.LightningStoreClient(server.endpoint)  # type: ignore[attr-defined]
+    try:
+        assert (await client.health())["instance"] == "srv-test"
+        res = await client.add_resources({"p": agl.PromptTemplate(template="x {a}")})
+        rollout = await client.enqueue_rollout({"q": 1}, mode="train")
+        assert rollout.resources_id == res.resources_id
+        claimed = await client.dequeue_rollout(worker_id="w-1")
+        assert claimed is not None and claimed.rollout_id == rollout.rollout_id
+        rid, aid = claimed.rollout_id, claimed.attempt.attempt_id
+        span = agl.Span.from_attributes(attributes={"k": 1}, rollout_id=rid, attempt_id=aid, name="s")
+        [numbered] = await client.add_spans_numbered(rid, aid, [span])
+        assert numbered.sequence_id == 1
+        await client.update_attempt(rid, aid, status="succeeded")
+        [done] = await client.wait_for_rollouts(rollout_ids=[rid], timeout=10)
+        assert done.status == "succeeded"
+        # the same facts, read by the store in-process, and on the stream as events of the rollout
+        assert (await store.get_rollout_by_id(rid)).status == "succeeded"  # type: ignore[union-attr]
+        assert [s.name for s in await store.query_spans(rid)] == ["s"]
+        subjects = await _stream_subjects(store.settings)
+        assert sum(rid in s for s in subjects) >= 3, subjects
+        # errors come back as the tree
+        with pytest.raises(AttemptNotFoundError):
+            await client.update_attempt(rid, "at-00000000", status="failed")
+        with pytest.raises(InvalidTransitionError):
+            await client.update_attempt(rid, aid, status="running")
+        with pytest.raises(RolloutNotFoundError) as info:
+            await client.query_attempts("ro-000000000000")
+        assert isinstance(info.value, NotFoundError) and isinstance(info.value, ValueError)
+        assert await client.get_rollout_by_id("ro-000000000000") is None
+        assert await client.dequeue_rollout() is None
+        page = await client.query_rollouts(status_in=["succeeded"], limit=5)
+        assert [r.rollout_id for r in page] == [rid] and page.total == 1 and page.limit == 5
+        assert client.capabilities["otlp_traces"] and server.capabilities["otlp_traces"]  # type: ignore[attr-defined]
+    finally:
+        await client.close()
+
+
+async def test_client_waits_longer_than_one_request(served: tuple[JetStreamLightningStore, object]) -> None:
+    store, server = served
+    client = agl.LightningStoreClient(server.endpoint)  # type: ignore[attr-defined]
+    try:
+        claimed = await store.start_rollout({"q": 2})
+
+        async def finish_later() -> None:
+            await asyncio.sleep(0.5)
+            await store.update_attempt(claimed.rollout_id, claimed.attempt.attempt_id, status="failed")
+
+        task = asyncio.create_task(finish_later())
+        [done] = await client.wait_for_rollouts(rollout_ids=[claimed.rollout_id], timeout=30)
+        await task
+        assert done.status == "failed"
+    finally:
+        await client.close()
+
+
+async def test_agent_lightning_client_works_unchanged(served: tuple[JetStreamLightningStore, object]) -> None:
+    from bench.peer import ensure_peer, peer_env
+
+    peer = ensure_peer(log=lambda _line: None)
+    if peer.python is None:
+        pytest.skip(f"no Agent-lightning 0.3.0 peer venv: {peer.error}")
+    store, server = served
+    proc = await asyncio.create_subprocess_exec(
+        str(peer.python),
+        str(SCRIPTS / "peer_client.py"),
+        server.endpoint,  # type: ignore[attr-defined]
+        env=peer_env(),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 240)
+    assert proc.returncode == 0, err.decode()[-3000:]
+    seen = json.loads(out.decode().strip().splitlines()[-1])
+    res_id, version, latest_id, template = seen["resources"]
+    assert (version, latest_id, template) == (2, res_id, "Yo {name}")
+    first, second, third = seen["enqueued"]
+    assert seen["enqueued_resources_id"] == res_id
+    assert seen["dequeued"][0] == first and seen["dequeued"][2] == "preparing"
+    span_id, duplicate, names, seq = seen["spans"]
+    assert span_id and duplicate is None and names == ["peer.span"] and seq == 1
+    assert seen["attempts"] == [2, 2, True]
+    assert seen["waited"] == ["succeeded"] and seen["rollout"] == ["succeeded", "AttemptedRollout"]
+    assert seen["missing"] == [None, None]
+    assert seen["queuing"] == sorted([second, third])
+    assert seen["workers"] == ["peer-worker"] and seen["worker_stats"] == {"cpu": 0.5}
+    assert seen["unknown_attempt"] == 404
+    assert seen["long_wait"].startswith("Timeout must be less than 0.1")
+    # what the peer wrote is in the store (and so on the stream)
+    rollout = await store.get_rollout_by_id(first)
+    assert rollout is not None and rollout.status == "succeeded"
+    assert [s.name for s in await store.query_spans(first)] == ["peer.span"]
+
+
+async def test_second_server_on_a_taken_port_fails_at_once(served: tuple[object, object]) -> None:
+    _, server = served
+    async with agl.InMemoryLightningStore() as other:
+        second = agl.LightningStoreServer(other, port=server.port)  # type: ignore[attr-defined]
+        with pytest.raises(PortInUseError, match=f"port {server.port} .* already in use"):  # type: ignore[attr-defined]
+            await asyncio.wait_for(second.start(), 5)
+    async with httpx.AsyncClient() as http:  # the first one still serves
+        health = (await http.get(f"{server.endpoint}/v1/agl/health")).json()  # type: ignore[attr-defined]
+    assert health == {"status": "ok", "instance": "srv-test", "ns": "x"}
+
+
+def test_cli_serve_on_a_taken_port_is_one_line_exit_1() -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "eventlight.cli", "serve", "--backend", "memory", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().count("\n") == 0
+    assert f"port {port} on 127.0.0.1 is already in use" in done.stderr and "--port" in done.stderr
+
+
+async def test_accepted_connections_have_nagle_off() -> None:
+    """With Nagle's algorithm on, a response split in two writes on a kept-alive connection waits
+    for the client's delayed ACK (~40 ms a request, measured); asyncio turns it off only on sockets
+    created as TCP, so the listening socket must say it is one."""
+    seen: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        import socket
+
+        seen.append(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+        writer.close()
+
+    sock = bind("127.0.0.1", free_port())
+    server = await asyncio.start_server(handle, sock=sock)
+    async with server:
+        _, writer = await asyncio.open_connection(*sock.getsockname())
+        for _ in range(100):
+            if seen:
+                break
+            await asyncio.sleep(0.01)
+        writer.close()
+    assert seen and seen[0] != 0, seen

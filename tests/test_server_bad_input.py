@@ -1,0 +1,236 @@
+"""Bad input to ``eventlight serve``: each case gets its 4xx with a one-line message, and the server keeps serving.
+
+Also the bearer token (401 without it or with another one) and the default bind address.
+"""
+
+from __future__ import annotations
+
+import gzip
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+import eventlight as agl
+from eventlight.net import free_port
+
+TOKEN = "s3cret-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+PB = {"Content-Type": "application/x-protobuf"}
+MAX_BODY = 64 * 1024
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[httpx.AsyncClient]:
+    async with agl.InMemoryLightningStore() as store:
+        server = agl.LightningStoreServer(store, port=free_port(), token=TOKEN, max_body_bytes=MAX_BODY)
+        async with server, httpx.AsyncClient(base_url=server.endpoint, headers=AUTH) as client:
+            yield client
+
+
+def _status_message(content: bytes) -> str:
+    """The ``message`` of a protobuf ``google.rpc.Status`` (field 2), read by hand."""
+    from google.protobuf.internal.decoder import _DecodeVarint  # type: ignore[attr-defined]
+
+    assert content[0] == 0x08
+    _, pos = _DecodeVarint(content, 1)
+    assert content[pos] == 0x12
+    size, pos = _DecodeVarint(content, pos + 1)
+    return content[pos : pos + size].decode()
+
+
+def _pb_span(trace_id: bytes, span_id: bytes) -> bytes:
+    request = ExportTraceServiceRequest()
+    span = request.resource_spans.add().scope_spans.add().spans.add()
+    span.trace_id, span.span_id, span.name = trace_id, span_id, "s"
+    return request.SerializeToString()
+
+
+HUGE = b"[" + b"1," * MAX_BODY + b"1]"
+
+# (name, method, path, kwargs, status, words the one-line message must hold)
+REST_CASES: list[tuple[str, str, str, dict[str, Any], int, str]] = [
+    (
+        "wrong type in body",
+        "POST",
+        "/v1/agl/queues/rollouts/enqueue",
+        {"json": {"rollouts": [{"input": 1, "mode": 123}]}},
+        422,
+        "$.rollouts[0].mode",
+    ),
+    (
+        "body of the wrong shape",
+        "POST",
+        "/v1/agl/waits/rollouts",
+        {"json": {"rollout_ids": "ro-1"}},
+        422,
+        "Expected `array`",
+    ),
+    (
+        "body not JSON",
+        "POST",
+        "/v1/agl/rollouts",
+        {"content": b"{nope", "headers": {"Content-Type": "application/json"}},
+        400,
+        "not valid JSON",
+    ),
+    ("wrong type in query", "GET", "/v1/agl/rollouts", {"params": {"limit": "many"}}, 422, "limit"),
+    ("limit 0", "POST", "/v1/agl/rollouts/search", {"json": {"limit": 0}}, 400, "limit must be -1"),
+    ("bad sort order", "GET", "/v1/agl/workers", {"params": {"sort_order": "up"}}, 422, "sort_order"),
+    ("null status", "POST", "/v1/agl/rollouts/ro-000000000000", {"json": {"status": None}}, 422, "$.status"),
+    ("unknown status name", "POST", "/v1/agl/rollouts/search", {"json": {"status_in": ["done"]}}, 422, "status_in"),
+    (
+        "unknown rollout",
+        "POST",
+        "/v1/agl/rollouts/ro-000000000000/attempts/latest",
+        {"json": {"status": "failed"}},
+        404,
+        "ro-000000000000",
+    ),
+    ("unknown route", "GET", "/v1/agl/nothing-here", {}, 404, "no route GET /v1/agl/nothing-here"),
+    ("unknown /v1 route", "POST", "/v1/logs", {"content": b"x"}, 404, "no route POST /v1/logs"),
+    ("wrong method", "GET", "/v1/agl/queues/rollouts/enqueue", {}, 405, "does not accept GET"),
+    (
+        "oversized body",
+        "POST",
+        "/v1/agl/spans",
+        {"content": HUGE, "headers": {"Content-Type": "application/json"}},
+        413,
+        f"limit of {MAX_BODY} bytes",
+    ),
+]
+
+OTLP_CASES: list[tuple[str, dict[str, Any], int, str]] = [
+    (
+        "malformed protobuf",
+        {"content": b"\xff\xff\xff\xff", "headers": PB},
+        400,
+        "not a protobuf ExportTraceServiceRequest",
+    ),
+    (
+        "trace id of 5 bytes",
+        {"content": _pb_span(b"\x01" * 5, b"\x02" * 8), "headers": PB},
+        400,
+        "traceId must be 16 bytes",
+    ),
+    ("all-zero span id", {"content": _pb_span(b"\x01" * 16, b"\x00" * 8), "headers": PB}, 400, "spanId is all zeros"),
+    (
+        "OTLP/JSON id not hex",
+        {"json": {"resourceSpans": [{"scopeSpans": [{"spans": [{"traceId": "zz", "spanId": "01" * 8}]}]}]}},
+        400,
+        "is not hex",
+    ),
+    ("OTLP/JSON not JSON", {"content": b"{", "headers": {"Content-Type": "application/json"}}, 400, "not JSON"),
+    (
+        "unsupported content type",
+        {"content": b"x", "headers": {"Content-Type": "text/plain"}},
+        415,
+        "Content-Type text/plain is not supported",
+    ),
+    (
+        "unsupported encoding",
+        {"content": b"x", "headers": {**PB, "Content-Encoding": "br"}},
+        415,
+        "Content-Encoding br",
+    ),
+    (
+        "broken gzip",
+        {"content": b"\x1f\x8bnot gzip", "headers": {**PB, "Content-Encoding": "gzip"}},
+        400,
+        "not valid gzip",
+    ),
+    (
+        "gzip bomb",
+        {"content": gzip.compress(b"\x00" * (MAX_BODY + 10)), "headers": {**PB, "Content-Encoding": "gzip"}},
+        413,
+        "inflates",
+    ),
+]
+
+
+async def _still_serving(http: httpx.AsyncClient) -> None:
+    r = await http.get("/v1/agl/health")
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+
+
+@pytest.mark.parametrize(
+    ("name", "method", "path", "kwargs", "status", "words"), REST_CASES, ids=[c[0] for c in REST_CASES]
+)
+async def test_rest_bad_input(
+    http: httpx.AsyncClient, name: str, method: str, path: str, kwargs: dict[str, Any], status: int, words: str
+) -> None:
+    r = await http.request(method, path, **kwargs)
+    assert r.status_code == status, r.text
+    detail = r.json()["detail"]
+    assert words in detail and "\n" not in detail and "Traceback" not in r.text, detail
+    await _still_serving(http)
+
+
+@pytest.mark.parametrize(("name", "kwargs", "status", "words"), OTLP_CASES, ids=[c[0] for c in OTLP_CASES])
+async def test_otlp_bad_input(
+    http: httpx.AsyncClient, name: str, kwargs: dict[str, Any], status: int, words: str
+) -> None:
+    r = await http.post("/v1/traces", **kwargs)
+    assert r.status_code == status, r.content
+    if r.headers["content-type"] == "application/json":
+        message = r.json()["message"]
+    else:
+        assert r.headers["content-type"] == "application/x-protobuf"
+        message = _status_message(r.content)
+    assert words in message and "\n" not in message, message
+    await _still_serving(http)
+
+
+@pytest.mark.parametrize(
+    ("headers", "words"),
+    [({}, "missing bearer token"), ({"Authorization": "Bearer nope"}, "wrong bearer token"),
+     ({"Authorization": TOKEN}, "wrong bearer token")],
+    ids=["missing", "wrong", "not bearer"],
+)  # fmt: skip
+@pytest.mark.parametrize("path", ["/v1/agl/health", "/v1/traces", "/openapi.json"])
+async def test_a_request_without_the_token_is_401(
+    http: httpx.AsyncClient, headers: dict[str, str], words: str, path: str
+) -> None:
+    async with httpx.AsyncClient(base_url=str(http.base_url), headers=headers) as anonymous:
+        r = await anonymous.post(path, content=b"") if path == "/v1/traces" else await anonymous.get(path)
+    assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer")
+    assert words in r.json()["detail"] and TOKEN not in r.text
+    await _still_serving(http)
+
+
+async def test_clients_with_the_token_work_and_without_it_get_authentication_error(http: httpx.AsyncClient) -> None:
+    good = agl.LightningStoreClient(str(http.base_url), token=TOKEN)
+    bad = agl.LightningStoreClient(str(http.base_url), token="other")
+    try:
+        assert (await good.enqueue_rollout({"q": 1})).status == "queuing"
+        with pytest.raises(agl.core.errors.AuthenticationError, match="wrong bearer token"):  # type: ignore[attr-defined]
+            await bad.enqueue_rollout({"q": 1})
+    finally:
+        await good.close()
+        await bad.close()
+
+
+async def test_openapi_describes_every_route_and_binds_loopback_by_default() -> None:
+    async with agl.InMemoryLightningStore() as store:
+        server = agl.LightningStoreServer(store, port=free_port())
+        assert server.host == "127.0.0.1"
+        async with server, httpx.AsyncClient(base_url=server.endpoint) as client:
+            bound = {s.getsockname()[0] for srv in server._server.servers for s in srv.sockets}  # type: ignore[union-attr]
+            assert bound == {"127.0.0.1"}
+            spec = (await client.get("/openapi.json")).json()
+    paths = set(spec["paths"])
+    for path in (
+        "/v1/agl/queues/rollouts/enqueue", "/v1/agl/queues/rollouts/dequeue", "/v1/agl/rollouts",
+        "/v1/agl/rollouts/search", "/v1/agl/rollouts/{rollout_id}", "/v1/agl/rollouts/{rollout_id}/attempts",
+        "/v1/agl/rollouts/{rollout_id}/attempts/search", "/v1/agl/rollouts/{rollout_id}/attempts/latest",
+        "/v1/agl/rollouts/{rollout_id}/attempts/{attempt_id}", "/v1/agl/workers", "/v1/agl/workers/search",
+        "/v1/agl/workers/{worker_id}", "/v1/agl/statistics", "/v1/agl/resources", "/v1/agl/resources/latest",
+        "/v1/agl/resources/{resources_id}", "/v1/agl/spans", "/v1/agl/spans/search", "/v1/agl/spans/next",
+        "/v1/agl/waits/rollouts", "/v1/agl/health", "/v1/traces",
+    ):  # fmt: skip
+        assert path in paths, path
+    enqueue = spec["paths"]["/v1/agl/queues/rollouts/enqueue"]["post"]
+    ref = enqueue["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    assert ref.rsplit("/", 1)[-1] in spec["components"]["schemas"]

@@ -1,0 +1,146 @@
+"""OTLP ``/v1/traces`` of ``eventlight serve``: the SDK's own exporter, OTLP/JSON, gzip, partial success."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
+
+import eventlight as agl
+from eventlight.net import free_port
+from eventlight.server.otlp_wire import parse_request
+from eventlight.settings import Settings
+from eventlight.store.jetstream import JetStreamLightningStore
+
+PB = {"Content-Type": "application/x-protobuf"}
+
+
+@pytest.fixture
+async def served(namespace: Settings) -> AsyncIterator[tuple[JetStreamLightningStore, str]]:
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
+        async with agl.LightningStoreServer(store, port=free_port()) as server:
+            yield store, server.endpoint
+
+
+async def _attempt(store: JetStreamLightningStore) -> tuple[str, str]:
+    claimed = await store.start_rollout({"q": 1})
+    return claimed.rollout_id, claimed.attempt.attempt_id
+
+
+def _json_request(
+    rollout_id: str | None, attempt_id: str, *, trace_id: str = "5b8efff798038103d269b633813fc60c"
+) -> dict:
+    resource_attrs = [{"key": "agentlightning.attempt_id", "value": {"stringValue": attempt_id}}]
+    if rollout_id is not None:
+        resource_attrs.append({"key": "agentlightning.rollout_id", "value": {"stringValue": rollout_id}})
+    span = {
+        "traceId": trace_id,
+        "spanId": "eee19b7ec3c1b174",
+        "parentSpanId": "eee19b7ec3c1b173",
+        "name": "json.span",
+        "kind": 1,
+        "startTimeUnixNano": "1544712660000000000",
+        "endTimeUnixNano": "1544712661000000000",
+        "attributes": [
+            {"key": "gen_ai.request.model", "value": {"stringValue": "m"}},
+            {"key": "n", "value": {"intValue": "3"}},
+            {"key": "l", "value": {"arrayValue": {"values": [{"boolValue": True}, {"doubleValue": 1.5}]}}},
+        ],
+        "status": {"code": 2, "message": "boom"},
+    }
+    return {"resourceSpans": [{"resource": {"attributes": resource_attrs}, "scopeSpans": [{"spans": [span]}]}]}
+
+
+async def test_the_sdk_exporter_sends_spans_to_the_log(served: tuple[JetStreamLightningStore, str]) -> None:
+    from opentelemetry.exporter.otlp.proto.http import Compression
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
+
+    store, endpoint = served
+    rid, aid = await _attempt(store)
+    results: list[SpanExportResult] = []
+
+    def trace_with_the_sdk() -> None:  # the SDK exports synchronously: in a thread, the server's loop runs on
+        for compression in (Compression.NoCompression, Compression.Gzip):
+            exporter = OTLPSpanExporter(endpoint=f"{endpoint}/v1/traces", compression=compression, timeout=10)
+            real_export = exporter.export
+            exporter.export = lambda spans, _e=real_export: results.append(_e(spans)) or results[-1]  # type: ignore[method-assign]
+            provider = TracerProvider(
+                resource=Resource.create({"agentlightning.rollout_id": rid, "agentlightning.attempt_id": aid})
+            )
+            provider.add_span_processor(SimpleSpanProcessor(exporter))
+            tracer = provider.get_tracer("test")
+            with tracer.start_as_current_span(f"outer.{compression.name}") as outer:
+                outer.set_attribute("k", "v")
+                with tracer.start_as_current_span(f"inner.{compression.name}"):
+                    pass
+            provider.shutdown()
+
+    await asyncio.to_thread(trace_with_the_sdk)
+    assert results == [SpanExportResult.SUCCESS] * 4
+    spans = await store.query_spans(rid, aid)
+    assert [s.name for s in spans] == ["inner.NoCompression", "outer.NoCompression", "inner.Gzip", "outer.Gzip"]
+    assert [s.sequence_id for s in spans] == [1, 2, 3, 4]
+    inner, outer = spans[0], spans[1]
+    assert inner.parent_id == outer.span_id and inner.trace_id == outer.trace_id and len(outer.trace_id) == 32
+    assert outer.attributes == {"k": "v"} and outer.resource.attributes["agentlightning.rollout_id"] == rid
+    attempt = await store.get_latest_attempt(rid)
+    assert attempt is not None and attempt.status == "running"  # spans are heartbeats, as any others
+
+
+async def test_otlp_json_with_hex_ids_and_span_level_ids(served: tuple[JetStreamLightningStore, str]) -> None:
+    store, endpoint = served
+    rid, aid = await _attempt(store)
+    doc = _json_request(None, "at-overridden")  # rollout id only on the span, attempt id overridden there
+    span = doc["resourceSpans"][0]["scopeSpans"][0]["spans"][0]
+    span["attributes"] += [
+        {"key": "agentlightning.rollout_id", "value": {"stringValue": rid}},
+        {"key": "agentlightning.attempt_id", "value": {"stringValue": aid}},
+        {"key": "agentlightning.span_sequence_id", "value": {"stringValue": "7"}},
+    ]
+    async with httpx.AsyncClient() as http:
+        r = await http.post(f"{endpoint}/v1/traces", json=doc)
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json", r.text
+    assert r.json() == {}
+    [stored] = await store.query_spans(rid)
+    assert (stored.trace_id, stored.span_id, stored.parent_id) == (
+        "5b8efff798038103d269b633813fc60c",
+        "eee19b7ec3c1b174",
+        "eee19b7ec3c1b173",
+    )
+    assert stored.sequence_id == 7 and stored.status.status_code == "ERROR" and stored.status.description == "boom"
+    assert stored.attributes["n"] == 3 and stored.attributes["l"] == [True, 1.5]
+    assert stored.start_time == 1544712660.0 and stored.end_time == 1544712661.0
+
+
+async def test_partial_success_counts_and_explains_every_rejected_span(
+    served: tuple[JetStreamLightningStore, str],
+) -> None:
+    store, endpoint = served
+    rid, aid = await _attempt(store)
+    good = _json_request(rid, aid)["resourceSpans"][0]
+    no_rollout = _json_request(None, aid)["resourceSpans"][0]
+    unknown = _json_request("ro-000000000000", "at-00000000")["resourceSpans"][0]
+    request = parse_request(
+        json.dumps({"resourceSpans": [good, no_rollout, unknown]}).encode(), "application/json", None, 1 << 20
+    )[0]
+    async with httpx.AsyncClient() as http:
+        r = await http.post(
+            f"{endpoint}/v1/traces",
+            content=gzip.compress(request.SerializeToString()),
+            headers={**PB, "Content-Encoding": "gzip"},
+        )
+    assert r.status_code == 200 and r.headers["content-type"] == "application/x-protobuf"
+    answer = ExportTraceServiceResponse.FromString(r.content)
+    assert answer.partial_success.rejected_spans == 2
+    message = answer.partial_success.error_message
+    assert "2 span(s) rejected" in message and "no agentlightning.rollout_id in its span or resource" in message
+    assert "ro-000000000000" in message and "does not exist" in message
+    assert [s.name for s in await store.query_spans(rid)] == ["json.span"]
