@@ -35,6 +35,12 @@ class LitAgent(Generic[T]):
         self._trainer_ref: Any = None
         self._runner_ref: Any = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without the trainer and runner (weak references): runner processes set their own."""
+        state = dict(self.__dict__)
+        state["_trainer_ref"] = state["_runner_ref"] = None
+        return state
+
     def set_trainer(self, trainer: Any) -> None:
         self._trainer_ref = weakref.ref(trainer)
 

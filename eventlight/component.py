@@ -11,7 +11,12 @@ __all__ = ["build_component"]
 T = TypeVar("T")
 
 
-def _import(path: str) -> Any:
+def import_path(path: str) -> Any:
+    """The object ``module.Name`` (or ``module:Name``) names.
+
+    Raises:
+        ValueError: ``path`` names no module.
+    """
     module, _, attr = path.replace(":", ".").rpartition(".")
     if not module:
         raise ValueError(f"{path!r} is not an import path (module.Name)")
@@ -49,7 +54,7 @@ def build_component(
     if isinstance(spec, expected_type):
         return spec
     if isinstance(spec, str):
-        built = _import((registry or {}).get(spec, spec))()
+        built = import_path((registry or {}).get(spec, spec))()
     elif isinstance(spec, dict):
         kwargs = dict(spec)
         kind = kwargs.pop("type", None)
@@ -58,7 +63,7 @@ def build_component(
                 raise ValueError(f"{spec_name}: a dict spec needs a 'type'")
             cls: Any = dict_default_cls
         else:
-            cls = _import((registry or {}).get(kind, kind)) if isinstance(kind, str) else kind
+            cls = import_path((registry or {}).get(kind, kind)) if isinstance(kind, str) else kind
         built = cls(**kwargs)
     elif callable(spec):
         built = spec()

@@ -25,7 +25,8 @@ A runner process (``_runner_main``, started with ``spawn``):
 within ``graceful_s``), then sends SIGTERM (the attempts still running are recorded ``failed``), then
 SIGKILL. Until then the pool restarts a process that exits: after ``restart_delay_s`` (1 s, doubling
 to ``RESTART_MAX_S`` while a slot's processes keep dying within ``RESTART_STABLE_S`` of their start),
-each restart one warning line.
+each restart one warning line. A process of a runner with ``max_rollouts`` that exits 0 has done
+its share and is not restarted; ``finished()`` tells when all have.
 """
 
 from __future__ import annotations
@@ -227,6 +228,8 @@ class RunnerPool:
         self.ctx = mp.get_context("spawn")
         self.stop_event = self.ctx.Event()
         self._args = (agent, runner, tuple(hooks), settings, nats_url)
+        self._finite = runner.max_rollouts is not None
+        self._done: set[int] = set()  # slots whose process finished its max_rollouts
         self._log_level = log_level
         self.procs: list[BaseProcess] = [self._process(i) for i in range(n)]
         self.restarts = 0
@@ -268,6 +271,11 @@ class RunnerPool:
         """How many processes are running now."""
         return sum(p.is_alive() for p in self.procs)
 
+    def finished(self) -> bool:
+        """Whether every process has finished its ``max_rollouts`` (never, without one)."""
+        with self._lock:
+            return len(self._done) == len(self.procs)
+
     def supervising(self) -> bool:
         """Whether the pool still keeps its processes running (started and not stopped)."""
         return self._supervisor is not None and self._supervisor.is_alive()
@@ -282,7 +290,12 @@ class RunnerPool:
                 procs = list(self.procs)
             now = time.monotonic()
             for i, p in enumerate(procs):
-                if i in due or p.exitcode is None:
+                if i in due or i in self._done or p.exitcode is None:
+                    continue
+                if self._finite and p.exitcode == 0:
+                    log.info("runner process %d (pid %s) finished its rollouts", i, p.pid)
+                    with self._lock:
+                        self._done.add(i)
                     continue
                 lived = now - self._started_at[i]
                 quick_deaths[i] = quick_deaths[i] + 1 if lived < RESTART_STABLE_S else 0

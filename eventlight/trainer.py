@@ -1,9 +1,10 @@
-"""``Trainer``: start the services, the runner processes and the algorithm, and wire them together.
+"""``Trainer``: start the services, the runners and the algorithm, and wire them together.
 
-``Trainer(algorithm=APO(...), n_runners=N).fit(agent, train, val)`` (Agent-lightning's entry point):
+``Trainer(algorithm=APO(...), n_runners=N).fit(agent, train, val)`` (Agent-lightning's entry point).
+Under the default strategy (``"cs"``, ``ClientServerExecutionStrategy``, role ``"both"``) it:
 
 1. finds or starts NATS and Postgres and applies ``streams/`` and ``migrations/``
-   (``eventlight.ops.prepare_services``);
+   (``eventlight.ops.prepare_services``; not with ``managed_store`` false or a given store);
 2. starts ``n_runners`` runner processes (``spawn``); each opens a write-only
    ``JetStreamLightningStore`` (no Postgres connection) and consumes the rollout queue;
 3. opens the algorithm's store, which runs the projector and the watchdog in this process;
@@ -12,6 +13,11 @@
    stop event, then SIGTERM (attempts still in flight are recorded ``failed``), then SIGKILL — and
    the servers it started itself. Until then a runner process that dies is restarted
    (``eventlight.runner_pool``).
+
+Role ``"algorithm"`` (``AGL_CURRENT_ROLE=algorithm``) skips step 2, role ``"runner"`` does only
+steps 1–2 and waits; ``"shm"`` runs runner threads on one store in this process instead
+(``eventlight.trainer_strategies``). ``dev`` is ``fit`` with a ``FastAlgorithm`` (``Baseline`` by
+default), as in 0.3.0.
 """
 
 from __future__ import annotations
@@ -21,18 +27,30 @@ import contextlib
 import logging
 import signal
 from collections.abc import Coroutine, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from eventlight.agent import LitAgent
-from eventlight.algorithm.base import Algorithm
+from eventlight.algorithm.base import Algorithm, FastAlgorithm
+from eventlight.algorithm.baseline import Baseline
 from eventlight.component import build_component
 from eventlight.core.errors import LLMUnavailableError
-from eventlight.ops import Services, prepare_services, stop_services
+from eventlight.execution import ClientServerExecutionStrategy, ExecutionStrategy, SharedMemoryExecutionStrategy
+from eventlight.ops import Services, apply_migrations, apply_streams, prepare_services, stop_services
 from eventlight.runner import Hook, LitAgentRunner
 from eventlight.runner_pool import RunnerPool
 from eventlight.settings import Settings
+from eventlight.store.base import LightningStore
 from eventlight.store.jetstream import JetStreamLightningStore
+from eventlight.store.jetstream.connect import connect_nats
 from eventlight.tracer import OtelTracer, Tracer
+from eventlight.trainer_strategies import (
+    resolve_strategy,
+    run_event_loop,
+    run_shared_memory,
+    serve_runner_role,
+    shared_store,
+    wait_for_pool,
+)
 
 if TYPE_CHECKING:
     from eventlight.llm_proxy import LLMProxy
@@ -44,31 +62,49 @@ __all__ = ["Trainer", "build_component"]
 
 
 class Trainer:
-    """Runs an algorithm against runner processes on the event-sourced store.
+    """Runs an algorithm against runners on the event-sourced store.
 
-    Args:
-        algorithm: What improves the agent (``APO``, ``Baseline``, an ``@algo`` function).
-        n_runners: Runner processes to start.
+    Args (Agent-lightning 0.3.0's, unless marked eventlight's):
+        algorithm: What improves the agent (``APO``, ``Baseline``, an ``@algo`` function), or a
+            component spec (class, import path, ``{"type": ..., **kwargs}``).
+        n_runners: Runners to start (default 1; a strategy instance's own ``n_runners`` wins).
+        max_rollouts: Rollouts each runner takes before it stops (``None``: until stopped).
         initial_resources: Resources the algorithm starts from (e.g. a ``PromptTemplate``).
-        adapter: Turns spans into what the algorithm learns from (default ``TracerTraceToTriplet``).
+        adapter: Turns spans into what the algorithm learns from (default ``TracerTraceToTriplet``;
+            a dict is its keyword arguments, as in 0.3.0).
+        store: ``"cs"``: a ``JetStreamLightningStore`` whose namespace and servers every side uses;
+            ``"shm"``: any store (default ``InMemoryLightningStore()``).
+        runner: A ``LitAgentRunner`` used as the template of every runner.
+        strategy: ``"cs"`` (default), ``"shm"``, a dict with a ``"type"``, or a strategy of
+            ``eventlight.execution``; ``AGL_CURRENT_ROLE``, ``AGL_MANAGED_STORE``,
+            ``AGL_SERVER_HOST``/``AGL_SERVER_PORT`` are read as in 0.3.0.
+        port: 0.3.0's store server port (``server_port`` of a ``"cs"`` strategy); unused.
         llm_proxy: An ``LLMProxy`` to start on the algorithm's store.
         tracer: The runners' tracer (default ``OtelTracer()``).
         hooks: Runner hooks.
-        settings: Namespace and services (default ``Settings.from_env()``).
-        keep_services: Leave servers this trainer started running after ``fit`` (default: stop them).
-        runner_log_level: Log level inside runner processes.
-        check_llm: With an ``llm_proxy``: send one request through it before the first rollout and
-            stop the run (``LLMUnavailableError``) when it fails or, later, when most recent calls
-            fail (``LLMProxy.health``), rather than train on errors.
+        settings: eventlight's: namespace and services (default ``Settings.from_env()``).
+        keep_services: eventlight's: leave servers this trainer started running after ``fit``.
+        runner_log_level: eventlight's: log level inside runner processes.
+        check_llm: eventlight's: with an ``llm_proxy``, send one request through it before the first
+            rollout and stop the run (``LLMUnavailableError``) when it fails or, later, when most
+            recent calls fail (``LLMProxy.health``), rather than train on errors.
+
+    Raises:
+        TypeError, ValueError: A spec that builds the wrong thing, or invalid strategy settings.
     """
 
     def __init__(
         self,
         *,
-        algorithm: Algorithm | None = None,
-        n_runners: int = 1,
+        algorithm: Any = None,
+        n_runners: int | None = None,
+        max_rollouts: int | None = None,
         initial_resources: dict[str, Any] | None = None,
         adapter: Any = None,
+        store: Any = None,
+        runner: LitAgentRunner | None = None,
+        strategy: Any = None,
+        port: int | None = None,
         llm_proxy: Any = None,
         tracer: Tracer | None = None,
         hooks: Sequence[Hook] | Hook | None = None,
@@ -77,84 +113,189 @@ class Trainer:
         runner_log_level: str = "WARNING",
         check_llm: bool = True,
     ):
-        from eventlight.adapter import TracerTraceToTriplet
+        from eventlight.adapter import TraceAdapter, TracerTraceToTriplet
 
-        self.algorithm = algorithm
-        self.n_runners = n_runners
+        self.algorithm = build_component(algorithm, expected_type=Algorithm, spec_name="algorithm", allow_none=True)
+        self.strategy: ExecutionStrategy = resolve_strategy(strategy, n_runners=n_runners or 1, port=port)
+        self.n_runners: int = getattr(self.strategy, "n_runners", n_runners or 1)
+        self.max_rollouts = max_rollouts
         self.initial_resources = initial_resources
-        self.adapter = adapter if adapter is not None else TracerTraceToTriplet()
+        self.adapter: Any = build_component(
+            adapter,
+            expected_type=TraceAdapter,
+            spec_name="adapter",
+            default_factory=TracerTraceToTriplet,
+            dict_requires_type=False,
+            dict_default_cls=TracerTraceToTriplet,
+        )
         self.llm_proxy = llm_proxy
-        self.tracer = tracer or OtelTracer()
+        self.tracer = tracer or (runner.tracer if runner is not None else OtelTracer())
+        self.runner = runner or LitAgentRunner(self.tracer, max_rollouts=max_rollouts)
+        if max_rollouts is not None:
+            self.runner.max_rollouts = max_rollouts
         self.hooks: tuple[Hook, ...] = (hooks,) if isinstance(hooks, Hook) else tuple(hooks or ())
-        self.settings = settings or Settings.from_env()
+        self.settings = settings or (
+            store.settings if isinstance(store, JetStreamLightningStore) else Settings.from_env()
+        )
         self.keep_services = keep_services
         self.runner_log_level = runner_log_level
         self.check_llm = check_llm
-        self.store: JetStreamLightningStore | None = None
+        self.store: Any = store
         self.services: Services | None = None
 
     def fit(self, agent: LitAgent[Any], train_dataset: Any = None, *, val_dataset: Any = None) -> None:
-        """Train ``agent``; blocks until the algorithm finishes.
+        """Train ``agent``; blocks until the algorithm finishes (role ``"runner"``: the runners).
 
         Raises:
             KeyboardInterrupt: After a clean shutdown, when interrupted.
             ServiceUnavailableError: NATS or Postgres could not be started or reached.
         """
-        try:
-            import uvloop
+        self._execute(agent, self.algorithm, train_dataset, val_dataset)
 
-            uvloop.run(self.fit_async(agent, train_dataset, val_dataset=val_dataset))
-        except ImportError:  # pragma: no cover
-            asyncio.run(self.fit_async(agent, train_dataset, val_dataset=val_dataset))
+    def dev(self, agent: LitAgent[Any], train_dataset: Any = None, *, val_dataset: Any = None) -> None:
+        """``fit`` with a fast algorithm: the trainer's own if it is a ``FastAlgorithm``, else ``Baseline()``
+        when none was given (0.3.0's dry run: same store, runners, hooks and tracer).
+
+        Raises:
+            TypeError: The trainer's algorithm is not a ``FastAlgorithm``.
+        """
+        algorithm = self.algorithm if self.algorithm is not None else Baseline()
+        if not isinstance(algorithm, FastAlgorithm):
+            raise TypeError(
+                "Trainer.dev() requires an algorithm that inherits from FastAlgorithm. "
+                f"Received {type(algorithm).__name__}."
+            )
+        self._execute(agent, algorithm, train_dataset, val_dataset)
+
+    def _execute(self, agent: LitAgent[Any], algorithm: Algorithm | None, train: Any, val: Any) -> None:
+        if isinstance(self.strategy, SharedMemoryExecutionStrategy):
+            self._run_shared_memory(self.strategy, agent, algorithm, train, val)
+            return
+        run_event_loop(self._fit_async(agent, algorithm, train, val))
+
+    def _run_shared_memory(
+        self,
+        strategy: SharedMemoryExecutionStrategy,
+        agent: LitAgent[Any],
+        algo: Algorithm | None,
+        train: Any,
+        val: Any,
+    ) -> None:
+        from eventlight.store.memory import InMemoryLightningStore
+
+        agent.set_trainer(self)
+        own = self.store is None
+        store = shared_store(strategy, InMemoryLightningStore() if own else self.store)
+        self.store = store
+        algorithm = self._run_algorithm(store, train, val, algo) if algo is not None else None
+        try:
+            run_shared_memory(strategy, store, agent, self.runner, self.hooks, algorithm)
+        finally:
+            if own:  # a store the caller passed in stays open for them to read
+                run_event_loop(store.close())
 
     async def fit_async(self, agent: LitAgent[Any], train_dataset: Any = None, *, val_dataset: Any = None) -> None:
-        """``fit`` for callers that already run an event loop."""
-        agent.set_trainer(self)
-        self.services = await prepare_services(self.settings)
-        pool = RunnerPool(
-            agent,
-            self.n_runners,
-            self.settings,
-            self.services.nats_url,
-            runner=LitAgentRunner(self.tracer),
-            hooks=self.hooks,
-            log_level=self.runner_log_level,
-        )
-        pool.start()
+        """``fit`` for callers that already run an event loop (strategy ``"cs"`` only).
+
+        Raises:
+            ValueError: The strategy is ``"shm"`` (which owns its threads' loops: call ``fit``).
+        """
+        if isinstance(self.strategy, SharedMemoryExecutionStrategy):
+            raise ValueError("fit_async runs the 'cs' strategy; call fit() for 'shm'")
+        await self._fit_async(agent, self.algorithm, train_dataset, val_dataset)
+
+    def _cs(self) -> ClientServerExecutionStrategy:
+        strategy = self.strategy
+        if not isinstance(strategy, ClientServerExecutionStrategy):
+            raise TypeError(f"unsupported execution strategy {type(strategy).__name__}: use 'cs' or 'shm'")
+        return strategy
+
+    async def _services(self, strategy: ClientServerExecutionStrategy) -> Services:
+        store = self.store
+        if store is not None and not isinstance(store, JetStreamLightningStore):
+            raise ValueError(
+                f"strategy 'cs' runs runners in other processes, which cannot share a {type(store).__name__}: "
+                "pass a JetStreamLightningStore, or use strategy='shm'"
+            )
+        if store is not None:
+            if store.pg_dsn is None:
+                raise ValueError("Trainer(store=...) needs a JetStreamLightningStore with a pg_dsn")
+            return Services(nats_url=store.nats_url or "", pg_dsn=store.pg_dsn)
+        if strategy.managed_store:
+            return await prepare_services(self.settings)
+        if self.settings.nats_url is None or self.settings.pg_dsn is None:
+            raise ValueError(
+                "AGL_MANAGED_STORE=0 starts no server: set EVENTLIGHT_NATS_URL and EVENTLIGHT_PG_DSN, "
+                "or pass Trainer(store=JetStreamLightningStore(...))"
+            )
+        services = Services(nats_url=self.settings.nats_url, pg_dsn=self.settings.pg_dsn)
+        nc = await connect_nats(services.nats_url)  # the namespace's streams and tables, idempotently
         try:
-            async with JetStreamLightningStore(
-                self.settings, nats_url=self.services.nats_url, pg_dsn=self.services.pg_dsn
-            ) as store:
+            await apply_streams(nc, self.settings)
+        finally:
+            await nc.close()
+        await apply_migrations(services.pg_dsn, self.settings.pg_schema)
+        return services
+
+    async def _fit_async(self, agent: LitAgent[Any], algo: Algorithm | None, train: Any, val: Any) -> None:
+        strategy = self._cs()
+        agent.set_trainer(self)
+        self.services = services = await self._services(strategy)
+        pool = None
+        if strategy.role != "algorithm":
+            pool = RunnerPool(
+                agent,
+                self.n_runners,
+                self.settings,
+                services.nats_url,
+                runner=self.runner,
+                hooks=self.hooks,
+                log_level=self.runner_log_level,
+            )
+            pool.start()
+        try:
+            if strategy.role == "runner":
+                assert pool is not None
+                await serve_runner_role(pool)
+                return
+            given = self.store if isinstance(self.store, JetStreamLightningStore) else None
+            store = given or JetStreamLightningStore(self.settings, nats_url=services.nats_url, pg_dsn=services.pg_dsn)
+            async with contextlib.AsyncExitStack() as stack:
+                if given is None or given.nc is None:
+                    await stack.enter_async_context(store)
                 self.store = store
                 try:
-                    await self._run_algorithm(store, train_dataset, val_dataset)
+                    await self._run_algorithm(store, train, val, algo, pool)
                 finally:
-                    await self._stop_runners(pool)
+                    if pool is not None:
+                        await self._stop_runners(pool, strategy.graceful_timeout)
                     # leave complete read models behind: project what the runners wrote last
                     with contextlib.suppress(Exception):
                         await store.sync_all(timeout_s=30)
         finally:
-            if pool.alive():
-                await self._stop_runners(pool)
-            if not self.keep_services and self.services.started:
+            if pool is not None and pool.alive():
+                await self._stop_runners(pool, strategy.graceful_timeout)
+            if not self.keep_services and services.started:
                 with contextlib.suppress(Exception):
                     await stop_services(self.settings)
 
     @staticmethod
-    async def _stop_runners(pool: RunnerPool) -> None:
-        codes = await asyncio.to_thread(pool.stop)
+    async def _stop_runners(pool: RunnerPool, graceful_s: float) -> None:
+        codes = await asyncio.to_thread(pool.stop, graceful_s)
         bad = [c for c in codes if c not in (0, None, -signal.SIGTERM)]
         if bad:
             log.warning("runner processes exited with codes %s", codes)
 
-    async def _run_algorithm(self, store: JetStreamLightningStore, train: Any, val: Any) -> None:
-        algo = self.algorithm
+    async def _run_algorithm(
+        self, store: Any, train: Any, val: Any, algo: Algorithm | None, pool: RunnerPool | None = None
+    ) -> None:
         if algo is None:
-            log.info("no algorithm: runners serve the queue until interrupted")
-            await asyncio.Event().wait()
+            log.info("no algorithm: runners serve the queue until they finish or are interrupted")
+            if pool is not None:
+                await wait_for_pool(pool)
             return
         algo.set_trainer(self)
-        algo.set_store(store)
+        algo.set_store(cast(LightningStore, store))
         algo.set_adapter(self.adapter)
         if self.initial_resources is not None:
             algo.set_initial_resources(self.initial_resources)

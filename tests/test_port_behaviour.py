@@ -17,7 +17,7 @@ import eventlight as agl
         (lambda: agl.VERL({}), "GRPO"),
         (lambda: agl.DevTaskLoader([], {}), "Trainer.dev"),
         (lambda: agl.CollectionBasedLightningStore(), "EventStore"),
-        (lambda: agl.SharedMemoryExecutionStrategy(n_runners=2).execute(), "Trainer(n_runners"),
+        (lambda: agl.SharedMemoryExecutionStrategy(n_runners=2, main_thread="algorithm").execute(), "Trainer(strategy"),
     ],
 )
 def test_names_that_cannot_apply_raise_naming_what_to_use(make: object, instead: str) -> None:
@@ -74,3 +74,10 @@ def test_lightning_store_threaded_serves_any_thread_and_loop() -> None:
         return n
 
     assert asyncio.run(check()) == 4
+
+
+def test_types_have_pydantic_model_dump() -> None:
+    rollout = agl.Rollout(rollout_id="ro-1", input={"q": 1}, start_time=1.0)
+    assert rollout.model_dump()["input"] == {"q": 1}
+    assert '"rollout_id": "ro-1"' in rollout.model_dump_json(indent=None)
+    assert agl.LitAgentRunner[str] is agl.LitAgentRunner  # 0.3.0's runner is generic in the task type

@@ -10,12 +10,14 @@ Read models are mutable structs (a caller may edit its copy); events (``eventlig
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from collections.abc import Iterator, Sequence
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Literal
 
 import msgspec
+
+from eventlight.core.pages import PaginatedResult as PaginatedResult  # re-exported: the import path stays
 
 RolloutStatus = Literal["queuing", "preparing", "running", "failed", "succeeded", "cancelled", "requeuing"]
 AttemptStatus = Literal["preparing", "running", "failed", "succeeded", "unresponsive", "timeout"]
@@ -33,6 +35,21 @@ ATTEMPT_STATUSES: frozenset[str] = frozenset(AttemptStatus.__args__)  # type: ig
 ROLLOUT_MODES: frozenset[str] = frozenset(RolloutMode.__args__)  # type: ignore[attr-defined]
 
 
+class ModelDump:
+    """``model_dump`` / ``model_dump_json`` as Agent-lightning 0.3.0's pydantic types have them."""
+
+    __slots__ = ()
+
+    def model_dump(self, *, mode: str = "python", **_: Any) -> dict[str, Any]:
+        """The fields as a dict of builtins (nested structs as dicts; ``mode`` accepted for pydantic's calls)."""
+        out: dict[str, Any] = msgspec.to_builtins(self)
+        return out
+
+    def model_dump_json(self, *, indent: int | None = None, **_: Any) -> str:
+        """The fields as JSON text (``indent`` as pydantic's)."""
+        return json.dumps(self.model_dump(), indent=indent)
+
+
 def generate_id(prefix: str, length: int) -> str:
     """Return ``prefix`` followed by ``length`` random hex characters (at most 32)."""
     if length <= 0:
@@ -45,7 +62,7 @@ def now() -> float:
     return time.time()
 
 
-class RolloutConfig(msgspec.Struct, kw_only=True):
+class RolloutConfig(ModelDump, msgspec.Struct, kw_only=True):
     """Retry and liveness policy of one rollout (Agent-lightning ``RolloutConfig``).
 
     Attributes:
@@ -70,7 +87,7 @@ class RolloutConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"retry_condition holds unknown attempt statuses: {bad}")
 
 
-class Attempt(msgspec.Struct, kw_only=True):
+class Attempt(ModelDump, msgspec.Struct, kw_only=True):
     """One execution of a rollout. ``sequence_id`` counts attempts of the rollout from 1."""
 
     rollout_id: str
@@ -84,7 +101,7 @@ class Attempt(msgspec.Struct, kw_only=True):
     metadata: dict[str, Any] | None = None
 
 
-class Rollout(msgspec.Struct, kw_only=True):
+class Rollout(ModelDump, msgspec.Struct, kw_only=True):
     """A unit of work (a task) and its aggregated status; see ``deep-dive_store.md``."""
 
     rollout_id: str
@@ -120,7 +137,7 @@ class EnqueueRolloutRequest(msgspec.Struct, kw_only=True):
     metadata: dict[str, Any] | None = None
 
 
-class Worker(msgspec.Struct, kw_only=True):
+class Worker(ModelDump, msgspec.Struct, kw_only=True):
     """A runner as the store sees it; ``status`` is derived from dequeues and attempt updates."""
 
     worker_id: str
@@ -233,7 +250,7 @@ Resource = LLM | ProxyLLM | PromptTemplate
 NamedResources = dict[str, Resource]
 
 
-class ResourcesUpdate(msgspec.Struct, kw_only=True):
+class ResourcesUpdate(ModelDump, msgspec.Struct, kw_only=True):
     """A versioned snapshot of named resources."""
 
     resources_id: str
@@ -275,7 +292,7 @@ class OtelResource(msgspec.Struct, kw_only=True):
     schema_url: str = ""
 
 
-class Span(msgspec.Struct, kw_only=True):
+class Span(ModelDump, msgspec.Struct, kw_only=True):
     """One OpenTelemetry span of an attempt, with the store's ordering key ``sequence_id``.
 
     ``trace_id`` is 32 hex characters and ``span_id`` 16, as OTLP/JSON and Agent-lightning write them.
@@ -336,61 +353,13 @@ class Span(msgspec.Struct, kw_only=True):
         )
 
 
-class Triplet(msgspec.Struct, kw_only=True):
+class Triplet(ModelDump, msgspec.Struct, kw_only=True):
     """A (prompt, response, reward) transition extracted from spans by an adapter."""
 
     prompt: Any
     response: Any
     reward: float | None = None
     metadata: dict[str, Any] = msgspec.field(default_factory=dict)
-
-
-T = TypeVar("T")
-
-
-class PaginatedResult(Sequence[T], Generic[T]):
-    """A page of query results that behaves like a sequence of its items.
-
-    Attributes:
-        items: The page.
-        limit: The requested limit (``-1`` = unlimited).
-        offset: Items skipped before the page.
-        total: Items that matched before paging.
-    """
-
-    __slots__ = ("items", "limit", "offset", "total")
-
-    def __init__(self, items: Sequence[T], *, limit: int = -1, offset: int = 0, total: int | None = None):
-        self.items = list(items)
-        self.limit = limit
-        self.offset = offset
-        self.total = len(self.items) if total is None else total
-
-    def __getitem__(self, index: Any) -> Any:
-        return self.items[index]
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __iter__(self) -> Iterator[T]:
-        return iter(self.items)
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, PaginatedResult):
-            return (self.items, self.limit, self.offset, self.total) == (
-                other.items,
-                other.limit,
-                other.offset,
-                other.total,
-            )
-        if isinstance(other, Sequence) and not isinstance(other, (str, bytes)):
-            return self.items == list(other)
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return f"<PaginatedResult ({self.offset}:{self.offset + len(self.items)} of {self.total}) {self.items!r}>"
 
 
 def to_builtins(obj: Any) -> Any:

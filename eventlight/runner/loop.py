@@ -59,6 +59,10 @@ class LitAgentRunner:
             them to Prometheus); ``None``: not counted.
     """
 
+    def __class_getitem__(cls, item: Any) -> type[LitAgentRunner]:
+        """``LitAgentRunner[str]`` (0.3.0's runner is generic in the task type) is the class itself."""
+        return cls
+
     def __init__(
         self,
         tracer: Tracer | None = None,
@@ -345,5 +349,11 @@ def _long_polls_type(cls: type) -> bool:
 
 
 def _long_polls(store: LightningStore) -> bool:
-    """Whether the store's ``dequeue_rollout`` can wait for work in the server (``wait_s``)."""
+    """Whether the store's ``dequeue_rollout`` can wait for work in the server (``wait_s``).
+
+    A wrapper that forwards calls (``LightningStoreThreaded``) answers for the store it wraps.
+    """
+    inner = getattr(store, "store", None)
+    if isinstance(inner, LightningStore) and not hasattr(type(store), "dequeue_rollout"):
+        return _long_polls(inner)
     return _long_polls_type(type(store))

@@ -79,10 +79,15 @@ Other behaviours to know:
       (``tests/test_port_names.py``); those that cannot apply raise ``NotImplementedError`` on use,
       naming what to use instead: ``CollectionBasedLightningStore``, ``AgentOpsTracer``, ``VERL``, the 0.1 client/server
       names (``AgentLightningClient``/``Server``, ``DevTaskLoader``, ``Task``, ``LegacyAgentRunner``),
-      ``lightning_cli``, ``utils.otlp`` (the server's ``/v1/traces`` ingests OTLP), and
-      ``ExecutionStrategy.execute`` (the strategy classes carry
-      0.3.0's settings; ``Trainer`` runs runners as queue consumers); ``LightningStoreThreaded`` runs
-      its store on a loop thread of its own, so any thread or event loop may call it;
+      ``lightning_cli``, ``utils.otlp`` (the server's ``/v1/traces`` ingests OTLP), and ``ExecutionStrategy.execute`` (``Trainer(strategy=...)``
+      takes the strategies and places runners as queue consumers: ``eventlight.trainer_strategies``);
+      ``LightningStoreThreaded`` runs its store on a loop thread of its own, so any thread or event
+      loop may call it;
+    * ``Trainer``'s ``"cs"`` strategy starts no store server (``eventlight serve`` is one, for other processes and languages): ``server_host``/``server_port``
+      (``AGL_SERVER_HOST``/``AGL_SERVER_PORT``, ``port=``) are read and kept but unused; the sides
+      meet through ``EVENTLIGHT_NATS_URL``, ``EVENTLIGHT_PG_DSN`` and ``EVENTLIGHT_NAMESPACE``;
+      ``main_process``/``main_thread`` are validated as in 0.3.0, but the algorithm always runs on
+      the main thread (runners in processes for ``"cs"``, in threads for ``"shm"``);
     * a JetStream store called from another event loop than its own raises ``WrongEventLoopError``;
     * a closed JetStream store raises ``InvalidInputError``; the in-memory store keeps its data and
       only stops its watchdog.

@@ -1,0 +1,194 @@
+"""Where ``Trainer`` runs the algorithm and the runners: Agent-lightning 0.3.0's strategies as queue consumers.
+
+``resolve_strategy`` turns what 0.3.0's ``Trainer(strategy=...)`` accepts (``None``, ``"shm"``,
+``"cs"``, a dict with a ``"type"``, a class, an instance) into a strategy of
+``eventlight.execution``; ``Trainer`` then places the two sides by it:
+
+* ``ClientServerExecutionStrategy`` (the default, as in 0.3.0): ``role="both"`` starts
+  ``n_runners`` runner processes (``RunnerPool``) on the namespace's JetStream queue and runs the
+  algorithm in this process; ``"algorithm"`` runs only the algorithm; ``"runner"`` only the runner
+  processes (``serve_runner_role``), until each finished ``max_rollouts`` or until Ctrl+C / SIGTERM.
+  The sides meet through NATS and Postgres (``EVENTLIGHT_NATS_URL``, ``EVENTLIGHT_PG_DSN``,
+  ``EVENTLIGHT_NAMESPACE``), on one machine or several;
+* ``SharedMemoryExecutionStrategy``: ``run_shared_memory`` runs the algorithm on this thread and
+  ``n_runners`` runner threads, each with its own event loop, on one store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+from eventlight.agent import LitAgent
+from eventlight.component import build_component, import_path
+from eventlight.execution import (
+    ClientServerExecutionStrategy,
+    ExecutionStrategy,
+    ExecutionStrategyRegistry,
+    SharedMemoryExecutionStrategy,
+)
+from eventlight.runner import Hook, LitAgentRunner
+from eventlight.runner_pool import RunnerPool
+from eventlight.store.threaded import LightningStoreThreaded
+
+log = logging.getLogger(__name__)
+
+__all__ = ["resolve_strategy", "run_event_loop", "run_shared_memory", "serve_runner_role", "wait_for_pool"]
+
+POOL_CHECK_S = 0.5
+
+
+def resolve_strategy(spec: Any, *, n_runners: int, port: int | None = None) -> ExecutionStrategy:
+    """The strategy ``spec`` names, built as 0.3.0's ``Trainer._make_strategy`` does.
+
+    ``n_runners`` (and ``port`` as ``server_port``) fill in what a string or dict spec leaves out;
+    an instance is returned as it is (``port`` then overrides its ``server_port``).
+
+    Raises:
+        TypeError: ``spec`` gives something that is not an ``ExecutionStrategy``.
+        ValueError: An invalid setting (see the strategy classes).
+    """
+    if isinstance(spec, ExecutionStrategy):
+        if port is not None and isinstance(spec, ClientServerExecutionStrategy):
+            spec.server_port = port
+        return spec
+    defaults: dict[str, Any] = {"n_runners": n_runners}
+    if port is not None:
+        defaults["server_port"] = port
+    if spec is None:
+        return ClientServerExecutionStrategy(**defaults)
+    if isinstance(spec, str | type):
+        spec = {"type": spec}
+    if not isinstance(spec, dict):
+        built = build_component(spec, expected_type=ExecutionStrategy, spec_name="strategy")
+        assert built is not None
+        return built
+    kind = spec.get("type")
+    if kind is None:
+        raise ValueError("strategy: a dict spec needs a 'type' ('shm', 'cs' or a class)")
+    cls = import_path(ExecutionStrategyRegistry.get(kind, kind)) if isinstance(kind, str) else kind
+    if not (isinstance(cls, type) and issubclass(cls, ExecutionStrategy)):
+        raise TypeError(f"strategy must name an ExecutionStrategy, got {kind!r}")
+    if not issubclass(cls, ClientServerExecutionStrategy):
+        defaults.pop("server_port", None)
+    return cls(**{**defaults, **{k: v for k, v in spec.items() if k != "type"}})
+
+
+def run_event_loop(coro: Coroutine[Any, Any, None]) -> None:
+    """Run ``coro`` to its end on a new event loop (uvloop where installed)."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux and macOS
+        asyncio.run(coro)
+        return
+    uvloop.run(coro)
+
+
+# -- client-server: the runner role -------------------------------------------------------------
+
+
+async def wait_for_pool(pool: RunnerPool, stop: asyncio.Event | None = None) -> None:
+    """Return once every process of ``pool`` finished its ``max_rollouts``, or ``stop`` is set."""
+    while not pool.finished() and not (stop is not None and stop.is_set()):
+        if stop is None:
+            await asyncio.sleep(POOL_CHECK_S)
+            continue
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), POOL_CHECK_S)
+
+
+async def serve_runner_role(pool: RunnerPool) -> None:
+    """Role ``"runner"``: keep ``pool``'s processes consuming until they finish or SIGTERM / Ctrl+C.
+
+    The caller stops the pool afterwards (attempts still in flight are recorded ``failed``).
+    """
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not the main thread
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+    log.info("runner role: %d runner processes consume the queue", len(pool.procs))
+    try:
+        await wait_for_pool(pool, stop)
+    finally:
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.remove_signal_handler(signal.SIGTERM)
+
+
+# -- shared memory ------------------------------------------------------------------------------
+
+
+def _runner_copy(template: LitAgentRunner) -> LitAgentRunner:
+    return LitAgentRunner(
+        template.tracer,
+        max_rollouts=template.max_rollouts,
+        poll_interval=template.poll_interval,
+        heartbeat_interval=template.heartbeat_interval,
+    )
+
+
+def _runner_thread(
+    template: LitAgentRunner, agent: LitAgent[Any], hooks: Sequence[Hook], store: Any, index: int, stop: threading.Event
+) -> None:
+    runner = _runner_copy(template)
+
+    async def main() -> None:
+        with runner.run_context(agent=agent, store=store, hooks=hooks, worker_id=index):
+            await runner.iter(event=stop)
+
+    try:
+        run_event_loop(main())
+    except Exception:
+        log.exception("runner thread %d failed", index)
+
+
+def run_shared_memory(
+    strategy: SharedMemoryExecutionStrategy,
+    store: Any,
+    agent: LitAgent[Any],
+    runner: LitAgentRunner,
+    hooks: Sequence[Hook],
+    algorithm: Coroutine[Any, Any, None] | None,
+) -> None:
+    """``"shm"``: ``strategy.n_runners`` runner threads on ``store`` and ``algorithm`` on this thread.
+
+    ``store`` is wrapped in ``LightningStoreThreaded`` when ``strategy.managed_store`` (any thread
+    and loop may call it); ``algorithm`` is a coroutine function's call on the store the caller
+    passes in (``None``: the runners work until each finished ``max_rollouts``, or Ctrl+C). When it
+    ends, or fails, the runners are stopped and joined (``join_timeout`` each).
+    """
+    stop = threading.Event()
+    threads = [
+        threading.Thread(
+            target=_runner_thread, args=(runner, agent, hooks, store, i, stop), name=f"eventlight-runner-{i}"
+        )
+        for i in range(strategy.n_runners)
+    ]
+    for t in threads:
+        t.start()
+    log.info("shared memory: %d runner threads", len(threads))
+    try:
+        if algorithm is not None:
+            run_event_loop(algorithm)
+        else:
+            for t in threads:
+                t.join()
+    finally:
+        if algorithm is not None:
+            algorithm.close()  # never awaited if the loop failed to start: no warning
+        stop.set()
+        for t in threads:
+            t.join(timeout=strategy.join_timeout)
+            if t.is_alive():
+                log.warning("runner thread %s still running %.0f s after the stop", t.name, strategy.join_timeout)
+
+
+def shared_store(strategy: SharedMemoryExecutionStrategy, store: Any) -> Any:
+    """``store`` as the threads of ``"shm"`` share it: in ``LightningStoreThreaded`` when managed."""
+    if strategy.managed_store and not isinstance(store, LightningStoreThreaded):
+        return LightningStoreThreaded(store)
+    return store

@@ -1,0 +1,183 @@
+"""``Trainer`` takes Agent-lightning 0.3.0's execution strategies and runs them as queue consumers (issue 13).
+
+Mappings tested: strategy specs (``None``, ``"shm"``, ``"cs"``, dicts, classes, instances, ``port``)
+and the ``AGL_*`` variables; ``"shm"`` (runner threads on an in-memory store) with ``fit`` and
+``dev``; ``"cs"`` role ``"both"`` with ``dev`` (runner processes); roles ``"algorithm"`` and
+``"runner"`` as two processes sharing only the NATS URL, the Postgres DSN and the namespace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import eventlight as agl
+from eventlight.settings import Settings
+from eventlight.store.jetstream import JetStreamLightningStore
+from eventlight.trainer_strategies import resolve_strategy
+
+ROOT = Path(__file__).resolve().parent.parent
+ROLE_PROGRAM = ROOT / "tests" / "role_program.py"
+TASKS = ["What's 1 + 1?", "What's the capital of France?", "Why is the sky blue?"]
+PROMPT = agl.PromptTemplate(template="You are a helpful assistant. {any_question}", engine="f-string")
+
+
+@agl.rollout
+def score_length(task: str, prompt_template: agl.PromptTemplate) -> float:
+    """A synchronous agent (as the tutorials write them): the reward says which task it got."""
+    return float(len(prompt_template.format(any_question=task)))
+
+
+# -- specs and environment variables -------------------------------------------------------------
+
+
+def test_strategy_specs_resolve_as_in_agent_lightning(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("AGL_CURRENT_ROLE", "AGL_MANAGED_STORE", "AGL_SERVER_HOST", "AGL_SERVER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    default = agl.Trainer(n_runners=3).strategy
+    assert isinstance(default, agl.ClientServerExecutionStrategy)
+    assert (default.n_runners, default.role, default.managed_store, default.server_port) == (3, "both", True, 4747)
+    assert isinstance(agl.Trainer(strategy="shm").strategy, agl.SharedMemoryExecutionStrategy)
+    shm = agl.Trainer(strategy={"type": "shm", "n_runners": 8, "main_thread": "algorithm"})
+    assert shm.n_runners == 8 and isinstance(shm.strategy, agl.SharedMemoryExecutionStrategy)
+    instance = agl.SharedMemoryExecutionStrategy(main_thread="algorithm", n_runners=4)
+    trainer = agl.Trainer(n_runners=1, strategy=instance)
+    assert trainer.strategy is instance and trainer.n_runners == 4
+    cs = agl.Trainer(n_runners=8, strategy={"type": "cs", "server_port": 9999}).strategy
+    assert isinstance(cs, agl.ClientServerExecutionStrategy) and (cs.server_port, cs.n_runners) == (9999, 8)
+    assert resolve_strategy(agl.ClientServerExecutionStrategy, n_runners=2, port=1234).server_port == 1234  # type: ignore[attr-defined]
+    assert resolve_strategy("cs", n_runners=2, port=99).n_runners == 2  # type: ignore[attr-defined]
+    assert isinstance(
+        resolve_strategy({"type": "eventlight.execution.SharedMemoryExecutionStrategy"}, n_runners=1),
+        agl.SharedMemoryExecutionStrategy,
+    )
+
+
+def test_strategy_reads_agl_environment_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AGL_SERVER_PORT", "10000")
+    monkeypatch.setenv("AGL_SERVER_HOST", "10.0.0.4")
+    monkeypatch.setenv("AGL_CURRENT_ROLE", "algorithm")
+    monkeypatch.setenv("AGL_MANAGED_STORE", "0")
+    cs = agl.Trainer(n_runners=8, strategy="cs").strategy
+    assert isinstance(cs, agl.ClientServerExecutionStrategy)
+    assert (cs.role, cs.managed_store, cs.server_host, cs.server_port) == ("algorithm", False, "10.0.0.4", 10000)
+    assert agl.ClientServerExecutionStrategy(role="runner").role == "runner"  # an argument wins
+    assert agl.SharedMemoryExecutionStrategy().managed_store is False
+    monkeypatch.setenv("AGL_CURRENT_ROLE", "boss")
+    with pytest.raises(ValueError, match="role must be one of"):
+        agl.Trainer(strategy="cs")
+    monkeypatch.setenv("AGL_CURRENT_ROLE", "runner")
+    with pytest.raises(ValueError, match="main_process='runner' requires role='both'"):
+        agl.ClientServerExecutionStrategy(main_process="runner")
+
+
+def test_bad_strategy_specs_raise() -> None:
+    with pytest.raises(ValueError, match="n_runners must be 1"):
+        agl.Trainer(n_runners=2, strategy="shm")  # the runner on the main thread: one runner (0.3.0)
+    with pytest.raises(ValueError, match="needs a 'type'"):
+        agl.Trainer(strategy={"n_runners": 2})
+    with pytest.raises(TypeError, match="ExecutionStrategy"):
+        agl.Trainer(strategy={"type": "eventlight.Baseline"})
+    with pytest.raises(TypeError, match="FastAlgorithm"):
+        agl.Trainer(algorithm=agl.APO(object())).dev(score_length, TASKS)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="cannot share a InMemoryLightningStore"):
+        agl.Trainer(store=agl.InMemoryLightningStore(), algorithm=agl.Baseline()).fit(score_length, TASKS)
+
+
+# -- shared memory -------------------------------------------------------------------------------
+
+
+async def _rewards(store: Any) -> dict[str, float | None]:
+    rollouts = await store.query_rollouts()
+    out: dict[str, float | None] = {}
+    for r in rollouts:
+        assert r.status == "succeeded", (r.rollout_id, r.status)
+        out[r.input] = agl.find_final_reward(list(await store.query_spans(r.rollout_id)))
+    return out
+
+
+def test_shm_dev_runs_baseline_on_runner_threads() -> None:
+    store = agl.InMemoryLightningStore()
+    trainer = agl.Trainer(
+        strategy={"type": "shm", "n_runners": 2, "main_thread": "algorithm"},
+        store=store,
+        initial_resources={"prompt_template": PROMPT},
+    )
+    trainer.dev(score_length, TASKS)
+    rewards = asyncio.run(_rewards(store))
+    assert rewards == {t: float(len(PROMPT.format(any_question=t))) for t in TASKS}
+
+
+def test_shm_fit_with_an_algo_function_and_max_rollouts() -> None:
+    seen: list[str] = []
+
+    @agl.algo
+    async def one_by_one(*, store: agl.LightningStore, train_dataset: Any = None, val_dataset: Any = None) -> None:
+        await store.add_resources({"prompt_template": PROMPT})
+        for task in train_dataset:
+            rollout = await store.enqueue_rollout(input=task)
+            [done] = await store.wait_for_rollouts(rollout_ids=[rollout.rollout_id], timeout=30)
+            seen.append(done.status)
+
+    store = agl.InMemoryLightningStore()
+    agl.Trainer(algorithm=one_by_one, strategy="shm", max_rollouts=5, store=store).fit(score_length, TASKS)
+    assert seen == ["succeeded"] * 3
+    assert len(asyncio.run(_rewards(store))) == 3
+
+
+# -- client-server -------------------------------------------------------------------------------
+
+
+async def test_cs_dev_with_runner_processes(namespace: Settings) -> None:
+    trainer = agl.Trainer(n_runners=1, initial_resources={"prompt_template": PROMPT}, settings=namespace)
+    await asyncio.to_thread(trainer.dev, score_length, TASKS)
+    async with JetStreamLightningStore(namespace, nats_url=namespace.nats_url, pg_dsn=namespace.pg_dsn) as store:
+        rewards = await _rewards(store)
+        workers = {a.worker_id for r in await store.query_rollouts() for a in await store.query_attempts(r.rollout_id)}
+    assert rewards == {t: float(len(PROMPT.format(any_question=t))) for t in TASKS}
+    assert all(w and w.startswith("Worker-0@") and f"-{os.getpid()}-" not in w for w in workers), workers
+
+
+def _role_env(namespace: Settings, role: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGL_", "EVENTLIGHT_"))}
+    assert namespace.nats_url is not None and namespace.pg_dsn is not None
+    env.update(
+        AGL_CURRENT_ROLE=role,
+        AGL_MANAGED_STORE="0",
+        EVENTLIGHT_NATS_URL=namespace.nats_url,
+        EVENTLIGHT_PG_DSN=namespace.pg_dsn,
+        EVENTLIGHT_NAMESPACE=namespace.namespace,
+        PYTHONPATH=str(ROOT),
+    )
+    return env
+
+
+async def _queued(namespace: Settings) -> list[str]:
+    async with JetStreamLightningStore(namespace, nats_url=namespace.nats_url, pg_dsn=namespace.pg_dsn) as store:
+        return [r.status for r in await store.query_rollouts()]
+
+
+async def test_algorithm_and_runner_roles_as_separate_processes(namespace: Settings) -> None:
+    run = [sys.executable, str(ROLE_PROGRAM), "--max-rollouts", str(len(TASKS))]
+    algorithm = await asyncio.create_subprocess_exec(*run, env=_role_env(namespace, "algorithm"), cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 60
+        while (statuses := await _queued(namespace)) != ["queuing"] * len(TASKS):
+            assert time.monotonic() < deadline and algorithm.returncode is None, statuses
+            await asyncio.sleep(0.3)
+        await asyncio.sleep(2.0)  # the algorithm role started no runner: nothing is claimed
+        assert await _queued(namespace) == ["queuing"] * len(TASKS)
+        runner = await asyncio.create_subprocess_exec(*run, env=_role_env(namespace, "runner"), cwd=ROOT)
+        assert await asyncio.wait_for(runner.wait(), 120) == 0  # it stops after its max_rollouts
+        assert await asyncio.wait_for(algorithm.wait(), 60) == 0
+    finally:
+        if algorithm.returncode is None:
+            algorithm.kill()
+            await algorithm.wait()
+    assert await _queued(namespace) == ["succeeded"] * len(TASKS)
