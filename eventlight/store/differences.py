@@ -77,13 +77,15 @@ Other behaviours to know:
       object was made), not the in-memory store's byte budgets (eventlight's memory store has none);
     * every public name and submodule of ``agentlightning`` 0.3.0 exists under ``eventlight``
       (``tests/test_port_names.py``); those that cannot apply raise ``NotImplementedError`` on use,
-      naming what to use instead: ``CollectionBasedLightningStore``, ``AgentOpsTracer``, ``VERL``, the 0.1 client/server
-      names (``AgentLightningClient``/``Server``, ``DevTaskLoader``, ``Task``, ``LegacyAgentRunner``),
-      ``lightning_cli``, ``utils.otlp`` (the server's ``/v1/traces`` ingests OTLP), and ``ExecutionStrategy.execute`` (``Trainer(strategy=...)``
+      naming what to use instead: ``CollectionBasedLightningStore``, ``AgentOpsTracer``, ``VERL``,
+      the 0.1 client/server names (``AgentLightningClient``/``Server``, ``DevTaskLoader``,
+      ``Task``, ``LegacyAgentRunner``), ``lightning_cli``, ``utils.otlp`` (the server's
+      ``/v1/traces`` ingests OTLP), and ``ExecutionStrategy.execute`` (``Trainer(strategy=...)``
       takes the strategies and places runners as queue consumers: ``eventlight.trainer_strategies``);
       ``LightningStoreThreaded`` runs its store on a loop thread of its own, so any thread or event
       loop may call it;
-    * ``Trainer``'s ``"cs"`` strategy starts no store server (``eventlight serve`` is one, for other processes and languages): ``server_host``/``server_port``
+    * ``Trainer``'s ``"cs"`` strategy starts no store server (``eventlight serve`` is one, for
+      other processes and languages): ``server_host``/``server_port``
       (``AGL_SERVER_HOST``/``AGL_SERVER_PORT``, ``port=``) are read and kept but unused; the sides
       meet through ``EVENTLIGHT_NATS_URL``, ``EVENTLIGHT_PG_DSN`` and ``EVENTLIGHT_NAMESPACE``;
       ``main_process``/``main_thread`` are validated as in 0.3.0, but the algorithm always runs on
