@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import eventlight as agl
 
@@ -36,3 +37,11 @@ async def flaky(task: dict, prompt_template: agl.PromptTemplate, rollout: agl.At
     if task.get("fail_first") and rollout.attempt.sequence_id == 1:
         raise RuntimeError("the first attempt fails")
     return 1.0
+
+
+class DyingRunner(agl.LitAgentRunner):  # type: ignore[type-arg]
+    """A runner whose process fails as it starts (a broken install, an import that fails in the
+    child): it never heartbeats and never claims, however often its pool restarts it."""
+
+    async def iter(self, *, event: Any = None) -> int:
+        raise RuntimeError("this runner cannot start (on purpose, for the test)")

@@ -132,3 +132,9 @@ class LLMUnavailableError(ServiceUnavailableError):
     def __init__(self, server: str, detail: str):
         EventlightError.__init__(self, f"LLM unavailable: {server}: {detail}")
         self.server = server
+
+
+class NoRunnersError(EventlightError):
+    """Rollouts wait and no runner is alive (none sent a heartbeat recently, see
+    ``eventlight.store.liveness``): raised by ``Trainer`` when the runner processes it started keep
+    dying or never come up, instead of waiting on the queue for ever."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from typing import Any
 
@@ -11,7 +10,7 @@ from nats.aio.client import Client as NATS
 
 from eventlight.store.jetstream.nats_errors import nats_errors
 from eventlight.store.jetstream.projector import Projector
-from eventlight.store.jetstream.readmodel.waits import Waits, _Waiter
+from eventlight.store.jetstream.readmodel.waits import Broadcast, Waits, _Waiter
 
 
 class SqlReadModel(Waits):
@@ -33,7 +32,7 @@ class SqlReadModel(Waits):
         self.nc = nc
         self.prefix = prefix
         self.projector = projector
-        self._changed = asyncio.Condition()
+        self._changed = Broadcast()
         self._hints: set[str] = set()
         self._waiters: list[_Waiter] = []
         self._watch_sub: Any = None

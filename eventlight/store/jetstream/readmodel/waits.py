@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -55,6 +56,37 @@ class _Waiter:
         self.dirty = False
 
 
+class Broadcast:
+    """Wakes every waiter at each ``notify_all``, holding no lock.
+
+    Not an ``asyncio.Condition``: on Python 3.11 a ``wait_for_rollouts`` cancelled at the wrong
+    moment (a trainer stopping its algorithm) left the condition's lock held, and every later
+    read-your-writes wait of the store deadlocked on it, past its own timeout.
+    """
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def notify_all(self) -> None:
+        event, self._event = self._event, asyncio.Event()
+        event.set()
+
+    async def wait(self, timeout_s: float) -> None:
+        """Until the next ``notify_all`` or ``timeout_s`` seconds."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._event.wait(), max(0.0, timeout_s))
+
+    async def wait_for(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
+        """Until ``predicate()`` holds after a ``notify_all`` (``True``), or ``timeout_s`` passes."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while not predicate():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            await self.wait(left)
+        return True
+
+
 class Waits(SqlQueries):
     """Read-your-writes (``sync``) and ``wait_for_rollouts``, woken by the local projector's commits
     and by terminal events on the stream."""
@@ -62,7 +94,7 @@ class Waits(SqlQueries):
     nc: NATS
     prefix: str
     projector: Projector | None
-    _changed: asyncio.Condition
+    _changed: Broadcast
     _hints: set[str]
     _waiters: list[_Waiter]
 
@@ -86,8 +118,7 @@ class Waits(SqlQueries):
         asyncio.get_running_loop().create_task(self._notify())
 
     async def _notify(self) -> None:
-        async with self._changed:
-            self._changed.notify_all()
+        self._changed.notify_all()
 
     async def sync(self, seq: int, timeout_s: float = SYNC_TIMEOUT_S) -> None:
         """Wait until the projection includes stream sequence ``seq``.
@@ -107,9 +138,7 @@ class Waits(SqlQueries):
                 def reached(local: Any = projector) -> bool:
                     return bool(local.checkpoint >= target)
 
-                async with self._changed:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._changed.wait_for(reached), max(0.0, step_end - time.monotonic()))
+                await self._changed.wait_for(reached, max(0.0, step_end - time.monotonic()))
                 if reached():
                     return
             elif await self._poll_checkpoint(target, step_end):  # another process projects (this one
@@ -191,12 +220,10 @@ class Waits(SqlQueries):
                     ready = None
                 remaining = None if deadline is None else deadline - time.monotonic()
                 wait = step if remaining is None else max(0.0, min(step, remaining))
-                async with self._changed:
-                    with contextlib.suppress(TimeoutError):
-                        if ready is None:
-                            await asyncio.wait_for(self._changed.wait(), wait)
-                        else:
-                            await asyncio.wait_for(self._changed.wait_for(ready), wait)
+                if ready is None:
+                    await self._changed.wait(wait)
+                else:
+                    await self._changed.wait_for(ready, wait)
                 if local and not waiter.dirty and wait < step:
                     continue  # the deadline came and no commit finished one of ours: nothing new to read
                 waiter.dirty = False
