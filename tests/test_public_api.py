@@ -73,6 +73,7 @@ EXPECTED = {
     "replay",
     "rollout",
     "LLMUnavailableError",
+    "NoRunnersError",
     "Services",
     "ensure_services",
     "prepare_services",
