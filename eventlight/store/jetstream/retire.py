@@ -20,6 +20,7 @@ Each step can be repeated: a retirement cut short is finished by the next one.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -36,6 +37,9 @@ log = logging.getLogger(__name__)
 
 BATCH = 500
 """Rollouts per ledger entry."""
+
+PURGES_IN_FLIGHT = 64
+"""Purge requests a retirement keeps in flight (pipelined: one at a time is bound by the round trip)."""
 
 _SELECT = """
 SELECT r.rollout_id FROM rollouts r
@@ -86,8 +90,7 @@ async def retire(
         if not ids:
             break
         await log_.retired.record(ids, now)
-        for rid in ids:
-            await _purge(log_, rid, bound)
+        await _purge_all(log_, ids, bound)
         await pg.executemany(
             "INSERT INTO retired_rollouts (rollout_id, retired_at, purged_below_seq) VALUES ($1, $2, $3)"
             " ON CONFLICT (rollout_id) DO NOTHING",
@@ -99,7 +102,20 @@ async def retire(
     return report
 
 
-async def _purge(log_: JetStreamEventLog, rollout_id: str, bound: int) -> None:
-    for subject in (f"{log_.prefix}.r.{rollout_id}.>", f"{log_.prefix}.s.{rollout_id}.>"):
-        with nats_errors(log_.server, f"purging {subject}"):
-            await log_.js.purge_stream(log_.stream, seq=bound + 1, subject=subject)
+async def _purge_all(log_: JetStreamEventLog, rollout_ids: list[str], bound: int) -> None:
+    """Purge each rollout's ``r.`` and ``s.`` subjects below ``bound + 1``, ``PURGES_IN_FLIGHT`` at a time;
+    the first failure is raised once the requests in flight are done (a rollout not yet listed in
+    ``retired_rollouts`` is selected, recorded and purged again by the next retirement)."""
+    subjects = [f"{log_.prefix}.{kind}.{rid}.>" for rid in rollout_ids for kind in ("r", "s")]
+    for i in range(0, len(subjects), PURGES_IN_FLIGHT):
+        results = await asyncio.gather(
+            *(_purge(log_, subject, bound) for subject in subjects[i : i + PURGES_IN_FLIGHT]), return_exceptions=True
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+
+async def _purge(log_: JetStreamEventLog, subject: str, bound: int) -> None:
+    with nats_errors(log_.server, f"purging {subject}"):
+        await log_.js.purge_stream(log_.stream, seq=bound + 1, subject=subject)
