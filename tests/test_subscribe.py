@@ -9,16 +9,26 @@ ids while the subscription goes on. The kill -9 restart test is ``tests/test_sub
 from __future__ import annotations
 
 import asyncio
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 import eventlight
-from eventlight.core.errors import InvalidInputError
+from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
 from eventlight.core.types import RolloutConfig, Span
+from eventlight.ops import apply_streams
+from eventlight.settings import Settings
+from eventlight.store.jetstream import JetStreamLightningStore
+from eventlight.store.jetstream.connect import connect_nats
 from eventlight.store.memory import InMemoryLightningStore
 from eventlight.store.subscription import FinishedAttempt
+from tests.faults import NatsServer
 from tests.test_replay import llm_span, reward_span, workload
+
+ACK_FLUSH_S = 2.0
+"""Measured here: a nats-server killed within ~0.1 s of an acknowledgement may restart without it."""
 
 
 def names(spans: list[Span]) -> list[str]:
@@ -153,7 +163,62 @@ async def test_an_adapter_that_raises_is_reported_and_the_subscription_goes_on()
         good = await finish_one(store, llm=False)
         first, second = await sub.collect([bad, good], timeout_s=5)
     assert first.data == [] and "RuntimeError: cannot adapt this" in first.errors[0]
-    assert [(e.rollout_id, e.attempt_id, e.position) for e in sub.errors] == [
-        (bad, first.attempt_id, first.position)
-    ]
+    assert [(e.rollout_id, e.attempt_id, e.position) for e in sub.errors] == [(bad, first.attempt_id, first.position)]
     assert (second.rollout_id, second.data, second.errors) == (good, ["agentlightning.annotation"], [])
+
+
+# -- the JetStream log: foreign entries, the server going away --------------------------------
+
+
+async def test_a_malformed_entry_is_reported_with_ids_and_the_subscription_goes_on(namespace: Settings) -> None:
+    async with JetStreamLightningStore(namespace) as store, store.subscribe(names) as sub:
+        r = await store.enqueue_rollout({"task": "t"})
+        d = await store.dequeue_rollout(worker_id="w1")
+        rid, aid = r.rollout_id, d.attempt.attempt_id
+        await store.add_span(reward_span(rid, aid, 1, 1.0, 1.0))
+        assert store.nc is not None
+        js = store.nc.jetstream()
+        bad_batch = (await js.publish(f"{namespace.subject_prefix}.s.{rid}.{aid}", b"{not json")).seq
+        bad_event = (await js.publish(f"{namespace.subject_prefix}.r.ghost.e", b'{"type": "nope"}')).seq
+        await store.update_attempt(rid, aid, status="succeeded")
+        after = await finish_one(store)
+        first, second = await sub.collect([rid, after], timeout_s=20)
+    assert first.data == ["agentlightning.annotation"] and first.final_reward == 1.0
+    assert f"log position {bad_batch}: span batch skipped" in first.errors[0]
+    assert second.rollout_id == after and second.errors == []
+    found = {(e.position, e.rollout_id, e.attempt_id) for e in sub.errors}
+    assert found == {(bad_batch, rid, aid), (bad_event, "ghost", None)}
+
+
+async def test_the_server_going_away_is_a_clear_error_then_resumes(tmp_path: Path, services: Any) -> None:
+    server = NatsServer(tmp_path / "nats")
+    server.start()
+    await server.ready()
+    settings = Settings(nats_url=server.url, namespace="subgone")
+    nc = await connect_nats(server.url)
+    await apply_streams(nc, settings)
+    await nc.close()
+    try:
+        async with JetStreamLightningStore(settings) as store:
+            sub = store.subscribe(names, durable="algo", server_timeout_s=2.0)
+            await sub.start()
+            first = await finish_one(store)
+            assert (await sub.next_record(timeout_s=20)).rollout_id == first  # type: ignore[union-attr]
+            await sub.ack()
+            await asyncio.sleep(ACK_FLUSH_S)  # the server writes consumer state (acks) asynchronously
+            server.kill9()
+            started = time.monotonic()
+            with pytest.raises(ServiceUnavailableError) as err:
+                await sub.next_record(timeout_s=60)
+            waited = time.monotonic() - started
+            assert "the subscription 'algo' had no answer from NATS" in str(err.value)
+            assert "resumes after position" in str(err.value) and waited < 15
+            await sub.close(ack=False)
+        server.start()
+        await server.ready()
+        async with JetStreamLightningStore(settings) as store, store.subscribe(names, durable="algo") as sub:
+            second = await finish_one(store)
+            record = await sub.next_record(timeout_s=20)
+            assert record is not None and record.rollout_id == second  # nothing again, nothing skipped
+    finally:
+        server.kill9()

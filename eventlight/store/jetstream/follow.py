@@ -42,6 +42,8 @@ BATCH = 256
 CHECK_EVERY_S = 5.0
 EPHEMERAL_INACTIVE_S = 30.0
 SERVER_TIMEOUT_S = 30.0
+INFO_TIMEOUT_S = 2.0
+CHECK_ERRORS: tuple[type[BaseException], ...] = (*ANY_NATS_ERROR, TimeoutError)
 
 
 class JetStreamFeed:
@@ -91,7 +93,7 @@ class JetStreamFeed:
 
     async def _info(self) -> Any:
         try:
-            return await self.log.js.consumer_info(self.log.stream, self.name)
+            return await self.log.js.consumer_info(self.log.stream, self.name, timeout=INFO_TIMEOUT_S)
         except JsNotFoundError:
             return None
 
@@ -117,12 +119,15 @@ class JetStreamFeed:
         Raises:
             ServiceUnavailableError: The server did not answer for ``server_timeout_s`` seconds.
         """
+        if not self.log.nc.is_connected:
+            await self._failed(ConnectionError("the NATS client is not connected"))
+            return []
         try:
             msgs = await self._sub.fetch(BATCH, timeout=max(0.05, wait_s))
         except NO_MESSAGES:
-            msgs = []
             if time.monotonic() - self._checked >= CHECK_EVERY_S or self._down_since is not None:
                 await self._check()
+            return []
         except ANY_NATS_ERROR as e:
             await self._failed(e)
             return []
@@ -141,7 +146,7 @@ class JetStreamFeed:
         self._checked = time.monotonic()
         try:
             info = await self._info()
-        except ANY_NATS_ERROR as e:
+        except CHECK_ERRORS as e:
             await self._failed(e)
             return
         self._down_since = None
@@ -171,7 +176,7 @@ class JetStreamFeed:
             ) from e
         await asyncio.sleep(0.25)
         if self.log.nc.is_connected:
-            with contextlib.suppress(ServiceUnavailableError, *ANY_NATS_ERROR):
+            with contextlib.suppress(ServiceUnavailableError, *CHECK_ERRORS):
                 if await self._info() is None:
                     await self._recreate("it was gone after the server came back")
 

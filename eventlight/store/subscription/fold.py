@@ -63,7 +63,7 @@ class FollowFold:
         """
         if d.seq <= self.high:
             return []
-        event = self._decode(d.seq, d.data, None)
+        event = self._decode(d.seq, d.data, d.subject.split(".")[1] if d.subject.count(".") == 2 else None)
         rid = rollout_id_of(event) if event is not None else None
         if event is None or rid is None:
             self.high = d.seq

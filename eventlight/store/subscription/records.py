@@ -109,18 +109,21 @@ def adapt(
     bad: list[tuple[int, str]] = []
     spans, positions = spans_of_batches(batches, bad)
     why = [f"log position {pos}: span batch skipped: {e}" for pos, e in bad]
+    at = [pos for pos, _ in bad]
     final: float | None = None
     try:
         final = find_final_reward(spans)
     except Exception as e:  # a malformed reward span
         why.append(f"reward: {type(e).__name__}: {e}")
+        at.append(position)
     data: Any = []
     try:
         data = adapter(spans) if spans else []
     except Exception as e:  # the adapter (the user's, maybe), whatever it raises
         why.append(f"adapter {type(adapter).__name__}: {type(e).__name__}: {e}")
+        at.append(position)
     rid, aid = rollout.rollout_id, attempt.attempt_id
-    errors = [SubscriptionError(position, rid, aid, w) for w in why]
+    errors = [SubscriptionError(pos, rid, aid, w) for pos, w in zip(at, why, strict=True)]
     for w in why:
         log.warning("subscription: rollout %s attempt %s (finished at %d): %s", rid, aid, position, w)
     record = FinishedAttempt(
