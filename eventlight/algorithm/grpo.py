@@ -262,9 +262,10 @@ class GRPO(Algorithm):
     @contextlib.asynccontextmanager
     async def _subscribed(self) -> AsyncIterator[None]:
         """Follow finished attempts with the trainer's adapter while the block enqueues and waits
-        (``store.subscribe_triplets``); a store without subscriptions is waited on and queried."""
+        (``store.subscribe_triplets``); a store without subscriptions, or no adapter set yet, is
+        waited on and queried as before."""
         subscribe = getattr(self.get_store(), "subscribe_triplets", None)
-        if subscribe is None:
+        if subscribe is None or self._adapter is None:  # no adapter: _outcome says so if spans need one
             yield
             return
         async with subscribe(self.get_adapter()) as sub:
