@@ -5,8 +5,8 @@ nats-server keeps state for every subject it holds, so it should hold what is li
 ``Settings.retention_s`` set, JetStream sources every event into the archive stream
 (``archive``); ``retire`` then, per batch:
 
-1. takes the position ``bound`` that both the archive (its last sourced position) and the live
-   projection (its checkpoint) have passed;
+1. takes the position ``bound`` that the archive (its last sourced position), the live
+   projection (its checkpoint) and every subscriber (``subscriber_floors``) have passed;
 2. selects, from the read model, rollouts in a terminal status that ended more than
    ``retention_s`` ago, whose last state event is at or below ``bound`` and that are not yet
    listed in ``retired_rollouts``;
@@ -30,6 +30,7 @@ from eventlight.core.errors import InvalidInputError
 from eventlight.core.types import TERMINAL_ROLLOUT_STATUSES
 from eventlight.settings import Settings
 from eventlight.store.jetstream.archive import archive_head, archived_until
+from eventlight.store.jetstream.definitions import consumer_config
 from eventlight.store.jetstream.log import JetStreamEventLog
 from eventlight.store.jetstream.nats_errors import nats_errors
 
@@ -82,6 +83,15 @@ async def retire(
         raise InvalidInputError(f"namespace {settings.namespace} has no archive stream: apply_streams with retention_s")
     checkpoint = int(await pg.fetchval("SELECT last_seq FROM projector_checkpoint") or 0)
     bound = min(await archived_until(log_), checkpoint)
+    behind = await subscriber_floors(log_)
+    if behind and min(behind.values()) < bound:
+        bound = min(behind.values())
+        log.info(
+            "retirement waits for subscribers %s (acknowledged up to log position %d); delete a durable "
+            "subscription that is no longer used, or it holds retirement back",
+            ", ".join(sorted(k for k, v in behind.items() if v <= bound)),
+            bound,
+        )
     report = RetireReport(bound=bound)
     while limit is None or report.retired < limit:
         take = BATCH if limit is None else min(BATCH, limit - report.retired)
@@ -100,6 +110,28 @@ async def retire(
         log.info("retired %d rollouts below log position %d (%s ...)", len(ids), bound + 1, ids[0])
     report.seconds = time.perf_counter() - t0
     return report
+
+
+async def subscriber_floors(log_: JetStreamEventLog) -> dict[str, int]:
+    """Each subscriber consumer's position (``store.subscribe_*``, durable or live ephemeral): the
+    log position up to which it has acknowledged, or where it started when it has acknowledged
+    nothing yet. Retirement stays at or below the lowest, so a subscriber that is behind (or down,
+    with a durable name) still finds its records in the hot stream when it resumes.
+
+    Raises:
+        ServiceUnavailableError: NATS failed.
+    """
+    template = consumer_config("subscriber", log_.settings.namespace)
+    with nats_errors(log_.server, "listing the subscribers' consumers"):
+        infos = await log_.js.consumers_info(log_.stream)
+    floors: dict[str, int] = {}
+    for info in infos:
+        cfg = info.config
+        if cfg.filter_subject != template.filter_subject or cfg.ack_policy != template.ack_policy:
+            continue  # the projector's and the queue's consumers
+        acked = int(info.ack_floor.stream_seq or 0) if info.ack_floor is not None else 0
+        floors[str(cfg.name or cfg.durable_name)] = max(acked, int(cfg.opt_start_seq or 1) - 1)
+    return floors
 
 
 async def _purge_all(log_: JetStreamEventLog, rollout_ids: list[str], bound: int) -> None:
