@@ -298,3 +298,20 @@ async def test_daemon_enqueues_groups_and_builds_the_batch(tok: Any) -> None:
     assert sorted(uids.values()) == [3, 3]  # GRPO groups: the n rollouts of one task share its data_id
     batch = daemon.train_batch(trajectories, pad_token_id=tok.pad_token_id)
     assert len(batch) == 12 and Counter(batch.non_tensor_batch["uid"].tolist()) == {u: 6 for u in uids}
+
+
+def test_bench_verl_gpu_parses_builds_its_config_and_fails_fast(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import verl_gpu
+
+    args = verl_gpu.parse_args(["--steps", "2", "--tasks", "3", "--n", "5"])
+    config = verl_gpu.build_config(args, "/models/x")
+    s = VerlSettings.from_config(config)
+    assert (s.n, s.train_batch_size, s.total_training_steps, s.model_path) == (5, 3, 2, "/models/x")
+    cfg = verl_config(config)
+    assert cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 15 and cfg.trainer.n_gpus_per_node == 1
+    for bad in (["--n", "1"], ["--steps", "0"], ["--gpu-memory", "1.5"]):
+        with pytest.raises(SystemExit):
+            verl_gpu.parse_args(bad)
+    assert verl_gpu.main(["--steps", "1"]) == 2  # no GPU / no vLLM here: one line, nothing started
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: VERL") and ("missing: " in err or "sees none" in err)
