@@ -273,10 +273,10 @@ async def test_daemon_enqueues_groups_and_builds_the_batch(tok: Any) -> None:
         await daemon.enqueue([{"q": "x"}], train=True)
     with pytest.raises(ValueError, match="no vLLM server"):
         await daemon.register_backends([])
-    resources_id = await daemon.register_backends(["10.0.0.5:8000", "10.0.0.6:8000"])
+    resources_id = await daemon.register_backends(["127.0.0.1:18000", "127.0.0.1:18001"])
     assert [m["litellm_params"]["api_base"] for m in proxy.model_list] == [
-        "http://10.0.0.5:8000/v1",
-        "http://10.0.0.6:8000/v1",
+        "http://127.0.0.1:18000/v1",
+        "http://127.0.0.1:18001/v1",
     ]
     assert {m["litellm_params"]["model"] for m in proxy.model_list} == {"hosted_vllm//models/tiny"}
     llm = (await store.get_resources_by_id(resources_id)).resources["main_llm"]
