@@ -9,7 +9,7 @@ PIP    := $(BIN)/pip install --quiet --constraint constraints.txt
 LLAMA_VERSION := $(shell sed -n 's/^llama-cpp-python==//p' constraints.txt)
 export LITELLM_LOCAL_MODEL_COST_MAP ?= True
 
-.PHONY: demo test local rl sft down clean
+.PHONY: demo test local rl sft verl down clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,16 @@ $(VENV)/.installed-sft: pyproject.toml constraints.txt | $(VENV)/.installed-rl
 	touch $@
 
 sft: $(VENV)/.installed-sft
+
+# VERL's CPU part, for the tests of its data path (tests/test_verl.py): verl without its dependencies
+# (they would pull vLLM and a CUDA torch), then the few that `import verl` needs (ray, hydra-core,
+# tensordict). Not enough to train: on a GPU machine install the verl extra (README, VERL section).
+$(VENV)/.installed-verl: pyproject.toml constraints.txt | $(VENV)/.installed-rl
+	$(PIP) --no-deps verl tensordict pyvers cloudpickle orjson codetiming
+	$(PIP) ray hydra-core
+	touch $@
+
+verl: $(VENV)/.installed-verl
 
 # The main job: GRPO on sums (examples/arithmetic); `make demo ARGS="--algorithm apo"` runs APO.
 demo: $(VENV)/.installed-local-portable $(VENV)/.installed-rl
