@@ -51,6 +51,9 @@ sft: $(VENV)/.installed-sft
 $(VENV)/.installed-verl: pyproject.toml constraints.txt | $(VENV)/.installed-rl
 	$(PIP) --no-deps verl tensordict pyvers cloudpickle orjson codetiming
 	$(PIP) ray hydra-core
+	@# verl's wheel also installs a top-level `tests` package of its own, which would shadow this
+	@# project's tests/ (a regular package wins over a directory without __init__.py): remove it.
+	$(BIN)/python -c "import pathlib, shutil, sysconfig; shutil.rmtree(pathlib.Path(sysconfig.get_paths()['purelib'], 'tests'), ignore_errors=True)"
 	touch $@
 
 verl: $(VENV)/.installed-verl
