@@ -16,6 +16,7 @@ from eventlight.adapter.attrs import (
     _time,
 )
 from eventlight.adapter.base import RewardMatchPolicy
+from eventlight.adapter.stats import AdapterStats
 from eventlight.core.types import Span
 from eventlight.rewards import get_reward_value
 
@@ -134,6 +135,7 @@ class TraceTree:
         agent_match: str | None,
         exclude_llm_call_in_reward: bool = True,
         dedup_llm_call: bool = True,
+        stats: AdapterStats | None = None,
     ) -> list[tuple[TraceTree, str]]:
         """LLM call nodes (DFS pre-order) with the name of their enclosing matching agent.
 
@@ -142,10 +144,13 @@ class TraceTree:
         an agent whose name matches (a non-matching agent resets it); with
         ``exclude_llm_call_in_reward`` nothing below a reward span counts; with ``dedup_llm_call``
         a response id seen before, or a nested match without response id below a matched call, is
-        skipped. A node's own agent/reward status applies to its descendants only.
+        skipped (and counted in ``stats.duplicates`` when given). A node's own agent/reward status
+        applies to its descendants only.
         """
         walker = _LlmCallWalker(llm_call_match, agent_match, exclude_llm_call_in_reward, dedup_llm_call)
         walker.visit(self, "*" if agent_match is None else None, False, False)
+        if stats is not None:
+            stats.duplicates += walker.duplicates
         return walker.found
 
     def match_rewards(self, policy: RewardMatchPolicy | str, llm_calls: Sequence[TraceTree]) -> dict[str, float]:
@@ -174,6 +179,7 @@ class _LlmCallWalker:
         self.dedup = dedup
         self.seen_response_ids: set[str] = set()
         self.found: list[tuple[TraceTree, str]] = []
+        self.duplicates = 0
 
     def visit(self, node: TraceTree, agent: str | None, in_reward: bool, in_llm_call: bool) -> None:
         if self._is_call(node, agent, in_reward, in_llm_call):
@@ -193,8 +199,10 @@ class _LlmCallWalker:
             return True
         response_id = _first_str(node.span.attributes or {}, RESPONSE_ID_KEYS)
         if response_id is None:
+            self.duplicates += in_llm_call
             return not in_llm_call
         if response_id in self.seen_response_ids:
+            self.duplicates += 1
             return False
         self.seen_response_ids.add(response_id)
         return True

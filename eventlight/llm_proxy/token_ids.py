@@ -21,11 +21,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-MISSING_ATTRIBUTE = "eventlight.token_ids.missing"
-"""Span attribute: which token ids a successful call's response lacked, ``["prompt"]``,
-``["response"]`` or both; absent when both were there."""
-INCOMPLETE_ATTRIBUTE = "token_ids_incomplete"
-"""Span attribute: ``True`` when the ids do not match ``usage`` (fewer or more than counted)."""
+from eventlight.adapter.attrs import TOKEN_IDS_INCOMPLETE, TOKEN_IDS_MISSING
+
+MISSING_ATTRIBUTE = TOKEN_IDS_MISSING
+INCOMPLETE_ATTRIBUTE = TOKEN_IDS_INCOMPLETE
 
 
 def int_list(value: Any) -> list[int] | None:
