@@ -96,6 +96,10 @@ class Tracer:
     def get_last_trace(self) -> list[Span]:
         return []
 
+    def undelivered_spans(self) -> int:
+        """Spans of the most recent trace context that never reached the store (0: all did)."""
+        return 0
+
     def create_span(
         self,
         name: str,
@@ -138,6 +142,7 @@ class _AttemptBuffer:
         self.recorded: list[Span] = []
         self.wake = asyncio.Event()
         self.closing = False
+        self.undelivered = 0
 
     async def flush(self) -> None:
         """Send the spans that ended so far; they leave the buffer only once the store has them."""
@@ -191,6 +196,7 @@ class OtelTracer(Tracer):
         self.provider: TracerProvider | None = None
         self._otel: trace_api.Tracer | None = None
         self._last: list[Span] = []
+        self._undelivered = 0
 
     def init_worker(self, worker_id: int, store: LightningStore | None = None) -> None:
         super().init_worker(worker_id, store)
@@ -247,6 +253,7 @@ class OtelTracer(Tracer):
                     raise
                 finally:
                     self._last = buf.recorded
+                    self._undelivered = buf.undelivered if not flusher.cancelled() else len(buf.pending)
 
     async def _flush_loop(self, buf: _AttemptBuffer | None) -> None:
         """Send the buffer every ``flush_interval_s`` (or when it fills); a last time when closing."""
@@ -261,6 +268,7 @@ class OtelTracer(Tracer):
             await self._flush_logged(buf)
             if not buf.pending:
                 return
+        buf.undelivered = len(buf.pending)
         log.error("dropped %d spans of rollout %s attempt %s", len(buf.pending), buf.rollout_id, buf.attempt_id)
 
     @staticmethod
@@ -278,6 +286,11 @@ class OtelTracer(Tracer):
     def get_last_trace(self) -> list[Span]:
         """Spans recorded (with their store sequence ids) by the most recent trace context."""
         return list(self._last)
+
+    def undelivered_spans(self) -> int:
+        """Spans of the most recent trace context still unsent after the last flush's three tries
+        (0 s, 0.2 s, 1 s); the runner then records the attempt ``failed`` with that reason."""
+        return self._undelivered
 
     def create_span(
         self,

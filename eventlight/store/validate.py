@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 
 from eventlight.core.errors import InvalidInputError, InvalidTypeError
-from eventlight.core.types import LLM, PromptTemplate, ProxyLLM, Span
+from eventlight.core.types import LLM, PromptTemplate, ProxyLLM, RolloutConfig, Span
 
 _json = msgspec.json.Encoder()
 _TOKEN = re.compile(r"^[A-Za-z0-9_\-:@+=]{1,200}$")
@@ -158,3 +158,27 @@ def check_resources(resources: Mapping[str, Any]) -> None:
     for name, res in resources.items():
         if not isinstance(name, str) or not isinstance(res, (LLM, ProxyLLM, PromptTemplate)):
             raise InvalidTypeError(f"resource {name!r} is a {type(res).__name__}, not an LLM or PromptTemplate")
+
+
+def check_rollout_config(value: Any) -> RolloutConfig | None:
+    """``value`` as a ``RolloutConfig``: one already, a mapping of its fields, or ``None``.
+
+    Raises:
+        InvalidTypeError: ``value`` is neither (a ``TypeError``).
+        InvalidInputError: A field is unknown or out of range (a ``ValueError``), e.g.
+            ``max_attempts < 1`` or a ``retry_condition`` status that does not exist.
+    """
+    if value is None or isinstance(value, RolloutConfig):
+        return value
+    if not isinstance(value, Mapping):
+        raise InvalidTypeError(
+            f"rollout_config must be a RolloutConfig or a dict of its fields, got {type(value).__name__}"
+        )
+    fields = set(RolloutConfig.__struct_fields__)
+    unknown = sorted(set(value) - fields)
+    if unknown:
+        raise InvalidInputError(f"rollout_config has unknown fields {unknown}; known: {sorted(fields)}")
+    try:
+        return msgspec.convert(dict(value), RolloutConfig)
+    except (msgspec.ValidationError, ValueError) as exc:
+        raise InvalidInputError(f"rollout_config: {exc}") from exc
