@@ -165,3 +165,52 @@ async def test_trainer_rollout_config_applies_to_what_the_algorithm_enqueues() -
     await trainer._run_algorithm(store, None, None, trainer.algorithm)
     assert seen[0] == RolloutConfig(max_attempts=5)
     assert seen[1] == RolloutConfig(timeout_seconds=30, max_attempts=3, retry_condition=["failed", "timeout"])
+
+
+# -- RolloutConfig from the runner and `eventlight runner` -----------------------------------
+
+
+async def test_a_runner_config_applies_to_rollouts_enqueued_without_one() -> None:
+    store = InMemoryLightningStore()
+    await store.add_resources(RESOURCES)
+    plain = await store.enqueue_rollout({"q": "x"})
+    own = await store.enqueue_rollout({"q": "y"}, config=RolloutConfig(max_attempts=1, timeout_seconds=99))
+    config = RolloutConfig(max_attempts=2, retry_condition=["failed"], timeout_seconds=60)
+    runner = agl.LitAgentRunner(
+        agl.OtelTracer(), max_rollouts=3, poll_interval=0.05, heartbeat_interval=0, rollout_config=config
+    )
+    with runner.run_context(agent=flaky_agent, store=store):
+        assert await asyncio.wait_for(runner.iter(), 60) == 3  # plain twice, own once
+    got_plain, got_own = await store.query_rollouts(rollout_id_in=[plain.rollout_id, own.rollout_id])
+    assert got_plain.config == config and got_plain.attempt.sequence_id == 2 and got_plain.status == "failed"
+    assert got_own.config == RolloutConfig(max_attempts=1, timeout_seconds=99) and got_own.attempt.sequence_id == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--max-attempts", "0"], "max_attempts must be >= 1"),
+        (["--retry-on", "failed,exploded"], "unknown attempt statuses: ['exploded']"),
+        (["--timeout-s", "-1"], "--timeout-s must be > 0 seconds"),
+        (["--unresponsive-s", "0"], "--unresponsive-s must be > 0 seconds"),
+    ],
+)
+def test_eventlight_runner_refuses_a_bad_rollout_config_in_one_line(args: list[str], says: str) -> None:
+    from typer.testing import CliRunner
+
+    from eventlight.cli import app
+
+    result = CliRunner().invoke(app, ["runner", "examples.room_booking.agent:room_booker", *args])
+    assert result.exit_code != 0
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1, result.output
+    assert says in result.output and "Traceback" not in result.output
+
+
+def test_eventlight_runner_builds_the_config_it_is_given() -> None:
+    from eventlight.cli.runner import _rollout_config
+
+    assert _rollout_config(None, None, None, None) is None
+    assert _rollout_config(600, 30, 3, "failed, timeout") == RolloutConfig(
+        timeout_seconds=600, unresponsive_seconds=30, max_attempts=3, retry_condition=["failed", "timeout"]
+    )

@@ -27,19 +27,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
-import inspect
 import logging
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from eventlight.agent import LitAgent
-from eventlight.core.types import STATUS_REASON, AttemptedRollout, Span
+from eventlight.core.types import STATUS_REASON, AttemptedRollout, RolloutConfig, Span
 from eventlight.emitter import emit_exception, emit_reward
 from eventlight.runner.hooks import Hook
 from eventlight.runner.identity import system_snapshot, worker_name
 from eventlight.runner.metrics import RunnerMetrics
+from eventlight.runner.policy import _long_polls, apply_rollout_config
 from eventlight.runner.retry import Backoff, _describe, _retryable
 from eventlight.store.base import LightningStore
 from eventlight.tracer import OtelTracer, Tracer
@@ -59,6 +58,8 @@ class LitAgentRunner:
         heartbeat_interval: Seconds between heartbeats; ``<= 0`` disables them.
         metrics: Where attempts and dequeue failures are counted (``RunnerMetrics.serve`` exposes
             them to Prometheus); ``None``: not counted.
+        rollout_config: eventlight's: the ``RolloutConfig`` given to each claimed rollout that was
+            enqueued with the default one (``eventlight runner --max-attempts ...``).
     """
 
     def __class_getitem__(cls, item: Any) -> type[LitAgentRunner]:
@@ -72,9 +73,11 @@ class LitAgentRunner:
         poll_interval: float = 1.0,
         heartbeat_interval: float = 10.0,
         metrics: RunnerMetrics | None = None,
+        rollout_config: RolloutConfig | None = None,
     ):
         self.tracer = tracer or OtelTracer()
         self.metrics = metrics
+        self.rollout_config = rollout_config
         self.max_rollouts = max_rollouts
         self.poll_interval = poll_interval
         self.heartbeat_interval = heartbeat_interval
@@ -261,6 +264,7 @@ class LitAgentRunner:
         status, spans, reason = "failed", [], None
         start = time.monotonic()
         try:
+            rollout = await apply_rollout_config(self.get_store(), rollout, self.rollout_config)
             resources = await self._resources(rollout)
             await self._hook("on_rollout_start", agent=agent, runner=self, rollout=rollout)
             async with self.tracer.trace_context(name=rid, rollout_id=rid, attempt_id=aid):
@@ -371,19 +375,3 @@ class LitAgentRunner:
             else:
                 log.info("[%s | Rollout %s] recorded status %s late", self.get_worker_id(), rid, status)
             del self._unrecorded[(rid, aid)]
-
-
-@functools.lru_cache(maxsize=16)
-def _long_polls_type(cls: type) -> bool:
-    return "wait_s" in inspect.signature(cls.dequeue_rollout).parameters  # type: ignore[attr-defined]
-
-
-def _long_polls(store: LightningStore) -> bool:
-    """Whether the store's ``dequeue_rollout`` can wait for work in the server (``wait_s``).
-
-    A wrapper that forwards calls (``LightningStoreThreaded``) answers for the store it wraps.
-    """
-    inner = getattr(store, "store", None)
-    if isinstance(inner, LightningStore) and not hasattr(type(store), "dequeue_rollout"):
-        return _long_polls(inner)
-    return _long_polls_type(type(store))
