@@ -23,6 +23,8 @@ class AdapterStats:
         errors: Calls whose span has status ``ERROR`` (an upstream 400, a timeout): skipped, they
             hold no completion.
         duplicates: Calls skipped as another copy of a call already taken (the same response id).
+        cycles_cut: Parent-link cycles in the spans (bad input) cut to build the span tree; their
+            spans are kept, the first of each cycle taken as a root.
     """
 
     llm_calls: int = 0
@@ -31,6 +33,7 @@ class AdapterStats:
     incomplete_token_ids: int = 0
     errors: int = 0
     duplicates: int = 0
+    cycles_cut: int = 0
 
     def add(self, other: AdapterStats) -> None:
         """Add ``other``'s counts to these."""

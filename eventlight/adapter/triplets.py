@@ -173,6 +173,7 @@ class TracerTraceToTriplet(TraceToTripletBase):
             stats=stats,
         )
         stats.llm_calls = len(calls) + stats.duplicates
+        stats.cycles_cut = tree.cycles_cut
         pairs = []
         for node, agent in calls:
             if is_error(node.span):  # an upstream error: no completion to train on

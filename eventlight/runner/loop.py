@@ -282,6 +282,9 @@ class LitAgentRunner:
             lost = self.tracer.undelivered_spans()
             if lost:  # the trace is incomplete: the attempt must not read as a clean success
                 reason = f"{lost} span(s) could not be delivered to the store before the attempt finished"
+                refusal = getattr(self.tracer, "last_refusal", lambda: "")()
+                reason += f" (the store refused: {refusal})" if refusal else ""
+                reason = reason[:_REASON_CHARS]
                 log.error("%s %s", prefix, reason)
                 await self._hook("on_rollout_end", agent=agent, runner=self, rollout=rollout, spans=[])
                 await self._finish(rid, aid, "failed", prefix, reason=reason, rollout=rollout)

@@ -108,6 +108,7 @@ def check_spans(spans: Sequence[Any]) -> None:
             raise InvalidTypeError(
                 f"span #{i} ({span.name!r}) has attributes of type {type(span.attributes).__name__}, not dict"
             )
+        _check_span_size(i, span)
         for key, value in span.attributes.items():
             if not isinstance(key, str):
                 raise InvalidInputError(f"span #{i} ({span.name!r}) has a non-string attribute key {key!r}")
@@ -158,6 +159,27 @@ def check_resources(resources: Mapping[str, Any]) -> None:
     for name, res in resources.items():
         if not isinstance(name, str) or not isinstance(res, (LLM, ProxyLLM, PromptTemplate)):
             raise InvalidTypeError(f"resource {name!r} is a {type(res).__name__}, not an LLM or PromptTemplate")
+
+
+def _check_span_size(i: int, span: Span) -> None:
+    """Refuse a span no event can hold (both backends alike); only spans with large text are encoded."""
+    # a UTF-8 character is at most 4 bytes, a list item (an int, a short string) rarely over 24
+    rough = sum(
+        4 * len(v) if isinstance(v, str) else 24 * len(v)
+        for v in span.attributes.values()
+        if isinstance(v, (str, list))
+    )
+    if rough < MAX_PAYLOAD_BYTES:
+        return
+    try:
+        size = len(_json.encode(span))
+    except (TypeError, ValueError, OverflowError, msgspec.EncodeError):
+        return  # not encodable: the backend's own encoding says why
+    if size > MAX_PAYLOAD_BYTES:
+        raise InvalidInputError(
+            f"span #{i} ({span.name!r}) is {size:,} bytes, over the {MAX_PAYLOAD_BYTES:,} an event may hold; "
+            "store large values elsewhere and put a reference in the attribute"
+        )
 
 
 def check_rollout_config(value: Any) -> RolloutConfig | None:
