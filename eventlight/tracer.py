@@ -28,6 +28,7 @@ from opentelemetry.sdk.resources import Resource as OtelSdkResource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.trace import Status, StatusCode
 
+from eventlight.core.errors import InvalidInputError
 from eventlight.core.types import Span, TraceStatus
 from eventlight.otel import span_from_readable
 from eventlight.store.base import LightningStore
@@ -96,6 +97,10 @@ class Tracer:
     def get_last_trace(self) -> list[Span]:
         return []
 
+    def undelivered_spans(self) -> int:
+        """Spans of the most recent trace context that never reached the store (0: all did)."""
+        return 0
+
     def create_span(
         self,
         name: str,
@@ -138,16 +143,47 @@ class _AttemptBuffer:
         self.recorded: list[Span] = []
         self.wake = asyncio.Event()
         self.closing = False
+        self.undelivered = 0  # still pending after the last flush
+        self.refused = 0  # refused by the store as bad input
+        self.refusal = ""
 
     async def flush(self) -> None:
-        """Send the spans that ended so far; they leave the buffer only once the store has them."""
+        """Send the spans that ended so far; they leave the buffer only once the store has them.
+
+        A batch the store refuses as bad input (``InvalidInputError``: e.g. a span over the 8 MiB an
+        event may hold) is sent again span by span; the spans it still refuses are dropped, counted
+        in ``refused`` and logged with the store's reason, the others are stored.
+        """
         if not self.pending:
             return
         batch = list(self.pending)
         spans = [span_from_readable(s, self.rollout_id, self.attempt_id, 0) for s in batch]
-        await self.store.add_spans_numbered(self.rollout_id, self.attempt_id, spans)
+        try:
+            await self.store.add_spans_numbered(self.rollout_id, self.attempt_id, spans)
+        except InvalidInputError as exc:
+            if len(spans) == 1:
+                self._refuse(spans[0], exc)
+            else:
+                await self._one_by_one(spans)
+        else:
+            self.recorded.extend(spans)
         del self.pending[: len(batch)]  # spans that ended meanwhile stay for the next flush
-        self.recorded.extend(spans)
+
+    async def _one_by_one(self, spans: list[Span]) -> None:
+        for span in spans:
+            try:
+                await self.store.add_spans_numbered(self.rollout_id, self.attempt_id, [span])
+            except InvalidInputError as exc:
+                self._refuse(span, exc)
+            else:
+                self.recorded.append(span)
+
+    def _refuse(self, span: Span, exc: Exception) -> None:
+        self.refused += 1
+        self.refusal = str(exc)
+        log.error(
+            "rollout %s attempt %s: the store refused span %r: %s", self.rollout_id, self.attempt_id, span.name, exc
+        )
 
 
 class StreamSpanProcessor(SpanProcessor):
@@ -191,6 +227,8 @@ class OtelTracer(Tracer):
         self.provider: TracerProvider | None = None
         self._otel: trace_api.Tracer | None = None
         self._last: list[Span] = []
+        self._undelivered = 0
+        self._refusal = ""
 
     def init_worker(self, worker_id: int, store: LightningStore | None = None) -> None:
         super().init_worker(worker_id, store)
@@ -247,6 +285,9 @@ class OtelTracer(Tracer):
                     raise
                 finally:
                     self._last = buf.recorded
+                    lost = buf.undelivered if not flusher.cancelled() else len(buf.pending)
+                    self._undelivered = lost + buf.refused
+                    self._refusal = buf.refusal
 
     async def _flush_loop(self, buf: _AttemptBuffer | None) -> None:
         """Send the buffer every ``flush_interval_s`` (or when it fills); a last time when closing."""
@@ -261,6 +302,7 @@ class OtelTracer(Tracer):
             await self._flush_logged(buf)
             if not buf.pending:
                 return
+        buf.undelivered = len(buf.pending)
         log.error("dropped %d spans of rollout %s attempt %s", len(buf.pending), buf.rollout_id, buf.attempt_id)
 
     @staticmethod
@@ -278,6 +320,16 @@ class OtelTracer(Tracer):
     def get_last_trace(self) -> list[Span]:
         """Spans recorded (with their store sequence ids) by the most recent trace context."""
         return list(self._last)
+
+    def undelivered_spans(self) -> int:
+        """Spans of the most recent trace context that the store refused as bad input, or that were
+        still unsent after the last flush's three tries (0 s, 0.2 s, 1 s); the runner then records
+        the attempt ``failed`` with that reason."""
+        return self._undelivered
+
+    def last_refusal(self) -> str:
+        """The store's reason for the last span it refused in the most recent trace context (or "")."""
+        return self._refusal
 
     def create_span(
         self,

@@ -8,6 +8,7 @@ from typing import Generic, TypeVar
 
 from opentelemetry.sdk.trace import ReadableSpan
 
+from eventlight.adapter.stats import CountingAdapter
 from eventlight.core.types import Span, Triplet
 
 T_from = TypeVar("T_from")
@@ -38,8 +39,12 @@ class OtelTraceAdapter(Adapter[Sequence[ReadableSpan], T_to], Generic[T_to]):
     ``eventlight.otel.span_from_readable`` turns one into a ``Span`` for the trace adapters."""
 
 
-class TraceToTripletBase(TraceAdapter[list[Triplet]]):
-    """An adapter from spans to a trajectory of ``Triplet`` (prompt, response, reward)."""
+class TraceToTripletBase(CountingAdapter, TraceAdapter[list[Triplet]]):
+    """An adapter from spans to a trajectory of ``Triplet`` (prompt, response, reward).
+
+    ``stats`` / ``last_stats`` (``AdapterStats``) count what was skipped or marked: LLM calls whose
+    span is an error, duplicates, calls with missing or incomplete token ids.
+    """
 
 
 class RewardMatchPolicy(StrEnum):

@@ -9,6 +9,7 @@ from typing import Any, TypedDict
 
 from eventlight.adapter.attrs import _nested
 from eventlight.adapter.base import TraceAdapter
+from eventlight.adapter.stats import AdapterStats, CountingAdapter, is_error
 from eventlight.core.types import Span
 from eventlight.genai import INPUT_MESSAGES, OUTPUT_MESSAGES, openai_messages
 
@@ -119,7 +120,7 @@ def _function_definition(fn: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-class TraceToMessages(TraceAdapter[list[OpenAIMessages]]):
+class TraceToMessages(CountingAdapter, TraceAdapter[list[OpenAIMessages]]):
     """OpenAI chat records from ``gen_ai.*`` span attributes (Agent-lightning ``TraceToMessages``).
 
     Every span with any ``gen_ai.prompt.*``, ``gen_ai.completion.*``, ``gen_ai.request.*`` or
@@ -130,6 +131,7 @@ class TraceToMessages(TraceAdapter[list[OpenAIMessages]]):
     direct child spans with ``tool.*`` attributes (``tool.call.id``, ``tool.call.type``,
     ``tool.name``, ``tool.parameters``); ``tools`` come from ``gen_ai.request.functions.{i}``.
     The output matches the OpenAI fine-tuning JSONL schema. APO shows these records to its critic.
+    Spans with status ``ERROR`` give no record; ``stats`` / ``last_stats`` count them (``errors``).
     """
 
     def adapt(self, source: Sequence[Span], /) -> list[OpenAIMessages]:
@@ -139,7 +141,19 @@ class TraceToMessages(TraceAdapter[list[OpenAIMessages]]):
             ValueError: A span's prompt/completion is not a list, or its request/response not a dict.
         """
         children = _children(source)
-        return [record for span in source if (record := self._record(span, children)) is not None]
+        stats, records = AdapterStats(), []
+        for span in source:
+            record = self._record(span, children)
+            if record is None:
+                continue
+            stats.llm_calls += 1
+            if is_error(span):  # a failed call (an upstream 400): a prompt with no answer to learn from
+                stats.errors += 1
+                continue
+            records.append(record)
+        stats.triplets = len(records)
+        self._counted(stats)
+        return records
 
     def _record(self, span: Span, children: Mapping[str | None, list[Span]]) -> OpenAIMessages | None:
         attrs = span.attributes or {}

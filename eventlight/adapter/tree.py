@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Sequence
 
@@ -16,8 +17,11 @@ from eventlight.adapter.attrs import (
     _time,
 )
 from eventlight.adapter.base import RewardMatchPolicy
+from eventlight.adapter.stats import AdapterStats
 from eventlight.core.types import Span
 from eventlight.rewards import get_reward_value
+
+log = logging.getLogger(__name__)
 
 
 class _Unset:
@@ -41,6 +45,7 @@ class TraceTree:
         self.span = span
         self.children = children or []
         self._reward: float | None | _Unset = _UNSET
+        self.cycles_cut = 0  # on a root from ``from_spans``: parent cycles it had to cut
 
     @property
     def start_time(self) -> float | None:
@@ -82,8 +87,12 @@ class TraceTree:
     def from_spans(cls, spans: Sequence[Span]) -> TraceTree:
         """Link spans by ``parent_id``; missing parents and several roots get synthetic nodes.
 
+        Parent links that form a cycle (bad input: ``a -> b -> a``) would leave the spans on it out
+        of the tree; instead the first span of each cycle (in input order) is taken as a root, its
+        link cut, with a warning naming it.
+
         Raises:
-            ValueError: ``spans`` is empty, or no span is a root (every parent is itself a span).
+            ValueError: ``spans`` is empty.
         """
         if not spans:
             raise ValueError("no spans to build a trace tree from")
@@ -91,15 +100,18 @@ class TraceTree:
         children: dict[str, list[str]] = {}
         roots = [s.span_id for s in spans if s.parent_id is None]
         for s in spans:
-            if s.parent_id is not None:
+            if s.parent_id is not None and s.parent_id != s.span_id:
                 children.setdefault(s.parent_id, []).append(s.span_id)
         roots += [pid for pid in children if pid not in by_id]  # lost parents (e.g. a session span)
-        if not roots:
-            raise ValueError("no root span found in the trace (parent links form a cycle)")
-        nodes = [cls._build(rid, by_id, children) for rid in roots]
-        if len(nodes) == 1:
-            return nodes[0]
-        return cls(VIRTUAL_ROOT_ID, _synthetic_span(VIRTUAL_ROOT_ID, nodes, name="virtual-root"), nodes)
+        cut = _cycle_roots(spans, roots, children)
+        nodes = [cls._build(rid, by_id, children) for rid in roots + cut]
+        tree = (
+            nodes[0]
+            if len(nodes) == 1
+            else cls(VIRTUAL_ROOT_ID, _synthetic_span(VIRTUAL_ROOT_ID, nodes, name="virtual-root"), nodes)
+        )
+        tree.cycles_cut = len(cut)
+        return tree
 
     @classmethod
     def _build(cls, node_id: str, by_id: dict[str, Span], children: dict[str, list[str]]) -> TraceTree:
@@ -134,6 +146,7 @@ class TraceTree:
         agent_match: str | None,
         exclude_llm_call_in_reward: bool = True,
         dedup_llm_call: bool = True,
+        stats: AdapterStats | None = None,
     ) -> list[tuple[TraceTree, str]]:
         """LLM call nodes (DFS pre-order) with the name of their enclosing matching agent.
 
@@ -142,10 +155,13 @@ class TraceTree:
         an agent whose name matches (a non-matching agent resets it); with
         ``exclude_llm_call_in_reward`` nothing below a reward span counts; with ``dedup_llm_call``
         a response id seen before, or a nested match without response id below a matched call, is
-        skipped. A node's own agent/reward status applies to its descendants only.
+        skipped (and counted in ``stats.duplicates`` when given). A node's own agent/reward status
+        applies to its descendants only.
         """
         walker = _LlmCallWalker(llm_call_match, agent_match, exclude_llm_call_in_reward, dedup_llm_call)
         walker.visit(self, "*" if agent_match is None else None, False, False)
+        if stats is not None:
+            stats.duplicates += walker.duplicates
         return walker.found
 
     def match_rewards(self, policy: RewardMatchPolicy | str, llm_calls: Sequence[TraceTree]) -> dict[str, float]:
@@ -174,6 +190,7 @@ class _LlmCallWalker:
         self.dedup = dedup
         self.seen_response_ids: set[str] = set()
         self.found: list[tuple[TraceTree, str]] = []
+        self.duplicates = 0
 
     def visit(self, node: TraceTree, agent: str | None, in_reward: bool, in_llm_call: bool) -> None:
         if self._is_call(node, agent, in_reward, in_llm_call):
@@ -193,11 +210,45 @@ class _LlmCallWalker:
             return True
         response_id = _first_str(node.span.attributes or {}, RESPONSE_ID_KEYS)
         if response_id is None:
+            self.duplicates += in_llm_call
             return not in_llm_call
         if response_id in self.seen_response_ids:
+            self.duplicates += 1
             return False
         self.seen_response_ids.add(response_id)
         return True
+
+
+def _reach(start: str, children: dict[str, list[str]], seen: set[str]) -> None:
+    stack = [start]
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(children.get(node, ()))
+
+
+def _cycle_roots(spans: Sequence[Span], roots: list[str], children: dict[str, list[str]]) -> list[str]:
+    """Spans no root reaches (they hang on a parent cycle), one per cycle, their parent link cut."""
+    seen: set[str] = set()
+    for root in roots:
+        _reach(root, children, seen)
+    extra: list[str] = []
+    for span in spans:
+        if span.span_id in seen:
+            continue
+        siblings = children.get(span.parent_id or "", [])
+        if span.span_id in siblings:
+            siblings.remove(span.span_id)
+        log.warning(
+            "span %s (%r) of rollout %s: its parent links form a cycle; taken as a root",
+            span.span_id,
+            span.name,
+            span.rollout_id,
+        )
+        extra.append(span.span_id)
+        _reach(span.span_id, children, seen)
+    return extra
 
 
 def _credit_in_order(nodes: Sequence[TraceTree], llm_ids: set[str], rewards: dict[str, float]) -> None:
