@@ -20,7 +20,9 @@ Differences from 0.3.0, each deliberate:
       end of the loop; a status the store could not record is retried before the next dequeue, so
       a NATS blip does not leave the attempt ``running``;
     * worker ids are unique across processes and machines: ``Worker-<index>@<host>-<pid>-<tag>``
-      (``worker_name``); ``worker_id`` stays the index the Trainer passes, as in Agent-lightning.
+      (``worker_name``); ``worker_id`` stays the index the Trainer passes, as in Agent-lightning;
+    * with ``proxy_token`` set, every ``ProxyLLM`` handed to the agent carries it as ``api_key``
+      (the LLM proxy's bearer token; it is never stored with the resources).
 """
 
 from __future__ import annotations
@@ -34,13 +36,16 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
+
 from eventlight.agent import LitAgent
-from eventlight.core.types import AttemptedRollout, Span
+from eventlight.core.types import AttemptedRollout, ProxyLLM, Span
 from eventlight.emitter import emit_exception, emit_reward
 from eventlight.runner.hooks import Hook
 from eventlight.runner.identity import system_snapshot, worker_name
 from eventlight.runner.metrics import RunnerMetrics
 from eventlight.runner.retry import Backoff, _describe, _retryable
+from eventlight.settings import proxy_token_from_env
 from eventlight.store.base import LightningStore
 from eventlight.tracer import OtelTracer, Tracer
 
@@ -57,6 +62,14 @@ class LitAgentRunner:
         heartbeat_interval: Seconds between heartbeats; ``<= 0`` disables them.
         metrics: Where attempts and dequeue failures are counted (``RunnerMetrics.serve`` exposes
             them to Prometheus); ``None``: not counted.
+        proxy_token: The LLM proxy's bearer token, put into the ``api_key`` of each ``ProxyLLM``
+            resource the agent gets (an agent passing ``llm.api_key`` to its OpenAI client works
+            unchanged); ``None`` (default): ``$EVENTLIGHT_PROXY_TOKEN`` or the file
+            ``$EVENTLIGHT_PROXY_TOKEN_FILE`` names, else the resources are handed over as stored.
+            ``Trainer(llm_proxy=...)`` sets it from the proxy's ``token``.
+
+    Raises:
+        InvalidInputError: ``$EVENTLIGHT_PROXY_TOKEN_FILE`` cannot be read or is empty.
     """
 
     def __class_getitem__(cls, item: Any) -> type[LitAgentRunner]:
@@ -70,8 +83,10 @@ class LitAgentRunner:
         poll_interval: float = 1.0,
         heartbeat_interval: float = 10.0,
         metrics: RunnerMetrics | None = None,
+        proxy_token: str | None = None,
     ):
         self.tracer = tracer or OtelTracer()
+        self.proxy_token = proxy_token if proxy_token is not None else proxy_token_from_env()
         self.metrics = metrics
         self.max_rollouts = max_rollouts
         self.poll_interval = poll_interval
@@ -227,7 +242,10 @@ class LitAgentRunner:
             raise RuntimeError(
                 f"resources {rollout.resources_id or '(latest)'} of rollout {rollout.rollout_id} not found"
             )
-        return dict(found.resources)
+        resources = dict(found.resources)
+        if self.proxy_token is None:
+            return resources
+        return {name: _with_key(res, self.proxy_token) for name, res in resources.items()}
 
     async def _call_agent(self, agent: LitAgent[Any], rollout: AttemptedRollout, resources: dict[str, Any]) -> Any:
         train = rollout.mode == "train"
@@ -341,6 +359,11 @@ class LitAgentRunner:
             else:
                 log.info("[%s | Rollout %s] recorded status %s late", self.get_worker_id(), rid, status)
             del self._unrecorded[(rid, aid)]
+
+
+def _with_key(resource: Any, token: str) -> Any:
+    """``resource`` with ``api_key=token`` when it is a ``ProxyLLM`` (a copy: the stored one is shared)."""
+    return msgspec.structs.replace(resource, api_key=token) if isinstance(resource, ProxyLLM) else resource
 
 
 @functools.lru_cache(maxsize=16)
