@@ -1,4 +1,5 @@
-"""How a runner meets its store and proxy: whether dequeues long-poll, the runner's default ``RolloutConfig``, the proxy token on ``ProxyLLM`` resources."""
+"""How a runner meets its store and proxy: whether dequeues long-poll, the runner's default
+``RolloutConfig``, and the proxy token on the ``ProxyLLM`` resources it hands agents."""
 
 from __future__ import annotations
 
