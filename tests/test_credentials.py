@@ -268,8 +268,9 @@ CREDENTIAL_PATTERNS = [
     re.compile(r"(?i)\b[a-z][\w+.-]*://[^/\s:@'\"]+:(?P<v>[^@\s/'\"]{3,})@"),  # scheme://user:pass@host
 ]
 CREDENTIAL_KEYWORDS = re.compile(rf"(?i)^({_KEYS}|user_credentials)$")
-PLACEHOLDERS = {"pass", "password", "secret", "token", "local", "dummy"}
-"""Values that hold no secret: the words docs use for one, and the key a local server ignores."""
+PLACEHOLDERS = {"pass", "password", "secret", "token", "local", "dummy", "empty"}
+"""Values that hold no secret: the words docs use for one, and the key a local server ignores (vLLM's
+docs write ``EMPTY``)."""
 
 
 def _secret(value: str) -> bool:

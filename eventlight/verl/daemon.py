@@ -73,7 +73,11 @@ class VerlDaemon:
             [
                 {
                     "model_name": model,
-                    "litellm_params": {"model": f"hosted_vllm/{model}", "api_base": f"http://{a}/v1", "api_key": "-"},
+                    "litellm_params": {
+                        "model": f"hosted_vllm/{model}",
+                        "api_base": f"http://{a}/v1",
+                        "api_key": "EMPTY",
+                    },
                 }
                 for a in addresses
             ]
