@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from enum import StrEnum
 from typing import Generic, TypeVar
@@ -31,6 +32,19 @@ class Adapter(Generic[T_from, T_to]):
 
 class TraceAdapter(Adapter[Sequence[Span], T_to], Generic[T_to]):
     """An adapter from the spans of one attempt (ordered by ``sequence_id``)."""
+
+    @property
+    def stats(self) -> Counter[str]:
+        """What this adapter left out so far, summed over its ``adapt`` calls, by reason.
+
+        ``duplicates_dropped``: copies of an LLM call that another layer recorded too (framework
+        instrumentation beside the LLM proxy); the copy with token ids is kept
+        (``eventlight.adapter.dedup``). Reset it with ``stats.clear()``.
+        """
+        found: Counter[str] | None = self.__dict__.get("_stats")
+        if found is None:
+            found = self.__dict__["_stats"] = Counter()
+        return found
 
 
 class OtelTraceAdapter(Adapter[Sequence[ReadableSpan], T_to], Generic[T_to]):

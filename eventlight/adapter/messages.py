@@ -9,6 +9,7 @@ from typing import Any, TypedDict
 
 from eventlight.adapter.attrs import _nested
 from eventlight.adapter.base import TraceAdapter
+from eventlight.adapter.dedup import keep_one_copy
 from eventlight.core.types import Span
 from eventlight.genai import INPUT_MESSAGES, OUTPUT_MESSAGES, openai_messages
 
@@ -123,8 +124,10 @@ class TraceToMessages(TraceAdapter[list[OpenAIMessages]]):
     """OpenAI chat records from ``gen_ai.*`` span attributes (Agent-lightning ``TraceToMessages``).
 
     Every span with any ``gen_ai.prompt.*``, ``gen_ai.completion.*``, ``gen_ai.request.*`` or
-    ``gen_ai.response.*`` attribute gives one record (no tree: two instrumentation layers recording
-    the same call give two records). Prompt messages come from ``gen_ai.prompt.{i}.*`` (or, without
+    ``gen_ai.response.*`` attribute gives one record; when several instrumentation layers recorded
+    the same call (the same response id, or the same output: ``eventlight.adapter.dedup``), only
+    the copy with token ids (the LLM proxy's) gives one, and ``stats["duplicates_dropped"]``
+    counts the others. Prompt messages come from ``gen_ai.prompt.{i}.*`` (or, without
     it, from the current conventions' ``gen_ai.input.messages`` / ``gen_ai.output.messages``); each
     ``gen_ai.completion.{i}`` with role ``assistant`` is appended, carrying as ``tool_calls`` the
     direct child spans with ``tool.*`` attributes (``tool.call.id``, ``tool.call.type``,
@@ -139,7 +142,11 @@ class TraceToMessages(TraceAdapter[list[OpenAIMessages]]):
             ValueError: A span's prompt/completion is not a list, or its request/response not a dict.
         """
         children = _children(source)
-        return [record for span in source if (record := self._record(span, children)) is not None]
+        found = [(span, record) for span in source if (record := self._record(span, children)) is not None]
+        kept, dropped = keep_one_copy([span for span, _ in found])
+        if dropped:
+            self.stats["duplicates_dropped"] += sum(dropped.values())
+        return [found[i][1] for i in kept]
 
     def _record(self, span: Span, children: Mapping[str | None, list[Span]]) -> OpenAIMessages | None:
         attrs = span.attributes or {}

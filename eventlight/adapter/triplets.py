@@ -157,17 +157,25 @@ class TracerTraceToTriplet(TraceToTripletBase):
 
         Returns:
             One triplet per matched LLM call; ``[]`` (with a warning naming the spans seen) when no
-            span matches ``llm_call_match`` or ``source`` is empty.
+            span matches ``llm_call_match`` or ``source`` is empty. Of the copies of one call that
+            several instrumentation layers recorded (the LLM proxy's beside a framework's), the one
+            with token ids is kept; its ``metadata["duplicates_dropped"]`` and
+            ``stats["duplicates_dropped"]`` count the others.
         """
         if not source:
             return []
         tree = self.build_tree(source)
-        calls = tree.find_llm_calls(
+        calls, dropped = tree.find_llm_calls_counted(
             llm_call_match=self.llm_call_match,
             agent_match=self.agent_match,
             exclude_llm_call_in_reward=self.exclude_llm_call_in_reward,
         )
         pairs = [(node, span_to_triplet(node.span, agent)) for node, agent in calls]
+        for node, triplet in pairs:
+            if dropped.get(node.id):
+                triplet.metadata["duplicates_dropped"] = dropped[node.id]
+        if dropped:
+            self.stats["duplicates_dropped"] += sum(dropped.values())
         if self._skip_empty_token_spans:
             pairs = [(n, t) for n, t in pairs if t.prompt["token_ids"] and t.response["token_ids"]]
         if not pairs:
@@ -221,10 +229,11 @@ class LlmProxyTraceToTriplet(TraceToTripletBase):
     2. LLM calls are ``raw_gen_ai_request`` spans (``llm.hosted_vllm.prompt_token_ids``, response
        from ``llm.hosted_vllm.response_token_ids[0]`` or ``llm.hosted_vllm.choices[0].token_ids``;
        strings are parsed with ``ast.literal_eval``) or ``litellm_request`` spans
-       (``prompt_token_ids``/``response_token_ids``). Both lists must be non-empty. Calls are
-       deduplicated by ``gen_ai.response.id`` or ``llm.hosted_vllm.id``. Extension: spans named
-       ``openai.chat.completion`` with ``prompt_token_ids``/``response_token_ids`` (what
-       eventlight's own ``LLMProxy`` records) count too.
+       (``prompt_token_ids``/``response_token_ids``). Both lists must be non-empty, so framework
+       copies of a call (no ids) never count. Calls are deduplicated by ``gen_ai.response.id`` or
+       ``llm.hosted_vllm.id`` (the first kept; ``stats["duplicates_dropped"]`` counts the others).
+       Extension: spans named ``openai.chat.completion`` with ``prompt_token_ids``/
+       ``response_token_ids`` (what eventlight's own ``LLMProxy`` records) count too.
     3. Each reward, in sequence order, goes to the latest unrewarded call with a strictly smaller
        sequence id.
     """
@@ -253,8 +262,7 @@ class LlmProxyTraceToTriplet(TraceToTripletBase):
             for i, (_, prompt, response, rid) in enumerate(calls)
         ]
 
-    @staticmethod
-    def _llm_calls(spans: Sequence[Span]) -> list[tuple[Span, list[int], list[int], str | None]]:
+    def _llm_calls(self, spans: Sequence[Span]) -> list[tuple[Span, list[int], list[int], str | None]]:
         calls: list[tuple[Span, list[int], list[int], str | None]] = []
         seen: set[str] = set()
         for span in spans:
@@ -271,6 +279,7 @@ class LlmProxyTraceToTriplet(TraceToTripletBase):
             rid = attrs.get("gen_ai.response.id") or attrs.get("llm.hosted_vllm.id")
             rid = rid if isinstance(rid, str) and rid else None
             if rid is not None and rid in seen:
+                self.stats["duplicates_dropped"] += 1
                 continue
             if rid is not None:
                 seen.add(rid)
