@@ -12,6 +12,9 @@
 Span attributes follow the OpenTelemetry GenAI conventions as AgentOps/OpenLLMetry write them
 (``gen_ai.prompt.{i}.role``, ``gen_ai.completion.{i}.content``, ``gen_ai.response.id``) plus the
 token-id attributes that Agent-lightning patches in (``prompt_token_ids``, ``response_token_ids``).
+When several layers recorded one LLM call (the LLM proxy and a framework's instrumentation), the
+adapters keep the copy with token ids and count the others in ``adapter.stats``
+(``eventlight.adapter.dedup``).
 """
 
 from eventlight.adapter.base import Adapter, OtelTraceAdapter, RewardMatchPolicy, TraceAdapter, TraceToTripletBase
