@@ -138,28 +138,41 @@ def _compatible(a: tuple[int | None, int | None], b: tuple[int | None, int | Non
 
 
 class _Call:
-    """The copies of one LLM call found so far (indices into the input)."""
+    """The copies of one LLM call found so far (indices into the input); what they produced is
+    read only when a copy without response id needs it."""
 
     def __init__(self, index: int, span: Span):
         self.members = [index]
-        self.names = {span.name}
-        attrs = span.attributes or {}
-        self.fingerprint = output_fingerprint(attrs)
-        self.counts = _counts(attrs)
+        self.spans = [span]
+        self._fingerprint: Fingerprint | None = None
+        self._counts: tuple[int | None, int | None] | None = None
 
     def add(self, index: int, span: Span) -> None:
         self.members.append(index)
-        self.names.add(span.name)
-        attrs = span.attributes or {}
-        self.fingerprint = self.fingerprint or output_fingerprint(attrs)
-        prompt, completion = _counts(attrs)
-        self.counts = (self.counts[0] if self.counts[0] is not None else prompt, self.counts[1] or completion)
+        self.spans.append(span)
+        self._fingerprint = self._counts = None
+
+    def fingerprint(self) -> Fingerprint | None:
+        if self._fingerprint is None:
+            self._fingerprint = next(
+                (f for s in self.spans if (f := output_fingerprint(s.attributes or {})) is not None), None
+            )
+        return self._fingerprint
+
+    def counts(self) -> tuple[int | None, int | None]:
+        if self._counts is None:
+            found = [_counts(s.attributes or {}) for s in self.spans]
+            self._counts = (
+                next((p for p, _ in found if p is not None), None),
+                next((c for _, c in found if c is not None), None),
+            )
+        return self._counts
 
     def accepts(self, span: Span, fingerprint: Fingerprint) -> bool:
         return (
-            span.name not in self.names
-            and self.fingerprint == fingerprint
-            and _compatible(self.counts, _counts(span.attributes or {}))
+            all(s.name != span.name for s in self.spans)
+            and self.fingerprint() == fingerprint
+            and _compatible(self.counts(), _counts(span.attributes or {}))
         )
 
 
@@ -180,11 +193,13 @@ def copy_of(spans: Sequence[Span]) -> list[int]:
     Returns:
         For each span, the index of the copy of its call that is kept (its own index if kept).
     """
+    rids = [response_id(span.attributes or {}) for span in spans]
+    if None not in rids and len(set(rids)) == len(rids):
+        return list(range(len(spans)))  # the common case: one copy of each call
     calls: list[_Call] = []
     by_id: dict[str, _Call] = {}
     later: list[int] = []
-    for i, span in enumerate(spans):
-        rid = response_id(span.attributes or {})
+    for i, (span, rid) in enumerate(zip(spans, rids, strict=True)):
         if rid is None:
             later.append(i)
         elif rid in by_id:
@@ -202,6 +217,8 @@ def copy_of(spans: Sequence[Span]) -> list[int]:
             match.add(i, span)
     kept = list(range(len(spans)))
     for call in calls:
+        if len(call.members) == 1:
+            continue
         best = max(call.members, key=lambda i: _rank(i, spans[i]))
         for i in call.members:
             kept[i] = best
