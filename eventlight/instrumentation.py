@@ -42,6 +42,7 @@ __all__ = [
     "instrument",
     "instrument_all",
     "instrumented",
+    "require",
     "uninstrument",
     "uninstrument_all",
     "validate",
@@ -182,6 +183,23 @@ def _installed(name: str) -> bool:
     except InvalidInputError:
         return False
     return inst._check_dependency_conflicts() is None  # the framework itself is importable too
+
+
+def require(*frameworks: str) -> list[str]:
+    """Check, without instrumenting, that ``frameworks`` can be instrumented in this environment.
+
+    Returns:
+        The names (``"all"``: those installed).
+
+    Raises:
+        InvalidInputError: An unknown name, a missing package, or a version conflict.
+    """
+    names = _names(frameworks)
+    for name in names:
+        conflict = _instrumentor(name)._check_dependency_conflicts()
+        if conflict is not None:
+            raise InvalidInputError(f"cannot instrument {name!r}: {conflict}")
+    return names
 
 
 def instrument_all(tracer_provider: Any = None) -> list[str]:

@@ -225,3 +225,39 @@ def test_instrumentation_is_counted_per_user(clean_instrumentation: None) -> Non
     assert OpenAIInstrumentor().is_instrumented_by_opentelemetry  # the second tracer still uses it
     second.teardown_worker(1)
     assert not OpenAIInstrumentor().is_instrumented_by_opentelemetry and instrumentation.instrumented() == []
+
+
+@LANGCHAIN
+@pytest.mark.e2e
+async def test_under_a_trainer_the_runner_processes_instrument_themselves(namespace: Settings) -> None:
+    """The production path: the Trainer's runner process (spawned) instruments LangChain from
+    ``OtelTracer(instrument=...)``, the proxy runs in the trainer's process; the agent is the
+    example's, unchanged."""
+    from examples.frameworks.harness import LLM_SPANS, TASKS
+    from examples.frameworks.langgraph_agent import calculator as agent
+
+    async with ScriptedLLM(responses=calculator) as url:
+        params = {"model": "openai/stub", "api_base": url, "api_key": "unused"}
+        proxy = agl.LLMProxy(model_list=[{"model_name": "stub", "litellm_params": params}])
+        trainer = agl.Trainer(
+            algorithm=agl.Baseline(span_verbosity="none"),
+            n_runners=1,
+            tracer=agl.OtelTracer(instrument=["langchain"]),
+            llm_proxy=proxy,
+            initial_resources={"llm": proxy.as_resource(model="stub")},
+            settings=namespace,
+        )
+        await trainer.fit_async(agent, TASKS)
+    assert instrumentation.instrumented() == []  # only the runner process instrumented itself
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
+        rollouts = await store.query_rollouts()
+        assert [r.status for r in rollouts] == ["succeeded", "succeeded"]
+        adapter = agl.TracerTraceToTriplet(llm_call_match=LLM_SPANS)
+        for rollout in rollouts:
+            spans = await store.query_spans(rollout.rollout_id)
+            names = [s.name for s in spans]
+            assert names.count("ChatOpenAI") == 3 and names.count("openai.chat.completion") == 3, names
+            triplets = adapter.adapt(spans)
+            assert len(triplets) == 3 and all(t.prompt["token_ids"] and t.response["token_ids"] for t in triplets)
+            assert triplets[-1].reward == 1.0
+        assert adapter.stats["duplicates_dropped"] == 6

@@ -119,6 +119,14 @@ def runner(
             help="Serve Prometheus /metrics on 127.0.0.1: runner i on this port + i (default: none).",
         ),
     ] = None,
+    instrument: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--instrument",
+            help="Switch on OpenInference's instrumentation of a framework in each runner: openai, openai_agents, "
+            "langchain or all (repeatable; the frameworks extra).",
+        ),
+    ] = None,
     namespace: NamespaceOpt = None,
 ) -> None:
     """Run runner processes that consume the namespace's rollout queue until Ctrl+C or SIGTERM.
@@ -135,10 +143,13 @@ def runner(
 
     settings = _settings(namespace)
     the_agent = load_agent(agent)
+    template = _instrumented_runner(instrument, metrics_port) if instrument else None
     nats_url = _run(_runner_nats(settings))
     if metrics_port is not None and metrics_port + n - 1 > 65535:
         raise CliError(f"--metrics-port {metrics_port} with {n} runners goes past port 65535")
-    pool = RunnerPool(the_agent, n, settings, nats_url, log_level=settings.log_level, metrics_port=metrics_port)
+    pool = RunnerPool(
+        the_agent, n, settings, nats_url, runner=template, log_level=settings.log_level, metrics_port=metrics_port
+    )
     signal.signal(signal.SIGTERM, _raise_terminated)
     pool.start()
     console.print(f"{n} runner(s) consuming {settings.stream_name} on {escape(redact(nats_url))}; Ctrl+C to stop")
@@ -160,6 +171,22 @@ def runner(
         raise typer.Exit(EXIT_INTERRUPTED if isinstance(e, KeyboardInterrupt) else EXIT_TERMINATED) from None
     codes = pool.stop()
     raise CliError(f"runner processes exited (exit codes {codes}); their log is above", EXIT_UNAVAILABLE)
+
+
+def _instrumented_runner(frameworks: list[str], metrics_port: int | None) -> Any:
+    """The runner each process copies, its tracer instrumenting ``frameworks`` (checked here first)."""
+    from eventlight import instrumentation
+    from eventlight.core.errors import InvalidInputError
+    from eventlight.runner import LitAgentRunner
+    from eventlight.runner.metrics import RunnerMetrics
+    from eventlight.tracer import OtelTracer
+
+    try:
+        names = instrumentation.validate(frameworks)
+        instrumentation.require(*names)
+    except InvalidInputError as exc:
+        raise CliError(f"--instrument: {exc}") from exc
+    return LitAgentRunner(OtelTracer(instrument=names), metrics=RunnerMetrics() if metrics_port is not None else None)
 
 
 class _Terminated(Exception):
