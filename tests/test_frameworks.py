@@ -79,8 +79,16 @@ async def run_example(module: str, framework: str, instrument: list[str], namesp
     stub = ScriptedLLM(responses=calculator)
     async with stub as url, JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
         report = await harness.run(framework, agent, instrument=instrument, base_url=url, model="stub", store=store)
-        spans = [s for r in await store.query_rollouts() for s in await store.query_spans(r.rollout_id)]
+        by_rollout = [await store.query_spans(r.rollout_id) for r in await store.query_rollouts()]
+    spans = [s for rollout_spans in by_rollout for s in rollout_spans]
     assert len(stub.requests) == sum(1 for s in spans if harness.span_kind(s) == "proxy")
+    # the default llm_call_match sees the proxy's copies only: the same triplets, nothing to drop
+    default = agl.TracerTraceToTriplet()
+    plain = [t for rollout_spans in by_rollout for t in default.adapt(rollout_spans)]
+    assert [(t.response["token_ids"], t.reward) for t in plain] == [
+        (t.response["token_ids"], t.reward) for t in report.triplets
+    ]
+    assert default.stats["duplicates_dropped"] == 0
     return report, spans
 
 
