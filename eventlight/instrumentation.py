@@ -24,7 +24,8 @@ call; the adapters keep that copy and count the framework's copies they drop
 (``eventlight.adapter.dedup``).
 
 Calls are reference-counted per framework: two tracers of one process that both ask for
-``openai`` instrument it once, and it is undone when the last one lets go.
+``openai`` instrument it once, and it is undone when the last one lets go. An instrumentation that
+was on before eventlight asked for it (the program's own) is used as it is and never undone.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ FRAMEWORKS: dict[str, tuple[str, str, str]] = {
 
 _lock = threading.Lock()
 _counts: dict[str, int] = {}
+_ours: set[str] = set()  # instrumented by this module (not already on when first asked for)
 
 
 def validate(frameworks: str | Iterable[str]) -> tuple[str, ...]:
@@ -133,12 +135,14 @@ def instrument(*frameworks: str, tracer_provider: Any = None) -> list[str]:
             for name, inst in instrumentors.items():
                 if _counts.get(name, 0) == 0 and not inst.is_instrumented_by_opentelemetry:
                     _switch_on(name, inst, tracer_provider)
+                    _ours.add(name)
                 _counts[name] = _counts.get(name, 0) + 1
                 done.append(name)
         except BaseException:
             for name in done:  # all or nothing
                 _counts[name] -= 1
-                if _counts[name] == 0:
+                if _counts[name] == 0 and name in _ours:
+                    _ours.discard(name)
                     instrumentors[name].uninstrument()
             raise
     return names
@@ -166,7 +170,8 @@ def uninstrument(*frameworks: str) -> None:
             if _counts.get(name, 0) == 0:
                 continue
             _counts[name] -= 1
-            if _counts[name] == 0:
+            if _counts[name] == 0 and name in _ours:  # never undo what someone else switched on
+                _ours.discard(name)
                 _instrumentor(name).uninstrument()
                 log.info("uninstrumented %s", name)
 
@@ -216,8 +221,9 @@ def uninstrument_all() -> None:
     """Undo every instrumentation this module switched on, whatever its count (Agent-lightning
     ``uninstrument_all``)."""
     with _lock:
-        names = [name for name, count in _counts.items() if count > 0]
+        names = sorted(_ours)
         _counts.clear()
+        _ours.clear()
     for name in names:
         _instrumentor(name).uninstrument()
         log.info("uninstrumented %s", name)

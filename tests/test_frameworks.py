@@ -269,3 +269,19 @@ async def test_under_a_trainer_the_runner_processes_instrument_themselves(namesp
             assert len(triplets) == 3 and all(t.prompt["token_ids"] and t.response["token_ids"] for t in triplets)
             assert triplets[-1].reward == 1.0
         assert adapter.stats["duplicates_dropped"] == 6
+
+
+@OPENAI
+def test_the_programs_own_instrumentation_is_never_undone(clean_instrumentation: None) -> None:
+    from openinference.instrumentation.openai import OpenAIInstrumentor
+
+    OpenAIInstrumentor().instrument()
+    try:
+        assert instrumentation.instrument("openai") == ["openai"]
+        instrumentation.uninstrument("openai")
+        assert OpenAIInstrumentor().is_instrumented_by_opentelemetry
+        instrumentation.instrument("openai")
+        instrumentation.uninstrument_all()
+        assert OpenAIInstrumentor().is_instrumented_by_opentelemetry
+    finally:
+        OpenAIInstrumentor().uninstrument()
