@@ -9,7 +9,7 @@ PIP    := $(BIN)/pip install --quiet --constraint constraints.txt
 LLAMA_VERSION := $(shell sed -n 's/^llama-cpp-python==//p' constraints.txt)
 export LITELLM_LOCAL_MODEL_COST_MAP ?= True
 
-.PHONY: demo test local rl sft frameworks down clean
+.PHONY: demo test local rl sft verl frameworks down clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,19 @@ $(VENV)/.installed-sft: pyproject.toml constraints.txt | $(VENV)/.installed-rl
 	touch $@
 
 sft: $(VENV)/.installed-sft
+
+# VERL's CPU part, for the tests of its data path (tests/test_verl.py): verl without its dependencies
+# (they would pull vLLM and a CUDA torch), then the few that `import verl` needs (ray, hydra-core,
+# tensordict). Not enough to train: on a GPU machine install the verl extra (README, VERL section).
+$(VENV)/.installed-verl: pyproject.toml constraints.txt | $(VENV)/.installed-rl
+	$(PIP) --no-deps verl tensordict pyvers cloudpickle orjson codetiming
+	$(PIP) ray hydra-core
+	@# verl's wheel also installs a top-level `tests` package of its own, which would shadow this
+	@# project's tests/ (a regular package wins over a directory without __init__.py): remove it.
+	$(BIN)/python -c "import pathlib, shutil, sysconfig; shutil.rmtree(pathlib.Path(sysconfig.get_paths()['purelib'], 'tests'), ignore_errors=True)"
+	touch $@
+
+verl: $(VENV)/.installed-verl
 
 # Agents written with frameworks (examples/frameworks/, tests/test_frameworks.py skips without it): the OpenAI
 # Agents SDK, LangChain/LangGraph and OpenInference's OpenTelemetry instrumentation of them and of the OpenAI SDK.

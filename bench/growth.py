@@ -1,6 +1,6 @@
 """Cost growth: the same operations on an empty store and on one holding 100,000 finished rollouts.
 
-    python -m bench.growth [--preload 100000] [--seconds 3] [--concurrency 4] [--out FILE.json]
+    python -m bench.growth [--preload 100000] [--seconds 3] [--concurrency 4] [--retire] [--out FILE.json]
 
 On eventlight's servers (fresh temporary state dir, as the benchmark scenarios), measures with
 ``bench.micro``'s loop (``--concurrency`` tasks for ``--seconds`` each):
@@ -18,22 +18,32 @@ through the real event path, pipelined like ``bench.ceiling``: for each rollout 
 projected by the store's own projector. While it runs, the projector's lag (stream messages not yet
 committed to Postgres) is sampled every 0.5 s: its maximum and the seconds to catch up after the
 last publish show whether the lag stays bounded.
+
+With ``--retire`` the namespace has the archive stream; after the loaded
+measurement ``retire`` moves every preloaded rollout out of the hot stream (timed: rollouts retired
+per second) and the operations are measured once more. Each phase records nats-server's RSS and the
+hot stream's subject count, so the report gives nats-server memory per stored rollout with and
+without retirement.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
+import psutil
+
 from bench import require_positive
 from bench.micro import EmptyResult, _measure, _prefill
 from bench.procs import ProcessSampler
 from bench.report import print_and_save
-from bench.stack_eventlight import Stack, make_span
+from bench.stack_eventlight import Stack, make_span, stream_subjects
 from eventlight.core.events import AttemptStarted, AttemptUpdated, RolloutCreated, SpansAdded, encode_event
 from eventlight.core.types import Attempt, Rollout
 from eventlight.store.jetstream import JetStreamLightningStore
@@ -141,24 +151,69 @@ async def _preload(alg: JetStreamLightningStore, n: int) -> dict[str, Any]:
     }
 
 
-async def run(preload: int, seconds: float, conc: int) -> dict[str, Any]:
+async def _nats_state(stack: Stack, alg: JetStreamLightningStore) -> dict[str, Any]:
+    """nats-server's RSS (MB) and the hot stream's subject count, after a short settle."""
+    assert stack.services is not None and stack.settings is not None and stack.services.nats_pid is not None
+    gc.collect()
+    await asyncio.sleep(2.0)
+    rss = psutil.Process(stack.services.nats_pid).memory_info().rss / 2**20
+    return {"nats_rss_mb": round(rss, 1), "hot_subjects": await stream_subjects(alg, stack.settings.stream_name)}
+
+
+async def _retire_all(stack: Stack, alg: JetStreamLightningStore) -> dict[str, Any]:
+    from eventlight.store.jetstream.retire import retire
+
+    assert stack.settings is not None
+    t0 = time.perf_counter()
+    due_now = msgspec.structs.replace(stack.settings, retention_s=0.0)
+    report = await retire(alg._log(), alg.pool, due_now, now=time.time() + 1)
+    seconds = time.perf_counter() - t0
+    rate = round(report.retired / seconds, 1)
+    return {"retired": report.retired, "retire_s": round(seconds, 1), "retired_per_s": rate}
+
+
+async def run(preload: int, seconds: float, conc: int, retiring: bool = False) -> dict[str, Any]:
     stack = Stack()
+    # The archive exists when a window is set; one too long for anything to fall due keeps the
+    # leading projector's own retirement rounds out of the measurement, and `_retire_all` retires
+    # with a window of 0.
+    stack.settings_overrides = {"retention_s": 1e9} if retiring else {}
     await stack.start()
+    memory: dict[str, Any] = {}
+    retired: dict[str, Any] = {}
     try:
         alg = await stack.open_store()
         runner = await stack.open_runner_store()
         try:
+            memory["empty"] = await _nats_state(stack, alg)
             empty = await _ops(alg, runner, seconds, conc)
             print("empty store measured; preloading …")
             pre = await _preload(alg, preload)
+            memory["preloaded"] = await _nats_state(stack, alg)
             stats = await alg.statistics()
             loaded = await _ops(alg, runner, seconds, conc)
+            if retiring:
+                print(f"  retiring {preload:,} rollouts …")
+                retired = await _retire_all(stack, alg)
+                memory["retired"] = await _nats_state(stack, alg)
+                retired["ops"] = await _ops(alg, runner, seconds, conc)
+            memory["end"] = await _nats_state(stack, alg)
         finally:
             await runner.close()
             await alg.close()
     finally:
         await stack.stop()
-    return {"preload": pre, "store_after_preload": stats, "empty": empty, "loaded": loaded}
+    durability = stack.settings.durability if stack.settings else "fsync"
+    return {
+        "durability": durability,
+        "retire": retiring,
+        "preload": pre,
+        "retirement": retired,
+        "nats_memory": memory,
+        "store_after_preload": stats,
+        "empty": empty,
+        "loaded": loaded,
+    }
 
 
 def report(result: dict[str, Any]) -> str:
@@ -168,16 +223,35 @@ def report(result: dict[str, Any]) -> str:
         f"{pre['publish_s']} s; projector caught up {pre['catch_up_after_publish_s']} s after the last publish, "
         f"max lag {pre['max_lag_messages']:,} messages ({pre['projected_messages_per_s']:,} messages/s projected)",
         "",
+        f"durability {result.get('durability', 'fsync')}; retirement {'on' if result.get('retire') else 'off'}",
+    ]
+    ret = result.get("retirement") or {}
+    if ret:
+        lines.append(
+            f"retired {ret['retired']:,} rollouts in {ret['retire_s']} s ({ret['retired_per_s']:,} rollouts/s)"
+        )
+    mem = result.get("nats_memory") or {}
+    if mem:
+        lines += ["", "| phase | nats-server RSS MB | hot stream subjects |", "|---|---|---|"]
+        lines += [f"| {k} | {v['nats_rss_mb']:,} | {v['hot_subjects']:,} |" for k, v in mem.items()]
+        stored = mem.get("retired", mem.get("preloaded"))
+        if stored and pre["rollouts"]:
+            kb = (stored["nats_rss_mb"] - mem["empty"]["nats_rss_mb"]) * 1024 / pre["rollouts"]
+            lines.append(f"nats-server memory per stored rollout: {kb:.2f} KB")
+    lines += [
+        "",
         "| operation | empty ops/s | empty p50 / p99 ms | loaded ops/s | loaded p50 / p99 ms | loaded / empty |",
         "|---|---|---|---|---|---|",
     ]
-    for op, e in result["empty"].items():
-        lo = result["loaded"][op]
-        ratio = lo["ops_per_s"] / e["ops_per_s"] if e["ops_per_s"] else float("nan")
-        lines.append(
-            f"| {op} | {e['ops_per_s']:,} | {e['p50_ms']} / {e['p99_ms']} | {lo['ops_per_s']:,} | "
-            f"{lo['p50_ms']} / {lo['p99_ms']} | {ratio:.2f}× |"
-        )
+    after = {"loaded": result["loaded"]} | ({"loaded, retired": ret["ops"]} if ret.get("ops") else {})
+    for label, ops in after.items():
+        for op, e in result["empty"].items():
+            lo = ops[op]
+            ratio = lo["ops_per_s"] / e["ops_per_s"] if e["ops_per_s"] else float("nan")
+            lines.append(
+                f"| {op} ({label}) | {e['ops_per_s']:,} | {e['p50_ms']} / {e['p99_ms']} | {lo['ops_per_s']:,} | "
+                f"{lo['p50_ms']} / {lo['p99_ms']} | {ratio:.2f}× |"
+            )
     return "\n".join(lines)
 
 
@@ -186,12 +260,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--preload", type=int, default=100_000)
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument(
+        "--retire", action="store_true", help="retire the preloaded rollouts to the archive before measuring"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     require_positive(parser, args, "preload", "seconds", "concurrency")
     import uvloop
 
-    result = uvloop.run(run(args.preload, args.seconds, args.concurrency))
+    result = uvloop.run(run(args.preload, args.seconds, args.concurrency, args.retire))
     print_and_save(report(result), result, args.out)
 
 

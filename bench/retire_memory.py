@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ import psutil
 from bench import require_positive
 from bench.growth import WINDOW, _finished_rollout
 from bench.report import print_and_save
-from bench.stack_eventlight import Stack
+from bench.stack_eventlight import Stack, stream_subjects
 from eventlight.core.events import encode_event
 from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.store.jetstream.archive import archived_until
@@ -45,12 +44,6 @@ async def _publish(alg: JetStreamLightningStore, start: int, n: int) -> None:
             await js.publish_async(subject_for(log_.prefix, event), encode_event(event))
     await js.publish_async_completed()
     await alg.sync_all(timeout_s=600.0)
-
-
-async def _subjects(alg: JetStreamLightningStore, stream: str) -> int | None:
-    """The stream's ``num_subjects`` (from the raw API answer: nats-py's ``StreamState`` drops it)."""
-    answer = json.loads((await alg._log().nc.request(f"$JS.API.STREAM.INFO.{stream}", b"", timeout=10)).data)
-    return None if "error" in answer else int(answer["state"].get("num_subjects", 0))
 
 
 async def _caught_up(alg: JetStreamLightningStore) -> None:
@@ -88,8 +81,8 @@ async def one_run(rounds: int, per_round: int, retiring: bool) -> list[dict[str,
                 gc.collect()
                 await asyncio.sleep(2.0)  # let the server settle
                 row["nats_rss_mb"] = round(nats.memory_info().rss / MB, 1)
-                row["hot_subjects"] = await _subjects(alg, stack.settings.stream_name)
-                row["archive_subjects"] = await _subjects(alg, stack.settings.archive_stream_name)
+                row["hot_subjects"] = await stream_subjects(alg, stack.settings.stream_name)
+                row["archive_subjects"] = await stream_subjects(alg, stack.settings.archive_stream_name)
                 rows.append(row)
                 print(f"  {'retire' if retiring else 'hot only'}: {row}")
         finally:

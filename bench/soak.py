@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import shutil
 import tempfile
@@ -102,11 +103,13 @@ async def soak(
                 pss = await asyncio.to_thread(sampler.pss)
                 samples.append(
                     {"t_s": round(time.perf_counter() - t0, 1), "finished": finished, "failed_checks": failed}
+                    | await _stream_state(store)
                     | {f"pss_mb_{k}": round(v, 1) for k, v in pss.items()}
                 )
                 s = samples[-1]
                 print(
-                    f"  {s['t_s']:6.0f} s  {finished:7,} rollouts  "
+                    f"  {s['t_s']:6.0f} s  {finished:7,} rollouts  {s['hot_subjects']:,} hot subjects  "
+                    f"{s['retired']:,} retired  "
                     + "  ".join(f"{k[7:]} {v:,.0f} MB" for k, v in s.items() if k.startswith("pss_mb_"))
                 )
 
@@ -115,6 +118,8 @@ async def soak(
             await alg.run()  # enqueues until the deadline, then lets the rollouts in flight finish
         finally:
             watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher  # a sampling error surfaces here instead of vanishing with the task
     finally:
         if store is not None:
             await store.close()
@@ -123,6 +128,20 @@ async def soak(
         sampler.stop()
         shutil.rmtree(stats_dir, ignore_errors=True)
     return {"minutes": minutes, "runners": runners, "in_flight": in_flight, "sleep_s": sleep_s, "samples": samples}
+
+
+async def _stream_state(store: Any) -> dict[str, int]:
+    """The hot stream's subject and message counts, and the rollouts the projector retired so far."""
+    from bench.stack_eventlight import stream_subjects
+
+    log_ = store._log()
+    info = await log_.js.stream_info(log_.stream)
+    projector = store.projector
+    return {
+        "hot_subjects": await stream_subjects(store, log_.stream) or 0,
+        "hot_messages": int(info.state.messages),
+        "retired": int(getattr(projector, "retired", 0) if projector is not None else 0),
+    }
 
 
 def report(result: dict[str, Any]) -> str:
@@ -134,6 +153,9 @@ def report(result: dict[str, Any]) -> str:
     lines = [
         f"{last['finished']:,} rollouts in {last['t_s']:.0f} s "
         f"({last['finished'] / last['t_s']:.1f}/s), {last['failed_checks']} failed checks",
+        "",
+        f"hot stream: {warm.get('hot_subjects', 0):,} subjects at warm-up, {last.get('hot_subjects', 0):,} at the end; "
+        f"{last.get('retired', 0):,} rollouts retired to the archive",
         "",
         "| role | PSS at warm-up (MB) | PSS at end (MB) | change |",
         "|---|---|---|---|",

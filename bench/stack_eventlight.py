@@ -174,6 +174,13 @@ def make_span(rollout_id: str, attempt_id: str, sequence_id: int, attributes: di
     )
 
 
+async def stream_subjects(store: JetStreamLightningStore, stream: str) -> int | None:
+    """The stream's ``num_subjects`` (from the raw API answer: nats-py's ``StreamState`` drops it);
+    ``None`` when there is no such stream."""
+    answer = json.loads((await store._log().nc.request(f"$JS.API.STREAM.INFO.{stream}", b"", timeout=10)).data)
+    return None if "error" in answer else int(answer["state"].get("num_subjects", 0))
+
+
 class Stack:
     """eventlight's servers, stores and runner processes for one scenario."""
 

@@ -40,6 +40,7 @@ from eventlight.core.errors import InvalidInputError
 
 __all__ = [
     "FRAMEWORKS",
+    "Instrumented",
     "instrument",
     "instrument_all",
     "instrumented",
@@ -227,3 +228,33 @@ def uninstrument_all() -> None:
     for name in names:
         _instrumentor(name).uninstrument()
         log.info("uninstrumented %s", name)
+
+
+class Instrumented:
+    """The frameworks one user (an ``OtelTracer``) asked for, switched on and off together.
+
+    Args:
+        frameworks: Names of ``FRAMEWORKS`` or ``"all"`` (validated at once, nothing imported).
+
+    Raises:
+        InvalidInputError: An unknown name.
+    """
+
+    def __init__(self, frameworks: str | Iterable[str] = ()):
+        self.frameworks = validate(frameworks)
+        self.on: list[str] = []
+
+    def switch_on(self, tracer_provider: Any = None) -> None:
+        """``instrument`` them with ``tracer_provider`` (once; again only after ``switch_off``).
+
+        Raises:
+            InvalidInputError: A package is missing or conflicts (``instrument``).
+        """
+        if self.frameworks and not self.on:
+            self.on = instrument(*self.frameworks, tracer_provider=tracer_provider)
+
+    def switch_off(self) -> None:
+        """``uninstrument`` what ``switch_on`` switched on (idempotent)."""
+        if self.on:
+            uninstrument(*self.on)
+            self.on = []

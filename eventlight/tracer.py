@@ -22,15 +22,17 @@ import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
-import msgspec
 from opentelemetry import trace as trace_api
 from opentelemetry.sdk.resources import Resource as OtelSdkResource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.trace import Status, StatusCode
 
 from eventlight import instrumentation
+from eventlight.core.errors import InvalidInputError
 from eventlight.core.types import Span, TraceStatus
 from eventlight.otel import span_from_readable
+from eventlight.recording import SpanCoreFields as SpanCoreFields  # re-exported: its import path stays
+from eventlight.recording import _core, _Recording
 from eventlight.store.base import LightningStore
 from eventlight.unavailable import unavailable_class
 
@@ -40,16 +42,6 @@ _active_tracer: contextvars.ContextVar[Tracer | None] = contextvars.ContextVar("
 _current_attempt: contextvars.ContextVar[_AttemptBuffer | None] = contextvars.ContextVar(
     "eventlight_attempt", default=None
 )
-
-
-class SpanCoreFields(msgspec.Struct, kw_only=True):
-    """What an emitter or operation recorded (Agent-lightning ``SpanCoreFields``); times in seconds."""
-
-    name: str
-    status: TraceStatus
-    attributes: dict[str, Any]
-    start_time: float | None
-    end_time: float | None
 
 
 def set_active_tracer(tracer: Tracer) -> None:
@@ -97,6 +89,10 @@ class Tracer:
     def get_last_trace(self) -> list[Span]:
         return []
 
+    def undelivered_spans(self) -> int:
+        """Spans of the most recent trace context that never reached the store (0: all did)."""
+        return 0
+
     def create_span(
         self,
         name: str,
@@ -139,16 +135,47 @@ class _AttemptBuffer:
         self.recorded: list[Span] = []
         self.wake = asyncio.Event()
         self.closing = False
+        self.undelivered = 0  # still pending after the last flush
+        self.refused = 0  # refused by the store as bad input
+        self.refusal = ""
 
     async def flush(self) -> None:
-        """Send the spans that ended so far; they leave the buffer only once the store has them."""
+        """Send the spans that ended so far; they leave the buffer only once the store has them.
+
+        A batch the store refuses as bad input (``InvalidInputError``: e.g. a span over the 8 MiB an
+        event may hold) is sent again span by span; the spans it still refuses are dropped, counted
+        in ``refused`` and logged with the store's reason, the others are stored.
+        """
         if not self.pending:
             return
         batch = list(self.pending)
         spans = [span_from_readable(s, self.rollout_id, self.attempt_id, 0) for s in batch]
-        await self.store.add_spans_numbered(self.rollout_id, self.attempt_id, spans)
+        try:
+            await self.store.add_spans_numbered(self.rollout_id, self.attempt_id, spans)
+        except InvalidInputError as exc:
+            if len(spans) == 1:
+                self._refuse(spans[0], exc)
+            else:
+                await self._one_by_one(spans)
+        else:
+            self.recorded.extend(spans)
         del self.pending[: len(batch)]  # spans that ended meanwhile stay for the next flush
-        self.recorded.extend(spans)
+
+    async def _one_by_one(self, spans: list[Span]) -> None:
+        for span in spans:
+            try:
+                await self.store.add_spans_numbered(self.rollout_id, self.attempt_id, [span])
+            except InvalidInputError as exc:
+                self._refuse(span, exc)
+            else:
+                self.recorded.append(span)
+
+    def _refuse(self, span: Span, exc: Exception) -> None:
+        self.refused += 1
+        self.refusal = str(exc)
+        log.error(
+            "rollout %s attempt %s: the store refused span %r: %s", self.rollout_id, self.attempt_id, span.name, exc
+        )
 
 
 class StreamSpanProcessor(SpanProcessor):
@@ -181,14 +208,9 @@ class OtelTracer(Tracer):
             ``BatchSpanProcessor`` waits 5 s; 1 s keeps spans live for anyone watching while a
             short rollout sends one or two batches instead of one every few rounds (the bench's
             ``single`` scenario: 25 % less CPU per rollout than with 0.05 s).
-        instrument: Agent frameworks whose OpenTelemetry instrumentation to switch on in each
-            runner process, with this tracer's provider (``"openai"``, ``"openai_agents"``,
-            ``"langchain"``, or ``"all"``: see ``eventlight.instrumentation``); undone at
-            ``teardown_worker``. The agent's code does not change.
-
-    Raises:
-        InvalidInputError: ``instrument`` names an unknown framework (at once), or one whose
-            packages are missing (at ``init_worker``).
+        instrument: Frameworks to instrument in each runner process with this tracer's provider,
+            undone at ``teardown_worker`` (``eventlight.instrumentation.Instrumented``); an unknown
+            name raises ``InvalidInputError`` at once, a missing package at ``init_worker``.
 
     Its provider becomes the process's global OpenTelemetry provider when none is set yet, so
     libraries instrumented with OpenTelemetry report into it too.
@@ -197,11 +219,12 @@ class OtelTracer(Tracer):
     def __init__(self, *, flush_interval_s: float = 1.0, instrument: str | Sequence[str] = ()):
         super().__init__()
         self.flush_interval_s = flush_interval_s
-        self.instrument = instrumentation.validate(instrument)
-        self._instrumented: list[str] = []
+        self.instrumented = instrumentation.Instrumented(instrument)
         self.provider: TracerProvider | None = None
         self._otel: trace_api.Tracer | None = None
         self._last: list[Span] = []
+        self._undelivered = 0
+        self._refusal = ""
 
     def init_worker(self, worker_id: int, store: LightningStore | None = None) -> None:
         super().init_worker(worker_id, store)
@@ -211,14 +234,10 @@ class OtelTracer(Tracer):
             if isinstance(trace_api.get_tracer_provider(), trace_api.ProxyTracerProvider):
                 trace_api.set_tracer_provider(self.provider)
             self._otel = self.provider.get_tracer("eventlight")
-        if self.instrument and not self._instrumented:
-            self._instrumented = instrumentation.instrument(*self.instrument, tracer_provider=self.provider)
+        self.instrumented.switch_on(self.provider)
 
     def teardown_worker(self, worker_id: int) -> None:
-        super().teardown_worker(worker_id)
-        if self._instrumented:
-            instrumentation.uninstrument(*self._instrumented)
-            self._instrumented = []
+        self.instrumented.switch_off()
 
     def _tracer(self) -> trace_api.Tracer:
         if self._otel is None:
@@ -266,6 +285,9 @@ class OtelTracer(Tracer):
                     raise
                 finally:
                     self._last = buf.recorded
+                    lost = buf.undelivered if not flusher.cancelled() else len(buf.pending)
+                    self._undelivered = lost + buf.refused
+                    self._refusal = buf.refusal
 
     async def _flush_loop(self, buf: _AttemptBuffer | None) -> None:
         """Send the buffer every ``flush_interval_s`` (or when it fills); a last time when closing."""
@@ -280,6 +302,7 @@ class OtelTracer(Tracer):
             await self._flush_logged(buf)
             if not buf.pending:
                 return
+        buf.undelivered = len(buf.pending)
         log.error("dropped %d spans of rollout %s attempt %s", len(buf.pending), buf.rollout_id, buf.attempt_id)
 
     @staticmethod
@@ -297,6 +320,16 @@ class OtelTracer(Tracer):
     def get_last_trace(self) -> list[Span]:
         """Spans recorded (with their store sequence ids) by the most recent trace context."""
         return list(self._last)
+
+    def undelivered_spans(self) -> int:
+        """Spans of the most recent trace context that the store refused as bad input, or that were
+        still unsent after the last flush's three tries (0 s, 0.2 s, 1 s); the runner then records
+        the attempt ``failed`` with that reason."""
+        return self._undelivered
+
+    def last_refusal(self) -> str:
+        """The store's reason for the last span it refused in the most recent trace context (or "")."""
+        return self._refusal
 
     def create_span(
         self,
@@ -322,36 +355,6 @@ class OtelTracer(Tracer):
             rec = _Recording(span)
             yield rec
         rec.done = _core(span)
-
-
-class _Recording:
-    def __init__(self, span: Any):
-        self.span = span
-        self.done: SpanCoreFields | None = None
-
-    def record_attributes(self, attributes: dict[str, Any]) -> None:
-        self.span.set_attributes(attributes)
-
-    def record_exception(self, exception: BaseException) -> None:
-        self.span.record_exception(exception)
-
-    def record_status(self, status_code: str, description: str | None = None) -> None:
-        self.span.set_status(Status(StatusCode[status_code], description))
-
-    def get_recorded_span(self) -> SpanCoreFields:
-        if self.done is None:
-            raise RuntimeError("Span is not ready yet.")
-        return self.done
-
-
-def _core(span: Any) -> SpanCoreFields:
-    return SpanCoreFields(
-        name=span.name,
-        status=TraceStatus(status_code=span.status.status_code.name, description=span.status.description),
-        attributes=dict(span.attributes or {}),
-        start_time=span.start_time / 1e9 if span.start_time else None,
-        end_time=span.end_time / 1e9 if span.end_time else None,
-    )
 
 
 AgentOpsTracer = unavailable_class(

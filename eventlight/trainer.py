@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from eventlight.agent import LitAgent
@@ -34,6 +34,7 @@ from eventlight.algorithm.base import Algorithm, FastAlgorithm
 from eventlight.algorithm.baseline import Baseline
 from eventlight.component import build_component
 from eventlight.core.errors import LLMUnavailableError, NoRunnersError
+from eventlight.core.types import RolloutConfig
 from eventlight.execution import ClientServerExecutionStrategy, ExecutionStrategy, SharedMemoryExecutionStrategy
 from eventlight.ops import Services, apply_migrations, apply_streams, prepare_services, stop_services
 from eventlight.runner import Hook, LitAgentRunner
@@ -43,6 +44,7 @@ from eventlight.store.base import LightningStore
 from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.store.jetstream.connect import connect_nats
 from eventlight.store.liveness import LIVE_HEARTBEAT_S, waiting_without_workers
+from eventlight.store.validate import check_rollout_config
 from eventlight.tracer import OtelTracer, Tracer
 from eventlight.trainer_strategies import (
     resolve_strategy,
@@ -89,6 +91,9 @@ class Trainer:
         check_llm: eventlight's: with an ``llm_proxy``, send one request through it before the first
             rollout and stop the run (``LLMUnavailableError``) when it fails or, later, when most
             recent calls fail (``LLMProxy.health``), rather than train on errors.
+        rollout_config: eventlight's: the ``RolloutConfig`` (or a dict of its fields:
+            ``timeout_seconds``, ``unresponsive_seconds``, ``max_attempts``, ``retry_condition``) of
+            every rollout the algorithm enqueues without its own.
 
     Raises:
         TypeError, ValueError: A spec that builds the wrong thing, or invalid strategy settings.
@@ -113,6 +118,7 @@ class Trainer:
         keep_services: bool = False,
         runner_log_level: str = "WARNING",
         check_llm: bool = True,
+        rollout_config: RolloutConfig | Mapping[str, Any] | None = None,
     ):
         from eventlight.adapter import TraceAdapter, TracerTraceToTriplet
 
@@ -141,6 +147,7 @@ class Trainer:
         self.keep_services = keep_services
         self.runner_log_level = runner_log_level
         self.check_llm = check_llm
+        self.rollout_config = check_rollout_config(rollout_config)
         self.store: Any = store
         self.services: Services | None = None
 
@@ -296,6 +303,8 @@ class Trainer:
                 await wait_for_pool(pool)
             return
         algo.set_trainer(self)
+        if self.rollout_config is not None:  # a wrapper (LightningStoreThreaded) passes it to its store
+            getattr(store, "store", store).default_rollout_config = self.rollout_config
         algo.set_store(cast(LightningStore, store))
         algo.set_adapter(self.adapter)
         if self.initial_resources is not None:

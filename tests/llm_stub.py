@@ -42,7 +42,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from eventlight.net import tcp_listener
 
-__all__ = ["Reply", "ScriptedLLM", "ToolCall", "toy_tokenize"]
+__all__ = ["TOKEN_ID_PLACEMENTS", "Reply", "ScriptedLLM", "ToolCall", "toy_tokenize"]
 
 
 def toy_tokenize(text: str) -> list[int]:
@@ -85,6 +85,12 @@ class Reply:
         completion_tokens: ``usage.completion_tokens`` (default ``len(token_ids)``); set it
             differently to simulate truncated ids (C14).
         return_token_ids: ``False`` omits both id lists, as a non-vLLM backend does.
+        placement: Where the ids go (``TOKEN_ID_PLACEMENTS``): ``"vllm"`` (vLLM >= 0.10.2: top-level
+            ``prompt_token_ids``, ``choices[i].token_ids``), ``"choice"`` (both on the choice, the
+            completions-API shape), ``"provider_fields"`` (``provider_specific_fields`` of the
+            response and of the choice), ``"message"`` (top-level prompt ids, completion ids in
+            ``choices[i].message.provider_specific_fields``), ``"legacy"`` (top-level
+            ``prompt_token_ids`` and ``response_token_ids`` as a list of lists).
         delay_s: Seconds to wait before answering.
         model: ``model`` of the response (default: the request's model).
     """
@@ -99,8 +105,31 @@ class Reply:
     prompt_token_ids: list[int] | None = None
     completion_tokens: int | None = None
     return_token_ids: bool = True
+    placement: str = "vllm"
     delay_s: float = 0.0
     model: str | None = None
+
+
+TOKEN_ID_PLACEMENTS = ("vllm", "choice", "provider_fields", "message", "legacy")
+
+
+def _place_token_ids(
+    out: dict[str, Any], choice: dict[str, Any], prompt_ids: list[int], token_ids: list[int], placement: str
+) -> None:
+    if placement == "vllm":
+        out["prompt_token_ids"], choice["token_ids"] = prompt_ids, token_ids
+    elif placement == "choice":
+        choice["prompt_token_ids"], choice["token_ids"] = prompt_ids, token_ids
+    elif placement == "provider_fields":
+        out["provider_specific_fields"] = {"prompt_token_ids": prompt_ids}
+        choice["provider_specific_fields"] = {"token_ids": token_ids}
+    elif placement == "message":
+        out["prompt_token_ids"] = prompt_ids
+        choice["message"]["provider_specific_fields"] = {"token_ids": token_ids}
+    elif placement == "legacy":
+        out["prompt_token_ids"], out["response_token_ids"] = prompt_ids, [token_ids]
+    else:
+        raise ValueError(f"ScriptedLLM: unknown token id placement {placement!r}; one of {TOKEN_ID_PLACEMENTS}")
 
 
 Script = Callable[[list[dict[str, Any]], dict[str, Any]], Any]
@@ -202,9 +231,22 @@ class ScriptedLLM:
                 "total_tokens": len(prompt_ids) + completion_tokens,
             },
         }
+        if body.get("logprobs"):  # OpenAI's shape, one entry per generated piece
+            pieces = generated.split() or [""]
+            top = int(body.get("top_logprobs") or 0)
+            choice["logprobs"] = {
+                "content": [
+                    {
+                        "token": piece,
+                        "logprob": -0.5 * (i + 1),
+                        "bytes": list(piece.encode()),
+                        "top_logprobs": [{"token": piece, "logprob": -0.5 * (i + 1), "bytes": None}] * top,
+                    }
+                    for i, piece in enumerate(pieces)
+                ]
+            }
         if reply.return_token_ids:
-            out["prompt_token_ids"] = prompt_ids
-            choice["token_ids"] = token_ids
+            _place_token_ids(out, choice, prompt_ids, token_ids, reply.placement)
         return out
 
     @staticmethod
@@ -221,6 +263,8 @@ class ScriptedLLM:
                 base,
                 choices=[{"index": 0, "delta": delta, "finish_reason": None, "token_ids": choice.get("token_ids")}],
             )
+            if completion.get("prompt_token_ids") is not None:  # vLLM sends them with the first chunk
+                first["prompt_token_ids"] = completion["prompt_token_ids"]
             yield f"data: {json.dumps(first)}\n\n".encode()
             last = dict(
                 base,

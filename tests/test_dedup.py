@@ -102,9 +102,9 @@ def test_agentops_style_copy_of_the_same_name_loses_to_the_proxy_copy() -> None:
     (triplet,) = adapter.adapt(spans)
     assert triplet.prompt["token_ids"] == list(range(1, 11)) and triplet.response["token_ids"] == [100]
     assert triplet.reward == 1.0 and triplet.metadata["response_id"] == "chatcmpl-1"
-    assert triplet.metadata["duplicates_dropped"] == 1 and adapter.stats["duplicates_dropped"] == 1
+    assert triplet.metadata["duplicates_dropped"] == 1 and adapter.stats.duplicates == 1
     adapter.adapt(spans)
-    assert adapter.stats["duplicates_dropped"] == 2  # summed over calls
+    assert adapter.stats.duplicates == 2  # summed over calls
 
 
 def test_openinference_copies_are_matched_by_the_id_in_output_value_or_by_output() -> None:
@@ -134,7 +134,7 @@ def test_openinference_copies_are_matched_by_the_id_in_output_value_or_by_output
     assert [t.metadata["response_id"] for t in triplets] == ["chatcmpl-a", "chatcmpl-b"]
     assert [len(t.prompt["token_ids"]) for t in triplets] == [10, 14]  # each generation joined its own call
     assert [t.reward for t in triplets] == [None, 1.0]
-    assert adapter.stats["duplicates_dropped"] == 4
+    assert adapter.stats.duplicates == 4
     assert all(t.metadata["duplicates_dropped"] == 2 for t in triplets)
 
 
@@ -148,7 +148,7 @@ def test_langchain_copy_floating_at_the_top_level_is_matched_by_llm_output_id() 
     adapter = TracerTraceToTriplet(llm_call_match=ALL_LLM)
     (triplet,) = adapter.adapt(spans)
     assert triplet.response["token_ids"] == [100] and triplet.reward == 0.5
-    assert adapter.stats["duplicates_dropped"] == 1
+    assert adapter.stats.duplicates == 1
 
 
 def test_no_false_merges_and_no_lost_calls() -> None:
@@ -162,7 +162,7 @@ def test_no_false_merges_and_no_lost_calls() -> None:
     ]
     adapter = TracerTraceToTriplet(llm_call_match=ALL_LLM)
     triplets = adapter.adapt(spans)
-    assert len(triplets) == 3 and adapter.stats["duplicates_dropped"] == 1  # g1 joined the proxy's call
+    assert len(triplets) == 3 and adapter.stats.duplicates == 1  # g1 joined the proxy's call
     with_ids = [t for t in triplets if t.prompt["token_ids"]]
     assert len(with_ids) == 1 and with_ids[0].metadata["response_id"] == "chatcmpl-1"
     kept, dropped = keep_one_copy(spans)
@@ -173,7 +173,7 @@ def test_a_call_only_the_framework_recorded_stays() -> None:
     spans = [openinference_llm("g", "generation", None, 1.0, 2.0, 1, "5"), reward("r", 3.0, 2, 1.0)]
     adapter = TracerTraceToTriplet(llm_call_match=ALL_LLM)
     (triplet,) = adapter.adapt(spans)
-    assert triplet.prompt["token_ids"] == [] and triplet.reward == 1.0 and adapter.stats["duplicates_dropped"] == 0
+    assert triplet.prompt["token_ids"] == [] and triplet.reward == 1.0 and adapter.stats.duplicates == 0
 
 
 def test_messages_adapter_gives_one_record_per_call() -> None:
@@ -194,14 +194,14 @@ def test_messages_adapter_gives_one_record_per_call() -> None:
     adapter = TraceToMessages()
     (record,) = adapter.adapt(spans)
     assert [m["role"] for m in record["messages"]] == ["user", "assistant"] and record["messages"][1]["content"] == "5"
-    assert adapter.stats["duplicates_dropped"] == 1
+    assert adapter.stats.duplicates == 1
 
 
 def test_proxy_adapter_counts_repeated_response_ids() -> None:
     spans = [proxy("a", 1.0, 2.0, 1, "chatcmpl-1", "5", (3, 1)), proxy("b", 1.0, 2.0, 2, "chatcmpl-1", "5", (3, 1))]
     spans.append(openinference_llm("g", "generation", None, 1.0, 2.0, 3, "5"))  # no ids: never a proxy triplet
     adapter = LlmProxyTraceToTriplet()
-    assert len(adapter.adapt(spans)) == 1 and adapter.stats["duplicates_dropped"] == 1
+    assert len(adapter.adapt(spans)) == 1 and adapter.stats.duplicates == 1
 
 
 @pytest.mark.parametrize(

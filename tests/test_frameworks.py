@@ -88,7 +88,7 @@ async def run_example(module: str, framework: str, instrument: list[str], namesp
     assert [(t.response["token_ids"], t.reward) for t in plain] == [
         (t.response["token_ids"], t.reward) for t in report.triplets
     ]
-    assert default.stats["duplicates_dropped"] == 0
+    assert default.stats.duplicates == 0
     return report, spans
 
 
@@ -268,7 +268,7 @@ async def test_under_a_trainer_the_runner_processes_instrument_themselves(namesp
             triplets = adapter.adapt(spans)
             assert len(triplets) == 3 and all(t.prompt["token_ids"] and t.response["token_ids"] for t in triplets)
             assert triplets[-1].reward == 1.0
-        assert adapter.stats["duplicates_dropped"] == 6
+        assert adapter.stats.duplicates == 6
 
 
 @OPENAI

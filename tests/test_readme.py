@@ -46,6 +46,13 @@ def test_store_snippet_runs_as_written(services: Any) -> None:
     assert rollout_id.startswith("ro-") and status == "succeeded"
 
 
+def test_subscribe_snippet_runs_as_written() -> None:
+    done = subprocess.run([sys.executable, "-c", snippet("subscribe")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    rollout_id, status, data, position = done.stdout.split()
+    assert rollout_id.startswith("ro-") and (status, data, position) == ("succeeded", "[]", "3")
+
+
 def test_trainer_snippet_names_only_what_exists() -> None:
     """Every ``agl.X`` exists, and every call of one binds its keywords to the real signature."""
     tree = ast.parse(snippet("trainer"))

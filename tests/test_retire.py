@@ -21,7 +21,7 @@ from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.store.jetstream.archive import archive_head, archived_until, source_position
 from eventlight.store.jetstream.connect import connect_nats
-from eventlight.store.jetstream.retire import retire
+from eventlight.store.jetstream.retire import retire, subscriber_floors
 from tests.test_replay import llm_span, workload
 
 
@@ -140,3 +140,28 @@ async def test_the_leading_projector_retires_what_is_due_by_itself(namespace: Se
         assert store.projector is not None and store.projector.retired >= len(ids)
         got = await store.get_rollout_by_id(ids["good"])  # reads still come from Postgres
         assert got is not None and got.status == "succeeded"
+
+
+async def test_retirement_waits_for_a_durable_subscriber_that_is_behind(namespace: Settings) -> None:
+    """A durable subscription that is down keeps its records in the hot stream: retirement stays at
+    or below its acknowledged position, and goes on once it has read and acknowledged them."""
+    settings = await _with_archive(namespace)
+    dsn = settings.pg_dsn
+    assert dsn is not None
+    async with JetStreamLightningStore(settings, pg_dsn=dsn) as store:
+        pool: Any = store.read_model.pool  # type: ignore[union-attr]
+        async with store.subscribe_messages(durable="trainer-a"):
+            pass  # created at the stream's head; acknowledged nothing yet
+        assert list(await subscriber_floors(store.log)) == ["trainer-a"]
+        ids = await workload(store)
+        await store.sync_all(timeout_s=10)
+        await _archive_caught_up(store)
+        held = await retire(store.log, pool, settings, now=time.time() + 1)
+        assert held.retired == 0, "retired records a durable subscriber has not read"
+        assert held.bound == (await subscriber_floors(store.log))["trainer-a"]
+
+        async with store.subscribe_messages(durable="trainer-a") as sub:  # resumes, reads, acknowledges
+            got = await sub.collect(list(ids.values()), timeout_s=10)
+        assert sorted(r.rollout_id for r in got) == sorted(ids.values())
+        report = await retire(store.log, pool, settings, now=time.time() + 1)
+        assert report.retired == 3

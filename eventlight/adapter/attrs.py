@@ -14,6 +14,11 @@ log = logging.getLogger(__name__)
 VIRTUAL_ROOT_ID = "virtual-root"
 EVENTLIGHT_PROXY_SPAN = "openai.chat.completion"
 """The span eventlight's ``LLMProxy`` records per call, with ``prompt_token_ids``/``response_token_ids``."""
+TOKEN_IDS_MISSING = "eventlight.token_ids.missing"
+"""Span attribute the LLM proxy writes on a successful call whose response lacked token ids: which
+ones, ``["prompt"]``, ``["response"]`` or both."""
+TOKEN_IDS_INCOMPLETE = "token_ids_incomplete"
+"""Span attribute ``True`` when the ids do not add up to the call's usage counts (peer failure C14)."""
 OPERATION_SPAN = "agentlightning.operation"
 OPERATION_NAME = "agentlightning.operation.name"
 REWARD_OPERATION = "agentlightning.reward"

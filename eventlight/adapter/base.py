@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from enum import StrEnum
 from typing import Generic, TypeVar
 
 from opentelemetry.sdk.trace import ReadableSpan
 
+from eventlight.adapter.stats import CountingAdapter
 from eventlight.core.types import Span, Triplet
 
 T_from = TypeVar("T_from")
@@ -33,27 +33,18 @@ class Adapter(Generic[T_from, T_to]):
 class TraceAdapter(Adapter[Sequence[Span], T_to], Generic[T_to]):
     """An adapter from the spans of one attempt (ordered by ``sequence_id``)."""
 
-    @property
-    def stats(self) -> Counter[str]:
-        """What this adapter left out so far, summed over its ``adapt`` calls, by reason.
-
-        ``duplicates_dropped``: copies of an LLM call that another layer recorded too (framework
-        instrumentation beside the LLM proxy); the copy with token ids is kept
-        (``eventlight.adapter.dedup``). Reset it with ``stats.clear()``.
-        """
-        found: Counter[str] | None = self.__dict__.get("_stats")
-        if found is None:
-            found = self.__dict__["_stats"] = Counter()
-        return found
-
 
 class OtelTraceAdapter(Adapter[Sequence[ReadableSpan], T_to], Generic[T_to]):
     """An adapter from OpenTelemetry ``ReadableSpan`` objects (0.3.0's base of OTel adapters);
     ``eventlight.otel.span_from_readable`` turns one into a ``Span`` for the trace adapters."""
 
 
-class TraceToTripletBase(TraceAdapter[list[Triplet]]):
-    """An adapter from spans to a trajectory of ``Triplet`` (prompt, response, reward)."""
+class TraceToTripletBase(CountingAdapter, TraceAdapter[list[Triplet]]):
+    """An adapter from spans to a trajectory of ``Triplet`` (prompt, response, reward).
+
+    ``stats`` / ``last_stats`` (``AdapterStats``) count what was skipped or marked: LLM calls whose
+    span is an error, duplicates, calls with missing or incomplete token ids.
+    """
 
 
 class RewardMatchPolicy(StrEnum):

@@ -10,6 +10,7 @@ from typing import Any, TypedDict
 from eventlight.adapter.attrs import _nested
 from eventlight.adapter.base import TraceAdapter
 from eventlight.adapter.dedup import keep_one_copy
+from eventlight.adapter.stats import AdapterStats, CountingAdapter, is_error
 from eventlight.core.types import Span
 from eventlight.genai import INPUT_MESSAGES, OUTPUT_MESSAGES, openai_messages
 
@@ -120,19 +121,20 @@ def _function_definition(fn: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-class TraceToMessages(TraceAdapter[list[OpenAIMessages]]):
+class TraceToMessages(CountingAdapter, TraceAdapter[list[OpenAIMessages]]):
     """OpenAI chat records from ``gen_ai.*`` span attributes (Agent-lightning ``TraceToMessages``).
 
     Every span with any ``gen_ai.prompt.*``, ``gen_ai.completion.*``, ``gen_ai.request.*`` or
     ``gen_ai.response.*`` attribute gives one record; when several instrumentation layers recorded
     the same call (the same response id, or the same output: ``eventlight.adapter.dedup``), only
-    the copy with token ids (the LLM proxy's) gives one, and ``stats["duplicates_dropped"]``
+    the copy with token ids (the LLM proxy's) gives one, and ``stats.duplicates``
     counts the others. Prompt messages come from ``gen_ai.prompt.{i}.*`` (or, without
     it, from the current conventions' ``gen_ai.input.messages`` / ``gen_ai.output.messages``); each
     ``gen_ai.completion.{i}`` with role ``assistant`` is appended, carrying as ``tool_calls`` the
     direct child spans with ``tool.*`` attributes (``tool.call.id``, ``tool.call.type``,
     ``tool.name``, ``tool.parameters``); ``tools`` come from ``gen_ai.request.functions.{i}``.
     The output matches the OpenAI fine-tuning JSONL schema. APO shows these records to its critic.
+    Spans with status ``ERROR`` give no record; ``stats`` / ``last_stats`` count them (``errors``).
     """
 
     def adapt(self, source: Sequence[Span], /) -> list[OpenAIMessages]:
@@ -143,10 +145,16 @@ class TraceToMessages(TraceAdapter[list[OpenAIMessages]]):
         """
         children = _children(source)
         found = [(span, record) for span in source if (record := self._record(span, children)) is not None]
-        kept, dropped = keep_one_copy([span for span, _ in found])
-        if dropped:
-            self.stats["duplicates_dropped"] += sum(dropped.values())
-        return [found[i][1] for i in kept]
+        kept, _ = keep_one_copy([span for span, _ in found])  # one record per call: the copy with token ids
+        stats, records = AdapterStats(llm_calls=len(found), duplicates=len(found) - len(kept)), []
+        for span, record in (found[i] for i in kept):
+            if is_error(span):  # a failed call (an upstream 400): a prompt with no answer to learn from
+                stats.errors += 1
+                continue
+            records.append(record)
+        stats.triplets = len(records)
+        self._counted(stats)
+        return records
 
     def _record(self, span: Span, children: Mapping[str | None, list[Span]]) -> OpenAIMessages | None:
         attrs = span.attributes or {}

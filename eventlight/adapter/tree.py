@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Sequence
 
@@ -15,8 +16,11 @@ from eventlight.adapter.attrs import (
 )
 from eventlight.adapter.base import RewardMatchPolicy
 from eventlight.adapter.dedup import copy_of, response_id
+from eventlight.adapter.stats import AdapterStats
 from eventlight.core.types import Span
 from eventlight.rewards import get_reward_value
+
+log = logging.getLogger(__name__)
 
 
 class _Unset:
@@ -40,6 +44,7 @@ class TraceTree:
         self.span = span
         self.children = children or []
         self._reward: float | None | _Unset = _UNSET
+        self.cycles_cut = 0  # on a root from ``from_spans``: parent cycles it had to cut
 
     @property
     def start_time(self) -> float | None:
@@ -81,8 +86,12 @@ class TraceTree:
     def from_spans(cls, spans: Sequence[Span]) -> TraceTree:
         """Link spans by ``parent_id``; missing parents and several roots get synthetic nodes.
 
+        Parent links that form a cycle (bad input: ``a -> b -> a``) would leave the spans on it out
+        of the tree; instead the first span of each cycle (in input order) is taken as a root, its
+        link cut, with a warning naming it.
+
         Raises:
-            ValueError: ``spans`` is empty, or no span is a root (every parent is itself a span).
+            ValueError: ``spans`` is empty.
         """
         if not spans:
             raise ValueError("no spans to build a trace tree from")
@@ -90,15 +99,18 @@ class TraceTree:
         children: dict[str, list[str]] = {}
         roots = [s.span_id for s in spans if s.parent_id is None]
         for s in spans:
-            if s.parent_id is not None:
+            if s.parent_id is not None and s.parent_id != s.span_id:
                 children.setdefault(s.parent_id, []).append(s.span_id)
         roots += [pid for pid in children if pid not in by_id]  # lost parents (e.g. a session span)
-        if not roots:
-            raise ValueError("no root span found in the trace (parent links form a cycle)")
-        nodes = [cls._build(rid, by_id, children) for rid in roots]
-        if len(nodes) == 1:
-            return nodes[0]
-        return cls(VIRTUAL_ROOT_ID, _synthetic_span(VIRTUAL_ROOT_ID, nodes, name="virtual-root"), nodes)
+        cut = _cycle_roots(spans, roots, children)
+        nodes = [cls._build(rid, by_id, children) for rid in roots + cut]
+        tree = (
+            nodes[0]
+            if len(nodes) == 1
+            else cls(VIRTUAL_ROOT_ID, _synthetic_span(VIRTUAL_ROOT_ID, nodes, name="virtual-root"), nodes)
+        )
+        tree.cycles_cut = len(cut)
+        return tree
 
     @classmethod
     def _build(cls, node_id: str, by_id: dict[str, Span], children: dict[str, list[str]]) -> TraceTree:
@@ -133,6 +145,7 @@ class TraceTree:
         agent_match: str | None,
         exclude_llm_call_in_reward: bool = True,
         dedup_llm_call: bool = True,
+        stats: AdapterStats | None = None,
     ) -> list[tuple[TraceTree, str]]:
         """LLM call nodes (DFS pre-order) with the name of their enclosing matching agent.
 
@@ -142,15 +155,19 @@ class TraceTree:
         ``exclude_llm_call_in_reward`` nothing below a reward span counts; with ``dedup_llm_call``
         a nested match without response id below a matched call is skipped, and of the copies of
         one call (the same response id, or the same output: ``eventlight.adapter.dedup``) only one
-        is kept: the one with token ids (Agent-lightning keeps the first seen). A node's own
-        agent/reward status applies to its descendants only.
+        is kept: the one with token ids (Agent-lightning keeps the first seen); both are counted in
+        ``stats.duplicates`` when given. A node's own agent/reward status applies to its
+        descendants only.
         """
-        return self.find_llm_calls_counted(
+        calls, dropped = self.find_llm_calls_counted(
             llm_call_match=llm_call_match,
             agent_match=agent_match,
             exclude_llm_call_in_reward=exclude_llm_call_in_reward,
             dedup_llm_call=dedup_llm_call,
-        )[0]
+        )
+        if stats is not None:
+            stats.duplicates += sum(dropped.values())
+        return calls
 
     def find_llm_calls_counted(
         self,
@@ -223,6 +240,38 @@ class _LlmCallWalker:
             return True
         self.nested[in_llm_call] = self.nested.get(in_llm_call, 0) + 1
         return False
+
+
+def _reach(start: str, children: dict[str, list[str]], seen: set[str]) -> None:
+    stack = [start]
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(children.get(node, ()))
+
+
+def _cycle_roots(spans: Sequence[Span], roots: list[str], children: dict[str, list[str]]) -> list[str]:
+    """Spans no root reaches (they hang on a parent cycle), one per cycle, their parent link cut."""
+    seen: set[str] = set()
+    for root in roots:
+        _reach(root, children, seen)
+    extra: list[str] = []
+    for span in spans:
+        if span.span_id in seen:
+            continue
+        siblings = children.get(span.parent_id or "", [])
+        if span.span_id in siblings:
+            siblings.remove(span.span_id)
+        log.warning(
+            "span %s (%r) of rollout %s: its parent links form a cycle; taken as a root",
+            span.span_id,
+            span.name,
+            span.rollout_id,
+        )
+        extra.append(span.span_id)
+        _reach(span.span_id, children, seen)
+    return extra
 
 
 def _credit_in_order(nodes: Sequence[TraceTree], llm_ids: set[str], rewards: dict[str, float]) -> None:

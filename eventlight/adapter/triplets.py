@@ -13,12 +13,14 @@ from eventlight.adapter.attrs import (
     PROMPT_ID_KEYS,
     RESPONSE_ID_KEYS,
     RESPONSE_TOKEN_KEYS,
+    TOKEN_IDS_INCOMPLETE,
     _first_ids,
     _first_nested,
     _first_str,
     _time,
 )
 from eventlight.adapter.base import RewardMatchPolicy, TraceToTripletBase
+from eventlight.adapter.stats import AdapterStats, is_error
 from eventlight.adapter.tree import TraceTree
 from eventlight.core.types import Span, Triplet
 from eventlight.genai import INPUT_MESSAGES, OUTPUT_MESSAGES, openai_messages
@@ -159,10 +161,12 @@ class TracerTraceToTriplet(TraceToTripletBase):
             One triplet per matched LLM call; ``[]`` (with a warning naming the spans seen) when no
             span matches ``llm_call_match`` or ``source`` is empty. Of the copies of one call that
             several instrumentation layers recorded (the LLM proxy's beside a framework's), the one
-            with token ids is kept; its ``metadata["duplicates_dropped"]`` and
-            ``stats["duplicates_dropped"]`` count the others.
+            with token ids is kept; its ``metadata["duplicates_dropped"]`` and ``stats.duplicates``
+            count the others.
         """
+        stats = AdapterStats()
         if not source:
+            self._counted(stats)
             return []
         tree = self.build_tree(source)
         calls, dropped = tree.find_llm_calls_counted(
@@ -170,22 +174,46 @@ class TracerTraceToTriplet(TraceToTripletBase):
             agent_match=self.agent_match,
             exclude_llm_call_in_reward=self.exclude_llm_call_in_reward,
         )
-        pairs = [(node, span_to_triplet(node.span, agent)) for node, agent in calls]
-        for node, triplet in pairs:
+        stats.duplicates += sum(dropped.values())
+        stats.llm_calls = len(calls) + stats.duplicates
+        stats.cycles_cut = tree.cycles_cut
+        pairs = []
+        for node, agent in calls:
+            if is_error(node.span):  # an upstream error: no completion to train on
+                stats.errors += 1
+                continue
+            triplet = _marked(span_to_triplet(node.span, agent), node.span, stats)
             if dropped.get(node.id):
                 triplet.metadata["duplicates_dropped"] = dropped[node.id]
-        if dropped:
-            self.stats["duplicates_dropped"] += sum(dropped.values())
-        if self._skip_empty_token_spans:
-            pairs = [(n, t) for n, t in pairs if t.prompt["token_ids"] and t.response["token_ids"]]
+            if self._skip_empty_token_spans and triplet.metadata.get("token_ids_missing"):
+                continue
+            pairs.append((node, triplet))
+        stats.triplets = len(pairs)
+        self._counted(stats)
         if not pairs:
             names = sorted({n.span.name for n in tree.traverse()})
-            log.warning("no span matches llm_call_match=%r; span names seen: %s", self.llm_call_match, names)
+            log.warning(
+                "no span matches llm_call_match=%r; span names seen: %s (%s)", self.llm_call_match, names, stats
+            )
             return []
         rewards = tree.match_rewards(self.reward_match, [n for n, _ in pairs])
         for node, triplet in pairs:
             triplet.reward = rewards.get(node.id)
         return [t for _, t in pairs]
+
+
+def _marked(triplet: Triplet, span: Span, stats: AdapterStats) -> Triplet:
+    """Mark (and count) missing or incomplete token ids in the triplet's metadata."""
+    missing = [
+        what for what, part in (("prompt", triplet.prompt), ("response", triplet.response)) if not part["token_ids"]
+    ]
+    if missing:
+        triplet.metadata["token_ids_missing"] = missing
+        stats.missing_token_ids += 1
+    if (span.attributes or {}).get(TOKEN_IDS_INCOMPLETE) is True:
+        triplet.metadata["token_ids_incomplete"] = True
+        stats.incomplete_token_ids += 1
+    return triplet
 
 
 # ------------------------------------------------------------------------------------------
@@ -231,7 +259,7 @@ class LlmProxyTraceToTriplet(TraceToTripletBase):
        strings are parsed with ``ast.literal_eval``) or ``litellm_request`` spans
        (``prompt_token_ids``/``response_token_ids``). Both lists must be non-empty, so framework
        copies of a call (no ids) never count. Calls are deduplicated by ``gen_ai.response.id`` or
-       ``llm.hosted_vllm.id`` (the first kept; ``stats["duplicates_dropped"]`` counts the others).
+       ``llm.hosted_vllm.id`` (the first kept; ``stats.duplicates`` counts the others).
        Extension: spans named ``openai.chat.completion`` with ``prompt_token_ids``/
        ``response_token_ids`` (what eventlight's own ``LLMProxy`` records) count too.
     3. Each reward, in sequence order, goes to the latest unrewarded call with a strictly smaller
@@ -242,7 +270,10 @@ class LlmProxyTraceToTriplet(TraceToTripletBase):
         """Convert proxy spans into ``Triplet(prompt={"token_ids"}, response={"token_ids"}, reward,
         metadata={"response_id"})`` items in sequence order."""
         spans = sorted(source, key=lambda s: (s.sequence_id, _time(s.start_time, 0.0)))
-        calls = self._llm_calls(spans)
+        stats = AdapterStats()
+        calls = self._llm_calls(spans, stats)
+        stats.triplets = len(calls)
+        self._counted(stats)
         rewarded: dict[int, float] = {}
         for span in spans:
             value = get_reward_value(span)
@@ -257,12 +288,13 @@ class LlmProxyTraceToTriplet(TraceToTripletBase):
                 prompt={"token_ids": prompt},
                 response={"token_ids": response},
                 reward=rewarded.get(i),
-                metadata={"response_id": rid},
+                metadata={"response_id": rid, **_incomplete(span)},
             )
-            for i, (_, prompt, response, rid) in enumerate(calls)
+            for i, (span, prompt, response, rid) in enumerate(calls)
         ]
 
-    def _llm_calls(self, spans: Sequence[Span]) -> list[tuple[Span, list[int], list[int], str | None]]:
+    @staticmethod
+    def _llm_calls(spans: Sequence[Span], stats: AdapterStats) -> list[tuple[Span, list[int], list[int], str | None]]:
         calls: list[tuple[Span, list[int], list[int], str | None]] = []
         seen: set[str] = set()
         for span in spans:
@@ -274,14 +306,24 @@ class LlmProxyTraceToTriplet(TraceToTripletBase):
                 response = _int_list(attrs.get("response_token_ids"))
             else:
                 continue
+            stats.llm_calls += 1
+            if is_error(span):
+                stats.errors += 1
+                continue
             if not (prompt and response):
+                stats.missing_token_ids += 1
                 continue
             rid = attrs.get("gen_ai.response.id") or attrs.get("llm.hosted_vllm.id")
             rid = rid if isinstance(rid, str) and rid else None
             if rid is not None and rid in seen:
-                self.stats["duplicates_dropped"] += 1
+                stats.duplicates += 1
                 continue
             if rid is not None:
                 seen.add(rid)
+            stats.incomplete_token_ids += attrs.get(TOKEN_IDS_INCOMPLETE) is True
             calls.append((span, prompt, response, rid))
         return calls
+
+
+def _incomplete(span: Span) -> dict[str, Any]:
+    return {"token_ids_incomplete": True} if (span.attributes or {}).get(TOKEN_IDS_INCOMPLETE) is True else {}

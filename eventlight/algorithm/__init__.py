@@ -1,4 +1,4 @@
-"""Algorithms: the base class, ``@algo``, ``Baseline`` and ``APO`` (Agent-lightning ``algorithm``)."""
+"""Algorithms: the base class, ``@algo``, ``Baseline``, ``APO`` and ``VERL`` (Agent-lightning ``algorithm``)."""
 
 from eventlight.algorithm.apo import APO, RolloutResultForAPO, VersionedPromptTemplate
 from eventlight.algorithm.base import (
@@ -10,14 +10,7 @@ from eventlight.algorithm.base import (
     batch_iter_over_dataset,
 )
 from eventlight.algorithm.baseline import Baseline
-from eventlight.unavailable import unavailable_class
-
-VERL = unavailable_class(
-    "VERL",
-    "VERL is not built into eventlight yet; train a local model with eventlight.algorithm.grpo.GRPO "
-    "(GRPO on the event store), or prompts with APO",
-    __name__,
-)
+from eventlight.algorithm.verl import VERL
 
 __all__ = [
     "APO",

@@ -7,8 +7,9 @@ Each step, for the weights of version ``<prefix>step<k>``:
    weights in this process, is that name's backend in the proxy's model list;
 2. ``batch_size`` training tasks are enqueued ``group_size`` times each (mode ``"train"``), and the
    held-out tasks once each (mode ``"val"``) every ``eval_every`` steps, all with that resources id;
-3. finished rollouts are read back (``query_spans``), turned into triplets by the trainer's adapter
-   and into token tensors (``eventlight.rl.batch``); each rollout's reward is compared with its
+3. finished rollouts' triplets arrive from a subscription opened before the enqueue
+   (``store.subscribe_triplets`` with the trainer's adapter; a store without one is read back with
+   ``query_spans``), and become token tensors (``eventlight.rl.batch``); each rollout's reward is compared with its
    group's (``eventlight.rl.grpo_math``);
 4. one optimizer step runs in a worker thread (the event loop keeps serving the proxy), the
    checkpoint ``k+1`` is written, and the loop starts again with it.
@@ -25,11 +26,12 @@ are all equal; a step left with nothing to learn from makes no optimizer step, a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,7 @@ from eventlight.algorithm.base import Algorithm, Dataset
 from eventlight.core.errors import EventlightError
 from eventlight.core.types import EnqueueRolloutRequest, ProxyLLM, Rollout
 from eventlight.rewards import find_final_reward
+from eventlight.store.subscription import FinishedAttempt, Subscription
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +134,8 @@ class GRPO(Algorithm):
         self.resource_name = resource_name
         self.progress = progress
         self.counters: Counter[str] = Counter()
+        self._subscription: Subscription | None = None
+        self._records: dict[str, FinishedAttempt] = {}
         self.evals: list[dict[str, Any]] = []
         self.steps: list[dict[str, Any]] = []
         self.versions: list[str] = []
@@ -195,8 +200,9 @@ class GRPO(Algorithm):
             evaluate = bool(val) and c.eval_every > 0 and (step % c.eval_every == 0 or step == c.steps or step == start)
             tasks = self._sample(train, step) if step < c.steps else []
             t0 = time.monotonic()
-            train_ids, val_ids = await self._enqueue(tasks, val if evaluate else [], version)
-            finished = await self._wait(train_ids + val_ids)
+            async with self._subscribed():  # before the enqueue: every rollout's triplets reach us
+                train_ids, val_ids = await self._enqueue(tasks, val if evaluate else [], version)
+                finished = await self._wait(train_ids + val_ids)
             rollout_s = time.monotonic() - t0
             if val_ids:
                 await self._report_eval(step, version, [finished[r] for r in val_ids if r in finished])
@@ -253,22 +259,49 @@ class GRPO(Algorithm):
         n_train = len(tasks) * self.config.group_size
         return ids[:n_train], ids[n_train:]
 
+    @contextlib.asynccontextmanager
+    async def _subscribed(self) -> AsyncIterator[None]:
+        """Follow finished attempts with the trainer's adapter while the block enqueues and waits
+        (``store.subscribe_triplets``); a store without subscriptions, or no adapter set yet, is
+        waited on and queried as before."""
+        subscribe = getattr(self.get_store(), "subscribe_triplets", None)
+        if subscribe is None or self._adapter is None:  # no adapter: _outcome says so if spans need one
+            yield
+            return
+        async with subscribe(self.get_adapter()) as sub:
+            self._subscription = sub
+            try:
+                yield
+            finally:
+                self._subscription = None
+
     async def _wait(self, rollout_ids: list[str]) -> dict[str, Rollout]:
         if not rollout_ids:
             return {}
-        done = await self.get_store().wait_for_rollouts(rollout_ids=rollout_ids, timeout=self.config.rollout_timeout_s)
+        timeout = self.config.rollout_timeout_s
+        if self._subscription is not None:
+            records = await self._subscription.collect(rollout_ids, timeout_s=timeout)
+            self._records.update({r.rollout_id: r for r in records})
+            done = [r.rollout for r in records]
+        else:
+            done = await self.get_store().wait_for_rollouts(rollout_ids=rollout_ids, timeout=timeout)
         finished = {r.rollout_id: r for r in done}
         self.counters["unfinished_rollouts"] += len(set(rollout_ids) - set(finished))
         return finished
 
     async def _outcome(self, rollout: Rollout) -> tuple[float | None, list[Any]]:
-        """The rollout's reward and triplets (``None`` reward when it failed or recorded none)."""
+        """The rollout's reward and triplets (``None`` reward when it failed or recorded none): from
+        the subscription's record, else read back (``query_spans``) and adapted."""
+        record = self._records.pop(rollout.rollout_id, None)
         if rollout.status != "succeeded":
             self.counters["failed_rollouts"] += 1
             return None, []
-        spans = list(await self.get_store().query_spans(rollout.rollout_id, attempt_id="latest"))
+        if record is not None:
+            spans, triplets = record.spans, list(record.data)
+        else:
+            spans = list(await self.get_store().query_spans(rollout.rollout_id, attempt_id="latest"))
+            triplets = self.get_adapter().adapt(spans) if spans else []
         self.counters["spans_read"] += len(spans)
-        triplets = self.get_adapter().adapt(spans) if spans else []
         rewards = [t.reward for t in triplets if t.reward is not None]
         reward = rewards[-1] if rewards else find_final_reward(spans)
         if reward is None:

@@ -24,7 +24,9 @@ from eventlight.cli.common import (
 )
 from eventlight.cli.discovery import _need_nats, _no_namespace
 from eventlight.cli.status import _stream_state
+from eventlight.core.types import RolloutConfig
 from eventlight.settings import Settings
+from eventlight.store.validate import check_rollout_config
 
 # ---------------------------------------------------------------------------------------------
 # runner
@@ -119,6 +121,20 @@ def runner(
             help="Serve Prometheus /metrics on 127.0.0.1: runner i on this port + i (default: none).",
         ),
     ] = None,
+    timeout_s: Annotated[
+        float | None, typer.Option(help="RolloutConfig.timeout_seconds of rollouts enqueued without a config.")
+    ] = None,
+    unresponsive_s: Annotated[
+        float | None,
+        typer.Option(help="RolloutConfig.unresponsive_seconds of rollouts enqueued without a config."),
+    ] = None,
+    max_attempts: Annotated[
+        int | None, typer.Option(help="RolloutConfig.max_attempts of rollouts enqueued without a config.")
+    ] = None,
+    retry_on: Annotated[
+        str | None,
+        typer.Option(help="RolloutConfig.retry_condition, comma-separated attempt statuses (failed,timeout,...)."),
+    ] = None,
     instrument: Annotated[
         list[str] | None,
         typer.Option(
@@ -131,6 +147,9 @@ def runner(
 ) -> None:
     """Run runner processes that consume the namespace's rollout queue until Ctrl+C or SIGTERM.
 
+    --timeout-s, --unresponsive-s, --max-attempts and --retry-on set the RolloutConfig of each
+    claimed rollout that was enqueued with the default one (a rollout's own config wins).
+
     A process that dies is restarted (at most about once a minute when it keeps dying). Ctrl+C or
     SIGTERM gives attempts in flight 10 s to finish, then records the rest failed (their rollouts
     are requeued or failed by their RolloutConfig); a second Ctrl+C does so at once.
@@ -139,14 +158,23 @@ def runner(
     never starts or stops one (without it: exit 1, 'run `eventlight up`'), so stopping the runners
     leaves the servers to the trainer and other runners."""
     from eventlight.net import redact
+    from eventlight.runner import LitAgentRunner
+    from eventlight.runner.metrics import RunnerMetrics
     from eventlight.runner_pool import GRACEFUL_STOP_S, RunnerPool
+    from eventlight.tracer import OtelTracer
 
     settings = _settings(namespace)
+    config = _rollout_config(timeout_s, unresponsive_s, max_attempts, retry_on)
     the_agent = load_agent(agent)
-    template = _instrumented_runner(instrument, metrics_port) if instrument else None
+    instrument_names = _instrumented(instrument)
     nats_url = _run(_runner_nats(settings))
     if metrics_port is not None and metrics_port + n - 1 > 65535:
         raise CliError(f"--metrics-port {metrics_port} with {n} runners goes past port 65535")
+    template = LitAgentRunner(
+        OtelTracer(instrument=instrument_names),
+        metrics=RunnerMetrics() if metrics_port is not None else None,
+        rollout_config=config,
+    )
     pool = RunnerPool(
         the_agent, n, settings, nats_url, runner=template, log_level=settings.log_level, metrics_port=metrics_port
     )
@@ -173,20 +201,45 @@ def runner(
     raise CliError(f"runner processes exited (exit codes {codes}); their log is above", EXIT_UNAVAILABLE)
 
 
-def _instrumented_runner(frameworks: list[str], metrics_port: int | None) -> Any:
-    """The runner each process copies, its tracer instrumenting ``frameworks`` (checked here first)."""
+def _instrumented(frameworks: list[str] | None) -> tuple[str, ...]:
+    """The frameworks ``--instrument`` names, checked here before any process starts."""
     from eventlight import instrumentation
     from eventlight.core.errors import InvalidInputError
-    from eventlight.runner import LitAgentRunner
-    from eventlight.runner.metrics import RunnerMetrics
-    from eventlight.tracer import OtelTracer
 
+    if not frameworks:
+        return ()
     try:
         names = instrumentation.validate(frameworks)
         instrumentation.require(*names)
     except InvalidInputError as exc:
         raise CliError(f"--instrument: {exc}") from exc
-    return LitAgentRunner(OtelTracer(instrument=names), metrics=RunnerMetrics() if metrics_port is not None else None)
+    return names
+
+
+def _rollout_config(
+    timeout_s: float | None, unresponsive_s: float | None, max_attempts: int | None, retry_on: str | None
+) -> RolloutConfig | None:
+    """The ``RolloutConfig`` the options ask for, ``None`` when none is given.
+
+    Raises:
+        CliError: A value is out of range or names an unknown attempt status.
+    """
+    fields: dict[str, Any] = {}
+    for name, value in (("timeout_seconds", timeout_s), ("unresponsive_seconds", unresponsive_s)):
+        if value is not None:
+            if value <= 0:
+                raise CliError(f"--{name.split('_')[0]}-s must be > 0 seconds, got {value:g}")
+            fields[name] = value
+    if max_attempts is not None:
+        fields["max_attempts"] = max_attempts
+    if retry_on is not None:
+        fields["retry_condition"] = [p.strip() for p in retry_on.split(",") if p.strip()]
+    if not fields:
+        return None
+    try:
+        return check_rollout_config(fields)
+    except ValueError as exc:
+        raise CliError(f"invalid rollout config: {exc}") from None
 
 
 class _Terminated(Exception):

@@ -16,6 +16,8 @@ Attempt
       refuses a status change with ``InvalidTransitionError`` (0.3.0 accepts anything; the docs and
       the peer's failure C03 argue for fencing). Repeating the current status is a no-op.
     * ``end_time`` is set on every terminal status, ``timeout`` and ``unresponsive`` included (docs).
+    * The watchdog's ``timeout``/``unresponsive`` writes its reason into the attempt's metadata
+      (``STATUS_REASON``); a runner writes its own there when it records ``failed``.
 
 Rollout (an aggregated view of its latest attempt)
     * Only the latest attempt (highest ``sequence_id``) moves the rollout (C01).
@@ -54,6 +56,7 @@ from eventlight.core.types import (
     ATTEMPT_STATUSES,
     QUEUING_STATUSES,
     ROLLOUT_STATUSES,
+    STATUS_REASON,
     TERMINAL_ROLLOUT_STATUSES,
     Attempt,
     AttemptStatus,
@@ -235,15 +238,24 @@ def _decide_health(state: RolloutState, now: float) -> list[RolloutEvent]:
         return []
     cfg = rollout.config
     status: AttemptStatus | None = None
+    reason = ""
     if cfg.timeout_seconds is not None and now - attempt.start_time > cfg.timeout_seconds:
         status = "timeout"
+        reason = f"timeout: ran {now - attempt.start_time:.1f} s, over timeout_seconds={cfg.timeout_seconds:g}"
     elif cfg.unresponsive_seconds is not None:
         last = attempt.last_heartbeat_time if attempt.last_heartbeat_time is not None else attempt.start_time
         if now - last > cfg.unresponsive_seconds:
             status = "unresponsive"
+            reason = (
+                f"unresponsive: no span or heartbeat for {now - last:.1f} s, "
+                f"over unresponsive_seconds={cfg.unresponsive_seconds:g}"
+            )
     if status is None:
         return []
-    return _decide_update_attempt(state, UpdateAttempt(attempt_id=attempt.attempt_id, status=status), now)
+    metadata = {**(attempt.metadata or {}), STATUS_REASON: reason}
+    return _decide_update_attempt(
+        state, UpdateAttempt(attempt_id=attempt.attempt_id, status=status, metadata=metadata), now
+    )
 
 
 def decide(state: RolloutState | None, command: Command, now: float) -> list[RolloutEvent]:

@@ -101,6 +101,11 @@ class Attempt(ModelDump, msgspec.Struct, kw_only=True):
     metadata: dict[str, Any] | None = None
 
 
+STATUS_REASON = "eventlight.status_reason"
+"""Attempt metadata key: one line saying why the attempt ended ``failed``/``timeout``/``unresponsive``
+(the watchdog's overrun, the agent's exception, spans the tracer could not deliver)."""
+
+
 class Rollout(ModelDump, msgspec.Struct, kw_only=True):
     """A unit of work (a task) and its aggregated status; see ``deep-dive_store.md``."""
 
@@ -114,11 +119,23 @@ class Rollout(ModelDump, msgspec.Struct, kw_only=True):
     config: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
     metadata: dict[str, Any] | None = None
 
+    @property
+    def status_reason(self) -> str | None:
+        """Why the latest attempt ended badly; ``None`` for a rollout without attempts."""
+        return None
+
 
 class AttemptedRollout(Rollout, kw_only=True):
     """A rollout together with its latest attempt (what ``dequeue_rollout`` hands a runner)."""
 
     attempt: Attempt
+
+    @property
+    def status_reason(self) -> str | None:  # type: ignore[override]
+        """Why the latest attempt failed, timed out or went silent (its ``STATUS_REASON``); a rollout
+        that ran out of attempts carries its last failure's reason here. ``None`` when not recorded."""
+        reason = (self.attempt.metadata or {}).get(STATUS_REASON)
+        return reason if isinstance(reason, str) else None
 
     def __post_init__(self) -> None:
         if self.attempt.rollout_id != self.rollout_id:

@@ -18,6 +18,10 @@ Routes:
   ``openai.chat.completion`` per call, successful or not (an upstream error gives status ``ERROR``
   with ``error.type``, ``http.status_code`` and ``error.message``; the client gets the upstream
   status and an OpenAI-style error body).
+* ``POST /rollout/{rollout_id}/attempt/{attempt_id}/v1/messages``: Anthropic's Messages API,
+  translated by LiteLLM's adapter to a chat completion and recorded the same way, with
+  ``eventlight.llm_proxy.route = "anthropic.messages"`` (``anthropic_messages``); ``POST /v1/messages``
+  forwards without recording.
 * ``POST /v1/chat/completions`` (also without ``/v1``): forwards and records nothing (warns once).
 * ``GET /v1/models``, ``GET /health``.
 
@@ -28,8 +32,9 @@ lost to streaming; the span is the one of the non-stream call.
 Span attributes follow the OpenTelemetry GenAI conventions flattened as Agent-lightning's tracer
 writes them (``gen_ai.prompt.{i}.role``, ``gen_ai.completion.{i}.content``, ...), plus
 ``prompt_token_ids`` / ``response_token_ids`` when the backend returns them (vLLM
-``return_token_ids``) and ``token_ids_incomplete=True`` when the response ids do not match
-``usage.completion_tokens`` (peer failure C14). Resource attributes: ``agentlightning.rollout_id``,
+``return_token_ids``, wherever LiteLLM placed them: ``token_ids``), ``eventlight.token_ids.missing``
+naming those a successful answer lacked, and ``token_ids_incomplete=True`` when the ids do not
+match ``usage`` (peer failure C14). Resource attributes: ``agentlightning.rollout_id``,
 ``agentlightning.attempt_id``, ``agentlightning.span_sequence_id``.
 
 Differences from Agent-lightning 0.3: one launch mode (asyncio, in-process; the event loop must stay

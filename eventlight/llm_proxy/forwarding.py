@@ -10,6 +10,7 @@ from litellm.exceptions import ServiceUnavailableError as LiteLLMUnavailable
 from litellm.router import Router
 
 from eventlight.core.types import Span
+from eventlight.llm_proxy.token_ids import normalize
 from eventlight.llm_proxy.upstream import (
     build_router,
     retryable,
@@ -99,10 +100,7 @@ class Forwarding:
                 )
                 await asyncio.sleep(delay)
         completion: dict[str, Any] = resp.model_dump(mode="json", warnings=False)  # type: ignore[no-untyped-call]
-        for choice in completion.get("choices") or []:
-            extra = choice.get("provider_specific_fields")
-            if isinstance(extra, dict) and choice.get("token_ids") is None and extra.get("token_ids") is not None:
-                choice["token_ids"] = extra["token_ids"]
+        normalize(completion)  # token ids where vLLM puts them, whichever placement the backend used
         hidden = getattr(resp, "_hidden_params", None) or {}
         return completion, hidden.get("custom_llm_provider")
 

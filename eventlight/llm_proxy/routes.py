@@ -1,4 +1,4 @@
-"""The proxy's HTTP routes: one span per routed chat completion (mixed into ``LLMProxy``)."""
+"""The proxy's HTTP routes: one span per routed chat completion or Anthropic Messages call (mixed into ``LLMProxy``)."""
 
 from __future__ import annotations
 
@@ -12,15 +12,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from eventlight.llm_health import LLMCallHealth
+from eventlight.llm_proxy import anthropic_messages
 from eventlight.llm_proxy.forwarding import Forwarding
 from eventlight.llm_proxy.metrics import CONTENT_TYPE_LATEST, ProxyMetrics
 from eventlight.llm_proxy.span_attributes import make_span
 from eventlight.llm_proxy.sse import aiter_chunks, chat_completion_to_sse
-from eventlight.llm_proxy.upstream import (
-    CHECK_HEADER,
-    error_response,
-    upstream_error,
-)
+from eventlight.llm_proxy.upstream import CHECK_HEADER, CallError, error_response, upstream_error
 
 if TYPE_CHECKING:
     from eventlight.store.base import LightningStore
@@ -60,6 +57,12 @@ class ChatRoutes(Forwarding):
                 )
             return await self._handle_chat(request, None, None)
 
+        async def messages_routed(request: Request, rollout_id: str, attempt_id: str) -> Response:
+            return await self._handle_messages(request, rollout_id, attempt_id)
+
+        async def messages_unrouted(request: Request) -> Response:
+            return await self._handle_messages(request, None, None)
+
         async def models() -> dict[str, Any]:
             names = sorted({e["model_name"] for e in self._model_list})
             now = int(time.time())
@@ -83,6 +86,8 @@ class ChatRoutes(Forwarding):
         ):
             app.add_api_route(f"{prefix}/chat/completions", routed, methods=["POST"])
             app.add_api_route(f"{prefix}/models", models_routed, methods=["GET"])
+        app.add_api_route("/rollout/{rollout_id}/attempt/{attempt_id}/v1/messages", messages_routed, methods=["POST"])
+        app.add_api_route("/v1/messages", messages_unrouted, methods=["POST"])
         for prefix in ("/v1", ""):
             app.add_api_route(f"{prefix}/chat/completions", unrouted, methods=["POST"])
             app.add_api_route(f"{prefix}/models", models, methods=["GET"])
@@ -92,8 +97,8 @@ class ChatRoutes(Forwarding):
 
     async def _resolve_sequence(
         self, store: LightningStore, rollout_id: str, attempt_id: str
-    ) -> tuple[str, int] | JSONResponse:
-        """Allocate the call's sequence id; a 404/503 response when the store refuses."""
+    ) -> tuple[str, int] | CallError:
+        """Allocate the call's sequence id; a 404/503 error when the store refuses."""
         try:
             if attempt_id == "latest":
                 latest = await store.get_latest_attempt(rollout_id)
@@ -103,39 +108,92 @@ class ChatRoutes(Forwarding):
             (sequence_id,) = await store.get_many_span_sequence_ids([(rollout_id, attempt_id)])
             return attempt_id, sequence_id
         except ValueError as exc:  # NotFoundError and InvalidInputError are ValueErrors
-            return error_response(
-                404, f"unknown rollout {rollout_id!r} / attempt {attempt_id!r}: {exc}", "not_found_error"
-            )
+            message = f"unknown rollout {rollout_id!r} / attempt {attempt_id!r}: {exc}"
+            return CallError(404, "not_found_error", message)
         except Exception as exc:
             log.exception("LLMProxy could not allocate a sequence id for %s/%s", rollout_id, attempt_id)
-            return error_response(
-                503,
+            message = (
                 f"the store could not allocate a span sequence id for rollout {rollout_id!r} / "
-                f"attempt {attempt_id!r}: {type(exc).__name__}: {exc}",
-                "store_unavailable",
+                f"attempt {attempt_id!r}: {type(exc).__name__}: {exc}"
             )
+            return CallError(503, "store_unavailable", message)
 
-    async def _handle_chat(self, request: Request, rollout_id: str | None, attempt_id: str | None) -> Response:
-        start_time = time.time()
+    async def _read_body(self, request: Request) -> dict[str, Any] | CallError:
+        """The request's JSON object with a ``messages`` list and a ``model`` (the only one, if left out)."""
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return error_response(400, f"request body is not JSON: {exc}", "invalid_request_error")
+            return CallError(400, "invalid_request_error", f"request body is not JSON: {exc}")
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
-            return error_response(
-                400,
-                "request body must be a JSON object with a 'messages' list",
-                "invalid_request_error",
-                param="messages",
+            return CallError(
+                400, "invalid_request_error", "request body must be a JSON object with a 'messages' list", "messages"
             )
         if not body.get("model"):
             names = {e["model_name"] for e in self._model_list}
             if len(names) != 1:
-                return error_response(400, "request has no 'model'", "invalid_request_error", param="model")
+                return CallError(400, "invalid_request_error", "request has no 'model'", "model")
             body["model"] = names.pop()
+        return body
+
+    async def _handle_chat(self, request: Request, rollout_id: str | None, attempt_id: str | None) -> Response:
+        body = await self._read_body(request)
+        if isinstance(body, CallError):
+            return body.openai_response()
         streaming = bool(body.get("stream"))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage")) if streaming else False
+        outcome = await self._call(request, body, rollout_id, attempt_id, streaming=streaming)
+        if isinstance(outcome, CallError):
+            return outcome.openai_response()
+        if streaming:
+            return StreamingResponse(
+                aiter_chunks(chat_completion_to_sse(outcome, include_usage=include_usage)),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        return JSONResponse(outcome)
 
+    async def _handle_messages(self, request: Request, rollout_id: str | None, attempt_id: str | None) -> Response:
+        """Anthropic's Messages API, translated by LiteLLM to a chat completion (``anthropic_messages``)."""
+        body = await self._read_body(request)
+        if isinstance(body, CallError):
+            return body.anthropic_response()
+        translated = anthropic_messages.to_openai(body)
+        if isinstance(translated, CallError):
+            return translated.anthropic_response()
+        chat, tool_names = translated
+        streaming = bool(body.get("stream"))
+        outcome = await self._call(
+            request, chat, rollout_id, attempt_id, streaming=streaming, route=anthropic_messages.ROUTE
+        )
+        if isinstance(outcome, CallError):
+            return outcome.anthropic_response()
+        message = anthropic_messages.to_anthropic(outcome, tool_names)
+        if streaming:
+            return StreamingResponse(
+                aiter_chunks(anthropic_messages.message_to_sse(message)),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        return JSONResponse(message)
+
+    async def _call(
+        self,
+        request: Request,
+        body: dict[str, Any],
+        rollout_id: str | None,
+        attempt_id: str | None,
+        *,
+        streaming: bool,
+        route: str | None = None,
+    ) -> dict[str, Any] | CallError:
+        """Forward one chat completion (``body`` in OpenAI's shape) and record its span.
+
+        Returns:
+            The completion as a JSON dict, or the error to answer: an unknown rollout/attempt (404,
+            nothing forwarded or recorded), the store failing (503), or the upstream's error (its
+            status; recorded as a span with status ``ERROR``).
+        """
+        start_time = time.time()
         store = self._store if rollout_id is not None else None
         sequence_id = 0
         if rollout_id is not None and store is None and not self._warned_no_store:
@@ -143,7 +201,7 @@ class ChatRoutes(Forwarding):
             log.warning("LLMProxy has no store: routed calls are forwarded but not recorded")
         if store is not None and rollout_id is not None and attempt_id is not None:
             resolved = await self._resolve_sequence(store, rollout_id, attempt_id)
-            if isinstance(resolved, JSONResponse):
+            if isinstance(resolved, CallError):
                 return resolved
             attempt_id, sequence_id = resolved
 
@@ -181,16 +239,11 @@ class ChatRoutes(Forwarding):
                 attempt_id=attempt_id,
                 sequence_id=sequence_id,
                 start_time=start_time,
+                route=route,
             )
             await self._record(store, span)
 
         if error is not None:
-            return error_response(error["status_code"], error["message"], error["type"])
+            return CallError(int(error["status_code"]), str(error["type"]), str(error["message"]))
         assert completion is not None
-        if streaming:
-            return StreamingResponse(
-                aiter_chunks(chat_completion_to_sse(completion, include_usage=include_usage)),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
-        return JSONResponse(completion)
+        return completion

@@ -15,10 +15,13 @@ from typing import Any
 
 from eventlight.core.types import Event, OtelResource, Span, TraceStatus
 from eventlight.genai import genai_attributes
+from eventlight.llm_proxy.token_ids import token_id_marks, token_ids
 
 log = logging.getLogger(__name__)
 
 SPAN_NAME = "openai.chat.completion"
+ROUTE_ATTRIBUTE = "eventlight.llm_proxy.route"
+"""The client API of a call made through a route other than chat completions (``anthropic.messages``)."""
 
 
 def _attr_value(value: Any) -> Any:
@@ -42,13 +45,6 @@ def _put(attrs: dict[str, Any], key: str, value: Any) -> None:
         attrs[key] = _attr_value(value)
 
 
-def int_list(value: Any) -> list[int] | None:
-    """``value`` as a list of ints, or ``None`` if it is not one."""
-    if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return list(value)
-    return None
-
-
 def _put_tool_calls(attrs: dict[str, Any], prefix: str, tool_calls: Any) -> None:
     if not isinstance(tool_calls, list):
         return
@@ -60,27 +56,6 @@ def _put_tool_calls(attrs: dict[str, Any], prefix: str, tool_calls: Any) -> None
         _put(attrs, f"{prefix}.tool_calls.{j}.type", call.get("type") or "function")
         _put(attrs, f"{prefix}.tool_calls.{j}.name", function.get("name"))
         _put(attrs, f"{prefix}.tool_calls.{j}.arguments", function.get("arguments"))
-
-
-def token_ids(response: Mapping[str, Any]) -> tuple[list[int] | None, list[list[int]]]:
-    """Prompt ids and per-choice response ids from a vLLM-style (or LiteLLM-wrapped) completion."""
-    prompt_ids = int_list(response.get("prompt_token_ids"))
-    per_choice: list[list[int]] = []
-    for choice in response.get("choices") or []:
-        if not isinstance(choice, Mapping):
-            continue
-        ids = int_list(choice.get("token_ids"))
-        if ids is None:
-            extra = choice.get("provider_specific_fields")
-            if isinstance(extra, Mapping):
-                ids = int_list(extra.get("token_ids"))
-        if ids is not None:
-            per_choice.append(ids)
-    if not per_choice:  # older instrumented vLLM: top-level list of lists
-        legacy = response.get("response_token_ids")
-        if isinstance(legacy, list):
-            per_choice = [ids for ids in (int_list(x) for x in legacy) if ids is not None]
-    return prompt_ids, per_choice
 
 
 def build_chat_span_attributes(
@@ -175,9 +150,8 @@ def build_chat_span_attributes(
             attrs["prompt_token_ids"] = prompt_ids
         if per_choice:
             attrs["response_token_ids"] = per_choice[0]
-            completion_tokens = usage.get("completion_tokens")
-            if isinstance(completion_tokens, int) and sum(len(ids) for ids in per_choice) != completion_tokens:
-                attrs["token_ids_incomplete"] = True
+        if error is None:
+            attrs.update(token_id_marks(response, prompt_ids, per_choice))
 
     if error is not None:
         _put(attrs, "error.type", error.get("type"))
@@ -199,9 +173,16 @@ def make_span(
     attempt_id: str,
     sequence_id: int,
     start_time: float,
+    route: str | None = None,
 ) -> Span:
-    """The one span of a proxied call (``completion`` or ``error`` set), named ``SPAN_NAME``."""
+    """The one span of a proxied call (``completion`` or ``error`` set), named ``SPAN_NAME``.
+
+    ``route`` names the client's API when it is not OpenAI's chat completions (``"anthropic.messages"``:
+    the request and answer on the span are the OpenAI-shaped ones LiteLLM translated them to).
+    """
     attributes = build_chat_span_attributes(body, completion, system=system, streaming=streaming, error=error)
+    if route is not None:
+        attributes[ROUTE_ATTRIBUTE] = route
     status = TraceStatus(status_code="ERROR", description=error["message"]) if error else TraceStatus(status_code="OK")
     span = Span.from_attributes(
         attributes=attributes,

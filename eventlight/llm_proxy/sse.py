@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from eventlight.llm_proxy.span_attributes import int_list, token_ids
+from eventlight.llm_proxy.token_ids import choice_token_ids, prompt_token_ids
 
 if TYPE_CHECKING:
     pass
@@ -58,7 +58,7 @@ def chat_completion_to_sse(completion: Mapping[str, Any], *, include_usage: bool
     }
     if completion.get("system_fingerprint"):
         base["system_fingerprint"] = completion["system_fingerprint"]
-    prompt_ids, _ = token_ids(completion)
+    prompt_ids = prompt_token_ids(completion)
 
     def event(choice: dict[str, Any] | None, **extra: Any) -> bytes:
         chunk = dict(base, choices=[choice] if choice is not None else [], **extra)
@@ -99,9 +99,7 @@ def chat_completion_to_sse(completion: Mapping[str, Any], *, include_usage: bool
             "logprobs": None,
             "finish_reason": choice.get("finish_reason") or ("tool_calls" if tool_calls else "stop"),
         }
-        ids = int_list(choice.get("token_ids"))
-        if ids is None and isinstance(choice.get("provider_specific_fields"), Mapping):
-            ids = int_list(choice["provider_specific_fields"].get("token_ids"))
+        ids = choice_token_ids(choice)
         if ids is not None:
             last["token_ids"] = ids
         yield event(last)

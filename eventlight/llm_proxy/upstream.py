@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
@@ -34,6 +35,28 @@ def error_message(response: httpx.Response) -> str:
 def error_response(status: int, message: str, err_type: str, *, param: Any = None) -> JSONResponse:
     body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
     return JSONResponse(body, status_code=status)
+
+
+@dataclass(frozen=True)
+class CallError:
+    """Why a proxied call gets no completion: the HTTP status, an error type and a one-line message."""
+
+    status: int
+    type: str
+    message: str
+    param: str | None = None
+
+    def openai_response(self) -> JSONResponse:
+        """OpenAI's error body ``{"error": {"message", "type", "param", "code"}}``."""
+        return error_response(self.status, self.message, self.type, param=self.param)
+
+    def anthropic_response(self) -> JSONResponse:
+        """Anthropic's error body ``{"type": "error", "error": {"type", "message"}}``."""
+        kinds = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}
+        kinds |= {429: "rate_limit_error", 529: "overloaded_error"}
+        kind = kinds.get(self.status, "api_error")
+        body = {"type": "error", "error": {"type": kind, "message": self.message}}
+        return JSONResponse(body, status_code=self.status)
 
 
 def upstream_error(exc: BaseException) -> tuple[int, str, str]:

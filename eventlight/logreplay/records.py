@@ -128,12 +128,36 @@ def resolve_reward(reward: str | RewardFn | None) -> RewardFn | None:
 
 def attempt_spans(selected: Selected) -> tuple[list[Span], list[int]]:
     """The attempt's spans in sequence order (first copy of a span id kept) and the log positions
-    of the batches that held them."""
+    of the batches that held them.
+
+    Raises:
+        InvalidInputError: A batch is not an event this version reads.
+    """
+    return spans_of_batches(selected.batches)
+
+
+def spans_of_batches(
+    batches: Sequence[tuple[int, bytes]], malformed: list[tuple[int, str]] | None = None
+) -> tuple[list[Span], list[int]]:
+    """Spans of raw span batches ``(log position, payload)`` in log order, sorted by ``(sequence_id,
+    position)`` with the first copy of a span id kept, and the positions of the batches that held
+    them. With ``malformed``, a batch that does not decode is recorded there as ``(position, why)``
+    and skipped (the subscribers' way); without it, it raises (the replay's way: the attempt fails).
+
+    Raises:
+        InvalidInputError: A batch does not decode and ``malformed`` is ``None``.
+    """
     seen: set[str] = set()
     spans: list[tuple[int, int, Span]] = []
     positions: list[int] = []
-    for pos, data in selected.batches:
-        event = decode_event(data)
+    for pos, data in batches:
+        try:
+            event = decode_event(data)
+        except InvalidInputError as e:
+            if malformed is None:
+                raise
+            malformed.append((pos, str(e)))
+            continue
         if not isinstance(event, SpansAdded):
             continue
         kept = False

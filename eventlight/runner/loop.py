@@ -27,24 +27,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
-import inspect
 import logging
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from eventlight.agent import LitAgent
-from eventlight.core.types import AttemptedRollout, Span
+from eventlight.core.types import STATUS_REASON, AttemptedRollout, RolloutConfig, Span
 from eventlight.emitter import emit_exception, emit_reward
 from eventlight.runner.hooks import Hook
 from eventlight.runner.identity import system_snapshot, worker_name
 from eventlight.runner.metrics import RunnerMetrics
+from eventlight.runner.policy import _long_polls, apply_rollout_config
 from eventlight.runner.retry import Backoff, _describe, _retryable
 from eventlight.store.base import LightningStore
 from eventlight.tracer import OtelTracer, Tracer
 
 log = logging.getLogger(__name__)
+
+_REASON_CHARS = 500
 
 
 class LitAgentRunner:
@@ -57,6 +58,8 @@ class LitAgentRunner:
         heartbeat_interval: Seconds between heartbeats; ``<= 0`` disables them.
         metrics: Where attempts and dequeue failures are counted (``RunnerMetrics.serve`` exposes
             them to Prometheus); ``None``: not counted.
+        rollout_config: eventlight's: the ``RolloutConfig`` given to each claimed rollout that was
+            enqueued with the default one (``eventlight runner --max-attempts ...``).
     """
 
     def __class_getitem__(cls, item: Any) -> type[LitAgentRunner]:
@@ -70,9 +73,11 @@ class LitAgentRunner:
         poll_interval: float = 1.0,
         heartbeat_interval: float = 10.0,
         metrics: RunnerMetrics | None = None,
+        rollout_config: RolloutConfig | None = None,
     ):
         self.tracer = tracer or OtelTracer()
         self.metrics = metrics
+        self.rollout_config = rollout_config
         self.max_rollouts = max_rollouts
         self.poll_interval = poll_interval
         self.heartbeat_interval = heartbeat_interval
@@ -81,7 +86,8 @@ class LitAgentRunner:
         self._seen_errors: set[tuple[str, str]] = set()
         self._store: LightningStore | None = None
         self._hooks: Sequence[Hook] = ()
-        self._unrecorded: dict[tuple[str, str], str] = {}  # (rollout_id, attempt_id) -> status to record
+        # (rollout_id, attempt_id) -> (status, metadata) still to record
+        self._unrecorded: dict[tuple[str, str], tuple[str, dict[str, Any] | None]] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -255,9 +261,10 @@ class LitAgentRunner:
         agent = self._agent_or_raise()
         rid, aid = rollout.rollout_id, rollout.attempt.attempt_id
         prefix = f"[{self.get_worker_id()} | Rollout {rid}]"
-        status, spans = "failed", []
+        status, spans, reason = "failed", [], None
         start = time.monotonic()
         try:
+            rollout = await apply_rollout_config(self.get_store(), rollout, self.rollout_config)
             resources = await self._resources(rollout)
             await self._hook("on_rollout_start", agent=agent, runner=self, rollout=rollout)
             async with self.tracer.trace_context(name=rid, rollout_id=rid, attempt_id=aid):
@@ -272,6 +279,16 @@ class LitAgentRunner:
                 if isinstance(result, (bool, int, float)):
                     emit_reward(float(result))
                     result = None
+            lost = self.tracer.undelivered_spans()
+            if lost:  # the trace is incomplete: the attempt must not read as a clean success
+                reason = f"{lost} span(s) could not be delivered to the store before the attempt finished"
+                refusal = getattr(self.tracer, "last_refusal", lambda: "")()
+                reason += f" (the store refused: {refusal})" if refusal else ""
+                reason = reason[:_REASON_CHARS]
+                log.error("%s %s", prefix, reason)
+                await self._hook("on_rollout_end", agent=agent, runner=self, rollout=rollout, spans=[])
+                await self._finish(rid, aid, "failed", prefix, reason=reason, rollout=rollout)
+                return "failed"
             spans = await self._post_process(rollout, result)
             status = "succeeded"
             log.debug("%s completed in %.2fs with %d spans", prefix, time.monotonic() - start, len(spans))
@@ -281,11 +298,12 @@ class LitAgentRunner:
             raise
         except Exception as exc:
             self._log_agent_error(prefix, exc)
+            reason = f"{type(exc).__name__}: {exc}"[:_REASON_CHARS]
             if raise_on_exception:
-                await self._finish(rid, aid, "failed", prefix)
+                await self._finish(rid, aid, "failed", prefix, reason=reason, rollout=rollout)
                 raise
         await self._hook("on_rollout_end", agent=agent, runner=self, rollout=rollout, spans=spans)
-        await self._finish(rid, aid, status, prefix)
+        await self._finish(rid, aid, status, prefix, reason=reason, rollout=rollout)
         return status
 
     def _log_agent_error(self, prefix: str, exc: Exception) -> None:
@@ -321,19 +339,38 @@ class LitAgentRunner:
             f"but got: {type(result).__name__}"
         )
 
-    async def _finish(self, rid: str, aid: str, status: str, prefix: str) -> None:
+    async def _finish(
+        self,
+        rid: str,
+        aid: str,
+        status: str,
+        prefix: str,
+        *,
+        reason: str | None = None,
+        rollout: AttemptedRollout | None = None,
+    ) -> None:
+        """Record the attempt's final status, and ``reason`` (why it failed) in its metadata."""
+        metadata = None
+        if reason is not None:
+            metadata = {**((rollout.attempt.metadata if rollout else None) or {}), STATUS_REASON: reason}
         try:
-            await self.get_store().update_attempt(rid, aid, status=status)
+            await self._update(rid, aid, status, metadata)
         except Exception as e:
             if _retryable(e):  # tried again before the next dequeue, on this store or the next one
-                self._unrecorded[(rid, aid)] = status
+                self._unrecorded[(rid, aid)] = (status, metadata)
             log.warning("%s could not record status %s: %s", prefix, status, _describe(e))
+
+    async def _update(self, rid: str, aid: str, status: str, metadata: dict[str, Any] | None) -> None:
+        if metadata is None:
+            await self.get_store().update_attempt(rid, aid, status=status)
+        else:
+            await self.get_store().update_attempt(rid, aid, status=status, metadata=metadata)
 
     async def _record_unrecorded(self) -> None:
         """Record the statuses ``_finish`` could not (a NATS error); drop those the store refuses."""
-        for (rid, aid), status in list(self._unrecorded.items()):
+        for (rid, aid), (status, metadata) in list(self._unrecorded.items()):
             try:
-                await self.get_store().update_attempt(rid, aid, status=status)
+                await self._update(rid, aid, status, metadata)
             except Exception as e:
                 if _retryable(e):
                     return  # the store is still failing: the dequeue that follows backs off
@@ -341,19 +378,3 @@ class LitAgentRunner:
             else:
                 log.info("[%s | Rollout %s] recorded status %s late", self.get_worker_id(), rid, status)
             del self._unrecorded[(rid, aid)]
-
-
-@functools.lru_cache(maxsize=16)
-def _long_polls_type(cls: type) -> bool:
-    return "wait_s" in inspect.signature(cls.dequeue_rollout).parameters  # type: ignore[attr-defined]
-
-
-def _long_polls(store: LightningStore) -> bool:
-    """Whether the store's ``dequeue_rollout`` can wait for work in the server (``wait_s``).
-
-    A wrapper that forwards calls (``LightningStoreThreaded``) answers for the store it wraps.
-    """
-    inner = getattr(store, "store", None)
-    if isinstance(inner, LightningStore) and not hasattr(type(store), "dequeue_rollout"):
-        return _long_polls(inner)
-    return _long_polls_type(type(store))

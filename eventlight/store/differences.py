@@ -77,7 +77,7 @@ Other behaviours to know:
       object was made), not the in-memory store's byte budgets (eventlight's memory store has none);
     * every public name and submodule of ``agentlightning`` 0.3.0 exists under ``eventlight``
       (``tests/test_port_names.py``); those that cannot apply raise ``NotImplementedError`` on use,
-      naming what to use instead: ``CollectionBasedLightningStore``, ``AgentOpsTracer``, ``VERL``,
+      naming what to use instead: ``CollectionBasedLightningStore``, ``AgentOpsTracer``,
       the 0.1 client/server names (``AgentLightningClient``/``Server``, ``DevTaskLoader``,
       ``Task``, ``LegacyAgentRunner``), ``lightning_cli``, ``utils.otlp`` (the server's
       ``/v1/traces`` ingests OTLP), and ``ExecutionStrategy.execute`` (``Trainer(strategy=...)``

@@ -5,6 +5,8 @@
   from its events, span batches included, and its version), read the whole log from a position,
   plus the few things every backend keeps in the log itself: span batches numbered per attempt,
   resources snapshots, worker events and the runners' work queue.
+  It also feeds subscribers (``follow``: the rollout events from a position, with a durable
+  position of their own) and reads a rollout's or an attempt's raw entries before a position.
 * ``ReadModel``: what the projector wrote (``eventlight.store.fold`` folds batches of events into
   it, with their checkpoint, in one transaction) and the queries over it.
 
@@ -61,6 +63,36 @@ class Queued(Protocol):
         """Still working on it (extends the claim's lease)."""
 
 
+class Delivery(msgspec.Struct, frozen=True):
+    """A rollout event handed to a subscriber: its log position, subject below ``el.<ns>.``
+    (``r.<rid>.e``), raw payload, and whether this subscription's name had it delivered before."""
+
+    seq: int
+    subject: str
+    data: bytes
+    redelivered: bool = False
+
+
+class Feed(Protocol):
+    """The rollout events of the log, in order, from where a subscription stands (``EventLog.follow``)."""
+
+    start_seq: int
+    """The first position this feed delivers (the durable's acknowledged position + 1)."""
+
+    async def next(self, wait_s: float) -> list[Delivery]:
+        """The next deliveries, waiting up to ``wait_s`` seconds for one; ``[]`` if none came."""
+        ...
+
+    async def ack(self, seq: int) -> None:
+        """Acknowledge every delivery up to position ``seq`` (the durable resumes after it); returns
+        once the backend has recorded it."""
+        ...
+
+    async def close(self) -> None:
+        """Stop delivering (a durable keeps its position; an ephemeral feed is deleted); idempotent."""
+        ...
+
+
 class EventLog(Protocol):
     """The event-log port (see the module docstring)."""
 
@@ -115,6 +147,26 @@ class EventLog(Protocol):
     def scan(self, from_seq: int = 0, until_seq: int | None = None) -> AsyncIterator[tuple[int, str, bytes]]:
         """The raw log after ``from_seq`` up to ``until_seq`` (default: the head now) as ``(position,
         subject below el.<ns>., payload)``, undecoded (``eventlight.replay`` reads it); never writes."""
+        ...
+
+    async def follow(self, durable: str | None, since: int | None, server_timeout_s: float = 30.0) -> Feed:
+        """A feed of the rollout events (subjects ``r.>``). ``durable``: resume after its
+        acknowledged position, or, new, start after ``since`` (default: the head now); ``None``: an
+        ephemeral feed after ``since`` (default: the head now). ``server_timeout_s``: how long the
+        feed retries a server that went away before ``next`` raises ``ServiceUnavailableError``.
+
+        Raises:
+            InvalidInputError: ``durable`` is not a valid consumer name.
+            ServiceUnavailableError: The log's server did not answer.
+        """
+        ...
+
+    async def rollout_entries(self, rollout_id: str, before_seq: int) -> list[tuple[int, bytes]]:
+        """The rollout's raw state events (not its spans) before position ``before_seq``, in order."""
+        ...
+
+    async def span_entries(self, rollout_id: str, attempt_id: str, before_seq: int) -> list[tuple[int, bytes]]:
+        """The attempt's raw span batches (and reservations) before position ``before_seq``, in order."""
         ...
 
     async def close(self) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 
 from eventlight.core.errors import InvalidInputError, InvalidTypeError
-from eventlight.core.types import LLM, PromptTemplate, ProxyLLM, Span
+from eventlight.core.types import LLM, PromptTemplate, ProxyLLM, RolloutConfig, Span
 
 _json = msgspec.json.Encoder()
 _TOKEN = re.compile(r"^[A-Za-z0-9_\-:@+=]{1,200}$")
@@ -108,6 +108,7 @@ def check_spans(spans: Sequence[Any]) -> None:
             raise InvalidTypeError(
                 f"span #{i} ({span.name!r}) has attributes of type {type(span.attributes).__name__}, not dict"
             )
+        _check_span_size(i, span)
         for key, value in span.attributes.items():
             if not isinstance(key, str):
                 raise InvalidInputError(f"span #{i} ({span.name!r}) has a non-string attribute key {key!r}")
@@ -158,3 +159,50 @@ def check_resources(resources: Mapping[str, Any]) -> None:
     for name, res in resources.items():
         if not isinstance(name, str) or not isinstance(res, (LLM, ProxyLLM, PromptTemplate)):
             raise InvalidTypeError(f"resource {name!r} is a {type(res).__name__}, not an LLM or PromptTemplate")
+
+
+def _check_span_size(i: int, span: Span) -> None:
+    """Refuse a span no event can hold (both backends alike); only spans with large text are encoded."""
+    # a UTF-8 character is at most 4 bytes, a list item (an int, a short string) rarely over 24
+    rough = 0
+    for value in span.attributes.values():
+        kind = type(value)
+        if kind is str:
+            rough += 4 * len(value)
+        elif kind is list:
+            rough += 24 * len(value)
+    if rough < MAX_PAYLOAD_BYTES:
+        return
+    try:
+        size = len(_json.encode(span))
+    except (TypeError, ValueError, OverflowError, msgspec.EncodeError):
+        return  # not encodable: the backend's own encoding says why
+    if size > MAX_PAYLOAD_BYTES:
+        raise InvalidInputError(
+            f"span #{i} ({span.name!r}) is {size:,} bytes, over the {MAX_PAYLOAD_BYTES:,} an event may hold; "
+            "store large values elsewhere and put a reference in the attribute"
+        )
+
+
+def check_rollout_config(value: Any) -> RolloutConfig | None:
+    """``value`` as a ``RolloutConfig``: one already, a mapping of its fields, or ``None``.
+
+    Raises:
+        InvalidTypeError: ``value`` is neither (a ``TypeError``).
+        InvalidInputError: A field is unknown or out of range (a ``ValueError``), e.g.
+            ``max_attempts < 1`` or a ``retry_condition`` status that does not exist.
+    """
+    if value is None or isinstance(value, RolloutConfig):
+        return value
+    if not isinstance(value, Mapping):
+        raise InvalidTypeError(
+            f"rollout_config must be a RolloutConfig or a dict of its fields, got {type(value).__name__}"
+        )
+    fields = set(RolloutConfig.__struct_fields__)
+    unknown = sorted(set(value) - fields)
+    if unknown:
+        raise InvalidInputError(f"rollout_config has unknown fields {unknown}; known: {sorted(fields)}")
+    try:
+        return msgspec.convert(dict(value), RolloutConfig)
+    except (msgspec.ValidationError, ValueError) as exc:
+        raise InvalidInputError(f"rollout_config: {exc}") from exc

@@ -126,7 +126,7 @@ async def run(
         report.token_ids &= bool(triplets) and all(t.prompt["token_ids"] and t.response["token_ids"] for t in triplets)
         report.final_rewards.append(triplets[-1].reward if triplets else None)
         report.triplets.extend(triplets)
-    report.duplicates_dropped = adapter.stats["duplicates_dropped"]
+    report.duplicates_dropped = adapter.stats.duplicates
     return report
 
 

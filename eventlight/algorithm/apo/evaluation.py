@@ -21,6 +21,7 @@ from eventlight.core.types import (
     Span,
 )
 from eventlight.rewards import find_final_reward
+from eventlight.store.subscription import FinishedAttempt
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +88,19 @@ class RolloutEvaluation(Algorithm, Generic[T_task]):
             EnqueueRolloutRequest(input=task, mode=mode, resources_id=prompt.version, config=self.rollout_config)
             for task in dataset
         ]
-        ids = [r.rollout_id for r in await store.enqueue_many_rollouts(requests)]
-        finished = await store.wait_for_rollouts(rollout_ids=ids, timeout=self.rollout_batch_timeout)
+        subscribe = getattr(store, "subscribe_messages", None)
+        if subscribe is None:  # a store without subscriptions (another LightningStore): wait, then read spans
+            ids = [r.rollout_id for r in await store.enqueue_many_rollouts(requests)]
+            finished = await store.wait_for_rollouts(rollout_ids=ids, timeout=self.rollout_batch_timeout)
+            results = await self.get_rollout_results(finished, prefix=prefix)
+        else:  # subscribed before the enqueue: each rollout's messages arrive as it finishes
+            async with subscribe(self.get_adapter()) as sub:
+                ids = [r.rollout_id for r in await store.enqueue_many_rollouts(requests)]
+                records = await sub.collect(ids, timeout_s=self.rollout_batch_timeout)
+            finished = [r.rollout for r in records]
+            results = [self._result(r, prefix) for r in records]
         if len(finished) < len(ids):
             await self._cancel_unfinished(ids, finished, prefix or "")
-        results = await self.get_rollout_results(finished, prefix=prefix)
         score = sum(r["final_reward"] or 0.0 for r in results) / max(1, len(results))
         self.history.append((prompt.version, mode, score, len(results)))
         self._emit(
@@ -143,6 +152,17 @@ class RolloutEvaluation(Algorithm, Generic[T_task]):
                 )
             )
         return results
+
+    def _result(self, record: FinishedAttempt, prefix: str | None) -> RolloutResultForAPO:
+        """A subscription's record as APO's result (the messages ``TraceToMessages`` made)."""
+        for error in record.errors:
+            log.warning("%s rollout %s: %s", prefix or "", record.rollout_id, error)
+        return RolloutResultForAPO(
+            status=record.rollout.status,
+            final_reward=record.final_reward,
+            spans=[msgspec.to_builtins(s) for s in record.spans],
+            messages=list(record.data),
+        )
 
     def _messages(self, spans: list[Span], rollout_id: str, prefix: str | None) -> list[OpenAIMessages]:
         try:

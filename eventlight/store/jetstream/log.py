@@ -30,6 +30,7 @@ from eventlight.core.evolve import evolve, spans_arrived
 from eventlight.core.types import ResourcesUpdate, Span
 from eventlight.settings import Settings
 from eventlight.store.jetstream.archive import RetiredLedger, scan_log
+from eventlight.store.jetstream.follow import SERVER_TIMEOUT_S, JetStreamFeed
 from eventlight.store.jetstream.layout import rollout_filter, span_subject, subject_for
 from eventlight.store.jetstream.nats_errors import JsNotFoundError, nats_errors
 from eventlight.store.jetstream.queue import JetStreamQueued, RunnersQueue
@@ -297,6 +298,42 @@ class JetStreamEventLog:
             high = max(high, _span_high(found) if found is not None else 0)
         log.warning("%s: the last message (stream sequence %d) is not a span batch; ignored", subject, msg.seq)
         return msg.seq, high
+
+    # -- subscribers ---------------------------------------------------------------------------
+
+    async def follow(
+        self, durable: str | None, since: int | None, server_timeout_s: float = SERVER_TIMEOUT_S
+    ) -> JetStreamFeed:
+        """A feed of the rollout events (``follow``: the consumer, durable or ephemeral).
+
+        Raises:
+            ServiceUnavailableError: NATS did not answer.
+        """
+        return await JetStreamFeed(self, durable, since, server_timeout_s).open()
+
+    async def rollout_entries(self, rollout_id: str, before_seq: int) -> list[tuple[int, bytes]]:
+        """The rollout's state events before ``before_seq`` (one direct get each).
+
+        Raises:
+            ServiceUnavailableError: NATS did not answer.
+        """
+        return await self._entries(rollout_filter(self.prefix, rollout_id), before_seq)
+
+    async def span_entries(self, rollout_id: str, attempt_id: str, before_seq: int) -> list[tuple[int, bytes]]:
+        """The attempt's span batches before ``before_seq`` (one direct get each).
+
+        Raises:
+            ServiceUnavailableError: NATS did not answer.
+        """
+        return await self._entries(span_subject(self.prefix, rollout_id, attempt_id), before_seq)
+
+    async def _entries(self, subject: str, before_seq: int) -> list[tuple[int, bytes]]:
+        out: list[tuple[int, bytes]] = []
+        async for msg in self._messages(subject, until_seq=before_seq - 1):
+            if msg.seq >= before_seq:
+                break
+            out.append((int(msg.seq), msg.data or b""))
+        return out
 
     async def close(self) -> None:
         """Unsubscribe the runners' queue (the store closes the connection)."""

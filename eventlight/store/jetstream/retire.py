@@ -5,8 +5,8 @@ nats-server keeps state for every subject it holds, so it should hold what is li
 ``Settings.retention_s`` set, JetStream sources every event into the archive stream
 (``archive``); ``retire`` then, per batch:
 
-1. takes the position ``bound`` that both the archive (its last sourced position) and the live
-   projection (its checkpoint) have passed;
+1. takes the position ``bound`` that the archive (its last sourced position), the live
+   projection (its checkpoint) and every subscriber (``subscriber_floors``) have passed;
 2. selects, from the read model, rollouts in a terminal status that ended more than
    ``retention_s`` ago, whose last state event is at or below ``bound`` and that are not yet
    listed in ``retired_rollouts``;
@@ -20,6 +20,7 @@ Each step can be repeated: a retirement cut short is finished by the next one.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -29,6 +30,7 @@ from eventlight.core.errors import InvalidInputError
 from eventlight.core.types import TERMINAL_ROLLOUT_STATUSES
 from eventlight.settings import Settings
 from eventlight.store.jetstream.archive import archive_head, archived_until
+from eventlight.store.jetstream.definitions import consumer_config
 from eventlight.store.jetstream.log import JetStreamEventLog
 from eventlight.store.jetstream.nats_errors import nats_errors
 
@@ -36,6 +38,9 @@ log = logging.getLogger(__name__)
 
 BATCH = 500
 """Rollouts per ledger entry."""
+
+PURGES_IN_FLIGHT = 64
+"""Purge requests a retirement keeps in flight (pipelined: one at a time is bound by the round trip)."""
 
 _SELECT = """
 SELECT r.rollout_id FROM rollouts r
@@ -78,6 +83,15 @@ async def retire(
         raise InvalidInputError(f"namespace {settings.namespace} has no archive stream: apply_streams with retention_s")
     checkpoint = int(await pg.fetchval("SELECT last_seq FROM projector_checkpoint") or 0)
     bound = min(await archived_until(log_), checkpoint)
+    behind = await subscriber_floors(log_)
+    if behind and min(behind.values()) < bound:
+        bound = min(behind.values())
+        log.info(
+            "retirement waits for subscribers %s (acknowledged up to log position %d); delete a durable "
+            "subscription that is no longer used, or it holds retirement back",
+            ", ".join(sorted(k for k, v in behind.items() if v <= bound)),
+            bound,
+        )
     report = RetireReport(bound=bound)
     while limit is None or report.retired < limit:
         take = BATCH if limit is None else min(BATCH, limit - report.retired)
@@ -86,8 +100,7 @@ async def retire(
         if not ids:
             break
         await log_.retired.record(ids, now)
-        for rid in ids:
-            await _purge(log_, rid, bound)
+        await _purge_all(log_, ids, bound)
         await pg.executemany(
             "INSERT INTO retired_rollouts (rollout_id, retired_at, purged_below_seq) VALUES ($1, $2, $3)"
             " ON CONFLICT (rollout_id) DO NOTHING",
@@ -99,7 +112,42 @@ async def retire(
     return report
 
 
-async def _purge(log_: JetStreamEventLog, rollout_id: str, bound: int) -> None:
-    for subject in (f"{log_.prefix}.r.{rollout_id}.>", f"{log_.prefix}.s.{rollout_id}.>"):
-        with nats_errors(log_.server, f"purging {subject}"):
-            await log_.js.purge_stream(log_.stream, seq=bound + 1, subject=subject)
+async def subscriber_floors(log_: JetStreamEventLog) -> dict[str, int]:
+    """Each subscriber consumer's position (``store.subscribe_*``, durable or live ephemeral): the
+    log position up to which it has acknowledged, or where it started when it has acknowledged
+    nothing yet. Retirement stays at or below the lowest, so a subscriber that is behind (or down,
+    with a durable name) still finds its records in the hot stream when it resumes.
+
+    Raises:
+        ServiceUnavailableError: NATS failed.
+    """
+    template = consumer_config("subscriber", log_.settings.namespace)
+    with nats_errors(log_.server, "listing the subscribers' consumers"):
+        infos = await log_.js.consumers_info(log_.stream)
+    floors: dict[str, int] = {}
+    for info in infos:
+        cfg = info.config
+        if cfg.filter_subject != template.filter_subject or cfg.ack_policy != template.ack_policy:
+            continue  # the projector's and the queue's consumers
+        acked = int(info.ack_floor.stream_seq or 0) if info.ack_floor is not None else 0
+        floors[str(cfg.name or cfg.durable_name)] = max(acked, int(cfg.opt_start_seq or 1) - 1)
+    return floors
+
+
+async def _purge_all(log_: JetStreamEventLog, rollout_ids: list[str], bound: int) -> None:
+    """Purge each rollout's ``r.`` and ``s.`` subjects below ``bound + 1``, ``PURGES_IN_FLIGHT`` at a time;
+    the first failure is raised once the requests in flight are done (a rollout not yet listed in
+    ``retired_rollouts`` is selected, recorded and purged again by the next retirement)."""
+    subjects = [f"{log_.prefix}.{kind}.{rid}.>" for rid in rollout_ids for kind in ("r", "s")]
+    for i in range(0, len(subjects), PURGES_IN_FLIGHT):
+        results = await asyncio.gather(
+            *(_purge(log_, subject, bound) for subject in subjects[i : i + PURGES_IN_FLIGHT]), return_exceptions=True
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+
+async def _purge(log_: JetStreamEventLog, subject: str, bound: int) -> None:
+    with nats_errors(log_.server, f"purging {subject}"):
+        await log_.js.purge_stream(log_.stream, seq=bound + 1, subject=subject)

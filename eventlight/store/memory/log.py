@@ -3,7 +3,8 @@
 Positions are 1-based list indexes (``events[seq - 1]``). A rollout's version is the position of
 its last rollout event; ``append`` refuses a stale one with ``StaleStateError``, exactly as the
 JetStream log's per-rollout expected sequence. Every appended event is handed to the subscribers
-synchronously (the in-memory read model's projector), so reads see writes at once.
+synchronously (the in-memory read model's projector), so reads see writes at once. Subscribers'
+feeds (``follow``) read the list from a position and wake on each append.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING
 
 from eventlight.core.commands import RolloutState
 from eventlight.core.errors import RolloutNotFoundError
@@ -27,6 +29,9 @@ from eventlight.core.events import (
 from eventlight.core.evolve import evolve
 from eventlight.core.types import ResourcesUpdate, Span
 from eventlight.store.ports import SpanHead, StaleStateError
+
+if TYPE_CHECKING:
+    from eventlight.store.memory.follow import MemoryFeed
 
 Subscriber = Callable[[int, AnyEvent], None]
 
@@ -71,6 +76,9 @@ class MemoryEventLog:
         self._latest_resources: str | None = None
         self._subscribers: list[Subscriber] = []
         self._queued = asyncio.Event()
+        self._appended = asyncio.Event()
+        self.durables: dict[str, tuple[int, int]] = {}
+        """Subscriptions' durable names -> (acknowledged position, delivered position)."""
 
     def subscribe(self, subscriber: Subscriber) -> None:
         """Call ``subscriber(position, event)`` for every event appended from now on."""
@@ -92,7 +100,13 @@ class MemoryEventLog:
             self._latest_resources = event.resources.resources_id
         for subscriber in self._subscribers:
             subscriber(seq, event)
+        appended, self._appended = self._appended, asyncio.Event()
+        appended.set()
         return seq
+
+    def appended(self) -> asyncio.Event:
+        """An event set at the next append."""
+        return self._appended
 
     async def load(self, rollout_id: str) -> tuple[RolloutState, int]:
         state: RolloutState | None = None
@@ -179,6 +193,29 @@ class MemoryEventLog:
         for seq in range(from_seq + 1, until + 1):
             event = self.events[seq - 1]
             yield seq, subject_for("", event)[1:], encode_event(event)
+
+    async def follow(self, durable: str | None, since: int | None, server_timeout_s: float = 30.0) -> MemoryFeed:
+        """A feed of the rollout events (``eventlight.store.ports.EventLog.follow``)."""
+        from eventlight.store.memory.follow import MemoryFeed
+
+        return MemoryFeed(self, durable, since)
+
+    async def rollout_entries(self, rollout_id: str, before_seq: int) -> list[tuple[int, bytes]]:
+        """The rollout's state events before ``before_seq``, encoded as the JetStream log stores them."""
+        return [
+            (s, encode_event(self.events[s - 1]))
+            for s in self._by_rollout.get(rollout_id, ())
+            if s < before_seq and not isinstance(self.events[s - 1], SpansAdded)
+        ]
+
+    async def span_entries(self, rollout_id: str, attempt_id: str, before_seq: int) -> list[tuple[int, bytes]]:
+        """The attempt's span batches before ``before_seq``, encoded."""
+        out: list[tuple[int, bytes]] = []
+        for s in self._by_rollout.get(rollout_id, ()):
+            event = self.events[s - 1]
+            if s < before_seq and isinstance(event, SpansAdded) and event.attempt_id == attempt_id:
+                out.append((s, encode_event(event)))
+        return out
 
     async def close(self) -> None:
         """Nothing to release."""

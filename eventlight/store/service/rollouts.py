@@ -34,7 +34,13 @@ ENDED = (*FINAL, "unresponsive")
 
 
 class RolloutCommands(StorePlumbing):
-    """Create rollouts (queued or started) and update rollouts and attempts through the command loop."""
+    """Create rollouts (queued or started) and update rollouts and attempts through the command loop.
+
+    ``default_rollout_config`` is the ``RolloutConfig`` of rollouts created without one (``Trainer``'s
+    ``rollout_config=`` sets it); ``None``: ``RolloutConfig()``.
+    """
+
+    default_rollout_config: RolloutConfig | None = None
 
     # -- rollouts -------------------------------------------------------------------------------
 
@@ -46,7 +52,7 @@ class RolloutCommands(StorePlumbing):
             input=input,
             mode=mode,
             resources_id=resources_id,
-            config=config,
+            config=config if config is not None else self.default_rollout_config,
             metadata=metadata,
         )
         check_payload("enqueue_rollout", cmd)
@@ -94,7 +100,7 @@ class RolloutCommands(StorePlumbing):
             input=input,
             mode=mode,
             resources_id=await self._resolve_resources(resources_id),
-            config=config,
+            config=config if config is not None else self.default_rollout_config,
             metadata=metadata,
             queued=False,
             attempt_id=generate_id("at-", 8),

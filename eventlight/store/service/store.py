@@ -7,9 +7,10 @@ from eventlight.store.service.reads import Reads
 from eventlight.store.service.reports import Reports
 from eventlight.store.service.resources import Resources
 from eventlight.store.service.rollouts import RolloutCommands
+from eventlight.store.service.subscribe import Subscriptions
 
 
-class EventStore(RolloutCommands, Claims, Resources, Reports, Reads):
+class EventStore(RolloutCommands, Claims, Resources, Reports, Reads, Subscriptions):
     """The store over an event log and (optionally) a read model.
 
     Args:

@@ -8,7 +8,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
 from nats.aio.client import Client as NATS
 
 from eventlight.core.errors import RolloutNotFoundError, ServiceUnavailableError
@@ -16,6 +15,7 @@ from eventlight.core.types import (
     TERMINAL_ROLLOUT_STATUSES,
     Rollout,
 )
+from eventlight.store.finish import terminal_status
 from eventlight.store.jetstream.layout import rollout_of_subject
 from eventlight.store.jetstream.pg_errors import SERVER_FAILURES
 from eventlight.store.jetstream.projector import Projector
@@ -25,24 +25,6 @@ SYNC_TIMEOUT_S = 30.0
 POLL_MIN_S = 0.005  # a waiter reading another process's checkpoint: first pause, doubled up to
 POLL_MAX_S = 0.05
 MAX_HINTS = 100_000
-
-
-class _RolloutStatus(msgspec.Struct):
-    status: str | None = None
-
-
-class _StatusPeek(msgspec.Struct):
-    """The rollout status an event carries, if any: ``AttemptStarted``/``AttemptUpdated``'s
-    ``rollout_status``, ``RolloutUpdated``'s ``status``, ``RolloutCreated``'s ``rollout.status``;
-    decoding only these fields skips the rest of the event (inputs, metadata)."""
-
-    rollout_status: str | None = None
-    status: str | None = None
-    rollout: _RolloutStatus | None = None
-    type: str = ""
-
-
-_status_peek = msgspec.json.Decoder(_StatusPeek)
 
 
 class _Waiter:
@@ -99,12 +81,7 @@ class Waits(SqlQueries):
     _waiters: list[_Waiter]
 
     async def _on_rollout_event(self, msg: Any) -> None:
-        try:
-            peek = _status_peek.decode(msg.data)
-        except msgspec.DecodeError:
-            return
-        status = peek.rollout.status if peek.rollout is not None else (peek.rollout_status or peek.status)
-        if status in TERMINAL_ROLLOUT_STATUSES:
+        if terminal_status(msg.data) is not None:  # the rule subscribers share (``store.finish``)
             rid = rollout_of_subject(msg.subject)
             if len(self._hints) >= MAX_HINTS:  # hints of rollouts nobody waits for; they only speed up waits
                 self._hints.clear()

@@ -1,0 +1,52 @@
+"""How a runner meets its store: whether dequeues long-poll, and the runner's default ``RolloutConfig``."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+
+import msgspec
+
+from eventlight.core.types import AttemptedRollout, RolloutConfig
+from eventlight.store.base import LightningStore
+
+log = logging.getLogger(__name__)
+
+_DEFAULT = RolloutConfig()
+
+
+async def apply_rollout_config(
+    store: LightningStore, rollout: AttemptedRollout, config: RolloutConfig | None
+) -> AttemptedRollout:
+    """Give ``rollout`` the runner's ``config`` when it was enqueued with the default one.
+
+    The config is recorded on the rollout (``update_rollout``) before the agent runs, so the
+    watchdog's timeouts and the retry decision at the attempt's end follow it. A rollout whose
+    enqueuer chose a config keeps it. A store that refuses the update is logged; the attempt runs
+    under the rollout's own config then.
+    """
+    if config is None or rollout.config != _DEFAULT or config == _DEFAULT:
+        return rollout
+    try:
+        await store.update_rollout(rollout.rollout_id, config=config)
+    except Exception as exc:
+        log.warning("rollout %s keeps its default RolloutConfig: %s: %s", rollout.rollout_id, type(exc).__name__, exc)
+        return rollout
+    return msgspec.structs.replace(rollout, config=config)
+
+
+@functools.lru_cache(maxsize=16)
+def _long_polls_type(cls: type) -> bool:
+    return "wait_s" in inspect.signature(cls.dequeue_rollout).parameters  # type: ignore[attr-defined]
+
+
+def _long_polls(store: LightningStore) -> bool:
+    """Whether the store's ``dequeue_rollout`` can wait for work in the server (``wait_s``).
+
+    A wrapper that forwards calls (``LightningStoreThreaded``) answers for the store it wraps.
+    """
+    inner = getattr(store, "store", None)
+    if isinstance(inner, LightningStore) and not hasattr(type(store), "dequeue_rollout"):
+        return _long_polls(inner)
+    return _long_polls_type(type(store))

@@ -1,0 +1,136 @@
+"""The subscribers' fold: rollout events in, finished attempts out.
+
+Each delivery (a rollout event) is folded with the pure ``evolve`` into its rollout's state; the
+attempts it made done (``eventlight.store.finish.newly_done``) get their span batches read from the
+log *before* the delivery's position and go through the adapter (``records.adapt``). A rollout first
+met mid-life (a subscription that started or resumed after it was created) has its earlier events
+read from the log first, so the fold's state, and what it yields, do not depend on where the
+subscription started. A terminal rollout's state is dropped (read again should it move once more).
+
+A delivery at or before the highest position folded so far is a redelivery and is skipped: each
+attempt is yielded once per subscription. An entry that is not an event is recorded in ``errors``
+with its position and skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+
+from eventlight.core.commands import RolloutState
+from eventlight.core.errors import InvalidInputError
+from eventlight.core.events import AnyEvent, AttemptStarted, decode_event, rollout_id_of
+from eventlight.core.evolve import evolve
+from eventlight.core.types import TERMINAL_ROLLOUT_STATUSES
+from eventlight.logreplay.records import AdapterFn
+from eventlight.logreplay.select import Filters
+from eventlight.store.finish import newly_done
+from eventlight.store.ports import Delivery, EventLog
+from eventlight.store.subscription.records import FinishedAttempt, SubscriptionError, adapt
+
+log = logging.getLogger(__name__)
+
+_DECODE_ERRORS = (InvalidInputError, msgspec.DecodeError)
+
+
+class FollowFold:
+    """See the module docstring.
+
+    Args:
+        log: The event log (earlier events of a rollout, span batches).
+        adapter: An attempt's spans -> its data.
+        filters: Which finished attempts to yield (``statuses``, ``modes``, ``resources_ids``).
+        high: Positions up to this one were folded before (a resumed subscription's start - 1).
+    """
+
+    def __init__(self, log: EventLog, adapter: AdapterFn, filters: Filters, high: int = 0):
+        self.log = log
+        self.adapter = adapter
+        self.filters = filters
+        self.high = high
+        self.states: dict[str, RolloutState] = {}
+        self.started: dict[tuple[str, str], int] = {}
+        self.errors: list[SubscriptionError] = []
+
+    async def add(self, d: Delivery) -> list[FinishedAttempt]:
+        """Fold one delivery; the attempts it finished that pass the filters, in attempt order.
+
+        Nothing changes until every read it needs is done: a call cancelled midway can be repeated.
+
+        Raises:
+            ServiceUnavailableError: The log did not answer.
+        """
+        if d.seq <= self.high:
+            return []
+        event = self._decode(d.seq, d.data, d.subject.split(".")[1] if d.subject.count(".") == 2 else None)
+        rid = rollout_id_of(event) if event is not None else None
+        if event is None or rid is None:
+            self.high = d.seq
+            return []
+        before = self.states.get(rid)
+        started: dict[tuple[str, str], int] = {}
+        if before is None:
+            before = await self._history(rid, d.seq, started)
+        after = evolve(before, event)
+        if after is None:  # an event of a rollout whose creation the log does not hold
+            self._error(d.seq, rid, None, "an event of a rollout the log has no creation of; skipped")
+            self.high = d.seq
+            return []
+        _note_started(started, rid, event, d.seq)
+        out: list[FinishedAttempt] = []
+        errors: list[SubscriptionError] = []
+        for attempt in newly_done(before, after):
+            if not self._selected(after, attempt.status):
+                continue
+            batches = await self.log.span_entries(rid, attempt.attempt_id, d.seq)
+            key = (rid, attempt.attempt_id)
+            pos = started.get(key, self.started.get(key))
+            record, errs = adapt(after.rollout, attempt, batches, self.adapter, d.seq, pos, d.redelivered)
+            out.append(record)
+            errors += errs
+        self._commit(rid, after, started, d.seq)
+        self.errors += errors
+        return out
+
+    def _selected(self, state: RolloutState, status: str) -> bool:
+        f = self.filters
+        return (f.statuses is None or status in f.statuses) and f.rollout_matches(state.rollout)
+
+    def _commit(self, rid: str, after: RolloutState, started: dict[tuple[str, str], int], seq: int) -> None:
+        self.high = seq
+        self.started.update(started)
+        if after.rollout.status in TERMINAL_ROLLOUT_STATUSES:
+            self.states.pop(rid, None)
+            for a in after.attempts:
+                self.started.pop((rid, a.attempt_id), None)
+        else:
+            self.states[rid] = after
+
+    async def _history(self, rid: str, seq: int, started: dict[tuple[str, str], int]) -> RolloutState | None:
+        """The rollout's state from its events before ``seq`` (where its attempts started too)."""
+        state: RolloutState | None = None
+        for pos, data in await self.log.rollout_entries(rid, seq):
+            event = self._decode(pos, data, rid)
+            if event is not None:
+                state = evolve(state, event)
+                _note_started(started, rid, event, pos)
+        return state
+
+    def _decode(self, seq: int, data: bytes, rid: str | None) -> AnyEvent | None:
+        try:
+            return decode_event(data)
+        except _DECODE_ERRORS as e:
+            self._error(seq, rid, None, f"not an event this version reads, skipped: {e}")
+            return None
+
+    def _error(self, seq: int, rid: str | None, aid: str | None, why: str) -> None:
+        if any(e.position == seq for e in self.errors[-8:]):
+            return  # the same entry met again (a rollout's history read twice)
+        self.errors.append(SubscriptionError(seq, rid, aid, why))
+        log.warning("subscription: log position %d (rollout %s): %s", seq, rid, why)
+
+
+def _note_started(started: dict[tuple[str, str], int], rid: str, event: AnyEvent, seq: int) -> None:
+    if isinstance(event, AttemptStarted):
+        started[(rid, event.attempt.attempt_id)] = seq

@@ -1,0 +1,259 @@
+"""``Subscription``: finished attempts as an async iterator, from a durable or ephemeral feed.
+
+Delivery semantics (both backends):
+
+* **In order, each attempt once.** Records come in log order of the events that finished them
+  (``FinishedAttempt.position`` increases); a subscription never yields an attempt twice.
+* **Acknowledged when you ask for the next one.** The record in hand is acknowledged (cumulatively,
+  confirmed by the server) when the iterator is asked for the following record, by ``ack()``, or by
+  leaving ``async with`` without an exception. A durable subscription opened again under the same
+  name resumes right after the last acknowledged record: nothing acknowledged comes again, nothing
+  after it is skipped (no gap, no repeat of what was acknowledged).
+* **At least once for the record in hand.** A subscriber that dies (kill -9) or closes with a record
+  in hand, not acknowledged, gets that record again on resuming, with ``redelivered=True`` and the
+  same ``position``: a consumer that stores the last position with its own effects drops it
+  (``record.position <= last``), which makes the effect exactly-once. Only the first record(s)
+  after a resume (those of one position) can be flagged: events the feed had pulled ahead of the
+  record in hand were never yielded, and come unflagged.
+
+The iterator can be cancelled (``asyncio.timeout``) without losing a delivery: a pending pull is
+awaited again by the next call, and a fold step changes nothing until it is complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable
+
+import msgspec
+
+from eventlight.core.types import TERMINAL_ROLLOUT_STATUSES
+from eventlight.logreplay.records import AdapterFn
+from eventlight.logreplay.select import Filters
+from eventlight.store.ports import Delivery, EventLog, Feed
+from eventlight.store.subscription.fold import FollowFold
+from eventlight.store.subscription.records import FinishedAttempt, SubscriptionError
+
+log = logging.getLogger(__name__)
+
+PULL_WAIT_S = 1.0
+MAX_STASH = 100_000
+
+
+class Subscription:
+    """Finished attempts of one store (build it with ``store.subscribe_triplets`` and friends).
+
+    Use as ``async with store.subscribe_triplets(...) as sub: async for record in sub: ...``; the
+    feed starts at ``async with`` (or ``await sub.start()``, or the first iteration).
+
+    Attributes:
+        errors: Entries skipped and attempts whose data is incomplete, with log positions and ids.
+        start_seq: The first log position this subscription reads (after ``start``).
+    """
+
+    def __init__(
+        self,
+        log_: EventLog,
+        adapter: AdapterFn,
+        filters: Filters,
+        *,
+        durable: str | None,
+        since: int | None,
+        server_timeout_s: float,
+    ):
+        self.log = log_
+        self.adapter = adapter
+        self.filters = filters
+        self.durable = durable
+        self.since = since
+        self.server_timeout_s = server_timeout_s
+        self.start_seq = 0
+        self._feed: Feed | None = None
+        self._fold: FollowFold | None = None
+        self._backlog: deque[Delivery] = deque()
+        self._ready: deque[FinishedAttempt] = deque()
+        self._in_hand: int | None = None
+        self._folded = 0
+        self._acked = 0
+        self._pulling: asyncio.Task[list[Delivery]] | None = None
+        self._stash: dict[str, FinishedAttempt] = {}
+        self._closed = False
+        self._repeatable: int | None = None  # the position of the only records that can be repeats
+
+    @property
+    def errors(self) -> list[SubscriptionError]:
+        return self._fold.errors if self._fold is not None else []
+
+    async def start(self) -> Subscription:
+        """Create or resume the feed (idempotent).
+
+        Raises:
+            InvalidInputError: The subscription is closed.
+            ServiceUnavailableError: The log's server did not answer.
+        """
+        if self._feed is None:
+            self._feed = await self.log.follow(self.durable, self.since, self.server_timeout_s)
+            self.start_seq = self._feed.start_seq
+            self._folded = self._acked = self.start_seq - 1
+            self._fold = FollowFold(self.log, self.adapter, self.filters, high=self._folded)
+        return self
+
+    async def __aenter__(self) -> Subscription:
+        return await self.start()
+
+    async def __aexit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        await self.close(ack=kind is None)
+
+    def __aiter__(self) -> Subscription:
+        return self
+
+    async def __anext__(self) -> FinishedAttempt:
+        record = await self.next_record(None)
+        if record is None:
+            raise StopAsyncIteration
+        return record
+
+    async def next_record(self, timeout_s: float | None) -> FinishedAttempt | None:
+        """The next finished attempt, waiting up to ``timeout_s`` seconds (``None``: until one
+        comes); ``None`` on timeout or once closed. Acknowledges the record in hand first.
+
+        Raises:
+            ServiceUnavailableError: The server went away for longer than ``server_timeout_s``.
+        """
+        await self.start()
+        if self._in_hand is not None and not (self._ready and self._ready[0].position == self._in_hand):
+            await self.ack()
+        deadline = None if timeout_s is None else time.monotonic() + max(0.0, timeout_s)
+        while not self._ready:
+            if self._closed:
+                return None
+            left = PULL_WAIT_S if deadline is None else min(PULL_WAIT_S, deadline - time.monotonic())
+            if left <= 0:
+                return None
+            await self._step(left)
+        record = self._ready.popleft()
+        if self._repeatable is None:
+            self._repeatable = record.position if record.redelivered else 0
+        if record.redelivered and record.position != self._repeatable:  # pulled ahead, never yielded
+            record = msgspec.structs.replace(record, redelivered=False)
+        self._in_hand = record.position
+        return record
+
+    async def _step(self, wait_s: float) -> None:
+        """Fold the backlog until a delivery finishes an attempt, pulling more when it is empty."""
+        assert self._feed is not None and self._fold is not None
+        if not self._backlog:
+            if self._pulling is None:
+                self._pulling = asyncio.ensure_future(self._feed.next(wait_s))
+            got = await asyncio.shield(self._pulling)  # cancelled: the next call awaits the same pull
+            self._pulling = None
+            self._backlog.extend(got)
+            if not got and self._folded > self._acked:
+                await self._ack_upto(self._folded)  # idle: acknowledge what produced nothing
+        while self._backlog and not self._ready:
+            records = await self._fold.add(self._backlog[0])
+            self._folded = self._backlog.popleft().seq
+            self._ready.extend(records)
+        if not self._backlog and not self._ready and self._folded > self._acked + 1000:
+            await self._ack_upto(self._folded)
+
+    async def ack(self) -> None:
+        """Acknowledge the records yielded so far (the one in hand and all before it).
+
+        Raises:
+            ServiceUnavailableError: The server did not confirm it.
+        """
+        if self._in_hand is not None:
+            # up to the next record's event (exclusive): it may be the in-hand record's own event,
+            # which finished several attempts, not all yielded yet
+            upto = self._ready[0].position - 1 if self._ready else self._in_hand
+            if upto > self._acked:
+                await self._ack_upto(upto)
+            self._in_hand = None
+
+    async def _ack_upto(self, seq: int) -> None:
+        assert self._feed is not None
+        await self._feed.ack(seq)
+        self._acked = max(self._acked, seq)
+
+    async def collect(self, rollout_ids: Iterable[str], timeout_s: float | None) -> list[FinishedAttempt]:
+        """The last attempt of each rollout in ``rollout_ids`` once the rollout is terminal, in
+        ``rollout_ids`` order; those not terminal within ``timeout_s`` seconds are left out (as
+        ``wait_for_rollouts`` leaves them). Records of other rollouts met meanwhile are kept for a
+        later ``collect`` (up to ``MAX_STASH``).
+
+        Raises:
+            ServiceUnavailableError: The server went away for longer than ``server_timeout_s``.
+        """
+        ids = list(dict.fromkeys(rollout_ids))
+        want = set(ids)
+        got = {rid: self._stash.pop(rid) for rid in ids if rid in self._stash}
+        deadline = None if timeout_s is None else time.monotonic() + max(0.0, timeout_s)
+        while any(rid not in got or not _terminal(got[rid]) for rid in ids):
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                break
+            record = await self.next_record(left)
+            if record is None:
+                break
+            if record.rollout_id in want:
+                got[record.rollout_id] = record
+            else:
+                self._keep(record)
+        return [got[rid] for rid in ids if rid in got and _terminal(got[rid])]
+
+    def _keep(self, record: FinishedAttempt) -> None:
+        if len(self._stash) >= MAX_STASH:
+            oldest = next(iter(self._stash))
+            del self._stash[oldest]
+            log.warning("subscription: %d records nobody collected; dropped the oldest (%s)", MAX_STASH, oldest)
+        self._stash[record.rollout_id] = record
+
+    async def close(self, *, ack: bool = True) -> None:
+        """Stop; with ``ack`` acknowledge the record in hand first. A durable keeps its position;
+        idempotent.
+
+        Raises:
+            ServiceUnavailableError: ``ack`` was asked and the server did not confirm it.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        pulling, self._pulling = self._pulling, None
+        if pulling is not None:
+            pulling.cancel()
+            with contextlib.suppress(BaseException):
+                await pulling
+        if self._feed is None:
+            return
+        try:
+            if ack:
+                await self.ack()
+        finally:
+            await self._feed.close()
+
+
+def _terminal(record: FinishedAttempt) -> bool:
+    return record.rollout.status in TERMINAL_ROLLOUT_STATUSES
+
+
+def subscription_filters(
+    modes: str | Iterable[str] | None, resources_ids: str | Iterable[str] | None, statuses: str | Iterable[str] | None
+) -> Filters:
+    """The ``Filters`` of a subscription (``eventlight.replay``'s options of the same names).
+
+    Raises:
+        InvalidInputError: An unknown attempt status or rollout mode.
+    """
+    from eventlight.core.types import ATTEMPT_STATUSES, ROLLOUT_MODES
+    from eventlight.logreplay.replay import _set
+
+    return Filters(
+        statuses=_set(statuses, ATTEMPT_STATUSES, "attempt status"),
+        modes=_set(modes, ROLLOUT_MODES, "rollout mode"),
+        resources_ids=_set(resources_ids),
+    )

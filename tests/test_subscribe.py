@@ -1,0 +1,224 @@
+"""The algorithm as a subscriber: ``store.subscribe_triplets`` / ``subscribe_messages`` on both backends.
+
+Finished attempts come in log order with the adapter's output, the same data ``eventlight.replay``
+makes from the same log; a durable subscription resumes after its last acknowledged record; bad
+input fails at once with one line; a malformed entry in the log is reported with its position and
+ids while the subscription goes on. The kill -9 restart test is ``tests/test_subscribe_restart.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import eventlight
+from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
+from eventlight.core.types import RolloutConfig, Span
+from eventlight.ops import apply_streams
+from eventlight.settings import Settings
+from eventlight.store.jetstream import JetStreamLightningStore
+from eventlight.store.jetstream.connect import connect_nats
+from eventlight.store.memory import InMemoryLightningStore
+from eventlight.store.subscription import FinishedAttempt
+from tests.faults import NatsServer
+from tests.test_replay import llm_span, reward_span, workload
+
+ACK_FLUSH_S = 2.0
+"""Measured here: a nats-server killed within ~0.1 s of an acknowledgement may restart without it."""
+
+
+def names(spans: list[Span]) -> list[str]:
+    """A small adapter: the span names, in order."""
+    return [s.name for s in spans]
+
+
+async def finish_one(store: Any, status: str = "succeeded", reward: float | None = 0.5, llm: bool = True) -> str:
+    r = await store.enqueue_rollout({"task": "t"})
+    d = await store.dequeue_rollout(worker_id="w1")
+    aid = d.attempt.attempt_id
+    if llm:
+        await store.add_many_spans([llm_span(r.rollout_id, aid, 1, "x", 10.0)])
+    if reward is not None:
+        await store.add_span(reward_span(r.rollout_id, aid, 2, reward, 12.0))
+    await store.update_attempt(r.rollout_id, aid, status=status)
+    return str(r.rollout_id)
+
+
+async def test_finished_attempts_match_replay(store: Any) -> None:
+    async with store.subscribe_triplets() as sub:
+        ids = await workload(store)
+        records = await sub.collect(list(ids.values()), timeout_s=20)
+    assert [r.rollout_id for r in records] == list(ids.values())
+    assert [r.status for r in records] == ["succeeded", "succeeded", "failed"]
+    assert [r.final_reward for r in records] == [0.9, 0.2, None]
+    assert [r.position for r in records] == sorted(r.position for r in records)
+    replayed = [r async for r in eventlight.replay(store, adapter="triplets")]
+    for rec in records:
+        mine = [r for r in replayed if r["attempt_id"] == rec.attempt_id]
+        assert [t.response for t in rec.data] == [r["response"] for r in mine]
+        assert [t.reward for t in rec.data] == [r["reward"] for r in mine]
+        assert rec.span_positions == mine[0]["log_positions"]
+        assert rec.started_position == mine[0]["attempt_seq"]
+        assert rec.resources_id == mine[0]["resources_id"]
+        assert all(t.prompt["token_ids"] for t in rec.data)
+
+
+async def test_messages_and_filters(store: Any) -> None:
+    async with store.subscribe_messages(modes="val") as sub:
+        ids = await workload(store)
+        record = await sub.next_record(timeout_s=20)
+        assert record is not None and record.rollout_id == ids["val"]
+        assert record.data[0]["messages"][0] == {"role": "user", "content": "q val"}
+        assert await sub.next_record(timeout_s=0.3) is None  # the train rollouts were filtered out
+
+
+async def test_a_retried_rollout_is_collected_at_its_last_attempt(store: Any) -> None:
+    config = RolloutConfig(max_attempts=2, retry_condition=["failed"])
+    async with store.subscribe(names) as sub:
+        r = await store.enqueue_rollout({"task": "retry"}, config=config)
+        for status in ("failed", "succeeded"):
+            d = await store.dequeue_rollout(worker_id="w1")
+            await store.add_span(reward_span(r.rollout_id, d.attempt.attempt_id, 1, 1.0, 1.0))
+            await store.update_attempt(r.rollout_id, d.attempt.attempt_id, status=status)
+        (last,) = await sub.collect([r.rollout_id], timeout_s=20)
+    assert (last.attempt.sequence_id, last.status, last.rollout.status) == (2, "succeeded", "succeeded")
+    assert last.data == ["agentlightning.annotation"]
+
+
+async def test_since_reads_what_finished_before(store: Any) -> None:
+    first = await finish_one(store)
+    async with store.subscribe(names) as sub:
+        assert await sub.next_record(timeout_s=0.3) is None  # default: from the head on
+    async with store.subscribe(names, since=0) as sub:
+        record = await sub.next_record(timeout_s=20)
+    assert record is not None and record.rollout_id == first
+
+
+async def test_durable_resumes_after_the_last_acknowledged(store: Any) -> None:
+    async with store.subscribe(names, durable="algo-1") as sub:
+        ids = [await finish_one(store) for _ in range(4)]
+        assert (await sub.next_record(timeout_s=20)).rollout_id == ids[0]  # type: ignore[union-attr]
+        assert (await sub.next_record(timeout_s=20)).rollout_id == ids[1]  # type: ignore[union-attr]
+        await sub.close(ack=False)  # as a crash would: ids[1] was in hand, not acknowledged
+    async with store.subscribe(names, durable="algo-1") as sub:
+        again = await sub.next_record(timeout_s=20)
+        assert again is not None and (again.rollout_id, again.redelivered) == (ids[1], True)
+        third = await sub.next_record(timeout_s=20)
+        assert third is not None and (third.rollout_id, third.redelivered) == (ids[2], False)
+    async with store.subscribe(names, durable="algo-1") as sub:  # left normally: ids[2] acknowledged
+        rest = [await sub.next_record(timeout_s=20) for _ in range(1)]
+        assert [r.rollout_id for r in rest if r] == [ids[3]]
+        assert await sub.next_record(timeout_s=0.3) is None
+    async with store.subscribe(names, durable="algo-2", since=0) as sub:  # a new name starts where asked
+        assert (await sub.next_record(timeout_s=20)).rollout_id == ids[0]  # type: ignore[union-attr]
+
+
+async def test_each_attempt_once_even_when_cancelled_midway(store: Any) -> None:
+    async with store.subscribe(names) as sub:
+        ids = [await finish_one(store) for _ in range(5)]
+        seen: list[str] = []
+        while len(seen) < 5:
+            try:
+                async with asyncio.timeout(0.001):  # cancels pulls and folds at random points
+                    record = await sub.next_record(None)
+            except TimeoutError:
+                continue
+            assert isinstance(record, FinishedAttempt)
+            seen.append(record.rollout_id)
+    assert seen == ids
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"adapter": "nope"}, "unknown adapter 'nope'"),
+        ({"adapter": "no_such_module:fn"}, "importing 'no_such_module' failed"),
+        ({"durable": "a.b"}, "durable='a.b' is not a valid subscription name"),
+        ({"durable": "x" * 65}, "is not a valid subscription name"),
+        ({"durable": ""}, "is not a valid subscription name"),
+        ({"since": -1}, "since=-1: expected a log position"),
+        ({"statuses": "done"}, "unknown attempt status 'done'"),
+        ({"modes": ["trian"]}, "unknown rollout mode 'trian'"),
+    ],
+)
+async def test_bad_input_is_one_clear_line(store: Any, options: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidInputError) as err:
+        store.subscribe(**options)
+    assert message in str(err.value) and "\n" not in str(err.value)
+    await finish_one(store)  # nothing was lost or left half-open: the store goes on
+
+
+async def test_an_adapter_that_raises_is_reported_and_the_subscription_goes_on() -> None:
+    def broken(spans: list[Span]) -> list[str]:
+        if any(s.name == "openai.chat.completion" for s in spans):
+            raise RuntimeError("cannot adapt this")
+        return names(spans)
+
+    async with InMemoryLightningStore() as store, store.subscribe(broken) as sub:
+        bad = await finish_one(store)
+        good = await finish_one(store, llm=False)
+        first, second = await sub.collect([bad, good], timeout_s=5)
+    assert first.data == [] and "RuntimeError: cannot adapt this" in first.errors[0]
+    assert [(e.rollout_id, e.attempt_id, e.position) for e in sub.errors] == [(bad, first.attempt_id, first.position)]
+    assert (second.rollout_id, second.data, second.errors) == (good, ["agentlightning.annotation"], [])
+
+
+# -- the JetStream log: foreign entries, the server going away --------------------------------
+
+
+async def test_a_malformed_entry_is_reported_with_ids_and_the_subscription_goes_on(namespace: Settings) -> None:
+    async with JetStreamLightningStore(namespace) as store, store.subscribe(names) as sub:
+        r = await store.enqueue_rollout({"task": "t"})
+        d = await store.dequeue_rollout(worker_id="w1")
+        rid, aid = r.rollout_id, d.attempt.attempt_id
+        await store.add_span(reward_span(rid, aid, 1, 1.0, 1.0))
+        assert store.nc is not None
+        js = store.nc.jetstream()
+        bad_batch = (await js.publish(f"{namespace.subject_prefix}.s.{rid}.{aid}", b"{not json")).seq
+        bad_event = (await js.publish(f"{namespace.subject_prefix}.r.ghost.e", b'{"type": "nope"}')).seq
+        await store.update_attempt(rid, aid, status="succeeded")
+        after = await finish_one(store)
+        first, second = await sub.collect([rid, after], timeout_s=20)
+    assert first.data == ["agentlightning.annotation"] and first.final_reward == 1.0
+    assert f"log position {bad_batch}: span batch skipped" in first.errors[0]
+    assert second.rollout_id == after and second.errors == []
+    found = {(e.position, e.rollout_id, e.attempt_id) for e in sub.errors}
+    assert found == {(bad_batch, rid, aid), (bad_event, "ghost", None)}
+
+
+async def test_the_server_going_away_is_a_clear_error_then_resumes(tmp_path: Path, services: Any) -> None:
+    server = NatsServer(tmp_path / "nats")
+    server.start()
+    await server.ready()
+    settings = Settings(nats_url=server.url, namespace="subgone")
+    nc = await connect_nats(server.url)
+    await apply_streams(nc, settings)
+    await nc.close()
+    try:
+        async with JetStreamLightningStore(settings) as store:
+            sub = store.subscribe(names, durable="algo", server_timeout_s=2.0)
+            await sub.start()
+            first = await finish_one(store)
+            assert (await sub.next_record(timeout_s=20)).rollout_id == first  # type: ignore[union-attr]
+            await sub.ack()
+            await asyncio.sleep(ACK_FLUSH_S)  # the server writes consumer state (acks) asynchronously
+            server.kill9()
+            started = time.monotonic()
+            with pytest.raises(ServiceUnavailableError) as err:
+                await sub.next_record(timeout_s=60)
+            waited = time.monotonic() - started
+            assert "the subscription 'algo' had no answer from NATS" in str(err.value)
+            assert "resumes after position" in str(err.value) and waited < 15
+            await sub.close(ack=False)
+        server.start()
+        await server.ready()
+        async with JetStreamLightningStore(settings) as store, store.subscribe(names, durable="algo") as sub:
+            second = await finish_one(store)
+            record = await sub.next_record(timeout_s=20)
+            assert record is not None and record.rollout_id == second  # nothing again, nothing skipped
+    finally:
+        server.kill9()
