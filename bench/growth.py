@@ -160,19 +160,35 @@ async def _nats_state(stack: Stack, alg: JetStreamLightningStore) -> dict[str, A
     return {"nats_rss_mb": round(rss, 1), "hot_subjects": await stream_subjects(alg, stack.settings.stream_name)}
 
 
-async def _retire_all(stack: Stack, alg: JetStreamLightningStore) -> dict[str, Any]:
+async def _retire_all(stack: Stack, alg: JetStreamLightningStore, budget_s: float | None) -> dict[str, Any]:
+    """Retire the preload in rounds of ``RETIRE_BATCH`` until none is left or ``budget_s`` is spent;
+    a round that fails (NATS timing out on purges) is counted and ends the retirement."""
+    from eventlight.store.jetstream.projector.leader import RETIRE_BATCH
     from eventlight.store.jetstream.retire import retire
 
     assert stack.settings is not None
-    t0 = time.perf_counter()
     due_now = msgspec.structs.replace(stack.settings, retention_s=0.0)
-    report = await retire(alg._log(), alg.pool, due_now, now=time.time() + 1)
+    t0 = time.perf_counter()
+    retired, error = 0, None
+    while budget_s is None or time.perf_counter() - t0 < budget_s:
+        try:
+            report = await retire(alg._log(), alg.pool, due_now, now=time.time() + 1, limit=RETIRE_BATCH)
+        except Exception as e:  # recorded in the result: the figures so far still count
+            error = f"{type(e).__name__}: {e}"
+            print(f"  retirement stopped: {error}")
+            break
+        retired += report.retired
+        print(f"  retired {retired:,} rollouts in {time.perf_counter() - t0:.0f} s")
+        if not report.retired:
+            break
     seconds = time.perf_counter() - t0
-    rate = round(report.retired / seconds, 1)
-    return {"retired": report.retired, "retire_s": round(seconds, 1), "retired_per_s": rate}
+    rate = round(retired / seconds, 1) if seconds else 0.0
+    return {"retired": retired, "retire_s": round(seconds, 1), "retired_per_s": rate, "error": error}
 
 
-async def run(preload: int, seconds: float, conc: int, retiring: bool = False) -> dict[str, Any]:
+async def run(
+    preload: int, seconds: float, conc: int, retiring: bool = False, retire_budget_s: float | None = None
+) -> dict[str, Any]:
     stack = Stack()
     # The archive exists when a window is set; one too long for anything to fall due keeps the
     # leading projector's own retirement rounds out of the measurement, and `_retire_all` retires
@@ -192,9 +208,10 @@ async def run(preload: int, seconds: float, conc: int, retiring: bool = False) -
             memory["preloaded"] = await _nats_state(stack, alg)
             stats = await alg.statistics()
             loaded = await _ops(alg, runner, seconds, conc)
+            print("loaded store measured:", {op: r["ops_per_s"] for op, r in loaded.items()}, flush=True)
             if retiring:
                 print(f"  retiring {preload:,} rollouts …")
-                retired = await _retire_all(stack, alg)
+                retired = await _retire_all(stack, alg, retire_budget_s)
                 memory["retired"] = await _nats_state(stack, alg)
                 retired["ops"] = await _ops(alg, runner, seconds, conc)
             memory["end"] = await _nats_state(stack, alg)
@@ -229,6 +246,7 @@ def report(result: dict[str, Any]) -> str:
     if ret:
         lines.append(
             f"retired {ret['retired']:,} rollouts in {ret['retire_s']} s ({ret['retired_per_s']:,} rollouts/s)"
+            + (f"; stopped by {ret['error']}" if ret.get("error") else "")
         )
     mem = result.get("nats_memory") or {}
     if mem:
@@ -263,12 +281,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--retire", action="store_true", help="retire the preloaded rollouts to the archive before measuring"
     )
+    parser.add_argument(
+        "--retire-budget-s", type=float, default=None, help="stop retiring after this many seconds (default: all)"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     require_positive(parser, args, "preload", "seconds", "concurrency")
     import uvloop
 
-    result = uvloop.run(run(args.preload, args.seconds, args.concurrency, args.retire))
+    result = uvloop.run(run(args.preload, args.seconds, args.concurrency, args.retire, args.retire_budget_s))
     print_and_save(report(result), result, args.out)
 
 

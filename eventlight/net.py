@@ -50,17 +50,17 @@ def redact(url: str) -> str:
 
     ``scheme://user:secret@host`` becomes ``scheme://user:***@host``; a NATS token
     (``nats://secret@host``) becomes ``nats://***@host``; ``password=…`` in a key/value DSN or a
-    query string becomes ``password=***``.
+    query string becomes ``password=***``. URLs inside a longer text (an error message) are masked too.
     """
     url = re.sub(r"(?i)(password=)[^&\s]*", r"\1***", url)
-    return ",".join(_redact_one(part) for part in url.split(","))
+    return _CREDS_RE.sub(_mask, url)
 
 
-def _redact_one(url: str) -> str:
-    m = re.match(r"^(\s*[a-zA-Z][\w+.-]*://)([^@/]*)@(.*)$", url)
-    if not m:
-        return url
-    scheme, creds, rest = m.groups()
+_CREDS_RE = re.compile(r"(?<![\w+.-])([a-zA-Z][\w+.-]*://)([^@/\s,]*)@")
+
+
+def _mask(m: re.Match[str]) -> str:
+    scheme, creds = m.group(1), m.group(2)
     if ":" in creds:
-        return f"{scheme}{creds.split(':', 1)[0]}:***@{rest}"
-    return f"{scheme}***@{rest}" if scheme.strip().lower().startswith(("nats", "tls", "ws")) else url
+        return f"{scheme}{creds.split(':', 1)[0]}:***@"
+    return f"{scheme}***@" if scheme.lower().startswith(("nats", "tls", "ws")) else m.group(0)

@@ -4,7 +4,8 @@
 variable                        meaning                                                      default
 ==============================  ===========================================================  ========================
 ``EVENTLIGHT_NATS_URL``         use this NATS server (a cluster: its URLs, comma-separated)  (start the embedded one)
-``EVENTLIGHT_PG_DSN``           use this Postgres when reachable                             (start the embedded one)
+``EVENTLIGHT_PG_DSN``           use this Postgres when reachable (``_FILE``: read it from a  (start the embedded one)
+                                file)
 ``EVENTLIGHT_STATE_DIR``        where embedded servers keep data, pid files and logs         ``./.eventlight``
 ``EVENTLIGHT_NAMESPACE``        stream prefix ``el.<ns>`` and Postgres schema ``el_<ns>``    ``default``
 ``EVENTLIGHT_LOG_LEVEL``        log level of the CLI                                         ``INFO``
@@ -12,21 +13,33 @@ variable                        meaning                                         
 ``EVENTLIGHT_DURABILITY``       what an ack guarantees: ``fsync``, ``interval`` or            ``fsync``
                                 ``replicated`` (see ``DURABILITY``)
 ``EVENTLIGHT_SERVER_TOKEN``     bearer token ``eventlight serve`` requires and               none (no token asked)
-                                ``LightningStoreClient`` sends
+                                ``LightningStoreClient`` sends (``_FILE``: from a file)
+``EVENTLIGHT_PROXY_TOKEN``      bearer token ``LLMProxy`` requires and runners hand their    none (no token asked)
+                                agents as a ``ProxyLLM``'s ``api_key`` (``_FILE``: a file)
+``EVENTLIGHT_NATS_TOKEN``       NATS token (``_FILE``: from a file)                          none
+``EVENTLIGHT_NATS_USER``        NATS user, with ``EVENTLIGHT_NATS_PASSWORD`` (or ``_FILE``)  none
+``EVENTLIGHT_NATS_CREDS``       a NATS ``.creds`` file (JWT + nkey seed; needs ``nkeys``)    none
 ``EVENTLIGHT_RETENTION_S``      retire terminal rollouts this long after they end (archive)  (off: nothing retired)
 ==============================  ===========================================================  ========================
+
+``<NAME>_FILE`` (Docker secrets' convention): the variable's value is the content of that file, one
+trailing newline stripped; a file that is missing, unreadable or empty is an error naming both.
+Secrets never appear in ``repr(settings)``, error messages, ``eventlight status`` or logs.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
 import msgspec
 
 from eventlight.core.errors import InvalidInputError
+from eventlight.credentials import NatsAuth, read_secret
+from eventlight.net import redact
 
 _NS_RE = re.compile(r"^[a-z0-9_]{1,40}$")
 
@@ -74,6 +87,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             ``retire`` may move it to the archive stream ``EL_<NS>_ARCHIVE`` (created by
             ``apply_streams`` only when this is set). ``None`` (the default): no archive, nothing
             is retired.
+        nats_auth: NATS credentials (``EVENTLIGHT_NATS_*``); ``NatsAuth()``: none beyond the URL's.
+        server_token: The bearer token of ``eventlight serve`` (``EVENTLIGHT_SERVER_TOKEN``).
+        proxy_token: The bearer token of the LLM proxy (``EVENTLIGHT_PROXY_TOKEN``).
+
+    ``repr`` masks the secrets (the DSN's and URL's passwords, the tokens).
     """
 
     nats_url: str | None = None
@@ -84,6 +102,19 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     stream_replicas: int | None = None
     durability: Durability = "fsync"
     retention_s: float | None = None
+    nats_auth: NatsAuth = NatsAuth()
+    server_token: str | None = None
+    proxy_token: str | None = None
+
+    def __repr__(self) -> str:
+        shown = {f: getattr(self, f) for f in self.__struct_fields__}
+        for key in ("nats_url", "pg_dsn"):
+            if shown[key] is not None:
+                shown[key] = redact(shown[key])
+        for key in ("server_token", "proxy_token"):
+            if shown[key] is not None:
+                shown[key] = "***"
+        return "Settings(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
 
     @property
     def replicas(self) -> int | None:
@@ -108,18 +139,22 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         """Read the environment variables above; keyword arguments win over them.
 
         Raises:
-            InvalidInputError: A variable's value is not valid (a namespace, a number of replicas).
+            InvalidInputError: A variable's value is not valid (a namespace, a number of replicas,
+                a ``_FILE`` that cannot be read, NATS credentials that do not go together).
         """
         env = os.environ
         values: dict[str, object] = {
             "nats_url": env.get("EVENTLIGHT_NATS_URL") or None,
-            "pg_dsn": env.get("EVENTLIGHT_PG_DSN") or None,
+            "pg_dsn": read_secret("EVENTLIGHT_PG_DSN", env),
             "state_dir": Path(env.get("EVENTLIGHT_STATE_DIR", ".eventlight")).absolute(),
             "namespace": env.get("EVENTLIGHT_NAMESPACE", "default"),
             "log_level": env.get("EVENTLIGHT_LOG_LEVEL", "INFO"),
             "stream_replicas": _int_or_none("EVENTLIGHT_STREAM_REPLICAS", env.get("EVENTLIGHT_STREAM_REPLICAS")),
             "durability": env.get("EVENTLIGHT_DURABILITY") or "fsync",
             "retention_s": _float_or_none("EVENTLIGHT_RETENTION_S", env.get("EVENTLIGHT_RETENTION_S")),
+            "nats_auth": NatsAuth.from_env(env),
+            "server_token": server_token_from_env(env),
+            "proxy_token": proxy_token_from_env(env),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
@@ -143,6 +178,24 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def archive_prefix(self) -> str:
         return f"elarc.{self.namespace}"
+
+
+def server_token_from_env(env: Mapping[str, str] | None = None) -> str | None:
+    """``EVENTLIGHT_SERVER_TOKEN`` or the content of ``EVENTLIGHT_SERVER_TOKEN_FILE`` (``read_secret``).
+
+    Raises:
+        InvalidInputError: Both are set, or the file cannot be read or is empty.
+    """
+    return read_secret("EVENTLIGHT_SERVER_TOKEN", env)
+
+
+def proxy_token_from_env(env: Mapping[str, str] | None = None) -> str | None:
+    """``EVENTLIGHT_PROXY_TOKEN`` or the content of ``EVENTLIGHT_PROXY_TOKEN_FILE`` (``read_secret``).
+
+    Raises:
+        InvalidInputError: Both are set, or the file cannot be read or is empty.
+    """
+    return read_secret("EVENTLIGHT_PROXY_TOKEN", env)
 
 
 def _int_or_none(name: str, value: str | None) -> int | None:

@@ -82,7 +82,8 @@ class Trainer:
             ``eventlight.execution``; ``AGL_CURRENT_ROLE``, ``AGL_MANAGED_STORE``,
             ``AGL_SERVER_HOST``/``AGL_SERVER_PORT`` are read as in 0.3.0.
         port: 0.3.0's store server port (``server_port`` of a ``"cs"`` strategy); unused.
-        llm_proxy: An ``LLMProxy`` to start on the algorithm's store.
+        llm_proxy: An ``LLMProxy`` to start on the algorithm's store; with a ``token``, the runner gets it as
+            ``proxy_token`` (unless it has one), so agents reach the proxy with it as ``api_key``.
         tracer: The runners' tracer (default ``OtelTracer()``).
         hooks: Runner hooks.
         settings: eventlight's: namespace and services (default ``Settings.from_env()``).
@@ -138,6 +139,8 @@ class Trainer:
         self.llm_proxy = llm_proxy
         self.tracer = tracer or (runner.tracer if runner is not None else OtelTracer())
         self.runner = runner or LitAgentRunner(self.tracer, max_rollouts=max_rollouts)
+        if getattr(llm_proxy, "token", None) and self.runner.proxy_token is None:
+            self.runner.proxy_token = llm_proxy.token  # its agents' ProxyLLM carry it as api_key
         if max_rollouts is not None:
             self.runner.max_rollouts = max_rollouts
         self.hooks: tuple[Hook, ...] = (hooks,) if isinstance(hooks, Hook) else tuple(hooks or ())
@@ -237,7 +240,8 @@ class Trainer:
                 "or pass Trainer(store=JetStreamLightningStore(...))"
             )
         services = Services(nats_url=self.settings.nats_url, pg_dsn=self.settings.pg_dsn)
-        nc = await connect_nats(services.nats_url)  # the namespace's streams and tables, idempotently
+        # the namespace's streams and tables, idempotently
+        nc = await connect_nats(services.nats_url, auth=self.settings.nats_auth)
         try:
             await apply_streams(nc, self.settings)
         finally:

@@ -128,6 +128,7 @@ def _runner_copy(template: LitAgentRunner) -> LitAgentRunner:
         max_rollouts=template.max_rollouts,
         poll_interval=template.poll_interval,
         heartbeat_interval=template.heartbeat_interval,
+        proxy_token=template.proxy_token,
     )
 
 

@@ -99,7 +99,8 @@ def serve(
         typer.Option(
             envvar="EVENTLIGHT_SERVER_TOKEN",
             show_envvar=True,
-            help="Require 'Authorization: Bearer <token>' on every request.",
+            help="Require 'Authorization: Bearer <token>' on every request "
+            "(or put it in a file named by $EVENTLIGHT_SERVER_TOKEN_FILE).",
         ),
     ] = None,
     backend: Annotated[
@@ -118,8 +119,9 @@ def serve(
 
     settings = _settings(namespace)
     _check_port(host, port)
+    token = token or settings.server_token
     try:
-        code = asyncio.run(_serve(settings, backend, host, port, token or None, max_body_bytes))
+        code = asyncio.run(_serve(settings, backend, host, port, token, max_body_bytes))
     except KeyboardInterrupt:
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except OSError as e:  # the port was taken between the check and the start

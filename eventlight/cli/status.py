@@ -36,7 +36,7 @@ async def _stream_state(url: str, settings: Settings) -> tuple[int, int] | None:
     from eventlight.store.jetstream.connect import connect_nats
     from eventlight.store.jetstream.nats_errors import JsNotFoundError, nats_errors
 
-    nc = await connect_nats(url, name="eventlight-cli")
+    nc = await connect_nats(url, auth=settings.nats_auth, name="eventlight-cli")
     try:
         with nats_errors(redact(url), "stream info"):
             try:

@@ -24,6 +24,8 @@ once, at the backend boundary, with ``raise ... from e``.
 
 from __future__ import annotations
 
+from eventlight.net import redact
+
 
 class EventlightError(Exception):
     """Root of every error eventlight raises on purpose.
@@ -118,6 +120,7 @@ class ServiceUnavailableError(EventlightError):
     retryable = True
 
     def __init__(self, server: str, detail: str):
+        server = redact(server)
         super().__init__(f"cannot reach {server}: {detail}")
         self.server = server
 
@@ -130,6 +133,7 @@ class LLMUnavailableError(ServiceUnavailableError):
     """
 
     def __init__(self, server: str, detail: str):
+        server = redact(server)
         EventlightError.__init__(self, f"LLM unavailable: {server}: {detail}")
         self.server = server
 

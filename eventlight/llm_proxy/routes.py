@@ -17,7 +17,14 @@ from eventlight.llm_proxy.forwarding import Forwarding
 from eventlight.llm_proxy.metrics import CONTENT_TYPE_LATEST, ProxyMetrics
 from eventlight.llm_proxy.span_attributes import make_span
 from eventlight.llm_proxy.sse import aiter_chunks, chat_completion_to_sse
-from eventlight.llm_proxy.upstream import CHECK_HEADER, CallError, error_response, upstream_error
+from eventlight.llm_proxy.upstream import (
+    CHECK_HEADER,
+    CallError,
+    error_response,
+    refuse_unauthorized,
+    upstream_error,
+)
+from eventlight.server.auth import BearerAuth
 
 if TYPE_CHECKING:
     from eventlight.store.base import LightningStore
@@ -33,6 +40,7 @@ class ChatRoutes(Forwarding):
     _warned_no_store: bool
     health: LLMCallHealth
     metrics: ProxyMetrics
+    _token: str | None
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="eventlight LLM proxy", docs_url=None, redoc_url=None, openapi_url=None)
@@ -43,6 +51,11 @@ class ChatRoutes(Forwarding):
             return error_response(500, f"LLM proxy internal error: {type(exc).__name__}: {exc}", "internal_error")
 
         app.add_exception_handler(Exception, internal_error)
+        if self._token:  # every route, /health and /metrics included
+            hint = "the LLM proxy asks for a token: use it as the OpenAI or Anthropic client's api_key"
+            app.add_middleware(
+                BearerAuth, token=self._token, refuse=refuse_unauthorized, hint=hint, key_header="x-api-key"
+            )
 
         async def routed(request: Request, rollout_id: str, attempt_id: str) -> Response:
             return await self._handle_chat(request, rollout_id, attempt_id)

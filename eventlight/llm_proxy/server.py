@@ -24,6 +24,7 @@ from eventlight.llm_proxy.upstream import (
     check_models,
 )
 from eventlight.net import free_port, tcp_listener
+from eventlight.settings import proxy_token_from_env
 
 if TYPE_CHECKING:
     from eventlight.store.base import LightningStore
@@ -70,9 +71,16 @@ class LLMProxy(ChatRoutes):
         request_timeout_s: Seconds to wait for one upstream answer.
         health: Where the outcome of every forwarded call is counted (``Trainer`` stops a run when
             most recent calls fail); default ``LLMCallHealth()``: more than half of the last 20.
+        token: Bearer token every request must carry (``Authorization: Bearer <token>``, which the
+            OpenAI SDK sends for ``api_key=<token>``); others get 401 with an OpenAI error body
+            (``code: invalid_api_key``). ``None`` (default): ``$EVENTLIGHT_PROXY_TOKEN`` or the file
+            ``$EVENTLIGHT_PROXY_TOKEN_FILE`` names, else no token; ``""``: no token, whatever the
+            environment says. It never lands in a span, a log line or a metric, nor in ``as_resource()``:
+            runners add it to the ``ProxyLLM`` they hand their agents (``LitAgentRunner(proxy_token=)``).
 
     Raises:
         ValueError: A ``model_list`` entry is malformed, or ``num_retries < 0``.
+        InvalidInputError: ``$EVENTLIGHT_PROXY_TOKEN_FILE`` cannot be read or is empty.
     """
 
     def __init__(
@@ -86,6 +94,7 @@ class LLMProxy(ChatRoutes):
         return_token_ids: bool | None = None,
         request_timeout_s: float = 600.0,
         health: LLMCallHealth | None = None,
+        token: str | None = None,
     ):
         if num_retries < 0:
             raise ValueError(f"num_retries must be >= 0, got {num_retries}")
@@ -104,6 +113,7 @@ class LLMProxy(ChatRoutes):
         self._warned_no_store = False
         self.health = health if health is not None else LLMCallHealth()
         self.metrics = ProxyMetrics()  # served at /metrics
+        self._token = (proxy_token_from_env() if token is None else token) or None
         self._app = self._build_app()
 
     # -- configuration --------------------------------------------------------------------
@@ -132,6 +142,11 @@ class LLMProxy(ChatRoutes):
         if ":" in host:
             host = f"[{host}]"
         return f"http://{host}:{self._port}/v1"
+
+    @property
+    def token(self) -> str | None:
+        """The bearer token requests must carry, ``None`` when none is asked (``Trainer`` hands it to runners)."""
+        return self._token
 
     @property
     def model_list(self) -> list[dict[str, Any]]:
@@ -178,6 +193,10 @@ class LLMProxy(ChatRoutes):
             attempt_id: See ``rollout_id``.
             model: Model name for clients; default: the only ``model_name`` configured.
             sampling_parameters: Defaults for clients, e.g. ``{"temperature": 0.7}``.
+
+        The resource never holds the proxy's ``token`` (resources are events: stored, replayed and
+        served); a runner with ``proxy_token`` set fills the ``api_key`` of each ``ProxyLLM`` it
+        hands an agent.
 
         Returns:
             ``ProxyLLM(endpoint="http://host:port/v1", ...)`` without ids (a runner resolves it
@@ -256,7 +275,8 @@ class LLMProxy(ChatRoutes):
                 await self.stop()
                 raise RuntimeError(f"LLMProxy did not start within {_STARTUP_TIMEOUT_S} s")
             await asyncio.sleep(0.01)
-        log.info("LLMProxy serving on %s (%d model entries)", self.endpoint, len(self._model_list))
+        auth = "bearer token required" if self._token else "no token asked"
+        log.info("LLMProxy serving on %s (%d model entries; %s)", self.endpoint, len(self._model_list), auth)
 
     async def stop(self) -> None:
         """Stop serving and wait for spans still being published; idempotent.
@@ -319,4 +339,4 @@ class LLMProxy(ChatRoutes):
             if self._host in ("0.0.0.0", "::", "")
             else (f"{self.endpoint}/chat/completions")
         )
-        await check_models(url, self.endpoint, self._model_list, timeout_s)
+        await check_models(url, self.endpoint, self._model_list, timeout_s, token=self._token)

@@ -59,6 +59,12 @@ class CallError:
         return JSONResponse(body, status_code=self.status)
 
 
+def refuse_unauthorized(message: str) -> JSONResponse:
+    """The proxy's 401: OpenAI's own error object for a missing or wrong key (``BearerAuth``'s ``refuse``)."""
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}
+    return JSONResponse(body, status_code=401)
+
+
 def upstream_error(exc: BaseException) -> tuple[int, str, str]:
     """``(http_status, error_type, message)`` of an exception raised by LiteLLM.
 
@@ -144,12 +150,16 @@ def build_router(
     return router
 
 
-async def check_models(url: str, endpoint: str, model_list: list[dict[str, Any]], timeout_s: float) -> None:
-    """One short chat completion per model name through the proxy at ``url`` (``LLMProxy.check``).
+async def check_models(
+    url: str, endpoint: str, model_list: list[dict[str, Any]], timeout_s: float, *, token: str | None = None
+) -> None:
+    """One short chat completion per model name through the proxy at ``url`` (``LLMProxy.check``),
+    sending ``token`` as the bearer token when the proxy asks for one.
 
     Raises:
         LLMUnavailableError: A model did not answer with a completion.
     """
+    headers = {CHECK_HEADER: "1"} | ({"Authorization": f"Bearer {token}"} if token else {})
     async with httpx.AsyncClient(timeout=timeout_s) as client:
         for model in dict.fromkeys(e["model_name"] for e in model_list):
             backends = ", ".join(
@@ -160,7 +170,7 @@ async def check_models(url: str, endpoint: str, model_list: list[dict[str, Any]]
             where = f"model {model!r} through the LLM proxy at {endpoint} (backend {backends})"
             body = {"model": model, "messages": [{"role": "user", "content": "Say OK."}], "max_tokens": 1}
             try:
-                r = await client.post(url, json=body, headers={CHECK_HEADER: "1"})
+                r = await client.post(url, json=body, headers=headers)
             except httpx.HTTPError as exc:
                 raise LLMUnavailableError(where, f"{type(exc).__name__}: {exc}") from exc
             if r.status_code != 200:

@@ -94,7 +94,7 @@ async def rebuild(settings: Settings, pg_dsn: str, *, swap: bool = False) -> Reb
     try:
         await conn.execute(f"DROP SCHEMA IF EXISTS {_q(fresh)} CASCADE")  # an earlier rebuild left behind
         await apply_migrations(pg_dsn, fresh)
-        nc = await connect_nats(settings.nats_url, name="eventlight-rebuild")
+        nc = await connect_nats(settings.nats_url, auth=settings.nats_auth, name="eventlight-rebuild")
         pool = await pg.create_pool(pg_dsn, fresh)
         t0 = time.perf_counter()
         try:

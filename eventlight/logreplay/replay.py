@@ -168,7 +168,7 @@ class _open_log:  # noqa: N801 - used as a context manager
 
             if self.source.nats_url is None:
                 raise InvalidInputError("replay needs a NATS URL (settings.nats_url or EVENTLIGHT_NATS_URL)")
-            self.nc = await connect_nats(self.source.nats_url, name="eventlight-replay")
+            self.nc = await connect_nats(self.source.nats_url, auth=self.source.nats_auth, name="eventlight-replay")
             return JetStreamEventLog(self.nc, self.source, clock=None)  # type: ignore[return-value]
         log_ = getattr(self.source, "log", self.source)
         if not hasattr(log_, "scan"):

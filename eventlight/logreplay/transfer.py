@@ -66,7 +66,7 @@ async def export_log(settings: Settings, out: Path, since: int, until: int | Non
     from eventlight.store.jetstream.log import JetStreamEventLog
 
     assert settings.nats_url is not None
-    nc = await connect_nats(settings.nats_url, name="eventlight-export")
+    nc = await connect_nats(settings.nats_url, auth=settings.nats_auth, name="eventlight-export")
     n, first, last = 0, 0, 0
     try:
         log_ = JetStreamEventLog(nc, settings, None)
@@ -133,7 +133,7 @@ async def import_log(settings: Settings, path: Path) -> tuple[int, int]:
 
     _, entries = read_export(path)
     assert settings.nats_url is not None
-    nc = await connect_nats(settings.nats_url, name="eventlight-import")
+    nc = await connect_nats(settings.nats_url, auth=settings.nats_auth, name="eventlight-import")
     added = present = 0
     try:
         log_ = JetStreamEventLog(nc, settings, None)

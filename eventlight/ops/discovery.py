@@ -48,7 +48,7 @@ async def find_nats(settings: Settings) -> Endpoint | None:
         found = Endpoint(recorded.nats_url, origin, recorded.nats_pid, kind)
     else:
         return None
-    why = await nats_probe(found.url)
+    why = await nats_probe(found.url, auth=settings.nats_auth)
     if why:
         raise ServiceUnavailableError(f"{found.origin} {redact(found.url)}", f"NATS did not answer within 2 s ({why})")
     return found

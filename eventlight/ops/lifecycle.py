@@ -81,7 +81,7 @@ async def prepare_services(settings: Settings) -> Services:
     """
     services = await ensure_services(settings)
     try:
-        nc = await connect_nats(services.nats_url)
+        nc = await connect_nats(services.nats_url, auth=settings.nats_auth)
         try:
             await apply_streams(nc, settings)
         finally:

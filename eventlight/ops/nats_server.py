@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 
 from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
+from eventlight.credentials import NatsAuth
+from eventlight.net import redact
 from eventlight.ops.procs import (
     STOP_TIMEOUT_S,
     log_tail,
@@ -32,10 +34,14 @@ NATS_READY_TIMEOUT_S = 10.0
 NATS_PROBE_TIMEOUT_S = 2.0
 
 
-async def nats_probe(url: str, timeout_s: float = NATS_PROBE_TIMEOUT_S, js: bool = False) -> str | None:
-    """Connect once; return ``None`` when it answers (and JetStream is on, if ``js``), else why not."""
+async def nats_probe(
+    url: str, timeout_s: float = NATS_PROBE_TIMEOUT_S, js: bool = False, auth: NatsAuth | None = None
+) -> str | None:
+    """Connect once (with ``auth``); return ``None`` when it answers (and JetStream is on, if ``js``), else why not."""
     try:
-        nc = await connect_nats(url, name="eventlight-probe", timeout_s=timeout_s, reconnect=False, quiet=True)
+        nc = await connect_nats(
+            url, auth=auth, name="eventlight-probe", timeout_s=timeout_s, reconnect=False, quiet=True
+        )
     except ServiceUnavailableError as e:
         return str(e)
     try:
@@ -61,9 +67,9 @@ async def ensure_nats(settings: Settings, state: Path) -> tuple[str, int | None,
         InvalidInputError: ``durability="replicated"`` without a configured cluster URL.
     """
     if settings.nats_url:
-        why = await nats_probe(settings.nats_url)
+        why = await nats_probe(settings.nats_url, auth=settings.nats_auth)
         if why:
-            raise ServiceUnavailableError(settings.nats_url, f"NATS did not answer within 2 s ({why})")
+            raise ServiceUnavailableError(redact(settings.nats_url), f"NATS did not answer within 2 s ({why})")
         return settings.nats_url, None, False
     if settings.durability == "replicated":
         raise InvalidInputError(

@@ -9,6 +9,7 @@ from pathlib import Path
 import asyncpg
 
 from eventlight._data import data_dir
+from eventlight.credentials import NatsAuth
 from eventlight.net import redact
 from eventlight.settings import Settings
 from eventlight.store.jetstream import pg_errors
@@ -96,7 +97,7 @@ async def drop_namespace(nats_url: str | None, pg_dsn: str | None, settings: Set
         ServiceUnavailableError: A server cannot be reached.
     """
     if nats_url:
-        await _delete_stream(nats_url, settings.stream_name)
+        await _delete_stream(nats_url, settings.stream_name, settings.nats_auth)
     if pg_dsn:
         conn = await pg_errors.connect(pg_dsn, timeout_s=CONNECT_TIMEOUT_S)
         try:
@@ -112,8 +113,8 @@ async def drop_namespace(nats_url: str | None, pg_dsn: str | None, settings: Set
             await conn.close()
 
 
-async def _delete_stream(nats_url: str, stream: str) -> None:
-    nc = await connect_nats(nats_url, name="eventlight-ops", reconnect=False)
+async def _delete_stream(nats_url: str, stream: str, auth: NatsAuth) -> None:
+    nc = await connect_nats(nats_url, auth=auth, name="eventlight-ops", reconnect=False)
     try:
         # the archive (it sources the events), the events, and the span counters of older versions
         for name in (f"{stream}_ARCHIVE", stream, f"KV_{stream}_SEQ"):

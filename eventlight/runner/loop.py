@@ -20,7 +20,9 @@ Differences from 0.3.0, each deliberate:
       end of the loop; a status the store could not record is retried before the next dequeue, so
       a NATS blip does not leave the attempt ``running``;
     * worker ids are unique across processes and machines: ``Worker-<index>@<host>-<pid>-<tag>``
-      (``worker_name``); ``worker_id`` stays the index the Trainer passes, as in Agent-lightning.
+      (``worker_name``); ``worker_id`` stays the index the Trainer passes, as in Agent-lightning;
+    * with ``proxy_token`` set, every ``ProxyLLM`` handed to the agent carries it as ``api_key``
+      (the LLM proxy's bearer token; it is never stored with the resources).
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ from eventlight.emitter import emit_exception, emit_reward
 from eventlight.runner.hooks import Hook
 from eventlight.runner.identity import system_snapshot, worker_name
 from eventlight.runner.metrics import RunnerMetrics
-from eventlight.runner.policy import _long_polls, apply_rollout_config
+from eventlight.runner.policy import _long_polls, apply_rollout_config, with_proxy_key
 from eventlight.runner.retry import Backoff, _describe, _retryable
+from eventlight.settings import proxy_token_from_env
 from eventlight.store.base import LightningStore
 from eventlight.tracer import OtelTracer, Tracer
 
@@ -60,6 +63,14 @@ class LitAgentRunner:
             them to Prometheus); ``None``: not counted.
         rollout_config: eventlight's: the ``RolloutConfig`` given to each claimed rollout that was
             enqueued with the default one (``eventlight runner --max-attempts ...``).
+        proxy_token: The LLM proxy's bearer token, put into the ``api_key`` of each ``ProxyLLM``
+            resource the agent gets (an agent passing ``llm.api_key`` to its OpenAI client works
+            unchanged); ``None`` (default): ``$EVENTLIGHT_PROXY_TOKEN`` or the file
+            ``$EVENTLIGHT_PROXY_TOKEN_FILE`` names, else the resources are handed over as stored.
+            ``Trainer(llm_proxy=...)`` sets it from the proxy's ``token``.
+
+    Raises:
+        InvalidInputError: ``$EVENTLIGHT_PROXY_TOKEN_FILE`` cannot be read or is empty.
     """
 
     def __class_getitem__(cls, item: Any) -> type[LitAgentRunner]:
@@ -74,8 +85,10 @@ class LitAgentRunner:
         heartbeat_interval: float = 10.0,
         metrics: RunnerMetrics | None = None,
         rollout_config: RolloutConfig | None = None,
+        proxy_token: str | None = None,
     ):
         self.tracer = tracer or OtelTracer()
+        self.proxy_token = proxy_token if proxy_token is not None else proxy_token_from_env()
         self.metrics = metrics
         self.rollout_config = rollout_config
         self.max_rollouts = max_rollouts
@@ -233,7 +246,10 @@ class LitAgentRunner:
             raise RuntimeError(
                 f"resources {rollout.resources_id or '(latest)'} of rollout {rollout.rollout_id} not found"
             )
-        return dict(found.resources)
+        resources = dict(found.resources)
+        if self.proxy_token is None:
+            return resources
+        return {name: with_proxy_key(res, self.proxy_token) for name, res in resources.items()}
 
     async def _call_agent(self, agent: LitAgent[Any], rollout: AttemptedRollout, resources: dict[str, Any]) -> Any:
         train = rollout.mode == "train"

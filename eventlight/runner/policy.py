@@ -1,14 +1,16 @@
-"""How a runner meets its store: whether dequeues long-poll, and the runner's default ``RolloutConfig``."""
+"""How a runner meets its store and proxy: whether dequeues long-poll, the runner's default
+``RolloutConfig``, and the proxy token on the ``ProxyLLM`` resources it hands agents."""
 
 from __future__ import annotations
 
 import functools
 import inspect
 import logging
+from typing import Any
 
 import msgspec
 
-from eventlight.core.types import AttemptedRollout, RolloutConfig
+from eventlight.core.types import AttemptedRollout, ProxyLLM, RolloutConfig
 from eventlight.store.base import LightningStore
 
 log = logging.getLogger(__name__)
@@ -50,3 +52,8 @@ def _long_polls(store: LightningStore) -> bool:
     if isinstance(inner, LightningStore) and not hasattr(type(store), "dequeue_rollout"):
         return _long_polls(inner)
     return _long_polls_type(type(store))
+
+
+def with_proxy_key(resource: Any, token: str) -> Any:
+    """``resource`` with ``api_key=token`` when it is a ``ProxyLLM`` (a copy: the stored one is shared)."""
+    return msgspec.structs.replace(resource, api_key=token) if isinstance(resource, ProxyLLM) else resource

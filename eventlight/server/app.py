@@ -19,6 +19,7 @@ from eventlight.server.auth import BearerAuth
 from eventlight.server.codec import openapi_components
 from eventlight.server.errors import install_error_handlers
 from eventlight.server.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
+from eventlight.server.openapi import document_errors
 from eventlight.server.routes import agl_router
 from eventlight.store.base import LightningStore
 
@@ -71,7 +72,7 @@ def create_app(
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
             schema.setdefault("components", {}).setdefault("schemas", {}).update(openapi_components())
-            app.openapi_schema = schema
+            app.openapi_schema = document_errors(schema)
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -1,43 +1,84 @@
 """Bearer-token access: with a token configured, every request must carry ``Authorization: Bearer <token>``.
 
 An ASGI middleware, so it guards every route, the OTLP one and the OpenAPI description included.
-A request without the header, or with another token, gets 401 with ``WWW-Authenticate: Bearer``
-(RFC 6750) and a one-line ``detail``; the token is compared in constant time and never logged.
+``eventlight serve`` and the LLM proxy both use it; each says how its 401 body looks (the server's
+``ErrorBody``, the proxy's OpenAI error object). A request without the header, or with another
+token, gets 401 with ``WWW-Authenticate: Bearer`` (RFC 6750) and a one-line message; the token is
+compared in constant time and never logged.
 """
 
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 
+from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from eventlight.server.errors import error_response
 
-__all__ = ["BearerAuth"]
+__all__ = ["BearerAuth", "Refusal"]
+
+Refusal = Callable[[str], Response]
+"""Builds the 401 response from its one-line message."""
+
+
+def _store_refusal(detail: str) -> Response:
+    return error_response(401, detail, "Unauthorized")
 
 
 class BearerAuth:
-    """Refuse HTTP requests that do not carry ``token`` (an ASGI middleware around ``app``)."""
+    """Refuse HTTP requests that do not carry ``token`` (an ASGI middleware around ``app``).
 
-    def __init__(self, app: ASGIApp, token: str):
+    Args:
+        app: The application to guard.
+        token: The token every request must send (``Authorization: Bearer <token>``).
+        refuse: Builds the 401 response from its message; default: the store server's ``ErrorBody``.
+        hint: How to say what was configured, in the message of a request without a token.
+        key_header: Also accept the bare token in this header (the LLM proxy: ``x-api-key``, which
+            Anthropic's clients send their ``api_key`` in).
+
+    Raises:
+        ValueError: ``token`` is empty.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        token: str,
+        *,
+        refuse: Refusal = _store_refusal,
+        hint: str = "the server was started with --token",
+        key_header: str | None = None,
+    ):
         if not token:
             raise ValueError("the bearer token must not be empty")
         self.app = app
         self._expected = f"Bearer {token}".encode()
+        self._refuse = refuse
+        self._hint = hint
+        self._key_header = key_header.lower().encode() if key_header else None
+        self._key = token.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(b"authorization")
+        headers = dict(scope["headers"])
+        given = headers.get(b"authorization")
         if given is not None and hmac.compare_digest(given, self._expected):
             await self.app(scope, receive, send)
             return
+        key = headers.get(self._key_header) if self._key_header else None
+        if key is not None and hmac.compare_digest(key, self._key):
+            await self.app(scope, receive, send)
+            return
+        given = given if given is not None else key
         detail = (
-            "missing bearer token: send 'Authorization: Bearer <token>' (the server was started with --token)"
+            f"missing bearer token: send 'Authorization: Bearer <token>' ({self._hint})"
             if given is None
             else "wrong bearer token"
         )
-        response = error_response(401, detail, "Unauthorized")
+        response = self._refuse(detail)
         response.headers["WWW-Authenticate"] = 'Bearer realm="eventlight"'
         await response(scope, receive, send)

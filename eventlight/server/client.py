@@ -13,7 +13,6 @@ and the ``get_*`` methods answer ``None`` only for "nothing there", as the store
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import Sequence
 from typing import Any, Literal, TypeVar
@@ -34,6 +33,7 @@ from eventlight.core.types import (
     Worker,
 )
 from eventlight.server.transport import Transport
+from eventlight.settings import server_token_from_env
 from eventlight.store.base import LightningStore, LightningStoreCapabilities
 
 __all__ = ["LightningStoreClient"]
@@ -63,10 +63,14 @@ class LightningStoreClient(LightningStore):
 
     Args:
         server_address: ``http://host:port`` of the server.
-        token: Bearer token; default ``$EVENTLIGHT_SERVER_TOKEN`` when set.
+        token: Bearer token; default ``$EVENTLIGHT_SERVER_TOKEN`` (or the file ``$EVENTLIGHT_SERVER_TOKEN_FILE``
+            names) when set.
         retry_delays: Seconds between tries of a request that may be retried (see the transport).
         request_timeout: Seconds one request may take.
         connection_timeout: Seconds to connect.
+
+    Raises:
+        InvalidInputError: ``EVENTLIGHT_SERVER_TOKEN_FILE`` cannot be read or is empty.
     """
 
     def __init__(
@@ -81,7 +85,7 @@ class LightningStoreClient(LightningStore):
         self.server_address = server_address.rstrip("/")
         self._http = Transport(
             self.server_address,
-            token=token if token is not None else os.environ.get("EVENTLIGHT_SERVER_TOKEN") or None,
+            token=token if token is not None else server_token_from_env(),
             retry_delays=retry_delays,
             request_timeout_s=request_timeout,
             connect_timeout_s=connection_timeout,

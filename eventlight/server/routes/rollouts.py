@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 from starlette.responses import Response
@@ -117,9 +117,19 @@ async def search_rollouts(request: Request) -> Response:
     return await _query_rollouts(request, await body(request, QueryRolloutsRequest, empty=QueryRolloutsRequest()))
 
 
-@router.get("/rollouts/{rollout_id}", openapi_extra=doc(response=AttemptedRollout | None))
+def _maybe_attempted() -> dict[str, Any]:
+    """``doc`` of an answer that is an ``AttemptedRollout``, a ``Rollout`` (no attempt yet) or ``null``
+    (msgspec cannot describe a union of two untagged structs, so the ``anyOf`` is written here)."""
+    extra = doc(response=AttemptedRollout | None)
+    doc(response=Rollout)  # registers its schema
+    refs = [{"$ref": f"#/components/schemas/{t.__name__}"} for t in (AttemptedRollout, Rollout)]
+    extra["responses"]["200"]["content"]["application/json"]["schema"] = {"anyOf": [*refs, {"type": "null"}]}
+    return extra
+
+
+@router.get("/rollouts/{rollout_id}", openapi_extra=_maybe_attempted())
 async def get_rollout(request: Request, rollout_id: str) -> Response:
-    """``get_rollout_by_id``: ``null`` when unknown."""
+    """``get_rollout_by_id``: with its latest attempt when it has one, ``null`` when unknown."""
     return json_response(await store_of(request).get_rollout_by_id(rollout_id))
 
 

@@ -98,7 +98,7 @@ class JetStreamLightningStore(EventStore):
         if self.run_projector and self.pg_dsn is None:
             raise InvalidInputError("the projector needs Postgres (pg_dsn)")
         self._home_loop = asyncio.get_running_loop()
-        self.nc = await connect_nats(self.nats_url)
+        self.nc = await connect_nats(self.nats_url, auth=self.settings.nats_auth)
         try:
             self.log = JetStreamEventLog(self.nc, self.settings, self._clock)
             if self.pg_dsn is not None:

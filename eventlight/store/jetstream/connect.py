@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from nats.aio.client import Client as NATS
 
 from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
+from eventlight.credentials import NatsAuth
 from eventlight.net import redact
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ async def _quiet(_e: Exception) -> None:
 async def connect_nats(
     url: str | Sequence[str],
     *,
+    auth: NatsAuth | None = None,
     name: str = "eventlight",
     timeout_s: float = 3.0,
     reconnect: bool = True,
@@ -98,6 +100,9 @@ async def connect_nats(
     Args:
         url: A NATS URL, several separated by commas, or a list of URLs (``server_urls``): the servers
             of a cluster, tried in turn; the client also learns the others from the one it reaches.
+            Credentials in it (``nats://user:pass@host``, ``nats://token@host``) are used and never shown.
+        auth: Credentials to send (``Settings.nats_auth``: a token, a user and password, or a
+            ``.creds`` file); ``None``: only those in ``url``.
         name: The client name the server shows.
         timeout_s: Seconds to wait for the TCP connection and for the server's answer.
         reconnect: Reconnect after a lost connection, for ever; ``False`` for a one-off call.
@@ -106,7 +111,7 @@ async def connect_nats(
     Raises:
         InvalidInputError: ``url`` names no server.
         ServiceUnavailableError: No server can be reached (at once when nothing listens, instead
-            of nats-py's reconnect attempts), or is older than 2.11 (it ignores
+            of nats-py's reconnect attempts), refuses the credentials, or is older than 2.11 (it ignores
             ``Nats-Expected-Last-Subject-Sequence-Subject``, which eventlight's fencing needs).
     """
     import nats
@@ -132,6 +137,7 @@ async def connect_nats(
                 error_cb=_quiet if quiet else _nats_error,
                 disconnected_cb=events.disconnected,
                 reconnected_cb=events.reconnected,
+                **(auth.connect_kwargs() if auth is not None else {}),
             ),
             timeout_s + 0.5,
         )

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 BATCH = 500
 """Rollouts per ledger entry."""
 
-PURGES_IN_FLIGHT = 64
+PURGES_IN_FLIGHT = 16
 """Purge requests a retirement keeps in flight (pipelined: one at a time is bound by the round trip)."""
 
 _SELECT = """
