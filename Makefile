@@ -9,7 +9,7 @@ PIP    := $(BIN)/pip install --quiet --constraint constraints.txt
 LLAMA_VERSION := $(shell sed -n 's/^llama-cpp-python==//p' constraints.txt)
 export LITELLM_LOCAL_MODEL_COST_MAP ?= True
 
-.PHONY: demo test local rl sft verl down clean
+.PHONY: demo test local rl sft verl frameworks down clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,14 @@ $(VENV)/.installed-verl: pyproject.toml constraints.txt | $(VENV)/.installed-rl
 	touch $@
 
 verl: $(VENV)/.installed-verl
+
+# Agents written with frameworks (examples/frameworks/, tests/test_frameworks.py skips without it): the OpenAI
+# Agents SDK, LangChain/LangGraph and OpenInference's OpenTelemetry instrumentation of them and of the OpenAI SDK.
+$(VENV)/.installed-frameworks: pyproject.toml constraints.txt | $(VENV)/.installed-dev
+	$(PIP) -e '.[frameworks]'
+	touch $@
+
+frameworks: $(VENV)/.installed-frameworks
 
 # The main job: GRPO on sums (examples/arithmetic); `make demo ARGS="--algorithm apo"` runs APO.
 demo: $(VENV)/.installed-local-portable $(VENV)/.installed-rl

@@ -19,18 +19,20 @@ import contextlib
 import contextvars
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
-import msgspec
 from opentelemetry import trace as trace_api
 from opentelemetry.sdk.resources import Resource as OtelSdkResource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.trace import Status, StatusCode
 
+from eventlight import instrumentation
 from eventlight.core.errors import InvalidInputError
 from eventlight.core.types import Span, TraceStatus
 from eventlight.otel import span_from_readable
+from eventlight.recording import SpanCoreFields as SpanCoreFields  # re-exported: its import path stays
+from eventlight.recording import _core, _Recording
 from eventlight.store.base import LightningStore
 from eventlight.unavailable import unavailable_class
 
@@ -40,16 +42,6 @@ _active_tracer: contextvars.ContextVar[Tracer | None] = contextvars.ContextVar("
 _current_attempt: contextvars.ContextVar[_AttemptBuffer | None] = contextvars.ContextVar(
     "eventlight_attempt", default=None
 )
-
-
-class SpanCoreFields(msgspec.Struct, kw_only=True):
-    """What an emitter or operation recorded (Agent-lightning ``SpanCoreFields``); times in seconds."""
-
-    name: str
-    status: TraceStatus
-    attributes: dict[str, Any]
-    start_time: float | None
-    end_time: float | None
 
 
 def set_active_tracer(tracer: Tracer) -> None:
@@ -216,14 +208,18 @@ class OtelTracer(Tracer):
             ``BatchSpanProcessor`` waits 5 s; 1 s keeps spans live for anyone watching while a
             short rollout sends one or two batches instead of one every few rounds (the bench's
             ``single`` scenario: 25 % less CPU per rollout than with 0.05 s).
+        instrument: Frameworks to instrument in each runner process with this tracer's provider,
+            undone at ``teardown_worker`` (``eventlight.instrumentation.Instrumented``); an unknown
+            name raises ``InvalidInputError`` at once, a missing package at ``init_worker``.
 
     Its provider becomes the process's global OpenTelemetry provider when none is set yet, so
     libraries instrumented with OpenTelemetry report into it too.
     """
 
-    def __init__(self, *, flush_interval_s: float = 1.0):
+    def __init__(self, *, flush_interval_s: float = 1.0, instrument: str | Sequence[str] = ()):
         super().__init__()
         self.flush_interval_s = flush_interval_s
+        self.instrumented = instrumentation.Instrumented(instrument)
         self.provider: TracerProvider | None = None
         self._otel: trace_api.Tracer | None = None
         self._last: list[Span] = []
@@ -238,6 +234,10 @@ class OtelTracer(Tracer):
             if isinstance(trace_api.get_tracer_provider(), trace_api.ProxyTracerProvider):
                 trace_api.set_tracer_provider(self.provider)
             self._otel = self.provider.get_tracer("eventlight")
+        self.instrumented.switch_on(self.provider)
+
+    def teardown_worker(self, worker_id: int) -> None:
+        self.instrumented.switch_off()
 
     def _tracer(self) -> trace_api.Tracer:
         if self._otel is None:
@@ -355,36 +355,6 @@ class OtelTracer(Tracer):
             rec = _Recording(span)
             yield rec
         rec.done = _core(span)
-
-
-class _Recording:
-    def __init__(self, span: Any):
-        self.span = span
-        self.done: SpanCoreFields | None = None
-
-    def record_attributes(self, attributes: dict[str, Any]) -> None:
-        self.span.set_attributes(attributes)
-
-    def record_exception(self, exception: BaseException) -> None:
-        self.span.record_exception(exception)
-
-    def record_status(self, status_code: str, description: str | None = None) -> None:
-        self.span.set_status(Status(StatusCode[status_code], description))
-
-    def get_recorded_span(self) -> SpanCoreFields:
-        if self.done is None:
-            raise RuntimeError("Span is not ready yet.")
-        return self.done
-
-
-def _core(span: Any) -> SpanCoreFields:
-    return SpanCoreFields(
-        name=span.name,
-        status=TraceStatus(status_code=span.status.status_code.name, description=span.status.description),
-        attributes=dict(span.attributes or {}),
-        start_time=span.start_time / 1e9 if span.start_time else None,
-        end_time=span.end_time / 1e9 if span.end_time else None,
-    )
 
 
 AgentOpsTracer = unavailable_class(

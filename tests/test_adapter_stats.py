@@ -89,12 +89,11 @@ def test_proxy_adapter_skips_calls_without_ids_and_counts_everything() -> None:
     )
 
 
-def test_messages_adapter_skips_error_spans_and_counts_them() -> None:
+def test_messages_adapter_skips_error_spans_and_duplicates_and_counts_them() -> None:
     adapter = TraceToMessages()
     records = adapter.adapt(trace())
-    assert len(records) == 4 and all(r["messages"][-1]["role"] == "assistant" for r in records)
-    assert adapter.last_stats is not None
-    assert (adapter.last_stats.llm_calls, adapter.last_stats.errors, adapter.last_stats.triplets) == (5, 1, 4)
+    assert len(records) == 3 and all(r["messages"][-1]["role"] == "assistant" for r in records)
+    assert adapter.last_stats == AdapterStats(llm_calls=5, triplets=3, errors=1, duplicates=1)
 
 
 def test_stats_add_up_over_calls_and_reset() -> None:

@@ -61,6 +61,12 @@ CLI: dict[str, Case] = {
     ),
     "runner: not an agent": (("runner", "tests/fault_agents.py:asyncio"), {}, 2, "fault_agents.py:asyncio"),
     "runner -n 0": (("runner", "tests/fault_agents.py:quick", "-n", "0"), {}, 2, "greater than or equal to 1"),
+    "runner --instrument crewai": (
+        ("runner", "tests/fault_agents.py:quick", "--instrument", "crewai"),
+        {},
+        2,
+        "--instrument: unknown framework(s) ['crewai'] to instrument",
+    ),
     "replay: --out x.csv": (("replay", "--out", "{tmp}/x.csv"), {}, 2, "expected a .jsonl or .parquet file"),
     "replay: no folder": (("replay", "--out", "{tmp}/no/such/x.jsonl"), {}, 2, "no folder"),
     "replay: --out a folder": (("replay", "--out", "{tmp}"), {}, 2, "is a folder"),

@@ -16,7 +16,9 @@ token-id attributes that Agent-lightning patches in (``prompt_token_ids``, ``res
 Nothing is lost without a mark: each adapter's ``stats`` (all calls) and ``last_stats`` (the last
 one) are ``AdapterStats`` counting LLM calls skipped as errors or duplicates and calls with
 missing or incomplete token ids (kept and marked in ``Triplet.metadata`` by
-``TracerTraceToTriplet``, skipped by ``LlmProxyTraceToTriplet``).
+``TracerTraceToTriplet``, skipped by ``LlmProxyTraceToTriplet``). When several layers recorded one LLM
+call (the LLM proxy and a framework's instrumentation), the copy with token ids is kept and the
+others count as ``duplicates`` (``eventlight.adapter.dedup``).
 """
 
 from eventlight.adapter.base import Adapter, OtelTraceAdapter, RewardMatchPolicy, TraceAdapter, TraceToTripletBase

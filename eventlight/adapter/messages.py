@@ -9,6 +9,7 @@ from typing import Any, TypedDict
 
 from eventlight.adapter.attrs import _nested
 from eventlight.adapter.base import TraceAdapter
+from eventlight.adapter.dedup import keep_one_copy
 from eventlight.adapter.stats import AdapterStats, CountingAdapter, is_error
 from eventlight.core.types import Span
 from eventlight.genai import INPUT_MESSAGES, OUTPUT_MESSAGES, openai_messages
@@ -124,8 +125,10 @@ class TraceToMessages(CountingAdapter, TraceAdapter[list[OpenAIMessages]]):
     """OpenAI chat records from ``gen_ai.*`` span attributes (Agent-lightning ``TraceToMessages``).
 
     Every span with any ``gen_ai.prompt.*``, ``gen_ai.completion.*``, ``gen_ai.request.*`` or
-    ``gen_ai.response.*`` attribute gives one record (no tree: two instrumentation layers recording
-    the same call give two records). Prompt messages come from ``gen_ai.prompt.{i}.*`` (or, without
+    ``gen_ai.response.*`` attribute gives one record; when several instrumentation layers recorded
+    the same call (the same response id, or the same output: ``eventlight.adapter.dedup``), only
+    the copy with token ids (the LLM proxy's) gives one, and ``stats.duplicates``
+    counts the others. Prompt messages come from ``gen_ai.prompt.{i}.*`` (or, without
     it, from the current conventions' ``gen_ai.input.messages`` / ``gen_ai.output.messages``); each
     ``gen_ai.completion.{i}`` with role ``assistant`` is appended, carrying as ``tool_calls`` the
     direct child spans with ``tool.*`` attributes (``tool.call.id``, ``tool.call.type``,
@@ -141,12 +144,10 @@ class TraceToMessages(CountingAdapter, TraceAdapter[list[OpenAIMessages]]):
             ValueError: A span's prompt/completion is not a list, or its request/response not a dict.
         """
         children = _children(source)
-        stats, records = AdapterStats(), []
-        for span in source:
-            record = self._record(span, children)
-            if record is None:
-                continue
-            stats.llm_calls += 1
+        found = [(span, record) for span in source if (record := self._record(span, children)) is not None]
+        kept, _ = keep_one_copy([span for span, _ in found])  # one record per call: the copy with token ids
+        stats, records = AdapterStats(llm_calls=len(found), duplicates=len(found) - len(kept)), []
+        for span, record in (found[i] for i in kept):
             if is_error(span):  # a failed call (an upstream 400): a prompt with no answer to learn from
                 stats.errors += 1
                 continue

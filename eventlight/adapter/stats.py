@@ -22,7 +22,8 @@ class AdapterStats:
             to the usage counts); kept, marked ``metadata["token_ids_incomplete"] = True``.
         errors: Calls whose span has status ``ERROR`` (an upstream 400, a timeout): skipped, they
             hold no completion.
-        duplicates: Calls skipped as another copy of a call already taken (the same response id).
+        duplicates: Calls skipped as another copy of a call already taken: the same response id,
+            or the same output (``eventlight.adapter.dedup``); the copy with token ids is kept.
         cycles_cut: Parent-link cycles in the spans (bad input) cut to build the span tree; their
             spans are kept, the first of each cycle taken as a root.
     """

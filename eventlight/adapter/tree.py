@@ -9,14 +9,13 @@ from collections.abc import Sequence
 from eventlight.adapter.attrs import (
     OPERATION_NAME,
     OPERATION_SPAN,
-    RESPONSE_ID_KEYS,
     REWARD_OPERATION,
     VIRTUAL_ROOT_ID,
     _agent_name,
-    _first_str,
     _time,
 )
 from eventlight.adapter.base import RewardMatchPolicy
+from eventlight.adapter.dedup import copy_of, response_id
 from eventlight.adapter.stats import AdapterStats
 from eventlight.core.types import Span
 from eventlight.rewards import get_reward_value
@@ -154,15 +153,46 @@ class TraceTree:
         with ``agent_match=None`` the whole tree counts (agent ``"*"``), otherwise only nodes below
         an agent whose name matches (a non-matching agent resets it); with
         ``exclude_llm_call_in_reward`` nothing below a reward span counts; with ``dedup_llm_call``
-        a response id seen before, or a nested match without response id below a matched call, is
-        skipped (and counted in ``stats.duplicates`` when given). A node's own agent/reward status
-        applies to its descendants only.
+        a nested match without response id below a matched call is skipped, and of the copies of
+        one call (the same response id, or the same output: ``eventlight.adapter.dedup``) only one
+        is kept: the one with token ids (Agent-lightning keeps the first seen); both are counted in
+        ``stats.duplicates`` when given. A node's own agent/reward status applies to its
+        descendants only.
         """
-        walker = _LlmCallWalker(llm_call_match, agent_match, exclude_llm_call_in_reward, dedup_llm_call)
-        walker.visit(self, "*" if agent_match is None else None, False, False)
+        calls, dropped = self.find_llm_calls_counted(
+            llm_call_match=llm_call_match,
+            agent_match=agent_match,
+            exclude_llm_call_in_reward=exclude_llm_call_in_reward,
+            dedup_llm_call=dedup_llm_call,
+        )
         if stats is not None:
-            stats.duplicates += walker.duplicates
-        return walker.found
+            stats.duplicates += sum(dropped.values())
+        return calls
+
+    def find_llm_calls_counted(
+        self,
+        *,
+        llm_call_match: str,
+        agent_match: str | None,
+        exclude_llm_call_in_reward: bool = True,
+        dedup_llm_call: bool = True,
+    ) -> tuple[list[tuple[TraceTree, str]], dict[str, int]]:
+        """``find_llm_calls`` and, per kept call's node id, how many duplicate copies were dropped."""
+        walker = _LlmCallWalker(llm_call_match, agent_match, exclude_llm_call_in_reward, dedup_llm_call)
+        walker.visit(self, "*" if agent_match is None else None, False, None)
+        if not dedup_llm_call:
+            return walker.found, {}
+        found = walker.found
+        kept = copy_of([node.span for node, _ in found])
+        index = {node.id: i for i, (node, _) in enumerate(found)}
+        counts: dict[str, int] = {}
+        for i, k in enumerate(kept):
+            if i != k:
+                counts[found[k][0].id] = counts.get(found[k][0].id, 0) + 1
+        for node_id, n in walker.nested.items():  # nested copies without response id, skipped above
+            keeper = found[kept[index[node_id]]][0].id
+            counts[keeper] = counts.get(keeper, 0) + n
+        return [found[i] for i in sorted(set(kept))], counts
 
     def match_rewards(self, policy: RewardMatchPolicy | str, llm_calls: Sequence[TraceTree]) -> dict[str, float]:
         """Map LLM call ids to the rewards credited to them (see ``RewardMatchPolicy``).
@@ -188,14 +218,14 @@ class _LlmCallWalker:
         self.agent_match = agent_match
         self.exclude_in_reward = exclude_in_reward
         self.dedup = dedup
-        self.seen_response_ids: set[str] = set()
         self.found: list[tuple[TraceTree, str]] = []
-        self.duplicates = 0
+        self.nested: dict[str, int] = {}  # enclosing call's node id -> nested copies skipped
 
-    def visit(self, node: TraceTree, agent: str | None, in_reward: bool, in_llm_call: bool) -> None:
+    def visit(self, node: TraceTree, agent: str | None, in_reward: bool, in_llm_call: str | None) -> None:
+        """``in_llm_call``: the node id of the matched call this node is below, if any."""
         if self._is_call(node, agent, in_reward, in_llm_call):
             self.found.append((node, agent))  # type: ignore[arg-type]  # _is_call checks agent
-            in_llm_call = True
+            in_llm_call = in_llm_call or node.id
         name = node.agent_name()
         if name is not None:
             agent = name if self.agent_match is None or re.search(self.agent_match, name) else None
@@ -203,20 +233,13 @@ class _LlmCallWalker:
         for child in node.children:
             self.visit(child, agent, in_reward, in_llm_call)
 
-    def _is_call(self, node: TraceTree, agent: str | None, in_reward: bool, in_llm_call: bool) -> bool:
+    def _is_call(self, node: TraceTree, agent: str | None, in_reward: bool, in_llm_call: str | None) -> bool:
         if agent is None or in_reward or re.search(self.llm_call_match, node.span.name) is None:
             return False
-        if not self.dedup:
+        if not self.dedup or in_llm_call is None or response_id(node.span.attributes or {}) is not None:
             return True
-        response_id = _first_str(node.span.attributes or {}, RESPONSE_ID_KEYS)
-        if response_id is None:
-            self.duplicates += in_llm_call
-            return not in_llm_call
-        if response_id in self.seen_response_ids:
-            self.duplicates += 1
-            return False
-        self.seen_response_ids.add(response_id)
-        return True
+        self.nested[in_llm_call] = self.nested.get(in_llm_call, 0) + 1
+        return False
 
 
 def _reach(start: str, children: dict[str, list[str]], seen: set[str]) -> None:

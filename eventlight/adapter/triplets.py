@@ -159,19 +159,22 @@ class TracerTraceToTriplet(TraceToTripletBase):
 
         Returns:
             One triplet per matched LLM call; ``[]`` (with a warning naming the spans seen) when no
-            span matches ``llm_call_match`` or ``source`` is empty.
+            span matches ``llm_call_match`` or ``source`` is empty. Of the copies of one call that
+            several instrumentation layers recorded (the LLM proxy's beside a framework's), the one
+            with token ids is kept; its ``metadata["duplicates_dropped"]`` and ``stats.duplicates``
+            count the others.
         """
         stats = AdapterStats()
         if not source:
             self._counted(stats)
             return []
         tree = self.build_tree(source)
-        calls = tree.find_llm_calls(
+        calls, dropped = tree.find_llm_calls_counted(
             llm_call_match=self.llm_call_match,
             agent_match=self.agent_match,
             exclude_llm_call_in_reward=self.exclude_llm_call_in_reward,
-            stats=stats,
         )
+        stats.duplicates += sum(dropped.values())
         stats.llm_calls = len(calls) + stats.duplicates
         stats.cycles_cut = tree.cycles_cut
         pairs = []
@@ -180,6 +183,8 @@ class TracerTraceToTriplet(TraceToTripletBase):
                 stats.errors += 1
                 continue
             triplet = _marked(span_to_triplet(node.span, agent), node.span, stats)
+            if dropped.get(node.id):
+                triplet.metadata["duplicates_dropped"] = dropped[node.id]
             if self._skip_empty_token_spans and triplet.metadata.get("token_ids_missing"):
                 continue
             pairs.append((node, triplet))
@@ -252,10 +257,11 @@ class LlmProxyTraceToTriplet(TraceToTripletBase):
     2. LLM calls are ``raw_gen_ai_request`` spans (``llm.hosted_vllm.prompt_token_ids``, response
        from ``llm.hosted_vllm.response_token_ids[0]`` or ``llm.hosted_vllm.choices[0].token_ids``;
        strings are parsed with ``ast.literal_eval``) or ``litellm_request`` spans
-       (``prompt_token_ids``/``response_token_ids``). Both lists must be non-empty. Calls are
-       deduplicated by ``gen_ai.response.id`` or ``llm.hosted_vllm.id``. Extension: spans named
-       ``openai.chat.completion`` with ``prompt_token_ids``/``response_token_ids`` (what
-       eventlight's own ``LLMProxy`` records) count too.
+       (``prompt_token_ids``/``response_token_ids``). Both lists must be non-empty, so framework
+       copies of a call (no ids) never count. Calls are deduplicated by ``gen_ai.response.id`` or
+       ``llm.hosted_vllm.id`` (the first kept; ``stats.duplicates`` counts the others).
+       Extension: spans named ``openai.chat.completion`` with ``prompt_token_ids``/
+       ``response_token_ids`` (what eventlight's own ``LLMProxy`` records) count too.
     3. Each reward, in sequence order, goes to the latest unrewarded call with a strictly smaller
        sequence id.
     """

@@ -135,6 +135,14 @@ def runner(
         str | None,
         typer.Option(help="RolloutConfig.retry_condition, comma-separated attempt statuses (failed,timeout,...)."),
     ] = None,
+    instrument: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--instrument",
+            help="Switch on OpenInference's instrumentation of a framework in each runner: openai, openai_agents, "
+            "langchain or all (repeatable; the frameworks extra).",
+        ),
+    ] = None,
     namespace: NamespaceOpt = None,
 ) -> None:
     """Run runner processes that consume the namespace's rollout queue until Ctrl+C or SIGTERM.
@@ -158,11 +166,14 @@ def runner(
     settings = _settings(namespace)
     config = _rollout_config(timeout_s, unresponsive_s, max_attempts, retry_on)
     the_agent = load_agent(agent)
+    instrument_names = _instrumented(instrument)
     nats_url = _run(_runner_nats(settings))
     if metrics_port is not None and metrics_port + n - 1 > 65535:
         raise CliError(f"--metrics-port {metrics_port} with {n} runners goes past port 65535")
     template = LitAgentRunner(
-        OtelTracer(), metrics=RunnerMetrics() if metrics_port is not None else None, rollout_config=config
+        OtelTracer(instrument=instrument_names),
+        metrics=RunnerMetrics() if metrics_port is not None else None,
+        rollout_config=config,
     )
     pool = RunnerPool(
         the_agent, n, settings, nats_url, runner=template, log_level=settings.log_level, metrics_port=metrics_port
@@ -188,6 +199,21 @@ def runner(
         raise typer.Exit(EXIT_INTERRUPTED if isinstance(e, KeyboardInterrupt) else EXIT_TERMINATED) from None
     codes = pool.stop()
     raise CliError(f"runner processes exited (exit codes {codes}); their log is above", EXIT_UNAVAILABLE)
+
+
+def _instrumented(frameworks: list[str] | None) -> tuple[str, ...]:
+    """The frameworks ``--instrument`` names, checked here before any process starts."""
+    from eventlight import instrumentation
+    from eventlight.core.errors import InvalidInputError
+
+    if not frameworks:
+        return ()
+    try:
+        names = instrumentation.validate(frameworks)
+        instrumentation.require(*names)
+    except InvalidInputError as exc:
+        raise CliError(f"--instrument: {exc}") from exc
+    return names
 
 
 def _rollout_config(

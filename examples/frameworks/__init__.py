@@ -1,0 +1,1 @@
+"""Agents written with ordinary frameworks, trained by eventlight without changing their code."""
