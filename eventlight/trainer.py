@@ -26,14 +26,13 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from eventlight.agent import LitAgent
 from eventlight.algorithm.base import Algorithm, FastAlgorithm
 from eventlight.algorithm.baseline import Baseline
 from eventlight.component import build_component
-from eventlight.core.errors import LLMUnavailableError, NoRunnersError
 from eventlight.core.types import RolloutConfig
 from eventlight.execution import ClientServerExecutionStrategy, ExecutionStrategy, SharedMemoryExecutionStrategy
 from eventlight.ops import Services, apply_migrations, apply_streams, prepare_services, stop_services
@@ -43,9 +42,9 @@ from eventlight.settings import Settings
 from eventlight.store.base import LightningStore
 from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.store.jetstream.connect import connect_nats
-from eventlight.store.liveness import LIVE_HEARTBEAT_S, waiting_without_workers
 from eventlight.store.validate import check_rollout_config
 from eventlight.tracer import OtelTracer, Tracer
+from eventlight.trainer_guards import stop_when_llm_fails, stop_when_runners_gone
 from eventlight.trainer_strategies import (
     resolve_strategy,
     run_event_loop,
@@ -56,7 +55,7 @@ from eventlight.trainer_strategies import (
 )
 
 if TYPE_CHECKING:
-    from eventlight.llm_proxy import LLMProxy
+    pass
 
 log = logging.getLogger(__name__)
 
@@ -324,80 +323,10 @@ class Trainer:
                 proxy.health.reset()
             if algo.is_async():
                 watched = proxy if self.check_llm else None
-                run = _stop_when_llm_fails(algo.run(train_dataset=train, val_dataset=val), watched)
-                await _stop_when_runners_gone(run, store, pool, self.runner)
+                run = stop_when_llm_fails(algo.run(train_dataset=train, val_dataset=val), watched)
+                await stop_when_runners_gone(run, store, pool, self.runner)
             else:
                 algo.run(train_dataset=train, val_dataset=val)
         finally:
             if proxy is not None:
                 await proxy.stop()
-
-
-RUNNERS_CHECK_S = 10.0
-"""Seconds between the trainer's checks that its runners are alive while rollouts wait."""
-DEFAULT_HEARTBEAT_S = 10.0  # LitAgentRunner's default heartbeat_interval
-
-
-async def _stop_when_runners_gone(
-    run: Coroutine[Any, Any, Any], store: Any, pool: RunnerPool | None, runner: LitAgentRunner | None
-) -> None:
-    """Await ``run``; cancel it and raise ``NoRunnersError`` when rollouts wait and none of the
-    runners this trainer started is alive (``waiting_without_workers``: no heartbeat within
-    ``max(LIVE_HEARTBEAT_S, 3 heartbeats)``, while some of its processes are down). Checked every
-    ``RUNNERS_CHECK_S`` after that much grace; not when the runners are elsewhere (role
-    ``algorithm``) or send no heartbeats."""
-    beats = runner.heartbeat_interval if runner is not None else DEFAULT_HEARTBEAT_S
-    if pool is None or beats <= 0:
-        await run
-        return
-    live_s = max(LIVE_HEARTBEAT_S, 3 * beats)
-
-    async def watch() -> str:
-        await asyncio.sleep(live_s)
-        while True:
-            message = await waiting_without_workers(store, live_s=live_s)
-            if message is not None and pool.alive() < len(pool.procs):
-                return f"{message} ({pool.alive()} of {len(pool.procs)} runner processes up, {pool.restarts} restarts)"
-            await asyncio.sleep(RUNNERS_CHECK_S)
-
-    task = asyncio.ensure_future(run)
-    gone = asyncio.ensure_future(watch())
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            task.result()
-            return
-        log.error("stopping the run: %s", gone.result())
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        raise NoRunnersError(gone.result())
-    finally:
-        gone.cancel()
-
-
-async def _stop_when_llm_fails(run: Coroutine[Any, Any, Any], proxy: LLMProxy | None) -> None:
-    """Await ``run``; cancel it and raise ``LLMUnavailableError`` once most calls through ``proxy`` fail."""
-    if proxy is None:
-        await run
-        return
-    task = asyncio.ensure_future(run)
-    failing = asyncio.ensure_future(proxy.health.wait_failing())
-    try:
-        await asyncio.wait({task, failing}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            task.result()
-            return
-        log.error("stopping the run: %s", failing.result())
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        backends = sorted({str(e["litellm_params"].get("api_base") or "?") for e in proxy.model_list})
-        where = f"{proxy.endpoint} (backend {', '.join(backends)})"
-        raise LLMUnavailableError(where, f"{failing.result()}; the run was stopped, its results are void")
-    finally:
-        failing.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task

@@ -16,7 +16,7 @@ from eventlight.core.errors import LLMUnavailableError, ServiceUnavailableError
 from eventlight.llm_health import LLMCallHealth
 from eventlight.llm_proxy import LLMProxy
 from eventlight.net import free_port
-from eventlight.trainer import _stop_when_llm_fails
+from eventlight.trainer_guards import stop_when_llm_fails
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "stub-model"
@@ -113,7 +113,7 @@ async def test_a_run_is_cancelled_once_most_calls_through_the_proxy_fail() -> No
 
     async with stub as url, proxy_for(url) as proxy:
         with pytest.raises(LLMUnavailableError, match="of the last .* LLM calls failed") as info:
-            await asyncio.wait_for(_stop_when_llm_fails(algorithm(proxy.endpoint), proxy), 60)
+            await asyncio.wait_for(stop_when_llm_fails(algorithm(proxy.endpoint), proxy), 60)
     assert cancelled.is_set()
     assert "server died" in str(info.value) and "stopped" in str(info.value)
     assert 10 <= len(stub.requests) < 200
@@ -125,7 +125,7 @@ async def test_a_run_that_ends_normally_is_not_touched() -> None:
         async def algorithm() -> str:
             return "done"
 
-        await _stop_when_llm_fails(algorithm(), proxy)
+        await stop_when_llm_fails(algorithm(), proxy)
         assert proxy.health.failing() is None
 
 

@@ -188,11 +188,11 @@ async def test_a_trainer_whose_runners_die_at_start_stops_with_a_clear_error(
 ) -> None:
     """Its runner processes exit as they start and the pool keeps restarting them: rollouts wait
     with no live runner, and the trainer says so and stops instead of waiting for ever."""
-    import eventlight.trainer as trainer_module
+    import eventlight.trainer_guards as guards
     from tests.fault_agents import DyingRunner
 
-    monkeypatch.setattr(trainer_module, "LIVE_HEARTBEAT_S", 2.0)
-    monkeypatch.setattr(trainer_module, "RUNNERS_CHECK_S", 0.5)
+    monkeypatch.setattr(guards, "LIVE_HEARTBEAT_S", 2.0)
+    monkeypatch.setattr(guards, "RUNNERS_CHECK_S", 0.5)
     runner = DyingRunner(agl.OtelTracer(), heartbeat_interval=0.5)
     trainer = agl.Trainer(n_runners=1, runner=runner, initial_resources={"prompt_template": PROMPT}, settings=namespace)
     with pytest.raises(agl.NoRunnersError, match=r"rollout\(s\) wait in the queue and no runner is alive") as info:
