@@ -14,7 +14,6 @@ import eventlight as agl
     ("make", "instead"),
     [
         (lambda: agl.AgentOpsTracer(), "OtelTracer"),
-        (lambda: agl.VERL({}), "GRPO"),
         (lambda: agl.DevTaskLoader([], {}), "Trainer.dev"),
         (lambda: agl.CollectionBasedLightningStore(), "EventStore"),
         (lambda: agl.SharedMemoryExecutionStrategy(n_runners=2, main_thread="algorithm").execute(), "Trainer(strategy"),
