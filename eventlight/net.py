@@ -56,6 +56,23 @@ def redact(url: str) -> str:
     return _CREDS_RE.sub(_mask, url)
 
 
+def redact_configured(value: str, text: str) -> str:
+    """``text`` (an error message about the configured URL or DSN ``value``) safe to print.
+
+    A well-formed URL is masked as ``redact`` does. A value that is not a URL (no ``scheme://``:
+    a password-only file, ``user:pw@host``) cannot be parsed for its secret, so the value and each
+    of its parts of four characters or more are replaced by ``***`` wherever they appear, and the
+    rest of the text is redacted as usual.
+    """
+    if "://" not in value:
+        parts = {value, *re.split(r"[:@/?=&\s]+", value)}
+        for part in sorted(parts, key=len, reverse=True):
+            if len(part) >= 4:
+                text = text.replace(part, "***")
+                text = text.replace(part.lower(), "***")
+    return redact(text)
+
+
 _CREDS_RE = re.compile(r"(?<![\w+.-])([a-zA-Z][\w+.-]*://)([^@/\s,]*)@")
 
 

@@ -329,3 +329,19 @@ def test_no_credential_literal_in_the_package() -> None:
     assert len(files) > 100  # the package, not an empty folder
     found = [f for path in files for f in credential_literals(path.read_text(), path.relative_to(ROOT).as_posix())]
     assert found == [], found
+
+
+def test_a_configured_value_that_is_not_a_url_is_never_printed() -> None:
+    """A password-only file or a DSN without a scheme cannot be parsed for its secret: the value and
+    its parts are hidden wherever an error message repeats them (found by a fresh user)."""
+    from eventlight.net import redact_configured
+
+    for value, text in (
+        ("Hunter2Secret", "EVENTLIGHT_PG_DSN Hunter2Secret: invalid DSN"),
+        ("postgres:Hunter2Secret@localhost", 'database "Hunter2Secret@localhost" does not exist'),
+        ("Hunter2Secret", "nothing answers at hunter2secret:4222"),
+    ):
+        shown = redact_configured(value, text)
+        assert "hunter2secret" not in shown.lower() and "***" in shown, shown
+    url = "postgresql://app:Hunter2Secret@db:5432/app"
+    assert redact_configured(url, f"cannot reach {url}") == "cannot reach postgresql://app:***@db:5432/app"

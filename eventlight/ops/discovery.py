@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from eventlight.core.errors import ServiceUnavailableError
-from eventlight.net import redact
+from eventlight.net import redact_configured
 from eventlight.ops.nats_server import nats_probe
 from eventlight.ops.postgres import pg_probe
 from eventlight.ops.state import read_services
@@ -50,7 +50,10 @@ async def find_nats(settings: Settings) -> Endpoint | None:
         return None
     why = await nats_probe(found.url, auth=settings.nats_auth)
     if why:
-        raise ServiceUnavailableError(f"{found.origin} {redact(found.url)}", f"NATS did not answer within 2 s ({why})")
+        raise ServiceUnavailableError(
+            redact_configured(found.url, f"{found.origin} {found.url}"),
+            redact_configured(found.url, f"NATS did not answer within 2 s ({why})"),
+        )
     return found
 
 
@@ -75,5 +78,8 @@ async def find_pg(settings: Settings) -> Endpoint | None:
         return None
     why = await pg_probe(found.url)
     if why:
-        raise ServiceUnavailableError(f"{found.origin} {redact(found.url)}", f"Postgres did not answer ({why})")
+        raise ServiceUnavailableError(
+            redact_configured(found.url, f"{found.origin} {found.url}"),
+            redact_configured(found.url, f"Postgres did not answer ({why})"),
+        )
     return found
