@@ -169,7 +169,7 @@ async def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     """Run the bench; 2 with one ``error:`` line when this machine cannot run VERL."""
     args = parse_args(argv)
-    from eventlight.verl.gpu import VerlUnavailableError, require_gpu
+    from eventlight.verl.requirements import VerlUnavailableError, require_gpu
 
     try:
         require_gpu()

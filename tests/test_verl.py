@@ -30,7 +30,7 @@ from eventlight.core.types import Span  # noqa: E402
 from eventlight.verl.batch import EmptyBatchError, Trajectory, build_batch  # noqa: E402
 from eventlight.verl.config import VerlSettings, verl_config  # noqa: E402
 from eventlight.verl.daemon import VerlDaemon  # noqa: E402
-from eventlight.verl.gpu import VerlUnavailableError  # noqa: E402
+from eventlight.verl.requirements import VerlUnavailableError  # noqa: E402
 
 P, R = 48, 40
 

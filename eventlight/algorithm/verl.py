@@ -80,7 +80,7 @@ class VERL(Algorithm):
             VerlUnavailableError: No CUDA GPU, or the ``verl`` extra is not installed.
             ValueError: No training task, or no LLM proxy.
         """
-        from eventlight.verl.gpu import require_gpu
+        from eventlight.verl.requirements import require_gpu
 
         require_gpu()
         train = [train_dataset[i] for i in range(len(train_dataset))] if train_dataset is not None else []

@@ -14,44 +14,18 @@ Not verified on a GPU from this repository's CI (no GPU there): see the README's
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from eventlight.core.errors import EventlightError
 from eventlight.verl.batch import EmptyBatchError
 from eventlight.verl.daemon import VerlDaemon
+from eventlight.verl.requirements import VerlUnavailableError, require_gpu
 
 log = logging.getLogger(__name__)
 
 __all__ = ["VerlUnavailableError", "require_gpu", "run_training"]
-
-
-class VerlUnavailableError(EventlightError):
-    """VERL cannot train here: no CUDA GPU, or the ``verl`` extra (verl, vllm, ray) is missing."""
-
-
-def require_gpu() -> None:
-    """Check that VERL can train on this machine, before anything is started.
-
-    Raises:
-        VerlUnavailableError: One line naming what is missing.
-    """
-    missing = [m for m in ("torch", "verl", "vllm", "ray") if importlib.util.find_spec(m) is None]
-    if missing:
-        raise VerlUnavailableError(
-            f"VERL needs the verl extra on a GPU machine (missing: {', '.join(missing)}); "
-            "see the README's VERL section (the CPU data path is eventlight.verl.batch)"
-        )
-    import torch
-
-    if not torch.cuda.is_available():
-        raise VerlUnavailableError(
-            f"VERL trains on CUDA GPUs and torch {torch.__version__} sees none; "
-            "on a CPU use eventlight.algorithm.grpo.GRPO (the CPU data path is eventlight.verl.batch)"
-        )
 
 
 class _Rows:
