@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PROGRAM = """
 import asyncio, importlib.util, sys
 real = importlib.util.find_spec
-importlib.util.find_spec = lambda name, *a: None if name.split(".")[0] in {"torch", "verl", "vllm", "ray"} else real(name, *a)
+hidden = {"torch", "verl", "vllm", "ray"}
+importlib.util.find_spec = lambda name, *a: None if name.split(".")[0] in hidden else real(name, *a)
 import eventlight as agl
 from eventlight.verl.requirements import VerlUnavailableError
 config = {"actor_rollout_ref": {"model": {"path": "/models/tiny"}, "rollout": {"n": 2}},
@@ -35,7 +36,8 @@ def test_verl_run_without_the_extra_is_one_line_before_any_heavy_import() -> Non
 
 
 def test_the_gpu_bench_says_so_in_one_line_and_exits_2() -> None:
-    program = PROGRAM.split("import eventlight as agl")[0] + "import runpy\nrunpy.run_module('bench.verl_gpu', run_name='__main__')\n"
+    run_bench = "import runpy\nrunpy.run_module('bench.verl_gpu', run_name='__main__')\n"
+    program = PROGRAM.split("import eventlight as agl")[0] + run_bench
     out = subprocess.run(
         [sys.executable, "-c", program, "--steps", "1"], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
