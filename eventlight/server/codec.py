@@ -53,7 +53,10 @@ async def body(request: Request, cls: type[T], *, empty: T | None = None) -> T:
     raw = await request.body()
     if empty is not None and raw.strip() in (b"", b"null"):
         return empty
-    return msgspec.json.decode(raw, type=cls)
+    try:
+        return msgspec.json.decode(raw, type=cls)
+    except RecursionError:  # arrays or objects nested thousands deep: bad input, not a server fault
+        raise msgspec.DecodeError("JSON is nested too deeply") from None
 
 
 def _schema_of(tp: Any) -> dict[str, Any]:

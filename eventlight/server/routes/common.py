@@ -16,13 +16,18 @@ def store_of(request: Request) -> LightningStore:
     return store
 
 
+INT64_MAX = 2**63 - 1
+
+
 def check_page(limit: int, offset: int) -> None:
     """Agent-lightning 0.3.0's server checks: ``limit`` is ``-1`` or positive, ``offset`` not negative.
 
     Raises:
-        InvalidInputError: Either is out of range (400).
+        InvalidInputError: Either is out of range, or above ``INT64_MAX`` (400).
     """
     if limit != -1 and limit <= 0:
         raise InvalidInputError(f"limit must be -1 (no limit) or positive, got {limit}")
     if offset < 0:
         raise InvalidInputError(f"offset must be >= 0, got {offset}")
+    if max(limit, offset) > INT64_MAX:  # what Postgres' bigint holds
+        raise InvalidInputError(f"limit and offset must be at most {INT64_MAX}, got {limit} and {offset}")
