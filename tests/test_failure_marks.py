@@ -190,9 +190,14 @@ async def test_a_runner_config_applies_to_rollouts_enqueued_without_one() -> Non
     ("args", "says"),
     [
         (["--max-attempts", "0"], "max_attempts must be >= 1"),
-        (["--retry-on", "failed,exploded"], "unknown attempt statuses: ['exploded']"),
-        (["--timeout-s", "-1"], "--timeout-s must be > 0 seconds"),
-        (["--unresponsive-s", "0"], "--unresponsive-s must be > 0 seconds"),
+        (["--retry-on", "failed,exploded"], "--retry-on takes failed, timeout, unresponsive"),
+        (["--retry-on", "succeeded"], "got 'succeeded'"),  # the rest: found by a fresh user
+        (["--retry-on", ""], "got ''"),
+        (["--retry-on", "failed,,timeout"], "got 'failed,,timeout'"),
+        (["--timeout-s", "-1"], "--timeout-s must be a finite number of seconds > 0"),
+        (["--timeout-s", "nan"], "got nan"),
+        (["--timeout-s", "inf"], "got inf"),
+        (["--unresponsive-s", "0"], "--unresponsive-s must be a finite number of seconds > 0"),
     ],
 )
 def test_eventlight_runner_refuses_a_bad_rollout_config_in_one_line(args: list[str], says: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import math
 import signal
 import sys
 import time
@@ -216,6 +217,10 @@ def _instrumented(frameworks: list[str] | None) -> tuple[str, ...]:
     return names
 
 
+RETRYABLE = ("failed", "timeout", "unresponsive")
+"""The attempt statuses ``--retry-on`` may name: the ones an attempt ends in without succeeding."""
+
+
 def _rollout_config(
     timeout_s: float | None, unresponsive_s: float | None, max_attempts: int | None, retry_on: str | None
 ) -> RolloutConfig | None:
@@ -227,13 +232,17 @@ def _rollout_config(
     fields: dict[str, Any] = {}
     for name, value in (("timeout_seconds", timeout_s), ("unresponsive_seconds", unresponsive_s)):
         if value is not None:
-            if value <= 0:
-                raise CliError(f"--{name.split('_')[0]}-s must be > 0 seconds, got {value:g}")
+            if not math.isfinite(value) or value <= 0:
+                raise CliError(f"--{name.split('_')[0]}-s must be a finite number of seconds > 0, got {value:g}")
             fields[name] = value
     if max_attempts is not None:
         fields["max_attempts"] = max_attempts
     if retry_on is not None:
-        fields["retry_condition"] = [p.strip() for p in retry_on.split(",") if p.strip()]
+        statuses = [p.strip() for p in retry_on.split(",")]
+        wrong = [p for p in statuses if p not in RETRYABLE]
+        if wrong:
+            raise CliError(f"--retry-on takes {', '.join(RETRYABLE)} (comma-separated), got {retry_on!r}")
+        fields["retry_condition"] = statuses
     if not fields:
         return None
     try:
