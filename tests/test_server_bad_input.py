@@ -202,8 +202,8 @@ async def test_otlp_bad_input(
 @pytest.mark.parametrize(
     ("headers", "words"),
     [({}, "missing bearer token"), ({"Authorization": "Bearer nope"}, "wrong bearer token"),
-     ({"Authorization": TOKEN}, "wrong bearer token")],
-    ids=["missing", "wrong", "not bearer"],
+     ({"Authorization": TOKEN}, "must be 'Bearer <token>'"), ({"Authorization": "Basic " + TOKEN}, "must be")],
+    ids=["missing", "wrong", "no scheme", "other scheme"],
 )  # fmt: skip
 @pytest.mark.parametrize("path", ["/v1/agl/health", "/v1/traces", "/openapi.json"])
 async def test_a_request_without_the_token_is_401(
@@ -214,6 +214,15 @@ async def test_a_request_without_the_token_is_401(
     assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer")
     assert words in r.json()["detail"] and TOKEN not in r.text
     await _still_serving(http)
+
+
+async def test_the_bearer_scheme_is_case_insensitive(http: httpx.AsyncClient) -> None:
+    """RFC 7235: the scheme's case does not matter; the token's does (found by a fresh user)."""
+    for scheme in ("bearer", "BEARER", "Bearer"):
+        r = await http.get("/v1/agl/health", headers={"Authorization": f"{scheme} {TOKEN}"})
+        assert r.status_code == 200, (scheme, r.text)
+    r = await http.get("/v1/agl/health", headers={"Authorization": f"Bearer {TOKEN.upper()}"})
+    assert r.status_code == 401
 
 
 async def test_clients_with_the_token_work_and_without_it_get_authentication_error(http: httpx.AsyncClient) -> None:

@@ -76,10 +76,16 @@ async def _serve(settings: Settings, backend: Backend, host: str, port: int, tok
     try:
         await server.start()
         auth = "bearer token required" if token else "no token (anyone who can connect may write)"
+        bound = f" (listening on {host}:{port})" if host in ("0.0.0.0", "", "::") else ""
         console.print(
-            f"serving {escape(type(store).__name__)} of namespace {settings.namespace} on {server.endpoint} "
-            f"({identity['instance']}; {auth}); OpenAPI at {server.endpoint}/docs; Ctrl+C to stop"
+            f"serving {escape(type(store).__name__)} of namespace {settings.namespace} on {server.endpoint}"
+            f"{bound} ({identity['instance']}; {auth}); OpenAPI at {server.endpoint}/docs; Ctrl+C to stop"
         )
+        if not token and host not in ("127.0.0.1", "localhost", "::1"):
+            console.print(
+                f"warning: {host} is reachable from other machines and no token is set: anyone who can "
+                "connect may read and write this store (set --token or $EVENTLIGHT_SERVER_TOKEN)"
+            )
         await stop.wait()
     finally:
         loop.remove_signal_handler(signal.SIGTERM)

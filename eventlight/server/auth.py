@@ -65,20 +65,21 @@ class BearerAuth:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        given = headers.get(b"authorization")
-        if given is not None and hmac.compare_digest(given, self._expected):
-            await self.app(scope, receive, send)
-            return
+        auth = headers.get(b"authorization")
+        # the scheme is case-insensitive (RFC 7235): "bearer x" is "Bearer x"
+        bearer = b"Bearer " + auth[7:] if auth is not None and auth[:7].lower() == b"bearer " else None
         key = headers.get(self._key_header) if self._key_header else None
-        if key is not None and hmac.compare_digest(key, self._key):
+        if (bearer is not None and hmac.compare_digest(bearer, self._expected)) or (
+            key is not None and hmac.compare_digest(key, self._key)
+        ):
             await self.app(scope, receive, send)
             return
-        given = given if given is not None else key
-        detail = (
-            f"missing bearer token: send 'Authorization: Bearer <token>' ({self._hint})"
-            if given is None
-            else "wrong bearer token"
-        )
+        if auth is None and key is None:
+            detail = f"missing bearer token: send 'Authorization: Bearer <token>' ({self._hint})"
+        elif auth is not None and bearer is None:
+            detail = "the Authorization header must be 'Bearer <token>'"
+        else:
+            detail = "wrong bearer token"
         response = self._refuse(detail)
         response.headers["WWW-Authenticate"] = 'Bearer realm="eventlight"'
         await response(scope, receive, send)
