@@ -233,6 +233,11 @@ def test_config_is_validated_with_one_line_errors() -> None:
         ({**CONFIG, "data": {**CONFIG["data"], "train_batch_size": 0}}, "data.train_batch_size"),
         ({**CONFIG, "agentlightning": {"trace_aggregator": {"level": "turn"}}}, "level"),
         ({**CONFIG, "actor_rollout_ref": {"model": {"path": "m"}, "rollout": {"name": "sglang"}}}, "'vllm'"),
+        (  # found by a fresh user: a raw ValueError, and a negative timeout taken
+            {**CONFIG, "actor_rollout_ref": {"model": {"path": "m"}, "rollout": {"temperature": "hot"}}},
+            "temperature must be a number >= 0, got 'hot'",
+        ),
+        ({**CONFIG, "agentlightning": {"rollout_timeout_s": -5}}, "rollout_timeout_s must be a number > 0"),
     ]
     for config, key in bad:
         with pytest.raises(InvalidInputError, match=key):

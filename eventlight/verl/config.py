@@ -10,6 +10,7 @@ packaged defaults with Hydra (it needs verl and hydra-core) for the GPU trainer.
 from __future__ import annotations
 
 import copy
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -60,6 +61,17 @@ def _positive_int(config: Mapping[str, Any], dotted: str, default: int | None = 
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise InvalidInputError(f"VERL config {dotted} must be a positive integer, got {value!r}")
     return value
+
+
+def _number(
+    config: Mapping[str, Any], dotted: str, default: float, *, low: float | None = None, positive: bool = False
+) -> float:
+    value = _get(config, dotted, default)
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or (positive and value <= 0) or (low is not None and value < low):
+        want = "a number > 0" if positive else f"a number >= {low:g}" if low is not None else "a finite number"
+        raise InvalidInputError(f"VERL config {dotted} must be {want}, got {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -123,11 +135,11 @@ class VerlSettings:
             max_prompt_length=_positive_int(c, prefix + "max_prompt_length"),
             max_response_length=_positive_int(c, prefix + "max_response_length"),
             level=level,
-            temperature=float(_get(c, "actor_rollout_ref.rollout.temperature", 1.0)),
-            reward_fillna_value=float(_get(c, "agentlightning.reward_fillna_value", 0.0)),
+            temperature=_number(c, "actor_rollout_ref.rollout.temperature", 1.0, low=0.0),
+            reward_fillna_value=_number(c, "agentlightning.reward_fillna_value", 0.0),
             total_epochs=_positive_int(c, "trainer.total_epochs", 1),
             total_training_steps=None if steps is None else _positive_int(c, "trainer.total_training_steps"),
-            rollout_timeout_s=float(_get(c, "agentlightning.rollout_timeout_s", 1200.0)),
+            rollout_timeout_s=_number(c, "agentlightning.rollout_timeout_s", 1200.0, positive=True),
         )
 
 
