@@ -12,23 +12,9 @@ import pytest
 from eventlight.adapter import LlmProxyTraceToTriplet, TracerTraceToTriplet, TraceToMessages
 from eventlight.adapter.dedup import keep_one_copy, output_fingerprint, response_id
 from eventlight.core.types import OtelResource, Span
+from tests.test_adapter import span
 
 ALL_LLM = r"^(openai\.chat\.completion|ChatCompletion|ChatOpenAI|generation)$"
-
-
-def span(span_id: str, name: str, parent: str | None, start: float, end: float, seq: int, **attrs: Any) -> Span:
-    return Span.from_attributes(
-        attributes=attrs,
-        rollout_id="ro-1",
-        attempt_id="at-1",
-        sequence_id=seq,
-        name=name,
-        trace_id="t" * 32,
-        span_id=span_id,
-        parent_id=parent,
-        start_time=start,
-        end_time=end,
-    )
 
 
 def proxy(span_id: str, start: float, end: float, seq: int, rid: str, text: str, counts: tuple[int, int]) -> Span:
