@@ -183,6 +183,7 @@ async def test_a_repeated_unfenced_message_is_stored_once_in_a_batch(opened: tup
 async def test_a_batch_over_the_limits_is_split(opened: tuple[JetStreamEventLog, _Seen]) -> None:
     log, seen = opened
     log.appender.max_messages = 7
+    log.appender.plain_window = 1
     rids = [f"big-{i}" for i in range(40)]
     versions = await _append_all(log, [(rid, _created(rid), 0) for rid in rids])
     assert all(isinstance(v, int) for v in versions), versions
