@@ -4,7 +4,8 @@ A rollout's state events live under ``el.<ns>.r.<rollout_id>.{q,e}`` (``layout``
 carries ``Nats-Expected-Last-Subject-Sequence`` with ``Nats-Expected-Last-Subject-Sequence-Subject:
 el.<ns>.r.<rollout_id>.>`` (nats-server >= 2.11; error 10071 when stale) and a ``Nats-Msg-Id`` built
 from the command id, so a retried publish is de-duplicated by the server. A rollout's version is
-the stream sequence of its last state event.
+the stream sequence of its last state event. Concurrent appends of this process travel as one
+JetStream atomic batch (``appender``: group commit, one fsync for all).
 
 A load folds the rollout's state events and, in stream order among them, the last span batch of
 each of its attempts (one direct get per attempt), so the state a writer decides on includes what
@@ -29,6 +30,7 @@ from eventlight.core.events import AnyEvent, ResourcesPut, RolloutEvent, decode_
 from eventlight.core.evolve import evolve, spans_arrived
 from eventlight.core.types import ResourcesUpdate, Span
 from eventlight.settings import Settings
+from eventlight.store.jetstream.appender import AtomicAppender
 from eventlight.store.jetstream.archive import RetiredLedger, scan_log
 from eventlight.store.jetstream.follow import SERVER_TIMEOUT_S, JetStreamFeed
 from eventlight.store.jetstream.layout import rollout_filter, span_subject, subject_for
@@ -39,6 +41,8 @@ from eventlight.store.ports import SpanHead
 from eventlight.store.validate import is_token
 
 log = logging.getLogger(__name__)
+
+PUBLISH_TIMEOUT_S = 10.0  # a publish (or an atomic batch's commit) unanswered this long: NATS is down
 
 
 class _SpanHead(msgspec.Struct):
@@ -83,13 +87,14 @@ class JetStreamEventLog:
 
     def __init__(self, nc: NATS, settings: Settings, clock: Any):
         self.nc = nc
-        self.js: JetStreamContext = nc.jetstream(timeout=10.0)
+        self.js: JetStreamContext = nc.jetstream(timeout=PUBLISH_TIMEOUT_S)
         self.settings = settings
         self.prefix = settings.subject_prefix
         self.stream = settings.stream_name
         self.spans = SpanLog(self, clock)
         self.queue = RunnersQueue(self)
         self.retired = RetiredLedger(self)
+        self.appender = AtomicAppender(self, timeout_s=PUBLISH_TIMEOUT_S)
 
     def server(self) -> str:
         """The connected server's URL, for error messages."""
@@ -99,28 +104,21 @@ class JetStreamEventLog:
     # -- appends ---------------------------------------------------------------------------
 
     async def publish_ack(
-        self,
-        event: AnyEvent,
-        *,
-        msg_id: str | None = None,
-        expected_seq: int | None = None,
-        expected_subject_seq: int | None = None,
+        self, event: AnyEvent, *, msg_id: str | None = None, expected_subject_seq: int | None = None
     ) -> tuple[int, bool]:
-        """Publish one event; its stream sequence and whether the server had ``msg_id`` already.
+        """Publish one event alone; its stream sequence and whether the server had ``msg_id`` already.
 
-        ``expected_seq`` fences the rollout's whole subject tree (``r.<rid>.>``);
         ``expected_subject_seq`` fences the event's own subject (``0``: the subject must be empty).
+        Rollout commands go through ``append`` instead (fenced on the rollout, batched).
 
         Raises:
-            StaleStateError: A fence is stale.
+            StaleStateError: The fence is stale.
+            InvalidInputError: The event is over the server's ``max_payload``.
             ServiceUnavailableError: NATS did not answer.
         """
         subject = subject_for(self.prefix, event)
         headers: dict[str, str] = {"Nats-Msg-Id": msg_id or uuid.uuid4().hex}
-        if expected_seq is not None:
-            headers["Nats-Expected-Last-Subject-Sequence"] = str(expected_seq)
-            headers["Nats-Expected-Last-Subject-Sequence-Subject"] = rollout_filter(self.prefix, subject.split(".")[3])
-        elif expected_subject_seq is not None:
+        if expected_subject_seq is not None:
             headers["Nats-Expected-Last-Subject-Sequence"] = str(expected_subject_seq)
         data = encode_event(event)
         limit = self.nc.max_payload
@@ -134,13 +132,19 @@ class JetStreamEventLog:
         return ack.seq, bool(ack.duplicate)
 
     async def publish(self, event: AnyEvent) -> int:
-        return (await self.publish_ack(event))[0]
+        """Publish an unfenced event (a worker heartbeat, resources); it may share an atomic batch."""
+        return await self.appender.send(self.appender.command([event], None, None))
 
     async def append(self, rollout_id: str, events: Sequence[RolloutEvent], expected: int, command_id: str) -> int:
-        seq = expected
-        for i, event in enumerate(events):
-            seq = (await self.publish_ack(event, msg_id=f"{command_id}:{i}", expected_seq=seq))[0]
-        return seq
+        """Append a command's events, fenced on the rollout at ``expected``; concurrent commands of
+        this process share one atomic batch (``appender``).
+
+        Raises:
+            StaleStateError: ``expected`` is not the rollout's version.
+            InvalidInputError: An event is over the server's ``max_payload`` (nothing is sent).
+            ServiceUnavailableError: NATS did not answer.
+        """
+        return await self.appender.send(self.appender.command(events, expected, command_id))
 
     async def append_spans(
         self, rollout_id: str, attempt_id: str, spans: list[Span], *, numbered: bool, reserve: int = 0
