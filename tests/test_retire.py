@@ -165,3 +165,27 @@ async def test_retirement_waits_for_a_durable_subscriber_that_is_behind(namespac
         assert sorted(r.rollout_id for r in got) == sorted(ids.values())
         report = await retire(store.log, pool, settings, now=time.time() + 1)
         assert report.retired == 3
+
+
+async def test_retirement_waits_while_the_archive_is_behind(
+    namespace: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A round retires nothing while the archive is more than ``ARCHIVE_LAG_MAX`` messages behind
+    (a purge then costs per message the archive's consumer has not been handed); once it is within
+    the bound the same round retires what is due."""
+    from eventlight.store.jetstream import retire as retire_module
+
+    settings = await _with_archive(namespace)
+    dsn = settings.pg_dsn
+    assert dsn is not None
+    async with JetStreamLightningStore(settings, pg_dsn=dsn) as store:
+        pool: Any = store.read_model.pool  # type: ignore[union-attr]
+        await workload(store)
+        await store.sync_all(timeout_s=10)
+        await _archive_caught_up(store)
+        monkeypatch.setattr(retire_module, "ARCHIVE_LAG_MAX", -1)  # any lag, even none, is too much
+        held = await retire(store.log, pool, settings, now=time.time() + 1)
+        assert held.retired == 0 and held.archive_lag == 0
+        monkeypatch.setattr(retire_module, "ARCHIVE_LAG_MAX", 10_000)
+        report = await retire(store.log, pool, settings, now=time.time() + 1)
+        assert report.retired == 3 and report.archive_lag == 0
