@@ -15,9 +15,10 @@ first on the empty store, then after ``--preload`` finished rollouts were writte
 through the real event path, pipelined like ``bench.ceiling``: for each rollout the four events
 ``start_rollout`` + a span + ``update_attempt(succeeded)`` produce (``RolloutCreated``,
 ``AttemptStarted``, ``SpansAdded``, ``AttemptUpdated``), published with ``js.publish_async`` and
-projected by the store's own projector. While it runs, the projector's lag (stream messages not yet
-committed to Postgres) is sampled every 0.5 s: its maximum and the seconds to catch up after the
-last publish show whether the lag stays bounded.
+projected by the store's own projector; the queue entries it leaves are then acknowledged, as the
+runners that would have claimed those rollouts do (``_ack_queue``). While it runs, the projector's
+lag (stream messages not yet committed to Postgres) is sampled every 0.5 s: its maximum and the
+seconds to catch up after the last publish show whether the lag stays bounded.
 
 With ``--retire`` the namespace has the archive stream; after the loaded
 measurement ``retire`` moves every preloaded rollout out of the hot stream (timed: rollouts retired
@@ -48,6 +49,7 @@ from eventlight.core.events import AttemptStarted, AttemptUpdated, RolloutCreate
 from eventlight.core.types import Attempt, Rollout
 from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.store.jetstream.layout import subject_for
+from eventlight.store.jetstream.nats_errors import NO_MESSAGES
 
 WINDOW = 1024
 
@@ -135,6 +137,7 @@ async def _preload(alg: JetStreamLightningStore, n: int) -> dict[str, Any]:
         if i % 10_000 == 9_999:
             print(f"  preload: {i + 1:,} rollouts published, projector lag {lags[-1] if lags else 0:,} messages")
     await js.publish_async_completed()
+    acked = await _ack_queue(alg)
     t_pub = time.perf_counter()
     await alg.sync_all(timeout_s=600.0)
     t_done = time.perf_counter()
@@ -148,7 +151,37 @@ async def _preload(alg: JetStreamLightningStore, n: int) -> dict[str, Any]:
         "projected_messages_per_s": round(published / (t_done - t0), 1),
         "max_lag_messages": max(lags) if lags else 0,
         "lag_samples": len(lags),
+        "queue_entries_acked": acked,
     }
+
+
+async def _ack_queue(alg: JetStreamLightningStore) -> int:
+    """Take and acknowledge every entry on the runners' queue, as the runners that claimed and
+    finished the preloaded rollouts would have: the preload bypasses the queue, and a consumer left
+    with every preloaded entry undelivered is no state a deployment reaches (nats-server 2.15.1 then
+    costs each subject purge O(undelivered messages): see the README's retirement section).
+    Returns how many."""
+    log_ = alg._log()
+    sub = await log_.js.pull_subscribe(f"{log_.prefix}.r.*.q", durable="runners", stream=log_.stream)
+    acked = 0
+    try:
+        while True:
+            try:
+                msgs = await sub.fetch(1000, timeout=10.0)
+            except NO_MESSAGES:
+                msgs = []
+            for msg in msgs:
+                await msg.ack()
+            acked += len(msgs)
+            if not msgs:  # a fetch can come back short or empty under load: the consumer's count decides
+                await log_.nc.flush()
+                info = await log_.js.consumer_info(log_.stream, "runners")
+                if not info.num_pending and not info.num_ack_pending:
+                    break
+    finally:
+        await sub.unsubscribe()
+    await log_.nc.flush()
+    return acked
 
 
 async def _nats_state(stack: Stack, alg: JetStreamLightningStore) -> dict[str, Any]:
