@@ -163,6 +163,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
                 a ``_FILE`` that cannot be read, NATS credentials that do not go together).
         """
         env = os.environ
+        parts = _int_or_none("EVENTLIGHT_PROJECTOR_PARTITIONS", env.get("EVENTLIGHT_PROJECTOR_PARTITIONS"))
         values: dict[str, object] = {
             "nats_url": env.get("EVENTLIGHT_NATS_URL") or None,
             "pg_dsn": read_secret("EVENTLIGHT_PG_DSN", env),
@@ -172,17 +173,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             "stream_replicas": _int_or_none("EVENTLIGHT_STREAM_REPLICAS", env.get("EVENTLIGHT_STREAM_REPLICAS")),
             "durability": env.get("EVENTLIGHT_DURABILITY") or "fsync",
             "retention_s": _float_or_none("EVENTLIGHT_RETENTION_S", env.get("EVENTLIGHT_RETENTION_S")),
-            "projector_partitions": _int_or_none(
-                "EVENTLIGHT_PROJECTOR_PARTITIONS", env.get("EVENTLIGHT_PROJECTOR_PARTITIONS")
-            )
-            or 1,
+            "projector_partitions": 1 if parts is None else parts,
             "nats_auth": NatsAuth.from_env(env),
             "server_token": server_token_from_env(env),
             "proxy_token": proxy_token_from_env(env),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
-        if values["projector_partitions"] is None:  # unset: the field's default
-            del values["projector_partitions"]
         return cls(**values)  # type: ignore[arg-type]
 
     @property
