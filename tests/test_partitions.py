@@ -14,6 +14,7 @@ from test_rebuild import TABLES, rebuild, table, workload
 from eventlight.core.errors import InvalidInputError
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
+from eventlight.store.jetstream.projector import ProjectorGroup
 from eventlight.store.jetstream.projector.partition import fair_share, partition_of
 
 
@@ -21,6 +22,11 @@ def test_the_partition_of_a_rollout_is_a_stable_hash() -> None:
     assert partition_of("ro-abc", 4) == partition_of("ro-abc", 4)
     assert {partition_of(f"ro-{i}", 4) for i in range(100)} == {0, 1, 2, 3}
     assert [fair_share(4, [10, 20, 30], me) for me in (10, 20, 30)] == [2, 1, 1]
+
+
+def led(store: JetStreamLightningStore) -> list[int]:
+    assert isinstance(store.projector, ProjectorGroup)
+    return store.projector.led
 
 
 class Both:
@@ -34,6 +40,7 @@ class Both:
         return getattr(self._a, name)
 
     async def watch_once(self, now: float) -> int:
+        assert self._a.projector is not None and self._b.projector is not None
         return int(await self._a.projector.watch_once(now)) + int(await self._b.projector.watch_once(now))
 
 
@@ -50,10 +57,10 @@ async def test_partitions_over_two_processes_equal_a_rebuild(namespace: Settings
         JetStreamLightningStore(settings, pg_dsn=dsn) as b,
     ):
         deadline = time.monotonic() + 20
-        while len(a.projector.led) + len(b.projector.led) < partitions or not a.projector.led or not b.projector.led:
-            assert time.monotonic() < deadline, f"not shared: {a.projector.led} {b.projector.led}"
+        while len(led(a)) + len(led(b)) < partitions or not led(a) or not led(b):
+            assert time.monotonic() < deadline, f"not shared: {led(a)} {led(b)}"
             await asyncio.sleep(0.1)
-        assert not set(a.projector.led) & set(b.projector.led)
+        assert not set(led(a)) & set(led(b))
         await workload(Both(a, b))
         for i in range(20):
             await b.enqueue_rollout({"more": i})
