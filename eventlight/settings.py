@@ -1,26 +1,33 @@
 """Settings: every environment variable eventlight reads, declared in one place.
 
-==============================  ===========================================================  ========================
-variable                        meaning                                                      default
-==============================  ===========================================================  ========================
-``EVENTLIGHT_NATS_URL``         use this NATS server (a cluster: its URLs, comma-separated)  (start the embedded one)
-``EVENTLIGHT_PG_DSN``           use this Postgres when reachable (``_FILE``: read it from a  (start the embedded one)
-                                file)
-``EVENTLIGHT_STATE_DIR``        where embedded servers keep data, pid files and logs         ``./.eventlight``
-``EVENTLIGHT_NAMESPACE``        stream prefix ``el.<ns>`` and Postgres schema ``el_<ns>``    ``default``
-``EVENTLIGHT_LOG_LEVEL``        log level of the CLI                                         ``INFO``
-``EVENTLIGHT_STREAM_REPLICAS``  replicas of the namespace's stream (3 on a 3-node cluster)   the definitions' (1)
-``EVENTLIGHT_DURABILITY``       what an ack guarantees: ``fsync``, ``interval`` or            ``fsync``
-                                ``replicated`` (see ``DURABILITY``)
-``EVENTLIGHT_SERVER_TOKEN``     bearer token ``eventlight serve`` requires and               none (no token asked)
-                                ``LightningStoreClient`` sends (``_FILE``: from a file)
-``EVENTLIGHT_PROXY_TOKEN``      bearer token ``LLMProxy`` requires and runners hand their    none (no token asked)
-                                agents as a ``ProxyLLM``'s ``api_key`` (``_FILE``: a file)
-``EVENTLIGHT_NATS_TOKEN``       NATS token (``_FILE``: from a file)                          none
-``EVENTLIGHT_NATS_USER``        NATS user, with ``EVENTLIGHT_NATS_PASSWORD`` (or ``_FILE``)  none
-``EVENTLIGHT_NATS_CREDS``       a NATS ``.creds`` file (JWT + nkey seed; needs ``nkeys``)    none
-``EVENTLIGHT_RETENTION_S``      retire terminal rollouts this long after they end (archive)  (off: nothing retired)
-==============================  ===========================================================  ========================
+===================================  =========================================================  ========================
+variable                             meaning                                                    default
+===================================  =========================================================  ========================
+``EVENTLIGHT_NATS_URL``              use this NATS server (a cluster: its URLs,                 (start the embedded one)
+                                     comma-separated)
+``EVENTLIGHT_PG_DSN``                use this Postgres when reachable (``_FILE``: read it from  (start the embedded one)
+                                     a file)
+``EVENTLIGHT_STATE_DIR``             where embedded servers keep data, pid files and logs       ``./.eventlight``
+``EVENTLIGHT_NAMESPACE``             stream prefix ``el.<ns>`` and Postgres schema ``el_<ns>``  ``default``
+``EVENTLIGHT_LOG_LEVEL``             log level of the CLI                                       ``INFO``
+``EVENTLIGHT_STREAM_REPLICAS``       replicas of the namespace's stream (3 on a 3-node          the definitions' (1)
+                                     cluster)
+``EVENTLIGHT_DURABILITY``            what an ack guarantees: ``fsync``, ``interval`` or         ``fsync``
+                                     ``replicated`` (see ``DURABILITY``)
+``EVENTLIGHT_SERVER_TOKEN``          bearer token ``eventlight serve`` requires and             none (no token asked)
+                                     ``LightningStoreClient`` sends (``_FILE``: from a file)
+``EVENTLIGHT_PROXY_TOKEN``           bearer token ``LLMProxy`` requires and runners hand their  none (no token asked)
+                                     agents as a ``ProxyLLM``'s ``api_key`` (``_FILE``: a
+                                     file)
+``EVENTLIGHT_NATS_TOKEN``            NATS token (``_FILE``: from a file)                        none
+``EVENTLIGHT_NATS_USER``             NATS user, with ``EVENTLIGHT_NATS_PASSWORD`` (or           none
+                                     ``_FILE``)
+``EVENTLIGHT_NATS_CREDS``            a NATS ``.creds`` file (JWT + nkey seed; needs ``nkeys``)  none
+``EVENTLIGHT_RETENTION_S``           retire terminal rollouts this long after they end          (off: nothing retired)
+                                     (archive)
+``EVENTLIGHT_PROJECTOR_PARTITIONS``  partitions of rollouts the projection is split into        ``1``
+                                     (1-64; fixed per namespace: ``projector.partition``)
+===================================  =========================================================  ========================
 
 ``<NAME>_FILE`` (Docker secrets' convention): the variable's value is the content of that file, one
 trailing newline stripped; a file that is missing, unreadable or empty is an error naming both.
@@ -53,6 +60,9 @@ DURABILITY: dict[str, str] = {
     "replicated": "an ack means a quorum of a 3-node cluster holds the event (R3 streams; needs EVENTLIGHT_NATS_URL)",
 }
 """The named durability levels and what an acknowledged write survives at each (README: Durability)."""
+
+MAX_PARTITIONS = 64
+"""The most partitions a namespace's projection can be split into (``Settings.projector_partitions``)."""
 
 
 def check_namespace(ns: str) -> str:
@@ -87,6 +97,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             ``retire`` may move it to the archive stream ``EL_<NS>_ARCHIVE`` (created by
             ``apply_streams`` only when this is set). ``None`` (the default): no archive, nothing
             is retired.
+        projector_partitions: Partitions of rollouts the namespace's projection is split into
+            (1-64), each with its own lock, term and checkpoint, so several projector processes
+            share the work; recorded in Postgres by the first projector and fixed from then on
+            (``eventlight.store.jetstream.projector.partition``).
         nats_auth: NATS credentials (``EVENTLIGHT_NATS_*``); ``NatsAuth()``: none beyond the URL's.
         server_token: The bearer token of ``eventlight serve`` (``EVENTLIGHT_SERVER_TOKEN``).
         proxy_token: The bearer token of the LLM proxy (``EVENTLIGHT_PROXY_TOKEN``).
@@ -102,6 +116,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     stream_replicas: int | None = None
     durability: Durability = "fsync"
     retention_s: float | None = None
+    projector_partitions: int = 1
     nats_auth: NatsAuth = NatsAuth()
     server_token: str | None = None
     proxy_token: str | None = None
@@ -133,6 +148,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             raise InvalidInputError(f"stream_replicas must be 1 to 5 (JetStream's limit), not {self.stream_replicas}")
         if self.retention_s is not None and not self.retention_s >= 0:
             raise InvalidInputError(f"retention_s must be 0 or more seconds, not {self.retention_s}")
+        if not 1 <= self.projector_partitions <= MAX_PARTITIONS:
+            raise InvalidInputError(
+                f"projector_partitions must be 1 to {MAX_PARTITIONS} (EVENTLIGHT_PROJECTOR_PARTITIONS), "
+                f"not {self.projector_partitions}"
+            )
 
     @classmethod
     def from_env(cls, **overrides: object) -> Settings:
@@ -143,6 +163,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
                 a ``_FILE`` that cannot be read, NATS credentials that do not go together).
         """
         env = os.environ
+        parts = _int_or_none("EVENTLIGHT_PROJECTOR_PARTITIONS", env.get("EVENTLIGHT_PROJECTOR_PARTITIONS"))
         values: dict[str, object] = {
             "nats_url": env.get("EVENTLIGHT_NATS_URL") or None,
             "pg_dsn": read_secret("EVENTLIGHT_PG_DSN", env),
@@ -152,6 +173,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             "stream_replicas": _int_or_none("EVENTLIGHT_STREAM_REPLICAS", env.get("EVENTLIGHT_STREAM_REPLICAS")),
             "durability": env.get("EVENTLIGHT_DURABILITY") or "fsync",
             "retention_s": _float_or_none("EVENTLIGHT_RETENTION_S", env.get("EVENTLIGHT_RETENTION_S")),
+            "projector_partitions": 1 if parts is None else parts,
             "nats_auth": NatsAuth.from_env(env),
             "server_token": server_token_from_env(env),
             "proxy_token": proxy_token_from_env(env),

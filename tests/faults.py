@@ -182,7 +182,7 @@ async def stream_last_seq(store: JetStreamLightningStore) -> int:
 async def checkpoint(dsn: str, schema: str) -> int:
     conn = await asyncpg.connect(dsn)
     try:
-        return int(await conn.fetchval(f'SELECT last_seq FROM "{schema}".projector_checkpoint'))
+        return int(await conn.fetchval(f'SELECT min(last_seq) FROM "{schema}".projector_checkpoint'))
     finally:
         await conn.close()
 
@@ -192,7 +192,7 @@ async def wait_projected(dsn: str, schema: str, seq: int, timeout_s: float = 60)
     t0 = time.monotonic()
     conn = await asyncpg.connect(dsn)
     try:
-        while (await conn.fetchval(f'SELECT last_seq FROM "{schema}".projector_checkpoint')) < seq:
+        while (await conn.fetchval(f'SELECT min(last_seq) FROM "{schema}".projector_checkpoint')) < seq:
             assert time.monotonic() - t0 < timeout_s, f"the projection did not reach {seq} in {timeout_s} s"
             await asyncio.sleep(0.05)
     finally:
@@ -265,6 +265,7 @@ def spawn_projector(settings: Settings) -> subprocess.Popen[bytes]:
         "EL_FAULT_NATS": settings.nats_url or "",
         "EL_FAULT_PG": settings.pg_dsn or "",
         "EL_FAULT_NS": settings.namespace,
+        "EL_FAULT_PARTITIONS": str(settings.projector_partitions),
     }
     script = Path(__file__).with_name("fault_projector.py")
     return subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

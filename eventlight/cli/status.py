@@ -54,7 +54,7 @@ async def _status(settings: Settings) -> dict[str, Any]:
     stream = await _stream_state(nats.url, settings)
     conn = await _connect_pg(settings, pg)
     try:
-        projected = await conn.fetchval("SELECT last_seq FROM projector_checkpoint")
+        projected = await conn.fetchval("SELECT min(last_seq) FROM projector_checkpoint")
         by_status = await conn.fetch("SELECT status, count(*) FROM rollouts GROUP BY status ORDER BY status")
         workers = await conn.fetch(
             "SELECT worker_id, status, last_heartbeat_time, current_rollout_id FROM workers "

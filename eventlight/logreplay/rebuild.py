@@ -104,7 +104,7 @@ async def rebuild(settings: Settings, pg_dsn: str, *, swap: bool = False) -> Reb
             await pool.close()
             await nc.close()
         seconds = time.perf_counter() - t0
-        live_at = int(await conn.fetchval(f"SELECT last_seq FROM {_q(live)}.projector_checkpoint") or 0)
+        live_at = int(await conn.fetchval(f"SELECT min(last_seq) FROM {_q(live)}.projector_checkpoint") or 0)
         a, b = await table_sums(conn, live), await table_sums(conn, fresh)
         diffs = [TableDiff(t, a[t][0], b[t][0], a[t][1], b[t][1]) for t in TABLES]
         report = RebuildReport(

@@ -32,7 +32,7 @@ __all__ = [
 
 SQL_ROLLOUTS_BY_STATUS = "SELECT status, count(*) FROM rollouts GROUP BY status"
 SQL_ATTEMPTS_BY_STATUS = "SELECT status, count(*) FROM attempts GROUP BY status"
-SQL_CHECKPOINT = "SELECT last_seq FROM projector_checkpoint"
+SQL_CHECKPOINT = "SELECT min(last_seq) FROM projector_checkpoint"  # every partition's has passed it
 SQL_LLM_BY_MODEL = (
     "SELECT coalesce(model, ''), count(*), coalesce(sum(prompt_tokens), 0), coalesce(sum(completion_tokens), 0) "
     "FROM llm_calls GROUP BY model"

@@ -8,7 +8,9 @@
   group commit (``spanlog``).
 * **Reads** come from the Postgres projection (``readmodel``) after read-your-writes; resources are
   read from the stream itself, so runners need no Postgres connection (``pg_dsn=None``).
-* **The projector** (``projector``) and its watchdog run in this process when asked.
+* **The projector** (``projector``) and its watchdog run in this process when asked: one
+  ``Projector``, or with ``Settings.projector_partitions`` > 1 a ``ProjectorGroup`` that takes this
+  process's fair share of the partitions.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from eventlight.store.jetstream import pg
 from eventlight.store.jetstream.connect import connect_nats
 from eventlight.store.jetstream.log import JetStreamEventLog
 from eventlight.store.jetstream.nats_errors import nats_errors
-from eventlight.store.jetstream.projector import Projector
+from eventlight.store.jetstream.projector import Projector, ProjectorGroup
+from eventlight.store.jetstream.projector.partition import record_partitions
 from eventlight.store.jetstream.readmodel import SYNC_TIMEOUT_S, SqlReadModel
 from eventlight.store.service import EventStore
 
@@ -78,7 +81,7 @@ class JetStreamLightningStore(EventStore):
         self.nc: NATS | None = None
         self.log: JetStreamEventLog | None = None
         self.pool: asyncpg.Pool | None = None
-        self.projector: Projector | None = None
+        self.projector: Projector | ProjectorGroup | None = None
         self.read_model: SqlReadModel | None = None
         self._home_loop: asyncio.AbstractEventLoop | None = None  # the loop start() ran on
 
@@ -107,13 +110,7 @@ class JetStreamLightningStore(EventStore):
                 await self.read_model.start()
             if self.run_projector:
                 assert self.pool is not None and self.read_model is not None
-                self.projector = Projector(
-                    self.log,
-                    self.pool,
-                    watchdog_interval_s=self.watchdog_interval_s,
-                    on_commit=self.read_model._on_commit,
-                    clock=self._clock,
-                )
+                self.projector = await self._projector(self.log, self.pool, self.read_model)
                 self.read_model.projector = self.projector
                 await self.projector.start()
             self._bind(self.log, self.read_model)
@@ -122,8 +119,27 @@ class JetStreamLightningStore(EventStore):
             raise
         return self
 
+    async def _projector(
+        self, log_: JetStreamEventLog, pool: asyncpg.Pool, reads: SqlReadModel
+    ) -> Projector | ProjectorGroup:
+        """One projector, or one per partition (``ProjectorGroup``), after the partition count is
+        recorded or checked (``record_partitions``: a namespace's count is fixed).
+
+        Raises:
+            InvalidInputError: The namespace is recorded with another partition count.
+        """
+        n = self.settings.projector_partitions
+        kw = {"watchdog_interval_s": self.watchdog_interval_s, "on_commit": reads._on_commit, "clock": self._clock}
+        if n == 1:
+            async with pool.acquire() as conn:
+                await record_partitions(conn, 1)
+            return Projector(log_, pool, **kw)  # type: ignore[arg-type]
+        return ProjectorGroup(log_, pool, n, **kw)  # type: ignore[arg-type]
+
     async def _open_pool(self, dsn: str) -> asyncpg.Pool:
-        pool = await pg.create_pool(dsn, self.settings.pg_schema, max_size=self.pool_size)
+        n = self.settings.projector_partitions
+        extra = 2 * n + 1 if self.run_projector and n > 1 else 0  # ProjectorGroup's lock and batch connections
+        pool = await pg.create_pool(dsn, self.settings.pg_schema, max_size=self.pool_size + extra)
         async with pool.acquire() as conn:
             migrated = await conn.fetchval("SELECT to_regclass('projector_checkpoint')") is not None
         if not migrated:
@@ -224,4 +240,6 @@ class JetStreamLightningStore(EventStore):
         """
         if self.projector is None:
             raise InvalidInputError("this store runs no projector (run_projector=False): its watchdog runs elsewhere")
+        if isinstance(self.projector, ProjectorGroup):
+            return await self.projector.tick(now)
         return await self.projector.watchdog.tick(now)

@@ -89,7 +89,7 @@ async def retire(
         raise InvalidInputError("retirement is off: set Settings.retention_s (EVENTLIGHT_RETENTION_S)")
     if await archive_head(log_) is None:
         raise InvalidInputError(f"namespace {settings.namespace} has no archive stream: apply_streams with retention_s")
-    checkpoint = int(await pg.fetchval("SELECT last_seq FROM projector_checkpoint") or 0)
+    checkpoint = int(await pg.fetchval("SELECT min(last_seq) FROM projector_checkpoint") or 0)
     archived = await archived_until(log_)
     bound = min(archived, checkpoint)
     lag = max(0, await log_.head_seq() - archived)

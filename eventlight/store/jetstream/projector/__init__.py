@@ -23,15 +23,27 @@ One projector per namespace writes at a time, and this is fenced, not assumed:
 The leader also runs the watchdog (``eventlight.store.watchdog``) over the rollouts in flight, which
 it reads from the read model when it takes the lead (so a restart forgets no running attempt).
 
+**Partitions** (``Settings.projector_partitions``, issue 17): the namespace's rollouts can be split
+into partitions by a stable hash of their id (``partition``), each with its own lock, term and
+checkpoint row; a ``ProjectorGroup`` runs one ``Projector`` per partition in a process and leads its
+fair share of them, so several processes share the projection and take over a dead one's
+partitions. Every partition reads the whole stream and folds only its own rollouts' messages (chosen
+by subject, without decoding the others); partition 0 also projects resources and workers
+(``workers``) and runs retirement; each partition's watchdog watches its own rollouts. A read that
+needs stream sequence S waits until every partition's checkpoint has passed it.
+
 ``rebuild()`` projects the whole log (from sequence 0, read with ``EventLog.scan``) into the projector's
 pool's schema without the consumer: a fresh schema rebuilt that way must equal the live one.
 
 Modules: ``leader`` (``Projector``: the lock, the term, lifecycle, the watchdog), ``consume`` (reading
 the stream from the checkpoint, ``rebuild``), ``batch`` (one batch's fold, rows and checkpoint in one
-transaction), ``common`` (settings, signals, error groups).
+transaction), ``group`` (``ProjectorGroup``: a process's fair share of partitions), ``partition``
+(the hash, the lock keys, the recorded count), ``workers`` (partition 0's worker records),
+``common`` (settings, signals, error groups).
 """
 
 from eventlight.store.jetstream.projector.common import Deposed
+from eventlight.store.jetstream.projector.group import ProjectorGroup
 from eventlight.store.jetstream.projector.leader import Projector
 
-__all__ = ["Deposed", "Projector"]
+__all__ = ["Deposed", "Projector", "ProjectorGroup"]

@@ -1,8 +1,14 @@
-"""Applying one batch: the fold, its rows and the checkpoint in one transaction (mixed into ``Projector``)."""
+"""Applying one batch: the fold, its rows and the checkpoint in one transaction (mixed into ``Projector``).
+
+In a partitioned projection (``partition``) a batch is the whole stream's, and only the messages of
+this partition's rollouts are decoded and folded; the checkpoint still moves to the batch's last
+sequence. Partition 0 also folds the worker side of every partition's attempt events (``workers``).
+"""
 
 from __future__ import annotations
 
 import logging
+from collections import ChainMap
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +29,8 @@ from eventlight.store.jetstream.pg import (
     worker_from_row,
 )
 from eventlight.store.jetstream.projector.common import MAX_FOLD_ROUNDS, Deposed
+from eventlight.store.jetstream.projector.partition import partition_of
+from eventlight.store.jetstream.projector.workers import Item, WorkerChanges, WorkerFold
 from eventlight.store.jetstream.rows import (
     INSERT_SPAN,
     UPSERT_ATTEMPT,
@@ -39,6 +47,11 @@ from eventlight.store.jetstream.rows import (
 
 log = logging.getLogger(__name__)
 
+UPSERT_ATTEMPT_WORKER = (
+    "INSERT INTO projector_attempt_workers (attempt_id, worker_id, status) VALUES ($1, $2, $3)"
+    " ON CONFLICT (attempt_id) DO UPDATE SET worker_id = EXCLUDED.worker_id, status = EXCLUDED.status"
+)
+
 
 class BatchWriter:
     """Folds a batch of messages and commits its rows with the checkpoint, fenced by the term."""
@@ -53,6 +66,9 @@ class BatchWriter:
     workers: dict[str, Worker]
     malformed: int
     dead_letters: int
+    partition: int
+    partitions: int
+    worker_fold: WorkerFold | None
 
     async def _advance(self, conn: asyncpg.Connection, last_seq: int) -> None:
         """Move the checkpoint to ``last_seq``, fenced: only this term's leader, only from where it
@@ -63,10 +79,12 @@ class BatchWriter:
             Deposed: Another projector took a newer term (or moved the checkpoint).
         """
         status = await conn.execute(
-            "UPDATE projector_checkpoint SET last_seq = $1, updated_at = now() WHERE term = $2 AND last_seq = $3",
+            "UPDATE projector_checkpoint SET last_seq = $1, updated_at = now()"
+            " WHERE id = $4 AND term = $2 AND last_seq = $3",
             last_seq,
             self.term,
             self.checkpoint,
+            self.partition,
         )
         if status != "UPDATE 1":
             raise Deposed(f"the checkpoint row is no longer term {self.term} at sequence {self.checkpoint}")
@@ -89,12 +107,18 @@ class BatchWriter:
         """
         events: list[tuple[int, AnyEvent]] = []
         malformed: list[tuple[int, str, str]] = []
+        items: list[Item] = []  # partition 0 of several: the worker side of every partition's events
         last_seq = 0
         for msg in msgs:
             seq = msg.metadata.sequence.stream
             if seq <= self.checkpoint:
                 continue
             last_seq = seq
+            own, item = self._classify(seq, msg)
+            if item is not None:
+                items.append(item)
+            if not own:
+                continue
             try:
                 events.append((seq, decode_for_projection(msg.data)))
             except InvalidInputError as e:
@@ -102,16 +126,24 @@ class BatchWriter:
                 log.warning(
                     "projector: dead-lettering the malformed event at stream sequence %d (%s)", seq, msg.subject
                 )
+                continue
+            if item is not None:
+                items[-1] = item._replace(event=events[-1][1])
         if last_seq == 0:
             return
         async with self.pool.acquire() as conn:
             batch = await self._fold(conn, events)
             batch.last_seq = last_seq
+            workers = await self._fold_workers(conn, batch, items)
             async with conn.transaction():
                 await self._advance(conn, last_seq)
                 await self._write(conn, batch)
+                if workers is not None and workers.attempts:
+                    await conn.executemany(UPSERT_ATTEMPT_WORKER, [(k, *v) for k, v in workers.attempts.items()])
                 if malformed:
                     await self._dead_letter(conn, malformed)
+        if workers is not None and self.worker_fold is not None:
+            self.worker_fold.committed(workers)
         self.checkpoint = batch.last_seq
         self.malformed += len(malformed)
         self.dead_letters += len(malformed)
@@ -123,6 +155,40 @@ class BatchWriter:
             self.rollout_seq.pop(rid, None)
         if self.on_commit is not None:
             self.on_commit(self.checkpoint, batch.terminal)
+
+    def _classify(self, seq: int, msg: Any) -> tuple[bool, Item | None]:
+        """Whether a message is this partition's to fold, and its ``Item`` for partition 0's
+        worker side (``None``: not needed). Reads only the subject; decodes another partition's
+        rollout state event (``r.*``) for partition 0, never its spans (``s.*``)."""
+        if self.partitions == 1:
+            return True, None
+        tokens = msg.subject.split(".", 4)
+        kind = tokens[2] if len(tokens) > 3 else ""
+        own = (partition_of(tokens[3], self.partitions) if kind in ("r", "s") else 0) == self.partition
+        if self.worker_fold is None or kind not in ("r", "s", "w"):
+            return own, None
+        attempt_id = tokens[4] if kind == "s" and len(tokens) > 4 else None
+        event: AnyEvent | None = None
+        if not own and kind == "r":
+            try:
+                event = decode_for_projection(msg.data)
+            except InvalidInputError:
+                return own, None  # its own partition dead-letters it
+        return own, Item(seq, kind, attempt_id, msg.data, event)
+
+    async def _fold_workers(self, conn: asyncpg.Connection, batch: Changes, items: list[Item]) -> WorkerChanges | None:
+        """In a partitioned projection, the batch's worker records are partition 0's worker fold
+        (``workers``), and no other partition's."""
+        if self.partitions == 1:
+            return None
+        batch.workers, batch.worker_created_seq = {}, {}
+        if self.worker_fold is None or not items:
+            return None
+        fetched = await self.worker_fold.prefetch(conn, items, self.workers)
+        known: ChainMap[str, Worker | None] = ChainMap(fetched, self.workers)  # type: ignore[arg-type]
+        changes = self.worker_fold.fold(items, known)
+        batch.workers, batch.worker_created_seq = changes.workers, changes.created_seq
+        return changes
 
     async def _fold(self, conn: asyncpg.Connection, events: list[tuple[int, AnyEvent]]) -> Changes:
         """The fold of ``events``; rollouts and workers it lacks are read from Postgres and the
@@ -138,6 +204,8 @@ class BatchWriter:
             raise Missing("rollout", rid)
 
         def worker(wid: str) -> Worker | None:
+            if self.partitions > 1:
+                return None  # partitioned: the worker records are partition 0's worker fold
             if wid in self.workers:
                 return self.workers[wid]
             if wid in workers:
@@ -169,12 +237,14 @@ class BatchWriter:
         return worker_from_row(row) if row else None
 
     async def _write(self, conn: asyncpg.Connection, b: Changes) -> None:
-        if b.rollouts:
-            await conn.executemany(UPSERT_ROLLOUT, [rollout_row(s, b, self.rollout_seq) for s in b.rollouts.values()])
-            attempts = [a for s in b.rollouts.values() for a in s.attempts]
-            await conn.executemany(UPSERT_ATTEMPT, [attempt_row(a) for a in attempts])
         if b.spans:
             await conn.executemany(INSERT_SPAN, [span_row(s, seq) for s, seq in b.spans])
+        if b.rollouts:
+            attempts = [a for s in b.rollouts.values() for a in s.attempts]
+            await conn.executemany(UPSERT_ATTEMPT, [attempt_row(a) for a in attempts])
+            if self.partitions > 1:  # the status counts' rows (a trigger's), locked in one order: no deadlock
+                await conn.execute("SELECT 1 FROM rollout_status_counts ORDER BY status FOR UPDATE")
+            await conn.executemany(UPSERT_ROLLOUT, [rollout_row(s, b, self.rollout_seq) for s in b.rollouts.values()])
         if b.resources:
             await conn.executemany(
                 UPSERT_RESOURCES, [resources_row(r, first, last) for r, first, last in b.resources.values()]

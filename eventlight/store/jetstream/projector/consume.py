@@ -151,7 +151,7 @@ class Consumer(BatchWriter):
         Raises:
             ServiceUnavailableError: NATS or Postgres failed.
         """
-        row = await self.pool.fetchrow("SELECT term, last_seq FROM projector_checkpoint")
+        row = await self.pool.fetchrow("SELECT term, last_seq FROM projector_checkpoint WHERE id = $1", self.partition)
         self.term, self.checkpoint = int(row["term"]), int(row["last_seq"])
         batches: asyncio.Queue[list[Any] | BaseException | None] = asyncio.Queue(maxsize=REBUILD_AHEAD)
         reader = asyncio.create_task(self._read_batches(batches, batch_size))

@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import zlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import asyncpg
 
 from eventlight.core.commands import RolloutState
+from eventlight.core.errors import InvalidInputError
 from eventlight.core.types import Worker
 from eventlight.core.types import now as wall_clock
 from eventlight.store.jetstream.log import JetStreamEventLog
@@ -32,6 +32,8 @@ from eventlight.store.jetstream.projector.common import (
     _spawn,
 )
 from eventlight.store.jetstream.projector.consume import Consumer
+from eventlight.store.jetstream.projector.partition import lock_key, partition_of
+from eventlight.store.jetstream.projector.workers import WorkerFold
 from eventlight.store.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -46,8 +48,18 @@ def retire_every_s(retention_s: float) -> float:
     return max(1.0, min(60.0, retention_s / 4))
 
 
+class Share(Protocol):
+    """How many partitions this process should lead (``ProjectorGroup``): a partition's projector
+    asks before it tries its lock (``claim``; ``release`` when it stops) and, while it leads,
+    whether to give its partition up to a process that has fewer (``surplus``)."""
+
+    def claim(self, partition: int) -> bool: ...
+    def release(self, partition: int) -> None: ...
+    def surplus(self, partition: int) -> bool: ...
+
+
 class Projector(Consumer):
-    """Projects one namespace's stream into Postgres.
+    """Projects one namespace's stream (or one partition of its rollouts) into Postgres.
 
     Args:
         log_: The event log (NATS side).
@@ -56,6 +68,10 @@ class Projector(Consumer):
         on_commit: Called after each commit with ``(last_seq, ids of the rollouts that are in a
             terminal status after it)``; ``wait_for_rollouts`` re-reads only when one of its ids is there.
         clock: Wall-clock seconds, for the watchdog.
+        partition: The partition of rollouts this projector projects (``projector.partition``), of
+            ``partitions`` (the namespace's recorded count; 1: the whole namespace).
+        share: The process's fair share of partitions (``ProjectorGroup``); ``None``: lead whenever
+            the lock is free.
     """
 
     def __init__(
@@ -66,8 +82,15 @@ class Projector(Consumer):
         watchdog_interval_s: float = 1.0,
         on_commit: Callable[[int, set[str]], None] | None = None,
         clock: Callable[[], float] = wall_clock,
+        partition: int = 0,
+        partitions: int = 1,
+        share: Share | None = None,
     ):
         self.log = log_
+        self.partition = partition
+        self.partitions = partitions
+        self.share = share
+        self.worker_fold = WorkerFold() if partitions > 1 and partition == 0 else None
         self.pool = pool
         self.on_commit = on_commit
         self.checkpoint = 0
@@ -140,7 +163,7 @@ class Projector(Consumer):
             _spawn(self._watch_lock(), "eventlight-projector-lock", quiet=True),
             _spawn(self.watchdog.run(lambda: self._stopping or not self.leader.is_set()), "eventlight-watchdog"),
         ]
-        if self.log.settings.retention_s is not None:
+        if self.log.settings.retention_s is not None and self.partition == 0:  # retires every partition's
             tasks.append(_spawn(self._retire_loop(self.log.settings.retention_s), "eventlight-retire"))
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
@@ -176,6 +199,8 @@ class Projector(Consumer):
         conn, self._lock_conn = self._lock_conn, None
         if conn is None:
             return
+        if self.share is not None:
+            self.share.release(self.partition)
         try:
             if not conn.is_closed():
                 await asyncio.wait_for(conn.execute("SELECT pg_advisory_unlock_all()"), 2)
@@ -191,26 +216,46 @@ class Projector(Consumer):
         self._lock_conn = conn
         self._lock_lost.clear()
         conn.add_termination_listener(lambda _c: self._lock_lost.set())
-        key = zlib.crc32(self.log.settings.pg_schema.encode())
-        while not await conn.fetchval("SELECT pg_try_advisory_lock($1)", key):  # noqa: ASYNC110
+        key = lock_key(self.log.settings.pg_schema, self.partition)
+        while not await self._try_lock(conn, key):
             self._decided.set()
             if self._stopping:
                 raise Deposed("stopping")
             await asyncio.sleep(0.5)  # a standby polls for the advisory lock
         async with conn.transaction():
-            row = await conn.fetchrow("UPDATE projector_checkpoint SET term = term + 1 RETURNING term, last_seq")
+            recorded = await conn.fetchval("SELECT partitions FROM projector_partitions")
+            if (recorded or 1) != self.partitions:
+                raise InvalidInputError(f"the namespace is projected in {recorded} partitions, not {self.partitions}")
+            row = await conn.fetchrow(
+                "UPDATE projector_checkpoint SET term = term + 1 WHERE id = $1 RETURNING term, last_seq",
+                self.partition,
+            )
             self.term, self.checkpoint = int(row["term"]), int(row["last_seq"])
             await self._load_in_flight(conn)
+            if self.worker_fold is not None:
+                await self.worker_fold.start_term(conn)
         self.terms_led += 1
         self.leader.set()
         self._decided.set()
         log.info(
-            "projector of %s leads (term %d) from stream sequence %d, %d rollouts in flight",
+            "projector of %s leads partition %d/%d (term %d) from stream sequence %d, %d rollouts in flight",
             self.log.settings.namespace,
+            self.partition,
+            self.partitions,
             self.term,
             self.checkpoint,
             len(self.states),
         )
+
+    async def _try_lock(self, conn: asyncpg.Connection, key: int) -> bool:
+        """Take the partition's advisory lock if it is free and within this process's share."""
+        if self.share is not None and not self.share.claim(self.partition):
+            return False
+        if await conn.fetchval("SELECT pg_try_advisory_lock($1)", key):
+            return True
+        if self.share is not None:
+            self.share.release(self.partition)
+        return False
 
     async def _load_in_flight(self, conn: asyncpg.Connection) -> None:
         """Forget what an earlier term cached (another leader may have written since) and read the
@@ -221,6 +266,8 @@ class Projector(Consumer):
         rows = await conn.fetch(
             f"SELECT {ROLLOUT_COLS}, last_seq FROM rollouts WHERE status IN ('preparing', 'running')"
         )
+        if self.partitions > 1:
+            rows = [r for r in rows if partition_of(r[0], self.partitions) == self.partition]
         if not rows:
             return
         ids = [r[0] for r in rows]
@@ -243,6 +290,8 @@ class Projector(Consumer):
                 await asyncio.wait_for(self._lock_lost.wait(), LOCK_PING_S)
             if self._lock_lost.is_set() or conn.is_closed():
                 raise Deposed("the advisory-lock connection to Postgres was lost")
+            if self.share is not None and self.share.surplus(self.partition):
+                raise Deposed(f"partition {self.partition} is handed over to a process that leads fewer")
             try:
                 await asyncio.wait_for(conn.fetchval("SELECT 1"), LOCK_PING_TIMEOUT_S)
             except Exception as e:

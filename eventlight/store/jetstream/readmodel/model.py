@@ -9,7 +9,7 @@ import asyncpg
 from nats.aio.client import Client as NATS
 
 from eventlight.store.jetstream.nats_errors import nats_errors
-from eventlight.store.jetstream.projector import Projector
+from eventlight.store.jetstream.projector import Projector, ProjectorGroup
 from eventlight.store.jetstream.readmodel.waits import Broadcast, Waits, _Waiter
 
 
@@ -25,7 +25,12 @@ class SqlReadModel(Waits):
     """
 
     def __init__(
-        self, pool: asyncpg.Pool, nc: NATS, prefix: str, projector: Projector | None, server: str = "postgres"
+        self,
+        pool: asyncpg.Pool,
+        nc: NATS,
+        prefix: str,
+        projector: Projector | ProjectorGroup | None,
+        server: str = "postgres",
     ):
         self.pool = pool
         self.server = server

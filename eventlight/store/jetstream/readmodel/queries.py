@@ -219,7 +219,7 @@ class SqlQueries:
             row = await conn.fetchrow(
                 "SELECT (SELECT count(*) FROM rollouts), (SELECT count(*) FROM attempts), "
                 "(SELECT count(*) FROM spans), (SELECT count(*) FROM resources), (SELECT count(*) FROM workers), "
-                "(SELECT last_seq FROM projector_checkpoint)"
+                "(SELECT min(last_seq) FROM projector_checkpoint)"
             )
         keys = (
             "total_rollouts",

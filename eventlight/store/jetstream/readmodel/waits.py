@@ -18,7 +18,7 @@ from eventlight.core.types import (
 from eventlight.store.finish import terminal_status
 from eventlight.store.jetstream.layout import rollout_of_subject
 from eventlight.store.jetstream.pg_errors import SERVER_FAILURES
-from eventlight.store.jetstream.projector import Projector
+from eventlight.store.jetstream.projector import Projector, ProjectorGroup
 from eventlight.store.jetstream.readmodel.queries import SqlQueries
 
 SYNC_TIMEOUT_S = 30.0
@@ -75,7 +75,7 @@ class Waits(SqlQueries):
 
     nc: NATS
     prefix: str
-    projector: Projector | None
+    projector: Projector | ProjectorGroup | None
     _changed: Broadcast
     _hints: set[str]
     _waiters: list[_Waiter]
@@ -146,7 +146,7 @@ class Waits(SqlQueries):
         while True:
             try:
                 async with self._conn() as conn:
-                    last_seq = await conn.fetchval("SELECT last_seq FROM projector_checkpoint")
+                    last_seq = await conn.fetchval("SELECT min(last_seq) FROM projector_checkpoint")
             except ServiceUnavailableError as e:  # the cause is Postgres, not a missing projector
                 raise ServiceUnavailableError("Postgres", f"waiting for stream sequence {target}: {e}") from e
             if last_seq >= target:
