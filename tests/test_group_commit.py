@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from eventlight.core import decider
@@ -29,6 +30,7 @@ from eventlight.core.events import RolloutEvent
 from eventlight.ops import apply_streams
 from eventlight.ops.nats_server import ensure_nats, stop_nats
 from eventlight.settings import Settings
+from eventlight.store.jetstream import appender
 from eventlight.store.jetstream.appender import PLAIN_WINDOW
 from eventlight.store.jetstream.connect import connect_nats
 from eventlight.store.jetstream.log import JetStreamEventLog
@@ -267,3 +269,32 @@ async def test_the_pinned_server_checks_fences_against_the_stream_before_the_bat
         assert reply.get("count") == 2 and "error" not in reply, reply
     finally:
         await nc.close()
+
+
+class _Unreadable:
+    def decode(self, data: bytes) -> Any:
+        raise msgspec.DecodeError("not an ack")
+
+
+class _Broken:
+    def decode(self, data: bytes) -> Any:
+        raise RuntimeError("a bug in the appender")
+
+
+@pytest.mark.parametrize(("decoder", "error"), [(_Unreadable(), ServiceUnavailableError), (_Broken(), RuntimeError)])
+async def test_a_batch_whose_ack_fails_answers_every_command(
+    opened: tuple[JetStreamEventLog, _Seen], monkeypatch: pytest.MonkeyPatch, decoder: Any, error: type
+) -> None:
+    """Every command of a batch gets an answer, also when its ack cannot be read or handling it
+    raises (an appender that left them waiting hung a whole APO run in CI), and the log goes on."""
+    log, _ = opened
+    _small_batches(log)
+    monkeypatch.setattr(appender, "_ack_decoder", decoder)
+    blocker = asyncio.ensure_future(log.append("lead", _created("lead"), 0, uuid.uuid4().hex))
+    await asyncio.sleep(0)
+    results = await asyncio.wait_for(_append_all(log, [(f"u-{i}", _created(f"u-{i}"), 0) for i in range(4)]), 10)
+    await blocker
+    assert all(isinstance(r, error) for r in results), results
+    monkeypatch.undo()
+    assert isinstance(await log.append("after", _created("after"), 0, uuid.uuid4().hex), int)
+    assert log.appender._writer is None and not log.appender._pending

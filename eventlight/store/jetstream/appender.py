@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from eventlight.core.errors import InvalidInputError
+from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
 from eventlight.core.events import AnyEvent, encode_event
 from eventlight.store.jetstream.layout import rollout_filter, subject_for
 from eventlight.store.jetstream.nats_errors import WRONG_LAST_SEQUENCE, nats_errors
@@ -209,16 +209,28 @@ class AtomicAppender:
         return group
 
     async def _drain(self) -> None:
+        """Send the pending requests group by group. Every request taken is answered, whatever
+        happens: an unexpected error (an ack that does not decode) fails its group's commands
+        with it, and a cancelled writer fails those it had not sent, so no command waits for ever."""
+        group: list[_Append] = []
         try:
             while self._pending:
                 group = self._take()
                 count = sum(len(r.messages) for r in group)
-                if not self._atomic or count < self.min_batch_messages or count > self.max_messages:
-                    await self._alone(group)  # too few to pay for a batch's fsyncs, or one over the limit
-                else:
-                    await self._batch(group)
+                try:
+                    if not self._atomic or count < self.min_batch_messages or count > self.max_messages:
+                        await self._alone(group)  # too few to pay for a batch's fsyncs, or one over the limit
+                    else:
+                        await self._batch(group)
+                except Exception as e:
+                    log.exception("group commit of %d commands failed", len(group))
+                    _fail(group, e)
         finally:
             self._writer = None
+            stopped = ServiceUnavailableError(self.log.server(), "the event log's writer stopped (cancelled)")
+            _fail(group, stopped)
+            pending, self._pending = self._pending, []
+            _fail(pending, stopped)
 
     async def _settle(self, request: _Append, sending: Awaitable[int]) -> None:
         assert request.done is not None
@@ -262,7 +274,14 @@ class AtomicAppender:
                 if not req.done.done():
                     req.done.set_exception(e)
             return
-        ack = _ack_decoder.decode(reply.data)
+        try:
+            ack = _ack_decoder.decode(reply.data)
+        except msgspec.DecodeError:  # the batch may or may not be stored: never resubmitted blindly
+            unreadable = ServiceUnavailableError(
+                self.log.server(), f"the commit of an atomic batch was answered with {reply.data[:200]!r}, not an ack"
+            )
+            _fail(group, unreadable)
+            return
         if ack.error is not None:
             if ack.error.err_code not in (WRONG_LAST_SEQUENCE, DUPLICATE_IN_BATCH):
                 self._refused(ack.error.err_code, ack.error.description)
@@ -283,6 +302,13 @@ class AtomicAppender:
         log.warning(
             "%s refused an atomic batch (%d: %s); its commands sent one by one", self.log.stream, err_code, description
         )
+
+
+def _fail(requests: list[_Append], error: BaseException) -> None:
+    """Answer each unanswered request of ``requests`` with ``error``."""
+    for req in requests:
+        if req.done is not None and not req.done.done():
+            req.done.set_exception(error)
 
 
 def rest_blocks(rest: list[_Append], request: _Append) -> bool:
