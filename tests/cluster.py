@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from faults import NatsServer
+from nats.js.errors import NotFoundError
 
 from eventlight.net import free_port
 from eventlight.store.jetstream.connect import connect_nats
@@ -70,6 +71,23 @@ async def stream_cluster(js: Any, stream: str) -> tuple[str | None, list[tuple[s
     if cluster is None:
         return None, []
     return cluster.leader, [(r.name, bool(r.current)) for r in cluster.replicas or []]
+
+
+async def wait_answered(js: Any, stream: str, timeout_s: float = 30) -> float:
+    """Seconds until ``STREAM.INFO`` of ``stream`` is answered: with a leader, or "not found" (a
+    namespace without that stream); while the cluster elects, the request goes unanswered."""
+    t0 = time.monotonic()
+    while True:
+        try:
+            leader, _ = await stream_cluster(js, stream)
+            if leader:
+                return time.monotonic() - t0
+        except NotFoundError:
+            return time.monotonic() - t0
+        except Exception:  # a timeout or "no leader": not yet
+            pass
+        assert time.monotonic() - t0 < timeout_s, f"{stream}: STREAM.INFO not answered after {timeout_s} s"
+        await asyncio.sleep(0.2)
 
 
 async def wait_replicas_current(js: Any, stream: str, size: int, timeout_s: float = 30) -> float:

@@ -21,7 +21,7 @@ from typing import Any
 
 import fault_agents
 import pytest
-from cluster import Cluster, stream_cluster, wait_replicas_current
+from cluster import Cluster, stream_cluster, wait_answered, wait_replicas_current
 from faults import KILLS, Ledger, check_log_and_read_model, namespace_on, seeded, stream_last_seq, wait_projected
 
 import eventlight as agl
@@ -173,6 +173,8 @@ async def test_stopping_any_one_node_of_a_3_node_cluster_loses_nothing(
                         victim.start()
                         await victim.ready()
                         rejoin_s = await wait_replicas_current(js, ns.stream_name, 3, timeout_s=30)
+                        # the rebuild below asks for the archive stream (absent here): wait until the cluster answers
+                        await wait_answered(js, ns.archive_stream_name, timeout_s=30)
                         stops.append(
                             dict(leader=was_leader, new_leader=new_leader, finished_s=finished_s, rejoin_s=rejoin_s)
                         )
