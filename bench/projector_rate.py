@@ -193,7 +193,7 @@ async def one_case(
     ctx = mp.get_context("spawn")
     go, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
     readies = [ctx.Event() for _ in range(processes)]
-    procs = [ctx.Process(target=projector_process, args=(child, r, go, stop, out)) for r in readies]
+    procs = [ctx.Process(target=projector_process, args=(child, r, go, stop, out), daemon=True) for r in readies]
     for p in procs:
         p.start()
     conn = await asyncpg.connect(settings.pg_dsn)
