@@ -1,0 +1,32 @@
+"""bench/projector_rate.py runs on real NATS and Postgres and its numbers agree with each other
+(no timed assertion: only what every case must give whatever the machine's speed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.projector_rate import measure, report, summary
+from eventlight.ops import Services
+from eventlight.settings import Settings
+
+
+async def test_every_case_projects_the_same_log_to_the_head(services: tuple[Settings, Services]) -> None:
+    base, svc = services
+    rollouts, spans = 12, 3
+    result = await measure(svc, Path(base.state_dir), rollouts, spans, partitions=[1, 2], processes=[1, 2])
+    cases = result["cases"]
+    assert [(c["partitions"], c["processes"]) for c in cases] == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    assert result["spans"] == rollouts * spans
+    assert result["messages"] == 4 * rollouts  # what start_rollout, the spans' batch and the finish write
+    # each case rebuilt the read model from sequence 0 in a fresh schema: the same rows every time
+    assert len({c["rows"] for c in cases}) == 1
+    assert cases[0]["rows"] >= rollouts * spans + 2 * rollouts  # spans, rollouts, attempts, ...
+    for c in cases:
+        # at most one leader per partition (one may be changing hands when the head is reached)
+        assert len(c["led"]) == c["processes"] and sum(c["led"]) <= c["partitions"]
+        assert c["spans_per_s"] == round(rollouts * spans / c["catchup_s"])
+        assert c["messages_per_s"] == round(result["messages"] / c["catchup_s"])
+        assert c["projector_cpu_s"] > 0 and c["postgres_cpu_s"] >= 0  # 0: Postgres on another machine
+    table = report(result)
+    assert len(summary(result)) == 4 and table.count("\n| ") == 5  # the header and a row per case
+    assert f"durability {result['durability']}" in table and "load average" in table
