@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import signal
 import time
+import typing
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from test_rebuild import workload as every_kind_of_event
 
 import eventlight as agl
 from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
+from eventlight.core.types import RolloutStatus
 from eventlight.ops import Services
 from eventlight.ops.nats_server import _nats_binary
 from eventlight.settings import Settings
@@ -165,6 +167,20 @@ async def test_the_partition_count_is_fixed_per_namespace(namespace: Settings) -
                 await JetStreamLightningStore(other, pg_dsn=other.pg_dsn).start()
         async with JetStreamLightningStore(two, pg_dsn=two.pg_dsn, run_projector=False):
             pass  # a store that does not project needs no count
+
+
+async def test_every_status_has_its_count_row_before_the_first_rollout(namespace: Settings) -> None:
+    """Partitions lock the status counts' rows in one order before writing rollouts; a row the
+    trigger had to insert first was outside that order (two partitions' first batches deadlocked)."""
+    two = msgspec.structs.replace(namespace, projector_partitions=2)
+    async with JetStreamLightningStore(two, pg_dsn=two.pg_dsn):
+        assert two.pg_dsn is not None
+        conn = await asyncpg.connect(two.pg_dsn, server_settings={"search_path": two.pg_schema})
+        try:
+            rows = dict(await conn.fetch("SELECT status, n FROM rollout_status_counts"))
+        finally:
+            await conn.close()
+    assert rows == dict.fromkeys(typing.get_args(RolloutStatus), 0)
 
 
 async def holders(dsn: str, schema: str, partitions: int) -> dict[str, int]:
