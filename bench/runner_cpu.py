@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import eventlight as agl
+from bench import require_positive
 from bench.stack_eventlight import BenchAgent, Stack
 from bench.workload import SCENARIOS, task_name
 from eventlight.settings import Settings
@@ -183,6 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--profile", default="", help="Write the last repeat's cProfile stats here.")
     args = parser.parse_args(argv)
+    require_positive(parser, args, "rollouts", "repeats")
     load_before = [round(x, 2) for x in os.getloadavg()]
     result = asyncio.run(_main(args))
     result["load_average_before"] = load_before

@@ -227,10 +227,10 @@ class AtomicAppender:
                     _fail(group, e)
         finally:
             self._writer = None
-            stopped = ServiceUnavailableError(self.log.server(), "the event log's writer stopped (cancelled)")
-            _fail(group, stopped)
-            pending, self._pending = self._pending, []
-            _fail(pending, stopped)
+            left = [r for r in group if r.done is not None and not r.done.done()] + self._pending
+            if left:  # only when the writer itself was cancelled
+                self._pending = []
+                _fail(left, ServiceUnavailableError(self.log.server(), "the event log's writer stopped (cancelled)"))
 
     async def _settle(self, request: _Append, sending: Awaitable[int]) -> None:
         assert request.done is not None
