@@ -197,26 +197,43 @@ async def _retire_all(stack: Stack, alg: JetStreamLightningStore, budget_s: floa
     """Retire the preload in rounds of ``RETIRE_BATCH`` until none is left or ``budget_s`` is spent;
     a round that fails (NATS timing out on purges) is counted and ends the retirement."""
     from eventlight.store.jetstream.projector.leader import RETIRE_BATCH
-    from eventlight.store.jetstream.retire import retire
+    from eventlight.store.jetstream.retire import ARCHIVE_LAG_MAX, retire
 
     assert stack.settings is not None
     due_now = msgspec.structs.replace(stack.settings, retention_s=0.0)
     t0 = time.perf_counter()
-    retired, error = 0, None
+    retired, error, waited_s, first_lag = 0, None, 0.0, None
     while budget_s is None or time.perf_counter() - t0 < budget_s:
+        r0 = time.perf_counter()
         try:
             report = await retire(alg._log(), alg.pool, due_now, now=time.time() + 1, limit=RETIRE_BATCH)
         except Exception as e:  # recorded in the result: the figures so far still count
             error = f"{type(e).__name__}: {e}"
             print(f"  retirement stopped: {error}")
             break
+        if first_lag is None:
+            first_lag = report.archive_lag
+        if not report.retired and report.archive_lag > ARCHIVE_LAG_MAX:
+            # The round refused: the archive is still sourcing the backlog. Wait for it, timed apart.
+            print(f"  archive {report.archive_lag:,} messages behind; waiting ({time.perf_counter() - t0:.0f} s)")
+            await asyncio.sleep(5.0)
+            waited_s += time.perf_counter() - r0
+            continue
         retired += report.retired
         print(f"  retired {retired:,} rollouts in {time.perf_counter() - t0:.0f} s")
         if not report.retired:
             break
     seconds = time.perf_counter() - t0
-    rate = round(retired / seconds, 1) if seconds else 0.0
-    return {"retired": retired, "retire_s": round(seconds, 1), "retired_per_s": rate, "error": error}
+    busy = seconds - waited_s
+    rate = round(retired / busy, 1) if retired and busy > 0 else 0.0
+    return {
+        "retired": retired,
+        "retire_s": round(seconds, 1),
+        "archive_wait_s": round(waited_s, 1),
+        "archive_lag_at_start": first_lag,
+        "retired_per_s": rate,
+        "error": error,
+    }
 
 
 async def run(
@@ -278,7 +295,9 @@ def report(result: dict[str, Any]) -> str:
     ret = result.get("retirement") or {}
     if ret:
         lines.append(
-            f"retired {ret['retired']:,} rollouts in {ret['retire_s']} s ({ret['retired_per_s']:,} rollouts/s)"
+            f"retired {ret['retired']:,} rollouts in {ret['retire_s']} s ({ret['retired_per_s']:,} rollouts/s "
+            f"after waiting {ret.get('archive_wait_s', 0)} s for the archive, "
+            f"{ret.get('archive_lag_at_start') or 0:,} messages behind at the start)"
             + (f"; stopped by {ret['error']}" if ret.get("error") else "")
         )
     mem = result.get("nats_memory") or {}
