@@ -255,7 +255,8 @@ async def test_runner_runs_heartbeats_into_status_and_stops_on_ctrl_c(namespace:
 
     base = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
     proc = await asyncio.create_subprocess_exec(
-        *(sys.executable, "-m", "eventlight.cli", "runner", "examples.room_booking.agent:room_booker", "-n", "1"),
+        *(sys.executable, "-X", "faulthandler", "-m", "eventlight.cli", "runner"),
+        *("examples.room_booking.agent:room_booker", "-n", "1"),
         cwd=ROOT,
         env={**base, **env_of(namespace)},
         stdout=asyncio.subprocess.PIPE,
@@ -272,9 +273,13 @@ async def test_runner_runs_heartbeats_into_status_and_stops_on_ctrl_c(namespace:
         assert re.search(r"Worker-0@\S+\s+yes\s+\S+\s+\d+ s ago", out), out
     finally:
         proc.send_signal(signal.SIGINT)
-        out_bytes, err_bytes = await asyncio.wait_for(proc.communicate(), 60)
+        try:
+            out_bytes, err_bytes = await asyncio.wait_for(proc.communicate(), 60)
+        except TimeoutError:  # where it hung: -X faulthandler prints every thread's stack on SIGABRT
+            proc.send_signal(signal.SIGABRT)
+            out_bytes, err_bytes = await asyncio.wait_for(proc.communicate(), 30)
     stdout, stderr = out_bytes.decode(), err_bytes.decode()
-    assert proc.returncode == 130, stderr
+    assert proc.returncode == 130, f"exit {proc.returncode}\n{stdout}\n{stderr}"
     assert "consuming" in stdout and "Traceback" not in stderr
     after = await asyncio.to_thread(cli, "sql", "SELECT 1 AS one", env=env_of(namespace))
     assert after.returncode == 0, after.stderr  # the runner left the servers running

@@ -161,7 +161,7 @@ def _env(settings: Settings) -> dict[str, str]:
 
 async def _start_runner(settings: Settings, agent: str, n: int) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
-        *(sys.executable, "-m", "eventlight.cli", "runner", f"{AGENTS}:{agent}", "-n", str(n)),
+        *(sys.executable, "-X", "faulthandler", "-m", "eventlight.cli", "runner", f"{AGENTS}:{agent}", "-n", str(n)),
         cwd=ROOT,
         env=_env(settings),
         stdout=asyncio.subprocess.PIPE,
@@ -176,9 +176,20 @@ async def _stop_runner(proc: asyncio.subprocess.Process, sig: int = signal.SIGIN
     try:
         _, err = await asyncio.wait_for(proc.communicate(), 60)
     except TimeoutError:
-        proc.kill()
-        _, err = await proc.communicate()
+        _, err = await _dump_and_kill(proc)
     return proc.returncode or 0, err.decode(errors="replace")
+
+
+async def _dump_and_kill(proc: asyncio.subprocess.Process) -> tuple[bytes, bytes]:
+    """A runner that did not stop: SIGABRT first, so that ``-X faulthandler`` prints every thread's
+    stack to its stderr (where it hung goes into the failure message), then SIGKILL."""
+    with _suppress_lookup():
+        proc.send_signal(signal.SIGABRT)
+    try:
+        return await asyncio.wait_for(proc.communicate(), 10)
+    except TimeoutError:
+        proc.kill()
+        return await proc.communicate()
 
 
 def _suppress_lookup() -> Any:
