@@ -46,7 +46,7 @@ from eventlight.ops import (
     ensure_services,
     stop_services,
 )
-from eventlight.settings import Settings
+from eventlight.settings import MAX_PARTITIONS, Settings
 from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.store.jetstream.connect import connect_nats
 from eventlight.store.jetstream.projector import ProjectorGroup
@@ -351,11 +351,24 @@ def report(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def partition_counts(text: str) -> list[int]:
+    """An argparse type: ``"1,2,4"`` -> ``[1, 2, 4]``, each 1 to ``MAX_PARTITIONS`` (what a namespace takes)."""
+    values = positive_ints(text)
+    if any(v > MAX_PARTITIONS for v in values):
+        raise argparse.ArgumentTypeError(f"expected partition counts 1 to {MAX_PARTITIONS}, got {text!r}")
+    return values
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.projector_rate", description=__doc__.splitlines()[0])
     ap.add_argument("--rollouts", type=int, default=1000)
     ap.add_argument("--spans", type=int, default=20, help="spans per rollout, one batch")
-    ap.add_argument("--partitions", type=positive_ints, default=[1, 2, 4], help="partition counts, e.g. 1,2,4")
+    ap.add_argument(
+        "--partitions",
+        type=partition_counts,
+        default=[1, 2, 4],
+        help=f"partition counts, each 1 to {MAX_PARTITIONS}, e.g. 1,2,4",
+    )
     ap.add_argument("--processes", type=positive_ints, default=[1, 2], help="projector process counts, e.g. 1,2")
     ap.add_argument("--repeat", type=int, default=1, help="rounds of every case (the table shows the median)")
     ap.add_argument("--timeout-s", type=float, default=600, help="limit of each case's catch-up")

@@ -3,11 +3,15 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
+import pytest
+
+from bench import projector_rate
 from bench.projector_rate import measure, report, summary
 from eventlight.ops import Services
-from eventlight.settings import Settings
+from eventlight.settings import MAX_PARTITIONS, Settings
 
 
 async def test_every_case_projects_the_same_log_to_the_head(services: tuple[Settings, Services]) -> None:
@@ -30,3 +34,17 @@ async def test_every_case_projects_the_same_log_to_the_head(services: tuple[Sett
     table = report(result)
     assert len(summary(result)) == 4 and table.count("\n| ") == 5  # the header and a row per case
     assert f"durability {result['durability']}" in table and "load average" in table
+
+
+def test_a_partition_count_past_the_limit_is_refused_before_anything_starts(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def started(args: argparse.Namespace) -> None:
+        raise AssertionError("servers started")
+
+    monkeypatch.setattr(projector_rate, "main_async", started)
+    for bad in (f"1,{MAX_PARTITIONS + 1}", "0"):
+        with pytest.raises(SystemExit) as exit_:
+            projector_rate.main(["--partitions", bad])
+        assert exit_.value.code == 2
+        assert "--partitions: expected" in capsys.readouterr().err
