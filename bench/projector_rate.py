@@ -25,6 +25,7 @@ import logging
 import multiprocessing as mp
 import os
 import resource
+import shutil
 import tempfile
 import time
 import uuid
@@ -292,16 +293,20 @@ async def measure(
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    """``measure`` on the configured servers, else embedded ones in a temporary state dir."""
+    """``measure`` on the configured servers, else embedded ones in a temporary state dir, removed
+    (with the embedded servers' data) once they are stopped, whether the run succeeded or not."""
     state = Path(tempfile.mkdtemp(prefix="eventlight-projrate-"))
-    base = Settings.from_env(state_dir=state, namespace="projrate")
-    svc = await ensure_services(base)
     try:
-        return await measure(
-            svc, state, args.rollouts, args.spans, args.partitions, args.processes, args.repeat, args.timeout_s
-        )
+        base = Settings.from_env(state_dir=state, namespace="projrate")
+        svc = await ensure_services(base)
+        try:
+            return await measure(
+                svc, state, args.rollouts, args.spans, args.partitions, args.processes, args.repeat, args.timeout_s
+            )
+        finally:
+            await stop_services(base)
     finally:
-        await stop_services(base)
+        shutil.rmtree(state, ignore_errors=True)
 
 
 def summary(result: dict[str, Any]) -> list[dict[str, Any]]:
