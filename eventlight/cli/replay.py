@@ -16,6 +16,7 @@ from rich.progress import Progress, TextColumn, TimeElapsedColumn
 from eventlight.cli.common import CliError, NamespaceOpt, _run, _settings, console, err
 from eventlight.cli.discovery import _need_nats, _no_namespace
 from eventlight.cli.status import _stream_state
+from eventlight.core.types import ROLLOUT_MODES
 from eventlight.settings import Settings
 
 
@@ -90,7 +91,8 @@ def replay_command(
         list[str] | None, typer.Option("--resources-id", help="The rollout's resources id to keep (repeatable).")
     ] = None,
     mode: Annotated[
-        list[str] | None, typer.Option("--mode", help="Rollout mode to keep: train, val (repeatable).")
+        list[str] | None,
+        typer.Option("--mode", help=f"Rollout mode to keep: {', '.join(sorted(ROLLOUT_MODES))} (repeatable)."),
     ] = None,
     min_reward: Annotated[
         float | None, typer.Option("--min-reward", help="Keep attempts with a final reward >= X.")
