@@ -57,12 +57,13 @@ def _progress() -> Progress:
 
 async def _replay_to_file(settings: Settings, out: Path, opts: dict[str, Any]) -> Any:
     from eventlight.logreplay.replay import replay
-    from eventlight.logreplay.writer import open_writer
+    from eventlight.logreplay.writer import writer_for
 
-    run = replay(settings, **opts)  # an unknown adapter or a bad range fails before connecting
+    run = replay(settings, **opts)  # an unknown adapter or a bad range fails before connecting,
+    make_writer = writer_for(out)  # and so does a file name without a known suffix
     settings = await _nats_settings(settings)
     run.source = settings
-    writer = open_writer(out)
+    writer = make_writer(out)
     with _progress() as bar:
         task = bar.add_task("replay", events=0, records=0)
         run.on_progress = lambda s: bar.update(task, events=s.events, records=s.records)
@@ -141,6 +142,10 @@ def replay_command(
     for e in run.errors:
         err.print(f"[yellow]skipped:[/yellow] rollout {e.rollout_id} attempt {e.attempt_id}: {escape(e.error)}")
     s = run.stats
+    start = run.filters.since  # the parsed --since
+    if start is not None and start.seq is not None and start.seq > s.head_seq:
+        past = f"--since {start.seq} is past the end of the log: it ends at sequence {s.head_seq}"
+        err.print(f"[yellow]warning:[/yellow] {past}")
     console.print(
         f"{s.records} record(s) from {s.attempts} attempt(s) → {escape(str(out))}  "
         f"[dim]({s.events} events and {s.spans} spans read up to log position {s.head_seq}"
