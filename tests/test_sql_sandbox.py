@@ -130,3 +130,23 @@ def test_reader_dsn_keeps_host_and_database() -> None:
     )
     with pytest.raises(ValueError):
         reader_dsn("mysql://x@y/z", "el_x_reader")
+
+
+async def test_the_shared_reader_of_migration_005_reads_nothing_of_a_namespace(namespace: Settings) -> None:
+    assert namespace.pg_dsn is not None
+    conn = await asyncpg.connect(namespace.pg_dsn)
+    try:
+        schema = namespace.pg_schema
+        assert await conn.fetchval("SELECT 1 FROM pg_roles WHERE rolname = 'eventlight_reader'")  # 005 made it
+        assert not await conn.fetchval("SELECT has_schema_privilege('eventlight_reader', $1, 'USAGE')", schema)
+        assert not await conn.fetchval(
+            "SELECT has_table_privilege('eventlight_reader', format('%I.rollouts', $1::text), 'SELECT')", schema
+        )
+        default_acl = await conn.fetchval(
+            "SELECT count(*) FROM pg_default_acl d JOIN pg_namespace n ON n.oid = d.defaclnamespace,"
+            " aclexplode(d.defaclacl) a WHERE n.nspname = $1 AND a.grantee = 'eventlight_reader'::regrole",
+            schema,
+        )
+        assert default_acl == 0  # tables added later are not granted to it either
+    finally:
+        await conn.close()
