@@ -1,8 +1,13 @@
 """``python -m bench ...`` (also what ``eventlight bench ...`` runs): measure eventlight against
-Agent-lightning 0.3.0 on this machine (see ``bench/README.md``)."""
+Agent-lightning 0.3.0 on this machine (see ``bench/README.md``).
+
+``$BENCH_PROG_NAME`` is the command its usage and errors name (``eventlight bench`` sets it to
+that); default ``python -m bench``.
+"""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Annotated
@@ -58,5 +63,15 @@ def bench(
     typer.echo(f"results: {out_dir}/results.json, table.md, chart.png")
 
 
+PROG_NAME_VAR = "BENCH_PROG_NAME"
+
+
+def main() -> None:
+    """Run :func:`bench` as a command named ``$BENCH_PROG_NAME`` (default ``python -m bench``)."""
+    app = typer.Typer(add_completion=False)
+    app.command()(bench)
+    app(prog_name=os.environ.get(PROG_NAME_VAR) or "python -m bench")
+
+
 if __name__ == "__main__":
-    typer.run(bench)
+    main()

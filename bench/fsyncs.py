@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -53,10 +54,23 @@ class Strace:
 
 
 async def main(batches: int, size: int, commands: int) -> None:
+    """The three measurements in a temporary state dir, removed (with the nats-server's data) once the
+    server is stopped, whether they succeeded or not."""
     state = Path(tempfile.mkdtemp(prefix="eventlight-fsyncs-"))
-    settings = Settings(state_dir=state, namespace="fsyncs", durability="fsync")
-    url, pid, _ = await ensure_nats(settings, state)
-    assert pid, "an embedded nats-server is needed (unset EVENTLIGHT_NATS_URL)"
+    try:
+        settings = Settings(state_dir=state, namespace="fsyncs", durability="fsync")
+        url, pid, _ = await ensure_nats(settings, state)
+        try:
+            assert pid, "an embedded nats-server is needed (unset EVENTLIGHT_NATS_URL)"
+            await measure(settings, state, url, pid, batches, size, commands)
+        finally:
+            await stop_nats(state)
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
+
+
+async def measure(settings: Settings, state: Path, url: str, pid: int, batches: int, size: int, commands: int) -> None:
+    """Print the three lines, counting the fsyncs of the nats-server ``pid`` serving ``url``."""
     nc = await connect_nats(url)
     try:
         await apply_streams(nc, settings)
@@ -110,7 +124,6 @@ async def main(batches: int, size: int, commands: int) -> None:
             )
     finally:
         await nc.close()
-        await stop_nats(state)
 
 
 if __name__ == "__main__":

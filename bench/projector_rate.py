@@ -25,6 +25,7 @@ import logging
 import multiprocessing as mp
 import os
 import resource
+import shutil
 import tempfile
 import time
 import uuid
@@ -46,7 +47,7 @@ from eventlight.ops import (
     ensure_services,
     stop_services,
 )
-from eventlight.settings import Settings
+from eventlight.settings import MAX_PARTITIONS, Settings
 from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.store.jetstream.connect import connect_nats
 from eventlight.store.jetstream.projector import ProjectorGroup
@@ -292,16 +293,20 @@ async def measure(
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    """``measure`` on the configured servers, else embedded ones in a temporary state dir."""
+    """``measure`` on the configured servers, else embedded ones in a temporary state dir, removed
+    (with the embedded servers' data) once they are stopped, whether the run succeeded or not."""
     state = Path(tempfile.mkdtemp(prefix="eventlight-projrate-"))
-    base = Settings.from_env(state_dir=state, namespace="projrate")
-    svc = await ensure_services(base)
     try:
-        return await measure(
-            svc, state, args.rollouts, args.spans, args.partitions, args.processes, args.repeat, args.timeout_s
-        )
+        base = Settings.from_env(state_dir=state, namespace="projrate")
+        svc = await ensure_services(base)
+        try:
+            return await measure(
+                svc, state, args.rollouts, args.spans, args.partitions, args.processes, args.repeat, args.timeout_s
+            )
+        finally:
+            await stop_services(base)
     finally:
-        await stop_services(base)
+        shutil.rmtree(state, ignore_errors=True)
 
 
 def summary(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -351,11 +356,24 @@ def report(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def partition_counts(text: str) -> list[int]:
+    """An argparse type: ``"1,2,4"`` -> ``[1, 2, 4]``, each 1 to ``MAX_PARTITIONS`` (what a namespace takes)."""
+    values = positive_ints(text)
+    if any(v > MAX_PARTITIONS for v in values):
+        raise argparse.ArgumentTypeError(f"expected partition counts 1 to {MAX_PARTITIONS}, got {text!r}")
+    return values
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.projector_rate", description=__doc__.splitlines()[0])
     ap.add_argument("--rollouts", type=int, default=1000)
     ap.add_argument("--spans", type=int, default=20, help="spans per rollout, one batch")
-    ap.add_argument("--partitions", type=positive_ints, default=[1, 2, 4], help="partition counts, e.g. 1,2,4")
+    ap.add_argument(
+        "--partitions",
+        type=partition_counts,
+        default=[1, 2, 4],
+        help=f"partition counts, each 1 to {MAX_PARTITIONS}, e.g. 1,2,4",
+    )
     ap.add_argument("--processes", type=positive_ints, default=[1, 2], help="projector process counts, e.g. 1,2")
     ap.add_argument("--repeat", type=int, default=1, help="rounds of every case (the table shows the median)")
     ap.add_argument("--timeout-s", type=float, default=600, help="limit of each case's catch-up")

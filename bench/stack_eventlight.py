@@ -273,10 +273,12 @@ class Stack:
         return [p.exitcode for p in self.pool.procs]
 
     async def stop(self) -> None:
-        if self.settings is not None and self.services is not None:
-            try:
-                await drop_namespace(self.services.nats_url, self.services.pg_dsn, self.settings)
-            finally:
-                await stop_services(self.settings)
-        if self.state_dir is not None:
-            shutil.rmtree(self.state_dir, ignore_errors=True)
+        try:
+            if self.settings is not None and self.services is not None:
+                try:
+                    await drop_namespace(self.services.nats_url, self.services.pg_dsn, self.settings)
+                finally:
+                    await stop_services(self.settings)
+        finally:
+            if self.state_dir is not None:  # also when dropping the namespace failed
+                shutil.rmtree(self.state_dir, ignore_errors=True)

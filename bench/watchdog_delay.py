@@ -81,6 +81,14 @@ async def main() -> None:
     args = ap.parse_args()
     require_positive(ap, args, "rollouts", "deadline_s", "interval_s")
     state = Path(tempfile.mkdtemp(prefix="elwatchdog-", dir=tempfile.gettempdir()))
+    try:
+        await run(args, state)
+    finally:
+        shutil.rmtree(state, ignore_errors=True)  # also when the servers did not start
+
+
+async def run(args: argparse.Namespace, state: Path) -> None:
+    """Both cases on embedded (or configured) servers with state dir ``state``, stopped at the end."""
     os.chmod(state, 0o755)  # Postgres runs as `postgres` when we are root
     settings = Settings.from_env(state_dir=state, namespace=f"w{uuid.uuid4().hex[:10]}", log_level="WARNING")
     services = await prepare_services(settings)
@@ -97,7 +105,6 @@ async def main() -> None:
             )
     finally:
         await stop_services(settings)
-        shutil.rmtree(state, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -2,12 +2,14 @@
 
 The suite (``bench/``, with its side-by-side runs against Agent-lightning 0.3.0) is not part of the
 installed package: it lives in the source checkout. This command runs ``python -m bench`` there with
-the same arguments, the checkout being the one eventlight is installed from (an editable install)
-or the current folder; without one it says where the suite lives. Registered in ``eventlight.cli``.
+the same arguments (and ``BENCH_PROG_NAME=eventlight bench``, so its usage names this command), the
+checkout being the one eventlight is installed from (an editable install) or the current folder;
+without one it says where the suite lives. Registered in ``eventlight.cli``.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -37,4 +39,5 @@ def bench(ctx: typer.Context) -> None:
             err=True,
         )
         raise typer.Exit(2)
-    raise typer.Exit(subprocess.call([sys.executable, "-m", "bench", *ctx.args], cwd=root))
+    env = {**os.environ, "BENCH_PROG_NAME": "eventlight bench"}  # its usage line names this command
+    raise typer.Exit(subprocess.call([sys.executable, "-m", "bench", *ctx.args], cwd=root, env=env))

@@ -239,3 +239,26 @@ def test_cli_replay_bad_input_is_one_line(namespace: Settings, tmp_path: Path) -
     assert_one_line_error(cli("replay", "--out", str(tmp_path / "x.csv"), env=env), 2, ".jsonl or .parquet")
     gone = {**env, "EVENTLIGHT_NATS_URL": "nats://127.0.0.1:1"}
     assert_one_line_error(cli("replay", "--out", out, env=gone), 1, "cannot reach", "127.0.0.1:1")
+
+
+def test_cli_replay_checks_the_file_name_before_looking_for_servers(tmp_path: Path) -> None:
+    none = {"EVENTLIGHT_NATS_URL": "", "EVENTLIGHT_PG_DSN": "", "EVENTLIGHT_STATE_DIR": str(tmp_path / "empty-state")}
+    assert_one_line_error(cli("replay", "--out", str(tmp_path / "x.csv"), env=none), 2, "expected a .jsonl or .parquet")
+    assert_one_line_error(cli("replay", "--out", str(tmp_path / "x.jsonl"), env=none), 1, "no eventlight servers")
+    assert not list(tmp_path.glob("x.*"))  # no file before the servers answer
+
+
+async def test_cli_replay_since_past_the_head_warns_and_writes_an_empty_file(
+    namespace: Settings, tmp_path: Path
+) -> None:
+    async with JetStreamLightningStore(namespace) as store:
+        await workload(store)
+    out = tmp_path / "late.jsonl"
+    result = cli("replay", "--since", "100000", "--out", str(out), env=env_of(namespace))
+    assert result.returncode == 0, result.stderr
+    assert out.read_bytes() == b""
+    head = int(result.stdout.split("up to log position ")[1].split(")")[0])
+    warnings = [line for line in result.stderr.splitlines() if "warning" in line]
+    assert warnings == [f"warning: --since 100000 is past the end of the log: it ends at sequence {head}"], (
+        result.stderr
+    )

@@ -1,13 +1,17 @@
-"""`eventlight sql` is not a sandbox escape: queries run as a read-only role with a statement timeout."""
+"""`eventlight sql` is not a sandbox escape: queries run as the namespace's read-only role with a statement
+timeout, and read no other namespace."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import asyncpg
 import pytest
+from conftest import fresh_namespace
 from test_cli import assert_one_line_error, cli, env_of
 
 from eventlight.settings import Settings
-from eventlight.sql_reader import READER_ROLE, reader_dsn
+from eventlight.sql_reader import MAX_ROLE_BYTES, ensure_reader, reader_dsn, reader_role
 
 
 @pytest.mark.parametrize(
@@ -48,16 +52,101 @@ def test_the_reader_sees_the_projections(namespace: Settings) -> None:
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == '{"n":0}' or result.stdout.strip() == '{"n": 0}'
     who = cli("sql", "SELECT current_user AS u, session_user AS s", "--format", "csv", env=env_of(namespace))
-    assert who.stdout.strip().splitlines()[-1] == f"{READER_ROLE},{READER_ROLE}"
+    role = reader_role(namespace.pg_schema)
+    assert who.stdout.strip().splitlines()[-1] == f"{role},{role}"
+
+
+async def test_another_namespaces_tables_are_refused(namespace: Settings, services: tuple[Settings, Any]) -> None:
+    async with fresh_namespace(services) as other:
+        for query in (f"SELECT * FROM {other.pg_schema}.rollouts", f"SELECT * FROM {other.pg_schema}.v_rollouts"):
+            result = cli("sql", query, env=env_of(namespace))
+            assert_one_line_error(result, 2, "SQL error", "permission denied", other.pg_schema)
+        own = cli(
+            "sql", f"SELECT count(*) AS n FROM {namespace.pg_schema}.v_rollouts", "-f", "csv", env=env_of(namespace)
+        )
+        assert own.returncode == 0 and own.stdout.split() == ["n", "0"], own.stderr
+
+
+async def test_the_namespace_reader_role_is_dropped_with_the_namespace(services: tuple[Settings, Any]) -> None:
+    async with fresh_namespace(services) as ns:
+        assert cli("sql", "SELECT 1", env=env_of(ns)).returncode == 0
+        role = reader_role(ns.pg_schema)
+        assert await _role_exists(ns, role)
+    assert not await _role_exists(ns, role)
+
+
+async def test_the_reader_loses_usage_granted_on_another_schema(
+    namespace: Settings, services: tuple[Settings, Any]
+) -> None:
+    assert namespace.pg_dsn is not None
+    owner = await asyncpg.connect(namespace.pg_dsn)
+    try:
+        async with fresh_namespace(services) as other:
+            role = await ensure_reader(owner, namespace.pg_schema)
+            await owner.execute(f'GRANT USAGE ON SCHEMA "{other.pg_schema}" TO "{role}"')  # say, a swapped-out rebuild
+            await ensure_reader(owner, namespace.pg_schema)
+            assert not await owner.fetchval("SELECT has_schema_privilege($1, $2, 'USAGE')", role, other.pg_schema)
+            assert await owner.fetchval("SELECT has_schema_privilege($1, $2, 'USAGE')", role, namespace.pg_schema)
+    finally:
+        await owner.close()
+
+
+async def test_a_role_of_the_readers_name_with_more_powers_is_not_used(namespace: Settings) -> None:
+    assert namespace.pg_dsn is not None
+    role = reader_role(namespace.pg_schema)
+    owner = await asyncpg.connect(namespace.pg_dsn)
+    try:
+        await owner.execute(f'CREATE ROLE "{role}" LOGIN CREATEDB')
+        assert_one_line_error(cli("sql", "SELECT 1", env=env_of(namespace)), 2, f"role {role} exists with more powers")
+    finally:
+        await owner.execute(f'DROP ROLE IF EXISTS "{role}"')
+        await owner.close()
+
+
+async def _role_exists(ns: Settings, role: str) -> bool:
+    assert ns.pg_dsn is not None
+    conn = await asyncpg.connect(ns.pg_dsn)
+    try:
+        return bool(await conn.fetchval("SELECT 1 FROM pg_roles WHERE rolname = $1", role))
+    finally:
+        await conn.close()
+
+
+def test_reader_role_names_fit_postgres_and_stay_apart() -> None:
+    assert reader_role("el_default") == "el_default_reader"
+    long_a, long_b = "el_" + "a" * 60 + "x", "el_" + "a" * 60 + "y"
+    assert len(reader_role(long_a).encode()) <= MAX_ROLE_BYTES
+    assert reader_role(long_a) != reader_role(long_b)
+    assert reader_role(long_a) == reader_role(long_a)
 
 
 def test_reader_dsn_keeps_host_and_database() -> None:
-    assert reader_dsn("postgresql://admin:secret@db.example:6543/app?sslmode=require") == (
-        f"postgresql://{READER_ROLE}@db.example:6543/app?sslmode=require"
+    assert reader_dsn("postgresql://admin:secret@db.example:6543/app?sslmode=require", "el_x_reader") == (
+        "postgresql://el_x_reader@db.example:6543/app?sslmode=require"
     )
     assert (
-        reader_dsn("postgresql:///postgres?host=/run/pg", "pw")
-        == f"postgresql://{READER_ROLE}:pw@/postgres?host=/run/pg"
+        reader_dsn("postgresql:///postgres?host=/run/pg", "el_x_reader", "pw")
+        == "postgresql://el_x_reader:pw@/postgres?host=/run/pg"
     )
     with pytest.raises(ValueError):
-        reader_dsn("mysql://x@y/z")
+        reader_dsn("mysql://x@y/z", "el_x_reader")
+
+
+async def test_the_shared_reader_of_migration_005_reads_nothing_of_a_namespace(namespace: Settings) -> None:
+    assert namespace.pg_dsn is not None
+    conn = await asyncpg.connect(namespace.pg_dsn)
+    try:
+        schema = namespace.pg_schema
+        assert await conn.fetchval("SELECT 1 FROM pg_roles WHERE rolname = 'eventlight_reader'")  # 005 made it
+        assert not await conn.fetchval("SELECT has_schema_privilege('eventlight_reader', $1, 'USAGE')", schema)
+        assert not await conn.fetchval(
+            "SELECT has_table_privilege('eventlight_reader', format('%I.rollouts', $1::text), 'SELECT')", schema
+        )
+        default_acl = await conn.fetchval(
+            "SELECT count(*) FROM pg_default_acl d JOIN pg_namespace n ON n.oid = d.defaclnamespace,"
+            " aclexplode(d.defaclacl) a WHERE n.nspname = $1 AND a.grantee = 'eventlight_reader'::regrole",
+            schema,
+        )
+        assert default_acl == 0  # tables added later are not granted to it either
+    finally:
+        await conn.close()

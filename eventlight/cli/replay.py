@@ -16,6 +16,7 @@ from rich.progress import Progress, TextColumn, TimeElapsedColumn
 from eventlight.cli.common import CliError, NamespaceOpt, _run, _settings, console, err
 from eventlight.cli.discovery import _need_nats, _no_namespace
 from eventlight.cli.status import _stream_state
+from eventlight.core.types import ROLLOUT_MODES
 from eventlight.settings import Settings
 
 
@@ -56,12 +57,13 @@ def _progress() -> Progress:
 
 async def _replay_to_file(settings: Settings, out: Path, opts: dict[str, Any]) -> Any:
     from eventlight.logreplay.replay import replay
-    from eventlight.logreplay.writer import open_writer
+    from eventlight.logreplay.writer import writer_for
 
-    run = replay(settings, **opts)  # an unknown adapter or a bad range fails before connecting
+    run = replay(settings, **opts)  # an unknown adapter or a bad range fails before connecting,
+    make_writer = writer_for(out)  # and so does a file name without a known suffix
     settings = await _nats_settings(settings)
     run.source = settings
-    writer = open_writer(out)
+    writer = make_writer(out)
     with _progress() as bar:
         task = bar.add_task("replay", events=0, records=0)
         run.on_progress = lambda s: bar.update(task, events=s.events, records=s.records)
@@ -90,7 +92,8 @@ def replay_command(
         list[str] | None, typer.Option("--resources-id", help="The rollout's resources id to keep (repeatable).")
     ] = None,
     mode: Annotated[
-        list[str] | None, typer.Option("--mode", help="Rollout mode to keep: train, val (repeatable).")
+        list[str] | None,
+        typer.Option("--mode", help=f"Rollout mode to keep: {', '.join(sorted(ROLLOUT_MODES))} (repeatable)."),
     ] = None,
     min_reward: Annotated[
         float | None, typer.Option("--min-reward", help="Keep attempts with a final reward >= X.")
@@ -139,6 +142,10 @@ def replay_command(
     for e in run.errors:
         err.print(f"[yellow]skipped:[/yellow] rollout {e.rollout_id} attempt {e.attempt_id}: {escape(e.error)}")
     s = run.stats
+    start = run.filters.since  # the parsed --since
+    if start is not None and start.seq is not None and start.seq > s.head_seq:
+        past = f"--since {start.seq} is past the end of the log: it ends at sequence {s.head_seq}"
+        err.print(f"[yellow]warning:[/yellow] {past}")
     console.print(
         f"{s.records} record(s) from {s.attempts} attempt(s) → {escape(str(out))}  "
         f"[dim]({s.events} events and {s.spans} spans read up to log position {s.head_seq}"

@@ -41,15 +41,15 @@ def _utf8(text: str, what: str) -> None:
 async def _query(
     settings: Settings, query: str, timeout_s: float, params: Sequence[str] = ()
 ) -> tuple[list[Any], list[Any]]:
-    """Run ``query`` as the read-only role ``eventlight_reader`` (``eventlight.sql_reader``), with
-    ``params`` bound to ``$1``, ``$2``, … (``eventlight.sql_params``)."""
+    """Run ``query`` as the namespace's read-only role ``<schema>_reader`` (``eventlight.sql_reader``),
+    with ``params`` bound to ``$1``, ``$2``, … (``eventlight.sql_params``)."""
     from eventlight.cli_output import Column
     from eventlight.sql_params import bind
     from eventlight.sql_reader import connect_reader
     from eventlight.store.jetstream.pg_errors import sql_error_detail
 
     found = await _need_pg(settings)
-    owner = await _connect_pg(settings, found)  # brings the schema (and the reader's grants) up to date
+    owner = await _connect_pg(settings, found)  # brings the schema up to date
     try:
         conn = await connect_reader(owner, found.url, settings.pg_schema, timeout_s=timeout_s)
     finally:
@@ -98,9 +98,10 @@ def sql(
     eventlight/_data/migrations/008_documented_views.sql and the README's example queries). Values
     go in as --param, for $1, $2, …
 
-    The query runs in a read-only transaction, as the role eventlight_reader that may only read
-    this namespace's tables, with a statement timeout: the tables are a projection of the stream,
-    and a row changed here would silently disagree with it (write through the store API instead).
+    The query runs in a read-only transaction, as the namespace's role el_<namespace>_reader that
+    may only read this namespace's tables and views, with a statement timeout: the tables are a
+    projection of the stream, and a row changed here would silently disagree with it (write
+    through the store API instead).
 
     Servers: uses $EVENTLIGHT_PG_DSN when set, else the embedded Postgres `eventlight up` started;
     never starts or stops one (without it: exit 1, 'run `eventlight up`')."""

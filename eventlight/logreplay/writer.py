@@ -12,6 +12,7 @@ for the same input.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -128,15 +129,17 @@ class ParquetWriter:
         self._writer.close()
 
 
-def open_writer(path: Path) -> RecordWriter:
-    """A writer for ``path`` by its suffix (``.jsonl`` or ``.parquet``).
+def writer_for(path: Path) -> Callable[[Path], RecordWriter]:
+    """The writer (a class) for ``path`` by its suffix (``.jsonl`` or ``.parquet``), without opening
+    ``path``: a caller checks the name before it connects to anything. Calling the Parquet one
+    without pyarrow raises ``InvalidInputError``.
 
     Raises:
-        InvalidInputError: Another suffix, or Parquet without pyarrow.
+        InvalidInputError: Another suffix.
     """
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        return JsonlWriter(path)
+        return JsonlWriter
     if suffix == ".parquet":
-        return ParquetWriter(path)
+        return ParquetWriter
     raise InvalidInputError(f"--out {path}: expected a .jsonl or .parquet file name")

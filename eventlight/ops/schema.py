@@ -12,6 +12,7 @@ from eventlight._data import data_dir
 from eventlight.credentials import NatsAuth
 from eventlight.net import redact
 from eventlight.settings import Settings
+from eventlight.sql_reader import drop_reader
 from eventlight.store.jetstream import pg_errors
 from eventlight.store.jetstream.connect import connect_nats
 from eventlight.store.jetstream.nats_errors import JsNotFoundError, nats_errors
@@ -86,7 +87,8 @@ async def _apply_one(conn: asyncpg.Connection, schema: str, version: str, sql: s
 
 async def drop_namespace(nats_url: str | None, pg_dsn: str | None, settings: Settings) -> None:
     """Delete the namespace's stream (with its consumers) and archive stream, and ``DROP SCHEMA … CASCADE``, with the
-    schemas ``eventlight replay --rebuild`` leaves beside it (``<schema>_rebuild``, ``<schema>_replaced_*``).
+    schemas ``eventlight replay --rebuild`` leaves beside it (``<schema>_rebuild``, ``<schema>_replaced_*``), then the
+    namespace's ``eventlight sql`` reader role (``eventlight.sql_reader.drop_reader``; roles are cluster-wide).
 
     Args:
         nats_url: NATS server; ``None`` skips the stream.
@@ -109,6 +111,7 @@ async def drop_namespace(nats_url: str | None, pg_dsn: str | None, settings: Set
                 )
                 for name in [settings.pg_schema, *(r[0] for r in siblings)]:
                     await conn.execute(f"DROP SCHEMA IF EXISTS {_quote_ident(name)} CASCADE")
+                await drop_reader(conn, settings.pg_schema)
         finally:
             await conn.close()
 

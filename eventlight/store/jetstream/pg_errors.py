@@ -85,8 +85,8 @@ def sql_error_detail(e: BaseException, timeout_s: float) -> str | None:
         return f"the query ran longer than --timeout-s {timeout_s:g} s and was cancelled"
     if isinstance(e, asyncpg.InsufficientPrivilegeError):
         return (
-            f"{text} (`eventlight sql` runs as the read-only role eventlight_reader: "
-            "the namespace's tables and views only)"
+            f"{text} (`eventlight sql` runs as the namespace's read-only role: "
+            "it reads the namespace's own tables and views only)"
         )
     if isinstance(e, asyncpg.ReadOnlySQLTransactionError):
         return (
