@@ -1,6 +1,9 @@
 """Runner processes: ``RunnerPool`` starts, restarts and stops them; ``serve`` is one process's loop.
 
-A runner process (``_runner_main``, started with ``spawn``):
+A runner process (``_runner_main``) is forked from a ``forkserver`` that imported the runner's
+modules once (``FORKSERVER_PRELOAD``), so the processes share those pages instead of each
+importing them again (``spawn`` where there is no forkserver). It takes the environment of the
+pool's process at ``start`` (as a spawned process would), not the forkserver's. It:
 
 * opens a write-only ``JetStreamLightningStore`` and runs ``LitAgentRunner.iter`` on it. When the
   NATS connection closes for good (nats-py gives up after ``max_reconnect_attempts``, about 10 s of
@@ -15,11 +18,11 @@ A runner process (``_runner_main``, started with ``spawn``):
   requeued or failed by its ``RolloutConfig``: under the default one it fails, so nothing stays
   ``running``), and exits 0. A second SIGTERM kills it at once. SIGINT is ignored: the parent
   coordinates shutdown (peer failure C06);
-* stops the same way when its parent dies (it checks its parent pid every ``PARENT_CHECK_S``), so a
-  kill -9 of ``eventlight runner`` or of a trainer leaves no orphan working, and exits hard when that
-  stop takes longer than ``GRACEFUL_STOP_S`` (a synchronous agent blocks the event loop). Not
-  ``PR_SET_PDEATHSIG``: Linux ties it to the parent *thread*, and ``RunnerPool`` restarts children
-  from its supervisor thread.
+* stops the same way when the pool's process dies (it checks every ``PARENT_CHECK_S`` that this
+  pid still runs and is not a zombie; the process's OS parent is the forkserver), so a kill -9 of
+  ``eventlight runner`` or of a trainer leaves no orphan working, and exits hard when that stop
+  takes longer than ``GRACEFUL_STOP_S`` (a synchronous agent blocks the event loop). Not
+  ``PR_SET_PDEATHSIG``: Linux ties it to the parent *thread*, and the parent is the forkserver.
 
 ``RunnerPool.stop`` sets the processes' stop event (each finishes its attempt in flight, if it can
 within ``graceful_s``), then sends SIGTERM (the attempts still running are recorded ``failed``), then
@@ -57,6 +60,8 @@ log = logging.getLogger(__name__)
 GRACEFUL_STOP_S = 10.0  # what a stop leaves attempts in flight to finish before SIGTERM fails them
 KILL_AFTER_S = 3.0  # SIGTERM to SIGKILL
 PARENT_CHECK_S = 0.5
+FORKSERVER_PRELOAD = ["eventlight.runner_pool", "uvloop"]
+"""Imported once by the forkserver, before it forks runner processes (what every runner imports)."""
 CONNECTION_CHECK_S = 0.5
 SUPERVISE_S = 0.5
 RESTART_MIN_S = 1.0
@@ -84,9 +89,14 @@ def _runner_main(
     log_level: str,
     parent_pid: int,
     metrics_port: int | None = None,
+    environ: dict[str, str] | None = None,
 ) -> None:
-    """Entry point of a runner process (``/metrics`` on ``metrics_port + worker_index`` when given)."""
+    """Entry point of a runner process (``/metrics`` on ``metrics_port + worker_index`` when given;
+    ``environ``: the pool process's environment, which replaces the forkserver's)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent coordinates shutdown (peer failure C06)
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [runner-%(process)d] %(name)s: %(message)s")
     _watch_parent(parent_pid)
     if metrics_port is not None and runner.metrics is not None:
@@ -105,11 +115,29 @@ def _run(coro: Coroutine[Any, Any, None]) -> None:
         asyncio.run(coro)
 
 
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not: it died and waits for its own parent to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc (macOS): signal 0 tells whether the pid exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+
 def _watch_parent(parent_pid: int) -> None:
-    """Stop this process (SIGTERM to itself, then a hard exit) once ``parent_pid`` is no longer its parent."""
+    """Stop this process (SIGTERM to itself, then a hard exit) once the pool's process
+    ``parent_pid`` has died."""
 
     def watch() -> None:
-        while os.getppid() == parent_pid:
+        while _alive(parent_pid):
             time.sleep(PARENT_CHECK_S)
         log.warning("runner process %d: parent %d is gone; stopping", os.getpid(), parent_pid)
         os.kill(os.getpid(), signal.SIGTERM)
@@ -191,6 +219,19 @@ async def _unless_disconnected(store: JetStreamLightningStore, work: Coroutine[A
 # -- the pool ----------------------------------------------------------------------------------
 
 
+def _context() -> Any:
+    """``forkserver`` with the runner's modules preloaded where the platform has it, else ``spawn``.
+
+    The preload applies when this process starts its forkserver (the first pool's first process);
+    a forkserver something else already started is used as it is.
+    """
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+    return ctx
+
+
 class RunnerPool:
     """``n`` runner processes consuming one namespace's queue, restarted when they die.
 
@@ -225,7 +266,7 @@ class RunnerPool:
         elif metrics_port is not None and runner.metrics is None:
             raise ValueError("metrics_port needs a runner that counts: LitAgentRunner(metrics=RunnerMetrics())")
         self.metrics_port = metrics_port
-        self.ctx = mp.get_context("spawn")
+        self.ctx = _context()
         self.stop_event = self.ctx.Event()
         self._args = (agent, runner, tuple(hooks), settings, nats_url)
         self._finite = runner.max_rollouts is not None
@@ -255,6 +296,7 @@ class RunnerPool:
                 self._log_level,
                 os.getpid(),
                 self.metrics_port,
+                dict(os.environ),
             ),  # fmt: skip
         )
 

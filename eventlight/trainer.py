@@ -5,7 +5,8 @@ Under the default strategy (``"cs"``, ``ClientServerExecutionStrategy``, role ``
 
 1. finds or starts NATS and Postgres and applies ``streams/`` and ``migrations/``
    (``eventlight.ops.prepare_services``; not with ``managed_store`` false or a given store);
-2. starts ``n_runners`` runner processes (``spawn``); each opens a write-only
+2. starts ``n_runners`` runner processes (forked from a ``forkserver`` that imported the runner
+   once, ``spawn`` without one; ``eventlight.runner_pool``); each opens a write-only
    ``JetStreamLightningStore`` (no Postgres connection) and consumes the rollout queue;
 3. opens the algorithm's store, which runs the projector and the watchdog in this process;
 4. starts the LLM proxy, if one is given, on that store;

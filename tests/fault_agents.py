@@ -14,6 +14,14 @@ async def quick(task: dict, prompt_template: agl.PromptTemplate) -> float:
 
 
 @agl.rollout
+async def env_mark(task: dict, prompt_template: agl.PromptTemplate) -> float:
+    """The reward is the runner process's ``$EL_TEST_ENV_MARK`` (0 when unset)."""
+    import os
+
+    return float(os.environ.get("EL_TEST_ENV_MARK", "0"))
+
+
+@agl.rollout
 async def slow(task: dict, prompt_template: agl.PromptTemplate) -> float:
     await asyncio.sleep(float(task.get("sleep_s", 600)))
     return 1.0

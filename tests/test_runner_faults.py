@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import multiprocessing as mp
 import os
 import re
 import signal
@@ -261,7 +262,8 @@ async def test_kill_9_of_the_runner_parent_leaves_no_orphans(namespace: Settings
         try:
             await _until_running(store, [made.rollout_id])
             children = psutil.Process(proc.pid).children(recursive=True)
-            runners = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+            # spawned runners name spawn_main; forked ones are the forkserver's children
+            runners = [c for c in children if "spawn_main" in " ".join(c.cmdline()) or c.ppid() != proc.pid]
             assert len(runners) == 2, [c.cmdline() for c in children]
             proc.kill()
             t0 = time.monotonic()
@@ -276,6 +278,34 @@ async def test_kill_9_of_the_runner_parent_leaves_no_orphans(namespace: Settings
     assert not still, f"orphans still running: {[p.pid for p in still]}"
     assert (got.status, got.attempt.status) == ("failed", "failed")
     print(f"\nkill -9 of the parent: both children gone in {gone_s:.1f} s, the attempt in flight failed")
+
+
+async def test_runner_processes_take_the_pools_environment_at_start(
+    namespace: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Runner processes are forked from a forkserver that imported the runner once; each still runs
+    with the environment the pool's process has when it starts them (what ``spawn`` gave), not the
+    forkserver's: a variable set after an earlier pool started the forkserver reaches the next pool."""
+    monkeypatch.delenv("EL_TEST_ENV_MARK", raising=False)
+
+    async def one_rollout() -> float | None:
+        made = await store.enqueue_rollout({"q": 1})
+        pool = RunnerPool(fault_agents.env_mark, 1, namespace, namespace.nats_url or "")
+        pool.start()
+        try:
+            [done] = await store.wait_for_rollouts(rollout_ids=[made.rollout_id], timeout=60)
+            forked = pool.procs[0].pid is not None and psutil.Process(pool.procs[0].pid).ppid() != os.getpid()
+        finally:
+            await asyncio.to_thread(pool.stop, 5)
+        assert done.status == "succeeded", done
+        assert forked == ("forkserver" in mp.get_all_start_methods())
+        return agl.find_final_reward(list(await store.query_spans(done.rollout_id)))
+
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
+        await store.add_resources(RESOURCES)
+        assert await one_rollout() == 0.0  # this pool started the forkserver (or found it running)
+        monkeypatch.setenv("EL_TEST_ENV_MARK", "0.5")
+        assert await one_rollout() == 0.5
 
 
 async def test_runner_pool_restarts_a_dead_runner_unless_stopping(
