@@ -160,8 +160,18 @@ def _env(settings: Settings) -> dict[str, str]:
     }
 
 
-async def _start_runner(settings: Settings, agent: str, n: int) -> asyncio.subprocess.Process:
+# Starts the command with SIGINT ignored, as a parent that ignores it passes it on through exec.
+_SIGINT_IGNORED = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); os.execv(sys.argv[1], sys.argv[1:])"
+)
+
+
+async def _start_runner(
+    settings: Settings, agent: str, n: int, *, sigint_ignored: bool = False
+) -> asyncio.subprocess.Process:
+    wrap = (sys.executable, "-c", _SIGINT_IGNORED) if sigint_ignored else ()
     return await asyncio.create_subprocess_exec(
+        *wrap,
         *(sys.executable, "-X", "faulthandler", "-m", "eventlight.cli", "runner", f"{AGENTS}:{agent}", "-n", str(n)),
         cwd=ROOT,
         env=_env(settings),
@@ -235,6 +245,21 @@ async def test_ctrl_c_on_eventlight_runner_fails_its_attempts_in_flight(namespac
     assert [(r.status, r.attempt.status) for r in got] == [("failed", "failed")] * 2, err
     assert "Traceback" not in err
     print(f"\nCtrl+C: {len(got)} attempts in flight recorded failed; the runner exited in {stop_s:.1f} s")
+
+
+async def test_ctrl_c_stops_eventlight_runner_started_with_sigint_ignored(namespace: Settings) -> None:
+    """A process started with SIGINT ignored (inherited through exec; seen when an earlier test of
+    the same pytest process left it so) still stops on SIGINT with exit 130."""
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
+        await store.add_resources(RESOURCES)
+        made = await store.enqueue_rollout({"q": 1})
+        proc = await _start_runner(namespace, "quick", 1, sigint_ignored=True)
+        try:
+            [done] = await store.wait_for_rollouts(rollout_ids=[made.rollout_id], timeout=60)
+        finally:
+            code, err = await _stop_runner(proc, signal.SIGINT)
+    assert done.status == "succeeded", err
+    assert code == 130, err
 
 
 async def test_runner_pool_stop_fails_in_flight_attempts_and_requeues_by_config(namespace: Settings) -> None:

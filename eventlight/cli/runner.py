@@ -180,6 +180,9 @@ def runner(
         the_agent, n, settings, nats_url, runner=template, log_level=settings.log_level, metrics_port=metrics_port
     )
     signal.signal(signal.SIGTERM, _raise_terminated)
+    # SIGINT stops the runners even when this process was started with it ignored (a parent that
+    # ignores SIGINT passes that on through exec, and Python then installs no KeyboardInterrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     pool.start()
     console.print(f"{n} runner(s) consuming {settings.stream_name} on {escape(redact(nats_url))}; Ctrl+C to stop")
     if metrics_port is not None:
