@@ -207,7 +207,8 @@ def render(results: dict[str, Any]) -> str:
     head = (
         f"eventlight bench — scale {m['scale']}, seed {m['seed']}, vs {m.get('vs') or 'nothing'}, "
         f"{m.get('cpu_count')} cores, load {_load(m.get('load_avg_at_start'))} → {_load(m.get('load_avg_at_end'))}, "
-        f"wall {m.get('wall_s')} s, durability {m.get('durability', 'fsync')}"
+        f"wall {m.get('wall_s')} s, durability {m.get('durability', 'fsync')}, "
+        f"eventlight runners per process: {m.get('runners_per_process', '1')}"
     )
     if (m.get("peer") or {}).get("error"):
         head += f"\npeer unavailable: {m['peer']['error']}"

@@ -6,9 +6,10 @@ Imported only by drivers started with ``--stack eventlight`` (eventlight's venv)
   ``sync_interval: always`` and Postgres), a fresh namespace, both stopped and deleted at the end.
 * Algorithm: ``JetStreamLightningStore`` with Postgres, which runs the projector and the watchdog
   in the driver's process (as ``Trainer`` does).
-* Runners: ``eventlight.trainer.RunnerPool`` (``spawn`` processes, each a write-only store and a
-  ``LitAgentRunner(OtelTracer())``), with a ``LitAgentRunner`` subclass that only adds a ready file,
-  dequeue timings and a stats file.
+* Runners: ``eventlight.trainer.RunnerPool`` (processes forked from a forkserver, one per core
+  unless ``$BENCH_RUNNERS_PER_PROCESS`` says how many runners share one, each process a write-only
+  store and its runners' ``LitAgentRunner(OtelTracer())``), with a ``LitAgentRunner`` subclass that
+  only adds a ready file, dequeue timings and a stats file.
 
 """
 
@@ -76,7 +77,9 @@ class BenchRunner(agl.LitAgentRunner):
 
     def init_worker(self, worker_id: int, store: Any, **kwargs: Any) -> None:
         super().init_worker(worker_id, store, **kwargs)
-        self.call_s = _time_store_calls(store)
+        # runners sharing a process share its store: the first one's wrappers time them all
+        self.call_s = _time_store_calls(store) if not hasattr(store, "_bench_timed") else {}
+        store._bench_timed = True
         (Path(self.stats_dir) / f"ready-{worker_id}").write_text(str(os.getpid()))
 
     async def _dequeue(self, store: Any) -> AttemptedRollout | None:
@@ -181,6 +184,26 @@ async def stream_subjects(store: JetStreamLightningStore, stream: str) -> int | 
     return None if "error" in answer else int(answer["state"].get("num_subjects", 0))
 
 
+RUNNERS_PER_PROCESS_ENV = "BENCH_RUNNERS_PER_PROCESS"
+
+
+def runners_per_process(n: int) -> int:
+    """Runners per process (``RunnerPool(runners_per_process=...)``) for ``n`` runners:
+    ``$BENCH_RUNNERS_PER_PROCESS``, else one process per core (``ceil(n / cores)``; 16 runners on 2
+    cores: 8 to a process). ``BENCH_RUNNERS_PER_PROCESS=1`` gives each runner its own process, as
+    the peer's runners have and ``Trainer`` does by default.
+
+    Raises:
+        ValueError: The variable is not a whole number >= 1.
+    """
+    raw = os.environ.get(RUNNERS_PER_PROCESS_ENV, "").strip()
+    if not raw:
+        return -(-n // (os.cpu_count() or 1))
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"${RUNNERS_PER_PROCESS_ENV}={raw!r}: expected a whole number >= 1")
+    return min(n, int(raw))
+
+
 class Stack:
     """eventlight's servers, stores and runner processes for one scenario."""
 
@@ -215,6 +238,7 @@ class Stack:
         return {
             "pg_kind": self.services.pg_kind,
             "nats": f"embedded, durability {self.settings.durability if self.settings else 'fsync'}",
+            "runners_per_process": os.environ.get(RUNNERS_PER_PROCESS_ENV) or "one process per core",
         }
 
     async def open_store(self) -> JetStreamLightningStore:
@@ -243,7 +267,12 @@ class Stack:
         assert self.settings is not None and self.services is not None
         runner = BenchRunner(str(stats_dir), poll_interval=RUNNER_POLL_S)
         self.pool = RunnerPool(
-            BenchAgent(seed, max_rounds, sleep_s), n, self.settings, self.services.nats_url, runner=runner
+            BenchAgent(seed, max_rounds, sleep_s),
+            n,
+            self.settings,
+            self.services.nats_url,
+            runner=runner,
+            runners_per_process=runners_per_process(n),
         )
         self.pool.start()
 
@@ -251,7 +280,7 @@ class Stack:
         return [p.pid for p in self.pool.procs if p.pid is not None] if self.pool else []
 
     def runners_alive(self) -> int:
-        return self.pool.alive() if self.pool else 0
+        return self.pool.runners_alive() if self.pool else 0
 
     def stop_runners(self, graceful_s: float = 10.0) -> list[int | None]:
         """Stop event, then SIGTERM, then SIGKILL, with one deadline for all processes

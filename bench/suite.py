@@ -111,6 +111,7 @@ def run_suite(cfg: SuiteConfig) -> dict[str, Any]:
             "python": platform.python_version(),
             "load_avg_at_start": list(os.getloadavg()),
             "durability": bench_durability(),
+            "runners_per_process": os.environ.get("BENCH_RUNNERS_PER_PROCESS") or "one process per core",
         },
         "ceiling": None,
         "micro": {},

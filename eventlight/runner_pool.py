@@ -1,11 +1,12 @@
 """Runner processes: ``RunnerPool`` starts, restarts and stops them; ``serve`` is one process's loop.
 
-A runner process (``_runner_main``) is forked from a ``forkserver`` that imported the runner's
+A runner process (``_runner_main``) runs one runner, or several as asyncio tasks on one store
+(``RunnerPool(runners_per_process=K)``, ``serve_many``). It is forked from a ``forkserver`` that imported the runner's
 modules once (``FORKSERVER_PRELOAD``), so the processes share those pages instead of each
 importing them again (``spawn`` where there is no forkserver). It takes the environment of the
 pool's process at ``start`` (as a spawned process would), not the forkserver's. It:
 
-* opens a write-only ``JetStreamLightningStore`` and runs ``LitAgentRunner.iter`` on it. When the
+* opens a write-only ``JetStreamLightningStore`` and runs each runner's ``LitAgentRunner.iter`` on it. When the
   NATS connection closes for good (nats-py gives up after ``max_reconnect_attempts``, about 10 s of
   outage), it closes that store and opens a new one, retrying every ``Backoff`` delay (0.1 s
   doubling to 5 s) until the server answers, then goes on consuming. An explicit loop rather than
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -47,6 +49,7 @@ from collections.abc import Coroutine, Sequence
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from eventlight import instrumentation
 from eventlight.agent import LitAgent
 from eventlight.core.errors import ServiceUnavailableError
 from eventlight.runner import Backoff, Hook, LitAgentRunner
@@ -84,15 +87,17 @@ def _runner_main(
     hooks: Sequence[Hook],
     settings: Settings,
     nats_url: str,
-    worker_index: int,
+    worker_indexes: Sequence[int],
     stop: Any,
     log_level: str,
     parent_pid: int,
     metrics_port: int | None = None,
     environ: dict[str, str] | None = None,
+    slot: int = 0,
 ) -> None:
-    """Entry point of a runner process (``/metrics`` on ``metrics_port + worker_index`` when given;
-    ``environ``: the pool process's environment, which replaces the forkserver's)."""
+    """Entry point of a runner process: the runners ``worker_indexes`` on one store (``/metrics``
+    on ``metrics_port + slot`` when given; ``environ``: the pool process's environment, which
+    replaces the forkserver's)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent coordinates shutdown (peer failure C06)
     if environ is not None:
         os.environ.clear()
@@ -100,10 +105,37 @@ def _runner_main(
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [runner-%(process)d] %(name)s: %(message)s")
     _watch_parent(parent_pid)
     if metrics_port is not None and runner.metrics is not None:
-        runner.metrics.serve(metrics_port + worker_index)
-        log.info("runner %d: metrics on http://127.0.0.1:%d/metrics", worker_index, metrics_port + worker_index)
-    with contextlib.suppress(asyncio.CancelledError):  # SIGTERM: the attempt in flight is recorded failed
-        _run(serve(agent, runner, hooks, settings, nats_url, worker_index, stop))
+        runner.metrics.serve(metrics_port + slot)
+        log.info("runner process %d: metrics on http://127.0.0.1:%d/metrics", slot, metrics_port + slot)
+    slots = runner_copies(agent, runner, worker_indexes)
+    with contextlib.suppress(asyncio.CancelledError):  # SIGTERM: the attempts in flight are recorded failed
+        _run(serve_many(slots, hooks, settings, nats_url, stop))
+
+
+def runner_copies(
+    agent: LitAgent[Any], runner: LitAgentRunner, worker_indexes: Sequence[int]
+) -> list[tuple[int, LitAgent[Any], LitAgentRunner]]:
+    """One ``(worker index, agent, runner)`` per index, for runners that share a process.
+
+    One index: ``agent`` and ``runner`` themselves. Several: each runner gets its own copy of both
+    (``copy.deepcopy``, as a process of its own would get by pickling; a ``@rollout`` function's
+    agent is pickled by name, so its runners share the module's stateless object), sharing the one
+    ``RunnerMetrics``; only the first runner's tracer instruments frameworks (instrumentation is
+    process-wide, and every tracer's span processor routes a span to the attempt of the context it
+    ended in), and a synchronous agent runs in a thread (``asyncio.to_thread``) so that it blocks
+    neither the other runners nor the heartbeats.
+    """
+    if len(worker_indexes) == 1:
+        return [(worker_indexes[0], agent, runner)]
+    slots = []
+    for j, index in enumerate(worker_indexes):
+        memo: dict[int, Any] = {} if runner.metrics is None else {id(runner.metrics): runner.metrics}
+        r = copy.deepcopy(runner, memo)
+        if j > 0 and isinstance(r.tracer, OtelTracer):
+            r.tracer.instrumented = instrumentation.Instrumented(())
+        r.sync_agent_in_thread = True
+        slots.append((index, copy.deepcopy(agent), r))
+    return slots
 
 
 def _run(coro: Coroutine[Any, Any, None]) -> None:
@@ -157,31 +189,75 @@ async def serve(
     stop: Any,
 ) -> None:
     """Run ``runner`` on the namespace's queue until ``stop`` is set (or ``max_rollouts``), opening
-    a new store whenever the NATS connection closes for good.
+    a new store whenever the NATS connection closes for good (``serve_many`` with one runner).
 
     SIGTERM cancels it: the attempt in flight is recorded ``failed`` and ``CancelledError`` raised.
 
     Args:
         stop: Anything with ``is_set()`` (a ``multiprocessing`` or ``threading`` event).
     """
+    await serve_many([(worker_index, agent, runner)], hooks, settings, nats_url, stop)
+
+
+async def serve_many(
+    slots: Sequence[tuple[int, LitAgent[Any], LitAgentRunner]],
+    hooks: Sequence[Hook],
+    settings: Settings,
+    nats_url: str,
+    stop: Any,
+) -> None:
+    """Run each ``(worker index, agent, runner)`` of ``slots`` as a task on one store (one NATS
+    connection, so their commands share atomic batches) until ``stop`` is set or every runner has
+    done its ``max_rollouts``; a new store whenever the NATS connection closes for good.
+
+    A runner that raises cancels the others (their attempts are recorded ``failed``) and the
+    exception propagates: the process exits and its pool restarts it. SIGTERM cancels them all.
+
+    Args:
+        stop: Anything with ``is_set()`` (a ``multiprocessing`` or ``threading`` event).
+    """
     _cancel_on_sigterm()
     backoff = Backoff()
+    first = slots[0][0]
+    done: set[int] = set()  # runners that did their max_rollouts
     while not stop.is_set():
         try:
             store = await JetStreamLightningStore(settings, nats_url=nats_url).start()
         except ServiceUnavailableError as e:
             delay = backoff.next()
-            log.warning("runner %d: no store yet, retrying in %.1f s: %s", worker_index, delay, e)
+            log.warning("runner %d: no store yet, retrying in %.1f s: %s", first, delay, e)
             await asyncio.sleep(delay)
             continue
         backoff.reset()
         try:
-            with runner.run_context(agent=agent, store=store, hooks=hooks, worker_id=worker_index):
-                if await _unless_disconnected(store, runner.iter(event=stop)):
+            with contextlib.ExitStack() as contexts:
+                for index, agent, runner in slots:
+                    if index not in done:
+                        contexts.enter_context(
+                            runner.run_context(agent=agent, store=store, hooks=hooks, worker_id=index)
+                        )
+                work = _all_runners([(i, r) for i, _, r in slots if i not in done], stop, done)
+                if await _unless_disconnected(store, work):
                     return
         finally:
             await store.close()
-        log.warning("[%s] the NATS connection closed for good; reconnecting", runner.get_worker_id())
+        log.warning("[%s] the NATS connection closed for good; reconnecting", slots[0][2].get_worker_id())
+
+
+async def _all_runners(runners: Sequence[tuple[int, LitAgentRunner]], stop: Any, done: set[int]) -> None:
+    """``iter`` of every runner, each in a task; the first to raise cancels the rest (``TaskGroup``).
+    ``done`` collects the indexes of the runners whose ``iter`` returned."""
+
+    async def one(index: int, runner: LitAgentRunner) -> None:
+        await runner.iter(event=stop)
+        done.add(index)
+
+    if len(runners) == 1:
+        await one(*runners[0])
+        return
+    async with asyncio.TaskGroup() as group:
+        for index, runner in runners:
+            group.create_task(one(index, runner), name=f"eventlight-runner-{index}")
 
 
 def _cancel_on_sigterm() -> None:
@@ -233,11 +309,11 @@ def _context() -> Any:
 
 
 class RunnerPool:
-    """``n`` runner processes consuming one namespace's queue, restarted when they die.
+    """``n`` runners consuming one namespace's queue, in processes restarted when they die.
 
     Args:
-        agent: The agent each process runs (pickled into the process).
-        n: Number of processes.
+        agent: The agent each runner runs (pickled into its process).
+        n: Number of runners.
         settings: Namespace to consume.
         nats_url: NATS server.
         runner: Template runner (copied into each process); defaults to ``LitAgentRunner(OtelTracer())``.
@@ -245,6 +321,16 @@ class RunnerPool:
         log_level: Log level inside the processes.
         metrics_port: When set, process ``i`` serves Prometheus ``/metrics`` on ``127.0.0.1:metrics_port + i``
             (``eventlight.runner.metrics``); the default runner then counts into a ``RunnerMetrics``.
+        runners_per_process: Runners that share one process (eventlight's; default 1, as in
+            Agent-lightning): ``ceil(n / runners_per_process)`` processes, each running its
+            runners as asyncio tasks on one store (``runner_copies``: each its own copy of the
+            agent and runner, a synchronous agent in a thread). Fewer processes hold less memory
+            and their runners' commands share atomic batches; a process that dies takes its
+            runners' attempts with it.
+
+    Raises:
+        ValueError: ``n`` or ``runners_per_process`` below 1, or ``metrics_port`` with a runner that
+            does not count.
     """
 
     def __init__(
@@ -258,23 +344,32 @@ class RunnerPool:
         hooks: Sequence[Hook] = (),
         log_level: str = "WARNING",
         metrics_port: int | None = None,
+        runners_per_process: int = 1,
     ):
         if n < 1:
             raise ValueError(f"n_runners must be >= 1, got {n}")
+        if runners_per_process < 1:
+            raise ValueError(f"runners_per_process must be >= 1, got {runners_per_process}")
         if runner is None:
             runner = LitAgentRunner(OtelTracer(), metrics=RunnerMetrics() if metrics_port is not None else None)
         elif metrics_port is not None and runner.metrics is None:
             raise ValueError("metrics_port needs a runner that counts: LitAgentRunner(metrics=RunnerMetrics())")
         self.metrics_port = metrics_port
+        self.n_runners = n
+        self.runners_per_process = runners_per_process
+        # process i runs the runners with these worker indexes
+        self.worker_indexes = [
+            list(range(start, min(n, start + runners_per_process))) for start in range(0, n, runners_per_process)
+        ]
         self.ctx = _context()
         self.stop_event = self.ctx.Event()
         self._args = (agent, runner, tuple(hooks), settings, nats_url)
         self._finite = runner.max_rollouts is not None
         self._done: set[int] = set()  # slots whose process finished its max_rollouts
         self._log_level = log_level
-        self.procs: list[BaseProcess] = [self._process(i) for i in range(n)]
+        self.procs: list[BaseProcess] = [self._process(i) for i in range(len(self.worker_indexes))]
         self.restarts = 0
-        self._started_at = [0.0] * n
+        self._started_at = [0.0] * len(self.procs)
         self._lock = threading.Lock()
         self._stopping = False
         self._supervisor: threading.Thread | None = None
@@ -291,12 +386,13 @@ class RunnerPool:
                 hooks,
                 settings,
                 nats_url,
-                index,
+                self.worker_indexes[index],
                 self.stop_event,
                 self._log_level,
                 os.getpid(),
                 self.metrics_port,
                 dict(os.environ),
+                index,
             ),  # fmt: skip
         )
 
@@ -307,11 +403,15 @@ class RunnerPool:
             self._started_at[i] = time.monotonic()
         self._supervisor = threading.Thread(target=self._supervise, name="eventlight-runner-pool", daemon=True)
         self._supervisor.start()
-        log.info("started %d runner processes", len(self.procs))
+        log.info("started %d runners in %d processes", self.n_runners, len(self.procs))
 
     def alive(self) -> int:
         """How many processes are running now."""
         return sum(p.is_alive() for p in self.procs)
+
+    def runners_alive(self) -> int:
+        """How many runners the running processes hold."""
+        return sum(len(ix) for p, ix in zip(self.procs, self.worker_indexes, strict=True) if p.is_alive())
 
     def finished(self) -> bool:
         """Whether every process has finished its ``max_rollouts`` (never, without one)."""

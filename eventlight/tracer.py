@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import contextvars
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
@@ -134,6 +135,8 @@ class _AttemptBuffer:
         self.pending: list[ReadableSpan] = []
         self.recorded: list[Span] = []
         self.wake = asyncio.Event()
+        self.loop = asyncio.get_running_loop()
+        self.thread = threading.get_ident()  # the loop's
         self.closing = False
         self.undelivered = 0  # still pending after the last flush
         self.refused = 0  # refused by the store as bad input
@@ -190,7 +193,10 @@ class StreamSpanProcessor(SpanProcessor):
             return
         buf.pending.append(span)
         if len(buf.pending) >= 256:
-            buf.wake.set()
+            if threading.get_ident() == buf.thread:
+                buf.wake.set()
+            else:  # a synchronous agent's thread (``LitAgentRunner.sync_agent_in_thread``)
+                buf.loop.call_soon_threadsafe(buf.wake.set)
 
     def shutdown(self) -> None:
         pass

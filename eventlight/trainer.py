@@ -95,6 +95,9 @@ class Trainer:
         rollout_config: eventlight's: the ``RolloutConfig`` (or a dict of its fields:
             ``timeout_seconds``, ``unresponsive_seconds``, ``max_attempts``, ``retry_condition``) of
             every rollout the algorithm enqueues without its own.
+        runners_per_process: eventlight's: runners that share one runner process (``"cs"``; default
+            1, one process per runner as in 0.3.0). ``RunnerPool``'s: fewer processes, less memory,
+            and their commands share atomic batches; a synchronous agent then runs in a thread.
 
     Raises:
         TypeError, ValueError: A spec that builds the wrong thing, or invalid strategy settings.
@@ -120,12 +123,16 @@ class Trainer:
         runner_log_level: str = "WARNING",
         check_llm: bool = True,
         rollout_config: RolloutConfig | Mapping[str, Any] | None = None,
+        runners_per_process: int = 1,
     ):
         from eventlight.adapter import TraceAdapter, TracerTraceToTriplet
 
         self.algorithm = build_component(algorithm, expected_type=Algorithm, spec_name="algorithm", allow_none=True)
         self.strategy: ExecutionStrategy = resolve_strategy(strategy, n_runners=n_runners or 1, port=port)
         self.n_runners: int = getattr(self.strategy, "n_runners", n_runners or 1)
+        if runners_per_process < 1:
+            raise ValueError(f"runners_per_process must be >= 1, got {runners_per_process}")
+        self.runners_per_process = runners_per_process
         self.max_rollouts = max_rollouts
         self.initial_resources = initial_resources
         self.adapter: Any = build_component(
@@ -263,6 +270,7 @@ class Trainer:
                 runner=self.runner,
                 hooks=self.hooks,
                 log_level=self.runner_log_level,
+                runners_per_process=self.runners_per_process,
             )
             pool.start()
         try:

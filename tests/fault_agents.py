@@ -28,6 +28,16 @@ async def slow(task: dict, prompt_template: agl.PromptTemplate) -> float:
 
 
 @agl.rollout
+def blocking(task: dict, prompt_template: agl.PromptTemplate) -> float:
+    """A synchronous agent: one object span, then ``time.sleep(task["sleep_s"])`` (default 1)."""
+    import time
+
+    agl.emit_object({"i": task.get("i")})
+    time.sleep(float(task.get("sleep_s", 1)))
+    return 1.0
+
+
+@agl.rollout
 async def traced(task: dict, prompt_template: agl.PromptTemplate) -> float:
     """``task["spans"]`` object spans (default 3), then the reward span of the returned value."""
     for k in range(int(task.get("spans", 3))):

@@ -61,6 +61,12 @@ CLI: dict[str, Case] = {
     ),
     "runner: not an agent": (("runner", "tests/fault_agents.py:asyncio"), {}, 2, "fault_agents.py:asyncio"),
     "runner -n 0": (("runner", "tests/fault_agents.py:quick", "-n", "0"), {}, 2, "greater than or equal to 1"),
+    "runner --per-process 0": (
+        ("runner", "tests/fault_agents.py:quick", "--per-process", "0"),
+        {},
+        2,
+        "greater than or equal to 1",
+    ),
     "runner --instrument crewai": (
         ("runner", "tests/fault_agents.py:quick", "--instrument", "crewai"),
         {},

@@ -167,12 +167,13 @@ _SIGINT_IGNORED = (
 
 
 async def _start_runner(
-    settings: Settings, agent: str, n: int, *, sigint_ignored: bool = False
+    settings: Settings, agent: str, n: int, *args: str, sigint_ignored: bool = False
 ) -> asyncio.subprocess.Process:
     wrap = (sys.executable, "-c", _SIGINT_IGNORED) if sigint_ignored else ()
     return await asyncio.create_subprocess_exec(
         *wrap,
         *(sys.executable, "-X", "faulthandler", "-m", "eventlight.cli", "runner", f"{AGENTS}:{agent}", "-n", str(n)),
+        *args,
         cwd=ROOT,
         env=_env(settings),
         stdout=asyncio.subprocess.PIPE,
@@ -245,6 +246,25 @@ async def test_ctrl_c_on_eventlight_runner_fails_its_attempts_in_flight(namespac
     assert [(r.status, r.attempt.status) for r in got] == [("failed", "failed")] * 2, err
     assert "Traceback" not in err
     print(f"\nCtrl+C: {len(got)} attempts in flight recorded failed; the runner exited in {stop_s:.1f} s")
+
+
+async def test_ctrl_c_on_runners_sharing_a_process_fails_all_their_attempts(namespace: Settings) -> None:
+    """``eventlight runner -n 2 --per-process 2``: both runners claim in one process, and Ctrl+C
+    records both attempts in flight failed."""
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
+        await store.add_resources(RESOURCES)
+        made = [await store.enqueue_rollout({"sleep_s": 600}) for _ in range(2)]
+        proc = await _start_runner(namespace, "slow", 2, "--per-process", "2")
+        try:
+            await _until_running(store, [r.rollout_id for r in made])
+        finally:
+            code, err = await _stop_runner(proc, signal.SIGINT)
+        got = await _settled(store, [r.rollout_id for r in made])
+        workers = [(await store.get_latest_attempt(r.rollout_id)).worker_id for r in made]
+    assert code == 130, err
+    assert [(r.status, r.attempt.status) for r in got] == [("failed", "failed")] * 2, err
+    pids = {re.sub(r"^Worker-\d+@", "", w or "").rsplit("-", 1)[0] for w in workers}
+    assert len(set(workers)) == 2 and len(pids) == 1, workers  # two runners, one process
 
 
 async def test_ctrl_c_stops_eventlight_runner_started_with_sigint_ignored(namespace: Settings) -> None:

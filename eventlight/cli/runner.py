@@ -113,13 +113,22 @@ async def _runner_nats(settings: Settings) -> str:
 
 def runner(
     agent: Annotated[str, typer.Argument(help="The agent, as module:attribute or path/to/file.py:attribute.")],
-    n: Annotated[int, typer.Option("--n-runners", "-n", min=1, help="Runner processes (at least 1).")] = 1,
+    n: Annotated[int, typer.Option("--n-runners", "-n", min=1, help="Runners (at least 1).")] = 1,
+    per_process: Annotated[
+        int,
+        typer.Option(
+            "--per-process",
+            min=1,
+            help="Runners per process, as asyncio tasks on one store (default 1: a process each). "
+            "Fewer processes use less memory; a synchronous agent then runs in a thread.",
+        ),
+    ] = 1,
     metrics_port: Annotated[
         int | None,
         typer.Option(
             min=1,
             max=65535,
-            help="Serve Prometheus /metrics on 127.0.0.1: runner i on this port + i (default: none).",
+            help="Serve Prometheus /metrics on 127.0.0.1: runner process i on this port + i (default: none).",
         ),
     ] = None,
     timeout_s: Annotated[
@@ -169,24 +178,35 @@ def runner(
     the_agent = load_agent(agent)
     instrument_names = _instrumented(instrument)
     nats_url = _run(_runner_nats(settings))
-    if metrics_port is not None and metrics_port + n - 1 > 65535:
-        raise CliError(f"--metrics-port {metrics_port} with {n} runners goes past port 65535")
+    processes = -(-n // per_process)
+    if metrics_port is not None and metrics_port + processes - 1 > 65535:
+        raise CliError(f"--metrics-port {metrics_port} with {processes} runner processes goes past port 65535")
     template = LitAgentRunner(
         OtelTracer(instrument=instrument_names),
         metrics=RunnerMetrics() if metrics_port is not None else None,
         rollout_config=config,
     )
     pool = RunnerPool(
-        the_agent, n, settings, nats_url, runner=template, log_level=settings.log_level, metrics_port=metrics_port
+        the_agent,
+        n,
+        settings,
+        nats_url,
+        runner=template,
+        log_level=settings.log_level,
+        metrics_port=metrics_port,
+        runners_per_process=per_process,
     )
     signal.signal(signal.SIGTERM, _raise_terminated)
     # SIGINT stops the runners even when this process was started with it ignored (a parent that
     # ignores SIGINT passes that on through exec, and Python then installs no KeyboardInterrupt)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     pool.start()
-    console.print(f"{n} runner(s) consuming {settings.stream_name} on {escape(redact(nats_url))}; Ctrl+C to stop")
+    where = f" in {processes} processes" if processes != n else ""
+    console.print(
+        f"{n} runner(s){where} consuming {settings.stream_name} on {escape(redact(nats_url))}; Ctrl+C to stop"
+    )
     if metrics_port is not None:
-        console.print(f"metrics on http://127.0.0.1:{metrics_port}…{metrics_port + n - 1}/metrics")
+        console.print(f"metrics on http://127.0.0.1:{metrics_port}…{metrics_port + processes - 1}/metrics")
     try:
         while pool.supervising():
             time.sleep(0.5)

@@ -95,6 +95,9 @@ class LitAgentRunner:
         self.poll_interval = poll_interval
         self.heartbeat_interval = heartbeat_interval
         self.worker_id: int | None = None
+        self.sync_agent_in_thread = False
+        """Run a synchronous agent's rollout in a thread (``asyncio.to_thread``) instead of on the
+        event loop; ``RunnerPool`` sets it for runners that share a process."""
         self._agent: LitAgent[Any] | None = None
         self._seen_errors: set[tuple[str, str]] = set()
         self._store: LightningStore | None = None
@@ -257,6 +260,8 @@ class LitAgentRunner:
             method = agent.training_rollout_async if train else agent.validation_rollout_async
             return await method(rollout.input, resources=resources, rollout=rollout)
         method = agent.training_rollout if train else agent.validation_rollout
+        if self.sync_agent_in_thread:  # the thread gets a copy of this task's context (tracer, attempt)
+            return await asyncio.to_thread(method, rollout.input, resources=resources, rollout=rollout)
         return method(rollout.input, resources=resources, rollout=rollout)
 
     async def _step_impl(self, rollout: AttemptedRollout, raise_on_exception: bool = False) -> str:

@@ -20,11 +20,12 @@ from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
 from eventlight.core.events import RolloutCreated, decode_event
 from eventlight.store.jetstream.definitions import consumer_config
 from eventlight.store.jetstream.layout import rollout_of_subject
-from eventlight.store.jetstream.nats_errors import NO_MESSAGES, TRANSPORT_ERRORS, nats_errors
+from eventlight.store.jetstream.nats_errors import TRANSPORT_ERRORS, nats_errors
 
 if TYPE_CHECKING:
     from eventlight.store.jetstream.log import JetStreamEventLog
 
+LONG_POLL_MARGIN_S = 5.0  # how much longer than its expiry a long poll waits for the server's answer
 EMPTY_CONFIRM_S = 0.010  # how long after a write a non-blocking dequeue waits for the consumer (see _pull)
 
 
@@ -88,16 +89,18 @@ class RunnersQueue:
         Raises:
             ServiceUnavailableError: NATS did not answer.
         """
-        sub = await self._subscription()
+        await self._subscription()  # creates or updates the durable consumer
         if wait_s <= 0:
             msg = await self._pull()
-            return JetStreamQueued(msg) if msg is not None else None
-        with nats_errors(self.log.server, "pull from the runners queue"):  # inside: a timeout is no error
-            try:
-                msgs = await sub.fetch(1, timeout=max(0.05, wait_s))
-            except NO_MESSAGES:
-                return None
-        return JetStreamQueued(msgs[0]) if msgs else None  # nats-py may hand back an empty batch
+        else:
+            # A pull request of its own, not nats-py's ``fetch``: concurrent fetches on one pull
+            # subscription share its inbox, so one caller can take another's message or timeout
+            # status (several runners share a store in one process, ``RunnerPool(runners_per_process)``).
+            expires = max(1, int(max(0.05, wait_s) * 1e9))
+            msg = await self._pull_request(
+                f'{{"batch":1,"expires":{expires}}}'.encode(), timeout_s=wait_s + LONG_POLL_MARGIN_S
+            )
+        return JetStreamQueued(msg) if msg is not None else None
 
     async def _pull(self) -> Any:
         """The next message, or ``None`` if the queue is empty, without nats-py's 50 ms minimum wait.
@@ -142,14 +145,20 @@ class RunnersQueue:
             return None
         return (info.ts - info.state.last_ts).total_seconds()
 
-    async def _pull_request(self, request: bytes) -> Any:
+    async def _pull_request(self, request: bytes, timeout_s: float = 10.0) -> Any:
         """One pull request; JetStream delivers the message under its own subject, so each request
-        needs an inbox of its own (idle inbox subscriptions are kept for the next call)."""
+        needs an inbox of its own (idle inbox subscriptions are kept for the next call). ``None``
+        when the server answers that there is nothing (404, or 408 when the request expires).
+
+        Raises:
+            ServiceUnavailableError: No answer in ``timeout_s`` seconds, a transport error, or
+                another status (409: the consumer is gone or has too many waiting requests).
+        """
         nc = self.log.nc
         inbox = self._inboxes.pop() if self._inboxes else await nc.subscribe(nc.new_inbox())
         try:
             await nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{self.log.stream}.runners", request, reply=inbox.subject)
-            msg = await inbox.next_msg(timeout=10.0)
+            msg = await inbox.next_msg(timeout=timeout_s)
         except TRANSPORT_ERRORS as e:
             with contextlib.suppress(Exception):
                 await inbox.unsubscribe()  # a late answer must not reach the next caller
