@@ -308,6 +308,17 @@ def _context() -> Any:
     return ctx
 
 
+def check_runners_per_process(value: Any) -> int:
+    """``value`` when it is a whole number >= 1 (``RunnerPool``'s and ``Trainer``'s ``runners_per_process``).
+
+    Raises:
+        ValueError: Anything else (a bool, a float, a string, 0 or less).
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"runners_per_process must be a whole number >= 1, got {value!r}")
+    return value
+
+
 class RunnerPool:
     """``n`` runners consuming one namespace's queue, in processes restarted when they die.
 
@@ -348,8 +359,7 @@ class RunnerPool:
     ):
         if n < 1:
             raise ValueError(f"n_runners must be >= 1, got {n}")
-        if runners_per_process < 1:
-            raise ValueError(f"runners_per_process must be >= 1, got {runners_per_process}")
+        check_runners_per_process(runners_per_process)
         if runner is None:
             runner = LitAgentRunner(OtelTracer(), metrics=RunnerMetrics() if metrics_port is not None else None)
         elif metrics_port is not None and runner.metrics is None:

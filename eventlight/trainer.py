@@ -38,7 +38,7 @@ from eventlight.core.types import RolloutConfig
 from eventlight.execution import ClientServerExecutionStrategy, ExecutionStrategy, SharedMemoryExecutionStrategy
 from eventlight.ops import Services, apply_migrations, apply_streams, prepare_services, stop_services
 from eventlight.runner import Hook, LitAgentRunner
-from eventlight.runner_pool import RunnerPool
+from eventlight.runner_pool import RunnerPool, check_runners_per_process
 from eventlight.settings import Settings
 from eventlight.store.base import LightningStore
 from eventlight.store.jetstream import JetStreamLightningStore
@@ -130,9 +130,9 @@ class Trainer:
         self.algorithm = build_component(algorithm, expected_type=Algorithm, spec_name="algorithm", allow_none=True)
         self.strategy: ExecutionStrategy = resolve_strategy(strategy, n_runners=n_runners or 1, port=port)
         self.n_runners: int = getattr(self.strategy, "n_runners", n_runners or 1)
-        if runners_per_process < 1:
-            raise ValueError(f"runners_per_process must be >= 1, got {runners_per_process}")
-        self.runners_per_process = runners_per_process
+        self.runners_per_process = check_runners_per_process(runners_per_process)
+        if runners_per_process != 1 and isinstance(self.strategy, SharedMemoryExecutionStrategy):
+            raise ValueError("runners_per_process applies to runner processes (strategy 'cs'), not to 'shm' threads")
         self.max_rollouts = max_rollouts
         self.initial_resources = initial_resources
         self.adapter: Any = build_component(

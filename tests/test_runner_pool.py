@@ -126,6 +126,14 @@ def test_runner_copies_keep_one_of_each_per_runner_and_share_the_metrics() -> No
     assert [r.tracer.instrumented.frameworks for _, _, r in copies] == [("openai",), (), ()]
 
 
-def test_runners_per_process_below_one_is_refused(namespace: Settings) -> None:
-    with pytest.raises(ValueError, match="runners_per_process must be >= 1"):
-        RunnerPool(fault_agents.quick, 2, namespace, namespace.nats_url or "", runners_per_process=0)
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, "2", None])
+def test_runners_per_process_that_is_not_a_whole_number_from_one_is_refused(namespace: Settings, bad: Any) -> None:
+    with pytest.raises(ValueError, match="runners_per_process must be a whole number >= 1"):
+        RunnerPool(fault_agents.quick, 2, namespace, namespace.nats_url or "", runners_per_process=bad)
+    with pytest.raises(ValueError, match="runners_per_process must be a whole number >= 1"):
+        agl.Trainer(n_runners=2, runners_per_process=bad, settings=namespace)
+
+
+def test_runners_per_process_with_shared_memory_threads_is_refused() -> None:
+    with pytest.raises(ValueError, match="not to 'shm' threads"):
+        agl.Trainer(n_runners=1, strategy="shm", runners_per_process=2)

@@ -201,7 +201,7 @@ def runner(
     # ignores SIGINT passes that on through exec, and Python then installs no KeyboardInterrupt)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     pool.start()
-    where = f" in {processes} processes" if processes != n else ""
+    where = f" in {processes} process{'es' if processes > 1 else ''}" if processes != n else ""
     console.print(
         f"{n} runner(s){where} consuming {settings.stream_name} on {escape(redact(nats_url))}; Ctrl+C to stop"
     )
