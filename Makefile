@@ -22,7 +22,7 @@ $(VENV)/.installed-dev: pyproject.toml constraints.txt | $(BIN)/python
 # The local LLM: llama-cpp-python built once for a portable CPU level (no -march=native, no AMX;
 # scripts/llama-wheel.sh caches the wheel), replacing any native build already in the venv.
 $(VENV)/.installed-local-portable: pyproject.toml constraints.txt scripts/llama-wheel.sh | $(BIN)/python
-	@echo "Installing the local LLM (llama-cpp-python builds from source once, 6–11 minutes on 2 cores)…"
+	@echo "Installing the local LLM (llama-cpp-python: a wheel cached by an earlier build, or built from source now)…"
 	wheel=$$(scripts/llama-wheel.sh $(BIN)/python $(LLAMA_VERSION)) && \
 	  $(BIN)/pip install --quiet --force-reinstall --no-deps "$$wheel" && \
 	  $(PIP) "$$wheel" -e '.[local,dev,bench,replay]'

@@ -413,7 +413,9 @@ class RunnerPool:
             self._started_at[i] = time.monotonic()
         self._supervisor = threading.Thread(target=self._supervise, name="eventlight-runner-pool", daemon=True)
         self._supervisor.start()
-        log.info("started %d runners in %d processes", self.n_runners, len(self.procs))
+        procs = len(self.procs)
+        # debug: `eventlight runner` and the trainer's runner role print their own line for this
+        log.debug("started %d runners in %d process%s", self.n_runners, procs, "es" if procs != 1 else "")
 
     def alive(self) -> int:
         """How many processes are running now."""

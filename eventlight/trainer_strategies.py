@@ -111,7 +111,10 @@ async def serve_runner_role(pool: RunnerPool) -> None:
     loop = asyncio.get_running_loop()
     with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not the main thread
         loop.add_signal_handler(signal.SIGTERM, stop.set)
-    log.info("runner role: %d runner processes consume the queue", len(pool.procs))
+    procs = len(pool.procs)
+    log.info(
+        "runner role: %d runners in %d process%s consume the queue", pool.n_runners, procs, "es" if procs != 1 else ""
+    )
     try:
         await wait_for_pool(pool, stop)
     finally:

@@ -107,10 +107,15 @@ class CommandLoop:
         self.remember(state.rollout.rollout_id, state, outcome.version)
         return state
 
-    async def create(self, command: CreateRollout) -> RolloutState:
-        """Append a new rollout's events (expecting an empty rollout)."""
+    async def create(self, command: CreateRollout, *, resources_seq: int | None = None) -> RolloutState:
+        """Append a new rollout's events (expecting an empty rollout; with ``resources_seq``, expecting
+        the latest resources at that position: ``EventLog.append``).
+
+        Raises:
+            StaleStateError: The log refused the fence (the caller decides again).
+        """
         events = decider.decide(None, command, self.clock())
-        version = await self.log.append(command.rollout_id, events, 0, uuid.uuid4().hex)
+        version = await self.log.append(command.rollout_id, events, 0, uuid.uuid4().hex, resources_seq=resources_seq)
         state: RolloutState | None = None
         for event in events:
             state = evolve(state, event)

@@ -104,11 +104,22 @@ class EventLog(Protocol):
         """
         ...
 
-    async def append(self, rollout_id: str, events: Sequence[RolloutEvent], expected: int, command_id: str) -> int:
+    async def append(
+        self,
+        rollout_id: str,
+        events: Sequence[RolloutEvent],
+        expected: int,
+        command_id: str,
+        *,
+        resources_seq: int | None = None,
+    ) -> int:
         """Append a command's events to one rollout (``expected=0``: a new rollout); the new version.
 
         ``command_id`` makes a retried append idempotent where the backend can (JetStream's duplicate
-        window). Raises ``StaleStateError`` when ``expected`` is not the rollout's version.
+        window). Raises ``StaleStateError`` when ``expected`` is not the rollout's version, or, with
+        ``resources_seq`` (a new rollout only), when the latest resources snapshot is no longer the
+        one at that position (``latest_resources``): the append names the latest resources only if
+        they are still the latest when it is stored.
         """
         ...
 
@@ -130,6 +141,16 @@ class EventLog(Protocol):
 
     async def resources(self, resources_id: str | None) -> ResourcesUpdate | None:
         """A resources snapshot by id, or the latest one (``None``)."""
+        ...
+
+    async def latest_resources(self) -> tuple[str | None, int]:
+        """``(id of the latest resources snapshot or None, the position that fences it)``, to pass as
+        ``append(..., resources_seq=)``; it may come from a cache, which ``append``'s fence checks
+        (and ``forget_latest_resources`` drops after a ``StaleStateError``)."""
+        ...
+
+    def forget_latest_resources(self) -> None:
+        """Drop what ``latest_resources`` cached: the next call reads the log."""
         ...
 
     async def next_queued(self, wait_s: float) -> Queued | None:

@@ -14,7 +14,9 @@ messages get consecutive stream sequences ending at the commit's ack.
   always``, 2 to 200 messages), a plain publish one, so fewer than ``MIN_BATCH_MESSAGES`` waiting
   messages go as concurrent plain publishes too.
 * Two commands of one rollout never share a batch (the second would be checked against the
-  sequence before the batch); it waits for the next one.
+  sequence before the batch); it waits for the next one. For the same reason a resources
+  snapshot and a new rollout fenced on the resources (``log.append(resources_seq=)``) never share
+  one (the create would pass its check and name the snapshot before).
 * A batch stays within the server's limits: ``MAX_BATCH_MESSAGES`` (nats-server's default
   ``max_batch_size``, 1000) and ``max_payload`` bytes in all; more waits for the next batch.
 * All-or-nothing: one stale fence rejects the whole batch (error 10071). Each of its commands is
@@ -42,7 +44,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
-from eventlight.core.events import AnyEvent, encode_event
+from eventlight.core.events import AnyEvent, ResourcesPut, encode_event
 from eventlight.store.jetstream.layout import rollout_filter, subject_for
 from eventlight.store.jetstream.nats_errors import WRONG_LAST_SEQUENCE, nats_errors
 
@@ -88,6 +90,7 @@ class _Append:
 
     key: str | None  # the rollout (never two in one batch); None: unfenced (a worker heartbeat)
     messages: list[tuple[str, bytes, dict[str, str]]]
+    resources: str | None = None  # "put": publishes a snapshot; "fenced": fenced on res.> (never together)
     done: asyncio.Future[int] | None = None
     size_bytes: int = 0
 
@@ -123,11 +126,20 @@ class AtomicAppender:
         self._writer: asyncio.Task[None] | None = None
         self._atomic = True  # False once the stream refused a batch as not enabled
 
-    def command(self, events: Sequence[AnyEvent], expected: int | None, command_id: str | None) -> _Append:
+    def command(
+        self,
+        events: Sequence[AnyEvent],
+        expected: int | None,
+        command_id: str | None,
+        *,
+        fence_subject: str | None = None,
+    ) -> _Append:
         """The messages of one command, checked against ``max_payload``.
 
-        ``expected`` fences the first event's rollout (``None``: unfenced); ``command_id`` names the
-        messages ``<command_id>:<i>`` for the server's duplicate window (``None``: fresh ids).
+        ``expected`` fences the first event's rollout (``None``: unfenced), or with
+        ``fence_subject`` that subject filter instead (a new rollout fenced on the resources);
+        ``command_id`` names the messages ``<command_id>:<i>`` for the server's duplicate window
+        (``None``: fresh ids).
 
         Raises:
             InvalidInputError: An event is larger than the server's ``max_payload``.
@@ -147,9 +159,12 @@ class AtomicAppender:
             if i == 0 and expected is not None:
                 key = subject.split(".")[3]
                 headers["Nats-Expected-Last-Subject-Sequence"] = str(expected)
-                headers["Nats-Expected-Last-Subject-Sequence-Subject"] = rollout_filter(self.log.prefix, key)
+                headers["Nats-Expected-Last-Subject-Sequence-Subject"] = fence_subject or rollout_filter(
+                    self.log.prefix, key
+                )
             messages.append((subject, data, headers))
-        return _Append(key, messages, size_bytes=sum(len(m[1]) for m in messages))
+        resources = "fenced" if fence_subject else ("put" if any(isinstance(e, ResourcesPut) for e in events) else None)
+        return _Append(key, messages, resources=resources, size_bytes=sum(len(m[1]) for m in messages))
 
     async def send(self, request: _Append) -> int:
         """Append ``request``'s messages; the stream sequence of its last one.
@@ -194,15 +209,23 @@ class AtomicAppender:
         count = size = 0
         limit = self.log.nc.max_payload or (1 << 20)
         rest: list[_Append] = []
+        kinds: set[str] = set()  # the resources kinds in the group
         for req in self._pending:
             n = len(req.messages)
             fits = not group or (count + n <= self.max_messages and size + req.size_bytes <= limit)
-            if fits and (req.key is None or req.key not in keys) and not rest_blocks(rest, req):
+            if (
+                fits
+                and (req.key is None or req.key not in keys)
+                and not (req.resources and kinds - {req.resources})
+                and not rest_blocks(rest, req)
+            ):
                 group.append(req)
                 count += n
                 size += req.size_bytes
                 if req.key is not None:
                     keys.add(req.key)
+                if req.resources:
+                    kinds.add(req.resources)
             else:
                 rest.append(req)
         self._pending = rest
@@ -312,5 +335,10 @@ def _fail(requests: list[_Append], error: BaseException) -> None:
 
 
 def rest_blocks(rest: list[_Append], request: _Append) -> bool:
-    """Whether an earlier request left for later has ``request``'s rollout (order per rollout)."""
-    return request.key is not None and any(r.key == request.key for r in rest)
+    """Whether an earlier request left for later has ``request``'s rollout (order per rollout), or
+    is a resources snapshot where ``request`` is fenced on the resources, or the other way round
+    (a batch checks every fence against the stream before it, so a create fenced on the resources
+    after a snapshot in the same batch would pass and name the older one)."""
+    if request.key is not None and any(r.key == request.key for r in rest):
+        return True
+    return request.resources is not None and any(r.resources not in (None, request.resources) for r in rest)

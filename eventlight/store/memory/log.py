@@ -74,6 +74,7 @@ class MemoryEventLog:
         self._span_head: dict[tuple[str, str], SpanHead] = {}
         self._resources: dict[str, ResourcesUpdate] = {}
         self._latest_resources: str | None = None
+        self._latest_resources_seq = 0
         self._subscribers: list[Subscriber] = []
         self._queued = asyncio.Event()
         self._appended = asyncio.Event()
@@ -98,6 +99,7 @@ class MemoryEventLog:
         if isinstance(event, ResourcesPut):
             self._resources[event.resources.resources_id] = event.resources
             self._latest_resources = event.resources.resources_id
+            self._latest_resources_seq = seq
         for subscriber in self._subscribers:
             subscriber(seq, event)
         appended, self._appended = self._appended, asyncio.Event()
@@ -116,9 +118,19 @@ class MemoryEventLog:
             raise RolloutNotFoundError(rollout_id)
         return state, self._version[rollout_id]
 
-    async def append(self, rollout_id: str, events: Sequence[RolloutEvent], expected: int, command_id: str) -> int:
+    async def append(
+        self,
+        rollout_id: str,
+        events: Sequence[RolloutEvent],
+        expected: int,
+        command_id: str,
+        *,
+        resources_seq: int | None = None,
+    ) -> int:
         if self._version.get(rollout_id, 0) != expected:
             raise StaleStateError(f"rollout {rollout_id} is past version {expected}")
+        if resources_seq is not None and resources_seq != self._latest_resources_seq:
+            raise StaleStateError(f"the latest resources are past position {resources_seq}")
         seq = expected
         for event in events:
             seq = self._add(event)
@@ -155,6 +167,12 @@ class MemoryEventLog:
         if resources_id is None:
             resources_id = self._latest_resources
         return self._resources.get(resources_id) if resources_id is not None else None
+
+    async def latest_resources(self) -> tuple[str | None, int]:
+        return self._latest_resources, self._latest_resources_seq
+
+    def forget_latest_resources(self) -> None:
+        pass  # nothing cached: the list is the log
 
     async def next_queued(self, wait_s: float) -> MemoryQueued | None:
         loop = asyncio.get_running_loop()

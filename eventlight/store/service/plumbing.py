@@ -8,12 +8,13 @@ from collections.abc import Callable
 
 from eventlight.core import commands as c
 from eventlight.core.errors import (
+    ConcurrencyError,
     InvalidInputError,
     ResourcesNotFoundError,
 )
 from eventlight.store.base import LightningStore
-from eventlight.store.command_loop import CommandLoop
-from eventlight.store.ports import EventLog, Queued, ReadModel
+from eventlight.store.command_loop import MAX_APPEND_TRIES, CommandLoop
+from eventlight.store.ports import EventLog, Queued, ReadModel, StaleStateError
 from eventlight.store.spans import SpanWriter
 from eventlight.store.validate import (
     check_token,
@@ -34,6 +35,7 @@ class StorePlumbing(LightningStore):
         self._last_write = 0
         self._held: dict[tuple[str, str], Queued] = {}
         self._idle_marks: dict[str, float] = {}  # worker id -> clock of this store's last WorkerIdle
+        self._known_resources: set[str] = set()  # ids seen to exist (a snapshot id, once put, stays)
         self._closed = False
         self._event_log: EventLog | None = None
         self._read_model: ReadModel | None = None
@@ -102,12 +104,43 @@ class StorePlumbing(LightningStore):
             latest = await self._log().resources(None)
             return latest.resources_id if latest else None
         check_token("resources_id", resources_id)
-        if await self._log().resources(resources_id) is None:
+        if not await self._resources_exist(resources_id):
             raise ResourcesNotFoundError(resources_id)
         return resources_id
 
     async def _resources_exist(self, resources_id: str) -> bool:
-        return is_token(resources_id) and await self._log().resources(resources_id) is not None
+        if resources_id in self._known_resources:
+            return True
+        found = is_token(resources_id) and await self._log().resources(resources_id) is not None
+        if found:
+            self._known_resources.add(resources_id)
+        return found
+
+    async def _create_rollout(
+        self, build: Callable[[str | None], c.CreateRollout], resources_id: str | None
+    ) -> c.RolloutState:
+        """Create the rollout ``build(resources id)`` describes: with ``resources_id`` (checked to
+        exist), or else the latest resources, fenced: the log stores the rollout only if they are
+        still the latest then (``EventLog.append(resources_seq=)``), so one append usually does it,
+        with the latest id from this process's cache, and a stale one is read again and retried.
+
+        Raises:
+            ResourcesNotFoundError: ``resources_id`` names no snapshot.
+            ConcurrencyError: The resources moved on before each of ``MAX_APPEND_TRIES`` appends.
+            ServiceUnavailableError: A server did not answer.
+        """
+        if resources_id is not None:
+            return await self._loop.create(build(await self._resolve_resources(resources_id)))
+        log = self._log()
+        for _ in range(MAX_APPEND_TRIES):
+            latest, seq = await log.latest_resources()
+            try:
+                return await self._loop.create(build(latest), resources_seq=seq)
+            except StaleStateError:
+                log.forget_latest_resources()
+        raise ConcurrencyError(
+            f"the latest resources changed during each of {MAX_APPEND_TRIES} tries to create a rollout"
+        )
 
     async def _release(self, rollout_id: str, attempt_id: str) -> None:
         item = self._held.pop((rollout_id, attempt_id), None)

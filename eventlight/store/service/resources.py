@@ -35,6 +35,7 @@ class Resources(StorePlumbing):
         )
         check_payload("resources", snap)
         self._wrote(await self._log().publish(ResourcesPut(time=at, resources=snap)))
+        self._known_resources.add(resources_id)
         return snap
 
     async def add_resources(self, resources: NamedResources) -> ResourcesUpdate:

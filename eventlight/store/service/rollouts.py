@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -66,22 +66,25 @@ class RolloutCommands(StorePlumbing):
         config: RolloutConfig | None = None,
         metadata: dict[str, Any] | None = None,
     ) -> Rollout:
-        cmd = self._create_command(input, mode, await self._resolve_resources(resources_id), config, metadata)
-        return (await self._loop.create(cmd)).rollout
+        self._create_command(input, mode, None, config, metadata)  # bad input fails before any read
+        state = await self._create_rollout(
+            lambda res: self._create_command(input, mode, res, config, metadata), resources_id
+        )
+        return state.rollout
 
     async def enqueue_many_rollouts(self, rollouts: Sequence[EnqueueRolloutRequest]) -> list[Rollout]:
-        """``enqueue_rollout`` for each request, in order; ``resources_id=None`` resolved once."""
-        latest: str | None | Unset = UNSET
-        cmds = []
+        """``enqueue_rollout`` for each request, concurrently (their events may share one atomic
+        batch); results in request order. Every request is checked before any is sent."""
         for r in rollouts:
-            if r.resources_id is None:
-                if latest is UNSET:
-                    latest = await self._resolve_resources(None)
-                res: str | None = latest if not isinstance(latest, Unset) else None
-            else:
-                res = await self._resolve_resources(r.resources_id)
-            cmds.append(self._create_command(r.input, r.mode, res, r.config, r.metadata))
-        states = await asyncio.gather(*(self._loop.create(cmd) for cmd in cmds))
+            self._create_command(r.input, r.mode, None, r.config, r.metadata)
+        for r in rollouts:  # an unknown explicit id fails the call before anything is appended
+            if r.resources_id is not None:
+                await self._resolve_resources(r.resources_id)
+
+        def builder(r: EnqueueRolloutRequest) -> Callable[[str | None], c.CreateRollout]:
+            return lambda res: self._create_command(r.input, r.mode, res, r.config, r.metadata)
+
+        states = await asyncio.gather(*(self._create_rollout(builder(r), r.resources_id) for r in rollouts))
         return [s.rollout for s in states]
 
     async def start_rollout(
@@ -95,19 +98,25 @@ class RolloutCommands(StorePlumbing):
     ) -> AttemptedRollout:
         if worker_id is not None:
             check_token("worker_id", worker_id)
-        cmd = c.CreateRollout(
-            rollout_id=generate_id("ro-", 12),
-            input=input,
-            mode=mode,
-            resources_id=await self._resolve_resources(resources_id),
-            config=config if config is not None else self.default_rollout_config,
-            metadata=metadata,
-            queued=False,
-            attempt_id=generate_id("at-", 8),
-            worker_id=worker_id,
-        )
-        check_payload("start_rollout", cmd)
-        started = (await self._loop.create(cmd)).attempted_rollout()
+        rollout_id, attempt_id = generate_id("ro-", 12), generate_id("at-", 8)
+
+        def build(res: str | None) -> c.CreateRollout:
+            cmd = c.CreateRollout(
+                rollout_id=rollout_id,
+                input=input,
+                mode=mode,
+                resources_id=res,
+                config=config if config is not None else self.default_rollout_config,
+                metadata=metadata,
+                queued=False,
+                attempt_id=attempt_id,
+                worker_id=worker_id,
+            )
+            check_payload("start_rollout", cmd)
+            return cmd
+
+        build(None)  # bad input fails before any read
+        started = (await self._create_rollout(build, resources_id)).attempted_rollout()
         if worker_id is not None:
             self._idle_marks.pop(worker_id, None)
         return started
