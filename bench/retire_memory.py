@@ -28,7 +28,7 @@ from bench.report import print_and_save
 from bench.stack_eventlight import Stack, stream_subjects
 from eventlight.core.events import encode_event
 from eventlight.store.jetstream import JetStreamLightningStore
-from eventlight.store.jetstream.archive import archived_until
+from eventlight.store.jetstream.archive import archive_lag
 from eventlight.store.jetstream.layout import subject_for
 from eventlight.store.jetstream.retire import retire
 
@@ -48,12 +48,11 @@ async def _publish(alg: JetStreamLightningStore, start: int, n: int) -> None:
 
 async def _caught_up(alg: JetStreamLightningStore) -> None:
     log_ = alg._log()
-    head = await log_.head_seq()
     for _ in range(6000):  # the archive sources asynchronously: poll its position, at most 10 minutes
-        if await archived_until(log_) >= head:
+        if await archive_lag(log_) == 0:
             return
         await asyncio.sleep(0.1)
-    raise TimeoutError(f"the archive did not reach log position {head}")
+    raise TimeoutError(f"the archive stayed {await archive_lag(log_):,} positions behind")
 
 
 async def one_run(rounds: int, per_round: int, retiring: bool) -> list[dict[str, Any]]:

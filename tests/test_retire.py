@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from nats.js.api import StreamConfig, StreamSource, SubjectTransform
 
 import eventlight
 from eventlight.core.errors import InvalidInputError, RolloutNotFoundError, RolloutRetiredError
@@ -19,7 +20,7 @@ from eventlight.logreplay.transfer import export_log
 from eventlight.ops import apply_streams
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
-from eventlight.store.jetstream.archive import archive_head, archived_until, source_position
+from eventlight.store.jetstream.archive import archive_head, archive_lag, ordered, source_position
 from eventlight.store.jetstream.connect import connect_nats
 from eventlight.store.jetstream.retire import retire, subscriber_floors
 from tests.test_replay import llm_span, workload
@@ -33,19 +34,29 @@ async def _with_archive(namespace: Settings) -> Settings:
         assert f"stream {settings.archive_stream_name}" in applied
         config = (await nc.jetstream().stream_info(settings.archive_stream_name)).config
         [source] = config.sources or []
-        assert source.name == settings.stream_name and len(source.subject_transforms or []) == 4
+        assert source.name == settings.stream_name and len(source.subject_transforms or []) == 1  # one filter
     finally:
         await nc.close()
     return settings
 
 
 async def _archive_caught_up(store: JetStreamLightningStore) -> None:
-    head = await store.log.head_seq()
     for _ in range(200):
-        if await archived_until(store.log) >= head:
+        if await archive_lag(store.log) == 0:
             return
         await asyncio.sleep(0.05)
-    raise AssertionError(f"the archive did not reach log position {head}")
+    raise AssertionError(f"the archive stayed {await archive_lag(store.log)} positions behind")
+
+
+async def _hot_log(store: JetStreamLightningStore) -> list[tuple[int, str, bytes]]:
+    """The hot stream alone, read straight (what the log is before anything is retired)."""
+    log = store.log
+    cut = len(log.prefix) + 1
+    head = await log.head_seq()
+    return [
+        (m.metadata.sequence.stream, m.subject[cut:], m.data)
+        async for m in ordered(log, log.stream, f"{log.prefix}.>", 0, head)
+    ]
 
 
 async def _hot_subjects(store: JetStreamLightningStore) -> dict[str, int]:
@@ -79,11 +90,15 @@ async def test_retired_rollouts_leave_the_hot_stream_and_the_log_reads_the_same(
     assert dsn is not None
     async with JetStreamLightningStore(settings, pg_dsn=dsn) as store:
         ids = await workload(store)  # three terminal rollouts
+        await store.update_worker("w-beat", {"cpu": 1})  # a worker event between rollout events
         live = await store.enqueue_rollout({"task": "live"})
         claimed = await store.dequeue_rollout(worker_id="w2")
         assert claimed is not None and claimed.rollout_id == live.rollout_id
         await store.sync_all(timeout_s=10)
         await _archive_caught_up(store)
+        whole = await _hot_log(store)
+        assert {subject.split(".")[0] for _, subject, _ in whole} >= {"r", "s", "res", "w"}
+        assert [e async for e in store.log.scan()] == whole  # archive (r, s) merged with the hot res and w
         before = [r async for r in eventlight.replay(settings, adapter="triplets")]
         await export_log(settings, tmp_path / "before.jsonl", 0, None)
         pool: Any = store.read_model.pool  # type: ignore[union-attr]
@@ -98,6 +113,7 @@ async def test_retired_rollouts_leave_the_hot_stream_and_the_log_reads_the_same(
         assert [s for s in subjects if f".{live.rollout_id}." in s], "the running rollout was retired"
         assert (await retire(store.log, pool, settings, now=time.time() + 1)).retired == 0  # nothing twice
 
+        assert [e async for e in store.log.scan(0, whole[-1][0])] == whole  # retired events come from the archive
         after = [r async for r in eventlight.replay(settings, adapter="triplets")]
         assert after == before and len(after) == 6
         await export_log(settings, tmp_path / "after.jsonl", 0, None)
@@ -189,3 +205,52 @@ async def test_retirement_waits_while_the_archive_is_behind(
         monkeypatch.setattr(retire_module, "ARCHIVE_LAG_MAX", 10_000)
         report = await retire(store.log, pool, settings, now=time.time() + 1)
         assert report.retired == 3 and report.archive_lag == 0
+
+
+async def test_an_archive_made_with_one_filter_per_kind_reads_the_same_after_the_upgrade(namespace: Settings) -> None:
+    """An archive an older eventlight made (one source filter per kind, resources and worker events
+    archived too) is switched by ``apply_streams`` to the one-filter source: the new source starts
+    again from the hot stream's first message, and the log still reads as one, each position once,
+    before and after retirement."""
+    settings = msgspec.structs.replace(namespace, retention_s=0.0)
+    ns = settings.namespace
+    legacy = StreamConfig(
+        name=settings.archive_stream_name,
+        subjects=[f"{settings.archive_prefix}.retired"],
+        allow_direct=True,
+        sources=[
+            StreamSource(
+                name=settings.stream_name,
+                subject_transforms=[
+                    SubjectTransform(src=f"el.{ns}.{kind}.{wild}", dest=f"elarc.{ns}.{kind}")
+                    for kind, wild in (("r", "*.*"), ("s", "*.*"), ("res", "*"), ("w", "*"))
+                ],
+            )
+        ],
+    )
+    nc = await connect_nats(settings.nats_url or "")
+    try:
+        await nc.jetstream().add_stream(legacy)
+        assert settings.pg_dsn is not None
+        async with JetStreamLightningStore(settings, pg_dsn=settings.pg_dsn) as store:
+            ids = await workload(store)
+            await store.update_worker("w-beat", {"cpu": 1})
+            head = await store.log.head_seq()
+            for _ in range(200):  # the old source archives everything, res and w included
+                if (await nc.jetstream().stream_info(settings.archive_stream_name)).state.messages >= head:
+                    break
+                await asyncio.sleep(0.05)
+            await apply_streams(nc, settings)  # the upgrade
+            [source] = (await nc.jetstream().stream_info(settings.archive_stream_name)).config.sources or []
+            assert len(source.subject_transforms or []) == 1
+            await store.update_worker("w-beat", {"cpu": 2})
+            await store.enqueue_rollout({"task": "after the upgrade"})
+            await store.sync_all(timeout_s=10)
+            await _archive_caught_up(store)
+            whole = await _hot_log(store)
+            assert [e async for e in store.log.scan()] == whole
+            report = await retire(store.log, store.read_model.pool, settings, now=time.time() + 1)  # type: ignore[union-attr]
+            assert report.retired == len(ids)
+            assert [e async for e in store.log.scan(0, whole[-1][0])] == whole
+    finally:
+        await nc.close()

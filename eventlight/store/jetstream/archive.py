@@ -1,24 +1,32 @@
 """The archive stream and reading archive + hot stream as one ordered log.
 
 With ``Settings.retention_s`` set, ``apply_streams`` creates ``EL_<NS>_ARCHIVE``
-(``_data/streams/004_archive.json``): JetStream itself sources every event of the hot stream
-``EL_<NS>`` into it, transformed onto four subjects (``elarc.<ns>.{r,s,res,w}``), so its
+(``_data/streams/004_archive.json``): JetStream itself sources every rollout and span event of the
+hot stream ``EL_<NS>`` (``el.<ns>.r.<rid>.*`` and ``el.<ns>.s.<rid>.*``, what retirement purges)
+into it, transformed onto one subject per kind (``elarc.<ns>.r``, ``elarc.<ns>.s``), so its
 per-subject state stays constant however many rollouts it holds. Each archived message keeps its
 origin in the ``Nats-Stream-Source`` header (``EL_<NS> <sequence> <filters> <transforms> <original
 subject> <hash>``, nats-server 2.15). Retired rollouts (``retire``) are listed on the archive's own
 subject ``elarc.<ns>.retired`` (the ledger), one message per retirement batch.
 
-``scan_log`` reads the archive in order (positions and subjects from the header, a position seen
-twice kept once), then the hot stream after the last position the archive had: one ordered log by
-original stream sequence. Only subjects of the layout (``layout``) are archived: a foreign message
-at a position the archive already covers is read from neither.
+The source has one subject filter (``el.<ns>.*.*.*``). With one filter per kind (four, as before),
+nats-server 2.15.1 sourced and took publishes 10-30x slower once rollouts had several messages
+each (2,600 against 33,000 publishes/s, 100,000 messages archived in 68-95 s against 3 s;
+``bench/README.md``). Resources and worker events (``el.<ns>.res.*``, ``el.<ns>.w.*``) are not
+archived: nothing purges them from the hot stream.
+
+``scan_log`` merges, by original stream sequence, the archive's rollout and span events up to the
+last position it holds (``archived_until``; a position seen twice kept once) with the hot stream's
+resources and worker events up to there (batched direct gets), then reads the hot stream after it:
+one ordered log. An archive made by an older eventlight also holds resources and worker events
+(``elarc.<ns>.res`` / ``.w``); those are skipped, as the hot stream has them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -94,7 +102,9 @@ async def archive_head(log: JetStreamEventLog) -> int | None:
 
 
 async def archived_until(log: JetStreamEventLog) -> int:
-    """The last hot-stream position the archive holds (0: none, or no archive)."""
+    """The last hot-stream position the archive holds (0: none, or no archive): every rollout and
+    span event at or before it is archived (the source delivers in order), so retirement may purge
+    them."""
     with nats_errors(log.server, f"reading {log.settings.archive_stream_name}"):
         try:
             msg = await log.js.get_msg(log.settings.archive_stream_name, subject=f"{log.settings.archive_prefix}.*")
@@ -120,6 +130,107 @@ async def _archived_before(log: JetStreamEventLog, seq: int) -> int:
     return 0
 
 
+async def archive_lag(log: JetStreamEventLog) -> int:
+    """Hot-stream positions between the last one the archive holds and the hot stream's last
+    rollout or span event (0: caught up, or nothing to archive).
+
+    Raises:
+        ServiceUnavailableError: NATS did not answer.
+    """
+    archived = await archived_until(log)
+    with nats_errors(log.server, f"reading {log.stream}"):
+        try:
+            msg = await log.js.get_msg(log.stream, subject=f"{log.prefix}.*.*.*")
+        except JsNotFoundError:
+            return 0
+    return max(0, int(msg.seq or 0) - archived)
+
+
+def _is_archived(subject: str, prefix: str) -> bool:
+    """Whether the archive's source takes ``subject`` (five tokens: ``el.<ns>.<kind>.<id>.<x>``)."""
+    return subject.startswith(prefix + ".") and subject.count(".") == 4
+
+
+async def _archived_events(
+    log: JetStreamEventLog, from_seq: int, until: int, head: int
+) -> AsyncGenerator[tuple[int, str, bytes]]:
+    """The archive's rollout and span events with positions in ``(from_seq, until]``, ascending."""
+    last = from_seq
+    async for msg in ordered(log, log.settings.archive_stream_name, f"{log.settings.archive_prefix}.>", 0, head):
+        found = source_position(msg.headers)
+        if found is None or found[0] <= last or not _is_archived(found[1], log.prefix):
+            continue  # the ledger, a position already read (a source resumed twice), an old archive's res/w
+        if found[0] > until:
+            break
+        last = found[0]
+        yield last, found[1], msg.data
+        if last >= until:
+            return
+
+
+DIRECT_BATCH = 256
+"""Messages per batched direct get (nats-server >= 2.11)."""
+
+
+async def direct_range(
+    log: JetStreamEventLog, subject: str, from_seq: int, until: int, batch: int = DIRECT_BATCH
+) -> AsyncGenerator[tuple[int, str, bytes]]:
+    """The hot stream's messages on ``subject`` (one filter, wildcards allowed) with sequences in
+    ``(from_seq, until]``, ascending, as ``(sequence, subject, payload)``: batched direct gets
+    (``next_by_subj`` + ``batch`` + ``up_to_seq``), each answered by up to ``batch`` messages and an
+    end-of-batch status, so memory stays at one batch however long the range.
+
+    Raises:
+        ServiceUnavailableError: NATS did not answer, or answered an error status.
+    """
+    nc = log.nc
+    api = f"$JS.API.DIRECT.GET.{log.stream}"
+    seq = from_seq
+    inbox = await nc.subscribe(nc.new_inbox())
+    try:
+        while seq < until:
+            request = msgspec.json.encode({"seq": seq + 1, "next_by_subj": subject, "batch": batch, "up_to_seq": until})
+            with nats_errors(log.server, f"reading {subject}"):
+                await nc.publish(api, request, reply=inbox.subject)
+                got = 0
+                while True:
+                    msg = await inbox.next_msg(timeout=SCAN_IDLE_S)
+                    headers = msg.headers or {}
+                    status = headers.get("Status")
+                    if status == "404":
+                        return  # nothing more on the subject
+                    if status == "204":  # end of this batch
+                        break
+                    if status is not None:
+                        raise ServiceUnavailableError(log.server(), f"direct get of {subject} answered {headers}")
+                    seq = int(headers["Nats-Sequence"])
+                    got += 1
+                    yield seq, headers["Nats-Subject"], msg.data
+            if got < batch or headers.get("Nats-Num-Pending") == "0":
+                return
+    except TimeoutError as e:
+        raise ServiceUnavailableError(log.server(), f"no answer for {SCAN_IDLE_S:g} s reading {subject}") from e
+    finally:
+        with contextlib.suppress(Exception):
+            await inbox.unsubscribe()
+
+
+async def _merge(
+    a: AsyncIterator[tuple[int, str, bytes]], b: AsyncIterator[tuple[int, str, bytes]]
+) -> AsyncIterator[tuple[int, str, bytes]]:
+    """Two ascending iterators of ``(position, ...)`` as one, ascending."""
+    x = await anext(a, None)
+    y = await anext(b, None)
+    while x is not None or y is not None:
+        if y is None or (x is not None and x[0] < y[0]):
+            assert x is not None
+            yield x
+            x = await anext(a, None)
+        else:
+            yield y
+            y = await anext(b, None)
+
+
 async def scan_log(log: JetStreamEventLog, from_seq: int, until: int) -> AsyncIterator[tuple[int, str, bytes]]:
     """Archive + hot stream as one log after ``from_seq`` up to ``until``, in order, as
     ``(position, subject without the el.<ns>. prefix, payload)`` (see the module docstring).
@@ -130,15 +241,16 @@ async def scan_log(log: JetStreamEventLog, from_seq: int, until: int) -> AsyncIt
     cut = len(log.prefix) + 1
     last = from_seq
     head = await archive_head(log)
-    if head and await archived_until(log) > from_seq:
-        async for msg in ordered(log, log.settings.archive_stream_name, f"{log.settings.archive_prefix}.>", 0, head):
-            found = source_position(msg.headers)
-            if found is None or found[0] <= last:
-                continue  # the ledger, or a position already read (a source resumed twice)
-            if found[0] > until:
-                break
-            last = found[0]
-            yield last, found[1][cut:], msg.data
+    archived = await archived_until(log) if head else 0
+    if archived > from_seq:
+        last = min(archived, until)
+        async with (
+            contextlib.aclosing(_archived_events(log, from_seq, last, head or 0)) as archive,
+            # resources and worker events (four tokens): never archived, never purged
+            contextlib.aclosing(direct_range(log, f"{log.prefix}.*.*", from_seq, last)) as others,
+        ):
+            async for position, subject, data in _merge(archive, others):
+                yield position, subject[cut:], data
     async for msg in ordered(log, log.stream, f"{log.prefix}.>", last, until):
         yield msg.metadata.sequence.stream, msg.subject[cut:], msg.data
 

@@ -32,7 +32,7 @@ import msgspec
 from eventlight.core.errors import InvalidInputError
 from eventlight.core.types import TERMINAL_ROLLOUT_STATUSES
 from eventlight.settings import Settings
-from eventlight.store.jetstream.archive import archive_head, archived_until
+from eventlight.store.jetstream.archive import archive_head, archive_lag, archived_until
 from eventlight.store.jetstream.definitions import consumer_config
 from eventlight.store.jetstream.log import JetStreamEventLog
 from eventlight.store.jetstream.nats_errors import nats_errors
@@ -92,7 +92,7 @@ async def retire(
     checkpoint = int(await pg.fetchval("SELECT min(last_seq) FROM projector_checkpoint") or 0)
     archived = await archived_until(log_)
     bound = min(archived, checkpoint)
-    lag = max(0, await log_.head_seq() - archived)
+    lag = await archive_lag(log_)
     if lag > ARCHIVE_LAG_MAX:
         log.info(
             "retirement waits for the archive to catch up (%d messages behind the hot stream, more than %d): "
