@@ -85,6 +85,19 @@ def test_a_jetstream_503_is_named_as_an_election() -> None:
     assert info.value.retryable and "code=None" not in str(info.value)
 
 
+def test_a_publish_nobody_answers_is_retryable() -> None:
+    # js.publish turns no responders (the stream's leader was just killed) into NoStreamResponseError;
+    # it escaped unmapped, so a caller retrying ServiceUnavailableError stopped (a CI failure).
+    import nats.js.errors
+
+    from eventlight.store.jetstream.nats_errors import nats_errors
+
+    with pytest.raises(ServiceUnavailableError, match="publish to el.x.r.ro-1.q failed") as info:
+        with nats_errors("nats://127.0.0.1:1", "publish to el.x.r.ro-1.q"):
+            raise nats.js.errors.NoStreamResponseError()
+    assert info.value.retryable
+
+
 async def _retry(call: Any, deadline: float, failures: Counter[str]) -> Any:
     """``call()`` until it stops raising a retryable error: a leader election takes a few seconds."""
     while True:

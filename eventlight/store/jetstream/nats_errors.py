@@ -42,6 +42,7 @@ NO_LEADER = 503
 TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
     nats.errors.TimeoutError,
     nats.errors.NoRespondersError,
+    nats.js.errors.NoStreamResponseError,  # js.publish's no-responders: the stream has no leader now
     nats.errors.ConnectionClosedError,
     nats.errors.OutboundBufferLimitError,
     nats.errors.StaleConnectionError,
