@@ -16,7 +16,7 @@ import asyncpg
 
 from eventlight.core.commands import RolloutState
 from eventlight.core.errors import InvalidInputError
-from eventlight.core.events import AnyEvent
+from eventlight.core.events import AnyEvent, RolloutCreated, rollout_id_of
 from eventlight.core.types import Worker
 from eventlight.store.fold import Changes, Missing, fold_batch
 from eventlight.store.jetstream.log import JetStreamEventLog
@@ -28,9 +28,9 @@ from eventlight.store.jetstream.pg import (
     rollout_from_row,
     worker_from_row,
 )
-from eventlight.store.jetstream.projector.common import MAX_FOLD_ROUNDS, Deposed
+from eventlight.store.jetstream.projector.common import Deposed
 from eventlight.store.jetstream.projector.partition import partition_of
-from eventlight.store.jetstream.projector.workers import Item, WorkerChanges, WorkerFold
+from eventlight.store.jetstream.projector.workers import Item, WorkerChanges, WorkerFold, worker_ids_of
 from eventlight.store.jetstream.rows import (
     INSERT_SPAN,
     UPSERT_ATTEMPT,
@@ -191,10 +191,12 @@ class BatchWriter:
         return changes
 
     async def _fold(self, conn: asyncpg.Connection, events: list[tuple[int, AnyEvent]]) -> Changes:
-        """The fold of ``events``; rollouts and workers it lacks are read from Postgres and the
-        batch folded again (the fold is pure, so a second round gives what one would have)."""
-        rollouts: dict[str, RolloutState | None] = {}
-        workers: dict[str, Worker | None] = {}
+        """The fold of ``events``. The rollouts and workers it touches that are not cached are read
+        from Postgres first, in one query each (a rebuild or a restarted projector caches nothing);
+        one the prefetch could not name (a worker known only from its attempt) is read when the
+        fold asks for it and the batch folded again (the fold is pure, so a second round gives what
+        one would have). Each round reads a new key, so the rounds end."""
+        rollouts, workers = await self._prefetch(conn, events)
 
         def rollout(rid: str) -> RolloutState | None:
             if rid in self.states:
@@ -212,15 +214,60 @@ class BatchWriter:
                 return workers[wid]
             raise Missing("worker", wid)
 
-        for _ in range(MAX_FOLD_ROUNDS):
+        while True:
             try:
                 return fold_batch(events, rollout, worker)
             except Missing as m:
                 if m.kind == "rollout":
+                    if m.key in rollouts:
+                        raise RuntimeError(f"the fold asked again for rollout {m.key}, already read") from m
                     rollouts[m.key] = await self._load_rollout(conn, m.key)
                 else:
+                    if m.key in workers:
+                        raise RuntimeError(f"the fold asked again for worker {m.key}, already read") from m
                     workers[m.key] = await self._load_worker(conn, m.key)
-        raise RuntimeError(f"the fold still lacked rows after {MAX_FOLD_ROUNDS} reads")
+
+    async def _prefetch(
+        self, conn: asyncpg.Connection, events: list[tuple[int, AnyEvent]]
+    ) -> tuple[dict[str, RolloutState | None], dict[str, Worker | None]]:
+        """The rollouts and workers ``events`` name that are neither cached nor created in the
+        batch, read in one query each (``None``: not in the read model)."""
+        created: set[str] = set()
+        wanted: set[str] = set()
+        for _, event in events:
+            rid = rollout_id_of(event)
+            if rid is None:
+                continue
+            if isinstance(event, RolloutCreated):
+                created.add(rid)
+            elif rid not in self.states and rid not in created:
+                wanted.add(rid)
+        rollouts = await self._load_rollouts(conn, sorted(wanted)) if wanted else {}
+        workers: dict[str, Worker | None] = {}
+        if self.partitions == 1:
+            wids = sorted({w for w in worker_ids_of(e for _, e in events) if w not in self.workers})
+            if wids:
+                workers = dict.fromkeys(wids)
+                for row in await conn.fetch(f"SELECT {WORKER_COLS} FROM workers WHERE worker_id = ANY($1)", wids):
+                    w = worker_from_row(row)
+                    workers[w.worker_id] = w
+        return rollouts, workers
+
+    async def _load_rollouts(self, conn: asyncpg.Connection, rids: list[str]) -> dict[str, RolloutState | None]:
+        """``_load_rollout`` for many ids, in two queries."""
+        rows = await conn.fetch(f"SELECT {ROLLOUT_COLS}, last_seq FROM rollouts WHERE rollout_id = ANY($1)", rids)
+        attempts: dict[str, list[Any]] = {}
+        for a in await conn.fetch(
+            f"SELECT {ATTEMPT_COLS} FROM attempts WHERE rollout_id = ANY($1) ORDER BY rollout_id, sequence_id", rids
+        ):
+            attempt = attempt_from_row(a)
+            attempts.setdefault(attempt.rollout_id, []).append(attempt)
+        out: dict[str, RolloutState | None] = dict.fromkeys(rids)
+        for row in rows:
+            r = rollout_from_row(row)
+            self.rollout_seq.setdefault(r.rollout_id, row[9])
+            out[r.rollout_id] = RolloutState(rollout=r, attempts=tuple(attempts.get(r.rollout_id, ())))
+        return out
 
     async def _load_rollout(self, conn: asyncpg.Connection, rid: str) -> RolloutState | None:
         row = await conn.fetchrow(f"SELECT {ROLLOUT_COLS}, last_seq FROM rollouts WHERE rollout_id = $1", rid)

@@ -12,7 +12,6 @@ from eventlight.store.jetstream.pg_errors import SERVER_FAILURES
 log = logging.getLogger(__name__)
 
 BATCH = 512
-MAX_FOLD_ROUNDS = 8
 LOCK_PING_S = 0.5
 """Seconds between pings of the advisory-lock connection (its loss is also noticed at once)."""
 LOCK_PING_TIMEOUT_S = 2.0

@@ -98,7 +98,7 @@ class WorkerFold:
             )
             found = {r[0]: AttemptWorker(r[1], r[2]) for r in rows}
             self.attempts.update({aid: found.get(aid) for aid in missing})
-        wids = set(_worker_ids(i.event for i in items))
+        wids = set(worker_ids_of(i.event for i in items))
         for i in items:
             if isinstance(i.event, AttemptUpdated) and (a := self.attempts.get(i.event.attempt_id)) and a.worker_id:
                 wids.add(a.worker_id)
@@ -146,7 +146,7 @@ class WorkerFold:
         self.unresponsive = changes.unresponsive
 
 
-def _worker_ids(events: Iterable[AnyEvent | None]) -> Iterable[str]:
+def worker_ids_of(events: Iterable[AnyEvent | None]) -> Iterable[str]:
     for e in events:
         if isinstance(e, (WorkerHeartbeat, WorkerIdle)):
             yield e.worker_id
