@@ -76,6 +76,7 @@ CLI: dict[str, Case] = {
     "replay: --out x.csv": (("replay", "--out", "{tmp}/x.csv"), {}, 2, "expected a .jsonl or .parquet file"),
     "replay: no folder": (("replay", "--out", "{tmp}/no/such/x.jsonl"), {}, 2, "no folder"),
     "replay: --out a folder": (("replay", "--out", "{tmp}"), {}, 2, "is a folder"),
+    "replay: --out where no file can be made": (("replay", "--out", "/proc/x.jsonl"), {}, 2, "cannot write it"),
     "replay: unknown adapter": (("replay", "-o", "{tmp}/x.jsonl", "-a", "nosuch"), {}, 2, "unknown adapter 'nosuch'"),
     "replay: adapter module missing": (
         ("replay", "-o", "{tmp}/x.jsonl", "-a", "nosuchmod:fn"),
@@ -107,6 +108,7 @@ CLI: dict[str, Case] = {
         "--until 5 is before --since 10",
     ),
     "export: no folder": (("export", "-o", "{tmp}/no/such/e.jsonl"), {}, 2, "no folder"),
+    "export: --out where no file can be made": (("export", "-o", "/proc/e.jsonl"), {}, 2, "cannot write it"),
     "import: no file": (("import", "{tmp}/nosuch.jsonl"), {}, 2, "no file"),
     "import: non-UTF-8 file": (("import", "{tmp}/binary.jsonl"), {}, 2, "is not an eventlight export"),
     "import: not an export": (("import", "{tmp}/other.jsonl"), {}, 2, "is not an eventlight export"),

@@ -262,3 +262,18 @@ async def test_cli_replay_since_past_the_head_warns_and_writes_an_empty_file(
     assert warnings == [f"warning: --since 100000 is past the end of the log: it ends at sequence {head}"], (
         result.stderr
     )
+
+
+async def test_cli_replay_where_every_attempt_fails_exits_1(namespace: Settings, tmp_path: Path) -> None:
+    """A reward function that raises on every attempt: each skip printed once (it was printed twice,
+    as a log warning and a 'skipped:' line) and the command fails instead of reporting 0 records as
+    a success (a fresh-user run)."""
+    async with JetStreamLightningStore(namespace) as store:
+        await workload(store)
+    out = tmp_path / "none.jsonl"
+    result = cli("replay", "--reward", "os:getcwd", "--out", str(out), env=env_of(namespace))
+    assert result.returncode == 1, result.stdout + result.stderr
+    skipped = [line for line in result.stderr.splitlines() if line.startswith("skipped:")]
+    assert len(skipped) == 3 and all("TypeError" in line for line in skipped), result.stderr
+    assert result.stderr.count("TypeError") == 3 + 1 + 1, result.stderr  # the lines, the one warning, the error
+    assert "error: every one of the 3 selected attempt(s) failed in the adapter or reward function" in result.stderr

@@ -89,3 +89,37 @@ def test_cli_export_and_import(namespace: Settings, services: tuple[Settings, Se
     assert result.returncode == 0 and "0 entries" in result.stdout, result.stderr
     result = cli("import", str(out), env=env)
     assert result.returncode == 0 and "0 entries appended, 0 already present" in result.stdout, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ('{"seq": 99, "subject": "r.ro-x.e", "data": {"type": "nonsense"}}', "position 99 .* not an eventlight event"),
+        ('{"seq": 99, "subject": "r.ro-x.e", "data_b64": "bm90IGpzb24="}', "position 99 .* not an eventlight event"),
+        ("moved", "belongs on r\\."),
+    ],
+    ids=["unknown-type", "not-json", "wrong-subject"],
+)
+async def test_an_import_with_a_bad_entry_appends_nothing(
+    namespace: Settings, services: tuple[Settings, Services], tmp_path: Path, bad: str, message: str
+) -> None:
+    """Each entry is checked before any is appended: an entry that is no event (it was appended and
+    then dead-lettered, a fresh-user run) or one on another rollout's subject refuses the file."""
+    async with JetStreamLightningStore(namespace) as store:
+        await workload(store)
+    good, tampered = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
+    await export_log(namespace, good, 0, None)
+    lines = good.read_text().splitlines()
+    entries = len(lines) - 1  # after the header
+    if bad == "moved":  # the first rollout event, put on a subject of another rollout
+        i = next(i for i, line in enumerate(lines) if '"subject":"r.' in line)
+        lines[i] = lines[i].replace('"subject":"r.', '"subject":"r.ro-elsewhere', 1)
+    else:
+        lines.insert(len(lines) // 2, bad)
+    tampered.write_text("\n".join(lines) + "\n")
+    async with fresh_namespace(services) as other:
+        with pytest.raises(InvalidInputError, match=message):
+            await import_log(other, tampered)
+        async with JetStreamLightningStore(other) as store:
+            assert await test_rebuild.last_seq(store) == 0  # nothing appended
+        assert await import_log(other, good) == (entries, 0)  # the file as exported still imports

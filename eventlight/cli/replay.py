@@ -31,16 +31,31 @@ async def _nats_settings(settings: Settings) -> Settings:
     return msgspec.structs.replace(settings, nats_url=str(found.url))
 
 
+SKIPPED_SHOWN = 10
+"""Skipped attempts printed one a line; the rest are counted."""
+
+
 def _writable(out: Path) -> Path:
     """``out`` if its folder exists and is not ``out`` itself (checked before any server is asked).
 
+    The file is opened for appending once (and removed again if this made it), so a folder that
+    takes no new file (read-only, ``/proc``) is refused here, not after the replay.
+
     Raises:
-        CliError: The folder is missing, or ``out`` is a folder.
+        CliError: The folder is missing, ``out`` is a folder, or it cannot be written.
     """
     if out.is_dir():
         raise CliError(f"--out {out} is a folder: give a file name")
     if not out.absolute().parent.is_dir():
         raise CliError(f"--out {out}: no folder {out.absolute().parent}")
+    existed = out.exists()
+    try:
+        with out.open("ab"):
+            pass
+    except OSError as e:
+        raise CliError(f"--out {out}: cannot write it ({e.strerror or e})") from e
+    if not existed:
+        out.unlink(missing_ok=True)
     return out
 
 
@@ -139,8 +154,10 @@ def replay_command(
         "reward": reward,
     }
     run = _run(_replay_to_file(settings, _writable(out), opts))
-    for e in run.errors:
+    for e in run.errors[:SKIPPED_SHOWN]:
         err.print(f"[yellow]skipped:[/yellow] rollout {e.rollout_id} attempt {e.attempt_id}: {escape(e.error)}")
+    if len(run.errors) > SKIPPED_SHOWN:
+        err.print(f"[yellow]skipped:[/yellow] … and {len(run.errors) - SKIPPED_SHOWN} more attempt(s)")
     s = run.stats
     start = run.filters.since  # the parsed --since
     if start is not None and start.seq is not None and start.seq > s.head_seq:
@@ -151,6 +168,12 @@ def replay_command(
         f"[dim]({s.events} events and {s.spans} spans read up to log position {s.head_seq}"
         f"{f'; {len(run.errors)} attempt(s) skipped' if run.errors else ''})[/dim]"
     )
+    if run.errors and not s.attempts:
+        raise CliError(
+            f"every one of the {len(run.errors)} selected attempt(s) failed in the adapter or reward function "
+            f"(first: {run.errors[0].error})",
+            exit_code=1,
+        )
 
 
 def export_command(

@@ -118,7 +118,13 @@ class Replay(AsyncIterator[dict[str, Any]]):
                 records = records_of(selected, self.adapter, self.reward)
             except Exception as e:  # the user's adapter or reward function: report, go on
                 err = ReplayError(selected.rollout.rollout_id, selected.attempt.attempt_id, f"{type(e).__name__}: {e}")
-                log.warning("replay: rollout %s attempt %s skipped: %s", err.rollout_id, err.attempt_id, err.error)
+                if not self.errors:  # once; ``errors`` holds them all, and the CLI prints them
+                    log.warning(
+                        "replay: rollout %s attempt %s skipped: %s (later ones are in .errors)",
+                        err.rollout_id,
+                        err.attempt_id,
+                        err.error,
+                    )
                 self.errors.append(err)
                 continue
             if self.min_reward is not None and not _at_least(records, self.min_reward):

@@ -104,7 +104,8 @@ def read_export(path: Path) -> tuple[dict[str, Any], list[_Entry]]:
     """The header and entries of an export file.
 
     Raises:
-        InvalidInputError: Not a file ``eventlight export`` wrote.
+        InvalidInputError: Not a file ``eventlight export`` wrote, or an entry that is not an event
+            of this eventlight on its layout subject (checked for every entry before any is used).
     """
     with path.open("rb") as f:
         lines = f.read().splitlines()
@@ -112,9 +113,32 @@ def read_export(path: Path) -> tuple[dict[str, Any], list[_Entry]]:
         header = msgspec.json.decode(lines[0]) if lines else None
         if not isinstance(header, dict) or header.get("eventlight_export") != FORMAT:
             raise InvalidInputError(f"{path} is not an eventlight export (format {FORMAT})")
-        return header, [_entry.decode(line) for line in lines[1:] if line.strip()]
+        entries = [_entry.decode(line) for line in lines[1:] if line.strip()]
     except msgspec.DecodeError as e:
         raise InvalidInputError(f"{path} is not an eventlight export: {e}") from e
+    for entry in entries:
+        _check(path, entry)
+    return header, entries
+
+
+def _check(path: Path, entry: _Entry) -> None:
+    """An entry must hold an event this eventlight reads (older shapes upcast) on the subject the
+    layout gives it, so an import appends nothing the projector would dead-letter.
+
+    Raises:
+        InvalidInputError: Naming the entry's log position and what is wrong.
+    """
+    from eventlight.core.events import decode_event
+    from eventlight.store.jetstream.layout import subject_for
+
+    where = f"{path}: the entry at log position {entry.seq} ({entry.subject})"
+    try:
+        event = decode_event(entry.payload())
+    except (InvalidInputError, ValueError) as e:  # ValueError: bad base64
+        raise InvalidInputError(f"{where} is not an eventlight event: {e}") from e
+    expected = subject_for("", event)[1:]  # "r.<rid>.q", "s.<rid>.<aid>", "res.<id>", "w.<id>"
+    if entry.subject != expected:
+        raise InvalidInputError(f"{where} holds a {type(event).__name__} that belongs on {expected}")
 
 
 async def import_log(settings: Settings, path: Path) -> tuple[int, int]:
@@ -124,7 +148,8 @@ async def import_log(settings: Settings, path: Path) -> tuple[int, int]:
         ``(entries appended, entries already there)``.
 
     Raises:
-        InvalidInputError: Not an export file.
+        InvalidInputError: Not an export file, or an entry that is not an event on its subject
+            (nothing is appended then).
         ServiceUnavailableError: NATS cannot be reached or refused an append.
     """
     from eventlight.store.jetstream.connect import connect_nats
