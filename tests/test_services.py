@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+import msgspec
 import nats
 import psutil
 import pytest
@@ -118,6 +119,12 @@ async def test_embedded_start_reuse_stop_restart(root_dir: Path) -> None:
         first.nats_url, first.pg_dsn, first.nats_pid, first.pg_pid,
     )  # fmt: skip
     assert svc.read_services(settings) == again
+
+    external = os.environ.get("EVENTLIGHT_PG_DSN")
+    if external:  # `up` with EVENTLIGHT_PG_DSN set beside the running embedded servers (a fresh-user run):
+        mixed = await svc.ensure_services(msgspec.structs.replace(settings, pg_dsn=external))
+        assert (mixed.nats_pid, mixed.pg_pid, mixed.pg_dsn) == (first.nats_pid, None, external)
+        assert svc.read_services(settings) == again  # the record still names the embedded Postgres
 
     nc = await nats.connect(first.nats_url)
     try:

@@ -6,13 +6,23 @@ import contextlib
 import logging
 from pathlib import Path
 
+import msgspec
+
 from eventlight.net import redact
 from eventlight.ops.nats_server import ensure_nats, stop_nats
 from eventlight.ops.pg_pgserver import ensure_pgserver, stop_pgserver
 from eventlight.ops.pg_system import ensure_system_pg, stop_system_pg
 from eventlight.ops.postgres import choose_pg_kind, pg_probe
 from eventlight.ops.schema import apply_migrations
-from eventlight.ops.state import PgServer, Services, existing_state_dir, state_dir, state_lock, write_services_file
+from eventlight.ops.state import (
+    PgServer,
+    Services,
+    existing_state_dir,
+    read_services,
+    state_dir,
+    state_lock,
+    write_services_file,
+)
 from eventlight.ops.streams import apply_streams
 from eventlight.settings import Settings
 from eventlight.store.jetstream.connect import connect_nats
@@ -54,7 +64,22 @@ async def ensure_services(settings: Settings) -> Services:
         if nats_pid is not None or pg.pid is not None:
             # only embedded servers are recorded: a program run against external (or configured)
             # servers must not overwrite the record `eventlight down` and `status` rely on
-            write_services_file(state, services)
+            write_services_file(state, _record(services, read_services(settings)))
+    return services
+
+
+def _record(services: Services, old: Services | None) -> Services:
+    """What ``services.json`` keeps: the embedded servers. A server this call took from the
+    environment (``EVENTLIGHT_PG_DSN`` beside the embedded NATS, or the reverse) leaves the record's
+    embedded one of that kind in place while it still runs, so commands without the variable keep
+    finding the embedded data (an ``up`` with the variable set used to point them at the external
+    server)."""
+    if old is None:
+        return services
+    if services.nats_pid is None and old.nats_pid is not None:
+        services = msgspec.structs.replace(services, nats_url=old.nats_url, nats_pid=old.nats_pid)
+    if services.pg_pid is None and old.pg_pid is not None:
+        services = msgspec.structs.replace(services, pg_dsn=old.pg_dsn, pg_pid=old.pg_pid, pg_kind=old.pg_kind)
     return services
 
 
