@@ -140,6 +140,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         check_namespace(self.namespace)
+        if self.pg_dsn is not None and not self.pg_dsn.lower().startswith(("postgresql://", "postgres://")):
+            raise InvalidInputError(  # the value is not shown: a malformed DSN may still hold a password
+                "pg_dsn (EVENTLIGHT_PG_DSN) must be a postgresql:// URL, e.g. "
+                "postgresql://user:password@host:5432/dbname (the value given is not shown)"
+            )
         if self.durability not in DURABILITY:
             raise InvalidInputError(
                 f"durability must be one of {', '.join(DURABILITY)} (EVENTLIGHT_DURABILITY), not {self.durability!r}"

@@ -137,6 +137,18 @@ DOWN: dict[str, Case] = {
         "no eventlight servers are running",
     ),
     "EVENTLIGHT_NATS_URL names no server": (("status",), {"EVENTLIGHT_NATS_URL": " , "}, 2, "no NATS server in"),
+    "status, NATS refuses": (  # the reason once, and no timeout claimed for a refused connection
+        ("status",),
+        {"EVENTLIGHT_NATS_URL": "nats://127.0.0.1:1"},
+        1,
+        "cannot reach EVENTLIGHT_NATS_URL nats://127.0.0.1:1: NATS is not reachable: nothing answers at 127.0.0.1:1",
+    ),
+    "EVENTLIGHT_PG_DSN not a URL": (
+        ("sql", "SELECT 1"),
+        {"EVENTLIGHT_PG_DSN": "notadsn"},
+        2,
+        "must be a postgresql://",
+    ),
     "EVENTLIGHT_STREAM_REPLICAS=x": (("status",), {"EVENTLIGHT_STREAM_REPLICAS": "x"}, 2, "must be a whole number"),
 }
 

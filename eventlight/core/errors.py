@@ -115,6 +115,7 @@ class ServiceUnavailableError(EventlightError):
 
     Attributes:
         server: The URL or DSN (without password) that failed.
+        detail: What went wrong, without the server (``"nothing answers at host:4222 (...)"``).
     """
 
     retryable = True
@@ -123,6 +124,7 @@ class ServiceUnavailableError(EventlightError):
         server = redact(server)
         super().__init__(f"cannot reach {server}: {detail}")
         self.server = server
+        self.detail = detail
 
 
 class LLMUnavailableError(ServiceUnavailableError):

@@ -52,7 +52,7 @@ async def find_nats(settings: Settings) -> Endpoint | None:
     if why:
         raise ServiceUnavailableError(
             redact_configured(found.url, f"{found.origin} {found.url}"),
-            redact_configured(found.url, f"NATS did not answer within 2 s ({why})"),
+            redact_configured(found.url, why),
         )
     return found
 

@@ -43,7 +43,7 @@ async def nats_probe(
             url, auth=auth, name="eventlight-probe", timeout_s=timeout_s, reconnect=False, quiet=True
         )
     except ServiceUnavailableError as e:
-        return str(e)
+        return e.detail  # the caller names the server
     try:
         if js:
             await nc.jetstream().account_info()
@@ -69,7 +69,7 @@ async def ensure_nats(settings: Settings, state: Path) -> tuple[str, int | None,
     if settings.nats_url:
         why = await nats_probe(settings.nats_url, auth=settings.nats_auth)
         if why:
-            raise ServiceUnavailableError(redact(settings.nats_url), f"NATS did not answer within 2 s ({why})")
+            raise ServiceUnavailableError(redact(settings.nats_url), why)
         return settings.nats_url, None, False
     if settings.durability == "replicated":
         raise InvalidInputError(
