@@ -15,6 +15,15 @@ from eventlight.core.errors import InvalidInputError
 
 _INTS = {"int2", "int4", "int8", "oid"}
 _FLOATS = {"float4", "float8"}
+_KINDS = {
+    **dict.fromkeys(_INTS, "a whole number"),
+    **dict.fromkeys(_FLOATS, "a number"),
+    "numeric": "a number",
+    "bool": "true or false",
+    "json": "JSON",
+    "jsonb": "JSON",
+}
+"""How a message names what a placeholder of each Postgres type takes."""
 _BOOLS = {"true": True, "t": True, "1": True, "yes": True, "false": False, "f": False, "0": False, "no": False}
 
 
@@ -34,7 +43,9 @@ def _convert(text: str, type_name: str, i: int) -> Any:
             json.loads(text)
             return text
     except (ValueError, KeyError, ArithmeticError) as e:
-        raise InvalidInputError(f"--param ${i} {text!r} is not a {type_name}") from e
+        raise InvalidInputError(
+            f"--param ${i} {text!r} is not {_KINDS.get(type_name, type_name)} (Postgres takes ${i} as {type_name})"
+        ) from e
     return text
 
 

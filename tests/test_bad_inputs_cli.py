@@ -39,7 +39,7 @@ SQL: dict[str, Case] = {
     "timeout": (("sql", "SELECT pg_sleep(10)", "--timeout-s", "0.3"), {}, 2, "longer than --timeout-s 0.3 s"),
     "--timeout-s 0": (("sql", "SELECT 1", "--timeout-s", "0"), {}, 2, "greater than or equal to 0.001"),
     "--format xml": (("sql", "SELECT 1", "-f", "xml"), {}, 2, "expected one of table, csv, json"),
-    "--param not an int": (("sql", "SELECT $1::int", "-p", "abc"), {}, 2, "--param $1 'abc' is not a int4"),
+    "--param not an int": (("sql", "SELECT $1::int", "-p", "abc"), {}, 2, "--param $1 'abc' is not a whole number"),
     "--param missing": (("sql", "SELECT $1, $2", "-p", "1"), {}, 2, "2 placeholder(s) ($1…) and 1 --param"),
     "--param non-UTF-8": (("sql", "SELECT $1::text", "-p", b"\xff"), {}, 2, "not valid UTF-8"),
     "no query": (("sql",), {}, 2, "Missing argument 'query'"),
@@ -99,6 +99,7 @@ CLI: dict[str, Case] = {
     "replay: --mode typo": (("replay", "-o", "{tmp}/x.jsonl", "--mode", "training"), {}, 2, "unknown rollout mode"),
     "replay: --min-reward abc": (("replay", "-o", "{tmp}/x.jsonl", "--min-reward", "abc"), {}, 2, "valid number"),
     "replay: --swap alone": (("replay", "--swap"), {}, 2, "--swap goes with --rebuild"),
+    "replay: --rebuild with --out": (("replay", "--rebuild", "-o", "{tmp}/x.jsonl"), {}, 2, "drop --out"),
     "export: no --out": (("export",), {}, 2, "Missing option '--out'"),
     "export: --since -5": (("export", "-o", "{tmp}/e.jsonl", "--since", "-5"), {}, 2, "greater than or equal to 0"),
     "export: --until before --since": (

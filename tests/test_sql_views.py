@@ -61,5 +61,9 @@ def test_params_are_bound_never_pasted(namespace: Settings) -> None:
         {"n": 0}
     ]
     env = env_of(namespace)
-    assert_one_line_error(cli("sql", "SELECT $1::int", "--param", "ten", env=env), 2, "--param $1 'ten' is not a int4")
+    assert_one_line_error(
+        cli("sql", "SELECT $1::int", "--param", "ten", env=env),
+        2,
+        "--param $1 'ten' is not a whole number (Postgres takes $1 as int4)",
+    )
     assert_one_line_error(cli("sql", "SELECT $1::int", env=env), 2, "1 placeholder(s)", "0 --param")

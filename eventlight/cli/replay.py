@@ -134,6 +134,8 @@ def replay_command(
     Servers: uses $EVENTLIGHT_NATS_URL (and for --rebuild $EVENTLIGHT_PG_DSN) when set, else the
     embedded servers `eventlight up` started; never starts or stops one."""
     settings = _settings(namespace)
+    if rebuild and out is not None:
+        raise CliError("--rebuild writes a schema, not a file: drop --out (or --rebuild to write records)")
     if rebuild:
         from eventlight.logreplay.rebuild import rebuild_command
 
