@@ -217,6 +217,7 @@ async def test_each_checkpoint_is_a_resources_version_and_a_run_resumes(namespac
     assert grpo.versions == ["r1-step0", "r1-step1", "r1-step2"]
     assert [e["step"] for e in events if e["event"] == "eval"] == [0, 2]
     assert [e["trained"] for e in events if e["event"] == "step"] == [True, True]
+    assert [e["held_out"] for e in events if e["event"] == "step"] == [2, 0]  # step 1 waited for the eval too
     assert latest_checkpoint(tmp_path / "ckpt").name == "step-00002"
 
     async with agl.JetStreamLightningStore(namespace, nats_url=namespace.nats_url, pg_dsn=namespace.pg_dsn) as store:

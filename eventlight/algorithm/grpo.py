@@ -111,7 +111,9 @@ class GRPO(Algorithm):
         resource_name: Name of the LLM resource the agent reads.
         progress: Called with one dict per event: ``{"event": "eval", "step", "version",
             "mean_reward", "n", "by_split"}``, ``{"event": "step", "step", "version", "train_reward",
-            "loss", "grad_norm", "step_s", "rollout_s", "sequences", "tokens", "skipped"}``,
+            "loss", "grad_norm", "step_s", "rollout_s", "held_out", "sequences", "tokens", "skipped"}``
+            (``rollout_s``: seconds until the step's rollouts finished, its ``held_out`` evaluation
+            rollouts included),
             ``{"event": "resume", "step"}``.
     """
 
@@ -208,7 +210,9 @@ class GRPO(Algorithm):
                 await self._report_eval(step, version, [finished[r] for r in val_ids if r in finished])
             if step == c.steps:
                 break
-            trained = await self._train(step, version, [finished[r] for r in train_ids if r in finished], rollout_s)
+            trained = await self._train(
+                step, version, [finished[r] for r in train_ids if r in finished], rollout_s, len(val_ids)
+            )
             empty = 0 if trained else empty + 1
             if empty >= c.max_empty_steps:
                 raise TrainingStoppedError(
@@ -328,8 +332,12 @@ class GRPO(Algorithm):
         self.evals.append(event)
         self._emit(event)
 
-    async def _train(self, step: int, version: str, rollouts: list[Rollout], rollout_s: float) -> bool:
-        """Build the step's samples and run the optimizer; ``False`` when there was nothing to learn."""
+    async def _train(
+        self, step: int, version: str, rollouts: list[Rollout], rollout_s: float, held_out: int = 0
+    ) -> bool:
+        """Build the step's samples and run the optimizer; ``False`` when there was nothing to learn.
+        ``rollout_s``: seconds until the step's rollouts finished, ``held_out`` evaluation rollouts
+        included (they run beside the training ones)."""
         from eventlight.rl.batch import samples_from_triplets
         from eventlight.rl.grpo_math import group_advantages
 
@@ -360,6 +368,7 @@ class GRPO(Algorithm):
             "train_reward": train_reward,
             "rollouts": len(rollouts),
             "rollout_s": rollout_s,
+            "held_out": held_out,
             "skipped": dict(skipped),
         }
         if not samples:

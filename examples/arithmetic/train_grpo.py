@@ -78,7 +78,8 @@ def on_progress(event: dict) -> None:
         say(
             f"step {event['step']:>2}: train reward {_fmt(event['train_reward'])}, "
             f"{int(event.get('sequences', 0))} sequences trained ({skipped} without signal), "
-            f"loss {_fmt(event.get('loss'))}, rollouts {event['rollout_s']:.0f} s, "
+            f"loss {_fmt(event.get('loss'))}, rollouts {event['rollout_s']:.0f} s"
+            f"{f' (with the {held} held-out)' if (held := event.get('held_out')) else ''}, "
             f"update {event.get('step_s', 0):.1f} s"
         )
     elif kind == "resume":
