@@ -277,3 +277,12 @@ async def test_cli_replay_where_every_attempt_fails_exits_1(namespace: Settings,
     assert len(skipped) == 3 and all("TypeError" in line for line in skipped), result.stderr
     assert result.stderr.count("TypeError") == 3 + 1 + 1, result.stderr  # the lines, the one warning, the error
     assert "error: every one of the 3 selected attempt(s) failed in the adapter or reward function" in result.stderr
+
+
+async def test_an_unknown_resources_id_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    async with InMemoryLightningStore() as store:
+        await workload(store)
+        with caplog.at_level("WARNING", logger="eventlight.logreplay.replay"):
+            records = await collect(eventlight.replay(store, adapter="triplets", resources_ids=["rs-typo"]))
+    assert records == []
+    assert "no resources snapshot in the log is named rs-typo" in caplog.text

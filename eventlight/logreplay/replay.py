@@ -113,6 +113,9 @@ class Replay(AsyncIterator[dict[str, Any]]):
     async def _run(self) -> AsyncIterator[dict[str, Any]]:
         async with _open_log(self.source) as log_:
             fold = await self._read(log_)
+        unknown = sorted((self.filters.resources_ids or frozenset()) - fold.resources.keys())
+        if unknown:  # most likely a typo: say so rather than write an empty file without a word
+            log.warning("replay: no resources snapshot in the log is named %s (--resources-id)", ", ".join(unknown))
         for selected in fold.selected():
             try:
                 records = records_of(selected, self.adapter, self.reward)
