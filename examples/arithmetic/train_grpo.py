@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=4, help="tasks per step (default 4)")
     p.add_argument("--group-size", type=int, default=8, help="samples per task (default 8)")
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature of training rollouts")
-    p.add_argument("--lr", type=float, default=5e-5, help="AdamW learning rate (default 5e-5)")
+    p.add_argument("--lr", type=float, default=3e-5, help="AdamW learning rate (default 3e-5)")
     p.add_argument("--eval-every", type=int, default=4, help="held-out evaluation every N steps (default 4)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--n-runners", type=int, default=8, help="runner processes (default 8)")
