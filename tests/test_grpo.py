@@ -254,3 +254,18 @@ def test_the_grpo_demo_that_cannot_train_exits_1_with_one_line(services, tmp_pat
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "no model at" in errors[0], done.stderr
     assert "held-out reward" not in done.stdout and "Traceback" not in done.stderr
+
+
+def test_the_demo_says_when_training_undid_its_gain() -> None:
+    from examples.arithmetic.train_grpo import fell_back
+
+    def evals(*rewards: float) -> list[dict]:
+        return [{"mean_reward": r, "version": f"step{4 * i}"} for i, r in enumerate(rewards)]
+
+    assert fell_back(evals(0.283, 0.621, 0.376)) == (
+        "held-out reward peaked at 0.621 (step4) and fell back to 0.376 since; a lower --lr (or fewer --steps) keeps "
+        "the gain"
+    )
+    assert fell_back(evals(0.283, 0.643, 0.651)) is None
+    assert fell_back(evals(0.283, 0.630, 0.600)) is None  # within the margin
+    assert fell_back(evals(0.283)) is None

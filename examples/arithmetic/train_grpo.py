@@ -68,6 +68,18 @@ def _fmt(x: float) -> str:
     return "  n/a" if x is None or math.isnan(x) else f"{x:.3f}"
 
 
+def fell_back(evals: list[dict], margin: float = 0.05) -> str | None:
+    """A note when the last held-out reward is more than ``margin`` below the best one: training
+    undid a gain, which the summary must not present as the result."""
+    best, last = max(evals, key=lambda e: e["mean_reward"]), evals[-1]
+    if last["mean_reward"] >= best["mean_reward"] - margin:
+        return None
+    return (
+        f"held-out reward peaked at {best['mean_reward']:.3f} ({best['version']}) and fell back to "
+        f"{last['mean_reward']:.3f} since; a lower --lr (or fewer --steps) keeps the gain"
+    )
+
+
 def on_progress(event: dict) -> None:
     kind = event.get("event")
     if kind == "eval":
@@ -167,6 +179,8 @@ def report(trainer: agl.Trainer, grpo, run_id: str, wall_s: float) -> int:
     print(f"  held-out reward, {last['version']:<28}: {last['mean_reward']:.3f}")
     for split in last["by_split"]:
         print(f"    {split:<20} {first['by_split'].get(split, float('nan')):.3f} -> {last['by_split'][split]:.3f}")
+    if (note := fell_back(grpo.evals)) is not None:
+        print(f"  note: {note}")
     print(f"  checkpoints (resources versions): {', '.join(v.removeprefix(run_id + '-') for v in grpo.versions)}")
     print(f"  rollouts recorded   : {enq} this run ({failed} failed or unfinished)")
     print(f"  spans read back     : {grpo.counters['spans_read']}")
