@@ -283,23 +283,10 @@ class Stack:
         return self.pool.runners_alive() if self.pool else 0
 
     def stop_runners(self, graceful_s: float = 10.0) -> list[int | None]:
-        """Stop event, then SIGTERM, then SIGKILL, with one deadline for all processes
-        (``RunnerPool.stop`` waits ``graceful_s`` for each process in turn)."""
-        if self.pool is None:
-            return []
-        self.pool.stop_event.set()
-        deadline = time.monotonic() + graceful_s
-        for p in self.pool.procs:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
-        for p in self.pool.procs:
-            if p.is_alive():
-                p.terminate()
-        for p in self.pool.procs:
-            p.join(timeout=3)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=3)
-        return [p.exitcode for p in self.pool.procs]
+        """``RunnerPool.stop``: stop event, then SIGTERM, then SIGKILL, one deadline for all processes,
+        and no restart from the call on (setting the stop event alone let the supervisor restart
+        the processes that exited on it)."""
+        return self.pool.stop(graceful_s) if self.pool is not None else []
 
     async def stop(self) -> None:
         try:

@@ -439,7 +439,7 @@ class RunnerPool:
         due: dict[int, float] = {}  # slot -> when to restart it
         while True:
             with self._lock:
-                if self._stopping:
+                if self._stopping or self.stop_event.is_set():  # the processes exit on the event: no restart
                     return
                 procs = list(self.procs)
             now = time.monotonic()

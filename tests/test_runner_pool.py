@@ -137,3 +137,20 @@ def test_runners_per_process_that_is_not_a_whole_number_from_one_is_refused(name
 def test_runners_per_process_with_shared_memory_threads_is_refused() -> None:
     with pytest.raises(ValueError, match="not to 'shm' threads"):
         agl.Trainer(n_runners=1, strategy="shm", runners_per_process=2)
+
+
+async def test_processes_that_exit_on_the_stop_event_are_not_restarted(namespace: Settings) -> None:
+    """Setting the stop event without ``stop()`` (the benchmark's soak did): the processes exit 0 on
+    it and the supervisor restarted them, over and over with backoff, until the pool was dropped."""
+    pool = RunnerPool(fault_agents.quick, 2, namespace, namespace.nats_url or "")
+    pool.start()
+    try:
+        await asyncio.sleep(1.0)
+        pool.stop_event.set()
+        for p in pool.procs:
+            await asyncio.to_thread(p.join, 30)
+        assert pool.alive() == 0
+        await asyncio.sleep(2.5)  # past the first restart delay
+        assert pool.restarts == 0 and pool.alive() == 0 and not pool.supervising()
+    finally:
+        await asyncio.to_thread(pool.stop, 5)
