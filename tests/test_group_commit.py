@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 import signal
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -208,6 +209,18 @@ async def test_an_event_over_max_payload_fails_alone(opened: tuple[JetStreamEven
     assert isinstance(results[1], int)
 
 
+def _stopped(pid: int, timeout_s: float = 5.0) -> None:
+    """Wait until every thread of ``pid`` is stopped (``T`` in /proc/<pid>/task/*/stat)."""
+    deadline = time.monotonic() + timeout_s
+    tasks = Path(f"/proc/{pid}/task")
+    while time.monotonic() < deadline:
+        states = [(t / "stat").read_text().rsplit(")", 1)[1].split()[0] for t in tasks.iterdir()]
+        if all(state == "T" for state in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"nats-server pid {pid} did not stop within {timeout_s} s")
+
+
 async def test_nats_going_away_mid_batch_is_service_unavailable(tmp_path: Path) -> None:
     """The server stops answering (SIGSTOP) while a batch is in flight, then is killed (SIGKILL):
     every command of the batch gets ``ServiceUnavailableError``, and after a restart every command
@@ -232,7 +245,8 @@ async def test_nats_going_away_mid_batch_is_service_unavailable(tmp_path: Path) 
         assert all(isinstance(v, int) for v in acked.values()), acked
         assert log.appender.stats.batches >= 1  # some of the acknowledged commands went as a batch
         os.kill(pid, signal.SIGSTOP)
-        rids = ["lead2", *(f"w-{i}" for i in range(4))]
+        await asyncio.to_thread(_stopped, pid)  # kill() returns before every thread has stopped: on a busy machine
+        rids = ["lead2", *(f"w-{i}" for i in range(4))]  # the server still stored a publish after it
         waiting = [asyncio.ensure_future(log.append(r, _created(r), 0, uuid.uuid4().hex)) for r in rids]
         await asyncio.sleep(0.2)  # the lead's publish and the batch of the other four are written
         os.kill(pid, signal.SIGKILL)
