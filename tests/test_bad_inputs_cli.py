@@ -144,6 +144,12 @@ DOWN: dict[str, Case] = {
         1,
         "cannot reach EVENTLIGHT_NATS_URL nats://127.0.0.1:1: NATS is not reachable: nothing answers at 127.0.0.1:1",
     ),
+    "EVENTLIGHT_NATS_URL port out of range": (
+        ("status",),
+        {"EVENTLIGHT_NATS_URL": "nats://127.0.0.1:99999"},
+        2,
+        "nats://127.0.0.1:99999 is not a NATS URL: Port out of range",
+    ),
     "EVENTLIGHT_PG_DSN not a URL": (
         ("sql", "SELECT 1"),
         {"EVENTLIGHT_PG_DSN": "notadsn"},

@@ -284,3 +284,18 @@ async def test_drop_namespace_also_drops_what_a_rebuild_left_beside_it(services:
     finally:
         await conn.execute(f'DROP SCHEMA IF EXISTS "{other.pg_schema}"')
         await conn.close()
+
+
+async def test_stream_replicas_on_a_single_server_is_a_usage_error(services: tuple[Settings, Any]) -> None:
+    """It was 'cannot reach ParseResult(scheme=...)': the connected URL's repr, and a server that
+    answered named as unreachable (fresh-user run)."""
+    from eventlight.core.errors import InvalidInputError
+
+    _, embedded = services  # the tests' own nats-server: one node
+    nc = await nats.connect(embedded.nats_url)
+    try:
+        with pytest.raises(InvalidInputError, match="single node and takes no stream replicas") as info:
+            await svc.apply_streams(nc, Settings(namespace=_ns(), stream_replicas=3))
+        assert "ParseResult" not in str(info.value)
+    finally:
+        await nc.close()

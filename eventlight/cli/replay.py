@@ -135,7 +135,9 @@ def replay_command(
     embedded servers `eventlight up` started; never starts or stops one."""
     settings = _settings(namespace)
     if rebuild and out is not None:
-        raise CliError("--rebuild writes a schema, not a file: drop --out (or --rebuild to write records)")
+        raise CliError(
+            "--rebuild writes a schema, not a file: drop --out to rebuild, or drop --rebuild to write records"
+        )
     if rebuild:
         from eventlight.logreplay.rebuild import rebuild_command
 

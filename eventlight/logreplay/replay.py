@@ -123,7 +123,7 @@ class Replay(AsyncIterator[dict[str, Any]]):
                 err = ReplayError(selected.rollout.rollout_id, selected.attempt.attempt_id, f"{type(e).__name__}: {e}")
                 if not self.errors:  # once; ``errors`` holds them all, and the CLI prints them
                     log.warning(
-                        "replay: rollout %s attempt %s skipped: %s (later ones are in .errors)",
+                        "replay: rollout %s attempt %s skipped: %s (the first skipped; the run's errors list all)",
                         err.rollout_id,
                         err.attempt_id,
                         err.error,

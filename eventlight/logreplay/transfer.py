@@ -135,7 +135,8 @@ def _check(path: Path, entry: _Entry) -> None:
     try:
         event = decode_event(entry.payload())
     except (InvalidInputError, ValueError) as e:  # ValueError: bad base64
-        raise InvalidInputError(f"{where} is not an eventlight event: {e}") from e
+        why = str(e) if isinstance(e, InvalidInputError) else f"not an eventlight event: {e}"  # says it once
+        raise InvalidInputError(f"{where}: {why}") from e
     expected = subject_for("", event)[1:]  # "r.<rid>.q", "s.<rid>.<aid>", "res.<id>", "w.<id>"
     if entry.subject != expected:
         raise InvalidInputError(f"{where} holds a {type(event).__name__} that belongs on {expected}")

@@ -35,7 +35,8 @@ async def apply_streams(nc_or_js: Any, settings: Settings, streams_dir: Path | N
         ServiceUnavailableError: NATS failed, or refused a definition (e.g. an immutable field changed).
     """
     js = nc_or_js.jetstream() if isinstance(nc_or_js, NatsClient) else nc_or_js
-    server = str(nc_or_js.connected_url or "NATS") if isinstance(nc_or_js, NatsClient) else "NATS"
+    url = nc_or_js.connected_url if isinstance(nc_or_js, NatsClient) else None
+    server = f"nats://{url.hostname}:{url.port}" if url is not None else "NATS"  # a ParseResult: never its repr
     defs = load_definitions(settings.namespace, streams_dir)
     applied = []
     for path, spec in sorted(defs, key=lambda d: d[1]["kind"] != "stream"):

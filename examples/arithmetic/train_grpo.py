@@ -113,6 +113,7 @@ async def train(args: argparse.Namespace) -> int:
     from transformers.utils import logging as hf_logging
 
     from eventlight.algorithm.grpo import GRPO, GRPOConfig
+    from eventlight.rl.policy import latest_checkpoint
 
     hf_logging.disable_progress_bar()  # no "Loading weights" / "Writing model shards" bars between the lines
     if args.threads:
@@ -124,6 +125,12 @@ async def train(args: argparse.Namespace) -> int:
         held_out = held_out[:: max(1, len(held_out) // args.eval_items)][: args.eval_items]
     say(f"run {run_id}: GRPO on {len(train_items)} sums, {len(held_out)} held out; prompt fixed: {PROMPT!r}")
     settings = agl.Settings.from_env()
+    if args.resume and latest_checkpoint(settings.state_dir / "checkpoints" / args.resume) is None:
+        runs = sorted(d.name for d in (settings.state_dir / "checkpoints").glob("run-*") if latest_checkpoint(d))
+        raise FileNotFoundError(  # main() prints it as one error line; a typo must not start a new run
+            f"--resume {args.resume}: no checkpoint of that run in {settings.state_dir / 'checkpoints'}"
+            f" (runs with one: {', '.join(runs) if runs else 'none'})"
+        )
     grpo = GRPO(
         GRPOConfig(
             steps=args.steps,

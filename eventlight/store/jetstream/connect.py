@@ -48,12 +48,19 @@ def server_urls(url: str | Sequence[str]) -> list[str]:
     cluster is given by all its servers (``nats://a:4222,nats://b:4222,nats://c:4222``).
 
     Raises:
-        InvalidInputError: No server is named.
+        InvalidInputError: No server is named, or a port is out of range or not a number.
     """
     parts = url.split(",") if isinstance(url, str) else [p for u in url for p in u.split(",")]
     urls = [p.strip() if "://" in p else f"nats://{p.strip()}" for p in parts if p.strip()]
     if not urls:
         raise InvalidInputError(f"no NATS server in {url!r}")
+    from urllib.parse import urlsplit
+
+    for u in urls:
+        try:
+            urlsplit(u).port  # noqa: B018 - parsing it raises on a port out of range or not a number
+        except ValueError as e:
+            raise InvalidInputError(f"{redact(u)} is not a NATS URL: {e}") from e
     return urls
 
 

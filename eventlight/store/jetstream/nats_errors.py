@@ -2,8 +2,8 @@
 
 * JetStream error 10071 (wrong last sequence: an expected-sequence append was overtaken) becomes
   ``StaleStateError``, which the command loop answers by reloading and deciding again;
-* an event over the server's ``max_payload`` or the stream's ``max_msg_size`` (10054) becomes
-  ``InvalidInputError``: retrying cannot help;
+* an event over the server's ``max_payload`` or the stream's ``max_msg_size`` (10054), and stream
+  replicas asked of a single server (10074), become ``InvalidInputError``: retrying cannot help;
 * any other JetStream API error, a timeout, no responders or a closed connection becomes
   ``ServiceUnavailableError`` naming the server.
 
@@ -36,6 +36,8 @@ ANY_NATS_ERROR: tuple[type[BaseException], ...] = (nats.errors.Error,)
 
 WRONG_LAST_SEQUENCE = 10071
 MESSAGE_TOO_LARGE = 10054
+REPLICAS_NOT_SUPPORTED = 10074
+"""JetStream's "replicas > 1 not supported in non-clustered mode"."""
 NO_LEADER = 503
 """The status of a JetStream API answer while the stream or consumer has no leader (no responders)."""
 
@@ -63,7 +65,8 @@ class nats_errors:  # noqa: N801 - used as a function: ``with nats_errors(server
 
     Raises:
         StaleStateError: A fenced append was overtaken.
-        InvalidInputError: The event is larger than the server or stream accepts.
+        InvalidInputError: The event is larger than the server or stream accepts, or a stream with
+            replicas was asked of a single server.
         ServiceUnavailableError: Any other NATS failure.
     """
 
@@ -85,6 +88,11 @@ class nats_errors:  # noqa: N801 - used as a function: ``with nats_errors(server
         if isinstance(e, nats.js.errors.APIError):
             if e.err_code == WRONG_LAST_SEQUENCE:
                 raise StaleStateError(str(e)) from e
+            if e.err_code == REPLICAS_NOT_SUPPORTED:
+                raise InvalidInputError(
+                    f"{what}: the server is a single node and takes no stream replicas (EVENTLIGHT_STREAM_REPLICAS "
+                    "or EVENTLIGHT_DURABILITY=replicated need a NATS cluster)"
+                ) from e
             if e.err_code == MESSAGE_TOO_LARGE:
                 raise InvalidInputError(f"{what}: the event is larger than the stream's max_msg_size ({e})") from e
             if e.code == NO_LEADER or isinstance(e, nats.js.errors.ServiceUnavailableError):

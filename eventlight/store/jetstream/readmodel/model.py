@@ -44,7 +44,8 @@ class SqlReadModel(Waits):
 
     async def start(self) -> None:
         """Follow terminal events (only ever published on a rollout's ``e`` subject: ``enters_queue``)."""
-        with nats_errors(str(self.nc.connected_url or "nats"), "subscribing to terminal events"):
+        url = self.nc.connected_url
+        with nats_errors(f"nats://{url.hostname}:{url.port}" if url else "NATS", "subscribing to terminal events"):
             self._watch_sub = await self.nc.subscribe(f"{self.prefix}.r.*.e", cb=self._on_rollout_event)
 
     async def close(self) -> None:
