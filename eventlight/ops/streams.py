@@ -9,6 +9,7 @@ from nats.aio.client import Client as NatsClient
 from nats.js import api as js_api
 
 from eventlight.settings import Settings
+from eventlight.store.jetstream.connect import connected_server
 from eventlight.store.jetstream.definitions import consumer_from, load_definitions, stream_config
 from eventlight.store.jetstream.nats_errors import JsNotFoundError, nats_errors
 
@@ -35,8 +36,7 @@ async def apply_streams(nc_or_js: Any, settings: Settings, streams_dir: Path | N
         ServiceUnavailableError: NATS failed, or refused a definition (e.g. an immutable field changed).
     """
     js = nc_or_js.jetstream() if isinstance(nc_or_js, NatsClient) else nc_or_js
-    url = nc_or_js.connected_url if isinstance(nc_or_js, NatsClient) else None
-    server = f"nats://{url.hostname}:{url.port}" if url is not None else "NATS"  # a ParseResult: never its repr
+    server = connected_server(nc_or_js) if isinstance(nc_or_js, NatsClient) else "NATS"
     defs = load_definitions(settings.namespace, streams_dir)
     applied = []
     for path, spec in sorted(defs, key=lambda d: d[1]["kind"] != "stream"):

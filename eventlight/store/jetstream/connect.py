@@ -41,6 +41,13 @@ RECONNECT_WAIT_S = 1.0
 """Seconds between reconnect attempts after the connection is lost (nats-py's default is 2)."""
 
 
+def connected_server(nc: NATS) -> str:
+    """The server ``nc`` is connected to, as ``nats://host:port`` for messages (never nats-py's
+    ``ParseResult`` repr, never credentials); ``"NATS"`` when it is not connected."""
+    url = nc.connected_url
+    return f"nats://{url.hostname}:{url.port}" if url else "NATS"
+
+
 def server_urls(url: str | Sequence[str]) -> list[str]:
     """The servers named by ``url``: one URL, several separated by commas, or a list of them.
 

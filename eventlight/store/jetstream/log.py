@@ -32,6 +32,7 @@ from eventlight.core.types import ResourcesUpdate, Span
 from eventlight.settings import Settings
 from eventlight.store.jetstream.appender import AtomicAppender
 from eventlight.store.jetstream.archive import RetiredLedger, scan_log
+from eventlight.store.jetstream.connect import connected_server
 from eventlight.store.jetstream.follow import SERVER_TIMEOUT_S, JetStreamFeed
 from eventlight.store.jetstream.layout import rollout_filter, span_subject, subject_for
 from eventlight.store.jetstream.nats_errors import JsNotFoundError, nats_errors
@@ -100,8 +101,7 @@ class JetStreamEventLog:
 
     def server(self) -> str:
         """The connected server's URL, for error messages."""
-        url = self.nc.connected_url
-        return f"nats://{url.hostname}:{url.port}" if url else "NATS"
+        return connected_server(self.nc)
 
     # -- appends ---------------------------------------------------------------------------
 

@@ -270,14 +270,7 @@ class BatchWriter:
         return out
 
     async def _load_rollout(self, conn: asyncpg.Connection, rid: str) -> RolloutState | None:
-        row = await conn.fetchrow(f"SELECT {ROLLOUT_COLS}, last_seq FROM rollouts WHERE rollout_id = $1", rid)
-        if row is None:
-            return None
-        attempts = await conn.fetch(
-            f"SELECT {ATTEMPT_COLS} FROM attempts WHERE rollout_id = $1 ORDER BY sequence_id", rid
-        )
-        self.rollout_seq.setdefault(rid, row[9])
-        return RolloutState(rollout=rollout_from_row(row), attempts=tuple(attempt_from_row(a) for a in attempts))
+        return (await self._load_rollouts(conn, [rid]))[rid]
 
     async def _load_worker(self, conn: asyncpg.Connection, wid: str) -> Worker | None:
         row = await conn.fetchrow(f"SELECT {WORKER_COLS} FROM workers WHERE worker_id = $1", wid)

@@ -8,6 +8,7 @@ from typing import Any
 import asyncpg
 from nats.aio.client import Client as NATS
 
+from eventlight.store.jetstream.connect import connected_server
 from eventlight.store.jetstream.nats_errors import nats_errors
 from eventlight.store.jetstream.projector import Projector, ProjectorGroup
 from eventlight.store.jetstream.readmodel.waits import Broadcast, Waits, _Waiter
@@ -44,8 +45,7 @@ class SqlReadModel(Waits):
 
     async def start(self) -> None:
         """Follow terminal events (only ever published on a rollout's ``e`` subject: ``enters_queue``)."""
-        url = self.nc.connected_url
-        with nats_errors(f"nats://{url.hostname}:{url.port}" if url else "NATS", "subscribing to terminal events"):
+        with nats_errors(connected_server(self.nc), "subscribing to terminal events"):
             self._watch_sub = await self.nc.subscribe(f"{self.prefix}.r.*.e", cb=self._on_rollout_event)
 
     async def close(self) -> None:
