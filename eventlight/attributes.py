@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from itertools import repeat
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -79,25 +80,31 @@ def flatten_attributes(data: Mapping[str, Any] | list[Any], *, expand_leaf_lists
     return out
 
 
-def _insert(root: dict[str, Any], path: list[str], value: Any, flat_key: str) -> None:
-    node = root
-    for part in path[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ValueError(f"attribute {flat_key!r} nests under a key that already holds a value")
-        node = child
-    if isinstance(node.get(path[-1]), dict):
-        raise ValueError(f"attribute {flat_key!r} holds a value where other keys nest")
-    node[path[-1]] = value
-
-
 def _listify(node: Any) -> Any:
+    """A copy of ``node`` with its levels made lists where their keys are exactly ``"0".."n-1"``."""
     if not isinstance(node, dict):
         return node
     converted = {key: _listify(value) if isinstance(value, dict) else value for key, value in node.items()}
     if "0" in converted and all(str(i) in converted for i in range(len(converted))):  # keys exactly "0".."n-1"
         return [converted[str(i)] for i in range(len(converted))]
     return converted
+
+
+_DIGITS = tuple(str(i) for i in range(256))
+_MISSING = object()
+
+
+def _listify_own(node: dict[str, Any]) -> dict[str, Any] | list[Any]:
+    """``_listify`` in place, for the levels ``unflatten_attributes`` made (and owns)."""
+    for key, value in node.items():
+        if type(value) is dict:
+            node[key] = _listify_own(value)
+    if "0" in node:
+        n = len(node)
+        digits = _DIGITS[:n] if n <= len(_DIGITS) else tuple(map(str, range(n)))
+        if all(map(node.__contains__, digits)):  # keys exactly "0".."n-1"
+            return list(map(node.__getitem__, digits))
+    return node
 
 
 def unflatten_attributes(flat: Mapping[str, Any]) -> dict[str, Any] | list[Any]:
@@ -107,22 +114,86 @@ def unflatten_attributes(flat: Mapping[str, Any]) -> dict[str, Any] | list[Any]:
         flat: ``{"a.b": 1, "a.c.0": 2, "a.c.1": 3}``.
 
     Returns:
-        ``{"a": {"b": 1, "c": [2, 3]}}``. A level becomes a list only when its keys are exactly
-        ``"0".."n-1"``; the top level itself may therefore be a list.
+        ``{"a": {"b": 1, "c": [2, 3]}}``, keys in the order of ``flat``. A level becomes a list
+        only when its keys are exactly ``"0".."n-1"``; the top level itself may therefore be a list.
+        ``flat`` and its values are left as they are (a dict value is copied).
 
     Raises:
         ValueError: One key holds a value and another key nests below it (``"a": 1`` and ``"a.b": 2``).
+
+    The shape of the result depends on the keys alone (and on which values are dicts), and span
+    attributes repeat the same keys from span to span, so the shape of each key tuple seen is
+    kept as a builder of the result from the values (``_Shapes``).
     """
+    keys = tuple(flat)
+    build = _SHAPES.get(keys)
+    if build is not None:
+        values = tuple(flat.values())
+        if not any(map(isinstance, values, repeat(dict))):
+            return build(values)  # type: ignore[no-any-return]
+    elif keys not in _SHAPES:
+        _SHAPES.learn(keys)
+    return _unflatten(flat)
+
+
+def _unflatten(flat: Mapping[str, Any]) -> dict[str, Any] | list[Any]:
     root: dict[str, Any] = {}
     for key, value in flat.items():
+        if isinstance(value, dict):
+            value = _listify(value)  # a copy: the levels below are all this function's own
+        node, last = root, key
         if "." in key:
-            _insert(root, key.split("."), value, key)
-        elif isinstance(root.get(key), dict):
+            path = key.split(".")
+            last = path.pop()
+            for part in path:
+                child = node.get(part, _MISSING)
+                if child is _MISSING:
+                    child = node[part] = {}
+                elif not isinstance(child, dict):
+                    raise ValueError(f"attribute {key!r} nests under a key that already holds a value")
+                node = child
+        if isinstance(node.get(last), dict):
             raise ValueError(f"attribute {key!r} holds a value where other keys nest")
-        else:
-            root[key] = value
-    nested: dict[str, Any] | list[Any] = _listify(root)
-    return nested
+        node[last] = value
+    return _listify_own(root)
+
+
+class _Leaf(int):
+    """The position of a value in ``flat``: what ``_Shapes.learn`` unflattens in place of values."""
+
+
+def _expr(node: Any) -> str:
+    """Python source building ``node`` from ``v``, the values in ``flat`` order."""
+    if isinstance(node, _Leaf):
+        return f"v[{int(node)}]"
+    if isinstance(node, list):
+        return "[" + ", ".join(map(_expr, node)) + "]"
+    return "{" + ", ".join(f"{key!r}: {_expr(value)}" for key, value in node.items()) + "}"
+
+
+class _Shapes(dict[tuple[str, ...], Any]):
+    """Key tuple -> a function of the values giving ``unflatten_attributes``'s result (``None``:
+    keys that conflict, always unflattened the slow way, which raises). At most ``MAX`` shapes of
+    at most ``MAX_KEYS`` keys are kept."""
+
+    MAX = 4096
+    MAX_KEYS = 64
+
+    def learn(self, keys: tuple[str, ...]) -> None:
+        if len(keys) > self.MAX_KEYS:
+            return
+        if len(self) >= self.MAX:
+            self.clear()
+        try:
+            shape = _unflatten(dict(zip(keys, map(_Leaf, range(len(keys))), strict=True)))
+        except ValueError:
+            self[keys] = None
+            return
+        # The source holds the keys only as repr() string literals and the values only as v[i].
+        self[keys] = eval("lambda v: " + _expr(shape))  # noqa: S307
+
+
+_SHAPES = _Shapes()
 
 
 def filter_attributes(attributes: Mapping[str, Any], prefix: str) -> dict[str, Any]:

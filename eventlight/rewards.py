@@ -24,6 +24,7 @@ import base64
 import json
 import logging
 from collections.abc import Mapping, Sequence
+from itertools import repeat
 from typing import Any, Protocol, TypeVar
 
 import msgspec
@@ -95,7 +96,7 @@ def get_rewards_from_span(span: SpanLike) -> list[RewardDimension]:
             Agent-lightning's pydantic validation raises.
     """
     attrs = _attributes(span)
-    if not any(key.startswith(REWARD_PREFIX) for key in attrs):
+    if not any(map(str.startswith, attrs, repeat(REWARD_PREFIX))):
         return []
     try:
         raw = filter_and_unflatten_attributes(attrs, REWARD_PREFIX)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
+from itertools import repeat
 from typing import Any
 
 from eventlight.attributes import unflatten_attributes
@@ -51,7 +52,7 @@ def _first_ids(attrs: Mapping[str, Any], keys: Iterable[str]) -> list[int] | Non
         value = attrs.get(key)
         if value is None:
             continue
-        if isinstance(value, (list, tuple)) and all(isinstance(x, int) for x in value):
+        if isinstance(value, (list, tuple)) and all(map(isinstance, value, repeat(int))):
             return list(value)
         log.warning("attribute %s is not a list of ints: %r", key, value)
     return None
@@ -65,12 +66,53 @@ def _nested(attrs: Mapping[str, Any], prefix: str) -> dict[str, Any] | list[Any]
     return unflatten_attributes(below) if below else None
 
 
-def _first_nested(attrs: Mapping[str, Any], prefixes: Iterable[str]) -> dict[str, Any] | list[Any] | None:
-    for prefix in prefixes:
-        found = _nested(attrs, prefix)
-        if found:
-            return found
-    return None
+class Heads:
+    """A set of attribute prefixes ("heads") whose keys ``below`` sorts out in one pass.
+
+    Span attribute keys repeat from span to span (``gen_ai.prompt.0.role`` in every LLM call), so
+    where each key goes is worked out once per key and kept (up to ``CACHED_KEYS`` keys).
+    """
+
+    CACHED_KEYS = 65536
+
+    def __init__(self, *heads: str):
+        self.heads = frozenset(heads)
+        self._where: dict[str, tuple[tuple[str, str], ...]] = {}
+
+    def _split(self, key: str) -> tuple[tuple[str, str], ...]:
+        """``(head, rest)`` for each head ``key`` is below (``head.rest``), shortest head first."""
+        out = []
+        i = key.find(".")
+        while i >= 0:
+            if key[:i] in self.heads:
+                out.append((key[:i], key[i + 1 :]))
+            i = key.find(".", i + 1)
+        if len(self._where) >= self.CACHED_KEYS:
+            self._where.clear()
+        found = self._where[key] = tuple(out)
+        return found
+
+    def below(self, attrs: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+        """``{head: {rest of key: value}}`` for each head some key of ``attrs`` is below
+        (``head.rest``), keys in ``attrs`` order; a key can be below several nested heads. The
+        same as one ``_nested`` filter per head, in one pass over ``attrs``."""
+        out: dict[str, dict[str, Any]] = {}
+        where = self._where
+        for key, value in attrs.items():
+            found = where.get(key)
+            if found is None:
+                found = self._split(key)
+            for head, rest in found:
+                group = out.get(head)
+                if group is None:
+                    group = out[head] = {}
+                group[rest] = value
+        return out
+
+
+def _unflat(below: dict[str, Any] | None) -> dict[str, Any] | list[Any] | None:
+    """``_nested`` of a group ``Heads.below`` sorted out."""
+    return unflatten_attributes(below) if below else None
 
 
 def _time(value: float | None, missing: float) -> float:

@@ -7,10 +7,11 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
 
-from eventlight.adapter.attrs import _nested
+from eventlight.adapter.attrs import Heads, _nested
 from eventlight.adapter.base import TraceAdapter
 from eventlight.adapter.dedup import keep_one_copy
 from eventlight.adapter.stats import AdapterStats, CountingAdapter, is_error
+from eventlight.attributes import unflatten_attributes
 from eventlight.core.types import Span
 from eventlight.genai import INPUT_MESSAGES, OUTPUT_MESSAGES, openai_messages
 
@@ -39,6 +40,14 @@ def _group(attrs: Mapping[str, Any], prefix: str) -> Any:
     """
     value = _nested(attrs, prefix)
     return _gaps_to_list(value) if value is not None else None
+
+
+_GENAI_HEADS = Heads("gen_ai.prompt", "gen_ai.completion", "gen_ai.request", "gen_ai.response")
+
+
+def _grouped(below: dict[str, Any] | None) -> Any:
+    """``_group`` of the attributes ``Heads.below`` sorted out under one head."""
+    return _gaps_to_list(unflatten_attributes(below)) if below else None
 
 
 def _gaps_to_list(value: Any) -> Any:
@@ -158,10 +167,11 @@ class TraceToMessages(CountingAdapter, TraceAdapter[list[OpenAIMessages]]):
 
     def _record(self, span: Span, children: Mapping[str | None, list[Span]]) -> OpenAIMessages | None:
         attrs = span.attributes or {}
-        prompt, completion = _group(attrs, "gen_ai.prompt"), _group(attrs, "gen_ai.completion")
+        below = _GENAI_HEADS.below(attrs)
+        prompt, completion = _grouped(below.get("gen_ai.prompt")), _grouped(below.get("gen_ai.completion"))
         if prompt is None and completion is None:  # the current GenAI conventions
             prompt, completion = openai_messages(attrs, INPUT_MESSAGES), openai_messages(attrs, OUTPUT_MESSAGES)
-        request, response = _group(attrs, "gen_ai.request"), _group(attrs, "gen_ai.response")
+        request, response = _grouped(below.get("gen_ai.request")), _grouped(below.get("gen_ai.response"))
         for what, value, kind in (
             ("prompt", prompt, list),
             ("completion", completion, list),

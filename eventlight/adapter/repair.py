@@ -170,10 +170,27 @@ class _Repair:
         return False
 
 
+def nests(intervals: list[tuple[float, float]]) -> bool:
+    """Whether one interval contains another it is not identical to: when none does, no child has
+    a node to move under (a flat trace, such as the LLM proxy's spans alone). O(n log n)."""
+    ordered = sorted(intervals, key=lambda t: (t[0], -t[1]))
+    reach = reach_before = -INF  # the largest end so far; and of those that started strictly earlier
+    start_here = None
+    for s, e in ordered:
+        if s != start_here:
+            reach_before, start_here = reach, s
+        if reach > e or reach_before >= e:  # same start and a later end, or an earlier start and not an earlier end
+            return True
+        reach = max(reach, e)
+    return False
+
+
 def repair_hierarchy(tree: TraceTree) -> None:
     """Repair ``tree`` in place (``TraceTree.repair_hierarchy``): descend through single children,
     then re-parent that node's top-level children."""
     while len(tree.children) == 1:
         tree = tree.children[0]
     if len(tree.children) > 1:
-        _Repair(tree).run()
+        repair = _Repair(tree)
+        if nests([t for t, _ in repair.cands]):
+            repair.run()

@@ -214,8 +214,8 @@ class _LlmCallWalker:
     """Depth-first search state of ``TraceTree.find_llm_calls``."""
 
     def __init__(self, llm_call_match: str, agent_match: str | None, exclude_in_reward: bool, dedup: bool):
-        self.llm_call_match = llm_call_match
-        self.agent_match = agent_match
+        self.llm_call_match = re.compile(llm_call_match)
+        self.agent_match = None if agent_match is None else re.compile(agent_match)
         self.exclude_in_reward = exclude_in_reward
         self.dedup = dedup
         self.found: list[tuple[TraceTree, str]] = []
@@ -228,13 +228,13 @@ class _LlmCallWalker:
             in_llm_call = in_llm_call or node.id
         name = node.agent_name()
         if name is not None:
-            agent = name if self.agent_match is None or re.search(self.agent_match, name) else None
+            agent = name if self.agent_match is None or self.agent_match.search(name) else None
         in_reward = in_reward or (self.exclude_in_reward and node.is_reward_span())
         for child in node.children:
             self.visit(child, agent, in_reward, in_llm_call)
 
     def _is_call(self, node: TraceTree, agent: str | None, in_reward: bool, in_llm_call: str | None) -> bool:
-        if agent is None or in_reward or re.search(self.llm_call_match, node.span.name) is None:
+        if agent is None or in_reward or self.llm_call_match.search(node.span.name) is None:
             return False
         if not self.dedup or in_llm_call is None or response_id(node.span.attributes or {}) is not None:
             return True

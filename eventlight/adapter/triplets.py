@@ -14,10 +14,11 @@ from eventlight.adapter.attrs import (
     RESPONSE_ID_KEYS,
     RESPONSE_TOKEN_KEYS,
     TOKEN_IDS_INCOMPLETE,
+    Heads,
     _first_ids,
-    _first_nested,
     _first_str,
     _time,
+    _unflat,
 )
 from eventlight.adapter.base import RewardMatchPolicy, TraceToTripletBase
 from eventlight.adapter.stats import AdapterStats, is_error
@@ -60,6 +61,17 @@ def _strip_keys(data: Any, keys: frozenset[str]) -> Any:
 
 
 _RESPONSE_META_DROP = frozenset({"choices", "prompt_token_ids", "response_token_ids"})
+_OP_INPUT, _OP_OUTPUT = "agentlightning.operation.input", "agentlightning.operation.output"  # Weave's
+_TRIPLET_HEADS = Heads(
+    "gen_ai.prompt",
+    "gen_ai.completion",
+    "gen_ai.request",
+    "gen_ai.response",
+    _OP_INPUT,
+    _OP_INPUT + ".messages",
+    _OP_OUTPUT,
+    _OP_OUTPUT + ".choices",
+)
 
 
 def span_to_triplet(span: Span, agent_name: str) -> Triplet:
@@ -73,10 +85,11 @@ def span_to_triplet(span: Span, agent_name: str) -> Triplet:
         ``gen_ai.output.messages`` as OpenAI-style messages).
     """
     attrs = span.attributes or {}
-    prompt_raw = _first_nested(attrs, ("gen_ai.prompt", "agentlightning.operation.input.messages"))
+    below = _TRIPLET_HEADS.below(attrs)
+    prompt_raw = _unflat(below.get("gen_ai.prompt")) or _unflat(below.get(_OP_INPUT + ".messages"))
     if prompt_raw is None:
         prompt_raw = openai_messages(attrs, INPUT_MESSAGES)  # the current GenAI conventions
-    completion_raw = _first_nested(attrs, ("gen_ai.completion", "agentlightning.operation.output.choices"))
+    completion_raw = _unflat(below.get("gen_ai.completion")) or _unflat(below.get(_OP_OUTPUT + ".choices"))
     if completion_raw is None:
         completion_raw = openai_messages(attrs, OUTPUT_MESSAGES)
     response: dict[str, Any] = {
@@ -85,8 +98,8 @@ def span_to_triplet(span: Span, agent_name: str) -> Triplet:
     }
     if isinstance(attrs.get("logprobs.content"), str):
         response["logprobs"] = json.loads(attrs["logprobs.content"])
-    request_meta = _first_nested(attrs, ("gen_ai.request", "agentlightning.operation.input"))
-    response_meta = _first_nested(attrs, ("gen_ai.response", "agentlightning.operation.output"))
+    request_meta = _unflat(below.get("gen_ai.request")) or _unflat(below.get(_OP_INPUT))
+    response_meta = _unflat(below.get("gen_ai.response")) or _unflat(below.get(_OP_OUTPUT))
     return Triplet(
         prompt={
             "token_ids": _first_ids(attrs, PROMPT_ID_KEYS) or [],
