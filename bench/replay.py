@@ -11,7 +11,8 @@ call spans with token ids and a reward span) → succeeded. Then, in the same ru
   reader of this log in Python has);
 * **replay**: ``eventlight.replay`` (read, fold, decode the selected attempts' spans, adapt, build
   records; records are not written) with a trivial adapter (``read``: one record per attempt, the
-  replay's own cost) and with the ``triplets`` and ``messages`` adapters;
+  replay's own cost) and with the ``triplets`` and ``messages`` adapters, in this process and with
+  ``--workers`` adapter processes (``eventlight replay``'s default: the CPUs, at most 8);
 * **rebuild**: ``eventlight replay --rebuild``'s work (the whole log into a fresh schema + compare).
 """
 
@@ -26,6 +27,7 @@ from typing import Any
 
 from eventlight.core.events import SpansAdded, encode_event
 from eventlight.core.types import Span
+from eventlight.logreplay.parallel import default_workers
 
 
 def _spans(rid: str, aid: str, batch: int, per_batch: int) -> list[Span]:
@@ -143,12 +145,20 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         best = [await raw_consume(nats_url, settings.stream_name, settings.subject_prefix) for _ in range(args.repeat)]
         n, seconds = min(best, key=lambda b: b[1])
         out["raw"] = {"messages": n, "s": round(seconds, 3), "events_per_s": round(n / seconds)}
-        adapters: dict[str, Any] = {"read": _count_spans, "triplets": "triplets", "messages": "messages"}
-        for name, adapter in adapters.items():
+        adapters: dict[str, tuple[Any, int]] = {
+            "read": (_count_spans, 1),
+            "triplets": ("triplets", 1),
+            "messages": ("messages", 1),
+            f"triplets_{args.workers}_workers": ("triplets", args.workers),
+            f"messages_{args.workers}_workers": ("messages", args.workers),
+        }
+        for name, (adapter, workers) in adapters.items():
+            if workers == 1 and name.endswith("_workers"):
+                continue
             s = float("inf")
             for _ in range(args.repeat if name == "read" else 1):
                 t0 = time.perf_counter()
-                r = eventlight.replay(settings, adapter=adapter)
+                r = eventlight.replay(settings, adapter=adapter, workers=workers)
                 records = 0
                 async for _ in r:
                     records += 1
@@ -182,6 +192,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--spans-per-batch", type=int, default=10)
     parser.add_argument("--no-rebuild", action="store_true")
     parser.add_argument("--repeat", type=int, default=3, help="Best of N for raw and the read-only replay.")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=default_workers(),
+        help="Adapter processes of the parallel runs (the CLI's default).",
+    )
     args = parser.parse_args(argv)
     print(json.dumps(asyncio.run(run(args)), indent=2))
 

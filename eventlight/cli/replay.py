@@ -123,6 +123,12 @@ def replay_command(
     swap: Annotated[
         bool, typer.Option("--swap", help="With --rebuild: put the rebuilt schema in place of the live one.")
     ] = False,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            "--workers", "-j", min=1, help="Processes running the adapter (default: the CPUs, at most 8; 1: this one)."
+        ),
+    ] = None,
     namespace: NamespaceOpt = None,
 ) -> None:
     """Replay stored traces from the log into a dataset, or (--rebuild) the read models.
@@ -147,6 +153,8 @@ def replay_command(
         raise CliError("--swap goes with --rebuild")
     if out is None:
         raise CliError("--out FILE.jsonl|FILE.parquet is required (or --rebuild)")
+    from eventlight.logreplay.parallel import default_workers
+
     opts: dict[str, Any] = {
         "adapter": adapter,
         "since": since,
@@ -156,8 +164,14 @@ def replay_command(
         "resources_ids": resources_id or None,
         "min_reward": min_reward,
         "reward": reward,
+        "workers": default_workers() if workers is None else workers,
     }
-    run = _run(_replay_to_file(settings, _writable(out), opts))
+    from eventlight.logreplay.replay import ReplayWorkerError
+
+    try:
+        run = _run(_replay_to_file(settings, _writable(out), opts))
+    except ReplayWorkerError as died:
+        raise CliError(f"{died}; {out} is incomplete", exit_code=1) from died
     for e in run.errors[:SKIPPED_SHOWN]:
         err.print(f"[yellow]skipped:[/yellow] rollout {e.rollout_id} attempt {e.attempt_id}: {escape(e.error)}")
     if len(run.errors) > SKIPPED_SHOWN:

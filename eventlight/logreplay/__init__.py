@@ -6,6 +6,7 @@ module       what
 ``replay``   ``eventlight.replay(...)``: the log → selected attempts → adapter → records
 ``select``   the one-pass fold of the raw log that selects attempts (``Filters``, ``LogFold``)
 ``records``  an attempt's spans in order, the adapter and reward function, one record per item
+``parallel`` the adapter in worker processes, started on attempts while the log is still read
 ``writer``   records as JSON lines or Parquet, deterministic
 ``rebuild``  the whole log into a fresh schema, compared with the live one, swapped in on request
 ``transfer`` a slice of the log to a file and back into another namespace, without duplicates
@@ -16,7 +17,7 @@ The commands (``eventlight replay``, ``export``, ``import``) live in ``eventligh
 
 from __future__ import annotations
 
-from eventlight.logreplay.replay import Replay, ReplayError, ReplayStats, replay
+from eventlight.logreplay.replay import Replay, ReplayError, ReplayStats, ReplayWorkerError, replay
 from eventlight.logreplay.select import Bound
 
-__all__ = ["Bound", "Replay", "ReplayError", "ReplayStats", "replay"]
+__all__ = ["Bound", "Replay", "ReplayError", "ReplayStats", "ReplayWorkerError", "replay"]

@@ -194,31 +194,29 @@ def item_fields(item: Any) -> dict[str, Any]:
     return {"value": item}
 
 
-def records_of(selected: Selected, adapter: AdapterFn, reward_fn: RewardFn | None) -> list[dict[str, Any]]:
-    """The records of one attempt (see the module docstring).
+class Adapted(msgspec.Struct, frozen=True):
+    """What the adapter made of one attempt's span batches: each item's record fields (``prompt``,
+    ``response``, ... without the provenance), the final reward, and the batches' log positions.
+    Plain data, so a worker process can send it back."""
+
+    items: list[dict[str, Any]]
+    final_reward: float | None
+    log_positions: list[int]
+
+
+def adapt_batches(batches: Sequence[tuple[int, bytes]], adapter: AdapterFn, reward_fn: RewardFn | None) -> Adapted:
+    """Decode an attempt's span batches, run the adapter (and reward function), and give each item's
+    record fields (see the module docstring).
 
     Raises:
         Exception: Whatever the adapter or reward function raised, for the caller to report.
     """
-    spans, positions = attempt_spans(selected)
+    spans, positions = spans_of_batches(batches)
     if reward_fn is not None:
         final = _reward_value(reward_fn(spans), "the reward function")
     else:
         final = find_final_reward(spans)
     items = list(adapter(spans))
-    attempt, rollout = selected.attempt, selected.rollout
-    base = {
-        "rollout_id": rollout.rollout_id,
-        "attempt_id": attempt.attempt_id,
-        "attempt_sequence_id": attempt.sequence_id,
-        "mode": rollout.mode,
-        "status": attempt.status,
-        "resources_id": rollout.resources_id,
-        "resources_version": selected.resources_version,
-        "final_reward": final,
-        "attempt_seq": selected.started_seq,
-        "log_positions": positions,
-    }
     out: list[dict[str, Any]] = []
     for i, item in enumerate(items):
         fields = item_fields(item)
@@ -229,5 +227,32 @@ def records_of(selected: Selected, adapter: AdapterFn, reward_fn: RewardFn | Non
             fields["reward"] = final if i == len(items) - 1 else None
         elif "reward" not in fields and not isinstance(item, Triplet):
             fields["reward"] = final
-        out.append({**base, "index": i, **fields})
-    return out
+        out.append(fields)
+    return Adapted(out, final, positions)
+
+
+def records_from(selected: Selected, adapted: Adapted) -> list[dict[str, Any]]:
+    """The records of one attempt: the provenance the log gives it, then each item's fields."""
+    attempt, rollout = selected.attempt, selected.rollout
+    base = {
+        "rollout_id": rollout.rollout_id,
+        "attempt_id": attempt.attempt_id,
+        "attempt_sequence_id": attempt.sequence_id,
+        "mode": rollout.mode,
+        "status": attempt.status,
+        "resources_id": rollout.resources_id,
+        "resources_version": selected.resources_version,
+        "final_reward": adapted.final_reward,
+        "attempt_seq": selected.started_seq,
+        "log_positions": adapted.log_positions,
+    }
+    return [{**base, "index": i, **fields} for i, fields in enumerate(adapted.items)]
+
+
+def records_of(selected: Selected, adapter: AdapterFn, reward_fn: RewardFn | None) -> list[dict[str, Any]]:
+    """The records of one attempt (see the module docstring).
+
+    Raises:
+        Exception: Whatever the adapter or reward function raised, for the caller to report.
+    """
+    return records_from(selected, adapt_batches(selected.batches, adapter, reward_fn))

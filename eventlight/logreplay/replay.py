@@ -16,22 +16,36 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import pickle
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
-from typing import Any
+from concurrent.futures import Future
+from concurrent.futures.process import BrokenProcessPool
+from itertools import islice
+from typing import Any, NamedTuple
 
 import msgspec
 
-from eventlight.core.errors import InvalidInputError
+from eventlight.core.errors import EventlightError, InvalidInputError
 from eventlight.core.types import ATTEMPT_STATUSES, ROLLOUT_MODES
-from eventlight.logreplay.records import AdapterFn, RewardFn, records_of, resolve_adapter, resolve_reward
-from eventlight.logreplay.select import Bound, Filters, LogFold
+from eventlight.logreplay.parallel import AHEAD, CHUNK, IN_FLIGHT, AdaptPool, Result, adapt_one
+from eventlight.logreplay.records import AdapterFn, RewardFn, records_from, resolve_adapter, resolve_reward
+from eventlight.logreplay.select import Bound, Candidate, Filters, LogFold, Selected
 from eventlight.settings import Settings
 from eventlight.store.ports import EventLog
 
 log = logging.getLogger(__name__)
 
 PROGRESS_EVERY = 2000
+SERIAL_UP_TO = 2 * CHUNK
+"""With no attempt sent to the workers while reading, this many selected attempts or fewer are
+adapted in this process: starting the worker processes would take longer."""
+
+
+class ReplayWorkerError(EventlightError, RuntimeError):
+    """A worker process of a replay died (``workers`` >= 2); what was yielded before is correct."""
 
 
 class ReplayError(msgspec.Struct, frozen=True):
@@ -50,6 +64,8 @@ class ReplayStats(msgspec.Struct):
     attempts: int = 0
     records: int = 0
     head_seq: int = 0
+    ahead: int = 0
+    """Attempts whose records a worker process made while the log was still read (``workers``)."""
 
 
 Progress = Callable[[ReplayStats], None]
@@ -86,10 +102,16 @@ class Replay(AsyncIterator[dict[str, Any]]):
         min_reward: float | None,
         reward: str | RewardFn | None,
         on_progress: Progress | None,
+        workers: int = 1,
     ):
         self.source = source
         self.adapter = resolve_adapter(adapter)  # an unknown adapter fails here, before any read
         self.reward = resolve_reward(reward)
+        by_name = isinstance(adapter, str) and (reward is None or isinstance(reward, str))
+        self.workers = workers if by_name else 1
+        """Processes adapting attempts (``parallel``); 1 (this process) for an adapter or reward
+        function given as an object."""
+        self._specs = (adapter, reward) if by_name else None
         self.filters = filters
         self.min_reward = min_reward
         self.on_progress = on_progress
@@ -111,41 +133,56 @@ class Replay(AsyncIterator[dict[str, Any]]):
             await self._it.aclose()
 
     async def _run(self) -> AsyncIterator[dict[str, Any]]:
-        async with _open_log(self.source) as log_:
-            fold = await self._read(log_)
-        unknown = sorted((self.filters.resources_ids or frozenset()) - fold.resources.keys())
-        if unknown:  # most likely a typo: say so rather than write an empty file without a word
-            log.warning("replay: no resources snapshot in the log is named %s (--resources-id)", ", ".join(unknown))
-        for selected in fold.selected():
-            try:
-                records = records_of(selected, self.adapter, self.reward)
-            except Exception as e:  # the user's adapter or reward function: report, go on
-                err = ReplayError(selected.rollout.rollout_id, selected.attempt.attempt_id, f"{type(e).__name__}: {e}")
-                if not self.errors:  # once; ``errors`` holds them all, and the CLI prints them
-                    log.warning(
-                        "replay: rollout %s attempt %s skipped: %s (the first skipped; the run's errors list all)",
-                        err.rollout_id,
-                        err.attempt_id,
-                        err.error,
-                    )
-                self.errors.append(err)
-                continue
-            if self.min_reward is not None and not _at_least(records, self.min_reward):
-                continue
-            self.stats.attempts += 1
-            for record in records:
-                self.stats.records += 1
-                if self.on_progress is not None and self.stats.records % 100 == 0:
-                    self.on_progress(self.stats)
-                yield record
-        if self.on_progress is not None:
-            self.on_progress(self.stats)
+        pool = AdaptPool(*self._specs, workers=self.workers) if self.workers > 1 and self._specs else None  # type: ignore[arg-type]
+        try:
+            async with _open_log(self.source) as log_:
+                fold, ahead = await self._read(log_, pool)
+            unknown = sorted((self.filters.resources_ids or frozenset()) - fold.resources.keys())
+            if unknown:  # most likely a typo: say so rather than write an empty file without a word
+                log.warning("replay: no resources snapshot in the log is named %s (--resources-id)", ", ".join(unknown))
+            async for selected, result in self._adapted(fold.selected(), pool, ahead):
+                if isinstance(result, str):  # the user's adapter or reward function raised: report, go on
+                    err = ReplayError(selected.rollout.rollout_id, selected.attempt.attempt_id, result)
+                    if not self.errors:  # once; ``errors`` holds them all, and the CLI prints them
+                        log.warning(
+                            "replay: rollout %s attempt %s skipped: %s (the first skipped; the run's errors list all)",
+                            err.rollout_id,
+                            err.attempt_id,
+                            err.error,
+                        )
+                    self.errors.append(err)
+                    continue
+                final = result.final_reward if result.items else None  # an attempt without records has none
+                if self.min_reward is not None and not _at_least(final, self.min_reward):
+                    continue
+                records = records_from(selected, result)
+                self.stats.attempts += 1
+                for record in records:
+                    self.stats.records += 1
+                    if self.on_progress is not None and self.stats.records % 100 == 0:
+                        self.on_progress(self.stats)
+                    yield record
+            if self.on_progress is not None:
+                self.on_progress(self.stats)
+        finally:
+            if pool is not None:
+                pool.close()
 
-    async def _read(self, log_: EventLog) -> LogFold:
-        fold = LogFold(self.filters)
+    async def _read(self, log_: EventLog, pool: AdaptPool | None) -> tuple[LogFold, dict[tuple[str, str], _Ahead]]:
+        """Fold the log to its head; with a pool, attempts that finish are sent to it as they do."""
+        fold = LogFold(self.filters, track_finished=pool is not None)
+        ahead: dict[tuple[str, str], _Ahead] = {}
+        waiting: list[Candidate] = []
         self.stats.head_seq = await log_.head_seq()
         async for seq, subject, data in log_.scan(0, self.stats.head_seq):
             fold.add(seq, subject, data)
+            if fold.finished and pool is not None:
+                for cand in fold.finished:
+                    if len(ahead) + len(waiting) < AHEAD and self._worth_ahead(fold, cand):
+                        waiting.append(cand)
+                fold.finished.clear()
+                if len(waiting) >= CHUNK:
+                    _send_ahead(pool, waiting, ahead)
             if self.on_progress is not None and fold.events % PROGRESS_EVERY == 0:
                 self.stats.events, self.stats.spans = fold.events, fold.spans
                 self.on_progress(self.stats)
@@ -154,11 +191,92 @@ class Replay(AsyncIterator[dict[str, Any]]):
             log.warning(
                 "replay: the entry at log position %d is not an event this version reads (%s); skipped", seq, why
             )
-        return fold
+        return fold, ahead
+
+    def _worth_ahead(self, fold: LogFold, cand: Candidate) -> bool:
+        """Whether a finished attempt would be selected if the log ended here."""
+        state = fold.states[cand.rollout_id]
+        statuses = self.filters.statuses
+        return self.filters.rollout_matches(state.rollout) and (
+            statuses is None or state.attempt(cand.attempt_id).status in statuses
+        )
+
+    async def _adapted(
+        self, selected: list[Selected], pool: AdaptPool | None, ahead: dict[tuple[str, str], _Ahead]
+    ) -> AsyncIterator[tuple[Selected, Result]]:
+        """Each selected attempt with what the adapter made of it, in order (see ``parallel``)."""
+        if pool is None or (not ahead and len(selected) <= SERIAL_UP_TO):  # no processes for a few
+            for sel in selected:
+                yield sel, adapt_one(sel.batches, self.adapter, self.reward)
+            return
+        sent_ahead = {a.future for a in ahead.values()}
+        groups: deque[list[tuple[Selected, _Ahead]]] = deque()
+        uses: dict[Future[bytes], int] = {}  # entries queued per chunk, to drop its results after the last
+        results: dict[Future[bytes], list[Result]] = {}
+        todo = iter(selected)
+        while True:
+            while len(groups) < IN_FLIGHT * pool.workers:
+                chunk = list(islice(todo, CHUNK))
+                if not chunk:
+                    break
+                group = _group(pool, chunk, ahead)
+                for _, sent in group:
+                    uses[sent.future] = uses.get(sent.future, 0) + 1
+                groups.append(group)
+            if not groups:
+                return
+            for sel, (_, future, place) in groups.popleft():
+                if future not in results:
+                    try:
+                        answer = await asyncio.wrap_future(future)
+                    except BrokenProcessPool as e:
+                        raise ReplayWorkerError(
+                            "a replay worker process died (killed, or out of memory?); "
+                            "replay in this process with workers=1 (eventlight replay --workers 1)"
+                        ) from e
+                    results[future] = pickle.loads(answer)  # noqa: S301 - our own workers' answer
+                got = results[future][place]
+                uses[future] -= 1
+                if not uses[future]:
+                    del uses[future], results[future]
+                self.stats.ahead += future in sent_ahead
+                yield sel, got
 
 
-def _at_least(records: list[dict[str, Any]], threshold: float) -> bool:
-    final = records[0]["final_reward"] if records else None
+class _Ahead(NamedTuple):
+    """An attempt sent to a worker: how many span batches it had then, the chunk's future, and its
+    place in the chunk."""
+
+    batches: int
+    future: Future[bytes]
+    place: int
+
+
+def _send_ahead(pool: AdaptPool, waiting: list[Candidate], ahead: dict[tuple[str, str], _Ahead]) -> None:
+    future = pool.submit([list(c.batches) for c in waiting])  # copies: the read goes on appending
+    for i, c in enumerate(waiting):
+        ahead[(c.rollout_id, c.attempt_id)] = _Ahead(len(c.batches), future, i)
+    waiting.clear()
+
+
+def _group(
+    pool: AdaptPool, chunk: list[Selected], ahead: dict[tuple[str, str], _Ahead]
+) -> list[tuple[Selected, _Ahead]]:
+    """The chunk's attempts, each with its result's future: the one sent ahead if no batch of it
+    arrived since, else a new task for those without."""
+    got = {}
+    for sel in chunk:
+        sent = ahead.pop((sel.rollout.rollout_id, sel.attempt.attempt_id), None)
+        if sent is not None and sent.batches == len(sel.batches):
+            got[id(sel)] = sent
+    missing = [sel for sel in chunk if id(sel) not in got]
+    if missing:
+        future = pool.submit([sel.batches for sel in missing])
+        got.update((id(sel), _Ahead(len(sel.batches), future, i)) for i, sel in enumerate(missing))
+    return [(sel, got[id(sel)]) for sel in chunk]
+
+
+def _at_least(final: float | None, threshold: float) -> bool:
     return final is not None and final >= threshold
 
 
@@ -203,6 +321,7 @@ def replay(
     min_reward: float | None = None,
     reward: str | RewardFn | None = None,
     on_progress: Progress | None = None,
+    workers: int = 1,
 ) -> Replay:
     """Replay stored traces into records, as an async iterator (``eventlight replay`` from Python).
 
@@ -221,13 +340,19 @@ def replay(
         reward: A function of an attempt's spans returning its new reward (relabelling), or its
             ``"module:callable"``.
         on_progress: Called now and then with the ``ReplayStats``.
+        workers: Processes that run the adapter (``eventlight.logreplay.parallel``): with 2 or more,
+            attempts are adapted in worker processes, starting while the log is still read, and
+            the records are the same, in the same order. Only for an adapter and reward function
+            given by name (a string); with objects the adapter runs in this process. The
+            processes start with ``multiprocessing``'s ``forkserver``, so a script calling this
+            needs the usual ``if __name__ == "__main__":`` guard.
 
     Returns:
         A ``Replay``: iterate it for the records; ``errors`` lists the attempts that failed.
 
     Raises:
-        InvalidInputError: An unknown adapter or reward spec, attempt status or rollout mode, or a
-            range whose start is after its end.
+        InvalidInputError: An unknown adapter or reward spec, attempt status or rollout mode, a
+            range whose start is after its end, or ``workers`` not a whole number >= 1.
         ServiceUnavailableError: NATS cannot be reached (when iterating).
     """
     lo, hi = as_bound(since), as_bound(until)
@@ -239,7 +364,9 @@ def replay(
         modes=_set(modes, ROLLOUT_MODES, "rollout mode"),
         resources_ids=_set(resources_ids),
     )
-    return Replay(source, adapter, filters, min_reward, reward, on_progress)
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise InvalidInputError(f"workers must be a whole number >= 1, got {workers!r}")
+    return Replay(source, adapter, filters, min_reward, reward, on_progress, workers)
 
 
 def parse_bound(text: str) -> Bound:

@@ -20,7 +20,7 @@ import msgspec
 from eventlight.core.commands import RolloutState
 from eventlight.core.events import ResourcesPut, decode_event, rollout_id_of
 from eventlight.core.evolve import evolve, spans_arrived
-from eventlight.core.types import Attempt, Rollout
+from eventlight.core.types import TERMINAL_ATTEMPT_STATUSES, Attempt, Rollout
 
 
 class Bound(msgspec.Struct, frozen=True):
@@ -94,8 +94,9 @@ class Selected(msgspec.Struct, frozen=True, kw_only=True):
 class LogFold:
     """The state of a replay's read of the log (see the module docstring)."""
 
-    def __init__(self, filters: Filters):
+    def __init__(self, filters: Filters, track_finished: bool = False):
         self.filters = filters
+        self.track_finished = track_finished
         self.states: dict[str, RolloutState] = {}
         self.candidates: dict[tuple[str, str], Candidate] = {}
         self.resources: dict[str, list[tuple[int, int]]] = {}
@@ -103,6 +104,10 @@ class LogFold:
         self.events = 0
         self.spans = 0
         self.malformed: list[tuple[int, str]] = []
+        self.finished: list[Candidate] = []
+        """With ``track_finished``: candidates whose attempt reached a terminal status, in log order,
+        for the reader to take (and clear); their spans are most likely all in (``Replay`` adapts
+        them ahead)."""
 
     def add(self, seq: int, subject: str, data: bytes) -> None:
         """Fold one log entry; an entry that is not an event is recorded in ``malformed``."""
@@ -145,12 +150,23 @@ class LogFold:
             return
         old = self.states.get(rid)
         self.states[rid] = new
-        if old is None or len(new.attempts) > len(old.attempts):
-            for attempt in new.attempts[len(old.attempts) if old else 0 :]:
-                if self.filters.started_in_range(seq, attempt.start_time):
-                    self.candidates[(rid, attempt.attempt_id)] = Candidate(
-                        rollout_id=rid, attempt_id=attempt.attempt_id, started_seq=seq
-                    )
+        known = len(old.attempts) if old else 0
+        for attempt in new.attempts[known:]:
+            if self.filters.started_in_range(seq, attempt.start_time):
+                self.candidates[(rid, attempt.attempt_id)] = Candidate(
+                    rollout_id=rid, attempt_id=attempt.attempt_id, started_seq=seq
+                )
+        if not self.track_finished:
+            return
+        was = {a.attempt_id: a.status for a in old.attempts} if old else {}
+        for attempt in new.attempts:
+            if (
+                attempt.status in TERMINAL_ATTEMPT_STATUSES
+                and was.get(attempt.attempt_id) not in TERMINAL_ATTEMPT_STATUSES
+            ):
+                cand = self.candidates.get((rid, attempt.attempt_id))
+                if cand is not None:
+                    self.finished.append(cand)
 
     def selected(self) -> list[Selected]:
         """The candidates that pass every filter once the log is read, in the order they started."""
