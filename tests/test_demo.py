@@ -9,7 +9,9 @@ from typing import Any
 import pytest
 from demo_runs import run_script
 
+import eventlight as agl
 from eventlight.net import free_port as closed_port
+from eventlight.settings import Settings
 
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.py"
 
@@ -27,3 +29,26 @@ def test_algorithm_apo_runs_the_apo_demo_and_keeps_its_llm_check(services: Any) 
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "LLM unavailable" in errors[0] and dead in errors[0], done.stderr
     assert "val reward, initial prompt" not in done.stdout and "Traceback" not in done.stderr
+
+
+async def test_the_demo_cancels_what_an_interrupted_run_left_queued(namespace: Settings) -> None:
+    """An interrupted demo leaves its queued rollouts behind; the next demo's runners would take them
+    first and fail them (their policy version is not served). The next demo cancels them, and only them."""
+    from examples.arithmetic.train_grpo import cancel_leftovers
+
+    async with agl.JetStreamLightningStore(namespace) as store:
+        for rid in [f"run-old-ab12-step{i}" for i in range(3)] + ["someone-elses"]:
+            await store.update_resources(rid, {"p": agl.PromptTemplate(template="{x}")})
+        left = [await store.enqueue_rollout({"x": i}, resources_id=f"run-old-ab12-step{i}") for i in range(3)]
+        other = await store.enqueue_rollout({"x": 9}, resources_id="someone-elses")
+        also_left = await store.enqueue_rollout({"x": 7}, resources_id="run-old-ab12-step0")
+        claimed = await store.dequeue_rollout(worker_id="w")  # the oldest queued one: left[0]
+        assert claimed is not None and claimed.rollout_id == left[0].rollout_id
+    assert await cancel_leftovers(namespace, namespace.nats_url or "", namespace.pg_dsn or "") == 3
+    async with agl.JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
+        await store.sync_all()
+        status = {r.rollout_id: r.status for r in await store.query_rollouts()}
+    assert [status[r.rollout_id] for r in left[1:]] == ["cancelled", "cancelled"]
+    assert status[also_left.rollout_id] == "cancelled" and status[other.rollout_id] == "queuing"
+    assert status[left[0].rollout_id] == "preparing", "a rollout a runner holds is not a leftover of the queue"
+    assert await cancel_leftovers(namespace, namespace.nats_url or "", namespace.pg_dsn or "") == 0

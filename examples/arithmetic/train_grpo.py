@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import eventlight as agl  # noqa: E402
-from eventlight.ops import stop_services  # noqa: E402
+from eventlight.ops import prepare_services, stop_services  # noqa: E402
 from examples.arithmetic.task import MAX_TOKENS, PROMPT, adder, make_items  # noqa: E402
 
 MAX_FAILED_FRACTION = 0.5
@@ -41,6 +41,23 @@ def report_sql(run_id: str) -> str:
         f"FROM reward_by_resources WHERE resources_id LIKE '{run_id}-%' "
         "ORDER BY length(resources_id), resources_id, mode"
     )
+
+
+async def cancel_leftovers(settings: agl.Settings, nats_url: str, pg_dsn: str) -> int:
+    """Cancel the rollouts an earlier run of this demo left queued in the namespace (it was
+    interrupted, or killed); returns how many. Their resources id starts with ``run-``; without
+    this, this run's runners would take them first and fail them (their policy is not served).
+
+    A second demo running at the same time in the same namespace would lose its queue too: give
+    each its own (``EVENTLIGHT_NAMESPACE``).
+    """
+    async with agl.JetStreamLightningStore(settings, nats_url=nats_url, pg_dsn=pg_dsn) as store:
+        await store.sync_all(timeout_s=60)  # the read model up to the end of the log
+        queued = await store.query_rollouts(status_in=["queuing", "requeuing"])
+        stale = [r for r in queued if (r.resources_id or "").startswith("run-")]
+        for rollout in stale:
+            await store.update_rollout(rollout.rollout_id, status="cancelled")
+    return len(stale)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -131,42 +148,49 @@ async def train(args: argparse.Namespace) -> int:
             f"--resume {args.resume}: no checkpoint of that run in {settings.state_dir / 'checkpoints'}"
             f" (runs with one: {', '.join(runs) if runs else 'none'})"
         )
-    grpo = GRPO(
-        GRPOConfig(
-            steps=args.steps,
-            batch_size=args.batch_size,
-            group_size=args.group_size,
-            lr=args.lr,
-            temperature=args.temperature,
-            eval_every=args.eval_every,
-            max_new_tokens=MAX_TOKENS,
-            seed=args.seed,
-            version_prefix=f"{run_id}-",
-        ),
-        model_dir=args.model_dir,
-        checkpoint_dir=settings.state_dir / "checkpoints" / run_id,
-        state_dir=settings.state_dir,
-        progress=on_progress,
-    )
-    proxy = agl.LLMProxy()
-    trainer = agl.Trainer(
-        algorithm=grpo,
-        n_runners=args.n_runners,
-        llm_proxy=proxy,
-        check_llm=False,  # the backend is the policy the algorithm starts; nothing to check before it
-        settings=settings,
-        keep_services=True,  # the report below queries the projections; stopped in `finally`
-    )
-    say(f"loading SmolLM2-135M-Instruct (converted once from the GGUF) and starting {args.n_runners} runners…")
+    services = await prepare_services(settings)  # started here, so leftovers can go before the runners start
+    trainer: agl.Trainer | None = None
     try:
+        left = await cancel_leftovers(settings, services.nats_url, services.pg_dsn)
+        if left:
+            say(
+                f"cancelled {left} rollout(s) an earlier run left queued (interrupted?); this run's runners skip them"
+            )
+        grpo = GRPO(
+            GRPOConfig(
+                steps=args.steps,
+                batch_size=args.batch_size,
+                group_size=args.group_size,
+                lr=args.lr,
+                temperature=args.temperature,
+                eval_every=args.eval_every,
+                max_new_tokens=MAX_TOKENS,
+                seed=args.seed,
+                version_prefix=f"{run_id}-",
+            ),
+            model_dir=args.model_dir,
+            checkpoint_dir=settings.state_dir / "checkpoints" / run_id,
+            state_dir=settings.state_dir,
+            progress=on_progress,
+        )
+        proxy = agl.LLMProxy()
+        trainer = agl.Trainer(
+            algorithm=grpo,
+            n_runners=args.n_runners,
+            llm_proxy=proxy,
+            check_llm=False,  # the backend is the policy the algorithm starts; nothing to check before it
+            settings=settings,
+            keep_services=True,  # the report below queries the projections; stopped in `finally`
+        )
+        say(f"loading SmolLM2-135M-Instruct (converted once from the GGUF) and starting {args.n_runners} runners…")
         await trainer.fit_async(adder, train_items, val_dataset=held_out)
         code = report(trainer, grpo, run_id, time.monotonic() - started)
         if code == 0 and grpo.policy is not None and grpo.checkpoint_dir is not None:
             grpo.policy.drop_optimizer_state(grpo.checkpoint_dir)  # a finished run keeps its weights only
         return code
     finally:
-        if trainer.services is not None and trainer.services.started:
-            await stop_services(trainer.settings)
+        if services.started or (trainer is not None and trainer.services is not None and trainer.services.started):
+            await stop_services(settings)
 
 
 def report(trainer: agl.Trainer, grpo, run_id: str, wall_s: float) -> int:
