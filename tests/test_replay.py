@@ -136,6 +136,9 @@ async def test_an_adapter_that_raises_on_one_attempt_is_reported_and_the_rest_re
         ({"since": 10, "until": 3}, "bad range"),
         ({"since": "yesterday-ish"}, "neither a log position"),
         ({"reward": "json:no_such_function"}, "has no attribute"),
+        ({"min_reward": float("nan")}, "min_reward must be a finite number"),
+        ({"min_reward": float("inf")}, "min_reward must be a finite number"),
+        ({"min_reward": "0.5"}, "min_reward must be a finite number"),
     ],
 )
 def test_bad_arguments_fail_before_reading(kwargs: dict[str, Any], says: str) -> None:
@@ -239,6 +242,38 @@ def test_cli_replay_bad_input_is_one_line(namespace: Settings, tmp_path: Path) -
     assert_one_line_error(cli("replay", "--out", str(tmp_path / "x.csv"), env=env), 2, ".jsonl or .parquet")
     gone = {**env, "EVENTLIGHT_NATS_URL": "nats://127.0.0.1:1"}
     assert_one_line_error(cli("replay", "--out", out, env=gone), 1, "cannot reach", "127.0.0.1:1")
+
+
+def test_cli_rebuild_refuses_what_only_a_replay_to_a_file_takes(namespace: Settings, tmp_path: Path) -> None:
+    """``--rebuild --adapter messages`` rebuilt the read models and dropped the adapter without a word."""
+    env = env_of(namespace)
+    for extra in (["--adapter", "messages"], ["--status", "succeeded"], ["--min-reward", "0.5"], ["--workers", "2"]):
+        assert_one_line_error(cli("replay", "--rebuild", *extra, env=env), 2, f"{extra[0]} would not apply")
+    assert_one_line_error(
+        cli("replay", "--min-reward", "nan", "--out", str(tmp_path / "x.jsonl"), env=env), 2, "finite"
+    )
+    assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_cli_import_of_a_folder_says_so(namespace: Settings, tmp_path: Path) -> None:
+    assert_one_line_error(cli("import", str(tmp_path), env=env_of(namespace)), 2, "is a folder")
+
+
+async def test_a_replay_that_fails_midway_leaves_no_partial_file(namespace: Settings, tmp_path: Path) -> None:
+    """A worker that dies after records were written: the file would pass for the whole dataset."""
+    from tests.test_replay_parallel import workload as many
+
+    async with JetStreamLightningStore(namespace) as store:
+        await many(store)
+    out = tmp_path / "partial.jsonl"
+    result = cli(
+        "replay", "--adapter", "tests.replay_adapters:dies", "--workers", "2", "--out", str(out), env=env_of(namespace)
+    )
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 1 and len(errors) == 1, result.stderr  # after the progress bar's last line
+    assert "a replay worker process died" in errors[0] and "nothing was written" in errors[0]
+    assert "Traceback" not in result.stderr
+    assert not out.exists()
 
 
 def test_cli_replay_checks_the_file_name_before_looking_for_servers(tmp_path: Path) -> None:

@@ -85,8 +85,11 @@ async def _replay_to_file(settings: Settings, out: Path, opts: dict[str, Any]) -
         try:
             async for record in run:
                 writer.write(record)
-        finally:
+        except BaseException:
             writer.close()
+            out.unlink(missing_ok=True)  # noqa: ASYNC240 - a partial dataset would pass for a whole one
+            raise
+        writer.close()
         bar.update(task, events=run.stats.events, records=run.stats.records)
     return run
 
@@ -94,8 +97,9 @@ async def _replay_to_file(settings: Settings, out: Path, opts: dict[str, Any]) -
 def replay_command(
     out: Annotated[Path | None, typer.Option("--out", "-o", help="FILE.jsonl or FILE.parquet.")] = None,
     adapter: Annotated[
-        str, typer.Option("--adapter", "-a", help="triplets | messages | proxy-triplets | MODULE:CALLABLE.")
-    ] = "triplets",
+        str | None,
+        typer.Option("--adapter", "-a", help="triplets (default) | messages | proxy-triplets | MODULE:CALLABLE."),
+    ] = None,
     since: Annotated[
         str | None, typer.Option(help="Attempts that started at/after: a log position or ISO time.")
     ] = None,
@@ -145,6 +149,20 @@ def replay_command(
             "--rebuild writes a schema, not a file: drop --out to rebuild, or drop --rebuild to write records"
         )
     if rebuild:
+        given = {
+            "--adapter": adapter,
+            "--since": since,
+            "--until": until,
+            "--status": status,
+            "--resources-id": resources_id,
+            "--mode": mode,
+            "--min-reward": min_reward,
+            "--reward": reward,
+            "--workers": workers,
+        }
+        ignored = [name for name, value in given.items() if value]
+        if ignored:
+            raise CliError(f"--rebuild projects the whole log with the projector: {', '.join(ignored)} would not apply")
         from eventlight.logreplay.rebuild import rebuild_command
 
         rebuild_command(settings, swap)
@@ -156,7 +174,7 @@ def replay_command(
     from eventlight.logreplay.parallel import default_workers
 
     opts: dict[str, Any] = {
-        "adapter": adapter,
+        "adapter": adapter or "triplets",
         "since": since,
         "until": until,
         "statuses": status or None,
@@ -171,7 +189,7 @@ def replay_command(
     try:
         run = _run(_replay_to_file(settings, _writable(out), opts))
     except ReplayWorkerError as died:
-        raise CliError(f"{died}; {out} is incomplete", exit_code=1) from died
+        raise CliError(f"{died} (nothing was written to {out})", exit_code=1) from died
     for e in run.errors[:SKIPPED_SHOWN]:
         err.print(f"[yellow]skipped:[/yellow] rollout {e.rollout_id} attempt {e.attempt_id}: {escape(e.error)}")
     if len(run.errors) > SKIPPED_SHOWN:
@@ -224,6 +242,8 @@ def import_command(
     Servers: uses $EVENTLIGHT_NATS_URL when set, else the embedded NATS; never starts one."""
     from eventlight.logreplay.transfer import import_log
 
+    if file.is_dir():
+        raise CliError(f"{file} is a folder: give the file `eventlight export --out` wrote")
     if not file.is_file():
         raise CliError(f"no file {file}")
     settings = _run(_nats_settings(_settings(namespace)))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import pickle
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -352,7 +353,8 @@ def replay(
 
     Raises:
         InvalidInputError: An unknown adapter or reward spec, attempt status or rollout mode, a
-            range whose start is after its end, or ``workers`` not a whole number >= 1.
+            range whose start is after its end, a ``min_reward`` that is not a finite number, or
+            ``workers`` not a whole number >= 1.
         ServiceUnavailableError: NATS cannot be reached (when iterating).
     """
     lo, hi = as_bound(since), as_bound(until)
@@ -364,6 +366,10 @@ def replay(
         modes=_set(modes, ROLLOUT_MODES, "rollout mode"),
         resources_ids=_set(resources_ids),
     )
+    if min_reward is not None and (
+        isinstance(min_reward, bool) or not isinstance(min_reward, (int, float)) or not math.isfinite(min_reward)
+    ):
+        raise InvalidInputError(f"min_reward must be a finite number, got {min_reward!r}")
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise InvalidInputError(f"workers must be a whole number >= 1, got {workers!r}")
     return Replay(source, adapter, filters, min_reward, reward, on_progress, workers)
