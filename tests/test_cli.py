@@ -94,6 +94,12 @@ def test_runner_needs_at_least_one_process() -> None:
     assert_one_line_error(cli("runner", "examples.room_booking.agent:room_booker", "-n", "0"), 2, "--n-runners")
 
 
+def test_down_refuses_a_namespace_it_would_not_limit(tmp_path: Path) -> None:
+    """``down -N x`` stopped the servers of every namespace, as if -N had limited it to one."""
+    result = cli("down", "-N", "x", env={"EVENTLIGHT_STATE_DIR": str(tmp_path / "state")})
+    assert_one_line_error(result, 2, "every namespace shares", "-N x")
+
+
 def test_load_agent_accepts_agents_by_module_or_file() -> None:
     from eventlight.agent import LitAgent
 

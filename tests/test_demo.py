@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -52,3 +53,12 @@ async def test_the_demo_cancels_what_an_interrupted_run_left_queued(namespace: S
     assert status[also_left.rollout_id] == "cancelled" and status[other.rollout_id] == "queuing"
     assert status[left[0].rollout_id] == "preparing", "a rollout a runner holds is not a leftover of the queue"
     assert await cancel_leftovers(namespace, namespace.nats_url or "", namespace.pg_dsn or "") == 0
+
+
+def test_the_demo_refuses_a_count_of_zero() -> None:
+    """``--n-runners 0`` ran one runner without a word (a fresh-user run)."""
+    done = subprocess.run(
+        [sys.executable, str(DEMO), "--n-runners", "0"], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "--n-runners: must be at least 1, got 0" in done.stderr and "Traceback" not in done.stderr

@@ -6,7 +6,7 @@ import time
 
 from rich.markup import escape
 
-from eventlight.cli.common import NamespaceOpt, _run, _settings, console
+from eventlight.cli.common import CliError, NamespaceOpt, _run, _settings, console
 
 # ---------------------------------------------------------------------------------------------
 # up / down
@@ -30,8 +30,10 @@ def up(namespace: NamespaceOpt = None) -> None:
 
 
 def down(namespace: NamespaceOpt = None) -> None:
-    """Stop the servers eventlight started (never ones it did not start)."""
+    """Stop the servers eventlight started (never ones it did not start); every namespace shares them."""
     from eventlight.ops import stop_services
 
+    if namespace is not None:
+        raise CliError(f"down stops the servers every namespace shares: -N {namespace} would not limit it (drop -N)")
     stopped = _run(stop_services(_settings(namespace)))
     console.print("stopped " + (", ".join(stopped) if stopped else "nothing (no embedded server was running)"))

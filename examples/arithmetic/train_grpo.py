@@ -60,16 +60,27 @@ async def cancel_leftovers(settings: agl.Settings, nats_url: str, pg_dsn: str) -
     return len(stale)
 
 
+def _at_least_one(text: str) -> int:
+    """argparse type of a count: a whole number >= 1 (``--n-runners 0`` ran one runner)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=8, help="GRPO steps (default 8)")
-    p.add_argument("--batch-size", type=int, default=4, help="tasks per step (default 4)")
-    p.add_argument("--group-size", type=int, default=8, help="samples per task (default 8)")
+    p.add_argument("--batch-size", type=_at_least_one, default=4, help="tasks per step (default 4)")
+    p.add_argument("--group-size", type=_at_least_one, default=8, help="samples per task (default 8)")
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature of training rollouts")
     p.add_argument("--lr", type=float, default=3e-5, help="AdamW learning rate (default 3e-5)")
     p.add_argument("--eval-every", type=int, default=4, help="held-out evaluation every N steps (default 4)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--n-runners", type=int, default=8, help="runner processes (default 8)")
+    p.add_argument("--n-runners", type=_at_least_one, default=8, help="runner processes (default 8)")
     p.add_argument("--resume", metavar="RUN_ID", help="continue run RUN_ID from its last checkpoint")
     p.add_argument("--eval-items", type=int, default=0, help="evaluate on the first N held-out items (0 = all)")
     p.add_argument("--model-dir", help="start from this transformers model folder (default: SmolLM2 from the GGUF)")
@@ -153,9 +164,7 @@ async def train(args: argparse.Namespace) -> int:
     try:
         left = await cancel_leftovers(settings, services.nats_url, services.pg_dsn)
         if left:
-            say(
-                f"cancelled {left} rollout(s) an earlier run left queued (interrupted?); this run's runners skip them"
-            )
+            say(f"cancelled {left} rollout(s) an earlier run left queued (interrupted?); this run's runners skip them")
         grpo = GRPO(
             GRPOConfig(
                 steps=args.steps,
