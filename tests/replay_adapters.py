@@ -4,6 +4,9 @@ processes import them by name (``eventlight.logreplay.parallel``)."""
 from __future__ import annotations
 
 import os
+import sys
+import threading
+import time
 from typing import Any
 
 from eventlight.core.types import Span
@@ -26,3 +29,27 @@ def dies(spans: list[Span]) -> list[dict[str, Any]]:
     if any("[bad]" in str((s.attributes or {}).get("gen_ai.prompt.0.content", "")) for s in spans):
         os._exit(3)
     return [{"n": len(spans)}]
+
+
+def unpicklable(spans: list[Span]) -> list[dict[str, Any]]:
+    """Items holding a lock (which does not pickle) on "[bad]" attempts."""
+    bad = any("[bad]" in str((s.attributes or {}).get("gen_ai.prompt.0.content", "")) for s in spans)
+    return [{"n": len(spans), "lock": threading.Lock() if bad else None}]
+
+
+def slow(spans: list[Span]) -> list[dict[str, Any]]:
+    """0.2 s per attempt (an LLM judge, say)."""
+    time.sleep(0.2)
+    return [{"n": len(spans)}]
+
+
+def exits(spans: list[Span]) -> list[dict[str, Any]]:
+    """``sys.exit(4)`` on "[bad]" attempts."""
+    if any("[bad]" in str((s.attributes or {}).get("gen_ai.prompt.0.content", "")) for s in spans):
+        sys.exit(4)
+    return [{"n": len(spans)}]
+
+
+def big(spans: list[Span]) -> list[dict[str, Any]]:
+    """A 1 MB record per attempt."""
+    return [{"blob": "x" * 2**20}]

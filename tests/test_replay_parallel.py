@@ -8,6 +8,8 @@ attempt of one rollout, train and val rollouts, and an adapter that raises on so
 
 from __future__ import annotations
 
+import sys
+import time
 from typing import Any
 
 import pytest
@@ -120,12 +122,78 @@ async def test_an_adapter_object_runs_in_this_process() -> None:
     assert adapter.stats.triplets == len(records) > 0
 
 
-@pytest.mark.parametrize("workers", [0, -1, 1.5, True, "2"])
-def test_workers_must_be_a_whole_number_of_at_least_one(workers: Any) -> None:
-    with pytest.raises(InvalidInputError, match="workers must be a whole number >= 1"):
+async def test_records_that_do_not_pickle_are_made_in_this_process_as_with_one() -> None:
+    """A lock in an item: with workers the whole replay failed ("cannot pickle '_thread.lock'")."""
+    async with InMemoryLightningStore() as store:
+        kinds = await workload(store)
+        one = await collect(eventlight.replay(store, adapter="tests.replay_adapters:unpicklable", workers=1))
+        run = eventlight.replay(store, adapter="tests.replay_adapters:unpicklable", workers=2)
+        two = await collect(run)
+    locked = [r["rollout_id"] for r in two if r["lock"] is not None]
+    assert sorted(locked) == sorted(kinds["bad"]) and not run.errors
+    assert [{**r, "lock": r["lock"] is None} for r in two] == [{**r, "lock": r["lock"] is None} for r in one]
+
+
+async def test_an_adapter_calling_sys_exit_is_a_failed_attempt_not_the_end() -> None:
+    async with InMemoryLightningStore() as store:
+        kinds = await workload(store)
+        run = await same_both_ways(store, adapter="tests.replay_adapters:exits")
+    assert {e.rollout_id for e in run.errors} == set(kinds["bad"]) and run.errors[0].error == "SystemExit: 4"
+
+
+async def test_stopping_a_replay_early_stops_its_workers_at_once() -> None:
+    """With a slow adapter, closing the replay waited for every queued chunk (8-14 s; a second
+    Ctrl-C hung in multiprocessing's exit handler)."""
+    async with InMemoryLightningStore() as store:
+        await workload(store)
+        run = eventlight.replay(store, adapter="tests.replay_adapters:slow", workers=2)
+        first = await run.__anext__()
+        started = time.monotonic()
+        await run.aclose()
+        took = time.monotonic() - started
+    assert first["n"] > 0
+    # queued when closed: up to IN_FLIGHT chunks per worker of CHUNK attempts at 0.2 s each (>= 12 s)
+    assert took < 0.2 * CHUNK, f"closing took {took:.1f} s: it waited for the queued chunks"
+
+
+def test_answers_made_ahead_are_held_up_to_a_byte_budget() -> None:
+    """Held by attempt count alone, 2 MB records grew the parent to 1 GB for an 850 MB output."""
+    from concurrent.futures import Future
+
+    held = sys.modules["eventlight.logreplay.replay"]._Held(budget=100 * 2**20)
+    workers = 2
+    while held.room(workers):  # nothing back yet: a few chunks per worker, whatever their size
+        held.sent += CHUNK
+    assert held.sent == held.FIRST_AHEAD * workers * CHUNK
+    answer: Future[bytes] = Future()
+    answer.set_result(b"x" * (CHUNK * 2**20))  # 1 MB per attempt
+    held.add(answer, CHUNK)
+    out = held.sent - held.answered
+    assert held.room(workers) == ((CHUNK + out) * 2**20 < 100 * 2**20)
+    while held.room(workers):
+        held.sent += CHUNK
+    assert (
+        held.bytes + (held.sent - held.answered) * 2**20
+        >= 100 * 2**20
+        > held.bytes + (held.sent - CHUNK - held.answered) * 2**20
+    )
+
+
+async def test_big_records_give_the_same_output() -> None:
+    async with InMemoryLightningStore() as store:
+        await workload(store)
+        run = await same_both_ways(store, adapter="tests.replay_adapters:big")
+    assert run.stats.records == ROLLOUTS + 1
+
+
+@pytest.mark.parametrize("workers", [0, -1, 1.5, True, "2", 10**20])
+def test_workers_must_be_a_whole_number_from_one_to_the_maximum(workers: Any) -> None:
+    with pytest.raises(InvalidInputError, match="workers must be a whole number from 1 to 256"):
         eventlight.replay(Settings(namespace="x"), workers=workers)
 
 
-def test_cli_workers_zero_is_a_usage_error(namespace: Settings, tmp_path: Any) -> None:
-    out = cli("replay", "--out", str(tmp_path / "x.jsonl"), "--workers", "0", env=env_of(namespace))
-    assert out.returncode == 2 and "--workers" in out.stderr and not (tmp_path / "x.jsonl").exists()
+@pytest.mark.parametrize("workers", ["0", "99999999999999999999"])
+def test_cli_workers_out_of_range_is_a_usage_error(namespace: Settings, tmp_path: Any, workers: str) -> None:
+    out = cli("replay", "--out", str(tmp_path / "x.jsonl"), "--workers", workers, env=env_of(namespace))
+    assert out.returncode == 2 and "--workers" in out.stderr and not (tmp_path / "x.jsonl").exists(), out.stderr
+    assert "Traceback" not in out.stderr and "internal error" not in out.stderr

@@ -17,6 +17,7 @@ from eventlight.cli.common import CliError, NamespaceOpt, _run, _settings, conso
 from eventlight.cli.discovery import _need_nats, _no_namespace
 from eventlight.cli.status import _stream_state
 from eventlight.core.types import ROLLOUT_MODES
+from eventlight.logreplay.parallel import MAX_WORKERS
 from eventlight.settings import Settings
 
 
@@ -130,7 +131,12 @@ def replay_command(
     workers: Annotated[
         int | None,
         typer.Option(
-            "--workers", "-j", min=1, help="Processes running the adapter (default: the CPUs, at most 8; 1: this one)."
+            "--workers",
+            "-j",
+            min=1,
+            max=MAX_WORKERS,
+            help="Processes running the adapter (default: the CPUs, at most 8). Use 1 for an adapter that keeps "
+            "state from one attempt to the next: each worker has its own.",
         ),
     ] = None,
     namespace: NamespaceOpt = None,

@@ -7,8 +7,9 @@ attempt in turn uses one core. ``AdaptPool`` runs ``records.adapt_batches`` in `
 ``Replay`` hands it work in two ways:
 
 * **ahead**: while the log is read, each attempt that reaches a terminal status is sent with the
-  span batches read so far (its spans are most likely all in). At most ``AHEAD`` attempts are
-  adapted ahead and held, so memory stays bounded whatever the log's size.
+  span batches read so far (its spans are most likely all in). At most ``AHEAD`` attempts, and
+  answers of at most ``AHEAD_BYTES`` in all, are adapted ahead and held, so memory stays bounded
+  whatever the log's size or the records' (then the rest waits for the end of the read).
 * **after**: once the log is read, every selected attempt is taken in order; one adapted ahead is
   used only if no span batch of it arrived since it was sent (batches only ever append, so an equal
   count means equal input), otherwise it is sent again. Up to ``IN_FLIGHT`` chunks run at once.
@@ -18,8 +19,14 @@ sees the same batches, and the provenance (status, resources version, ...) is ta
 as read to its end, in this process (``records.records_from``).
 
 Only adapters and reward functions named by a string (a built-in name or ``MODULE:CALLABLE``) go
-to workers: each worker builds its own from the name. An adapter object is used in this process
-(it may keep state its caller reads, like ``CountingAdapter.stats``).
+to workers: each worker builds its own from the name, so one that keeps state from attempt to
+attempt (a counter, a cache that changes its output) gives other records with workers: replay it
+with ``workers=1``. An adapter object is used in this process (it may keep state its caller reads,
+like ``CountingAdapter.stats``). An attempt whose records do not pickle (a lock, a lambda in an
+item) is adapted again in this process, so it gives what it gives there.
+
+Workers ignore SIGINT: a Ctrl-C reaches the whole process group, and the parent, which stops
+them (``AdaptPool.close(abort=True)``), is the one to act on it.
 """
 
 from __future__ import annotations
@@ -29,8 +36,11 @@ import gc
 import multiprocessing as mp
 import os
 import pickle
-from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+import signal
+from concurrent.futures import Future, InvalidStateError, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
+
+import msgspec
 
 from eventlight.logreplay.records import Adapted, AdapterFn, RewardFn, adapt_batches, resolve_adapter, resolve_reward
 
@@ -38,6 +48,9 @@ CHUNK = 16
 """Attempts per task sent to a worker (fewer round trips; a worker's answer stays small)."""
 AHEAD = 4096
 """Most attempts adapted ahead of the end of the read and held for it."""
+AHEAD_BYTES = 256 * 2**20
+"""Most bytes of answers (pickled records) held for the end of the read."""
+MAX_WORKERS = 256
 IN_FLIGHT = 4
 """Chunks per worker sent and not yet answered, once the log is read."""
 WORKER_GC_THRESHOLD = (20_000, 20, 20)
@@ -47,8 +60,17 @@ WORKER_NICE = 10
 read they run beside (this process and the NATS server), which measured slower overall."""
 
 Batches = list[tuple[int, bytes]]
-Result = Adapted | str
-"""What a worker gives for one attempt: its ``Adapted``, or the error as ``"TypeName: message"``."""
+
+
+class InThisProcess(msgspec.Struct, frozen=True):
+    """A worker's answer for an attempt whose records it could not send (they do not pickle)."""
+
+    why: str
+
+
+Result = Adapted | str | InThisProcess
+"""What a worker gives for one attempt: its ``Adapted``, the error as ``"TypeName: message"``, or
+``InThisProcess`` (adapt it in the parent)."""
 
 _adapter: AdapterFn | None = None
 _reward: RewardFn | None = None
@@ -65,11 +87,12 @@ def default_workers() -> int:
 
 def _init(adapter: str, reward: str | None) -> None:
     global _adapter, _reward
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent acts on a Ctrl-C (module docstring)
     with contextlib.suppress(OSError):  # where it may not: at the parent's priority
         os.nice(WORKER_NICE)
     # A worker only adapts: what it imported stays, and what an attempt makes is garbage once its
     # answer is sent (a span tree holds no cycles), so the cyclic collector is told to skip the
-    # former and to run less often (with the default thresholds it took ~20% of the adapting).
+    # former and to run less often (in a one-process replay it took ~20% of the time).
     gc.freeze()
     gc.set_threshold(*WORKER_GC_THRESHOLD)
     _adapter = resolve_adapter(adapter)
@@ -80,7 +103,7 @@ def adapt_one(batches: Batches, adapter: AdapterFn, reward: RewardFn | None) -> 
     """``adapt_batches``, its error (the adapter's or reward function's) as ``"TypeName: message"``."""
     try:
         return adapt_batches(batches, adapter, reward)
-    except Exception as e:  # the user's adapter or reward function: reported, not raised
+    except (Exception, SystemExit) as e:  # the user's adapter or reward function: reported, not raised
         return f"{type(e).__name__}: {e}"
 
 
@@ -89,7 +112,19 @@ def _adapt_chunk(chunk: list[Batches]) -> bytes:
     yields its records, so what waits meanwhile is one ``bytes`` per chunk, not objects its
     garbage collector walks again and again (that cost the parent more than the unpickling)."""
     assert _adapter is not None, "worker not initialised"
-    return pickle.dumps([adapt_one(batches, _adapter, _reward) for batches in chunk], protocol=pickle.HIGHEST_PROTOCOL)
+    results = [adapt_one(batches, _adapter, _reward) for batches in chunk]
+    try:
+        return pickle.dumps(results, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # some attempt's records do not pickle: those are adapted in the parent
+        return pickle.dumps([_picklable(r) for r in results], protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _picklable(result: Result) -> Result:
+    try:
+        pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:
+        return InThisProcess(f"{type(e).__name__}: {e}")
+    return result
 
 
 def _context() -> Any:
@@ -138,8 +173,14 @@ class AdaptPool:
         self._submitter.submit(send)
         return answer
 
-    def close(self) -> None:
-        self._submitter.shutdown(wait=True)
+    def close(self, abort: bool = False) -> None:
+        """Stop the workers: after their tasks, or (``abort``: the replay stopped early, a Ctrl-C)
+        at once, dropping what is queued."""
+        self._submitter.shutdown(wait=not abort, cancel_futures=abort)
+        if abort:
+            for process in list(getattr(self.executor, "_processes", {}).values()):  # no public way
+                with contextlib.suppress(Exception):
+                    process.terminate()
         self.executor.shutdown(wait=True, cancel_futures=True)
 
 
@@ -148,9 +189,12 @@ def _warm() -> None:
 
 
 def _copy(done: Future[bytes], into: Future[bytes]) -> None:
-    if done.cancelled():
-        into.cancel()
-    elif (e := done.exception()) is not None:
-        into.set_exception(e)
-    else:
-        into.set_result(done.result())
+    if into.done():  # cancelled by its waiter (the replay stopped)
+        return
+    with contextlib.suppress(InvalidStateError):  # cancelled meanwhile
+        if done.cancelled():
+            into.cancel()
+        elif (e := done.exception()) is not None:
+            into.set_exception(e)
+        else:
+            into.set_result(done.result())

@@ -31,7 +31,17 @@ import msgspec
 
 from eventlight.core.errors import EventlightError, InvalidInputError
 from eventlight.core.types import ATTEMPT_STATUSES, ROLLOUT_MODES
-from eventlight.logreplay.parallel import AHEAD, CHUNK, IN_FLIGHT, AdaptPool, Result, adapt_one
+from eventlight.logreplay.parallel import (
+    AHEAD,
+    AHEAD_BYTES,
+    CHUNK,
+    IN_FLIGHT,
+    MAX_WORKERS,
+    AdaptPool,
+    InThisProcess,
+    Result,
+    adapt_one,
+)
 from eventlight.logreplay.records import AdapterFn, RewardFn, records_from, resolve_adapter, resolve_reward
 from eventlight.logreplay.select import Bound, Candidate, Filters, LogFold, Selected
 from eventlight.settings import Settings
@@ -135,13 +145,19 @@ class Replay(AsyncIterator[dict[str, Any]]):
 
     async def _run(self) -> AsyncIterator[dict[str, Any]]:
         pool = AdaptPool(*self._specs, workers=self.workers) if self.workers > 1 and self._specs else None  # type: ignore[arg-type]
+        finished = False
         try:
             async with _open_log(self.source) as log_:
                 fold, ahead = await self._read(log_, pool)
             unknown = sorted((self.filters.resources_ids or frozenset()) - fold.resources.keys())
             if unknown:  # most likely a typo: say so rather than write an empty file without a word
                 log.warning("replay: no resources snapshot in the log is named %s (--resources-id)", ", ".join(unknown))
-            async for selected, result in self._adapted(fold.selected(), pool, ahead):
+            async for selected, answer in self._adapted(fold.selected(), pool, ahead):
+                result = answer
+                if isinstance(answer, InThisProcess):  # its records do not pickle: made here, as with workers=1
+                    result = adapt_one(selected.batches, self.adapter, self.reward)
+                if isinstance(result, InThisProcess):
+                    raise AssertionError("adapt_one does not answer InThisProcess")
                 if isinstance(result, str):  # the user's adapter or reward function raised: report, go on
                     err = ReplayError(selected.rollout.rollout_id, selected.attempt.attempt_id, result)
                     if not self.errors:  # once; ``errors`` holds them all, and the CLI prints them
@@ -165,15 +181,17 @@ class Replay(AsyncIterator[dict[str, Any]]):
                     yield record
             if self.on_progress is not None:
                 self.on_progress(self.stats)
+            finished = True
         finally:
             if pool is not None:
-                pool.close()
+                pool.close(abort=not finished)  # stopped early, failed or interrupted: drop what is queued
 
     async def _read(self, log_: EventLog, pool: AdaptPool | None) -> tuple[LogFold, dict[tuple[str, str], _Ahead]]:
         """Fold the log to its head; with a pool, attempts that finish are sent to it as they do."""
         fold = LogFold(self.filters, track_finished=pool is not None)
         ahead: dict[tuple[str, str], _Ahead] = {}
         waiting: list[Candidate] = []
+        held = _Held(AHEAD_BYTES)
         self.stats.head_seq = await log_.head_seq()
         async for seq, subject, data in log_.scan(0, self.stats.head_seq):
             fold.add(seq, subject, data)
@@ -182,8 +200,9 @@ class Replay(AsyncIterator[dict[str, Any]]):
                     if len(ahead) + len(waiting) < AHEAD and self._worth_ahead(fold, cand):
                         waiting.append(cand)
                 fold.finished.clear()
-                if len(waiting) >= CHUNK:
-                    _send_ahead(pool, waiting, ahead)
+                while len(waiting) >= CHUNK and held.room(pool.workers):
+                    _send_ahead(pool, waiting[:CHUNK], ahead, held)
+                    del waiting[:CHUNK]
             if self.on_progress is not None and fold.events % PROGRESS_EVERY == 0:
                 self.stats.events, self.stats.spans = fold.events, fold.spans
                 self.on_progress(self.stats)
@@ -209,6 +228,7 @@ class Replay(AsyncIterator[dict[str, Any]]):
         if pool is None or (not ahead and len(selected) <= SERIAL_UP_TO):  # no processes for a few
             for sel in selected:
                 yield sel, adapt_one(sel.batches, self.adapter, self.reward)
+                await asyncio.sleep(0)  # a Ctrl-C (asyncio.run cancels the task) is taken here
             return
         sent_ahead = {a.future for a in ahead.values()}
         groups: deque[list[tuple[Selected, _Ahead]]] = deque()
@@ -232,8 +252,9 @@ class Replay(AsyncIterator[dict[str, Any]]):
                         answer = await asyncio.wrap_future(future)
                     except BrokenProcessPool as e:
                         raise ReplayWorkerError(
-                            "a replay worker process died (killed, or out of memory?); "
-                            "replay in this process with workers=1 (eventlight replay --workers 1)"
+                            "a replay worker process died (killed, out of memory, or started from a script "
+                            'without an `if __name__ == "__main__":` guard?); replay in this process with '
+                            "workers=1 (eventlight replay --workers 1)"
                         ) from e
                     results[future] = pickle.loads(answer)  # noqa: S301 - our own workers' answer
                 got = results[future][place]
@@ -253,11 +274,39 @@ class _Ahead(NamedTuple):
     place: int
 
 
-def _send_ahead(pool: AdaptPool, waiting: list[Candidate], ahead: dict[tuple[str, str], _Ahead]) -> None:
-    future = pool.submit([list(c.batches) for c in waiting])  # copies: the read goes on appending
-    for i, c in enumerate(waiting):
+class _Held:
+    """What was sent ahead and what came back, to hold at most ``AHEAD_BYTES`` of answers.
+
+    An answer's size is known only once it is back (the pool's threads add to it), so what is still
+    out is reckoned at the mean size so far; before any is back, at most ``FIRST_AHEAD`` chunks per
+    worker are out.
+    """
+
+    FIRST_AHEAD = 2
+
+    def __init__(self, budget: int | None = None) -> None:
+        self.budget = AHEAD_BYTES if budget is None else budget
+        self.sent = self.answered = self.bytes = 0
+
+    def room(self, workers: int) -> bool:
+        out = self.sent - self.answered
+        if not self.answered:
+            return out < self.FIRST_AHEAD * workers * CHUNK
+        return self.bytes + out * self.bytes / self.answered < self.budget
+
+    def add(self, future: Future[bytes], attempts: int) -> None:
+        """An answer for ``attempts`` attempts is back."""
+        self.answered += attempts
+        if not future.cancelled() and future.exception() is None:
+            self.bytes += len(future.result())
+
+
+def _send_ahead(pool: AdaptPool, chunk: list[Candidate], ahead: dict[tuple[str, str], _Ahead], held: _Held) -> None:
+    future = pool.submit([list(c.batches) for c in chunk])  # copies: the read goes on appending
+    held.sent += len(chunk)
+    future.add_done_callback(lambda done: held.add(done, len(chunk)))
+    for i, c in enumerate(chunk):
         ahead[(c.rollout_id, c.attempt_id)] = _Ahead(len(c.batches), future, i)
-    waiting.clear()
 
 
 def _group(
@@ -354,7 +403,7 @@ def replay(
     Raises:
         InvalidInputError: An unknown adapter or reward spec, attempt status or rollout mode, a
             range whose start is after its end, a ``min_reward`` that is not a finite number, or
-            ``workers`` not a whole number >= 1.
+            ``workers`` not a whole number from 1 to ``MAX_WORKERS``.
         ServiceUnavailableError: NATS cannot be reached (when iterating).
     """
     lo, hi = as_bound(since), as_bound(until)
@@ -370,8 +419,8 @@ def replay(
         isinstance(min_reward, bool) or not isinstance(min_reward, (int, float)) or not math.isfinite(min_reward)
     ):
         raise InvalidInputError(f"min_reward must be a finite number, got {min_reward!r}")
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise InvalidInputError(f"workers must be a whole number >= 1, got {workers!r}")
+    if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
+        raise InvalidInputError(f"workers must be a whole number from 1 to {MAX_WORKERS}, got {workers!r}")
     return Replay(source, adapter, filters, min_reward, reward, on_progress, workers)
 
 
