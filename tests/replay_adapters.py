@@ -53,3 +53,10 @@ def exits(spans: list[Span]) -> list[dict[str, Any]]:
 def big(spans: list[Span]) -> list[dict[str, Any]]:
     """A 1 MB record per attempt."""
     return [{"blob": "x" * 2**20}]
+
+
+def int_keys(spans: list[Span]) -> list[dict[str, Any]]:
+    """Two items per attempt; on "[bad]" attempts the second holds a dict with int keys, which no
+    record file can hold."""
+    bad = any("[bad]" in str((s.attributes or {}).get("gen_ai.prompt.0.content", "")) for s in spans)
+    return [{"n": len(spans)}, {"n": 0, "extra": {2: "b"} if bad else {"2": "b"}}]

@@ -276,6 +276,31 @@ async def test_a_replay_that_fails_midway_leaves_no_partial_file(namespace: Sett
     assert not out.exists()
 
 
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
+async def test_records_that_cannot_be_written_skip_their_attempt_not_the_replay(
+    namespace: Settings, tmp_path: Path, suffix: str
+) -> None:
+    """A dict with int keys in an item failed the whole replay as an internal error."""
+    from tests.test_replay_parallel import workload as many
+
+    async with JetStreamLightningStore(namespace) as store:
+        kinds = await many(store)
+    out = tmp_path / f"some.{suffix}"
+    result = cli("replay", "--adapter", "tests.replay_adapters:int_keys", "--out", str(out), env=env_of(namespace))
+    assert result.returncode == 0, result.stderr
+    skipped = [line for line in result.stderr.splitlines() if line.startswith("skipped:")]
+    assert len(skipped) == len(kinds["bad"]) and all("its records cannot be written" in line for line in skipped)
+    if suffix == "jsonl":
+        rows = [json.loads(line) for line in out.read_text().splitlines()]
+    else:
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(out).to_pylist()
+    written = {r["rollout_id"] for r in rows}
+    assert written and not written & set(kinds["bad"]), "a skipped attempt's first record was written"
+    assert len(rows) == 2 * len(written) and f"{len(rows)} record(s)" in result.stdout
+
+
 def test_cli_replay_checks_the_file_name_before_looking_for_servers(tmp_path: Path) -> None:
     none = {"EVENTLIGHT_NATS_URL": "", "EVENTLIGHT_PG_DSN": "", "EVENTLIGHT_STATE_DIR": str(tmp_path / "empty-state")}
     assert_one_line_error(cli("replay", "--out", str(tmp_path / "x.csv"), env=none), 2, "expected a .jsonl or .parquet")

@@ -84,8 +84,17 @@ async def _replay_to_file(settings: Settings, out: Path, opts: dict[str, Any]) -
         task = bar.add_task("replay", events=0, records=0)
         run.on_progress = lambda s: bar.update(task, events=s.events, records=s.records)
         try:
+            attempt: list[dict[str, Any]] = []  # one attempt's records, written all or none
             async for record in run:
-                writer.write(record)
+                if attempt and (record["rollout_id"], record["attempt_id"]) != (
+                    attempt[0]["rollout_id"],
+                    attempt[0]["attempt_id"],
+                ):
+                    _write_attempt(writer, attempt, run)
+                    attempt = []
+                attempt.append(record)
+            if attempt:
+                _write_attempt(writer, attempt, run)
         except BaseException:
             writer.close()
             out.unlink(missing_ok=True)  # noqa: ASYNC240 - a partial dataset would pass for a whole one
@@ -93,6 +102,21 @@ async def _replay_to_file(settings: Settings, out: Path, opts: dict[str, Any]) -
         writer.close()
         bar.update(task, events=run.stats.events, records=run.stats.records)
     return run
+
+
+def _write_attempt(writer: Any, records: list[dict[str, Any]], run: Any) -> None:
+    """Write an attempt's records; ones that cannot be written skip the attempt, reported as the
+    adapter's errors are (``run.errors``), and leave the counts as what was written."""
+    from eventlight.logreplay.replay import ReplayError
+    from eventlight.logreplay.writer import UnwritableError
+
+    try:
+        writer.write_attempt(records)
+    except UnwritableError as e:
+        first = records[0]
+        run.errors.append(ReplayError(first["rollout_id"], first["attempt_id"], f"its records cannot be written: {e}"))
+        run.stats.records -= len(records)
+        run.stats.attempts -= 1
 
 
 def replay_command(

@@ -31,8 +31,28 @@ def to_json(value: Any) -> bytes:
     return _encoder.encode(value)
 
 
+class UnwritableError(InvalidInputError):
+    """An attempt's records cannot be written (a value the JSON encoder refuses, such as a dict with
+    int keys); nothing of that attempt was written."""
+
+
+def _encoded(record: dict[str, Any], fields: Any = None) -> bytes:
+    """``to_json`` of the record (of its ``fields`` only, when given), its error as ``UnwritableError``."""
+    try:
+        return to_json(record if fields is None else {k: v for k, v in record.items() if k in fields})
+    except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as e:
+        raise UnwritableError(f"{type(e).__name__}: {e}") from e
+
+
 class RecordWriter(Protocol):
     def write(self, record: dict[str, Any]) -> None: ...
+
+    def write_attempt(self, records: list[dict[str, Any]]) -> None:
+        """Write one attempt's records, all or none.
+
+        Raises:
+            UnwritableError: One of them cannot be encoded; none was written.
+        """
 
     def close(self) -> None: ...
 
@@ -46,6 +66,11 @@ class JsonlWriter:
 
     def write(self, record: dict[str, Any]) -> None:
         self._f.write(to_json(record) + b"\n")
+
+    def write_attempt(self, records: list[dict[str, Any]]) -> None:
+        """``RecordWriter.write_attempt``."""
+        lines = [_encoded(r) + b"\n" for r in records]  # all encoded before any is written
+        self._f.write(b"".join(lines))
 
     def close(self) -> None:
         self._f.close()
@@ -105,6 +130,13 @@ class ParquetWriter:
         self._rows.append(record)
         if len(self._rows) >= ROW_GROUP:
             self._flush()
+
+    def write_attempt(self, records: list[dict[str, Any]]) -> None:
+        """``RecordWriter.write_attempt``: the fields stored as JSON text are encoded first."""
+        for r in records:
+            _encoded(r, r.keys() - _TYPES.keys())
+        for r in records:
+            self.write(r)
 
     def _flush(self) -> None:
         if self._schema is None:
