@@ -6,7 +6,7 @@ parents, duplicate ids, children outside their parents (including a move under a
 from __future__ import annotations
 
 import random
-import time
+import sys
 from typing import Any
 
 import pytest
@@ -166,16 +166,35 @@ def test_floating_calls_move_under_their_agent_and_the_root_keeps_the_rest() -> 
     assert [c.id for c in tree.children[0].children] == [f"c{i}" for i in range(5)]
 
 
+def _calls_to_repair(tree: TraceTree) -> int:
+    """Python and C function calls ``repair_hierarchy`` makes (a count of work, unlike a time, the
+    same on a loaded machine: the timed version of this test failed at the end of a full run)."""
+    calls = 0
+
+    def count(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        calls += event in ("call", "c_call")
+
+    sys.setprofile(count)
+    try:
+        tree.repair_hierarchy()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
 @pytest.mark.parametrize("n", [2000])
-def test_a_flat_trace_of_thousands_of_spans_repairs_in_n_log_n(n: int) -> None:
-    """2,000 flat spans: the old loop looks at 4 million (child, node) pairs; this must stay far
-    below the time that takes (the old loop: about 2 s for 2,000 here)."""
-    spans = [_span(f"s{i}", None, "openai.chat.completion", 1000.0 + i, 1000.5 + i, i) for i in range(n)]
-    tree = TraceTree.from_spans(spans)
-    t0 = time.process_time()
-    tree.repair_hierarchy()
-    assert time.process_time() - t0 < 0.5
+def test_a_trace_of_thousands_of_spans_repairs_in_n_log_n(n: int) -> None:
+    """2,000 spans: the old loop looks at 4 million (child, node) pairs. Flat (nothing to move) and
+    under one agent span (every call moves), the work stays linear-ish: about 16 and 76 calls a span."""
+    flat = [_span(f"s{i}", None, "openai.chat.completion", 1000.0 + i, 1000.5 + i, i) for i in range(n)]
+    tree = TraceTree.from_spans(flat)
+    assert _calls_to_repair(tree) < 40 * n
     assert len(tree.children) == n
+    agent = _span("agent", None, "agent", 999.0, 1001.0 + n, n)
+    tree = TraceTree.from_spans([agent, *flat])
+    assert _calls_to_repair(tree) < 200 * n
+    assert [c.id for c in tree.children] == ["agent"] and len(tree.children[0].children) == n
 
 
 def test_float_rounding_picks_the_same_parent_as_the_slack_formula() -> None:
