@@ -7,7 +7,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
 
-from eventlight.adapter.attrs import Heads, _nested
+from eventlight.adapter.attrs import Heads
 from eventlight.adapter.base import TraceAdapter
 from eventlight.adapter.dedup import keep_one_copy
 from eventlight.adapter.stats import AdapterStats, CountingAdapter, is_error
@@ -32,21 +32,16 @@ class OpenAIMessages(TypedDict):
     tools: list[dict[str, Any]] | None
 
 
-def _group(attrs: Mapping[str, Any], prefix: str) -> Any:
-    """Unflatten the attributes below ``prefix.``; ``None`` when there are none.
+_GENAI_HEADS = Heads("gen_ai.prompt", "gen_ai.completion", "gen_ai.request", "gen_ai.response")
+_TOOL_HEADS = Heads("tool")
+
+
+def _grouped(below: dict[str, Any] | None) -> Any:
+    """Unflatten the attributes ``Heads.below`` sorted out under one head; ``None`` when there are none.
 
     Index levels become lists even when indices have gaps (sorted), as Agent-lightning's
     ``group_genai_dict`` does for ``gen_ai.prompt.{i}``.
     """
-    value = _nested(attrs, prefix)
-    return _gaps_to_list(value) if value is not None else None
-
-
-_GENAI_HEADS = Heads("gen_ai.prompt", "gen_ai.completion", "gen_ai.request", "gen_ai.response")
-
-
-def _grouped(below: dict[str, Any] | None) -> Any:
-    """``_group`` of the attributes ``Heads.below`` sorted out under one head."""
     return _gaps_to_list(unflatten_attributes(below)) if below else None
 
 
@@ -96,7 +91,7 @@ def _tool_calls(span: Span, children: Mapping[str | None, list[Span]]) -> list[d
     """Tool calls recorded as direct children of ``span`` with ``tool.*`` attributes."""
     calls: list[dict[str, Any]] = []
     for child in children.get(span.span_id, ()):
-        tool = _group(child.attributes or {}, "tool")
+        tool = _grouped(_TOOL_HEADS.below(child.attributes or {}).get("tool"))
         if not tool:
             continue
         if not isinstance(tool, dict):
