@@ -1,0 +1,84 @@
+"""Single-message reads of the JetStream log: direct gets where the stream has one replica.
+
+``JetStreamEventLog`` reads a rollout's events, a span head, a resources snapshot and the latest
+resources with JetStream's direct get (the stored message as it is) unless the durability is
+``replicated``, where a follower could answer a direct get from behind the leader and every read
+goes to the leader's ``STREAM.MSG.GET``. Checked here: on one stream, the two paths give the same
+loads, heads, snapshots (and the same "not found"), and ``replicated`` picks the leader's path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from eventlight.core.types import PromptTemplate, Span
+from eventlight.settings import Settings
+from eventlight.store.jetstream import JetStreamLightningStore
+from eventlight.store.jetstream.log import JetStreamEventLog
+
+
+class _Client:
+    """Enough of a NATS client to build a log that is never used."""
+
+    max_payload = 1 << 20
+
+    def jetstream(self, timeout: float) -> None:
+        return None
+
+
+def test_replicated_durability_reads_from_the_leader(namespace: Settings) -> None:
+    for durability, direct in (("fsync", True), ("interval", True), ("replicated", False)):
+        settings = msgspec.structs.replace(namespace, durability=durability)
+        assert JetStreamEventLog(_Client(), settings, lambda: 0.0).direct_gets is direct  # type: ignore[arg-type]
+
+
+async def _reads(log: JetStreamEventLog, rids: list[str], aids: list[str], res_id: str) -> list[Any]:
+    out: list[Any] = []
+    for rid, aid in zip(rids, aids, strict=True):
+        state, version = await log.load(rid)
+        out.append((state, version, await log.span_head(rid, aid), await log.span_counter(rid, aid)))
+    out.append(await log.resources(res_id))
+    out.append(await log.resources("rs-nosuch"))
+    out.append(await log.resources(None))
+    out.append(await log.last_event(f"{log.prefix}.r.ro-nosuch.>"))
+    out.append(await log.span_counter(rids[0], "at-nosuch"))
+    log.forget_latest_resources()
+    out.append(await log.latest_resources())
+    out.append([seq for seq, _ in [item async for item in log.read(0)]])
+    return out
+
+
+async def test_direct_and_leader_reads_agree(namespace: Settings) -> None:
+    async with JetStreamLightningStore(namespace) as store:
+        res = await store.add_resources({"prompt": PromptTemplate(template="{x}")})
+        await store.update_resources(res.resources_id, {"prompt": PromptTemplate(template="{y}")})
+        rids, aids = [], []
+        for i in range(3):
+            started = await store.start_rollout({"i": i})
+            rids.append(started.rollout_id)
+            aids.append(started.attempt.attempt_id)
+        span = Span(
+            rollout_id=rids[0],
+            attempt_id=aids[0],
+            sequence_id=1,
+            trace_id="0" * 32,
+            span_id="1" * 16,
+            parent_id=None,
+            name="s",
+            attributes={"k": "v"},
+        )
+        await store.add_spans_numbered(rids[0], aids[0], [span])
+        await store.update_attempt(rids[1], aids[1], status="succeeded")
+
+        log = store.log
+        assert log is not None
+        assert log.direct_gets
+        direct = await _reads(log, rids, aids, res.resources_id)
+        log.direct_gets = False
+        leader = await _reads(log, rids, aids, res.resources_id)
+    assert direct == leader
+    assert direct[3].version == 2  # the updated snapshot, through both paths
+    assert direct[4] is None and direct[6] is None  # an unknown id, an empty subject
+    assert direct[0][2].has_spans and not direct[1][2].has_spans
