@@ -386,6 +386,44 @@ async def test_query_resources_filters_sorts_and_pages(store: Any) -> None:
         await store.query_resources(offset=-1)
 
 
+async def test_span_and_attempt_reads_tell_an_unknown_rollout_from_an_empty_one(store: Any) -> None:
+    """``query_spans`` and ``query_attempts`` raise for an unknown rollout in every attempt mode and
+    give an empty page for a known one with nothing yet; ``latest`` is the latest attempt's spans
+    (on Postgres one query, the rollout row read only when no span matches)."""
+    for attempt_id in (None, "latest", "at-ghost"):
+        with pytest.raises(RolloutNotFoundError, match="ro-ghost"):
+            await store.query_spans("ro-ghost", attempt_id=attempt_id)
+    with pytest.raises(RolloutNotFoundError, match="ro-ghost"):
+        await store.query_attempts("ro-ghost")
+    r = await store.enqueue_rollout("q")
+    await settle(store)
+    for attempt_id in (None, "latest"):
+        page = await store.query_spans(r.rollout_id, attempt_id=attempt_id)
+        assert list(page) == [] and page.total == 0
+        assert list(await store.query_spans(r.rollout_id, attempt_id=attempt_id, offset=3, limit=2)) == []
+    assert list(await store.query_attempts(r.rollout_id)) == []
+    with pytest.raises(AttemptNotFoundError):
+        await store.query_spans(r.rollout_id, attempt_id="at-ghost")
+    first = await store.start_attempt(r.rollout_id)
+    await store.add_span(reward_span(r.rollout_id, first.attempt.attempt_id, 1, 1.0))
+    await store.add_span(reward_span(r.rollout_id, first.attempt.attempt_id, 2, 2.0))
+    await store.update_attempt(r.rollout_id, first.attempt.attempt_id, status="failed")
+    second = await store.start_attempt(r.rollout_id)
+    await settle(store)
+    assert list(await store.query_spans(r.rollout_id, attempt_id="latest")) == []
+    await store.add_span(reward_span(r.rollout_id, second.attempt.attempt_id, 3, 3.0))
+    await settle(store)
+    latest = await store.query_spans(r.rollout_id, attempt_id="latest")
+    assert [s.attempt_id for s in latest] == [second.attempt.attempt_id] and latest.total == 1
+    assert len(await store.query_spans(r.rollout_id, attempt_id=first.attempt.attempt_id)) == 2
+    assert (await store.query_spans(r.rollout_id)).total == 3
+    assert (await store.query_spans(r.rollout_id, attempt_id="latest", offset=1, limit=1)).total == 1
+    assert [a.attempt_id for a in await store.query_attempts(r.rollout_id)] == [
+        first.attempt.attempt_id,
+        second.attempt.attempt_id,
+    ]
+
+
 async def test_ids_that_cannot_exist_are_not_found(store: Any) -> None:
     """Wildcards and dots never reach a NATS subject: ``*`` must not match some real rollout."""
     r = await store.enqueue_rollout("real")

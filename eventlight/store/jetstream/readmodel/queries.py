@@ -109,8 +109,9 @@ class SqlQueries:
         w.exact("rollout_id", rollout_id, must=True)
         tail = pg.order_page(Attempt, w, sort_by, sort_order, limit, offset, "sequence_id")
         async with self._conn() as conn:
-            await self._require_rollout(conn, rollout_id)
             rows, total = await pg.fetch_page(conn, "attempts", pg.ATTEMPT_COLS, w, "and", tail, 1, limit, offset)
+            if not rows:  # rows name their rollout; none: an empty page, or an unknown rollout
+                await self._require_rollout(conn, rollout_id)
         return pg.paginated([pg.attempt_from_row(r) for r in rows], limit, offset, total)
 
     async def get_latest_attempt(self, rollout_id: str) -> Attempt | None:
@@ -138,14 +139,12 @@ class SqlQueries:
     ) -> PaginatedResult[Span]:
         check_paging(limit, offset, sort_order, filter_logic)
         async with self._conn() as conn:
-            row = await self._require_rollout(conn, rollout_id)
             w = pg.Where()
-            w.exact("rollout_id", rollout_id, must=True)
-            if attempt_id == "latest":
-                if row[0] is None:
-                    return PaginatedResult([], limit=limit, offset=offset, total=0)
-                w.exact("attempt_id", row[0], must=True)
+            w.exact("rollout_id", rollout_id, must=True)  # $1
+            if attempt_id == "latest":  # in the same query: no round trip for the rollout's row first
+                w.must.append("attempt_id = (SELECT latest_attempt_id FROM rollouts WHERE rollout_id = $1)")
             elif attempt_id is not None:
+                await self._require_rollout(conn, rollout_id)
                 exists = await conn.fetchval(
                     "SELECT 1 FROM attempts WHERE rollout_id = $1 AND attempt_id = $2", rollout_id, attempt_id
                 )
@@ -169,6 +168,8 @@ class SqlQueries:
             n = len(w.args)
             tail = pg.order_page(Span, w, sort_by, sort_order, limit, offset, "sequence_id, stream_seq")
             rows, total = await pg.fetch_page(conn, "spans", pg.SPAN_COLS, w, filter_logic, tail, n, limit, offset)
+            if not rows and attempt_id in (None, "latest"):
+                await self._require_rollout(conn, rollout_id)  # no rows: an empty page, or an unknown rollout
         return pg.paginated([pg.span_from_row(r) for r in rows], limit, offset, total)
 
     async def query_resources(
