@@ -180,6 +180,42 @@ async def test_failure_requeues_until_attempts_run_out(store: Any, runner_store:
     assert await runner_store.dequeue_rollout() is None
 
 
+async def test_a_claim_reads_the_rollouts_resources_with_it(store: Any, runner_store: Any) -> None:
+    """``dequeue_rollout(read_resources=True)`` + ``claimed_resources`` give what a runner would read
+    after the claim: the rollout's own resources (as they are at the claim, also when the rollout
+    was pointed at others while queued), else the latest; a requeued entry, and a second ask, read."""
+    a = await store.add_resources({"p": PromptTemplate(template="a {x}")})
+    named = await store.enqueue_rollout("named", resources_id=a.resources_id)
+    await store.update_resources(a.resources_id, {"p": PromptTemplate(template="a2 {x}")})
+    d = await runner_store.dequeue_rollout(worker_id="w", read_resources=True)
+    assert d.rollout_id == named.rollout_id
+    got = await runner_store.claimed_resources(d)
+    assert got.resources_id == a.resources_id and got.version == 2 and got.resources["p"].template == "a2 {x}"
+    assert await runner_store.claimed_resources(d) == got  # handed over once, then read again: the same
+    await runner_store.update_attempt(d.rollout_id, d.attempt.attempt_id, status="succeeded")
+
+    b = await store.add_resources({"p": PromptTemplate(template="b {x}")})
+    moved = await store.enqueue_rollout("moved", resources_id=a.resources_id)
+    await store.update_rollout(moved.rollout_id, resources_id=b.resources_id)
+    d = await runner_store.dequeue_rollout(worker_id="w", read_resources=True)
+    assert d.rollout_id == moved.rollout_id and d.resources_id == b.resources_id
+    assert (await runner_store.claimed_resources(d)).resources_id == b.resources_id
+    await runner_store.update_attempt(d.rollout_id, d.attempt.attempt_id, status="succeeded")
+
+    cfg = RolloutConfig(max_attempts=2, retry_condition=["failed"])
+    latest = await store.enqueue_rollout("latest", config=cfg)
+    assert latest.resources_id == b.resources_id  # the latest at enqueue
+    d = await runner_store.dequeue_rollout(worker_id="w", read_resources=True)
+    assert (await runner_store.claimed_resources(d)).resources_id == b.resources_id
+    await runner_store.update_attempt(d.rollout_id, d.attempt.attempt_id, status="failed")
+    await settle(store)
+    again = await runner_store.dequeue_rollout(worker_id="w", read_resources=True)  # the requeued entry
+    assert again.rollout_id == latest.rollout_id and again.attempt.sequence_id == 2
+    assert (await runner_store.claimed_resources(again)).resources_id == b.resources_id
+    await runner_store.update_attempt(again.rollout_id, again.attempt.attempt_id, status="succeeded")
+    assert await runner_store.dequeue_rollout(read_resources=True) is None
+
+
 async def test_only_the_latest_attempt_moves_the_rollout(store: Any) -> None:
     """Peer failure C01."""
     r = await store.enqueue_rollout({"q": 4})

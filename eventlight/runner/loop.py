@@ -12,6 +12,9 @@ Differences from 0.3.0, each deliberate:
       cancellation re-raised, not recorded ``succeeded``;
     * an empty queue is a long poll in the server (``dequeue_rollout(wait_s=poll_interval)``), not a
       sleep loop, and is never an error (peer failure C19);
+    * on eventlight's store the resources are read with the claim (``dequeue_rollout(
+      read_resources=True)``, then ``claimed_resources``): both requests leave together, one round
+      trip instead of two, and the agent gets the resources as they were at its claim;
     * heartbeats run as an asyncio task (``update_worker`` with a system snapshot every
       ``heartbeat_interval`` seconds); on the JetStream store they also keep the claimed queue
       message in progress;
@@ -40,7 +43,7 @@ from eventlight.emitter import emit_exception, emit_reward
 from eventlight.runner.hooks import Hook
 from eventlight.runner.identity import system_snapshot, worker_name
 from eventlight.runner.metrics import RunnerMetrics
-from eventlight.runner.policy import _long_polls, apply_rollout_config, with_proxy_key
+from eventlight.runner.policy import _long_polls, _reads_resources_with_claims, apply_rollout_config, with_proxy_key
 from eventlight.runner.retry import Backoff, _describe, _retryable
 from eventlight.settings import proxy_token_from_env
 from eventlight.store.base import LightningStore
@@ -198,6 +201,10 @@ class LitAgentRunner:
         return count
 
     async def _dequeue(self, store: LightningStore) -> AttemptedRollout | None:
+        if _reads_resources_with_claims(store):  # eventlight's store: the resources read with the claim
+            return await store.dequeue_rollout(  # type: ignore[call-arg]
+                worker_id=self.get_worker_id(), wait_s=self.poll_interval, read_resources=True
+            )
         if _long_polls(store):
             return await store.dequeue_rollout(worker_id=self.get_worker_id(), wait_s=self.poll_interval)  # type: ignore[call-arg]
         claimed = await store.dequeue_rollout(worker_id=self.get_worker_id())
@@ -240,11 +247,12 @@ class LitAgentRunner:
 
     async def _resources(self, rollout: AttemptedRollout) -> dict[str, Any]:
         store = self.get_store()
-        found = (
-            await store.get_resources_by_id(rollout.resources_id)
-            if rollout.resources_id
-            else await store.get_latest_resources()
-        )
+        if _reads_resources_with_claims(store):
+            found = await store.claimed_resources(rollout)  # type: ignore[attr-defined]
+        elif rollout.resources_id:
+            found = await store.get_resources_by_id(rollout.resources_id)
+        else:
+            found = await store.get_latest_resources()
         if found is None:
             raise RuntimeError(
                 f"resources {rollout.resources_id or '(latest)'} of rollout {rollout.rollout_id} not found"

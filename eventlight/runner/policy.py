@@ -39,19 +39,29 @@ async def apply_rollout_config(
 
 
 @functools.lru_cache(maxsize=16)
-def _long_polls_type(cls: type) -> bool:
-    return "wait_s" in inspect.signature(cls.dequeue_rollout).parameters  # type: ignore[attr-defined]
+def _dequeue_takes(cls: type, parameter: str) -> bool:
+    return parameter in inspect.signature(cls.dequeue_rollout).parameters  # type: ignore[attr-defined]
+
+
+def _dequeue_of(store: LightningStore) -> type:
+    """The class whose ``dequeue_rollout`` a call on ``store`` runs: a wrapper that forwards calls
+    (``LightningStoreThreaded``) answers for the store it wraps."""
+    inner = getattr(store, "store", None)
+    if isinstance(inner, LightningStore) and not hasattr(type(store), "dequeue_rollout"):
+        return _dequeue_of(inner)
+    return type(store)
 
 
 def _long_polls(store: LightningStore) -> bool:
-    """Whether the store's ``dequeue_rollout`` can wait for work in the server (``wait_s``).
+    """Whether the store's ``dequeue_rollout`` can wait for work in the server (``wait_s``)."""
+    return _dequeue_takes(_dequeue_of(store), "wait_s")
 
-    A wrapper that forwards calls (``LightningStoreThreaded``) answers for the store it wraps.
-    """
-    inner = getattr(store, "store", None)
-    if isinstance(inner, LightningStore) and not hasattr(type(store), "dequeue_rollout"):
-        return _long_polls(inner)
-    return _long_polls_type(type(store))
+
+def _reads_resources_with_claims(store: LightningStore) -> bool:
+    """Whether the store's ``dequeue_rollout`` reads the claimed rollout's resources alongside the
+    claim (``read_resources``; ``claimed_resources`` hands them over)."""
+    cls = _dequeue_of(store)
+    return _dequeue_takes(cls, "read_resources") and hasattr(cls, "claimed_resources")
 
 
 def with_proxy_key(resource: Any, token: str) -> Any:

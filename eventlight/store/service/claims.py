@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 from eventlight.core import commands as c
@@ -15,6 +16,7 @@ from eventlight.core.errors import (
 from eventlight.core.events import WorkerIdle
 from eventlight.core.types import (
     AttemptedRollout,
+    ResourcesUpdate,
     generate_id,
 )
 from eventlight.store.ports import Queued
@@ -28,12 +30,26 @@ log = logging.getLogger(__name__)
 IDLE_REFRESH_S = 1.0
 """An empty poll re-marks an idle worker (``last_dequeue_time``) at most this often, in seconds."""
 MAX_IDLE_MARKS = 4096  # workers whose last idle mark this store remembers
+MAX_CLAIM_READS = 1024  # resources read with claims and not handed over yet, kept at most
+
+
+def _retrieve(read: asyncio.Future[ResourcesUpdate | None]) -> None:
+    """Mark a read's exception as seen (a read never handed over is not an asyncio warning)."""
+    if not read.cancelled():
+        read.exception()
+
+
+def _cancel(read: asyncio.Future[ResourcesUpdate | None] | None) -> None:
+    if read is not None:
+        read.cancel()
 
 
 class Claims(StorePlumbing):
     """Claims from the work queue, and the worker idle/busy policy of empty polls."""
 
-    async def dequeue_rollout(self, worker_id: str | None = None, *, wait_s: float = 0.0) -> AttemptedRollout | None:
+    async def dequeue_rollout(
+        self, worker_id: str | None = None, *, wait_s: float = 0.0, read_resources: bool = False
+    ) -> AttemptedRollout | None:
         """Claim the oldest queued rollout.
 
         Args:
@@ -41,6 +57,11 @@ class Claims(StorePlumbing):
             wait_s: Seconds to wait for work when the queue is empty (eventlight extension; the
                 Agent-lightning API is non-blocking, ``0``). Runners pass their poll interval so
                 an idle runner sleeps in the server instead of spinning (peer failure C19).
+            read_resources: Also read the claimed rollout's resources (its ``resources_id``, else
+                the latest), alongside the claim instead of after it: on JetStream both requests
+                leave in one write, and the runner waits one round trip less (eventlight extension;
+                ``LitAgentRunner`` sets it). ``claimed_resources`` hands them over. The read is
+                made while the claim is appended: it shows the resources as of the claim.
 
         Raises:
             InvalidInputError: ``worker_id`` is not a token.
@@ -53,7 +74,7 @@ class Claims(StorePlumbing):
         while True:
             item = await log.next_queued(max(0.0, deadline - clock()) if wait_s > 0 else 0.0)
             if item is not None:
-                claimed = await self._claim(item, worker_id)
+                claimed = await self._claim(item, worker_id, read_resources)
                 if claimed is not None:
                     if worker_id is not None:
                         self._idle_marks.pop(worker_id, None)
@@ -62,25 +83,68 @@ class Claims(StorePlumbing):
                 await self._mark_idle(worker_id)
                 return None
 
-    async def _claim(self, item: Queued, worker_id: str | None) -> AttemptedRollout | None:
+    async def _claim(self, item: Queued, worker_id: str | None, read_resources: bool) -> AttemptedRollout | None:
         """Claim a queue entry: append ``AttemptStarted`` expecting the rollout's version; an entry
-        whose rollout left ``queuing``/``requeuing`` since is acknowledged and skipped."""
+        whose rollout left ``queuing``/``requeuing`` since is acknowledged and skipped. With
+        ``read_resources``, the resources the entry names are read concurrently (``claimed_resources``)."""
         cmd = c.StartAttempt(attempt_id=generate_id("at-", 8), worker_id=worker_id, claim=True)
         hint = (item.created, item.seq) if item.created is not None else None
+        named = item.created.rollout.resources_id if item.created is not None else None
+        read: asyncio.Future[ResourcesUpdate | None] | None = None
+        if read_resources and item.created is not None:  # a requeued entry names none: read after the claim
+            # Scheduled before the append, so on JetStream its request leaves with the claim's publish.
+            read = asyncio.ensure_future(self._resources_for(named))
+            read.add_done_callback(_retrieve)
         try:
             outcome = await self._loop.execute(item.rollout_id, cmd, hint=hint, max_tries=3)
         except InvalidTransitionError:
+            _cancel(read)
             await item.ack()  # cancelled, revived or already claimed since it was queued
             return None
         except (NotFoundError, InvalidInputError) as e:  # a queue entry no rollout stands behind
+            _cancel(read)
             log.warning("dropping queue entry %d on rollout %r: %s", item.seq, item.rollout_id, e)
             await item.ack()  # else it would come back every ack wait, for ever
             return None
         except ConcurrencyError:
+            _cancel(read)
             await item.nak(0.1)
             return None
+        except BaseException:
+            _cancel(read)
+            raise
         self._held[(item.rollout_id, cmd.attempt_id)] = item
-        return outcome.state.attempted_rollout()
+        claimed = outcome.state.attempted_rollout()
+        if read is not None:
+            if claimed.resources_id == named:
+                self._claim_reads[(claimed.rollout_id, claimed.attempt.attempt_id)] = read
+                if len(self._claim_reads) > MAX_CLAIM_READS:  # claimed by a caller that never asked
+                    _cancel(self._claim_reads.pop(next(iter(self._claim_reads))))
+            else:  # pointed at other resources since it was queued: ``claimed_resources`` reads those
+                read.cancel()
+        return claimed
+
+    async def _resources_for(self, resources_id: str | None) -> ResourcesUpdate | None:
+        """A rollout's resources as a runner resolves them: by id, else the latest snapshot."""
+        return await (self.get_resources_by_id(resources_id) if resources_id else self.get_latest_resources())
+
+    async def claimed_resources(self, rollout: AttemptedRollout) -> ResourcesUpdate | None:
+        """The resources of a rollout this store claimed: those read with its claim
+        (``dequeue_rollout(read_resources=True)``), else read now. ``None``: there are none.
+
+        By ``rollout.resources_id``, else the latest snapshot, as ``LitAgentRunner`` resolves them
+        (eventlight extension). What was read with a claim is handed over once; if that read
+        failed, the resources are read again.
+
+        Raises:
+            ServiceUnavailableError: A server did not answer.
+        """
+        self._check_open()
+        read = self._claim_reads.pop((rollout.rollout_id, rollout.attempt.attempt_id), None)
+        if read is not None and not read.cancelled():
+            with contextlib.suppress(Exception):
+                return await read
+        return await self._resources_for(rollout.resources_id)
 
     async def _mark_idle(self, worker_id: str | None) -> None:
         if worker_id is None:

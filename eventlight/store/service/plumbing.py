@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import Callable
@@ -12,6 +13,7 @@ from eventlight.core.errors import (
     InvalidInputError,
     ResourcesNotFoundError,
 )
+from eventlight.core.types import ResourcesUpdate
 from eventlight.store.base import LightningStore
 from eventlight.store.command_loop import MAX_APPEND_TRIES, CommandLoop
 from eventlight.store.ports import EventLog, Queued, ReadModel, StaleStateError
@@ -34,6 +36,9 @@ class StorePlumbing(LightningStore):
         self._created_monotonic = time.monotonic()  # for statistics()["uptime"]
         self._last_write = 0
         self._held: dict[tuple[str, str], Queued] = {}
+        self._claim_reads: dict[tuple[str, str], asyncio.Future[ResourcesUpdate | None]] = {}
+        """Resources read alongside a claim (``dequeue_rollout(read_resources=True)``), until
+        ``claimed_resources`` takes them or the attempt is released."""
         self._idle_marks: dict[str, float] = {}  # worker id -> clock of this store's last WorkerIdle
         self._known_resources: set[str] = set()  # ids seen to exist (a snapshot id, once put, stays)
         self._closed = False
@@ -143,6 +148,9 @@ class StorePlumbing(LightningStore):
         )
 
     async def _release(self, rollout_id: str, attempt_id: str) -> None:
+        read = self._claim_reads.pop((rollout_id, attempt_id), None)
+        if read is not None:
+            read.cancel()
         item = self._held.pop((rollout_id, attempt_id), None)
         if item is not None:
             with contextlib.suppress(Exception):

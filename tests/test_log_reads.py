@@ -1,10 +1,14 @@
-"""Single-message reads of the JetStream log: direct gets where the stream has one replica.
+"""Reads of the JetStream log: direct gets where the stream has one replica; resources read with a claim.
 
 ``JetStreamEventLog`` reads a rollout's events, a span head, a resources snapshot and the latest
 resources with JetStream's direct get (the stored message as it is) unless the durability is
 ``replicated``, where a follower could answer a direct get from behind the leader and every read
 goes to the leader's ``STREAM.MSG.GET``. Checked here: on one stream, the two paths give the same
 loads, heads, snapshots (and the same "not found"), and ``replicated`` picks the leader's path.
+
+``dequeue_rollout(read_resources=True)`` sends the resources read with the claim's append, so
+``claimed_resources`` then sends nothing (what it returns is checked on both backends in
+``test_store_contract``).
 """
 
 from __future__ import annotations
@@ -82,3 +86,23 @@ async def test_direct_and_leader_reads_agree(namespace: Settings) -> None:
     assert direct[3].version == 2  # the updated snapshot, through both paths
     assert direct[4] is None and direct[6] is None  # an unknown id, an empty subject
     assert direct[0][2].has_spans and not direct[1][2].has_spans
+
+
+async def test_the_resources_read_leaves_with_the_claim(namespace: Settings) -> None:
+    async with JetStreamLightningStore(namespace) as store:
+        res = await store.add_resources({"prompt": PromptTemplate(template="{x}")})
+        for i in range(2):
+            await store.enqueue_rollout({"i": i}, resources_id=res.resources_id)
+        assert store.nc is not None
+        stats = store.nc.stats
+        claimed = await store.dequeue_rollout(worker_id="w", read_resources=True)
+        assert claimed is not None
+        sent = stats["out_msgs"]
+        found = await store.claimed_resources(claimed)
+        assert found is not None and found.resources_id == res.resources_id
+        assert stats["out_msgs"] == sent  # nothing more: the read went out with the claim
+        plain = await store.dequeue_rollout(worker_id="w")
+        assert plain is not None
+        sent = stats["out_msgs"]
+        assert await store.claimed_resources(plain) == found
+        assert stats["out_msgs"] == sent + 1  # without it, a read of its own
