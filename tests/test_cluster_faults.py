@@ -149,6 +149,7 @@ async def test_stopping_any_one_node_of_a_3_node_cluster_loses_nothing(
             async with JetStreamLightningStore(ns, pg_dsn=svc.pg_dsn) as algo:
                 js = algo.log.js
                 assert (await js.stream_info(ns.stream_name)).config.num_replicas == 3
+                assert not algo.log.direct_gets  # followers may lag: single reads go to the leader
                 await algo.add_resources(RESOURCES)
                 stop = asyncio.Event()
                 runners = [asyncio.create_task(_runner(ns, i, stop)) for i in range(2)]

@@ -1,10 +1,10 @@
 """Reads of the JetStream log: direct gets where the stream has one replica; resources read with a claim.
 
 ``JetStreamEventLog`` reads a rollout's events, a span head, a resources snapshot and the latest
-resources with JetStream's direct get (the stored message as it is) unless the durability is
-``replicated``, where a follower could answer a direct get from behind the leader and every read
-goes to the leader's ``STREAM.MSG.GET``. Checked here: on one stream, the two paths give the same
-loads, heads, snapshots (and the same "not found"), and ``replicated`` picks the leader's path.
+resources with JetStream's direct get (the stored message as it is) when the stream has one
+replica; on a replicated stream a follower could answer a direct get from behind the leader, so
+every read goes to the leader's ``STREAM.MSG.GET``. Checked here: on one stream, the two paths give the same
+loads, heads, snapshots (and the same "not found"), and a replicated stream gets the leader's.
 
 ``dequeue_rollout(read_resources=True)`` sends the resources read with the claim's append, so
 ``claimed_resources`` then sends nothing (what it returns is checked on both backends in
@@ -13,9 +13,11 @@ loads, heads, snapshots (and the same "not found"), and ``replicated`` picks the
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import msgspec
+import pytest
 
 from eventlight.core.types import PromptTemplate, Span
 from eventlight.settings import Settings
@@ -23,19 +25,30 @@ from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.store.jetstream.log import JetStreamEventLog
 
 
-class _Client:
-    """Enough of a NATS client to build a log that is never used."""
+async def test_the_streams_own_replicas_decide(namespace: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Direct gets on the one-replica stream; the leader's reads for a replicated stream (whatever
+    this process's settings say) and for a stream that does not answer. The 3-node cluster test
+    (``test_cluster_faults``) checks the replicated case on a real R3 stream."""
+    async with JetStreamLightningStore(namespace) as store:
+        log = store.log
+        assert log is not None and log.direct_gets  # learnt at start: this stream has one replica
+        real = log.js.stream_info
 
-    max_payload = 1 << 20
+        async def replicated(name: str, *args: Any, **kwargs: Any) -> Any:
+            info = await real(name, *args, **kwargs)
+            info.config.num_replicas = 3
+            return info
 
-    def jetstream(self, timeout: float) -> None:
-        return None
-
-
-def test_replicated_durability_reads_from_the_leader(namespace: Settings) -> None:
-    for durability, direct in (("fsync", True), ("interval", True), ("replicated", False)):
-        settings = msgspec.structs.replace(namespace, durability=durability)
-        assert JetStreamEventLog(_Client(), settings, lambda: 0.0).direct_gets is direct  # type: ignore[arg-type]
+        monkeypatch.setattr(log.js, "stream_info", replicated)
+        await log.learn_replicas()
+        assert not log.direct_gets
+        monkeypatch.setattr(log.js, "stream_info", real)
+        await log.learn_replicas()
+        assert log.direct_gets
+        assert store.nc is not None
+        elsewhere = JetStreamEventLog(store.nc, msgspec.structs.replace(namespace, namespace="nostreamhere"), time.time)
+        await elsewhere.learn_replicas()
+        assert not elsewhere.direct_gets
 
 
 async def _reads(log: JetStreamEventLog, rids: list[str], aids: list[str], res_id: str) -> list[Any]:

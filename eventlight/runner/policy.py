@@ -40,7 +40,8 @@ async def apply_rollout_config(
 
 @functools.lru_cache(maxsize=16)
 def _dequeue_takes(cls: type, parameter: str) -> bool:
-    return parameter in inspect.signature(cls.dequeue_rollout).parameters  # type: ignore[attr-defined]
+    method = getattr(cls, "dequeue_rollout", None)
+    return method is not None and parameter in inspect.signature(method).parameters
 
 
 def _dequeue_of(store: LightningStore) -> type:

@@ -104,6 +104,7 @@ class JetStreamLightningStore(EventStore):
         self.nc = await connect_nats(self.nats_url, auth=self.settings.nats_auth)
         try:
             self.log = JetStreamEventLog(self.nc, self.settings, self._clock)
+            await self.log.learn_replicas()
             if self.pg_dsn is not None:
                 self.pool = await self._open_pool(self.pg_dsn)
                 self.read_model = SqlReadModel(self.pool, self.nc, self.log.prefix, None, server=self.pg_dsn)
@@ -189,6 +190,7 @@ class JetStreamLightningStore(EventStore):
         if self._closed:
             return
         self._check_loop()
+        self._cancel_claim_reads()
         if self.projector is not None:
             await self.projector.close()
         if self.read_model is not None:

@@ -25,7 +25,7 @@ from nats.aio.client import Client as NATS
 from nats.js.client import JetStreamContext
 
 from eventlight.core.commands import RolloutState
-from eventlight.core.errors import InvalidInputError, RolloutNotFoundError, RolloutRetiredError
+from eventlight.core.errors import EventlightError, InvalidInputError, RolloutNotFoundError, RolloutRetiredError
 from eventlight.core.events import AnyEvent, ResourcesPut, RolloutEvent, decode_event, encode_event
 from eventlight.core.evolve import evolve, spans_arrived
 from eventlight.core.types import ResourcesUpdate, Span
@@ -98,15 +98,32 @@ class JetStreamEventLog:
         self.appender = AtomicAppender(self, timeout_s=PUBLISH_TIMEOUT_S)
         self._latest_resources: tuple[str | None, int] | None = None
         """``latest_resources``' cache: (id, the stream sequence of the last message on ``res.>``)."""
-        self.direct_gets = settings.durability != "replicated"
+        self.direct_gets = False
         """Read single messages with JetStream's direct get (``$JS.API.DIRECT.GET``: the stored
-        message as it is, about 40 % less client CPU than ``STREAM.MSG.GET``'s JSON and base64) where
-        the stream has one replica. A replicated stream's followers answer direct gets too and may lag
-        the leader, so there every read goes to the leader's ``STREAM.MSG.GET``."""
+        message as it is, about 40 % less client CPU than ``STREAM.MSG.GET``'s JSON and base64);
+        ``learn_replicas`` turns it on for a stream of one replica. A replicated stream's followers
+        answer direct gets too and may lag the leader, so there every read goes to the leader's
+        ``STREAM.MSG.GET``, as it does until the stream's replicas are known."""
 
     def server(self) -> str:
         """The connected server's URL, for error messages."""
         return connected_server(self.nc)
+
+    async def learn_replicas(self) -> None:
+        """Read the stream's replica count (one ``STREAM.INFO``) and use direct gets if it is 1.
+
+        The stream's own configuration decides, not this process's settings: another process may
+        have created it with replicas (``EVENTLIGHT_STREAM_REPLICAS``, ``replicated``). A stream
+        that does not answer (not created yet) keeps the leader's reads.
+        """
+        try:
+            with nats_errors(self.server, f"stream info {self.stream}"):
+                info = await self.js.stream_info(self.stream)
+        except (EventlightError, JsNotFoundError) as e:
+            log.debug("%s: replicas unknown (%s); single-message reads go to the leader", self.stream, e)
+            self.direct_gets = False
+            return
+        self.direct_gets = (info.config.num_replicas or 1) == 1
 
     # -- appends ---------------------------------------------------------------------------
 

@@ -97,6 +97,7 @@ class StorePlumbing(LightningStore):
         if self._closed:
             return
         self._closed = True
+        self._cancel_claim_reads()
         if self._read_model is not None:
             await self._read_model.close()
         if self._event_log is not None:
@@ -146,6 +147,12 @@ class StorePlumbing(LightningStore):
         raise ConcurrencyError(
             f"the latest resources changed during each of {MAX_APPEND_TRIES} tries to create a rollout"
         )
+
+    def _cancel_claim_reads(self) -> None:
+        """Cancel the resources reads made with claims and not handed over (the store closes)."""
+        for read in self._claim_reads.values():
+            read.cancel()
+        self._claim_reads.clear()
 
     async def _release(self, rollout_id: str, attempt_id: str) -> None:
         read = self._claim_reads.pop((rollout_id, attempt_id), None)
