@@ -214,6 +214,10 @@ async def test_a_claim_reads_the_rollouts_resources_with_it(store: Any, runner_s
     assert (await runner_store.claimed_resources(again)).resources_id == b.resources_id
     await runner_store.update_attempt(again.rollout_id, again.attempt.attempt_id, status="succeeded")
     assert await runner_store.dequeue_rollout(read_resources=True) is None
+    plain = await store.get_rollout_by_id(latest.rollout_id)  # a Rollout, no attempt: read by its id
+    assert (await runner_store.claimed_resources(plain)).resources_id == b.resources_id
+    with pytest.raises(InvalidInputError, match="claimed_resources takes the rollout"):
+        await runner_store.claimed_resources(latest.rollout_id)
 
 
 async def test_only_the_latest_attempt_moves_the_rollout(store: Any) -> None:

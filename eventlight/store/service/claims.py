@@ -17,6 +17,7 @@ from eventlight.core.events import WorkerIdle
 from eventlight.core.types import (
     AttemptedRollout,
     ResourcesUpdate,
+    Rollout,
     generate_id,
 )
 from eventlight.store.ports import Queued
@@ -128,19 +129,26 @@ class Claims(StorePlumbing):
         """A rollout's resources as a runner resolves them: by id, else the latest snapshot."""
         return await (self.get_resources_by_id(resources_id) if resources_id else self.get_latest_resources())
 
-    async def claimed_resources(self, rollout: AttemptedRollout) -> ResourcesUpdate | None:
+    async def claimed_resources(self, rollout: Rollout) -> ResourcesUpdate | None:
         """The resources of a rollout this store claimed: those read with its claim
         (``dequeue_rollout(read_resources=True)``), else read now. ``None``: there are none.
 
         By ``rollout.resources_id``, else the latest snapshot, as ``LitAgentRunner`` resolves them
         (eventlight extension). What was read with a claim is handed over once; if that read
-        failed, the resources are read again.
+        failed, the resources are read again. Any ``Rollout`` is taken; only the
+        ``AttemptedRollout`` a claim returned finds what was read with it.
 
         Raises:
+            InvalidInputError: ``rollout`` is not a ``Rollout``.
             ServiceUnavailableError: A server did not answer.
         """
         self._check_open()
-        read = self._claim_reads.pop((rollout.rollout_id, rollout.attempt.attempt_id), None)
+        if not isinstance(rollout, Rollout):
+            raise InvalidInputError(
+                f"claimed_resources takes the rollout dequeue_rollout returned, not {type(rollout).__name__}"
+            )
+        attempt = rollout.attempt if isinstance(rollout, AttemptedRollout) else None
+        read = self._claim_reads.pop((rollout.rollout_id, attempt.attempt_id), None) if attempt else None
         if read is not None and not read.cancelled():
             with contextlib.suppress(Exception):
                 return await read
