@@ -18,6 +18,7 @@ from eventlight.core.errors import (
     AttemptNotFoundError,
     InvalidInputError,
     InvalidTransitionError,
+    InvalidTypeError,
     ResourcesNotFoundError,
     RolloutNotFoundError,
 )
@@ -213,6 +214,13 @@ async def test_a_claim_reads_the_rollouts_resources_with_it(store: Any, runner_s
     assert again.rollout_id == latest.rollout_id and again.attempt.sequence_id == 2
     assert (await runner_store.claimed_resources(again)).resources_id == b.resources_id
     await runner_store.update_attempt(again.rollout_id, again.attempt.attempt_id, status="succeeded")
+    c = await store.add_resources({"p": PromptTemplate(template="c1 {x}")})
+    await store.enqueue_rollout("as of the claim", resources_id=c.resources_id)
+    d = await runner_store.dequeue_rollout(worker_id="w", read_resources=True)
+    await store.update_resources(c.resources_id, {"p": PromptTemplate(template="c2 {x}")})
+    assert (await runner_store.claimed_resources(d)).version == 1  # as of the claim, on both backends
+    assert (await runner_store.claimed_resources(d)).version == 2  # handed over once: then read anew
+    await runner_store.update_attempt(d.rollout_id, d.attempt.attempt_id, status="succeeded")
     assert await runner_store.dequeue_rollout(read_resources=True) is None
     plain = await store.get_rollout_by_id(latest.rollout_id)  # a Rollout, no attempt: read by its id
     assert (await runner_store.claimed_resources(plain)).resources_id == b.resources_id
@@ -462,6 +470,24 @@ async def test_span_and_attempt_reads_tell_an_unknown_rollout_from_an_empty_one(
         first.attempt.attempt_id,
         second.attempt.attempt_id,
     ]
+
+
+async def test_span_and_attempt_reads_refuse_ids_and_filters_of_the_wrong_type(store: Any) -> None:
+    """A rollout id that is not a string names no rollout (it never reaches SQL: ``None`` there
+    matched every rollout's spans); an attempt id or span filter of another type is refused."""
+    r = await store.enqueue_rollout("q")
+    for bad in (None, 5, ["ro-x"]):
+        for attempt_id in (None, "latest", "at-x"):
+            with pytest.raises(RolloutNotFoundError):
+                await store.query_spans(bad, attempt_id=attempt_id)
+        with pytest.raises(RolloutNotFoundError):
+            await store.query_attempts(bad)
+        with pytest.raises(RolloutNotFoundError):
+            await store.get_latest_attempt(bad)
+    for kwargs in ({"attempt_id": 5}, {"name": 5}, {"name_contains": ["x"]}, {"trace_id": 1.5}):
+        with pytest.raises(InvalidTypeError, match="must be a string"):
+            await store.query_spans(r.rollout_id, **kwargs)
+    assert list(await store.query_spans(r.rollout_id, name="nothing")) == []
 
 
 async def test_ids_that_cannot_exist_are_not_found(store: Any) -> None:

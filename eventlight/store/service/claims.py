@@ -117,6 +117,9 @@ class Claims(StorePlumbing):
         self._held[(item.rollout_id, cmd.attempt_id)] = item
         claimed = outcome.state.attempted_rollout()
         if read is not None:
+            # Its answer came with the claim's ack; waiting for it here makes the read the one of the
+            # claim on every backend (in memory it would otherwise run at the caller's next await).
+            await asyncio.wait([read])
             if claimed.resources_id == named:
                 self._claim_reads[(claimed.rollout_id, claimed.attempt.attempt_id)] = read
                 if len(self._claim_reads) > MAX_CLAIM_READS:  # claimed by a caller that never asked

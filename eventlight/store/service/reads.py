@@ -6,6 +6,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
+from eventlight.core.errors import InvalidTypeError, RolloutNotFoundError
 from eventlight.core.types import (
     Attempt,
     PaginatedResult,
@@ -15,6 +16,28 @@ from eventlight.core.types import (
     Worker,
 )
 from eventlight.store.service.plumbing import StorePlumbing
+
+
+def _rollout_id(rollout_id: Any) -> str:
+    """A rollout id to read by; one that is not a string names no rollout.
+
+    Raises:
+        RolloutNotFoundError: ``rollout_id`` is not a string (``None`` included), on every backend.
+    """
+    if not isinstance(rollout_id, str):
+        raise RolloutNotFoundError(rollout_id)
+    return rollout_id
+
+
+def _text_filters(**values: Any) -> None:
+    """Span filters compare strings.
+
+    Raises:
+        InvalidTypeError: A filter that is neither ``None`` nor a string (``name=5``).
+    """
+    for name, value in values.items():
+        if value is not None and not isinstance(value, str):
+            raise InvalidTypeError(f"{name} must be a string, not {type(value).__name__}")
 
 
 class Reads(StorePlumbing):
@@ -63,11 +86,11 @@ class Reads(StorePlumbing):
     ) -> PaginatedResult[Attempt]:
         reads = await self._reads()
         return await reads.query_attempts(
-            rollout_id, sort_by=sort_by, sort_order=sort_order, limit=limit, offset=offset
+            _rollout_id(rollout_id), sort_by=sort_by, sort_order=sort_order, limit=limit, offset=offset
         )
 
     async def get_latest_attempt(self, rollout_id: str) -> Attempt | None:
-        return await (await self._reads()).get_latest_attempt(rollout_id)
+        return await (await self._reads()).get_latest_attempt(_rollout_id(rollout_id))
 
     async def wait_for_rollouts(self, *, rollout_ids: list[str], timeout: float | None = None) -> list[Rollout]:
         return await (await self._reads()).wait_for_rollouts(list(rollout_ids), timeout)
@@ -91,8 +114,27 @@ class Reads(StorePlumbing):
         sort_by: str | None = "sequence_id",
         sort_order: Literal["asc", "desc"] = "asc",
     ) -> PaginatedResult[Span]:
+        """The spans of a rollout (``attempt_id``: ``None`` every attempt's, ``"latest"``, or an id).
+
+        Raises:
+            RolloutNotFoundError: Unknown rollout (also a ``rollout_id`` that is not a string).
+            AttemptNotFoundError: Unknown attempt.
+            InvalidTypeError: ``attempt_id`` or a filter is neither ``None`` nor a string.
+            InvalidInputError: Bad paging, sort field or ``filter_logic``.
+        """
+        _text_filters(
+            attempt_id=attempt_id,
+            trace_id=trace_id,
+            trace_id_contains=trace_id_contains,
+            span_id=span_id,
+            span_id_contains=span_id_contains,
+            parent_id=parent_id,
+            parent_id_contains=parent_id_contains,
+            name=name,
+            name_contains=name_contains,
+        )
         return await (await self._reads()).query_spans(
-            rollout_id,
+            _rollout_id(rollout_id),
             attempt_id,
             trace_id=trace_id,
             trace_id_contains=trace_id_contains,
