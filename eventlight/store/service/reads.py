@@ -122,28 +122,21 @@ class Reads(StorePlumbing):
             InvalidTypeError: ``attempt_id`` or a filter is neither ``None`` nor a string.
             InvalidInputError: Bad paging, sort field or ``filter_logic``.
         """
-        _text_filters(
-            attempt_id=attempt_id,
-            trace_id=trace_id,
-            trace_id_contains=trace_id_contains,
-            span_id=span_id,
-            span_id_contains=span_id_contains,
-            parent_id=parent_id,
-            parent_id_contains=parent_id_contains,
-            name=name,
-            name_contains=name_contains,
-        )
+        filters = {
+            "trace_id": trace_id,
+            "trace_id_contains": trace_id_contains,
+            "span_id": span_id,
+            "span_id_contains": span_id_contains,
+            "parent_id": parent_id,
+            "parent_id_contains": parent_id_contains,
+            "name": name,
+            "name_contains": name_contains,
+        }
+        _text_filters(attempt_id=attempt_id, **filters)
         return await (await self._reads()).query_spans(
             _rollout_id(rollout_id),
             attempt_id,
-            trace_id=trace_id,
-            trace_id_contains=trace_id_contains,
-            span_id=span_id,
-            span_id_contains=span_id_contains,
-            parent_id=parent_id,
-            parent_id_contains=parent_id_contains,
-            name=name,
-            name_contains=name_contains,
+            **filters,
             filter_logic=filter_logic,
             limit=limit,
             offset=offset,
