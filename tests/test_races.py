@@ -230,3 +230,22 @@ async def test_a_rollout_enqueued_by_another_process_is_dequeued_right_after(nam
         proc.join(30)
     assert proc.exitcode == 0
     assert missed == []
+
+
+async def test_a_cancelled_long_poll_does_not_keep_the_next_rollout(namespace: Settings) -> None:
+    """A long poll cancelled while the queue is empty leaves its pull request at the server until
+    it expires; a rollout enqueued meanwhile goes to that request. The store hands it back (nak) so
+    the next dequeue gets it at once; before, it waited out the consumer's ack wait (30 s)."""
+    async with (
+        JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store,
+        JetStreamLightningStore(namespace) as runner,
+    ):
+        poll = asyncio.create_task(runner.dequeue_rollout(worker_id="w1", wait_s=20))
+        await asyncio.sleep(0.5)  # the pull request is at the server
+        poll.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await poll
+        r = await store.enqueue_rollout("x")
+        claimed = await runner.dequeue_rollout(worker_id="w2", wait_s=5)
+        assert claimed is not None and claimed.rollout_id == r.rollout_id
+        assert claimed.attempt.worker_id == "w2"

@@ -21,6 +21,7 @@ from eventlight.core.errors import (
     InvalidTypeError,
     ResourcesNotFoundError,
     RolloutNotFoundError,
+    ServiceUnavailableError,
 )
 from eventlight.core.types import AttemptedRollout, EnqueueRolloutRequest, PromptTemplate, RolloutConfig, Span
 
@@ -277,6 +278,95 @@ async def test_cancelled_rollout_is_skipped_and_stays_cancelled(store: Any, runn
     assert (await store.get_rollout_by_id(c.rollout_id)).status == "cancelled"
     with pytest.raises(InvalidTransitionError, match="cancelled"):
         await store.update_rollout(c.rollout_id, status="running")
+
+
+def _hold_the_next_append(
+    log: Any, monkeypatch: pytest.MonkeyPatch, *, stored: bool
+) -> tuple[asyncio.Event, asyncio.Event]:
+    """Make ``log``'s next append stop: after it is stored (``stored``), else before it is sent,
+    until ``release`` is set; then the held one raises ``ServiceUnavailableError`` if it was not
+    stored. Returns ``(reached, release)``."""
+    reached, release = asyncio.Event(), asyncio.Event()
+    original = log.append
+    held = False
+
+    async def append(*args: Any, **kwargs: Any) -> Any:
+        nonlocal held
+        if held:
+            return await original(*args, **kwargs)
+        held = True
+        if stored:
+            version = await original(*args, **kwargs)
+            reached.set()
+            await release.wait()
+            return version
+        reached.set()
+        await release.wait()
+        raise ServiceUnavailableError("test", "the append was never sent")
+
+    monkeypatch.setattr(log, "append", append)
+    return reached, release
+
+
+async def test_a_dequeue_cancelled_after_its_claim_was_stored_fails_that_attempt(
+    store: Any, runner_store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A caller cancelled mid-claim (``asyncio.wait_for``, a runner stopping) never learns of the
+    attempt its claim started: the store marks it failed, and the rollout's retry policy requeues it.
+    Before, the attempt stayed ``preparing`` for ever (seen 3 times in 40 on JetStream)."""
+    r = await store.enqueue_rollout("x", config=RolloutConfig(max_attempts=2, retry_condition=["failed"]))
+    reached, release = _hold_the_next_append(runner_store._event_log, monkeypatch, stored=True)
+    task = asyncio.create_task(runner_store.dequeue_rollout(worker_id="w1", read_resources=True))
+    await asyncio.wait_for(reached.wait(), 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    release.set()
+    again = await runner_store.dequeue_rollout(worker_id="w2", wait_s=10)
+    assert again is not None and again.rollout_id == r.rollout_id and again.attempt.sequence_id == 2
+    await settle(store)
+    attempts = await store.query_attempts(r.rollout_id)
+    assert [(a.sequence_id, a.status, a.worker_id) for a in attempts] == [(1, "failed", "w1"), (2, "preparing", "w2")]
+
+
+async def test_a_dequeue_cancelled_before_its_claim_was_stored_hands_the_entry_back(
+    store: Any, runner_store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The entry of a claim that never got stored goes back to the queue at once (not after the
+    consumer's 30 s ack wait), and no attempt is left behind."""
+    r = await store.enqueue_rollout("x")
+    reached, release = _hold_the_next_append(runner_store._event_log, monkeypatch, stored=False)
+    task = asyncio.create_task(runner_store.dequeue_rollout(worker_id="w1"))
+    await asyncio.wait_for(reached.wait(), 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    release.set()
+    started = time.monotonic()
+    again = await runner_store.dequeue_rollout(worker_id="w2", wait_s=10)
+    assert again is not None and again.rollout_id == r.rollout_id and again.attempt.sequence_id == 1
+    assert time.monotonic() - started < 5, "the entry waited out the ack wait"
+    await settle(store)
+    assert [a.worker_id for a in await store.query_attempts(r.rollout_id)] == ["w2"]
+
+
+@pytest.mark.parametrize(
+    ("wait_s", "error"),
+    [
+        ("1", InvalidTypeError),
+        (None, InvalidTypeError),
+        (True, InvalidTypeError),
+        (-1, InvalidInputError),
+        (float("inf"), InvalidInputError),
+        (float("nan"), InvalidInputError),
+    ],
+)
+async def test_a_bad_wait_is_refused_and_takes_nothing(store: Any, runner_store: Any, wait_s: Any, error: type) -> None:
+    r = await store.enqueue_rollout("x")
+    with pytest.raises(error, match="wait_s"):
+        await runner_store.dequeue_rollout(worker_id="w1", wait_s=wait_s)
+    claimed = await runner_store.dequeue_rollout(worker_id="w1", wait_s=0)
+    assert claimed is not None and claimed.rollout_id == r.rollout_id and claimed.attempt.sequence_id == 1
 
 
 async def test_unknown_ids_raise_clear_errors(store: Any) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -80,6 +81,20 @@ def check_token(what: str, value: Any) -> str:
             f"{what} {value!r} is not a valid id: use 1-200 letters, digits or '_-:@+=' (no dots or spaces)"
         )
     return value
+
+
+def check_wait(what: str, value: Any) -> float:
+    """``value`` as seconds to wait: a finite number >= 0 (``dequeue_rollout(wait_s=)``).
+
+    Raises:
+        InvalidTypeError: Not an ``int`` or ``float`` (a ``bool`` is refused too).
+        InvalidInputError: Negative, NaN or infinite (a wait without end would never return).
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidTypeError(f"{what} must be a number of seconds, not {type(value).__name__}: {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise InvalidInputError(f"{what} must be a finite number of seconds >= 0, got {value!r}")
+    return float(value)
 
 
 def check_spans(spans: Sequence[Any]) -> None:

@@ -8,7 +8,9 @@ finishes.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import time
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -24,6 +26,8 @@ from eventlight.store.jetstream.nats_errors import TRANSPORT_ERRORS, nats_errors
 
 if TYPE_CHECKING:
     from eventlight.store.jetstream.log import JetStreamEventLog
+
+log = logging.getLogger(__name__)
 
 LONG_POLL_MARGIN_S = 5.0  # how much longer than its expiry a long poll waits for the server's answer
 EMPTY_CONFIRM_S = 0.010  # how long after a write a non-blocking dequeue waits for the consumer (see _pull)
@@ -72,6 +76,7 @@ class RunnersQueue:
         self.log = log
         self._sub: Any = None
         self._inboxes: list[Any] = []
+        self._abandoned: set[asyncio.Task[None]] = set()  # inboxes of cancelled pulls, being settled
 
     async def _subscription(self) -> Any:
         if self._sub is None:
@@ -163,6 +168,13 @@ class RunnersQueue:
             with contextlib.suppress(Exception):
                 await inbox.unsubscribe()  # a late answer must not reach the next caller
             raise ServiceUnavailableError(self.log.server(), f"pull from the runners queue failed: {e!r}") from e
+        except asyncio.CancelledError:
+            # The request stays at the server until it expires: an entry it delivers now would wait
+            # out the consumer's ack wait (30 s) before another runner got it. Hand it back at once.
+            task = asyncio.ensure_future(self._hand_back(inbox, timeout_s))
+            self._abandoned.add(task)
+            task.add_done_callback(self._abandoned.discard)
+            raise
         self._inboxes.append(inbox)
         status = (msg.headers or {}).get("Status")
         if status in ("404", "408"):
@@ -173,8 +185,24 @@ class RunnersQueue:
             )
         return msg
 
+    async def _hand_back(self, inbox: Any, timeout_s: float) -> None:
+        """Wait (up to ``timeout_s``) for the answer to a pull whose caller was cancelled; a queue
+        entry it brings is negatively acknowledged without delay, so it is redelivered at once."""
+        try:
+            msg = await inbox.next_msg(timeout=timeout_s)
+            if (msg.headers or {}).get("Status") is None:
+                await msg.nak()
+                log.info("handed back queue entry %s of a cancelled dequeue", msg.subject)
+        except Exception:  # no answer, or the connection went: the entry (if any) comes back after the ack wait
+            pass
+        finally:
+            with contextlib.suppress(Exception):
+                await inbox.unsubscribe()
+
     async def close(self) -> None:
         """Unsubscribe; idempotent."""
+        for task in list(self._abandoned):
+            task.cancel()
         sub, self._sub = self._sub, None
         if sub is not None:
             with contextlib.suppress(Exception):

@@ -49,8 +49,9 @@ class MemoryQueued:
         """Nothing to do: the entry already left the queue."""
 
     async def nak(self, delay_s: float) -> None:
-        """Put the entry back at the head of the queue."""
+        """Put the entry back at the head of the queue (waiting dequeues wake up)."""
         self.log.queue.appendleft((self.rollout_id, self.seq))
+        self.log._queued.set()
 
     async def in_progress(self) -> None:
         """Nothing to do: in-memory claims have no lease."""

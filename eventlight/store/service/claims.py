@@ -20,10 +20,12 @@ from eventlight.core.types import (
     Rollout,
     generate_id,
 )
+from eventlight.store.command_loop import Outcome
 from eventlight.store.ports import Queued
 from eventlight.store.service.plumbing import StorePlumbing
 from eventlight.store.validate import (
     check_token,
+    check_wait,
 )
 
 log = logging.getLogger(__name__)
@@ -65,10 +67,12 @@ class Claims(StorePlumbing):
                 made while the claim is appended: it shows the resources as of the claim.
 
         Raises:
-            InvalidInputError: ``worker_id`` is not a token.
+            InvalidInputError: ``worker_id`` is not a token, or ``wait_s`` is negative or not finite.
+            InvalidTypeError: ``wait_s`` is not a number.
         """
         if worker_id is not None:
             check_token("worker_id", worker_id)
+        check_wait("wait_s", wait_s)
         log = self._log()
         clock = asyncio.get_running_loop().time
         deadline = clock() + wait_s if wait_s > 0 else 0.0
@@ -96,8 +100,15 @@ class Claims(StorePlumbing):
             # Scheduled before the append, so on JetStream its request leaves with the claim's publish.
             read = asyncio.ensure_future(self._resources_for(named))
             read.add_done_callback(_retrieve)
+        claim = asyncio.ensure_future(self._loop.execute(item.rollout_id, cmd, hint=hint, max_tries=3))
         try:
-            outcome = await self._loop.execute(item.rollout_id, cmd, hint=hint, max_tries=3)
+            # Shielded: a caller cancelled mid-claim (``wait_for``, a runner shutting down) may have
+            # had its append stored already; ``_abandon_claim`` finishes the claim and undoes it.
+            outcome = await asyncio.shield(claim)
+        except asyncio.CancelledError:
+            _cancel(read)
+            self._in_background(self._abandon_claim(claim, item, cmd.attempt_id))
+            raise
         except InvalidTransitionError:
             _cancel(read)
             await item.ack()  # cancelled, revived or already claimed since it was queued
@@ -119,7 +130,12 @@ class Claims(StorePlumbing):
         if read is not None:
             # Its answer came with the claim's ack; waiting for it here makes the read the one of the
             # claim on every backend (in memory it would otherwise run at the caller's next await).
-            await asyncio.wait([read])
+            try:
+                await asyncio.wait([read])
+            except asyncio.CancelledError:
+                read.cancel()
+                self._in_background(self._abandon_claim(claim, item, cmd.attempt_id))
+                raise
             if claimed.resources_id == named:
                 self._claim_reads[(claimed.rollout_id, claimed.attempt.attempt_id)] = read
                 if len(self._claim_reads) > MAX_CLAIM_READS:  # claimed by a caller that never asked
@@ -127,6 +143,33 @@ class Claims(StorePlumbing):
             else:  # pointed at other resources since it was queued: ``claimed_resources`` reads those
                 read.cancel()
         return claimed
+
+    async def _abandon_claim(self, claim: asyncio.Future[Outcome], item: Queued, attempt_id: str) -> None:
+        """Settle a claim whose caller was cancelled before it returned: an attempt it started is
+        marked ``failed`` (nobody will run it; the rollout's retry policy decides what follows, as
+        for a runner that fails what it holds when it stops), and a queue entry it did not claim is
+        handed back at once (``nak``), instead of after the consumer's ack wait."""
+        rollout_id = item.rollout_id
+        try:
+            await claim
+        except (InvalidTransitionError, NotFoundError, InvalidInputError):
+            with contextlib.suppress(Exception):
+                await item.ack()  # what an uncancelled claim does with such an entry
+            return
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await item.nak(0.0)
+            return
+        self._held[(rollout_id, attempt_id)] = item
+        log.warning(
+            "dequeue_rollout was cancelled after it claimed rollout %s; marking its attempt %s failed",
+            rollout_id,
+            attempt_id,
+        )
+        try:
+            await self.update_attempt(rollout_id, attempt_id, status="failed")
+        except Exception as e:  # the store closed, a server went away: the queue entry stays held
+            log.warning("could not mark attempt %s of rollout %s failed: %r", attempt_id, rollout_id, e)
 
     async def _resources_for(self, resources_id: str | None) -> ResourcesUpdate | None:
         """A rollout's resources as a runner resolves them: by id, else the latest snapshot."""

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from eventlight.core import commands as c
 from eventlight.core.errors import (
@@ -24,6 +25,7 @@ from eventlight.store.validate import (
 )
 
 UNSET = c.UNSET
+BACKGROUND_CLOSE_WAIT_S = 5.0  # how long ``close`` lets a cancelled caller's claim settle
 Unset = c.Unset
 
 
@@ -39,6 +41,8 @@ class StorePlumbing(LightningStore):
         self._claim_reads: dict[tuple[str, str], asyncio.Future[ResourcesUpdate | None]] = {}
         """Resources read alongside a claim (``dequeue_rollout(read_resources=True)``), until
         ``claimed_resources`` takes them or the attempt is released."""
+        self._background: set[asyncio.Task[None]] = set()
+        """Work a cancelled caller left to finish (``_in_background``); ``close`` waits for it."""
         self._idle_marks: dict[str, float] = {}  # worker id -> clock of this store's last WorkerIdle
         self._known_resources: set[str] = set()  # ids seen to exist (a snapshot id, once put, stays)
         self._closed = False
@@ -96,8 +100,12 @@ class StorePlumbing(LightningStore):
         """Close the read model and the log; idempotent."""
         if self._closed:
             return
+        if self._background:  # cancelled claims being settled: let them finish while the ports are open
+            await asyncio.wait(set(self._background), timeout=BACKGROUND_CLOSE_WAIT_S)
         self._closed = True
         self._cancel_claim_reads()
+        for task in self._background:
+            task.cancel()
         if self._read_model is not None:
             await self._read_model.close()
         if self._event_log is not None:
@@ -147,6 +155,12 @@ class StorePlumbing(LightningStore):
         raise ConcurrencyError(
             f"the latest resources changed during each of {MAX_APPEND_TRIES} tries to create a rollout"
         )
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` on, whatever happens to the caller (kept referenced until it ends)."""
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _cancel_claim_reads(self) -> None:
         """Cancel the resources reads made with claims and not handed over (the store closes)."""
