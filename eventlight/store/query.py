@@ -72,6 +72,12 @@ def check_sort_field(cls: type, sort_by: str | None) -> None:
         raise InvalidInputError(f"cannot sort {cls.__name__} by {sort_by!r}: not a string or number field")
 
 
+def is_text_field(cls: type, name: str) -> bool:
+    """Whether ``cls``'s field ``name`` holds strings (``str`` or ``str | None``)."""
+    kinds = typing.get_args(_field_types(cls)[name]) or (_field_types(cls)[name],)
+    return str in kinds
+
+
 @functools.lru_cache(maxsize=32)
 def _field_types(cls: type) -> dict[str, Any]:
     """``{field name: annotation}`` of a struct type (``msgspec.structs.fields`` resolves the

@@ -26,7 +26,7 @@ from eventlight.core.types import (
     Worker,
 )
 from eventlight.store.jetstream.pg_errors import pg_errors
-from eventlight.store.query import check_paging, check_sort_field, check_values
+from eventlight.store.query import check_paging, check_sort_field, check_values, is_text_field
 
 _enc = msgspec.json.Encoder()
 
@@ -253,7 +253,10 @@ def order_page(
         order = f"ORDER BY {default}"
     else:
         direction = "DESC NULLS FIRST" if sort_order == "desc" else "ASC NULLS LAST"
-        order = f'ORDER BY "{sort_by}" {direction}, {default}'
+        # Strings in code point order, as Python (the in-memory backend) compares them, whatever
+        # the database's collation (``en_US`` would put "a" before "B").
+        collate = ' COLLATE "C"' if is_text_field(cls, sort_by) else ""
+        order = f'ORDER BY "{sort_by}"{collate} {direction}, {default}'
     page = f" OFFSET {where.arg(offset)}"
     if limit != -1:
         page += f" LIMIT {where.arg(limit)}"

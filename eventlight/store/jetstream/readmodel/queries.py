@@ -210,7 +210,9 @@ class SqlQueries:
         w.within("status", status_in)
         w.contains("worker_id", worker_id_contains)
         n = len(w.args)
-        tail = pg.order_page(Worker, w, sort_by, sort_order, limit, offset, "created_seq NULLS FIRST, worker_id")
+        tail = pg.order_page(
+            Worker, w, sort_by, sort_order, limit, offset, 'created_seq NULLS FIRST, worker_id COLLATE "C"'
+        )
         async with self._conn() as conn:
             rows, total = await pg.fetch_page(conn, "workers", pg.WORKER_COLS, w, filter_logic, tail, n, limit, offset)
         return pg.paginated([pg.worker_from_row(r) for r in rows], limit, offset, total)
