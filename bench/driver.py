@@ -43,8 +43,8 @@ from bench.workload import (
     POLL_S,
     RUNNER_POLL_S,
     SCENARIOS,
+    PlanCheck,
     Scenario,
-    TaskPlan,
     agent_bound,
     agent_cpu_bound,
     agent_cpu_s_per_rollout,
@@ -86,7 +86,7 @@ class Record:
 class Algorithm:
     """The three submission patterns over the shared store API, with the checks."""
 
-    def __init__(self, mod: ModuleType, store: Any, scn: Scenario, plans: dict[str, TaskPlan]):
+    def __init__(self, mod: ModuleType, store: Any, scn: Scenario, plans: dict[str, PlanCheck]):
         self.mod, self.store, self.scn, self.plans = mod, store, scn, plans
         self.records: dict[str, Record] = {}
         self.last_progress_s = time.perf_counter()
@@ -252,7 +252,7 @@ def _ms(v: float | None) -> float | None:
     return None if v is None else round(v * 1000, 3)
 
 
-def _summary(alg: Algorithm, wall_s: float, scn: Scenario, plans: dict[str, TaskPlan], seed: int) -> dict[str, Any]:
+def _summary(alg: Algorithm, wall_s: float, scn: Scenario, plans: dict[str, PlanCheck], seed: int) -> dict[str, Any]:
     recs = list(alg.records.values())
     done = [r for r in recs if r.done_s is not None]
     errors = [r.error for r in recs if r.error]
@@ -325,7 +325,8 @@ async def run_scenario(mod: ModuleType, scn: Scenario, seed: int, timeout_s: flo
             raise RuntimeError(f"{len(missing)} runner(s) not ready ({stack.runners_alive()} alive)")
         store = await stack.open_store()
         plans = {
-            task_name(i): plan_task(seed, task_name(i), scn.max_rounds, scn.sleep_s) for i in range(scn.total_tasks)
+            task_name(i): plan_task(seed, task_name(i), scn.max_rounds, scn.sleep_s).check()
+            for i in range(scn.total_tasks)
         }
         result["startup_s"] = round(time.perf_counter() - t0, 2)
         phase = "run the algorithm"

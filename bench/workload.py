@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import random
 import string
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
@@ -132,6 +132,24 @@ class TaskPlan:
     def sleep_s(self) -> float:
         return self.final.sleep_s + sum(c.sleep_s for s in self.steps if s.children for c in s.children)
 
+    def check(self) -> PlanCheck:
+        """What ``check_rollout`` and the bounds read of this plan, without its attributes."""
+        return PlanCheck(self.task, self.rounds, self.n_rewards, self.n_spans, self.final_reward, self.sleep_s)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanCheck:
+    """A task's plan as the driver checks it: its spans' attributes (about 70 kB a task, 35 MB at
+    scale 1) stay with the runners, which rebuild the plan from ``(seed, task)``, and out of the
+    memory measured as the algorithm's."""
+
+    task: str
+    rounds: int
+    n_rewards: int
+    n_spans: int
+    final_reward: float
+    sleep_s: float
+
 
 def task_name(index: int) -> str:
     return f"task-{index}"
@@ -225,7 +243,9 @@ async def run_plan(plan: TaskPlan, tracer: Any, emit_reward: Any, sleep: Any) ->
 # -- what the algorithm checks ------------------------------------------------------------------
 
 
-def check_rollout(spans: list[Any], plan: TaskPlan, get_reward_value: Any, find_final_reward: Any) -> str | None:
+def check_rollout(
+    spans: list[Any], plan: PlanCheck | TaskPlan, get_reward_value: Any, find_final_reward: Any
+) -> str | None:
     """Check the stored spans of a rollout against its plan; ``None`` when they match, else why not.
 
     Checks: every span the agent opened is there (by name), one span carries ``task``, the number of
@@ -262,7 +282,7 @@ def expected_sleep_per_rollout(max_rounds: int, sleep_s: float) -> float:
     return (2 * (max_rounds + 1) / 2 + 1) * sleep_s / 2
 
 
-def agent_bound(scn: Scenario, plans: list[TaskPlan] | None = None) -> float:
+def agent_bound(scn: Scenario, plans: Sequence[PlanCheck | TaskPlan] | None = None) -> float:
     """Rollouts/s a store taking zero time would give: ``runners / (mean sleep per rollout)``, with
     ``single`` mode's in-flight count instead of the runners when it is smaller (``half_load``).
 
@@ -318,7 +338,7 @@ def agent_cpu_bound(cpu_s_per_rollout: float, cores: int) -> float:
     return math.inf if cpu_s_per_rollout <= 0 else cores / cpu_s_per_rollout
 
 
-def batch_barrier_bound(scn: Scenario, plans: list[TaskPlan]) -> float | None:
+def batch_barrier_bound(scn: Scenario, plans: Sequence[PlanCheck | TaskPlan]) -> float | None:
     """For ``batch`` mode: rollouts/s with a zero-time store *and* the wait for each batch's slowest
     rollout (each batch's planned sleeps list-scheduled on the runners in queue order); ``None``
     for the other modes or without sleeps."""
