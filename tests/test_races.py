@@ -12,15 +12,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing as mp
 import os
+import random
 from collections import Counter
 from typing import Any
 
 import pytest
 
 from eventlight.core.errors import InvalidTransitionError
-from eventlight.core.types import EnqueueRolloutRequest, Span
+from eventlight.core.types import EnqueueRolloutRequest, RolloutConfig, Span
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore, queue
 from eventlight.store.jetstream.queue import EMPTY_CONFIRM_S
@@ -249,3 +251,89 @@ async def test_a_cancelled_long_poll_does_not_keep_the_next_rollout(namespace: S
         claimed = await runner.dequeue_rollout(worker_id="w2", wait_s=5)
         assert claimed is not None and claimed.rollout_id == r.rollout_id
         assert claimed.attempt.worker_id == "w2"
+
+
+@pytest.mark.parametrize("depth", range(7))
+async def test_a_dequeue_cancelled_as_its_entry_arrives_loses_nothing(
+    namespace: Settings, monkeypatch: pytest.MonkeyPatch, depth: int
+) -> None:
+    """The cancel lands ``depth`` loop turns after the queue entry left the inbox's queue (nats-py
+    hands it over in a child task of ``next_msg``). Whatever the dequeue then does, return the
+    claim or raise ``CancelledError``, the rollout is claimable at once or its attempt failed;
+    before, a few depths dropped the entry until the consumer's 30 s ack wait (a fresh reviewer's
+    storm of cancelled dequeues: 1-12 entries a storm)."""
+    loop = asyncio.get_running_loop()
+    target: dict[str, Any] = {}
+    get_nowait = asyncio.Queue.get_nowait
+
+    def spying_get_nowait(self: Any) -> Any:
+        item = get_nowait(self)
+        subject = getattr(item, "subject", "")
+        if target.get("task") is not None and ".r." in subject and subject.endswith(".q"):
+            task, target["task"] = target["task"], None
+
+            def cancel_later(turns: int) -> None:
+                if turns == 0:
+                    task.cancel()
+                else:
+                    loop.call_soon(cancel_later, turns - 1)
+
+            cancel_later(depth)
+        return item
+
+    monkeypatch.setattr(asyncio.Queue, "get_nowait", spying_get_nowait)
+    async with (
+        JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store,
+        JetStreamLightningStore(namespace) as runner,
+    ):
+        poll = asyncio.create_task(runner.dequeue_rollout(worker_id="w1", wait_s=20))
+        target["task"] = poll
+        await asyncio.sleep(0.3)  # the pull request is at the server
+        r = await store.enqueue_rollout("x")
+        try:
+            claimed = await poll
+        except asyncio.CancelledError:
+            claimed = None
+        if claimed is None:
+            again = await runner.dequeue_rollout(worker_id="w2", wait_s=5)
+            await store.sync_all(timeout_s=10)
+            attempts = [(a.status, a.worker_id) for a in await store.query_attempts(r.rollout_id)]
+            assert (again is not None and again.rollout_id == r.rollout_id) or attempts == [("failed", "w1")], (
+                f"the entry was dropped: attempts {attempts}"
+            )
+        else:
+            assert claimed.rollout_id == r.rollout_id
+
+
+@pytest.mark.parametrize("await_the_task", [True, False])
+async def test_a_store_closed_after_a_cancelled_dequeue_leaves_no_rollout_preparing(
+    namespace: Settings, await_the_task: bool
+) -> None:
+    """``task.cancel()`` on a dequeue, then (with or without awaiting the task) ``close()`` of its
+    store, as a runner stopping on SIGTERM does: its claim is settled before NATS closes. Before,
+    the JetStream store closed first and the attempt stayed ``preparing`` (26 of 60 in a fresh
+    reviewer's run), its queue entry then acknowledged away by the next claim."""
+    rng = random.Random(7)
+    config = RolloutConfig(max_attempts=2, retry_condition=["failed"])
+    stranded = []
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
+        for i in range(30):
+            r = await store.enqueue_rollout(i, config=config)
+            runner = await JetStreamLightningStore(namespace).start()
+            task = asyncio.create_task(runner.dequeue_rollout(worker_id=f"w{i}", wait_s=1.0))
+            await asyncio.sleep(rng.uniform(0, 0.004))
+            task.cancel()
+            if await_the_task:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await runner.close()
+            with contextlib.suppress(BaseException):
+                got = await task
+                if got is not None:  # the cancel came too late: that caller has it
+                    await store.update_attempt(got.rollout_id, got.attempt.attempt_id, status="succeeded")
+            await store.sync_all(timeout_s=10)
+            if (await store.get_rollout_by_id(r.rollout_id)).status == "preparing":
+                stranded.append(r.rollout_id)
+            while (got := await store.dequeue_rollout(worker_id="drain", wait_s=0.2)) is not None:
+                await store.update_attempt(got.rollout_id, got.attempt.attempt_id, status="succeeded")
+    assert stranded == []

@@ -359,6 +359,10 @@ async def test_a_dequeue_cancelled_before_its_claim_was_stored_hands_the_entry_b
         (-1, InvalidInputError),
         (float("inf"), InvalidInputError),
         (float("nan"), InvalidInputError),
+        pytest.param(10**400, InvalidInputError, id="10**400"),
+        (1e300, InvalidInputError),
+        (2**63, InvalidInputError),
+        (3600.5, InvalidInputError),
     ],
 )
 async def test_a_bad_wait_is_refused_and_takes_nothing(store: Any, runner_store: Any, wait_s: Any, error: type) -> None:

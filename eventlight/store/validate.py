@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -14,6 +13,10 @@ from eventlight.core.types import LLM, PromptTemplate, ProxyLLM, RolloutConfig, 
 
 _json = msgspec.json.Encoder()
 _TOKEN = re.compile(r"^[A-Za-z0-9_\-:@+=]{1,200}$")
+
+
+MAX_WAIT_S = 3600.0
+"""The longest ``dequeue_rollout(wait_s=)``, in seconds (an hour; a runner polls again after it)."""
 
 
 def is_token(value: str) -> bool:
@@ -83,17 +86,18 @@ def check_token(what: str, value: Any) -> str:
     return value
 
 
-def check_wait(what: str, value: Any) -> float:
-    """``value`` as seconds to wait: a finite number >= 0 (``dequeue_rollout(wait_s=)``).
+def check_wait(what: str, value: Any, most: float = MAX_WAIT_S) -> float:
+    """``value`` as seconds to wait: a number from 0 to ``most`` (``dequeue_rollout(wait_s=)``).
 
     Raises:
         InvalidTypeError: Not an ``int`` or ``float`` (a ``bool`` is refused too).
-        InvalidInputError: Negative, NaN or infinite (a wait without end would never return).
+        InvalidInputError: Negative, NaN, or over ``most`` (infinity included: a wait without end
+            would never return, and JetStream takes a pull's expiry in int64 nanoseconds).
     """
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidTypeError(f"{what} must be a number of seconds, not {type(value).__name__}: {value!r}")
-    if not math.isfinite(value) or value < 0:
-        raise InvalidInputError(f"{what} must be a finite number of seconds >= 0, got {value!r}")
+    if not 0 <= value <= most:  # NaN fails both comparisons; a huge int is compared exactly
+        raise InvalidInputError(f"{what} must be a number of seconds from 0 to {most:g}, got {value!r}")
     return float(value)
 
 

@@ -190,6 +190,7 @@ class JetStreamLightningStore(EventStore):
         if self._closed:
             return
         self._check_loop()
+        await self._settle_abandoned_claims()  # while NATS and Postgres are still open
         self._cancel_claim_reads()
         if self.projector is not None:
             await self.projector.close()

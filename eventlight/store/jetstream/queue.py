@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+HAND_BACK_CLOSE_WAIT_S = 0.5  # how long close lets cancelled pulls hand back an entry in flight
 LONG_POLL_MARGIN_S = 5.0  # how much longer than its expiry a long poll waits for the server's answer
 EMPTY_CONFIRM_S = 0.010  # how long after a write a non-blocking dequeue waits for the consumer (see _pull)
 
@@ -161,9 +162,13 @@ class RunnersQueue:
         """
         nc = self.log.nc
         inbox = self._inboxes.pop() if self._inboxes else await nc.subscribe(nc.new_inbox())
+        answer: asyncio.Future[Any] | None = None
         try:
             await nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{self.log.stream}.runners", request, reply=inbox.subject)
-            msg = await inbox.next_msg(timeout=timeout_s)
+            # A task of its own, shielded: nats-py's ``next_msg`` takes the message off the inbox in
+            # a child task, so cancelling it at the wrong moment would drop a delivered entry.
+            answer = asyncio.ensure_future(inbox.next_msg(timeout=timeout_s))
+            msg = await asyncio.shield(answer)
         except TRANSPORT_ERRORS as e:
             with contextlib.suppress(Exception):
                 await inbox.unsubscribe()  # a late answer must not reach the next caller
@@ -171,7 +176,9 @@ class RunnersQueue:
         except asyncio.CancelledError:
             # The request stays at the server until it expires: an entry it delivers now would wait
             # out the consumer's ack wait (30 s) before another runner got it. Hand it back at once.
-            task = asyncio.ensure_future(self._hand_back(inbox, timeout_s))
+            if answer is None:
+                answer = asyncio.ensure_future(inbox.next_msg(timeout=timeout_s))
+            task = asyncio.ensure_future(self._hand_back(inbox, answer))
             self._abandoned.add(task)
             task.add_done_callback(self._abandoned.discard)
             raise
@@ -185,22 +192,26 @@ class RunnersQueue:
             )
         return msg
 
-    async def _hand_back(self, inbox: Any, timeout_s: float) -> None:
-        """Wait (up to ``timeout_s``) for the answer to a pull whose caller was cancelled; a queue
-        entry it brings is negatively acknowledged without delay, so it is redelivered at once."""
+    async def _hand_back(self, inbox: Any, answer: asyncio.Future[Any]) -> None:
+        """Wait for the answer to a pull whose caller was cancelled; a queue entry it brings is
+        negatively acknowledged without delay, so it is redelivered at once."""
         try:
-            msg = await inbox.next_msg(timeout=timeout_s)
+            msg = await answer
             if (msg.headers or {}).get("Status") is None:
                 await msg.nak()
                 log.info("handed back queue entry %s of a cancelled dequeue", msg.subject)
         except Exception:  # no answer, or the connection went: the entry (if any) comes back after the ack wait
             pass
         finally:
+            answer.cancel()
             with contextlib.suppress(Exception):
                 await inbox.unsubscribe()
 
     async def close(self) -> None:
-        """Unsubscribe; idempotent."""
+        """Unsubscribe; idempotent. Pulls of cancelled dequeues get ``HAND_BACK_CLOSE_WAIT_S`` to
+        hand back an entry already on its way."""
+        if self._abandoned:
+            await asyncio.wait(set(self._abandoned), timeout=HAND_BACK_CLOSE_WAIT_S)
         for task in list(self._abandoned):
             task.cancel()
         sub, self._sub = self._sub, None

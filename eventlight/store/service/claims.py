@@ -22,7 +22,7 @@ from eventlight.core.types import (
 )
 from eventlight.store.command_loop import Outcome
 from eventlight.store.ports import Queued
-from eventlight.store.service.plumbing import StorePlumbing
+from eventlight.store.service.plumbing import BACKGROUND_CLOSE_WAIT_S, StorePlumbing
 from eventlight.store.validate import (
     check_token,
     check_wait,
@@ -101,14 +101,29 @@ class Claims(StorePlumbing):
             read = asyncio.ensure_future(self._resources_for(named))
             read.add_done_callback(_retrieve)
         claim = asyncio.ensure_future(self._loop.execute(item.rollout_id, cmd, hint=hint, max_tries=3))
+        # Registered until the caller has its answer: a caller cancelled mid-claim (``wait_for``, a
+        # runner shutting down) may have had its append stored already; its claim is then settled
+        # in the background (``_abandon``), or by ``close`` if the caller has not resumed by then.
+        self._claims[claim] = (item, cmd.attempt_id)
         try:
-            # Shielded: a caller cancelled mid-claim (``wait_for``, a runner shutting down) may have
-            # had its append stored already; ``_abandon_claim`` finishes the claim and undoes it.
-            outcome = await asyncio.shield(claim)
+            return await self._finish_claim(claim, item, cmd.attempt_id, named, read)
         except asyncio.CancelledError:
             _cancel(read)
-            self._in_background(self._abandon_claim(claim, item, cmd.attempt_id))
+            self._abandon(claim)
             raise
+        finally:
+            self._claims.pop(claim, None)
+
+    async def _finish_claim(
+        self,
+        claim: asyncio.Future[Outcome],
+        item: Queued,
+        attempt_id: str,
+        named: str | None,
+        read: asyncio.Future[ResourcesUpdate | None] | None,
+    ) -> AttemptedRollout | None:
+        try:
+            outcome = await asyncio.shield(claim)
         except InvalidTransitionError:
             _cancel(read)
             await item.ack()  # cancelled, revived or already claimed since it was queued
@@ -122,20 +137,18 @@ class Claims(StorePlumbing):
             _cancel(read)
             await item.nak(0.1)
             return None
+        except asyncio.CancelledError:
+            raise
         except BaseException:
             _cancel(read)
+            self._claims.pop(claim, None)  # failed for this caller, who hears of it: nothing to settle
             raise
-        self._held[(item.rollout_id, cmd.attempt_id)] = item
+        self._held[(item.rollout_id, attempt_id)] = item
         claimed = outcome.state.attempted_rollout()
         if read is not None:
             # Its answer came with the claim's ack; waiting for it here makes the read the one of the
             # claim on every backend (in memory it would otherwise run at the caller's next await).
-            try:
-                await asyncio.wait([read])
-            except asyncio.CancelledError:
-                read.cancel()
-                self._in_background(self._abandon_claim(claim, item, cmd.attempt_id))
-                raise
+            await asyncio.wait([read])
             if claimed.resources_id == named:
                 self._claim_reads[(claimed.rollout_id, claimed.attempt.attempt_id)] = read
                 if len(self._claim_reads) > MAX_CLAIM_READS:  # claimed by a caller that never asked
@@ -143,6 +156,20 @@ class Claims(StorePlumbing):
             else:  # pointed at other resources since it was queued: ``claimed_resources`` reads those
                 read.cancel()
         return claimed
+
+    def _abandon(self, claim: asyncio.Future[Outcome]) -> None:
+        """Settle ``claim`` in the background if its caller has not had its answer (once)."""
+        entry = self._claims.pop(claim, None)
+        if entry is not None:
+            self._in_background(self._abandon_claim(claim, *entry))
+
+    async def _settle_abandoned_claims(self) -> None:
+        """Before closing: settle the claims whose callers were cancelled (also those cancelled
+        callers that have not resumed yet), and wait up to ``BACKGROUND_CLOSE_WAIT_S`` for them."""
+        for claim in list(self._claims):
+            self._abandon(claim)
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=BACKGROUND_CLOSE_WAIT_S)
 
     async def _abandon_claim(self, claim: asyncio.Future[Outcome], item: Queued, attempt_id: str) -> None:
         """Settle a claim whose caller was cancelled before it returned: an attempt it started is

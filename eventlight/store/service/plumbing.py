@@ -41,6 +41,8 @@ class StorePlumbing(LightningStore):
         self._claim_reads: dict[tuple[str, str], asyncio.Future[ResourcesUpdate | None]] = {}
         """Resources read alongside a claim (``dequeue_rollout(read_resources=True)``), until
         ``claimed_resources`` takes them or the attempt is released."""
+        self._claims: dict[asyncio.Future[Any], tuple[Queued, str]] = {}
+        """Claims in flight whose callers have not had their answer: the queue entry and attempt id."""
         self._background: set[asyncio.Task[None]] = set()
         """Work a cancelled caller left to finish (``_in_background``); ``close`` waits for it."""
         self._idle_marks: dict[str, float] = {}  # worker id -> clock of this store's last WorkerIdle
@@ -100,8 +102,7 @@ class StorePlumbing(LightningStore):
         """Close the read model and the log; idempotent."""
         if self._closed:
             return
-        if self._background:  # cancelled claims being settled: let them finish while the ports are open
-            await asyncio.wait(set(self._background), timeout=BACKGROUND_CLOSE_WAIT_S)
+        await self._settle_abandoned_claims()  # while the ports are open
         self._closed = True
         self._cancel_claim_reads()
         for task in self._background:
@@ -155,6 +156,9 @@ class StorePlumbing(LightningStore):
         raise ConcurrencyError(
             f"the latest resources changed during each of {MAX_APPEND_TRIES} tries to create a rollout"
         )
+
+    async def _settle_abandoned_claims(self) -> None:
+        """Settle what cancelled callers left (``Claims``); called first by ``close``."""
 
     def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
         """Run ``work`` on, whatever happens to the caller (kept referenced until it ends)."""
