@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import logging
 import multiprocessing as mp
 import os
 import random
@@ -25,6 +27,7 @@ from eventlight.core.errors import InvalidTransitionError
 from eventlight.core.types import EnqueueRolloutRequest, RolloutConfig, Span
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore, queue
+from eventlight.store.jetstream.definitions import consumer_config
 from eventlight.store.jetstream.queue import EMPTY_CONFIRM_S
 
 N_ROLLOUTS = int(os.environ.get("EVENTLIGHT_RACE_ROLLOUTS", "2000"))
@@ -337,3 +340,30 @@ async def test_a_store_closed_after_a_cancelled_dequeue_leaves_no_rollout_prepar
             while (got := await store.dequeue_rollout(worker_id="drain", wait_s=0.2)) is not None:
                 await store.update_attempt(got.rollout_id, got.attempt.attempt_id, status="succeeded")
     assert stranded == []
+
+
+async def test_a_full_runners_consumer_answers_no_work_with_a_warning(
+    namespace: Settings, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """nats-server leaves a ``no_wait`` pull unanswered while the consumer holds ``max_ack_pending``
+    unfinished claims; a non-blocking dequeue then said "cannot reach nats" after 10 s (the
+    interval micro benchmark claimed its 10,000th rollout, the limit then). Now: ``None`` and a
+    warning naming the limit, and claims resume once an attempt finishes. The limit is lowered to
+    2 here; the store's own is 100,000."""
+    monkeypatch.setattr(queue, "NO_WAIT_ANSWER_S", 1.0)
+    async with (
+        JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store,
+        JetStreamLightningStore(namespace) as runner,
+    ):
+        ids = [(await store.enqueue_rollout(i)).rollout_id for i in range(3)]
+        first = await runner.dequeue_rollout(worker_id="w")  # binds the consumer
+        cfg = dataclasses.replace(consumer_config("runners", namespace.namespace), max_ack_pending=2)
+        await runner.nc.jetstream().add_consumer(namespace.stream_name, cfg)
+        second = await runner.dequeue_rollout(worker_id="w")
+        assert [first.rollout_id, second.rollout_id] == ids[:2]
+        with caplog.at_level(logging.WARNING, logger=queue.__name__):
+            assert await runner.dequeue_rollout(worker_id="w") is None
+        assert any("max_ack_pending" in r.getMessage() for r in caplog.records)
+        await runner.update_attempt(first.rollout_id, first.attempt.attempt_id, status="succeeded")
+        third = await runner.dequeue_rollout(worker_id="w", wait_s=5)
+        assert third is not None and third.rollout_id == ids[2]

@@ -225,7 +225,7 @@ async def test_apply_streams_idempotent_and_updates(tmp_path: Path, services: tu
         assert stream.max_msg_size == 8 * 1024 * 1024 and stream.storage == "file"
         runners = (await js.consumer_info(settings.stream_name, "runners")).config
         assert runners.filter_subject == f"el.{settings.namespace}.r.*.q"
-        assert (runners.ack_policy, runners.ack_wait, runners.max_ack_pending) == ("explicit", 30, 10000)
+        assert (runners.ack_policy, runners.ack_wait, runners.max_ack_pending) == ("explicit", 30, 100000)
         template = consumer_config("projector", settings.namespace)
         assert (template.ack_policy, template.deliver_policy, template.mem_storage) == (
             "none",

@@ -16,6 +16,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+import nats.errors
 
 from eventlight.core.commands import RolloutState
 from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 HAND_BACK_CLOSE_WAIT_S = 0.5  # how long close lets cancelled pulls hand back an entry in flight
+NO_WAIT_ANSWER_S = 10.0  # how long a no_wait pull may take to answer before the server counts as down
 LONG_POLL_MARGIN_S = 5.0  # how much longer than its expiry a long poll waits for the server's answer
 EMPTY_CONFIRM_S = 0.010  # how long after a write a non-blocking dequeue waits for the consumer (see _pull)
 
@@ -151,15 +153,18 @@ class RunnersQueue:
             return None
         return (info.ts - info.state.last_ts).total_seconds()
 
-    async def _pull_request(self, request: bytes, timeout_s: float = 10.0) -> Any:
+    async def _pull_request(self, request: bytes, timeout_s: float | None = None) -> Any:
         """One pull request; JetStream delivers the message under its own subject, so each request
         needs an inbox of its own (idle inbox subscriptions are kept for the next call). ``None``
-        when the server answers that there is nothing (404, or 408 when the request expires).
+        when the server answers that there is nothing (404, or 408 when the request expires), or
+        when it does not answer in ``timeout_s`` (default ``NO_WAIT_ANSWER_S``) because the
+        consumer is at its ``max_ack_pending`` (``_at_max_ack_pending``).
 
         Raises:
             ServiceUnavailableError: No answer in ``timeout_s`` seconds, a transport error, or
                 another status (409: the consumer is gone or has too many waiting requests).
         """
+        timeout_s = NO_WAIT_ANSWER_S if timeout_s is None else timeout_s
         nc = self.log.nc
         inbox = self._inboxes.pop() if self._inboxes else await nc.subscribe(nc.new_inbox())
         answer: asyncio.Future[Any] | None = None
@@ -172,6 +177,8 @@ class RunnersQueue:
         except TRANSPORT_ERRORS as e:
             with contextlib.suppress(Exception):
                 await inbox.unsubscribe()  # a late answer must not reach the next caller
+            if isinstance(e, nats.errors.TimeoutError) and await self._at_max_ack_pending():
+                return None  # nothing claimable until a claim finishes
             raise ServiceUnavailableError(self.log.server(), f"pull from the runners queue failed: {e!r}") from e
         except asyncio.CancelledError:
             # The request stays at the server until it expires: an entry it delivers now would wait
@@ -191,6 +198,25 @@ class RunnersQueue:
                 self.log.server(), f"pull from the runners queue answered {status} {msg.headers}"
             )
         return msg
+
+    async def _at_max_ack_pending(self) -> bool:
+        """Whether the ``runners`` consumer holds as many unacknowledged claims as it allows
+        (``max_ack_pending``, ``streams/002_runners.json``): nats-server then leaves a ``no_wait``
+        pull unanswered instead of saying so (2.15.1). Logs a warning when it does."""
+        try:
+            with nats_errors(self.log.server, "consumer info"):
+                info = await self.log.js.consumer_info(self.log.stream, "runners")
+        except ServiceUnavailableError:
+            return False
+        limit, pending = info.config.max_ack_pending or 0, info.num_ack_pending or 0
+        if limit <= 0 or pending < limit:
+            return False
+        log.warning(
+            "the runners queue holds %d claims not yet finished, its max_ack_pending: nothing more can be "
+            "claimed until attempts finish (or their claims time out)",
+            pending,
+        )
+        return True
 
     async def _hand_back(self, inbox: Any, answer: asyncio.Future[Any]) -> None:
         """Wait for the answer to a pull whose caller was cancelled; a queue entry it brings is
