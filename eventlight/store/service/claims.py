@@ -60,6 +60,9 @@ class Claims(StorePlumbing):
             wait_s: Seconds to wait for work when the queue is empty (eventlight extension; the
                 Agent-lightning API is non-blocking, ``0``). Runners pass their poll interval so
                 an idle runner sleeps in the server instead of spinning (peer failure C19).
+                A caller cancelled mid-claim (``asyncio.wait_for``) leaves nothing stranded: an
+                attempt its claim started is marked ``failed``, an entry it did not claim goes
+                back to the queue at once.
             read_resources: Also read the claimed rollout's resources (its ``resources_id``, else
                 the latest), alongside the claim instead of after it: on JetStream both requests
                 leave in one write, and the runner waits one round trip less (eventlight extension;
@@ -67,7 +70,8 @@ class Claims(StorePlumbing):
                 made while the claim is appended: it shows the resources as of the claim.
 
         Raises:
-            InvalidInputError: ``worker_id`` is not a token, or ``wait_s`` is negative or not finite.
+            InvalidInputError: ``worker_id`` is not a token, or ``wait_s`` is not from 0 to
+                ``MAX_WAIT_S`` (3,600 s).
             InvalidTypeError: ``wait_s`` is not a number.
         """
         if worker_id is not None:
