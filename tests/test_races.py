@@ -18,6 +18,7 @@ import logging
 import multiprocessing as mp
 import os
 import random
+import time
 from collections import Counter
 from typing import Any
 
@@ -350,7 +351,7 @@ async def test_a_full_runners_consumer_answers_no_work_with_a_warning(
     interval micro benchmark claimed its 10,000th rollout, the limit then). Now: ``None`` and a
     warning naming the limit, and claims resume once an attempt finishes. The limit is lowered to
     2 here; the store's own is 100,000."""
-    monkeypatch.setattr(queue, "NO_WAIT_ANSWER_S", 1.0)
+    monkeypatch.setattr(queue, "NO_WAIT_ANSWER_S", 3.0)
     async with (
         JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store,
         JetStreamLightningStore(namespace) as runner,
@@ -363,7 +364,10 @@ async def test_a_full_runners_consumer_answers_no_work_with_a_warning(
         assert [first.rollout_id, second.rollout_id] == ids[:2]
         with caplog.at_level(logging.WARNING, logger=queue.__name__):
             assert await runner.dequeue_rollout(worker_id="w") is None
-        assert any("max_ack_pending" in r.getMessage() for r in caplog.records)
+            started = time.monotonic()
+            assert await runner.dequeue_rollout(worker_id="w") is None  # known full: asked, not pulled
+            assert time.monotonic() - started < queue.NO_WAIT_ANSWER_S / 2
+        assert sum("max_ack_pending" in r.getMessage() for r in caplog.records) == 1
         await runner.update_attempt(first.rollout_id, first.attempt.attempt_id, status="succeeded")
         third = await runner.dequeue_rollout(worker_id="w", wait_s=5)
         assert third is not None and third.rollout_id == ids[2]

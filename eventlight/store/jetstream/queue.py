@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 HAND_BACK_CLOSE_WAIT_S = 0.5  # how long close lets cancelled pulls hand back an entry in flight
+FULL_RECHECK_S = 1.0  # how long a consumer found full is asked before each non-blocking pull
 NO_WAIT_ANSWER_S = 10.0  # how long a no_wait pull may take to answer before the server counts as down
 LONG_POLL_MARGIN_S = 5.0  # how much longer than its expiry a long poll waits for the server's answer
 EMPTY_CONFIRM_S = 0.010  # how long after a write a non-blocking dequeue waits for the consumer (see _pull)
@@ -80,6 +81,7 @@ class RunnersQueue:
         self._sub: Any = None
         self._inboxes: list[Any] = []
         self._abandoned: set[asyncio.Task[None]] = set()  # inboxes of cancelled pulls, being settled
+        self._full_until = 0.0  # until then (monotonic s), non-blocking pulls ask the consumer first
 
     async def _subscription(self) -> Any:
         if self._sub is None:
@@ -125,6 +127,8 @@ class RunnersQueue:
         (``wait_s > 0``), which never takes this path.
         """
         started = time.monotonic()
+        if started < self._full_until and await self._at_max_ack_pending():
+            return None  # still full: asked in one round trip instead of a pull left unanswered
         msg = await self._pull_request(b'{"batch":1,"no_wait":true}')
         if msg is not None:
             return msg
@@ -202,7 +206,8 @@ class RunnersQueue:
     async def _at_max_ack_pending(self) -> bool:
         """Whether the ``runners`` consumer holds as many unacknowledged claims as it allows
         (``max_ack_pending``, ``streams/002_runners.json``): nats-server then leaves a ``no_wait``
-        pull unanswered instead of saying so (2.15.1). Logs a warning when it does."""
+        pull unanswered instead of saying so (2.15.1). Logs a warning when it becomes full; for
+        ``FULL_RECHECK_S`` after each time it is found full, non-blocking dequeues ask this first."""
         try:
             with nats_errors(self.log.server, "consumer info"):
                 info = await self.log.js.consumer_info(self.log.stream, "runners")
@@ -210,7 +215,11 @@ class RunnersQueue:
             return False
         limit, pending = info.config.max_ack_pending or 0, info.num_ack_pending or 0
         if limit <= 0 or pending < limit:
+            self._full_until = 0.0
             return False
+        was_full, self._full_until = self._full_until > 0, time.monotonic() + FULL_RECHECK_S
+        if was_full:
+            return True
         log.warning(
             "the runners queue holds %d claims not yet finished, its max_ack_pending: nothing more can be "
             "claimed until attempts finish (or their claims time out)",
