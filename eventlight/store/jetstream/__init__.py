@@ -192,6 +192,8 @@ class JetStreamLightningStore(EventStore):
         self._check_loop()
         await self._settle_abandoned_claims()  # while NATS and Postgres are still open
         self._cancel_claim_reads()
+        for task in self._background:  # what outlived the settle's wait stops with the connections
+            task.cancel()
         if self.projector is not None:
             await self.projector.close()
         if self.read_model is not None:
