@@ -343,6 +343,68 @@ async def test_a_store_closed_after_a_cancelled_dequeue_leaves_no_rollout_prepar
     assert stranded == []
 
 
+async def test_a_close_whose_caller_is_cancelled_still_closes_the_store(
+    namespace: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``close()`` settles the claims of cancelled dequeues first, which can take a while; its
+    caller cancelled meanwhile (``wait_for``, a second SIGTERM) does not leave the store half
+    closed: the close goes on, and another ``close()`` waits for it. Before, the cancelled close
+    stopped in its settle and the store stayed open."""
+    async with (
+        JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store,
+        JetStreamLightningStore(namespace) as runner,
+    ):
+        r = await store.enqueue_rollout("x")
+        reached, release = asyncio.Event(), asyncio.Event()
+        append = runner._event_log.append  # type: ignore[union-attr]
+
+        async def held_append(*args: Any, **kwargs: Any) -> Any:  # the claim: stored, answered late
+            version = await append(*args, **kwargs)
+            if not reached.is_set():
+                reached.set()
+                await release.wait()
+            return version
+
+        monkeypatch.setattr(runner._event_log, "append", held_append)
+        task = asyncio.create_task(runner.dequeue_rollout(worker_id="w1"))
+        await asyncio.wait_for(reached.wait(), 10)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        first = asyncio.create_task(runner.close())
+        await asyncio.sleep(0.05)
+        first.cancel()
+        second = asyncio.create_task(runner.close())
+        await asyncio.sleep(0.05)
+        assert not second.done(), "a second close returned while the first was still settling a claim"
+        release.set()
+        await asyncio.wait_for(second, 10)
+        assert runner.nc is not None and runner.nc.is_closed
+        await store.sync_all(timeout_s=10)
+        assert [(a.status, a.worker_id) for a in await store.query_attempts(r.rollout_id)] == [("failed", "w1")]
+
+
+async def test_a_cancelled_close_finishes_on_its_own(namespace: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The close of a store whose caller is cancelled during the settle still closes NATS."""
+    runner = await JetStreamLightningStore(namespace).start()
+    release = asyncio.Event()
+    settle = runner._settle_abandoned_claims
+
+    async def slow_settle() -> None:
+        await release.wait()
+        await settle()
+
+    monkeypatch.setattr(runner, "_settle_abandoned_claims", slow_settle)
+    closing = asyncio.create_task(runner.close())
+    await asyncio.sleep(0.05)
+    closing.cancel()
+    release.set()
+    deadline = time.monotonic() + 10
+    while not (runner.nc is not None and runner.nc.is_closed) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert runner.nc is not None and runner.nc.is_closed, "the cancelled close left NATS open"
+
+
 async def test_a_full_runners_consumer_answers_no_work_with_a_warning(
     namespace: Settings, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

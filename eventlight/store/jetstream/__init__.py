@@ -190,6 +190,9 @@ class JetStreamLightningStore(EventStore):
         if self._closed:
             return
         self._check_loop()
+        await super().close()
+
+    async def _close(self) -> None:
         await self._settle_abandoned_claims()  # while NATS and Postgres are still open
         self._cancel_claim_reads()
         for task in self._background:  # what outlived the settle's wait stops with the connections

@@ -48,6 +48,7 @@ class StorePlumbing(LightningStore):
         self._idle_marks: dict[str, float] = {}  # worker id -> clock of this store's last WorkerIdle
         self._known_resources: set[str] = set()  # ids seen to exist (a snapshot id, once put, stays)
         self._closed = False
+        self._closing: asyncio.Future[None] | None = None  # the close in progress (``close``)
         self._event_log: EventLog | None = None
         self._read_model: ReadModel | None = None
         self._commands: CommandLoop | None = None
@@ -99,9 +100,17 @@ class StorePlumbing(LightningStore):
         return self._read_model
 
     async def close(self) -> None:
-        """Close the read model and the log; idempotent."""
+        """Close the read model and the log; idempotent. Concurrent calls wait for the one close
+        (a caller cancelled meanwhile does not stop it); after a close that failed, the next call
+        tries again."""
         if self._closed:
             return
+        if self._closing is None or (self._closing.done() and not self._closed):
+            self._closing = asyncio.ensure_future(self._close())
+        await asyncio.shield(self._closing)
+
+    async def _close(self) -> None:
+        """What ``close`` does once."""
         await self._settle_abandoned_claims()  # while the ports are open
         self._closed = True
         self._cancel_claim_reads()
