@@ -18,11 +18,16 @@ import msgspec
 from eventlight.core.types import (
     Attempt,
     AttemptedRollout,
+    Event,
+    Link,
+    OtelResource,
     PaginatedResult,
     ResourcesUpdate,
     Rollout,
     RolloutConfig,
     Span,
+    SpanContext,
+    TraceStatus,
     Worker,
 )
 from eventlight.store.jetstream.pg_errors import pg_errors
@@ -166,7 +171,41 @@ _SPAN_FIELDS = (
 _SPAN_JSON = {"status", "attributes", "events", "links", "context", "parent", "resource"}
 
 
+_status_decoder = msgspec.json.Decoder(TraceStatus)
+_attributes_decoder = msgspec.json.Decoder(dict[str, Any])
+_events_decoder = msgspec.json.Decoder(list[Event])
+_links_decoder = msgspec.json.Decoder(list[Link])
+_context_decoder = msgspec.json.Decoder(SpanContext)
+_resource_decoder = msgspec.json.Decoder(OtelResource)
+
+
 def span_from_row(row: Sequence[Any]) -> Span:
+    """A ``SPAN_COLS`` row as a ``Span``: each JSON column decoded straight into its field's type
+    (a third less CPU than decoding to Python objects and converting the whole, with the bench's
+    4 KB attribute sets); a row that path refuses (a number out of msgspec's range, a ``NULL``)
+    goes through ``loads`` and ``msgspec.convert``, which explain what is wrong."""
+    try:
+        if None not in (row[7], row[8], row[9], row[10], row[15]):
+            return Span(
+                rollout_id=row[0],
+                attempt_id=row[1],
+                sequence_id=row[2],
+                trace_id=row[3],
+                span_id=row[4],
+                parent_id=row[5],
+                name=row[6],
+                status=_status_decoder.decode(row[7]),
+                attributes=_attributes_decoder.decode(row[8]),
+                events=_events_decoder.decode(row[9]),
+                links=_links_decoder.decode(row[10]),
+                start_time=row[11],
+                end_time=row[12],
+                context=None if row[13] is None else _context_decoder.decode(row[13]),
+                parent=None if row[14] is None else _context_decoder.decode(row[14]),
+                resource=_resource_decoder.decode(row[15]),
+            )
+    except msgspec.DecodeError:
+        pass
     doc = {k: (loads(v) if k in _SPAN_JSON else v) for k, v in zip(_SPAN_FIELDS, row, strict=True)}
     return msgspec.convert(doc, Span)
 
