@@ -187,7 +187,7 @@ class JetStreamLightningStore(EventStore):
         Raises:
             WrongEventLoopError: Called from another event loop than the one the store started on.
         """
-        if self._closed:
+        if self._closed and (self._closing is None or self._closing.done()):
             return
         self._check_loop()
         await super().close()

@@ -103,11 +103,12 @@ class StorePlumbing(LightningStore):
         """Close the read model and the log; idempotent. Concurrent calls wait for the one close
         (a caller cancelled meanwhile does not stop it); after a close that failed, the next call
         tries again."""
-        if self._closed:
-            return
-        if self._closing is None or (self._closing.done() and not self._closed):
-            self._closing = asyncio.ensure_future(self._close())
-        await asyncio.shield(self._closing)
+        closing = self._closing
+        if closing is None or closing.done():
+            if self._closed:
+                return
+            closing = self._closing = asyncio.ensure_future(self._close())
+        await asyncio.shield(closing)  # also while ``_closed`` is set midway (JetStream's ``_close``)
 
     async def _close(self) -> None:
         """What ``close`` does once."""
