@@ -36,6 +36,7 @@ from eventlight.store.jetstream.projector import Projector, ProjectorGroup
 from eventlight.store.jetstream.projector.partition import record_partitions
 from eventlight.store.jetstream.readmodel import SYNC_TIMEOUT_S, SqlReadModel
 from eventlight.store.service import EventStore
+from eventlight.store.service.plumbing import store_call
 
 __all__ = ["JetStreamLightningStore"]
 
@@ -193,6 +194,7 @@ class JetStreamLightningStore(EventStore):
         await super().close()
 
     async def _close(self) -> None:
+        await self._drain_calls()
         await self._settle_abandoned_claims()  # while NATS and Postgres are still open
         self._cancel_claim_reads()
         for task in self._background:  # what outlived the settle's wait stops with the connections
@@ -216,6 +218,7 @@ class JetStreamLightningStore(EventStore):
                 log.warning("Postgres connections did not close within %.0f s; terminating them", CLOSE_TIMEOUT_S)
                 self.pool.terminate()
 
+    @store_call
     async def sync(self, seq: int | None = None, timeout_s: float = SYNC_TIMEOUT_S) -> None:
         """Wait until the projection includes stream sequence ``seq`` (default: this store's last write).
 
@@ -232,6 +235,7 @@ class JetStreamLightningStore(EventStore):
             raise InvalidInputError("this store was opened without Postgres (pg_dsn=None); it cannot answer queries")
         return self.read_model
 
+    @store_call
     async def sync_all(self, timeout_s: float = SYNC_TIMEOUT_S) -> None:
         """Wait until the projection includes everything on the stream now, whoever wrote it."""
         log_ = self._log()
@@ -240,12 +244,14 @@ class JetStreamLightningStore(EventStore):
             info = await log_.js.stream_info(log_.stream)
         await self.sync(info.state.last_seq, timeout_s)
 
+    @store_call
     async def run_watchdog(self, now: float | None = None) -> list[AnyEvent]:
         """One watchdog tick at ``now`` (default: the clock) over the local projector's rollouts.
 
         Raises:
-            InvalidInputError: This store runs no projector.
+            InvalidInputError: This store runs no projector, or is closed.
         """
+        self._check_open()
         if self.projector is None:
             raise InvalidInputError("this store runs no projector (run_projector=False): its watchdog runs elsewhere")
         if isinstance(self.projector, ProjectorGroup):

@@ -45,6 +45,7 @@ import msgspec
 
 from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
 from eventlight.core.events import AnyEvent, ResourcesPut, encode_event
+from eventlight.store.futures import mark_seen
 from eventlight.store.jetstream.layout import rollout_filter, subject_for
 from eventlight.store.jetstream.nats_errors import WRONG_LAST_SEQUENCE, nats_errors
 
@@ -180,6 +181,7 @@ class AtomicAppender:
             finally:
                 self._in_flight -= 1
         request.done = asyncio.get_running_loop().create_future()
+        request.done.add_done_callback(mark_seen)  # a caller cancelled meanwhile never reads its error
         self._pending.append(request)
         if self._writer is None:
             self._writer = asyncio.create_task(self._drain())

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from eventlight.core.errors import ConcurrencyError, RolloutRetiredError
 from eventlight.core.events import SpansAdded
 from eventlight.core.types import Span
+from eventlight.store.futures import mark_seen
 from eventlight.store.ports import StaleStateError
 
 if TYPE_CHECKING:
@@ -90,6 +91,7 @@ class SpanLog:
                     break
                 del self._attempts[oldest]
         done: asyncio.Future[tuple[int | None, float, int]] = asyncio.get_running_loop().create_future()
+        done.add_done_callback(mark_seen)  # a caller cancelled meanwhile never reads its error
         state.pending.append(_Request(spans, numbered, reserve, msg_id, done))
         if state.writer is None:
             state.writer = asyncio.create_task(self._write(key, state))

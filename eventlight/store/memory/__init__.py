@@ -23,6 +23,7 @@ from eventlight.store.base import LightningStoreCapabilities
 from eventlight.store.memory.log import MemoryEventLog
 from eventlight.store.memory.readmodel import MemoryReadModel
 from eventlight.store.service import EventStore
+from eventlight.store.service.plumbing import store_call
 from eventlight.store.watchdog import Watchdog
 
 __all__ = ["InMemoryLightningStore", "MemoryEventLog", "MemoryReadModel"]
@@ -81,7 +82,16 @@ class InMemoryLightningStore(EventStore):
         self._watchdog_task = loop.create_task(self.watchdog.run(lambda: store() is None), name="eventlight-watchdog")
 
     async def close(self) -> None:
-        """Stop the watchdog; the data stay readable (the in-memory store never closes its log)."""
+        """Let the calls in flight finish and settle the claims of cancelled callers, as the
+        JetStream store does (``EventStore.close``), then stop the watchdog. The data stay readable
+        and writable afterwards (the in-memory store never closes its log); calls made while it
+        closes are refused."""
+        self._begin_close()
+        try:
+            await self._drain_calls()
+            await self._settle_abandoned_claims()
+        finally:
+            self._draining = False
         self._watchdog_closed = True
         task, self._watchdog_task = self._watchdog_task, None
         if task is None or task.done():
@@ -94,6 +104,7 @@ class InMemoryLightningStore(EventStore):
     async def sync_all(self, timeout_s: float = 0.0) -> None:
         """Nothing to wait for: reads see every write at once (the JetStream store's ``sync_all``)."""
 
+    @store_call
     async def run_watchdog(self, now: float | None = None) -> list[AnyEvent]:
         """One watchdog tick at ``now`` (default: the clock); the ``timeout``/``unresponsive`` events it wrote."""
         return await self.watchdog.tick(now)

@@ -21,8 +21,9 @@ from eventlight.core.types import (
     generate_id,
 )
 from eventlight.store.command_loop import Outcome
+from eventlight.store.futures import mark_seen
 from eventlight.store.ports import Queued
-from eventlight.store.service.plumbing import BACKGROUND_CLOSE_WAIT_S, StorePlumbing
+from eventlight.store.service.plumbing import BACKGROUND_CLOSE_WAIT_S, StorePlumbing, store_call
 from eventlight.store.validate import (
     check_token,
     check_wait,
@@ -36,10 +37,10 @@ MAX_IDLE_MARKS = 4096  # workers whose last idle mark this store remembers
 MAX_CLAIM_READS = 1024  # resources read with claims and not handed over yet, kept at most
 
 
-def _retrieve(read: asyncio.Future[ResourcesUpdate | None]) -> None:
-    """Mark a read's exception as seen (a read never handed over is not an asyncio warning)."""
-    if not read.cancelled():
-        read.exception()
+async def _nak_quietly(item: Queued) -> None:
+    """Hand ``item`` back; if its connection is gone, it comes back after the queue's ack wait."""
+    with contextlib.suppress(Exception):
+        await item.nak(0.0)
 
 
 def _cancel(read: asyncio.Future[ResourcesUpdate | None] | None) -> None:
@@ -50,6 +51,7 @@ def _cancel(read: asyncio.Future[ResourcesUpdate | None] | None) -> None:
 class Claims(StorePlumbing):
     """Claims from the work queue, and the worker idle/busy policy of empty polls."""
 
+    @store_call
     async def dequeue_rollout(
         self, worker_id: str | None = None, *, wait_s: float = 0.0, read_resources: bool = False
     ) -> AttemptedRollout | None:
@@ -81,7 +83,18 @@ class Claims(StorePlumbing):
         clock = asyncio.get_running_loop().time
         deadline = clock() + wait_s if wait_s > 0 else 0.0
         while True:
-            item = await log.next_queued(max(0.0, deadline - clock()) if wait_s > 0 else 0.0)
+            pull = asyncio.ensure_future(log.next_queued(max(0.0, deadline - clock()) if wait_s > 0 else 0.0))
+            try:
+                waited, item = await self._unless_closing(pull)
+            except BaseException:  # cancelled: an entry the pull brings (or brought) goes back
+                pull.add_done_callback(self._hand_back_late)
+                raise
+            if not waited:  # the store closes
+                pull.add_done_callback(self._hand_back_late)
+                return None
+            if item is not None and self._draining:  # arrived as the close began: claim nothing more
+                await item.nak(0.0)
+                return None
             if item is not None:
                 claimed = await self._claim(item, worker_id, read_resources)
                 if claimed is not None:
@@ -91,6 +104,16 @@ class Claims(StorePlumbing):
             if item is None or (wait_s > 0 and clock() >= deadline):
                 await self._mark_idle(worker_id)
                 return None
+
+    def _hand_back_late(self, pull: asyncio.Future[Queued | None]) -> None:
+        """A pull its dequeue gave up on (cancelled, or the store closes) that still brought an entry
+        (a cancel swallowed on its way): hand the entry back at once."""
+        if pull.cancelled() or pull.exception() is not None:
+            return
+        item = pull.result()
+        if item is not None:
+            log.info("handing back queue entry %d of rollout %s: its dequeue had given up", item.seq, item.rollout_id)
+            self._in_background(_nak_quietly(item))
 
     async def _claim(self, item: Queued, worker_id: str | None, read_resources: bool) -> AttemptedRollout | None:
         """Claim a queue entry: append ``AttemptStarted`` expecting the rollout's version; an entry
@@ -103,7 +126,7 @@ class Claims(StorePlumbing):
         if read_resources and item.created is not None:  # a requeued entry names none: read after the claim
             # Scheduled before the append, so on JetStream its request leaves with the claim's publish.
             read = asyncio.ensure_future(self._resources_for(named))
-            read.add_done_callback(_retrieve)
+            read.add_done_callback(mark_seen)
         claim = asyncio.ensure_future(self._loop.execute(item.rollout_id, cmd, hint=hint, max_tries=3))
         # Registered until the caller has its answer: a caller cancelled mid-claim (``wait_for``, a
         # runner shutting down) may have had its append stored already; its claim is then settled
@@ -206,6 +229,7 @@ class Claims(StorePlumbing):
         """A rollout's resources as a runner resolves them: by id, else the latest snapshot."""
         return await (self.get_resources_by_id(resources_id) if resources_id else self.get_latest_resources())
 
+    @store_call
     async def claimed_resources(self, rollout: Rollout) -> ResourcesUpdate | None:
         """The resources of a rollout this store claimed: those read with its claim
         (``dequeue_rollout(read_resources=True)``), else read now. ``None``: there are none.
@@ -241,8 +265,13 @@ class Claims(StorePlumbing):
         if len(self._idle_marks) >= MAX_IDLE_MARKS:
             self._idle_marks.pop(next(iter(self._idle_marks)))
         self._idle_marks[worker_id] = now
-        self._wrote(await self._log().publish(WorkerIdle(time=now, worker_id=worker_id)))
+        # Its own task, shielded: a cancelled caller stops waiting at once (nats-py's ``wait_for``
+        # could swallow the cancel), and the mark is written all the same.
+        mark = asyncio.ensure_future(self._log().publish(WorkerIdle(time=now, worker_id=worker_id)))
+        mark.add_done_callback(mark_seen)
+        self._wrote(await asyncio.shield(mark))
 
+    @store_call
     async def start_attempt(self, rollout_id: str, worker_id: str | None = None) -> AttemptedRollout:
         if worker_id is not None:
             check_token("worker_id", worker_id)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
+import functools
+import logging
 import time
-from collections.abc import Callable, Coroutine
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, ParamSpec, TypeVar
 
 from eventlight.core import commands as c
 from eventlight.core.errors import (
@@ -24,9 +27,46 @@ from eventlight.store.validate import (
     is_token,
 )
 
+log = logging.getLogger(__name__)
+
 UNSET = c.UNSET
 BACKGROUND_CLOSE_WAIT_S = 5.0  # how long ``close`` lets a cancelled caller's claim settle
+CLOSE_DRAIN_S = 5.0  # how long ``close`` lets the calls in flight finish before it closes the ports
 Unset = c.Unset
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+_inside: contextvars.ContextVar[object | None] = contextvars.ContextVar("eventlight_store_call", default=None)
+"""The store whose public call this task (or the task that created it) is inside: calls the store
+makes of itself (``dequeue_many_rollouts`` -> ``dequeue_rollout``, the settle of an abandoned claim
+-> ``update_attempt``) are not counted again, and go on while the store closes."""
+
+
+def store_call(fn: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Coroutine[Any, Any, T]]:
+    """Mark a public method of the store as a call ``close`` waits for.
+
+    While the store closes (``StorePlumbing.close``), a new call is refused with
+    ``InvalidInputError``, and ``close`` waits up to ``CLOSE_DRAIN_S`` for the calls in flight, so
+    a write that started before the close is stored and answered, not cut off with its connection.
+    """
+
+    @functools.wraps(fn)
+    async def call(*args: P.args, **kwargs: P.kwargs) -> T:
+        store = args[0]
+        assert isinstance(store, StorePlumbing)
+        if _inside.get() is store:
+            return await fn(*args, **kwargs)
+        store._enter_call()
+        token = _inside.set(store)
+        try:
+            return await fn(*args, **kwargs)
+        finally:
+            _inside.reset(token)
+            store._leave_call()
+
+    call.__store_call__ = True  # type: ignore[attr-defined]
+    return call
 
 
 class StorePlumbing(LightningStore):
@@ -49,6 +89,10 @@ class StorePlumbing(LightningStore):
         self._known_resources: set[str] = set()  # ids seen to exist (a snapshot id, once put, stays)
         self._closed = False
         self._closing: asyncio.Future[None] | None = None  # the close in progress (``close``)
+        self._draining = False  # a close has begun: new calls are refused (``store_call``)
+        self._calls = 0  # public calls in flight (``store_call``)
+        self._drained: asyncio.Future[None] | None = None  # done when ``_calls`` falls to 0 in a close
+        self._close_waiters: set[asyncio.Future[None]] = set()  # waits a close interrupts (``_unless_closing``)
         self._event_log: EventLog | None = None
         self._read_model: ReadModel | None = None
         self._commands: CommandLoop | None = None
@@ -66,6 +110,8 @@ class StorePlumbing(LightningStore):
     def _check_open(self) -> None:
         if self._closed:
             raise InvalidInputError("this store is closed")
+        if self._draining and _inside.get() is not self:
+            raise InvalidInputError("this store is closing")
         if self._event_log is None:
             raise InvalidInputError("the store is not started; use `async with store:` or `await store.start()`")
 
@@ -99,19 +145,86 @@ class StorePlumbing(LightningStore):
         await self._read_model.sync(self._last_write)
         return self._read_model
 
+    # -- calls in flight, and closing ---------------------------------------------------------------
+
+    def _enter_call(self) -> None:
+        self._check_open()
+        self._calls += 1
+
+    def _leave_call(self) -> None:
+        self._calls -= 1
+        if self._calls == 0 and self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+
+    async def _unless_closing(self, work: Awaitable[T]) -> tuple[bool, T | None]:
+        """Await ``work`` unless a close begins first: ``(True, its result)``, or ``(False, None)``
+        with ``work`` cancelled. For the waits of a call (a long poll, ``wait_for_rollouts``) that
+        would otherwise hold ``close`` up to ``CLOSE_DRAIN_S``.
+
+        The caller's own cancellation reaches it here, not through ``work``: a library that swallows
+        a cancel inside ``work`` (nats-py's ``wait_for`` on Python 3.11) cannot keep the caller
+        running. ``work`` is then cancelled too.
+        """
+        task = asyncio.ensure_future(work)
+        if self._draining:
+            task.cancel()
+            return False, None
+        closing = asyncio.get_running_loop().create_future()
+        self._close_waiters.add(closing)
+        try:
+            await asyncio.wait([task, closing], return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        finally:
+            self._close_waiters.discard(closing)
+            closing.cancel()
+        if task.done():
+            return True, task.result()
+        task.cancel()
+        return False, None
+
+    def _begin_close(self) -> None:
+        """Refuse new calls from now on, and end the waits of the calls in flight."""
+        self._draining = True
+        for waiter in list(self._close_waiters):
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def _drain_calls(self) -> None:
+        """Begin a close: refuse new calls, interrupt the waits of those in flight
+        (``_unless_closing``), and give them up to ``CLOSE_DRAIN_S`` to finish."""
+        self._begin_close()
+        if self._calls > 0:
+            self._drained = asyncio.get_running_loop().create_future()
+            try:
+                await asyncio.wait_for(asyncio.shield(self._drained), CLOSE_DRAIN_S)
+            except TimeoutError:
+                log.warning("%d store calls in flight after %.0f s; closing under them", self._calls, CLOSE_DRAIN_S)
+            finally:
+                self._drained = None
+
     async def close(self) -> None:
-        """Close the read model and the log; idempotent. Concurrent calls wait for the one close
-        (a caller cancelled meanwhile does not stop it); after a close that failed, the next call
-        tries again."""
+        """Close the read model and the log; idempotent.
+
+        New calls are refused from the start of the close (``InvalidInputError``); the calls in
+        flight get up to ``CLOSE_DRAIN_S`` (5 s) to finish, and their waits end at once: a
+        ``dequeue_rollout`` long poll returns ``None`` (an entry already on its way goes back to the
+        queue), ``wait_for_rollouts`` returns what has finished. Then the claims of cancelled
+        callers are settled (``Claims``), and the ports close. Concurrent calls wait for the one
+        close (a caller cancelled meanwhile does not stop it); after a close that failed, the next
+        call tries again."""
         closing = self._closing
         if closing is None or closing.done():
             if self._closed:
                 return
+            self._begin_close()  # at once: a call made after ``close()`` was called is refused
             closing = self._closing = asyncio.ensure_future(self._close())
         await asyncio.shield(closing)  # also while ``_closed`` is set midway (JetStream's ``_close``)
 
     async def _close(self) -> None:
         """What ``close`` does once."""
+        await self._drain_calls()
         await self._settle_abandoned_claims()  # while the ports are open
         self._closed = True
         self._cancel_claim_reads()
@@ -171,10 +284,15 @@ class StorePlumbing(LightningStore):
         """Settle what cancelled callers left (``Claims``); called first by ``close``."""
 
     def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
-        """Run ``work`` on, whatever happens to the caller (kept referenced until it ends)."""
-        task = asyncio.ensure_future(work)
+        """Run ``work`` on, whatever happens to the caller (kept referenced until it ends); the
+        store's own calls it makes go on while the store closes (``store_call``)."""
+        task = asyncio.ensure_future(self._as_store(work))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    async def _as_store(self, work: Coroutine[Any, Any, None]) -> None:
+        _inside.set(self)  # in this task's own context
+        await work
 
     def _cancel_claim_reads(self) -> None:
         """Cancel the resources reads made with claims and not handed over (the store closes)."""

@@ -15,7 +15,7 @@ from eventlight.core.types import (
     Span,
     Worker,
 )
-from eventlight.store.service.plumbing import StorePlumbing
+from eventlight.store.service.plumbing import StorePlumbing, store_call
 
 
 def _rollout_id(rollout_id: Any) -> str:
@@ -45,6 +45,7 @@ class Reads(StorePlumbing):
 
     # -- reads (the read model) -----------------------------------------------------------------
 
+    @store_call
     async def query_rollouts(
         self,
         *,
@@ -72,9 +73,11 @@ class Reads(StorePlumbing):
             rollout_ids=rollout_ids,
         )
 
+    @store_call
     async def get_rollout_by_id(self, rollout_id: str) -> Rollout | None:
         return await (await self._reads()).get_rollout_by_id(rollout_id)
 
+    @store_call
     async def query_attempts(
         self,
         rollout_id: str,
@@ -89,12 +92,28 @@ class Reads(StorePlumbing):
             _rollout_id(rollout_id), sort_by=sort_by, sort_order=sort_order, limit=limit, offset=offset
         )
 
+    @store_call
     async def get_latest_attempt(self, rollout_id: str) -> Attempt | None:
         return await (await self._reads()).get_latest_attempt(_rollout_id(rollout_id))
 
+    @store_call
     async def wait_for_rollouts(self, *, rollout_ids: list[str], timeout: float | None = None) -> list[Rollout]:
-        return await (await self._reads()).wait_for_rollouts(list(rollout_ids), timeout)
+        """The rollouts among ``rollout_ids`` that have finished, once all have or ``timeout``
+        seconds pass (``None``: no limit). A ``close()`` of this store ends the wait as a timeout
+        would: the rollouts finished by then.
 
+        Raises:
+            RolloutNotFoundError: An id names no rollout.
+        """
+        ids = list(rollout_ids)
+        reads = await self._reads()
+        waited, found = await self._unless_closing(reads.wait_for_rollouts(ids, timeout))
+        if waited:
+            assert found is not None
+            return found
+        return await reads.wait_for_rollouts(ids, 0.0)
+
+    @store_call
     async def query_spans(
         self,
         rollout_id: str,
@@ -144,6 +163,7 @@ class Reads(StorePlumbing):
             sort_order=sort_order,
         )
 
+    @store_call
     async def query_resources(
         self,
         *,
@@ -163,6 +183,7 @@ class Reads(StorePlumbing):
             offset=offset,
         )
 
+    @store_call
     async def query_workers(
         self,
         *,
@@ -186,6 +207,7 @@ class Reads(StorePlumbing):
             worker_id_in=worker_id_in,
         )
 
+    @store_call
     async def statistics(self) -> dict[str, Any]:
         """Counts of rollouts, attempts, spans, resources and workers, plus ``name`` and ``uptime``
         (seconds since this store object was made, as in Agent-lightning 0.3.0)."""

@@ -11,7 +11,7 @@ from eventlight.core.types import (
     Span,
     Worker,
 )
-from eventlight.store.service.plumbing import UNSET, StorePlumbing, Unset
+from eventlight.store.service.plumbing import UNSET, StorePlumbing, Unset, store_call
 from eventlight.store.validate import (
     check_one_attempt,
     check_spans,
@@ -25,10 +25,12 @@ class Reports(StorePlumbing):
 
     # -- spans ----------------------------------------------------------------------------------
 
+    @store_call
     async def add_many_spans(self, spans: Sequence[Span]) -> list[Span]:
         check_spans(spans)
         return await self._spans.add(spans, numbered=False)
 
+    @store_call
     async def add_spans_numbered(self, rollout_id: str, attempt_id: str, spans: Sequence[Span]) -> list[Span]:
         """Give ``spans`` the attempt's next sequence ids, in order, and record them (one append).
 
@@ -44,11 +46,13 @@ class Reports(StorePlumbing):
         check_spans(spans)
         return await self._spans.add(spans, numbered=True)
 
+    @store_call
     async def get_many_span_sequence_ids(self, rollout_attempt_ids: Sequence[tuple[str, str]]) -> list[int]:
         return await self._spans.reserve(rollout_attempt_ids)
 
     # -- workers --------------------------------------------------------------------------------
 
+    @store_call
     async def update_worker(self, worker_id: str, heartbeat_stats: dict[str, Any] | Unset = UNSET) -> Worker:
         """Record a heartbeat; also keeps this store's claimed queue entries in progress.
 
@@ -70,6 +74,7 @@ class Reports(StorePlumbing):
         assert found is not None
         return found
 
+    @store_call
     async def get_worker_by_id(self, worker_id: str) -> Worker | None:
         page = await (await self._reads()).query_workers(worker_id_in=[worker_id])
         return page[0] if page else None

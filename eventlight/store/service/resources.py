@@ -8,7 +8,7 @@ from eventlight.core.types import (
     ResourcesUpdate,
     generate_id,
 )
-from eventlight.store.service.plumbing import StorePlumbing
+from eventlight.store.service.plumbing import StorePlumbing, store_call
 from eventlight.store.validate import (
     check_payload,
     check_resources,
@@ -38,17 +38,21 @@ class Resources(StorePlumbing):
         self._known_resources.add(resources_id)
         return snap
 
+    @store_call
     async def add_resources(self, resources: NamedResources) -> ResourcesUpdate:
         return await self._put(generate_id("rs-", 12), resources, None)
 
+    @store_call
     async def update_resources(self, resources_id: str, resources: NamedResources) -> ResourcesUpdate:
         check_token("resources_id", resources_id)
         return await self._put(resources_id, resources, await self.get_resources_by_id(resources_id))
 
+    @store_call
     async def get_resources_by_id(self, resources_id: str) -> ResourcesUpdate | None:
         if not isinstance(resources_id, str) or not is_token(resources_id):
             return None  # not a subject token: no snapshot can have this id
         return await self._log().resources(resources_id)
 
+    @store_call
     async def get_latest_resources(self) -> ResourcesUpdate | None:
         return await self._log().resources(None)

@@ -23,7 +23,7 @@ from eventlight.core.types import (
     RolloutStatus,
     generate_id,
 )
-from eventlight.store.service.plumbing import UNSET, StorePlumbing, Unset
+from eventlight.store.service.plumbing import UNSET, StorePlumbing, Unset, store_call
 from eventlight.store.validate import (
     check_payload,
     check_token,
@@ -58,6 +58,7 @@ class RolloutCommands(StorePlumbing):
         check_payload("enqueue_rollout", cmd)
         return cmd
 
+    @store_call
     async def enqueue_rollout(
         self,
         input: Any,
@@ -72,6 +73,7 @@ class RolloutCommands(StorePlumbing):
         )
         return state.rollout
 
+    @store_call
     async def enqueue_many_rollouts(self, rollouts: Sequence[EnqueueRolloutRequest]) -> list[Rollout]:
         """``enqueue_rollout`` for each request, concurrently (their events may share one atomic
         batch); results in request order. Every request is checked before any is sent."""
@@ -87,6 +89,7 @@ class RolloutCommands(StorePlumbing):
         states = await asyncio.gather(*(self._create_rollout(builder(r), r.resources_id) for r in rollouts))
         return [s.rollout for s in states]
 
+    @store_call
     async def start_rollout(
         self,
         input: Any,
@@ -121,6 +124,7 @@ class RolloutCommands(StorePlumbing):
             self._idle_marks.pop(worker_id, None)
         return started
 
+    @store_call
     async def update_rollout(
         self,
         rollout_id: str,
@@ -139,6 +143,7 @@ class RolloutCommands(StorePlumbing):
             raise ResourcesNotFoundError(resources_id)
         return (await self._loop.execute(rollout_id, cmd)).state.rollout
 
+    @store_call
     async def update_attempt(
         self,
         rollout_id: str,
