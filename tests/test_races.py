@@ -151,9 +151,9 @@ async def test_an_empty_dequeue_is_confirmed_only_while_the_stream_is_being_writ
         pulls: list[str] = []
         real = runner.log.queue._pull_request
 
-        async def counting(request: bytes) -> object:
+        async def counting(request: bytes, **kw: Any) -> object:
             pulls.append("no_wait" if b"no_wait" in request else "confirm")
-            return await real(request)
+            return await real(request, **kw)
 
         monkeypatch.setattr(runner.log.queue, "_pull_request", counting)
         r = await alg.enqueue_rollout("x")
@@ -181,8 +181,8 @@ async def test_an_empty_answer_from_a_lagging_consumer_count_is_confirmed(
     ):
         real = runner.log.queue._pull_request
 
-        async def lagging(request: bytes) -> object:
-            return None if b"no_wait" in request else await real(request)
+        async def lagging(request: bytes, **kw: Any) -> object:
+            return None if b"no_wait" in request else await real(request, **kw)
 
         monkeypatch.setattr(runner.log.queue, "_pull_request", lagging)
         r = await alg.enqueue_rollout("x")
@@ -431,8 +431,10 @@ async def test_a_full_runners_consumer_answers_no_work_with_a_warning(
     """nats-server leaves a ``no_wait`` pull unanswered while the consumer holds ``max_ack_pending``
     unfinished claims; a non-blocking dequeue then said "cannot reach nats" after 10 s (the
     interval micro benchmark claimed its 10,000th rollout, the limit then). Now: ``None`` and a
-    warning naming the limit, and claims resume once an attempt finishes. The limit is lowered to
-    2 here; the store's own is 100,000."""
+    warning naming the limit, and claims resume once an attempt finishes. A store that has not seen
+    it full yet asks once its pull has waited ``FULL_PROBE_S``; one that has asks first, for as long
+    as it stays full (before, only for 1 s: the next pulls waited out ``NO_WAIT_ANSWER_S``). The
+    limit is lowered to 2 here; the store's own is 100,000."""
     monkeypatch.setattr(queue, "NO_WAIT_ANSWER_S", 3.0)
     async with (
         JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store,
@@ -449,7 +451,16 @@ async def test_a_full_runners_consumer_answers_no_work_with_a_warning(
             started = time.monotonic()
             assert await runner.dequeue_rollout(worker_id="w") is None  # known full: asked, not pulled
             assert time.monotonic() - started < queue.NO_WAIT_ANSWER_S / 2
-        assert sum("max_ack_pending" in r.getMessage() for r in caplog.records) == 1
+            await asyncio.sleep(1.2)  # still full a while later: still asked first (it pulled, 10 s)
+            started = time.monotonic()
+            assert await runner.dequeue_rollout(worker_id="w") is None
+            assert time.monotonic() - started < queue.NO_WAIT_ANSWER_S / 2
+            assert sum("max_ack_pending" in r.getMessage() for r in caplog.records) == 1  # said once
+            runner.log.queue._full = False  # as a store that has not seen it full yet
+            started = time.monotonic()
+            answers = await asyncio.gather(*(runner.dequeue_rollout(worker_id=f"o{i}") for i in range(3)))
+            assert answers == [None] * 3
+            assert time.monotonic() - started < queue.NO_WAIT_ANSWER_S / 2, "the unanswered pulls were waited out"
         await runner.update_attempt(first.rollout_id, first.attempt.attempt_id, status="succeeded")
         third = await runner.dequeue_rollout(worker_id="w", wait_s=5)
         assert third is not None and third.rollout_id == ids[2]

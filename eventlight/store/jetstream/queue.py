@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 HAND_BACK_CLOSE_WAIT_S = 0.5  # how long close lets cancelled pulls hand back an entry in flight
-FULL_RECHECK_S = 1.0  # how long a consumer found full is asked before each non-blocking pull
+FULL_PROBE_S = 0.5  # a no_wait pull unanswered this long asks whether the consumer is full (see _pull_request)
 NO_WAIT_ANSWER_S = 10.0  # how long a no_wait pull may take to answer before the server counts as down
 LONG_POLL_MARGIN_S = 5.0  # how much longer than its expiry a long poll waits for the server's answer
 EMPTY_CONFIRM_S = 0.010  # how long after a write a non-blocking dequeue waits for the consumer (see _pull)
@@ -81,7 +81,7 @@ class RunnersQueue:
         self._sub: Any = None
         self._inboxes: list[Any] = []
         self._abandoned: set[asyncio.Task[None]] = set()  # inboxes of cancelled pulls, being settled
-        self._full_until = 0.0  # until then (monotonic s), non-blocking pulls ask the consumer first
+        self._full = False  # found full: non-blocking pulls ask the consumer first, until it is not
 
     async def _subscription(self) -> Any:
         if self._sub is None:
@@ -127,9 +127,9 @@ class RunnersQueue:
         (``wait_s > 0``), which never takes this path.
         """
         started = time.monotonic()
-        if started < self._full_until and await self._at_max_ack_pending():
+        if self._full and await self._at_max_ack_pending():
             return None  # still full: asked in one round trip instead of a pull left unanswered
-        msg = await self._pull_request(b'{"batch":1,"no_wait":true}')
+        msg = await self._pull_request(b'{"batch":1,"no_wait":true}', probe_full=True)
         if msg is not None:
             return msg
         age = await self._last_write_age()
@@ -157,12 +157,15 @@ class RunnersQueue:
             return None
         return (info.ts - info.state.last_ts).total_seconds()
 
-    async def _pull_request(self, request: bytes, timeout_s: float | None = None) -> Any:
+    async def _pull_request(self, request: bytes, timeout_s: float | None = None, probe_full: bool = False) -> Any:
         """One pull request; JetStream delivers the message under its own subject, so each request
         needs an inbox of its own (idle inbox subscriptions are kept for the next call). ``None``
         when the server answers that there is nothing (404, or 408 when the request expires), or
         when it does not answer in ``timeout_s`` (default ``NO_WAIT_ANSWER_S``) because the
-        consumer is at its ``max_ack_pending`` (``_at_max_ack_pending``).
+        consumer is at its ``max_ack_pending`` (``_at_max_ack_pending``). With ``probe_full`` (a
+        ``no_wait`` pull, which answers in a round trip unless the consumer is full), that is asked
+        once the pull has waited ``FULL_PROBE_S``; a full consumer answers ``None`` then, and an
+        entry the request still brings later is handed back (``_hand_back``).
 
         Raises:
             ServiceUnavailableError: No answer in ``timeout_s`` seconds, a transport error, or
@@ -177,6 +180,11 @@ class RunnersQueue:
             # A task of its own, shielded: nats-py's ``next_msg`` takes the message off the inbox in
             # a child task, so cancelling it at the wrong moment would drop a delivered entry.
             answer = asyncio.ensure_future(inbox.next_msg(timeout=timeout_s))
+            if probe_full:
+                done, _ = await asyncio.wait([answer], timeout=FULL_PROBE_S)
+                if not done and await self._at_max_ack_pending():
+                    self._settle_later(inbox, answer)
+                    return None
             msg = await asyncio.shield(answer)
         except TRANSPORT_ERRORS as e:
             with contextlib.suppress(Exception):
@@ -189,9 +197,7 @@ class RunnersQueue:
             # out the consumer's ack wait (30 s) before another runner got it. Hand it back at once.
             if answer is None:
                 answer = asyncio.ensure_future(inbox.next_msg(timeout=timeout_s))
-            task = asyncio.ensure_future(self._hand_back(inbox, answer))
-            self._abandoned.add(task)
-            task.add_done_callback(self._abandoned.discard)
+            self._settle_later(inbox, answer)
             raise
         self._inboxes.append(inbox)
         status = (msg.headers or {}).get("Status")
@@ -203,11 +209,17 @@ class RunnersQueue:
             )
         return msg
 
+    def _settle_later(self, inbox: Any, answer: asyncio.Future[Any]) -> None:
+        """Leave a pull nobody waits for to ``_hand_back`` (``close`` waits a little for it)."""
+        task = asyncio.ensure_future(self._hand_back(inbox, answer))
+        self._abandoned.add(task)
+        task.add_done_callback(self._abandoned.discard)
+
     async def _at_max_ack_pending(self) -> bool:
         """Whether the ``runners`` consumer holds as many unacknowledged claims as it allows
         (``max_ack_pending``, ``streams/002_runners.json``): nats-server then leaves a ``no_wait``
-        pull unanswered instead of saying so (2.15.1). Logs a warning when it becomes full; for
-        ``FULL_RECHECK_S`` after each time it is found full, non-blocking dequeues ask this first."""
+        pull unanswered instead of saying so (2.15.1). Logs a warning when it becomes full; from
+        then until it is found not full, non-blocking dequeues ask this first."""
         try:
             with nats_errors(self.log.server, "consumer info"):
                 info = await self.log.js.consumer_info(self.log.stream, "runners")
@@ -215,9 +227,9 @@ class RunnersQueue:
             return False
         limit, pending = info.config.max_ack_pending or 0, info.num_ack_pending or 0
         if limit <= 0 or pending < limit:
-            self._full_until = 0.0
+            self._full = False
             return False
-        was_full, self._full_until = self._full_until > 0, time.monotonic() + FULL_RECHECK_S
+        was_full, self._full = self._full, True
         if was_full:
             return True
         log.warning(
