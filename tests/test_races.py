@@ -169,11 +169,49 @@ async def test_an_empty_dequeue_is_confirmed_only_while_the_stream_is_being_writ
         assert pulls == ["no_wait"]  # nothing written since: the empty answer stands
 
 
-async def test_an_empty_answer_from_a_lagging_consumer_count_is_confirmed(
+async def test_after_an_empty_answer_the_next_pull_asks_for_the_last_write_with_it(
     namespace: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A poller of an empty queue pays one round trip a dequeue, not two: once a non-blocking pull
+    found nothing, the next one's ``STREAM.INFO`` is sent before its answer comes; a pull that
+    found a message does not do so for the next one."""
+    async with (
+        JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as alg,
+        JetStreamLightningStore(namespace) as runner,
+    ):
+        q = runner.log.queue
+        steps: list[str] = []
+        real_pull, real_age = q._pull_request, q._last_write_age
+
+        async def pull(request: bytes, **kw: Any) -> object:
+            msg = await real_pull(request, **kw)
+            steps.append("pull answered")
+            return msg
+
+        async def age() -> object:
+            steps.append("info asked")
+            return await real_age()
+
+        monkeypatch.setattr(q, "_pull_request", pull)
+        monkeypatch.setattr(q, "_last_write_age", age)
+        await alg.enqueue_rollout("x")
+        assert await runner.dequeue_rollout(worker_id="w") is not None
+        assert await runner.dequeue_rollout(worker_id="w") is None
+        # after a message, one by one (then a confirming pull: the claim was just written)
+        assert steps[:3] == ["pull answered", "pull answered", "info asked"]
+        await asyncio.sleep(EMPTY_CONFIRM_S * 5)
+        steps.clear()
+        assert await runner.dequeue_rollout(worker_id="w") is None
+        assert steps == ["info asked", "pull answered"]  # after an empty answer: together
+
+
+@pytest.mark.parametrize("found_empty", [False, True])
+async def test_an_empty_answer_from_a_lagging_consumer_count_is_confirmed(
+    namespace: Settings, monkeypatch: pytest.MonkeyPatch, found_empty: bool
+) -> None:
     """The server counts a new queue message a moment after acknowledging its publish; simulated
-    here by a no-wait pull that always answers "no messages": the confirming pull finds it."""
+    here by a no-wait pull that always answers "no messages": the confirming pull finds it, also
+    when the stream's last write time was asked together with the pull (after an empty answer)."""
     monkeypatch.setattr(queue, "EMPTY_CONFIRM_S", 1.0)  # a window no slow machine overruns
     async with (
         JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as alg,
@@ -186,6 +224,7 @@ async def test_an_empty_answer_from_a_lagging_consumer_count_is_confirmed(
 
         monkeypatch.setattr(runner.log.queue, "_pull_request", lagging)
         r = await alg.enqueue_rollout("x")
+        runner.log.queue._found_empty = found_empty
         got = await runner.dequeue_rollout(worker_id="w")
         assert got is not None and got.rollout_id == r.rollout_id
 

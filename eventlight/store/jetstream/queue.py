@@ -21,6 +21,7 @@ import nats.errors
 from eventlight.core.commands import RolloutState
 from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
 from eventlight.core.events import RolloutCreated, decode_event
+from eventlight.store.futures import mark_seen
 from eventlight.store.jetstream.definitions import consumer_config
 from eventlight.store.jetstream.layout import rollout_of_subject
 from eventlight.store.jetstream.nats_errors import TRANSPORT_ERRORS, nats_errors
@@ -82,6 +83,7 @@ class RunnersQueue:
         self._inboxes: list[Any] = []
         self._abandoned: set[asyncio.Task[None]] = set()  # inboxes of cancelled pulls, being settled
         self._full = False  # found full: non-blocking pulls ask the consumer first, until it is not
+        self._found_empty = False  # the last non-blocking pull found nothing (see ``_pull``)
 
     async def _subscription(self) -> Any:
         if self._sub is None:
@@ -121,18 +123,31 @@ class RunnersQueue:
         loaded machine; the rollout was visible 0.7-7.5 ms after its ack). So an empty answer stands
         only if the stream has had no write in the ``EMPTY_CONFIRM_S`` before it, by the server's
         clock (``_last_write_age``, one ``STREAM.INFO``); otherwise a pull that waits out the rest
-        of that time confirms it. An empty queue thus answers in two round trips when the stream is
-        quiet, and in about ``EMPTY_CONFIRM_S`` plus two round trips (12 ms p50 measured) right
-        after any write to the namespace's stream, not only a queue write. Runners long-poll
-        (``wait_s > 0``), which never takes this path.
+        of that time confirms it. After an empty answer, the next pull's ``STREAM.INFO`` leaves with
+        it (one write, both answers in one round trip; the info only serves if the pull finds
+        nothing again): a poller of an empty queue waits one round trip a dequeue while the stream
+        is quiet, and about ``EMPTY_CONFIRM_S`` more right after any write to the namespace's
+        stream, not only a queue write. (Sent together, the info can be read just before the pull
+        is answered; it still sees every write acknowledged before the dequeue began, which is what
+        the empty answer must account for.) Runners long-poll (``wait_s > 0``), which never takes
+        this path.
         """
         started = time.monotonic()
         if self._full and await self._at_max_ack_pending():
             return None  # still full: asked in one round trip instead of a pull left unanswered
-        msg = await self._pull_request(b'{"batch":1,"no_wait":true}', probe_full=True)
+        info = asyncio.ensure_future(self._last_write_age()) if self._found_empty else None
+        if info is not None:
+            info.add_done_callback(mark_seen)  # unread when the pull brings a message
+        try:
+            msg = await self._pull_request(b'{"batch":1,"no_wait":true}', probe_full=True)
+        except BaseException:
+            if info is not None:
+                info.cancel()
+            raise
+        self._found_empty = msg is None
         if msg is not None:
             return msg
-        age = await self._last_write_age()
+        age = await (info if info is not None else self._last_write_age())
         # the empty answer came at most `elapsed` before the age was read
         wait = EMPTY_CONFIRM_S if age is None else EMPTY_CONFIRM_S - age + (time.monotonic() - started)
         if wait <= 0:
