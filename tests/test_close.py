@@ -192,6 +192,65 @@ async def test_a_program_that_closes_its_store_and_exits_leaves_no_claim_behind(
     assert sorted(preparing - returned) == []
 
 
+async def test_a_runner_store_closed_during_its_first_pulls_holds_no_entry(namespace: Settings) -> None:
+    """Dequeues start on a runner store that has just started (its first pull creates the queue's
+    subscription, where nats-py can swallow a cancel), and the store closes a few loop turns later;
+    no caller is cancelled. Every rollout no dequeue returned is claimable by another store at
+    once. Before, the pulls went on after their cancel, delivered entries after NATS had closed,
+    and those waited out the 30 s ack wait (12 of 30 trials in a fresh reviewer's repro)."""
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
+        for turns in (3, 4, 5, 6, 7, 3, 4, 5):
+            ids = {(await store.enqueue_rollout(i)).rollout_id for i in range(4)}
+            runner = await JetStreamLightningStore(namespace).start()
+            tasks = [asyncio.create_task(runner.dequeue_rollout(worker_id=f"w{i}", wait_s=2)) for i in range(4)]
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            await runner.close()
+            answers = await asyncio.gather(*tasks, return_exceptions=True)
+            left = ids - {a.rollout_id for a in answers if a is not None and not isinstance(a, BaseException)}
+            for a in answers:
+                if a is not None and not isinstance(a, BaseException):
+                    await store.update_attempt(a.rollout_id, a.attempt.attempt_id, status="succeeded")
+            async with JetStreamLightningStore(namespace) as nxt:
+                for _ in range(len(left)):
+                    got = await nxt.dequeue_rollout(worker_id="next", wait_s=3)
+                    assert got is not None, f"{len(left)} entries left, one held after {turns} turns"
+                    left.discard(got.rollout_id)
+                    await nxt.update_attempt(got.rollout_id, got.attempt.attempt_id, status="succeeded")
+            assert left == set()
+
+
+async def test_concurrent_closes_of_an_in_memory_store_end_together() -> None:
+    """Two ``close()`` calls while a call is in flight both return once it ends; before, the second
+    took over the first's drain and the first waited its full 5 s."""
+    async with InMemoryLightningStore() as store:
+        r = await store.start_rollout("x", worker_id="w")
+        append = store._event_log.append
+
+        async def slow_append(*args: Any, **kwargs: Any) -> Any:
+            await asyncio.sleep(0.2)
+            return await append(*args, **kwargs)
+
+        store._event_log.append = slow_append  # type: ignore[method-assign]
+        update = asyncio.create_task(store.update_attempt(r.rollout_id, r.attempt.attempt_id, status="succeeded"))
+        await asyncio.sleep(0.01)
+        closes = asyncio.gather(store.close(), store.close())
+        await asyncio.wait_for(closes, 3)
+        assert (await update).status == "succeeded"
+
+
+async def test_close_ends_a_sync_in_flight(namespace: Settings) -> None:
+    """``sync()`` waiting for a position the projection never reaches ends when its store closes,
+    with ``InvalidInputError``, instead of holding the close 5 s and then failing on a closed pool."""
+    store = await JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn).start()
+    waiting = asyncio.create_task(store.sync(10**9, timeout_s=60))
+    await asyncio.sleep(0.2)
+    closing = asyncio.create_task(store.close())
+    with pytest.raises(InvalidInputError, match="closed before the projection"):
+        await asyncio.wait_for(waiting, 3)
+    await asyncio.wait_for(closing, 10)
+
+
 async def test_a_closed_jetstream_store_refuses_the_watchdog(namespace: Settings) -> None:
     """``run_watchdog`` after ``close()`` says the store is closed, as every other call does."""
     store = await JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn).start()

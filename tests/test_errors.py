@@ -133,3 +133,21 @@ def test_cli_runner_with_an_unknown_agent_fails_clearly() -> None:
     result = run_cli("runner", "no_such_module:agent")
     assert result.returncode == 2 and "no module named 'no_such_module'" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("what", "unknown"),
+    [("publish to el.x.r.ro-1.e", True), ("atomic batch of 3 messages to EL_X", True), ("reading el.x.res.>", False)],
+)
+def test_a_write_whose_acknowledgement_never_came_says_its_outcome_is_unknown(what: str, unknown: bool) -> None:
+    """A publish that timed out (or whose connection closed) may have been stored: its error says
+    so, where a read's does not (a fresh reviewer saw stored writes answered as plain failures)."""
+    import nats.errors
+
+    from eventlight.store.jetstream.nats_errors import nats_errors
+
+    for cause in (nats.errors.TimeoutError(), nats.errors.ConnectionClosedError()):
+        with pytest.raises(ServiceUnavailableError) as info:
+            with nats_errors("nats://127.0.0.1:4222", what):
+                raise cause
+        assert ("outcome is unknown" in str(info.value)) is unknown

@@ -224,10 +224,12 @@ class JetStreamLightningStore(EventStore):
 
         Raises:
             ServiceUnavailableError: The projector did not get there within ``timeout_s`` seconds.
-            InvalidInputError: The store has no Postgres.
+            InvalidInputError: The store has no Postgres, or closed meanwhile.
         """
         reads = await self._reads_unsynced()
-        await reads.sync(self._last_write if seq is None else seq, timeout_s)
+        waited, _ = await self._unless_closing(reads.sync(self._last_write if seq is None else seq, timeout_s))
+        if not waited:
+            raise InvalidInputError("this store closed before the projection caught up")
 
     async def _reads_unsynced(self) -> SqlReadModel:
         self._check_open()

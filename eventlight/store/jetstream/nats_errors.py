@@ -103,6 +103,13 @@ class nats_errors:  # noqa: N801 - used as a function: ``with nats_errors(server
         if isinstance(e, nats.errors.MaxPayloadError):
             raise InvalidInputError(f"{what}: the event is larger than the NATS server's max_payload ({e!r})") from e
         if isinstance(e, TRANSPORT_ERRORS):
+            if what.startswith(("publish", "atomic batch")) and isinstance(
+                e, NO_MESSAGES + (nats.errors.ConnectionClosedError,)
+            ):
+                # the publish left; its acknowledgement did not come back
+                raise ServiceUnavailableError(
+                    self._name(), f"{what} failed: {e!r}; the server may have stored it (the outcome is unknown)"
+                ) from e
             raise ServiceUnavailableError(self._name(), f"{what} failed: {e!r}") from e
         return False
 

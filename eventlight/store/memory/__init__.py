@@ -85,8 +85,10 @@ class InMemoryLightningStore(EventStore):
         """Let the calls in flight finish and settle the claims of cancelled callers, as the
         JetStream store does (``EventStore.close``), then stop the watchdog. The data stay readable
         and writable afterwards (the in-memory store never closes its log); calls made while it
-        closes are refused."""
-        self._begin_close()
+        closes are refused; concurrent calls wait for the one close."""
+        await super().close()
+
+    async def _close(self) -> None:
         try:
             await self._drain_calls()
             await self._settle_abandoned_claims()

@@ -37,10 +37,25 @@ MAX_IDLE_MARKS = 4096  # workers whose last idle mark this store remembers
 MAX_CLAIM_READS = 1024  # resources read with claims and not handed over yet, kept at most
 
 
-async def _nak_quietly(item: Queued) -> None:
-    """Hand ``item`` back; if its connection is gone, it comes back after the queue's ack wait."""
-    with contextlib.suppress(Exception):
-        await item.nak(0.0)
+GIVE_UP_RECANCEL_S = 0.05  # how often a pull its dequeue gave up on is cancelled again (``_give_up``)
+
+
+async def _give_up(pull: asyncio.Future[Queued | None]) -> None:
+    """End a pull its dequeue gave up on (its caller was cancelled, or the store closes), and hand
+    back an entry it brings all the same. The pull is cancelled again until it ends: nats-py's
+    ``wait_for`` can swallow a cancel (creating the queue's subscription, on Python 3.11), and the
+    pull would then go on to wait out its long poll. Run in the background, so ``close`` waits for
+    it (up to ``BACKGROUND_CLOSE_WAIT_S``) before it closes the connection the hand-back needs."""
+    while not pull.done():
+        pull.cancel()
+        await asyncio.wait([pull], timeout=GIVE_UP_RECANCEL_S)
+    if pull.cancelled() or pull.exception() is not None:
+        return
+    item = pull.result()
+    if item is not None:
+        log.info("handing back queue entry %d of rollout %s: its dequeue had given up", item.seq, item.rollout_id)
+        with contextlib.suppress(Exception):  # if the connection is gone, it comes back after the ack wait
+            await item.nak(0.0)
 
 
 def _cancel(read: asyncio.Future[ResourcesUpdate | None] | None) -> None:
@@ -87,10 +102,10 @@ class Claims(StorePlumbing):
             try:
                 waited, item = await self._unless_closing(pull)
             except BaseException:  # cancelled: an entry the pull brings (or brought) goes back
-                pull.add_done_callback(self._hand_back_late)
+                self._in_background(_give_up(pull))
                 raise
             if not waited:  # the store closes
-                pull.add_done_callback(self._hand_back_late)
+                self._in_background(_give_up(pull))
                 return None
             if item is not None and self._draining:  # arrived as the close began: claim nothing more
                 await item.nak(0.0)
@@ -104,16 +119,6 @@ class Claims(StorePlumbing):
             if item is None or (wait_s > 0 and clock() >= deadline):
                 await self._mark_idle(worker_id)
                 return None
-
-    def _hand_back_late(self, pull: asyncio.Future[Queued | None]) -> None:
-        """A pull its dequeue gave up on (cancelled, or the store closes) that still brought an entry
-        (a cancel swallowed on its way): hand the entry back at once."""
-        if pull.cancelled() or pull.exception() is not None:
-            return
-        item = pull.result()
-        if item is not None:
-            log.info("handing back queue entry %d of rollout %s: its dequeue had given up", item.seq, item.rollout_id)
-            self._in_background(_nak_quietly(item))
 
     async def _claim(self, item: Queued, worker_id: str | None, read_resources: bool) -> AttemptedRollout | None:
         """Claim a queue entry: append ``AttemptStarted`` expecting the rollout's version; an entry

@@ -20,6 +20,7 @@ from eventlight.core.errors import (
 from eventlight.core.types import ResourcesUpdate
 from eventlight.store.base import LightningStore
 from eventlight.store.command_loop import MAX_APPEND_TRIES, CommandLoop
+from eventlight.store.futures import mark_seen
 from eventlight.store.ports import EventLog, Queued, ReadModel, StaleStateError
 from eventlight.store.spans import SpanWriter
 from eventlight.store.validate import (
@@ -167,22 +168,29 @@ class StorePlumbing(LightningStore):
         """
         task = asyncio.ensure_future(work)
         if self._draining:
-            task.cancel()
+            self._drop(task)
             return False, None
         closing = asyncio.get_running_loop().create_future()
         self._close_waiters.add(closing)
         try:
             await asyncio.wait([task, closing], return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
-            task.cancel()
+            self._drop(task)
             raise
         finally:
             self._close_waiters.discard(closing)
             closing.cancel()
         if task.done():
             return True, task.result()
-        task.cancel()
+        self._drop(task)
         return False, None
+
+    @staticmethod
+    def _drop(task: asyncio.Future[Any]) -> None:
+        """Cancel work nobody waits for any more; an error it still ends with (a swallowed cancel,
+        then a closed connection) is not logged as never retrieved."""
+        task.cancel()
+        task.add_done_callback(mark_seen)
 
     def _begin_close(self) -> None:
         """Refuse new calls from now on, and end the waits of the calls in flight."""
@@ -215,7 +223,7 @@ class StorePlumbing(LightningStore):
         close (a caller cancelled meanwhile does not stop it); after a close that failed, the next
         call tries again."""
         closing = self._closing
-        if closing is None or closing.done():
+        if closing is None or closing.done() or closing.get_loop() is not asyncio.get_running_loop():
             if self._closed:
                 return
             self._begin_close()  # at once: a call made after ``close()`` was called is refused
