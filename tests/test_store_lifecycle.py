@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
 import time
 import weakref
+from typing import Any
 
 import pytest
 
@@ -149,6 +151,46 @@ async def test_a_jetstream_store_used_from_another_event_loop_fails_at_once(name
             assert "another event loop" in str(error) and "one store per event loop" in str(error)
             assert took_s < 1.0
         assert (await store.get_rollout_by_id(r.rollout_id)) is not None  # its own loop still works
+
+
+def test_asyncio_run_ends_although_nats_py_swallows_the_projectors_cancel(
+    services: tuple[Settings, Services], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``asyncio.run`` ending with a store still open cancels the projector's task; Python 3.11's
+    ``wait_for`` inside nats-py's ``fetch`` can return the batch instead of raising (simulated here:
+    every cancelled fetch returns an empty batch), and the projector's loop then ran on, so
+    ``asyncio.run`` never returned (a fresh user's ``make test`` hung 300 s in the test below)."""
+    from nats.js.client import JetStreamContext
+
+    fetch = JetStreamContext.PullSubscription.fetch
+    swallowed = []
+
+    async def swallowing_fetch(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await fetch(self, *args, **kwargs)
+        except asyncio.CancelledError:
+            swallowed.append(1)
+            return []
+
+    monkeypatch.setattr(JetStreamContext.PullSubscription, "fetch", swallowing_fetch)
+    fixture_loop = asyncio.new_event_loop()
+    namespace_cm = fresh_namespace(services)
+    settings = fixture_loop.run_until_complete(namespace_cm.__aenter__())
+    try:
+
+        async def program() -> None:
+            store = await JetStreamLightningStore(settings, pg_dsn=settings.pg_dsn).start()
+            await store.enqueue_rollout("x")
+            await asyncio.sleep(0.3)  # the projector is in its fetch loop
+
+        runner = threading.Thread(target=asyncio.run, args=(program(),), daemon=True)
+        runner.start()
+        runner.join(20)
+        assert not runner.is_alive(), "asyncio.run did not end: the projector ignored its cancel"
+        assert swallowed, "the simulated swallow never happened"
+    finally:
+        fixture_loop.run_until_complete(namespace_cm.__aexit__(None, None, None))
+        fixture_loop.close()
 
 
 def test_a_jetstream_store_after_its_asyncio_run_ended_fails_at_once(services: tuple[Settings, Services]) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 from eventlight.core.commands import RolloutState
 from eventlight.store.fold import in_flight
+from eventlight.store.futures import raise_if_cancelled
 from eventlight.store.jetstream.definitions import consumer_config
 from eventlight.store.jetstream.nats_errors import NO_MESSAGES
 from eventlight.store.jetstream.projector.batch import BatchWriter
@@ -77,7 +78,9 @@ class Consumer(BatchWriter):
             try:
                 msgs = await psub.fetch(BATCH, timeout=0.25)
             except NO_MESSAGES:
+                raise_if_cancelled()
                 continue
+            raise_if_cancelled()  # a cancel nats-py's wait_for swallowed
             if not msgs:  # nats-py may return an empty batch (a status message, not an error)
                 continue
             for i, msg in enumerate(msgs):
