@@ -17,7 +17,7 @@ import tempfile
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 
@@ -158,3 +158,20 @@ def bad_input_table(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BadInp
     out.write_text("\n".join(lines) + "\n")
     counts = ", ".join(f"{e}: {n}" for e, n in per_entry.items())
     print(f"\n[bad inputs] {len(rows)} tried ({counts}); table in {out}\n" + "\n".join(lines))
+
+
+def hold_first_append(store: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[asyncio.Event, asyncio.Event]:
+    """Make ``store``'s next append (a claim, say) be stored but answered only once the returned
+    ``release`` is set; ``reached`` is set when it has been stored. Later appends pass straight."""
+    reached, release = asyncio.Event(), asyncio.Event()
+    append = store._event_log.append
+
+    async def held_append(*args: Any, **kwargs: Any) -> Any:
+        version = await append(*args, **kwargs)
+        if not reached.is_set():
+            reached.set()
+            await release.wait()
+        return version
+
+    monkeypatch.setattr(store._event_log, "append", held_append)
+    return reached, release

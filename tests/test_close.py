@@ -23,6 +23,7 @@ from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.store.memory import InMemoryLightningStore
 from eventlight.store.service.plumbing import store_call
+from tests.conftest import hold_first_append
 
 
 async def _other_runner(store: Any, settings: Settings | None) -> Any:
@@ -45,17 +46,7 @@ async def test_a_claim_in_flight_at_close_goes_to_its_caller(
     gets the attempt, which stays its own (``preparing``). Before, the close marked it failed under
     the caller (10 of 10 in a fresh reviewer's run)."""
     r = await store.enqueue_rollout("x")
-    reached, release = asyncio.Event(), asyncio.Event()
-    append = runner_store._event_log.append
-
-    async def held_append(*args: Any, **kwargs: Any) -> Any:  # the claim: stored, answered late
-        version = await append(*args, **kwargs)
-        if not reached.is_set():
-            reached.set()
-            await release.wait()
-        return version
-
-    monkeypatch.setattr(runner_store._event_log, "append", held_append)
+    reached, release = hold_first_append(runner_store, monkeypatch)  # the claim: stored, answered late
     dequeue = asyncio.create_task(runner_store.dequeue_rollout(worker_id="w1"))
     await asyncio.wait_for(reached.wait(), 10)
     closing = asyncio.create_task(runner_store.close())

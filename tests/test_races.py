@@ -30,6 +30,7 @@ from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore, queue
 from eventlight.store.jetstream.definitions import consumer_config
 from eventlight.store.jetstream.queue import EMPTY_CONFIRM_S
+from tests.conftest import hold_first_append
 
 N_ROLLOUTS = int(os.environ.get("EVENTLIGHT_RACE_ROLLOUTS", "2000"))
 N_PROCS = 4
@@ -394,17 +395,7 @@ async def test_a_close_whose_caller_is_cancelled_still_closes_the_store(
         JetStreamLightningStore(namespace) as runner,
     ):
         r = await store.enqueue_rollout("x")
-        reached, release = asyncio.Event(), asyncio.Event()
-        append = runner._event_log.append  # type: ignore[union-attr]
-
-        async def held_append(*args: Any, **kwargs: Any) -> Any:  # the claim: stored, answered late
-            version = await append(*args, **kwargs)
-            if not reached.is_set():
-                reached.set()
-                await release.wait()
-            return version
-
-        monkeypatch.setattr(runner._event_log, "append", held_append)
+        reached, release = hold_first_append(runner, monkeypatch)  # the claim: stored, answered late
         task = asyncio.create_task(runner.dequeue_rollout(worker_id="w1"))
         await asyncio.wait_for(reached.wait(), 10)
         task.cancel()
