@@ -27,6 +27,7 @@ import asyncpg
 
 from eventlight.core.events import AnyEvent
 from eventlight.core.types import now as wall_clock
+from eventlight.store.futures import raise_if_cancelled
 from eventlight.store.jetstream.log import JetStreamEventLog
 from eventlight.store.jetstream.projector.common import _spawn
 from eventlight.store.jetstream.projector.leader import Projector
@@ -168,6 +169,7 @@ class ProjectorGroup:
         was lost (until then this process counts itself last)."""
         while True:
             await asyncio.sleep(SHARE_REFRESH_S)
+            raise_if_cancelled()  # one a wait_for below swallowed (3.11) on the previous round
             try:
                 conn = self._member_conn
                 if conn is None or conn.is_closed():
