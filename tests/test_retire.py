@@ -254,3 +254,28 @@ async def test_an_archive_made_with_one_filter_per_kind_reads_the_same_after_the
             assert [e async for e in store.log.scan(0, whole[-1][0])] == whole
     finally:
         await nc.close()
+
+
+async def test_a_cancel_caught_before_does_not_end_a_scan_of_the_archive(namespace: Settings) -> None:
+    """A task that caught a ``CancelledError`` without taking the cancel back (3.11's ``TaskGroup``
+    can leave its parent so when a child fails) then scans the log through the archive: it reads
+    every event. The check for a cancel nats-py swallowed counts only cancels that arrive during a
+    read; before, it counted the left-over one and the scan raised ``CancelledError`` with nobody
+    cancelling (a fresh reviewer's repro with ``eventlight.replay``)."""
+    settings = msgspec.structs.replace(await _with_archive(namespace), retention_s=3600.0)
+    async with JetStreamLightningStore(settings, pg_dsn=settings.pg_dsn) as store:
+        await workload(store)
+        await _archive_caught_up(store)
+        expected = len([e async for e in store.log.scan()])
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()
+        try:
+            await asyncio.sleep(1)
+        except asyncio.CancelledError:
+            pass
+        assert task.cancelling() == 1  # left over, as such a TaskGroup leaves it
+        try:
+            assert len([e async for e in store.log.scan()]) == expected > 0
+        finally:
+            task.uncancel()

@@ -33,7 +33,7 @@ import msgspec
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from eventlight.core.errors import ServiceUnavailableError
-from eventlight.store.futures import raise_if_cancelled
+from eventlight.store.futures import cancels, raise_if_cancelled
 from eventlight.store.jetstream.nats_errors import JsNotFoundError, nats_errors
 
 if TYPE_CHECKING:
@@ -195,8 +195,9 @@ async def direct_range(
                 await nc.publish(api, request, reply=inbox.subject)
                 got = 0
                 while True:
+                    base = cancels()
                     msg = await inbox.next_msg(timeout=SCAN_IDLE_S)
-                    raise_if_cancelled()  # a cancel nats-py's wait_for swallowed
+                    raise_if_cancelled(base)  # a cancel nats-py's wait_for swallowed
                     headers = msg.headers or {}
                     status = headers.get("Status")
                     if status == "404":

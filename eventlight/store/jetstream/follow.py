@@ -29,7 +29,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from eventlight.core.errors import ServiceUnavailableError
-from eventlight.store.futures import raise_if_cancelled
+from eventlight.store.futures import cancels, raise_if_cancelled
 from eventlight.store.jetstream.definitions import consumer_config
 from eventlight.store.jetstream.nats_errors import ANY_NATS_ERROR, NO_MESSAGES, JsNotFoundError, nats_errors
 from eventlight.store.ports import Delivery
@@ -123,17 +123,18 @@ class JetStreamFeed:
         if not self.log.nc.is_connected:
             await self._failed(ConnectionError("the NATS client is not connected"))
             return []
+        base = cancels()
         try:
             msgs = await self._sub.fetch(BATCH, timeout=max(0.05, wait_s))
         except NO_MESSAGES:
-            raise_if_cancelled()  # a cancel nats-py's wait_for swallowed
+            raise_if_cancelled(base)  # a cancel nats-py's wait_for swallowed
             if time.monotonic() - self._checked >= CHECK_EVERY_S or self._down_since is not None:
                 await self._check()
             return []
         except ANY_NATS_ERROR as e:
             await self._failed(e)
             return []
-        raise_if_cancelled()
+        raise_if_cancelled(base)
         self._down_since = None
         out = []
         for msg in msgs:

@@ -11,7 +11,7 @@ from typing import Any
 
 from eventlight.core.commands import RolloutState
 from eventlight.store.fold import in_flight
-from eventlight.store.futures import raise_if_cancelled
+from eventlight.store.futures import cancels, raise_if_cancelled
 from eventlight.store.jetstream.definitions import consumer_config
 from eventlight.store.jetstream.nats_errors import NO_MESSAGES
 from eventlight.store.jetstream.projector.batch import BatchWriter
@@ -74,13 +74,14 @@ class Consumer(BatchWriter):
 
     async def _consume(self, psub: Any) -> None:
         delivered = 0  # the consumer's delivery sequence: no acks, so no redelivery, so no gap
+        base = cancels()
         while not self._stopping:
             try:
                 msgs = await psub.fetch(BATCH, timeout=0.25)
             except NO_MESSAGES:
-                raise_if_cancelled()
+                raise_if_cancelled(base)
                 continue
-            raise_if_cancelled()  # a cancel nats-py's wait_for swallowed
+            raise_if_cancelled(base)  # a cancel nats-py's wait_for swallowed
             if not msgs:  # nats-py may return an empty batch (a status message, not an error)
                 continue
             for i, msg in enumerate(msgs):

@@ -27,7 +27,7 @@ import asyncpg
 
 from eventlight.core.events import AnyEvent
 from eventlight.core.types import now as wall_clock
-from eventlight.store.futures import raise_if_cancelled
+from eventlight.store.futures import cancels, raise_if_cancelled
 from eventlight.store.jetstream.log import JetStreamEventLog
 from eventlight.store.jetstream.projector.common import _spawn
 from eventlight.store.jetstream.projector.leader import Projector
@@ -167,9 +167,10 @@ class ProjectorGroup:
     async def _keep_share(self) -> None:
         """Read the live processes every ``SHARE_REFRESH_S``; join again if the member connection
         was lost (until then this process counts itself last)."""
+        base = cancels()
         while True:
             await asyncio.sleep(SHARE_REFRESH_S)
-            raise_if_cancelled()  # one a wait_for below swallowed (3.11) on the previous round
+            raise_if_cancelled(base)  # one a wait_for below swallowed (3.11) on the previous round
             try:
                 conn = self._member_conn
                 if conn is None or conn.is_closed():

@@ -15,7 +15,7 @@ from eventlight.core.commands import RolloutState
 from eventlight.core.errors import InvalidInputError
 from eventlight.core.types import Worker
 from eventlight.core.types import now as wall_clock
-from eventlight.store.futures import raise_if_cancelled
+from eventlight.store.futures import cancels, raise_if_cancelled
 from eventlight.store.jetstream.log import JetStreamEventLog
 from eventlight.store.jetstream.pg import (
     ATTEMPT_COLS,
@@ -138,8 +138,9 @@ class Projector(Consumer):
     async def _run(self) -> None:
         """Lead, and when leadership ends (lock lost, deposed, a server failure) compete again."""
         delay = RETRY_S
+        base = cancels()
         while not self._stopping:
-            raise_if_cancelled()  # one a wait_for swallowed (3.11): stop, as asyncio.run's exit asks
+            raise_if_cancelled(base)  # one a wait_for swallowed (3.11): stop, as asyncio.run's exit asks
             try:
                 await self._lead()
                 delay = RETRY_S
@@ -287,10 +288,11 @@ class Projector(Consumer):
         """Return (raise ``Deposed``) as soon as the advisory-lock connection is lost."""
         conn = self._lock_conn
         assert conn is not None
+        base = cancels()
         while not self._stopping:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._lock_lost.wait(), LOCK_PING_S)
-            raise_if_cancelled()
+            raise_if_cancelled(base)
             if self._lock_lost.is_set() or conn.is_closed():
                 raise Deposed("the advisory-lock connection to Postgres was lost")
             if self.share is not None and self.share.surplus(self.partition):
@@ -299,4 +301,4 @@ class Projector(Consumer):
                 await asyncio.wait_for(conn.fetchval("SELECT 1"), LOCK_PING_TIMEOUT_S)
             except Exception as e:
                 raise Deposed(f"the advisory-lock connection to Postgres does not answer ({e!r})") from e
-            raise_if_cancelled()
+            raise_if_cancelled(base)
