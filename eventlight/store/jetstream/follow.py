@@ -196,11 +196,13 @@ class JetStreamFeed:
             self._acked = max(self._acked, seq)
             return
         msg = self._held[max(held)]
+        base = cancels()
         with nats_errors(self.log.server, f"acknowledging position {seq} of subscription {self.name!r}"):
             await msg.ack_sync(timeout=5.0)
         for s in held:
             del self._held[s]
         self._acked = max(self._acked, seq)
+        raise_if_cancelled(base)  # a cancel nats-py's wait_for swallowed: the ack stands, the caller stops
 
     async def close(self) -> None:
         """Unsubscribe; delete an ephemeral consumer (a durable one keeps its position); idempotent."""

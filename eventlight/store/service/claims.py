@@ -220,6 +220,19 @@ class Claims(StorePlumbing):
                 await item.nak(0.0)
             return
         self._held[(rollout_id, attempt_id)] = item
+        await self._fail_unreceived(rollout_id, attempt_id)
+
+    def _answer_lost(self, result: object) -> None:
+        """Claims a cancelled caller never received (``store_call``) are settled as those of a
+        caller cancelled mid-claim: their attempts are marked ``failed`` in the background."""
+        lost = result if isinstance(result, list) else [result]
+        for claimed in lost:
+            if isinstance(claimed, AttemptedRollout):
+                key = (claimed.rollout_id, claimed.attempt.attempt_id)
+                if key in self._held:
+                    self._in_background(self._fail_unreceived(*key))
+
+    async def _fail_unreceived(self, rollout_id: str, attempt_id: str) -> None:
         log.warning(
             "dequeue_rollout was cancelled after it claimed rollout %s; marking its attempt %s failed",
             rollout_id,

@@ -20,7 +20,7 @@ from eventlight.core.errors import (
 from eventlight.core.types import ResourcesUpdate
 from eventlight.store.base import LightningStore
 from eventlight.store.command_loop import MAX_APPEND_TRIES, CommandLoop
-from eventlight.store.futures import mark_seen
+from eventlight.store.futures import cancels, mark_seen
 from eventlight.store.ports import EventLog, Queued, ReadModel, StaleStateError
 from eventlight.store.spans import SpanWriter
 from eventlight.store.validate import (
@@ -50,6 +50,13 @@ def store_call(fn: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Coroutine
     While the store closes (``StorePlumbing.close``), a new call is refused with
     ``InvalidInputError``, and ``close`` waits up to ``CLOSE_DRAIN_S`` for the calls in flight, so
     a write that started before the close is stored and answered, not cut off with its connection.
+
+    A caller cancelled during the call gets ``CancelledError`` even where a library swallowed the
+    cancel (Python 3.11's ``asyncio.wait_for`` inside nats-py's publish returns the acknowledgement
+    when a cancel lands as it arrives): else a loop of writes runs on after ``task.cancel()``, a
+    ``TaskGroup`` with such a writer never ends, and ``asyncio.run``'s exit waits for it. What the
+    call did stays done (as for any cancel that lands after a write left); a claim it made is
+    settled (``_answer_lost``).
     """
 
     @functools.wraps(fn)
@@ -58,13 +65,18 @@ def store_call(fn: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Coroutine
         assert isinstance(store, StorePlumbing)
         if _inside.get() is store:
             return await fn(*args, **kwargs)
+        base = cancels()
         store._enter_call()
         token = _inside.set(store)
         try:
-            return await fn(*args, **kwargs)
+            result = await fn(*args, **kwargs)
         finally:
             _inside.reset(token)
             store._leave_call()
+        if cancels() > base:  # the caller was cancelled, and a library swallowed it
+            store._answer_lost(result)
+            raise asyncio.CancelledError
+        return result
 
     call.__store_call__ = True  # type: ignore[attr-defined]
     return call
@@ -290,6 +302,10 @@ class StorePlumbing(LightningStore):
 
     async def _settle_abandoned_claims(self) -> None:
         """Settle what cancelled callers left (``Claims``); called first by ``close``."""
+
+    def _answer_lost(self, result: object) -> None:
+        """A call returned ``result`` to a caller cancelled meanwhile, who gets ``CancelledError``
+        instead (``store_call``): settle what it holds (``Claims``)."""
 
     def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
         """Run ``work`` on, whatever happens to the caller (kept referenced until it ends); the
