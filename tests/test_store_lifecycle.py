@@ -193,6 +193,34 @@ def test_asyncio_run_ends_although_nats_py_swallows_the_projectors_cancel(
         fixture_loop.close()
 
 
+def test_asyncio_run_ends_at_once_with_a_projecting_store_left_open(services: tuple[Settings, Services]) -> None:
+    """A program that returns with its store (and so its projector) still open: ``asyncio.run``
+    cancels the projector's task, whose clean-up used to wait 2 s for NATS to delete its consumer
+    although NATS's own read loop was cancelled too, so no answer could come (2.0 s every time).
+    Now the consumer is left to expire on its own (its ``inactive_threshold``)."""
+    fixture_loop = asyncio.new_event_loop()
+    namespace_cm = fresh_namespace(services)
+    settings = fixture_loop.run_until_complete(namespace_cm.__aenter__())
+    returned: list[float] = []
+    try:
+
+        async def program() -> None:
+            store = await JetStreamLightningStore(settings, pg_dsn=settings.pg_dsn).start()
+            await store.enqueue_rollout("x")
+            await store.sync_all(timeout_s=10)  # the projector has read the stream
+            returned.append(time.monotonic())
+
+        runner = threading.Thread(target=asyncio.run, args=(program(),), daemon=True)
+        runner.start()
+        runner.join(30)
+        ended = time.monotonic()
+        assert not runner.is_alive() and returned
+        assert ended - returned[0] < 1.5, f"asyncio.run took {ended - returned[0]:.1f} s to end after the program"
+    finally:
+        fixture_loop.run_until_complete(namespace_cm.__aexit__(None, None, None))
+        fixture_loop.close()
+
+
 def test_a_jetstream_store_after_its_asyncio_run_ended_fails_at_once(services: tuple[Settings, Services]) -> None:
     fixture_loop = asyncio.new_event_loop()  # the namespace's set-up and tear-down (an async generator)
     namespace_cm = fresh_namespace(services)

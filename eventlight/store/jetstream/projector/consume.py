@@ -45,6 +45,12 @@ class _Replayed:
         self.data = data
 
 
+def _cancelled() -> bool:
+    """Whether the current task is being cancelled (inside a ``finally``)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 class Consumer(BatchWriter):
     """Reads the stream from the checkpoint and applies it batch by batch; ``rebuild`` from 0."""
 
@@ -69,8 +75,11 @@ class Consumer(BatchWriter):
             finally:
                 with contextlib.suppress(Exception):
                     await psub.unsubscribe()
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self.log.js.delete_consumer(self.log.stream, psub._consumer), 2)
+                if self._stopping or not _cancelled():
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(self.log.js.delete_consumer(self.log.stream, psub._consumer), 2)
+                # else cancelled from outside (``asyncio.run`` ending with the store open): NATS's read
+                # loop may be cancelled too, so no answer would come; the consumer expires on its own
 
     async def _consume(self, psub: Any) -> None:
         delivered = 0  # the consumer's delivery sequence: no acks, so no redelivery, so no gap
