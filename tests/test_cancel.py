@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -24,26 +25,35 @@ from eventlight.store.jetstream import JetStreamLightningStore
 from tests.conftest import fresh_namespace
 
 
-def swallow_cancels_in_appends(store: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[asyncio.Event, list[int]]:
-    """Make ``store``'s appends finish and answer a caller cancelled while they were on their way,
-    as 3.11's ``wait_for`` does when the answer and the cancel arrive together. Returns an event set
-    while an append is on its way (the moment to cancel) and a list that grows by one per swallow."""
-    append = store._event_log.append
-    appending = asyncio.Event()
-    swallowed: list[int] = []
+def answering_cancelled(
+    call: Callable[..., Awaitable[Any]], swallowed: list[int], on_its_way: asyncio.Event | None = None
+) -> Callable[..., Awaitable[Any]]:
+    """``call`` as 3.11's ``wait_for`` around it behaves when the answer and a cancel arrive
+    together: a caller cancelled meanwhile gets the answer, not ``CancelledError``. Each swallowed
+    cancel appends to ``swallowed``; ``on_its_way`` is set while a call is on its way."""
 
-    async def swallowing_append(*args: Any, **kwargs: Any) -> Any:
-        work = asyncio.ensure_future(append(*args, **kwargs))
-        appending.set()
+    async def answer_anyway(*args: Any, **kwargs: Any) -> Any:
+        if on_its_way is not None:
+            on_its_way.set()  # first: whoever waits for it runs before the call's first step
+        work = asyncio.ensure_future(call(*args, **kwargs))
         try:
             return await asyncio.shield(work)
         except asyncio.CancelledError:
             swallowed.append(1)
             return await work
         finally:
-            appending.clear()
+            if on_its_way is not None:
+                on_its_way.clear()
 
-    monkeypatch.setattr(store._event_log, "append", swallowing_append)
+    return answer_anyway
+
+
+def swallow_cancels_in_appends(store: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[asyncio.Event, list[int]]:
+    """Make ``store``'s appends answer a caller cancelled while they were on their way. Returns an
+    event set while an append is on its way (the moment to cancel) and the list of swallows."""
+    appending = asyncio.Event()
+    swallowed: list[int] = []
+    monkeypatch.setattr(store._event_log, "append", answering_cancelled(store._event_log.append, swallowed, appending))
     return appending, swallowed
 
 
@@ -117,18 +127,7 @@ async def test_a_claim_whose_caller_was_cancelled_before_it_is_settled(
     async def with_swallowing_ack(*args: Any, **kwargs: Any) -> Any:
         item = await next_queued(*args, **kwargs)
         if item is not None and item.rollout_id == stale.rollout_id:
-            ack = item.ack
-
-            async def swallowing_ack() -> None:
-                acking.set()
-                work = asyncio.ensure_future(ack())
-                try:
-                    await asyncio.shield(work)
-                except asyncio.CancelledError:
-                    swallowed.append(1)
-                    await work
-
-            monkeypatch.setattr(item, "ack", swallowing_ack)
+            monkeypatch.setattr(item, "ack", answering_cancelled(item.ack, swallowed, acking))
         return item
 
     monkeypatch.setattr(store._event_log, "next_queued", with_swallowing_ack)
@@ -154,18 +153,8 @@ def test_a_jetstream_writer_cancelled_in_nats_py_publish_stops(services: Any, mo
     ``asyncio.run`` returns once the program's writer task is cancelled."""
     from nats.js.client import JetStreamContext
 
-    publish = JetStreamContext.publish
     swallowed: list[int] = []
-
-    async def swallowing_publish(self: Any, *args: Any, **kwargs: Any) -> Any:
-        work = asyncio.ensure_future(publish(self, *args, **kwargs))
-        try:
-            return await asyncio.shield(work)
-        except asyncio.CancelledError:
-            swallowed.append(1)
-            return await work
-
-    monkeypatch.setattr(JetStreamContext, "publish", swallowing_publish)
+    monkeypatch.setattr(JetStreamContext, "publish", answering_cancelled(JetStreamContext.publish, swallowed))
     fixture_loop = asyncio.new_event_loop()
     namespace_cm = fresh_namespace(services)
     settings: Settings = fixture_loop.run_until_complete(namespace_cm.__aenter__())
@@ -206,20 +195,9 @@ async def test_a_subscriber_cancelled_in_its_ack_stops(namespace: Settings, monk
     nats-py confirms the acknowledgement stops; the acknowledgement stands."""
     from nats.aio.msg import Msg
 
-    ack_sync = Msg.ack_sync
     acking = asyncio.Event()
     swallowed: list[int] = []
-
-    async def swallowing_ack_sync(self: Any, *args: Any, **kwargs: Any) -> Any:
-        acking.set()
-        work = asyncio.ensure_future(ack_sync(self, *args, **kwargs))
-        try:
-            return await asyncio.shield(work)
-        except asyncio.CancelledError:
-            swallowed.append(1)
-            return await work
-
-    monkeypatch.setattr(Msg, "ack_sync", swallowing_ack_sync)
+    monkeypatch.setattr(Msg, "ack_sync", answering_cancelled(Msg.ack_sync, swallowed, acking))
     async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
         for _ in range(2):
             r = await store.enqueue_rollout("x")
