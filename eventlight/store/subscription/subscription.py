@@ -34,6 +34,7 @@ import msgspec
 from eventlight.core.types import TERMINAL_ROLLOUT_STATUSES
 from eventlight.logreplay.records import AdapterFn
 from eventlight.logreplay.select import Filters
+from eventlight.store.futures import cancels, raise_if_cancelled
 from eventlight.store.ports import Delivery, EventLog, Feed
 from eventlight.store.subscription.fold import FollowFold
 from eventlight.store.subscription.records import FinishedAttempt, SubscriptionError
@@ -128,6 +129,7 @@ class Subscription:
         if self._in_hand is not None and not (self._ready and self._ready[0].position == self._in_hand):
             await self.ack()
         deadline = None if timeout_s is None else time.monotonic() + max(0.0, timeout_s)
+        base = cancels()
         while not self._ready:
             if self._closed:
                 return None
@@ -135,6 +137,9 @@ class Subscription:
             if left <= 0:
                 return None
             await self._step(left)
+            # A cancel nats-py's wait_for swallowed (reading a rollout's history or an attempt's
+            # spans): stop, as the caller asked; what was folded stays ready for the next call.
+            raise_if_cancelled(base)
         record = self._ready.popleft()
         if self._repeatable is None:
             self._repeatable = record.position if record.redelivered else 0
