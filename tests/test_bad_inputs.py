@@ -77,6 +77,11 @@ BAD: dict[str, tuple[Any, type[Exception], str]] = {  # name: (call, error class
     ),
     "resources {'p': 'str'}": (lambda s, r: s.add_resources({"p": "str"}), INPUT, "not an LLM or PromptTemplate"),
     "resources 'str'": (lambda s, r: s.add_resources("str"), INPUT, "must be a dict of name -> resource"),
+    "span sequence_id=2**31 (over the read model's integer)": (
+        lambda s, r: s.add_span(_span(r[0], r[1], sequence_id=2**31)),
+        INPUT,
+        "invalid sequence_id 2147483648",
+    ),
     "span sequence_id=2**63": (
         lambda s, r: s.add_span(_span(r[0], r[1], sequence_id=2**63)),
         INPUT,

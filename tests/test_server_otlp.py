@@ -5,11 +5,17 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import os
+import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import pytest
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
 
 import eventlight as agl
 from eventlight.net import free_port
@@ -144,3 +150,57 @@ async def test_partial_success_counts_and_explains_every_rejected_span(
     assert "2 span(s) rejected" in message and "no agentlightning.rollout_id in its span or resource" in message
     assert "ro-000000000000" in message and "does not exist" in message
     assert [s.name for s in await store.query_spans(rid)] == ["json.span"]
+
+
+def _pb_span(scope: Any, name: str, rid: str, aid: str, seq: int | None = None, blob: int = 0) -> str:
+    span = scope.spans.add(trace_id=os.urandom(16), span_id=os.urandom(8), name=name)
+    span.start_time_unix_nano = span.end_time_unix_nano = time.time_ns()
+    attrs = {"agentlightning.rollout_id": rid, "agentlightning.attempt_id": aid}
+    if seq is not None:
+        attrs["agentlightning.span_sequence_id"] = seq
+    if blob:
+        attrs["blob"] = "b" * blob
+    for key, value in attrs.items():
+        kv = span.attributes.add(key=key)
+        if isinstance(value, int):
+            kv.value.int_value = value
+        else:
+            kv.value.string_value = value
+    return span.span_id.hex()
+
+
+@pytest.mark.parametrize(
+    ("specs", "bad"),
+    [
+        pytest.param([("good-1", None, 0), ("big", None, 9 << 20), ("good-2", None, 0)], "big", id="over-8MiB"),
+        pytest.param(
+            [("numbered", 50, 0), ("id-too-big", 2**40, 0), ("unnumbered", None, 0)], "id-too-big", id="id-over-int32"
+        ),
+        pytest.param(
+            [("numbered", 50, 0), ("numbered-big", 51, 9 << 20), ("unnumbered", None, 0)],
+            "numbered-big",
+            id="numbered-over-8MiB",
+        ),
+    ],
+)
+async def test_one_bad_span_is_rejected_alone_and_its_attempts_good_spans_are_kept(
+    served: tuple[JetStreamLightningStore, str], specs: list[tuple[str, int | None, int]], bad: str
+) -> None:
+    """A span the store refuses does not take the attempt's good spans with it, and
+    ``partial_success`` names exactly the spans not stored (a reviewer: all three lost, or a
+    stored span reported rejected, so a resending exporter doubled it)."""
+    store, endpoint = served
+    rid, aid = await _attempt(store)
+    request = ExportTraceServiceRequest()
+    scope = request.resource_spans.add().scope_spans.add()
+    ids = {_pb_span(scope, name, rid, aid, seq, blob): name for name, seq, blob in specs}
+    async with httpx.AsyncClient(timeout=60) as http:
+        r = await http.post(f"{endpoint}/v1/traces", content=request.SerializeToString(), headers=PB)
+    assert r.status_code == 200
+    answer = ExportTraceServiceResponse.FromString(r.content).partial_success
+    assert answer.rejected_spans == 1
+    assert [name for span_id, name in ids.items() if span_id in answer.error_message] == [bad]
+    await store.update_attempt(rid, aid, status="succeeded")
+    await store.wait_for_rollouts(rollout_ids=[rid], timeout=10)
+    stored = await store.query_spans(rid)
+    assert sorted(s.name for s in stored) == sorted(name for name, _, _ in specs if name != bad)

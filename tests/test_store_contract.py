@@ -23,7 +23,14 @@ from eventlight.core.errors import (
     RolloutNotFoundError,
     ServiceUnavailableError,
 )
-from eventlight.core.types import AttemptedRollout, EnqueueRolloutRequest, PromptTemplate, RolloutConfig, Span
+from eventlight.core.types import (
+    MAX_SPAN_SEQUENCE_ID,
+    AttemptedRollout,
+    EnqueueRolloutRequest,
+    PromptTemplate,
+    RolloutConfig,
+    Span,
+)
 
 
 async def settle(store: Any) -> None:
@@ -614,6 +621,25 @@ async def test_spans_that_cannot_be_stored_are_refused(store: Any, runner_store:
             await runner_store.add_span(span)
     await settle(store)
     assert len(await store.query_spans(r.rollout_id)) == 0
+
+
+async def test_span_sequence_ids_stay_within_what_the_read_model_stores(store: Any, runner_store: Any) -> None:
+    """An id over ``MAX_SPAN_SEQUENCE_ID`` (the read model's Postgres ``integer``) is refused with
+    the batch it came in, not taken and then dead-lettered by the projector with its batch; the
+    largest id is stored, and numbering past it is refused with nothing appended."""
+    r = await store.enqueue_rollout("ids")
+    d = await runner_store.dequeue_rollout()
+    rid, aid = r.rollout_id, d.attempt.attempt_id
+    with pytest.raises(InvalidInputError, match=f"invalid sequence_id {MAX_SPAN_SEQUENCE_ID + 1}"):
+        await runner_store.add_many_spans([reward_span(rid, aid, 5, 0.5), reward_span(rid, aid, 2**31, 1.0)])
+    assert await runner_store.add_span(reward_span(rid, aid, MAX_SPAN_SEQUENCE_ID, 1.0)) is not None
+    with pytest.raises(InvalidInputError, match="no sequence id left"):
+        await runner_store.add_spans_numbered(rid, aid, [reward_span(rid, aid, 0, 0.25)])
+    with pytest.raises(InvalidInputError, match="no sequence id left"):
+        await runner_store.get_next_span_sequence_id(rid, aid)
+    await runner_store.update_attempt(rid, aid, status="succeeded")
+    assert [x.status for x in await store.wait_for_rollouts(rollout_ids=[rid], timeout=10)] == ["succeeded"]
+    assert [s.sequence_id for s in await store.query_spans(rid)] == [MAX_SPAN_SEQUENCE_ID]
 
 
 async def test_nul_characters_do_not_stop_the_projection(store: Any, runner_store: Any) -> None:

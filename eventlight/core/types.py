@@ -101,6 +101,11 @@ class Attempt(ModelDump, msgspec.Struct, kw_only=True):
     metadata: dict[str, Any] | None = None
 
 
+MAX_SPAN_SEQUENCE_ID = 2**31 - 1
+"""The largest span ``sequence_id`` a store takes or gives out: the read model keeps it in a
+Postgres ``integer`` (``spans.sequence_id``). Larger ids are refused with ``InvalidInputError``
+(on both backends), never accepted and then lost by the projector."""
+
 STATUS_REASON = "eventlight.status_reason"
 """Attempt metadata key: one line saying why the attempt ended ``failed``/``timeout``/``unresponsive``
 (the watchdog's overrun, the agent's exception, spans the tracer could not deliver)."""

@@ -33,22 +33,62 @@ router = APIRouter()
 _MAX_REASONS = 20
 
 
-async def _record_attempt(store: LightningStore, rollout_id: str, attempt_id: str, spans: list[Span]) -> str | None:
-    """Record one attempt's spans; the reason they were refused, or ``None``."""
-    numbered = [s for s in spans if s.sequence_id > 0]
-    unnumbered = [s for s in spans if s.sequence_id <= 0]
+async def _record_attempt(store: LightningStore, rollout_id: str, attempt_id: str, spans: list[Span]) -> list[Rejected]:
+    """Record one attempt's spans; those the store refused, each with its reason.
+
+    A group the store refuses as bad input is sent again span by span, so that one bad span (over
+    the 8 MiB an event holds, a sequence id out of range) does not take the attempt's good spans
+    with it; the runner's tracer does the same (``eventlight.tracer``). An unknown attempt or a
+    conflict refuses every span not yet recorded, with that reason.
+    """
+
+    async def numbered_by_store(group: list[Span]) -> None:
+        await store.add_spans_numbered(rollout_id, attempt_id, group)
+
+    async def own_numbers(group: list[Span]) -> None:
+        await store.add_many_spans(group)
+
+    groups = [
+        (numbered_by_store, [s for s in spans if s.sequence_id <= 0]),
+        (own_numbers, [s for s in spans if s.sequence_id > 0]),
+    ]
+    refused: dict[int, Rejected] = {}  # by id() of the span
+    recorded: set[int] = set()
     try:
-        if unnumbered:
-            await store.add_spans_numbered(rollout_id, attempt_id, unnumbered)
-        if numbered:
-            await store.add_many_spans(numbered)
-    except (NotFoundError, InvalidInputError, ConcurrencyError) as e:
-        return str(e)
-    return None
+        for add, group in groups:
+            if not group:
+                continue
+            try:
+                await add(group)
+                recorded.update(map(id, group))
+                continue
+            except NotFoundError:
+                raise
+            except InvalidInputError as e:
+                if len(group) == 1:
+                    refused[id(group[0])] = _rejected(group[0], e)
+                    continue
+            for span in group:
+                try:
+                    await add([span])
+                    recorded.add(id(span))
+                except NotFoundError:
+                    raise
+                except InvalidInputError as e:
+                    refused[id(span)] = _rejected(span, e)
+    except (NotFoundError, ConcurrencyError) as e:
+        for span in spans:
+            if id(span) not in recorded and id(span) not in refused:
+                refused[id(span)] = _rejected(span, e)
+    return list(refused.values())
+
+
+def _rejected(span: Span, error: Exception) -> Rejected:
+    return Rejected(span.span_id, span.name, str(error))
 
 
 async def ingest(store: LightningStore, spans: list[Span]) -> list[Rejected]:
-    """Record ``spans`` attempt by attempt; the spans of attempts the store refused.
+    """Record ``spans`` attempt by attempt; the spans the store refused, each with its reason.
 
     Raises:
         ServiceUnavailableError: NATS or Postgres did not answer (503: the exporter retries).
@@ -56,14 +96,8 @@ async def ingest(store: LightningStore, spans: list[Span]) -> list[Rejected]:
     by_attempt: dict[tuple[str, str], list[Span]] = defaultdict(list)
     for span in spans:
         by_attempt[(span.rollout_id, span.attempt_id)].append(span)
-    keys = list(by_attempt)
-    reasons = await asyncio.gather(*(_record_attempt(store, r, a, by_attempt[(r, a)]) for r, a in keys))
-    return [
-        Rejected(span.span_id, span.name, reason)
-        for key, reason in zip(keys, reasons, strict=True)
-        if reason is not None
-        for span in by_attempt[key]
-    ]
+    refused = await asyncio.gather(*(_record_attempt(store, r, a, group) for (r, a), group in by_attempt.items()))
+    return [r for group in refused for r in group]
 
 
 def _message(rejected: list[Rejected]) -> str:

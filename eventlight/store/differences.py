@@ -15,7 +15,9 @@ Choices where Agent-lightning 0.3.0's code and its docs differ, item by item aga
        at 1; a span with its own ``sequence_id`` raises the counter; out-of-order ids are accepted, and
        a duplicate is the same ``(rollout_id, attempt_id, span_id)`` (0.3.0), dropped with 0.3.0's log
        line (``Duplicated span added for rollout=…, attempt=…, span=…. Skipping.``, at WARNING where
-       0.3.0 logs ERROR) when this store object or the stream's duplicate window sees it;
+       0.3.0 logs ERROR) when this store object or the stream's duplicate window sees it; ids run
+       up to ``MAX_SPAN_SEQUENCE_ID`` (2**31 - 1, the read model's Postgres ``integer``): a larger
+       one, or numbering past it, raises ``InvalidInputError``;
     4. ``wait_for_rollouts`` is keyword-only, ``timeout<=0`` only checks, ``requeuing`` is not finished,
        results keep ``rollout_ids`` order, and it listens to events instead of polling;
     5. filters: an empty ``*_in`` list matches nothing, ``None`` is no filter, all conditions of a query

@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 
 from eventlight.core.errors import InvalidInputError, InvalidTypeError
-from eventlight.core.types import LLM, PromptTemplate, ProxyLLM, RolloutConfig, Span
+from eventlight.core.types import LLM, MAX_SPAN_SEQUENCE_ID, PromptTemplate, ProxyLLM, RolloutConfig, Span
 
 _json = msgspec.json.Encoder()
 _TOKEN = re.compile(r"^[A-Za-z0-9_\-:@+=]{1,200}$")
@@ -106,8 +106,9 @@ def check_spans(spans: Sequence[Any]) -> None:
 
     Raises:
         InvalidTypeError: An item is not a ``Span``, its name not a string or its attributes not a dict.
-        InvalidInputError: An item lacks its rollout, attempt, span or trace id; has a negative
-            sequence id, a non-string attribute key, or an attribute value that cannot be encoded as JSON.
+        InvalidInputError: An item lacks its rollout, attempt, span or trace id; has a sequence id
+            outside 0 to ``MAX_SPAN_SEQUENCE_ID`` (2**31 - 1), a non-string attribute key, or an
+            attribute value that cannot be encoded as JSON.
     """
     for i, span in enumerate(spans):
         if not isinstance(span, Span):
@@ -121,8 +122,11 @@ def check_spans(spans: Sequence[Any]) -> None:
         if span.attempt_id == "latest":
             raise InvalidInputError(f"span #{i} ({span.name!r}) must name its attempt id, not 'latest'")
         sid = span.sequence_id
-        if not isinstance(sid, int) or isinstance(sid, bool) or not 0 <= sid < 2**63:
-            raise InvalidInputError(f"span #{i} ({span.name!r}) has an invalid sequence_id {span.sequence_id!r}")
+        if not isinstance(sid, int) or isinstance(sid, bool) or not 0 <= sid <= MAX_SPAN_SEQUENCE_ID:
+            raise InvalidInputError(
+                f"span #{i} ({span.name!r}) has an invalid sequence_id {span.sequence_id!r}"
+                f" (an integer from 0 to {MAX_SPAN_SEQUENCE_ID})"
+            )
         if not isinstance(span.attributes, dict):
             raise InvalidTypeError(
                 f"span #{i} ({span.name!r}) has attributes of type {type(span.attributes).__name__}, not dict"
@@ -139,6 +143,21 @@ def check_spans(spans: Sequence[Any]) -> None:
                 raise InvalidInputError(
                     f"span #{i} ({span.name!r}) attribute {key!r} cannot be stored as JSON: {e}"
                 ) from e
+
+
+def check_span_ids_left(rollout_id: str, attempt_id: str, high: int) -> None:
+    """For the event logs' span numbering: the ids given out (numbered spans, reservations) must
+    stay within ``MAX_SPAN_SEQUENCE_ID``; checked before anything is appended.
+
+    Raises:
+        InvalidInputError: ``high``, the attempt's highest id after this append, is over it (an
+            earlier span of the attempt carried an id near the limit).
+    """
+    if high > MAX_SPAN_SEQUENCE_ID:
+        raise InvalidInputError(
+            f"spans of {rollout_id}/{attempt_id}: no sequence id left to give out (the next would be"
+            f" over {MAX_SPAN_SEQUENCE_ID}; a span of this attempt carries an id near the limit)"
+        )
 
 
 def check_one_attempt(rollout_id: str, attempt_id: str, spans: Sequence[Any]) -> None:

@@ -25,6 +25,7 @@ from eventlight.core.events import SpansAdded
 from eventlight.core.types import Span
 from eventlight.store.futures import mark_seen
 from eventlight.store.ports import StaleStateError
+from eventlight.store.validate import check_span_ids_left
 
 if TYPE_CHECKING:
     from eventlight.store.jetstream.log import JetStreamEventLog
@@ -144,6 +145,7 @@ class SpanLog:
                     cursor = max([cursor, *(s.sequence_id for s in req.spans)])
                     req.first = cursor + 1
                 cursor += req.reserve
+            check_span_ids_left(rid, aid, cursor)
             if state.last_seq == 0 and self.log.settings.retention_s is not None:
                 await self._refuse_retired(rid)
             at = self.clock()

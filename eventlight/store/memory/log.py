@@ -29,6 +29,7 @@ from eventlight.core.events import (
 from eventlight.core.evolve import evolve
 from eventlight.core.types import ResourcesUpdate, Span
 from eventlight.store.ports import SpanHead, StaleStateError
+from eventlight.store.validate import check_span_ids_left
 
 if TYPE_CHECKING:
     from eventlight.store.memory.follow import MemoryFeed
@@ -154,6 +155,7 @@ class MemoryEventLog:
             high = max([high, *(s.sequence_id for s in spans)])
             first = high + 1
         high += reserve
+        check_span_ids_left(rollout_id, attempt_id, high)
         at = self.clock()
         seq = self._add(SpansAdded(time=at, rollout_id=rollout_id, attempt_id=attempt_id, spans=spans, seq_high=high))
         self._span_high[key] = high
