@@ -14,6 +14,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 import eventlight as agl
+from eventlight.core.errors import InvalidInputError, NotFoundError
 from eventlight.net import free_port
 
 TOKEN = "s3cret-token"
@@ -235,6 +236,28 @@ async def test_clients_with_the_token_work_and_without_it_get_authentication_err
     finally:
         await good.close()
         await bad.close()
+
+
+async def test_the_client_sends_an_id_as_one_path_segment(http: httpx.AsyncClient) -> None:
+    """An id with URL syntax in it reaches the server as that id (a reviewer: ``update_worker("w?x=1")``
+    wrote worker ``w``, and ``get_worker_by_id("w?x=1")`` read it back)."""
+    client = agl.LightningStoreClient(str(http.base_url), token=TOKEN, retry_delays=())
+    try:
+        await client.update_worker("w", {"n": 1})
+        for odd in ("w?x=1", "w#frag", "w%3F"):
+            with pytest.raises(InvalidInputError, match="is not a valid id"):
+                await client.update_worker(odd, {"n": 2})
+            assert await client.get_worker_by_id(odd) is None
+        assert (await client.get_worker_by_id("w")).heartbeat_stats == {"n": 1}  # type: ignore[union-attr]
+        r = await client.enqueue_rollout({"q": 1})
+        for odd in ("x/../../workers/w", "../resources/latest", f"{r.rollout_id}?"):
+            with pytest.raises(NotFoundError):
+                await client.update_rollout(odd, status="cancelled")
+        assert (await client.get_rollout_by_id(r.rollout_id)).status == "queuing"  # type: ignore[union-attr]
+        with pytest.raises(InvalidInputError, match="rollout_id must not be empty"):
+            await client.get_rollout_by_id("")
+    finally:
+        await client.close()
 
 
 async def test_openapi_describes_every_route_and_binds_loopback_by_default() -> None:

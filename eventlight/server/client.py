@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+import urllib.parse
 from collections.abc import Sequence
 from typing import Any, Literal, TypeVar
 
 import msgspec
 
 from eventlight.core.commands import UNSET
+from eventlight.core.errors import InvalidInputError
 from eventlight.core.types import (
     Attempt,
     AttemptedRollout,
@@ -51,6 +53,19 @@ def _rollout(item: Any) -> Rollout:
 def _page(data: Any, item: type[T]) -> PaginatedResult[T]:
     items = [msgspec.convert(x, item) for x in data["items"]]
     return PaginatedResult(items, limit=data["limit"], offset=data["offset"], total=data["total"])
+
+
+def _seg(name: str, value: Any) -> str:
+    """An id as one URL path segment, percent-encoded: ``w?x=1`` must reach the server as that id,
+    not as worker ``w`` with a query string (nor ``a/b`` as two segments).
+
+    Raises:
+        InvalidInputError: The id is empty (no route could tell it from the collection's).
+    """
+    text = str(value)
+    if not text:
+        raise InvalidInputError(f"{name} must not be empty")
+    return urllib.parse.quote(text, safe="")
 
 
 def _set(**fields: Any) -> dict[str, Any]:
@@ -167,7 +182,7 @@ class LightningStoreClient(LightningStore):
         return [msgspec.convert(x, AttemptedRollout) for x in data]
 
     async def start_attempt(self, rollout_id: str, worker_id: str | None = None) -> AttemptedRollout:
-        data = await self._post(f"/rollouts/{rollout_id}/attempts", {"worker_id": worker_id})
+        data = await self._post(f"/rollouts/{_seg('rollout_id', rollout_id)}/attempts", {"worker_id": worker_id})
         return msgspec.convert(data, AttemptedRollout)
 
     async def update_rollout(
@@ -181,7 +196,7 @@ class LightningStoreClient(LightningStore):
         metadata: Any = UNSET,
     ) -> Rollout:
         body = _set(input=input, mode=mode, resources_id=resources_id, status=status, config=config, metadata=metadata)
-        return msgspec.convert(await self._post(f"/rollouts/{rollout_id}", body), Rollout)
+        return msgspec.convert(await self._post(f"/rollouts/{_seg('rollout_id', rollout_id)}", body), Rollout)
 
     async def update_attempt(
         self,
@@ -193,7 +208,12 @@ class LightningStoreClient(LightningStore):
         metadata: Any = UNSET,
     ) -> Attempt:
         body = _set(status=status, worker_id=worker_id, last_heartbeat_time=last_heartbeat_time, metadata=metadata)
-        return msgspec.convert(await self._post(f"/rollouts/{rollout_id}/attempts/{attempt_id}", body), Attempt)
+        return msgspec.convert(
+            await self._post(
+                f"/rollouts/{_seg('rollout_id', rollout_id)}/attempts/{_seg('attempt_id', attempt_id)}", body
+            ),
+            Attempt,
+        )
 
     # -- reads -----------------------------------------------------------------------------
 
@@ -228,7 +248,7 @@ class LightningStoreClient(LightningStore):
         return PaginatedResult(items, limit=data["limit"], offset=data["offset"], total=data["total"])
 
     async def get_rollout_by_id(self, rollout_id: str) -> Rollout | None:
-        data = await self._get(f"/rollouts/{rollout_id}")
+        data = await self._get(f"/rollouts/{_seg('rollout_id', rollout_id)}")
         return None if data is None else _rollout(data)
 
     async def query_attempts(
@@ -241,10 +261,12 @@ class LightningStoreClient(LightningStore):
         offset: int = 0,
     ) -> PaginatedResult[Attempt]:
         body = {"sort_by": sort_by, "sort_order": sort_order, "limit": limit, "offset": offset}
-        return _page(await self._post(f"/rollouts/{rollout_id}/attempts/search", body, safe=True), Attempt)
+        return _page(
+            await self._post(f"/rollouts/{_seg('rollout_id', rollout_id)}/attempts/search", body, safe=True), Attempt
+        )
 
     async def get_latest_attempt(self, rollout_id: str) -> Attempt | None:
-        data = await self._get(f"/rollouts/{rollout_id}/attempts/latest")
+        data = await self._get(f"/rollouts/{_seg('rollout_id', rollout_id)}/attempts/latest")
         return None if data is None else msgspec.convert(data, Attempt)
 
     async def wait_for_rollouts(self, *, rollout_ids: list[str], timeout: float | None = None) -> list[Rollout]:
@@ -320,11 +342,11 @@ class LightningStoreClient(LightningStore):
         return msgspec.convert(await self._post("/resources", msgspec.to_builtins(resources)), ResourcesUpdate)
 
     async def update_resources(self, resources_id: str, resources: NamedResources) -> ResourcesUpdate:
-        data = await self._post(f"/resources/{resources_id}", msgspec.to_builtins(resources))
+        data = await self._post(f"/resources/{_seg('resources_id', resources_id)}", msgspec.to_builtins(resources))
         return msgspec.convert(data, ResourcesUpdate)
 
     async def get_resources_by_id(self, resources_id: str) -> ResourcesUpdate | None:
-        data = await self._get(f"/resources/{resources_id}")
+        data = await self._get(f"/resources/{_seg('resources_id', resources_id)}")
         return None if data is None else msgspec.convert(data, ResourcesUpdate)
 
     async def get_latest_resources(self) -> ResourcesUpdate | None:
@@ -352,10 +374,12 @@ class LightningStoreClient(LightningStore):
     # -- workers ---------------------------------------------------------------------------
 
     async def update_worker(self, worker_id: str, heartbeat_stats: Any = UNSET) -> Worker:
-        return msgspec.convert(await self._post(f"/workers/{worker_id}", _set(heartbeat_stats=heartbeat_stats)), Worker)
+        return msgspec.convert(
+            await self._post(f"/workers/{_seg('worker_id', worker_id)}", _set(heartbeat_stats=heartbeat_stats)), Worker
+        )
 
     async def get_worker_by_id(self, worker_id: str) -> Worker | None:
-        data = await self._get(f"/workers/{worker_id}")
+        data = await self._get(f"/workers/{_seg('worker_id', worker_id)}")
         return None if data is None else msgspec.convert(data, Worker)
 
     async def query_workers(
