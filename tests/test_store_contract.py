@@ -660,6 +660,34 @@ async def test_nul_characters_do_not_stop_the_projection(store: Any, runner_stor
     assert stored.attributes["gen_ai.completion"] in ("x\x00y", "x\ufffdy")
 
 
+async def test_nul_characters_in_query_arguments_are_answered_as_any_text(store: Any, runner_store: Any) -> None:
+    """A filter holding NUL finds what the value written with it became, and an id holding NUL is
+    unknown, on both backends (a reviewer: Postgres refused the argument, and the server answered
+    500 for ``GET /rollouts/a%00b`` and every search field)."""
+    r = await store.enqueue_rollout("nul filters")
+    d = await runner_store.dequeue_rollout()
+    span = reward_span(r.rollout_id, d.attempt.attempt_id, 1, 1.0)
+    span.name = "llm\x00call"
+    await runner_store.add_span(span)
+    await runner_store.update_attempt(r.rollout_id, "latest", status="succeeded")
+    await store.wait_for_rollouts(rollout_ids=[r.rollout_id], timeout=10)
+    assert [s.span_id for s in await store.query_spans(r.rollout_id, name="llm\x00call")] == [span.span_id]
+    assert [s.span_id for s in await store.query_spans(r.rollout_id, name_contains="\x00")] == [span.span_id]
+    assert await store.get_rollout_by_id("ro-\x00") is None
+    assert list(await store.query_rollouts(rollout_id_contains="\x00")) == []
+    assert list(await store.query_rollouts(status_in=["\x00"])) == []
+    assert list(await store.query_workers(worker_id_contains="\x00")) == []
+    for call in (
+        lambda: store.query_spans("ro-\x00"),
+        lambda: store.query_attempts("ro-\x00"),
+        lambda: store.wait_for_rollouts(rollout_ids=["ro-\x00"], timeout=0),
+    ):
+        with pytest.raises(RolloutNotFoundError):
+            await call()
+    with pytest.raises(AttemptNotFoundError):
+        await store.query_spans(r.rollout_id, attempt_id="at-\x00")
+
+
 async def test_query_arguments_of_the_wrong_type_are_refused(store: Any) -> None:
     r = await store.enqueue_rollout("args")
     for kwargs in ({"limit": 1.5}, {"limit": None}, {"offset": "1"}, {"sort_by": "input"}, {"sort_by": "config"}):

@@ -62,6 +62,9 @@ Other behaviours to know:
     * ``start_attempt`` is an explicit retry: it moves even a finished or cancelled rollout back to
       ``preparing`` (0.3.0); only late *attempt updates* cannot overwrite ``cancelled``;
     * ids that could never have been issued (with dots, spaces, wildcards) are simply not found;
+    * Postgres text cannot hold NUL (U+0000): on JetStream the read model keeps U+FFFD in its place
+      (the stream keeps the NUL, so a rebuild or ``eventlight replay`` sees it), and query arguments
+      holding NUL are read the same way, so a filter finds what was written with it;
     * a span is validated before anything is written (ids, name, JSON-encodable attributes);
       NUL characters are kept in the stream and stored as U+FFFD in Postgres, which cannot hold NUL;
       JSON numbers are Postgres ``numeric`` there: ``-0.0`` reads back as ``0.0`` and a float written

@@ -50,6 +50,18 @@ def text(value: str | None) -> str | None:
     return value.replace("\x00", "\ufffd") if value is not None and "\x00" in value else value
 
 
+def texts(value: Any) -> Any:
+    """A query argument as the read model stores text: NUL characters in a string, or in the strings
+    of a list, become U+FFFD (``text``). Postgres refuses a NUL in a ``text`` argument with an error;
+    this way a filter holding one matches what the stored value became, as the in-memory backend's
+    filter matches the value as written."""
+    if isinstance(value, str):
+        return text(value)
+    if isinstance(value, list) and any(isinstance(v, str) and "\x00" in v for v in value):
+        return [text(v) if isinstance(v, str) else v for v in value]
+    return value
+
+
 def _without_nul(value: Any) -> Any:
     if isinstance(value, str):
         return value.replace("\x00", "\ufffd")
@@ -255,7 +267,7 @@ class Where:
         self.pool: list[str] = []
 
     def arg(self, value: Any) -> str:
-        self.args.append(value)
+        self.args.append(texts(value))
         return f"${len(self.args)}"
 
     def within(self, col: str, values: Sequence[Any] | None, *, must: bool = False) -> None:

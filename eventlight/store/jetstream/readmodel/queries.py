@@ -75,7 +75,7 @@ class SqlQueries:
                 total = await conn.fetchval(
                     "SELECT coalesce(sum(n), 0) FROM rollout_status_counts"
                     + ("" if status_in is None else " WHERE status = ANY($1::text[])"),
-                    *([] if status_in is None else [list(status_in)]),
+                    *([] if status_in is None else [pg.texts(list(status_in))]),
                 )
                 total = int(total)
             else:
@@ -91,7 +91,7 @@ class SqlQueries:
         return page[0] if page else None
 
     async def _require_rollout(self, conn: asyncpg.Connection, rollout_id: str) -> asyncpg.Record:
-        row = await conn.fetchrow("SELECT latest_attempt_id FROM rollouts WHERE rollout_id = $1", rollout_id)
+        row = await conn.fetchrow("SELECT latest_attempt_id FROM rollouts WHERE rollout_id = $1", pg.text(rollout_id))
         if row is None:
             raise RolloutNotFoundError(rollout_id)
         return row
@@ -146,7 +146,9 @@ class SqlQueries:
             elif attempt_id is not None:
                 await self._require_rollout(conn, rollout_id)
                 exists = await conn.fetchval(
-                    "SELECT 1 FROM attempts WHERE rollout_id = $1 AND attempt_id = $2", rollout_id, attempt_id
+                    "SELECT 1 FROM attempts WHERE rollout_id = $1 AND attempt_id = $2",
+                    pg.text(rollout_id),
+                    pg.text(attempt_id),
                 )
                 if not exists:
                     raise AttemptNotFoundError(rollout_id, attempt_id)

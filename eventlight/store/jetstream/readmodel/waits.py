@@ -16,6 +16,7 @@ from eventlight.core.types import (
     Rollout,
 )
 from eventlight.store.finish import terminal_status
+from eventlight.store.jetstream import pg
 from eventlight.store.jetstream.layout import rollout_of_subject
 from eventlight.store.jetstream.pg_errors import SERVER_FAILURES
 from eventlight.store.jetstream.projector import Projector, ProjectorGroup
@@ -216,7 +217,9 @@ class Waits(SqlQueries):
             RolloutNotFoundError: An id is unknown.
         """
         async with self._conn() as conn:
-            rows = await conn.fetch("SELECT rollout_id, status FROM rollouts WHERE rollout_id = ANY($1::text[])", ids)
+            rows = await conn.fetch(
+                "SELECT rollout_id, status FROM rollouts WHERE rollout_id = ANY($1::text[])", pg.texts(ids)
+            )
         status = {r[0]: r[1] for r in rows}
         for rid in ids:
             if rid not in status:
