@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -13,8 +14,15 @@ import httpx
 import pytest
 
 import eventlight as agl
-from eventlight.core.errors import AttemptNotFoundError, InvalidTransitionError, NotFoundError, RolloutNotFoundError
+from eventlight.core.errors import (
+    AttemptNotFoundError,
+    InvalidInputError,
+    InvalidTransitionError,
+    NotFoundError,
+    RolloutNotFoundError,
+)
 from eventlight.net import free_port
+from eventlight.server.app import create_app
 from eventlight.server.serving import PortInUseError, bind
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
@@ -170,6 +178,29 @@ def test_cli_serve_on_a_taken_port_is_one_line_exit_1() -> None:
     assert done.returncode == 1, done.stderr
     assert done.stderr.strip().count("\n") == 0
     assert f"port {port} on 127.0.0.1 is already in use" in done.stderr and "--port" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "env"), [(["--token", ""], {}), (["--token", " "], {}), ([], {"EVENTLIGHT_SERVER_TOKEN": ""})]
+)
+def test_cli_serve_with_an_empty_token_refuses_to_start(args: list[str], env: dict[str, str]) -> None:
+    """``--token "$UNSET"`` (or the variable set to nothing) is a mistake, not "no token": serving
+    would open the store to anyone who can connect (a reviewer)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "eventlight.cli", "serve", "--backend", "memory", "--port", str(free_port()), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, **env},
+    )
+    assert done.returncode == 2, done.stderr
+    assert "the token is empty" in done.stderr
+
+
+def test_an_app_with_an_empty_token_is_refused() -> None:
+    with pytest.raises(InvalidInputError, match="token is empty"):
+        create_app(agl.InMemoryLightningStore(), token="")
 
 
 async def test_accepted_connections_have_nagle_off() -> None:

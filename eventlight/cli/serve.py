@@ -123,6 +123,11 @@ def serve(
     starts them. A port that is taken fails at once (exit 1)."""
     from eventlight.cli.common import _settings
 
+    given = token if token is not None else os.environ.get("EVENTLIGHT_SERVER_TOKEN")  # Click drops an empty one
+    if given is not None and not given.strip():  # `--token "$UNSET"` must not open the store to anyone
+        raise CliError(
+            "the token is empty (--token or $EVENTLIGHT_SERVER_TOKEN): give one, or leave both out to serve without one"
+        )
     settings = _settings(namespace)
     _check_port(host, port)
     token = token or settings.server_token

@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from eventlight.core.errors import InvalidInputError
 from eventlight.server import dashboard, metrics, otlp
 from eventlight.server.auth import BearerAuth
 from eventlight.server.codec import openapi_components
@@ -49,7 +50,16 @@ def create_app(
         identity: What ``/v1/agl/health`` names besides ``"status": "ok"`` (instance, namespace, ...).
         token: When set, every request must send ``Authorization: Bearer <token>`` (else 401).
         max_body_bytes: Larger request bodies (and OTLP bodies that inflate past it) get 413.
+
+    Raises:
+        InvalidInputError: ``token`` is empty or blank: an unset variable in ``--token "$TOKEN"``
+            would otherwise serve the store to anyone (``None`` is "no token", said explicitly).
     """
+    if token is not None and not token.strip():
+        raise InvalidInputError(
+            "the server token is empty: pass a token, or none at all (None; on the command line leave"
+            " out --token and $EVENTLIGHT_SERVER_TOKEN) to serve without one"
+        )
     app = FastAPI(
         title="eventlight store server",
         version=_version(),
