@@ -19,6 +19,7 @@ import datetime as dt
 import decimal
 import io
 import json
+import math
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -76,6 +77,8 @@ def _table_cell(col: Column, value: Any) -> Text | str:
         return Text("null", style="dim")
     if col.is_epoch and isinstance(value, float | int | decimal.Decimal) and _EPOCH_MIN < value < _EPOCH_MAX:
         return utc_time(float(value))
+    if isinstance(value, dt.date) and (infinite := _infinite_time(value)):
+        return infinite
     if isinstance(value, dt.datetime):
         moment = value.astimezone(dt.UTC) if value.tzinfo else value
         return moment.isoformat(sep=" ", timespec="milliseconds").replace("+00:00", "Z")
@@ -119,8 +122,22 @@ def _record(index: int, cols: Sequence[Column], cells: Sequence[Text | str]) -> 
     return table
 
 
+def _infinite_time(value: Any) -> str | None:
+    """``"infinity"`` / ``"-infinity"`` for the datetimes asyncpg gives for Postgres' infinite dates
+    and timestamps (``datetime.max`` / ``datetime.min``, ``date.max`` / ``date.min``), as Postgres
+    prints them; else ``None``."""
+    if isinstance(value, dt.datetime):
+        naive = value.replace(tzinfo=None)
+        return "infinity" if naive == dt.datetime.max else "-infinity" if naive == dt.datetime.min else None
+    if isinstance(value, dt.date):
+        return "infinity" if value == dt.date.max else "-infinity" if value == dt.date.min else None
+    return None
+
+
 def _plain(col: Column, value: Any) -> Any:
-    """A JSON-ready value: JSON columns parsed, times as ISO 8601, decimals and UUIDs as text."""
+    """A JSON-ready value: JSON columns parsed, times as ISO 8601, decimals and UUIDs as text;
+    NaN and infinite numbers and times as Postgres' own JSON writes them (``"NaN"``,
+    ``"Infinity"``, ``"infinity"``): strict JSON has no such numbers."""
     if value is None:
         return None
     if col.is_json:
@@ -128,8 +145,12 @@ def _plain(col: Column, value: Any) -> Any:
             return json.loads(value)
         except (TypeError, ValueError):
             return value
+    if isinstance(value, list):  # an array column
+        return [_plain(col, v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
     if isinstance(value, dt.datetime | dt.date | dt.time):
-        return value.isoformat()
+        return _infinite_time(value) or value.isoformat()
     if isinstance(value, decimal.Decimal | uuid.UUID | dt.timedelta | bytes | memoryview):
         return str(value) if not isinstance(value, bytes | memoryview) else bytes(value).hex()
     return value
@@ -138,8 +159,13 @@ def _plain(col: Column, value: Any) -> Any:
 def result_text(cols: Sequence[Column], rows: Sequence[Sequence[Any]], fmt: str) -> str:
     """The ``csv`` or ``json`` (JSON lines) text of a result, ending in a newline when not empty."""
     if fmt == "json":
+        names = _unique_names([c.name for c in cols])
         lines = [
-            json.dumps({c.name: _plain(c, v) for c, v in zip(cols, row, strict=True)}, ensure_ascii=False, default=str)
+            json.dumps(
+                {name: _plain(c, v) for name, c, v in zip(names, cols, row, strict=True)},
+                ensure_ascii=False,
+                default=str,
+            )
             for row in rows
         ]
         return "".join(line + "\n" for line in lines)
@@ -150,6 +176,25 @@ def result_text(cols: Sequence[Column], rows: Sequence[Sequence[Any]], fmt: str)
         cells = [_plain(c, v) for c, v in zip(cols, row, strict=True)]
         writer.writerow(["" if v is None else _compact(c, v) for c, v in zip(cols, cells, strict=True)])
     return out.getvalue()
+
+
+def _unique_names(names: list[str]) -> list[str]:
+    """Column names as JSON keys: a repeated name gets ``_2``, ``_3``, … (``SELECT *`` over a
+    join repeats ``rollout_id``), so that no column is lost to a later one of the same name."""
+    seen = set(names)
+    counts: dict[str, int] = {}
+    out = []
+    for name in names:
+        counts[name] = counts.get(name, 0) + 1
+        if counts[name] == 1:
+            out.append(name)
+            continue
+        k = counts[name]
+        while f"{name}_{k}" in seen:
+            k += 1
+        seen.add(f"{name}_{k}")
+        out.append(f"{name}_{k}")
+    return out
 
 
 def _compact(col: Column, value: Any) -> Any:

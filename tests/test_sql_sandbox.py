@@ -3,6 +3,7 @@ timeout, and read no other namespace."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import asyncpg
@@ -150,3 +151,45 @@ async def test_the_shared_reader_of_migration_005_reads_nothing_of_a_namespace(n
         assert default_acl == 0  # tables added later are not granted to it either
     finally:
         await conn.close()
+
+
+@pytest.mark.parametrize("timeout", ["inf", "1e7", "nan"])
+def test_a_timeout_postgres_cannot_take_is_a_usage_error(namespace: Settings, timeout: str) -> None:
+    """Before: ``inf`` was an OverflowError and ``1e7`` Postgres' ``statement_timeout`` error, both
+    "internal error", exit 1 (a reviewer)."""
+    result = cli("sql", "SELECT 1", "--timeout-s", timeout, env=env_of(namespace))
+    assert result.returncode == 2, result.stderr
+    assert "--timeout-s" in result.stderr and "internal error" not in result.stderr
+
+
+def test_copy_is_refused_not_answered_with_nothing(namespace: Settings) -> None:
+    assert_one_line_error(cli("sql", "copy rollouts TO STDOUT", env=env_of(namespace)), 2, "is not run here")
+
+
+def test_a_query_that_ends_its_own_session_is_a_sql_error(namespace: Settings) -> None:
+    result = cli("sql", "SELECT pg_terminate_backend(pg_backend_pid())", env=env_of(namespace))
+    assert_one_line_error(result, 2, "SQL error", "connection to Postgres closed")
+
+
+def test_json_lines_are_strict_json_and_keep_every_column(namespace: Settings) -> None:
+    query = (
+        "SELECT 'NaN'::float8 AS f, '-Infinity'::float8 AS g, ARRAY['Infinity'::float8, 1.5] AS h,"
+        " 'infinity'::timestamptz AS t, '-infinity'::date AS d, 1 AS a, 2 AS a, 3 AS a_2"
+    )
+    result = cli("sql", query, "--format", "json", env=env_of(namespace))
+    assert result.returncode == 0, result.stderr
+
+    def no_constants(name: str) -> None:
+        raise AssertionError(f"{name} is not JSON")
+
+    row = json.loads(result.stdout, parse_constant=no_constants)
+    assert row == {
+        "f": "NaN",
+        "g": "-Infinity",
+        "h": ["Infinity", 1.5],
+        "t": "infinity",
+        "d": "-infinity",
+        "a": 1,
+        "a_3": 2,
+        "a_2": 3,
+    }

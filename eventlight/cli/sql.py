@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Sequence
 from typing import Annotated, Any
@@ -20,11 +21,16 @@ def _check_query(query: str, params: Sequence[str] = ()) -> None:
     """Refuse what cannot be one SQL statement, or a ``--param`` that cannot be text, before connecting.
 
     Raises:
-        CliError: Empty, or the query or a parameter not valid UTF-8 (an argument the shell passed
-            as raw bytes).
+        CliError: Empty, a ``COPY`` to standard output or from standard input, or the query or a
+            parameter not valid UTF-8 (an argument the shell passed as raw bytes).
     """
     if not query.strip().strip(";").strip():
         raise CliError('empty query: give one SQL statement, e.g. eventlight sql "SELECT * FROM rollouts LIMIT 5"')
+    if re.match(r"\s*copy\b.*\b(to\s+stdout|from\s+stdin)\b", query, re.IGNORECASE | re.DOTALL):
+        raise CliError(
+            "COPY ... TO STDOUT / FROM STDIN is not run here (it would print nothing): SELECT what you want,"
+            " with --format csv or json"
+        )
     _utf8(query, "the query")
     for k, value in enumerate(params, 1):
         _utf8(value, f"--param ${k}")
@@ -79,11 +85,15 @@ def sql(
         typer.Option(
             "--format",
             "-f",
-            help="table: for reading (UTC times, folded cells, compact JSON); csv / json (JSON lines): raw values.",
+            help="table: for reading (UTC times, folded cells, compact JSON); csv / json (JSON lines): raw values"
+            " (in json a repeated column name gets _2, _3, ...; NaN and infinities are strings, as in Postgres' JSON).",
         ),
     ] = "table",
     timeout_s: Annotated[
-        float, typer.Option("--timeout-s", min=0.001, help="Cancel the query after this many seconds.")
+        float,
+        typer.Option(
+            "--timeout-s", min=0.001, max=86400.0, help="Cancel the query after this many seconds (at most a day)."
+        ),
     ] = 30.0,
     param: Annotated[
         list[str] | None,

@@ -93,6 +93,8 @@ def sql_error_detail(e: BaseException, timeout_s: float) -> str | None:
             f"{text}: `eventlight sql` only reads; the tables are projected from the stream, "
             "so write through the store API"
         )
+    if isinstance(e, asyncpg.InterfaceError | asyncpg.PostgresConnectionError):  # e.g. it ended its own session
+        return f"the connection to Postgres closed during the query ({text})"
     if "cannot insert multiple commands into a prepared statement" in text:
         return "several statements given; `eventlight sql` runs one statement at a time"
     if isinstance(e, asyncpg.PostgresError):
