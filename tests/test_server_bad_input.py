@@ -5,6 +5,7 @@ Also the bearer token (401 without it or with another one) and the default bind 
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 from collections.abc import AsyncIterator
 from typing import Any
@@ -14,7 +15,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 import eventlight as agl
-from eventlight.core.errors import InvalidInputError, NotFoundError
+from eventlight.core.errors import InvalidInputError, NotFoundError, ServiceUnavailableError
 from eventlight.net import free_port
 
 TOKEN = "s3cret-token"
@@ -258,6 +259,34 @@ async def test_the_client_sends_an_id_as_one_path_segment(http: httpx.AsyncClien
             await client.get_rollout_by_id("")
     finally:
         await client.close()
+
+
+async def test_a_write_sent_but_never_answered_says_its_outcome_is_unknown() -> None:
+    """A write whose answer was lost may have been stored: its error says so, where one that never
+    left says only that the server cannot be reached (a reviewer: both read "cannot reach")."""
+
+    async def take_and_drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(65536)  # the request arrived; no answer
+        writer.close()
+
+    server = await asyncio.start_server(take_and_drop, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    dropping = agl.LightningStoreClient(f"http://127.0.0.1:{port}", retry_delays=())
+    refused = agl.LightningStoreClient(f"http://127.0.0.1:{free_port()}", retry_delays=())
+    try:
+        with pytest.raises(ServiceUnavailableError, match="outcome is unknown"):
+            await dropping.enqueue_rollout({"q": 1})
+        with pytest.raises(ServiceUnavailableError) as never_sent:
+            await refused.enqueue_rollout({"q": 1})
+        assert "outcome" not in str(never_sent.value)
+        with pytest.raises(ServiceUnavailableError) as read:  # a read is retried, and never "unknown"
+            await dropping.get_rollout_by_id("ro-1")
+        assert "outcome" not in str(read.value)
+    finally:
+        await dropping.close()
+        await refused.close()
+        server.close()
+        await server.wait_closed()
 
 
 async def test_openapi_describes_every_route_and_binds_loopback_by_default() -> None:

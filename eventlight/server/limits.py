@@ -47,7 +47,7 @@ class BodyLimit:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
-                await self._too_large("more bytes")(scope, receive, send)
+                await self._too_large(f"more than {self.max_body_bytes} bytes (sent in chunks)")(scope, receive, send)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):

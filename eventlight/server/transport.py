@@ -6,7 +6,8 @@ What is retried (with ``retry_delays`` between tries):
   timeout, 408, 502, 503 or 504;
 * any request, writes included, only when it cannot have been carried out: the connection was
   never made, or the server answered ``ConcurrencyError`` (nothing was written). A write whose
-  answer was lost is not repeated (it would be a second command), so its error is raised.
+  answer was lost is not repeated (it would be a second command), so its error is raised, saying
+  that its outcome is unknown (it may have been stored).
 
 An error answer becomes the error class it names (``error_type``, e.g. ``RolloutNotFoundError``
 is a ``NotFoundError``) with the server's one-line message; 401 is ``AuthenticationError``; a
@@ -103,7 +104,9 @@ class Transport:
 
         Raises:
             EventlightError: The error the server answered (its class from ``error_type``).
-            ServiceUnavailableError: The server could not be reached (after the retries allowed).
+            ServiceUnavailableError: The server could not be reached (after the retries allowed); for
+                a write that was sent but not answered (the connection dropped or timed out after
+                the request left) the message says the outcome is unknown: it may have been stored.
         """
         content = msgspec.json.encode(json) if json is not None else None
         headers = {"Content-Type": "application/json"} if content is not None else None
@@ -135,7 +138,9 @@ class Transport:
         if isinstance(last, E.EventlightError):
             raise last
         where = redact(self.base_url)
-        raise E.ServiceUnavailableError(where, f"{method} {path}: {type(last).__name__}: {last}") from last
+        unknown = not idempotent and not isinstance(last, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout)
+        outcome = "; the write was sent and its outcome is unknown (read back before writing again)" if unknown else ""
+        raise E.ServiceUnavailableError(where, f"{method} {path}: {type(last).__name__}: {last}{outcome}") from last
 
     async def close(self) -> None:
         """Close the httpx clients of this loop (others are dropped); idempotent."""
