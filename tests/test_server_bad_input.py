@@ -97,6 +97,8 @@ REST_CASES: list[tuple[str, str, str, dict[str, Any], int, str]] = [
     ),
     ("limit 0", "POST", "/v1/agl/rollouts/search", {"json": {"limit": 0}}, 400, "limit must be -1"),
     ("bad sort order", "GET", "/v1/agl/workers", {"params": {"sort_order": "up"}}, 422, "sort_order"),
+    ("unknown rollout status in query", "GET", "/v1/agl/rollouts", {"params": {"status_in": "zzz"}}, 422, "status_in"),
+    ("unknown worker status in query", "GET", "/v1/agl/workers", {"params": {"status_in": "zzz"}}, 422, "status_in"),
     ("null status", "POST", "/v1/agl/rollouts/ro-000000000000", {"json": {"status": None}}, 422, "$.status"),
     ("unknown status name", "POST", "/v1/agl/rollouts/search", {"json": {"status_in": ["done"]}}, 422, "status_in"),
     (

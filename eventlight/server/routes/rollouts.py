@@ -7,7 +7,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request
 from starlette.responses import Response
 
-from eventlight.core.types import Attempt, AttemptedRollout, Rollout
+from eventlight.core.types import Attempt, AttemptedRollout, Rollout, RolloutStatus
 from eventlight.server.codec import body, doc, json_response
 from eventlight.server.models import (
     DequeueRequest,
@@ -88,7 +88,7 @@ async def _query_rollouts(request: Request, q: QueryRolloutsRequest) -> Response
 @router.get("/rollouts", openapi_extra=doc(response=Paginated[Rollout]))
 async def query_rollouts(
     request: Request,
-    status_in: Annotated[list[str] | None, Query()] = None,
+    status_in: Annotated[list[RolloutStatus] | None, Query()] = None,
     rollout_id_in: Annotated[list[str] | None, Query()] = None,
     rollout_id_contains: str | None = None,
     limit: int = -1,
@@ -99,7 +99,7 @@ async def query_rollouts(
 ) -> Response:
     """``query_rollouts`` (``status_in`` and ``rollout_id_in`` repeat)."""
     q = QueryRolloutsRequest(
-        status_in=status_in,  # type: ignore[arg-type]  # the store checks the names
+        status_in=status_in,
         rollout_id_in=rollout_id_in,
         rollout_id_contains=rollout_id_contains,
         limit=limit,

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request
 from starlette.responses import Response
 
-from eventlight.core.types import Worker
+from eventlight.core.types import Worker, WorkerStatus
 from eventlight.server.codec import body, doc, json_response
 from eventlight.server.models import FilterLogic, Paginated, QueryWorkersRequest, SortOrder, UpdateWorkerRequest
 from eventlight.server.routes.common import check_page, store_of
@@ -46,7 +46,7 @@ async def _query_workers(request: Request, q: QueryWorkersRequest) -> Response:
 @router.get("/workers", openapi_extra=doc(response=Paginated[Worker]))
 async def query_workers(
     request: Request,
-    status_in: Annotated[list[str] | None, Query()] = None,
+    status_in: Annotated[list[WorkerStatus] | None, Query()] = None,
     worker_id_contains: str | None = None,
     limit: int = -1,
     offset: int = 0,
@@ -56,7 +56,7 @@ async def query_workers(
 ) -> Response:
     """``query_workers`` (``status_in`` repeats)."""
     q = QueryWorkersRequest(
-        status_in=status_in,  # type: ignore[arg-type]  # the store checks the names
+        status_in=status_in,
         worker_id_contains=worker_id_contains,
         limit=limit,
         offset=offset,
