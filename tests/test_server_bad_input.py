@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -96,6 +97,14 @@ REST_CASES: list[tuple[str, str, str, dict[str, Any], int, str]] = [
         "nested too deeply",
     ),
     ("limit 0", "POST", "/v1/agl/rollouts/search", {"json": {"limit": 0}}, 400, "limit must be -1"),
+    (
+        "body not UTF-8",
+        "POST",
+        "/v1/agl/rollouts",
+        {"content": b'{"input":"\xff\xfe"}', "headers": {"content-type": "application/json"}},
+        400,
+        "not valid UTF-8",
+    ),
     ("bad sort order", "GET", "/v1/agl/workers", {"params": {"sort_order": "up"}}, 422, "sort_order"),
     ("unknown rollout status in query", "GET", "/v1/agl/rollouts", {"params": {"status_in": "zzz"}}, 422, "status_in"),
     ("unknown worker status in query", "GET", "/v1/agl/workers", {"params": {"status_in": "zzz"}}, 422, "status_in"),
@@ -179,12 +188,23 @@ async def _still_serving(http: httpx.AsyncClient) -> None:
     ("name", "method", "path", "kwargs", "status", "words"), REST_CASES, ids=[c[0] for c in REST_CASES]
 )
 async def test_rest_bad_input(
-    http: httpx.AsyncClient, name: str, method: str, path: str, kwargs: dict[str, Any], status: int, words: str
+    http: httpx.AsyncClient,
+    caplog: pytest.LogCaptureFixture,
+    name: str,
+    method: str,
+    path: str,
+    kwargs: dict[str, Any],
+    status: int,
+    words: str,
 ) -> None:
-    r = await http.request(method, path, **kwargs)
+    with caplog.at_level(logging.ERROR):
+        r = await http.request(method, path, **kwargs)
     assert r.status_code == status, r.text
     detail = r.json()["detail"]
     assert words in detail and "\n" not in detail and "Traceback" not in r.text, detail
+    # bad input is no server fault: nothing in the server's log at ERROR (an invalid UTF-8 body
+    # logged uvicorn's "Exception in ASGI application" with a traceback, a reviewer)
+    assert [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.ERROR] == []
     await _still_serving(http)
 
 

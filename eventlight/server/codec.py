@@ -57,6 +57,9 @@ async def body(request: Request, cls: type[T], *, empty: T | None = None) -> T:
         return msgspec.json.decode(raw, type=cls)
     except RecursionError:  # arrays or objects nested thousands deep: bad input, not a server fault
         raise msgspec.DecodeError("JSON is nested too deeply") from None
+    except UnicodeDecodeError as e:  # msgspec checks UTF-8 only where it decodes a string
+        bad = e.object[e.start : e.start + 1]
+        raise msgspec.DecodeError(f"the body is not valid UTF-8 (byte {bad!r} at position {e.start})") from None
 
 
 def _schema_of(tp: Any) -> dict[str, Any]:

@@ -116,9 +116,16 @@ async def _on_http(request: Request, exc: Exception) -> Response:
     return response
 
 
+async def _on_value(request: Request, exc: Exception) -> Response:
+    """A check outside the tree (e.g. a struct's ``__post_init__``): bad input, 400. Registered on
+    its own, not in ``_on_other``: Starlette re-raises what the catch-all handler answered, so the
+    server log got a traceback for every such request."""
+    return error_response(400, str(exc), type(exc).__name__)
+
+
 async def _on_other(request: Request, exc: Exception) -> Response:
-    if isinstance(exc, ValueError):  # a check outside the tree (e.g. a struct's __post_init__)
-        return error_response(400, str(exc), type(exc).__name__)
+    if isinstance(exc, ValueError):
+        return await _on_value(request, exc)
     log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
     return error_response(500, f"internal server error ({type(exc).__name__}); the server log has it", "InternalError")
 
@@ -129,4 +136,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _on_validation)
     app.add_exception_handler(msgspec.DecodeError, _on_decode)
     app.add_exception_handler(StarletteHTTPException, _on_http)
+    app.add_exception_handler(ValueError, _on_value)
     app.add_exception_handler(Exception, _on_other)
