@@ -199,10 +199,7 @@ async def test_a_subscriber_cancelled_in_its_ack_stops(namespace: Settings, monk
     swallowed: list[int] = []
     monkeypatch.setattr(Msg, "ack_sync", answering_cancelled(Msg.ack_sync, swallowed, acking))
     async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
-        for _ in range(2):
-            r = await store.enqueue_rollout("x")
-            claimed = await store.dequeue_rollout(worker_id="w1")
-            await store.update_attempt(r.rollout_id, claimed.attempt.attempt_id, status="succeeded")
+        await _finished_rollouts(store, 2)
         seen: list[str] = []
 
         async def algorithm() -> None:
@@ -211,11 +208,7 @@ async def test_a_subscriber_cancelled_in_its_ack_stops(namespace: Settings, monk
                     seen.append(record.rollout_id)
                     await sub.ack()
 
-        task = asyncio.create_task(algorithm())
-        await asyncio.wait_for(acking.wait(), 10)
-        task.cancel()
-        done, _ = await asyncio.wait([task], timeout=10)
-        assert task in done, "the subscriber ran on after its cancel"
+        await _cancel_when(acking, asyncio.create_task(algorithm()))
         assert swallowed, "the simulated swallow never happened"
         assert len(seen) == 1
 
@@ -226,10 +219,7 @@ async def test_a_subscriber_cancelled_while_records_are_folded_stops(
     """The cancel lands while the subscription reads a finished attempt's spans (on JetStream a
     ``get_msg`` request, in nats-py's ``wait_for``) and is swallowed there: the consumer stops all
     the same (a fresh reviewer saw 5 of 30 consumers idle on in ``async for`` after ``cancel()``)."""
-    for _ in range(3):
-        r = await store.enqueue_rollout("x")
-        claimed = await store.dequeue_rollout(worker_id="w1")
-        await store.update_attempt(r.rollout_id, claimed.attempt.attempt_id, status="succeeded")
+    await _finished_rollouts(store, 3)
     reading = asyncio.Event()
     swallowed: list[int] = []
     log = store._event_log
@@ -241,9 +231,21 @@ async def test_a_subscriber_cancelled_while_records_are_folded_stops(
                 await sub.ack()
 
     task = asyncio.create_task(algorithm())
-    await asyncio.wait_for(reading.wait(), 10)
+    await _cancel_when(reading, task)
+    assert swallowed, "the simulated swallow never happened"
+    assert task.cancelled()
+
+
+async def _finished_rollouts(store: Any, n: int) -> None:
+    for _ in range(n):
+        r = await store.enqueue_rollout("x")
+        claimed = await store.dequeue_rollout(worker_id="w1")
+        await store.update_attempt(r.rollout_id, claimed.attempt.attempt_id, status="succeeded")
+
+
+async def _cancel_when(event: asyncio.Event, task: asyncio.Task[None]) -> None:
+    """Cancel ``task`` once ``event`` is set; it must end within 10 s."""
+    await asyncio.wait_for(event.wait(), 10)
     task.cancel()
     done, _ = await asyncio.wait([task], timeout=10)
     assert task in done, "the subscriber ran on after its cancel"
-    assert swallowed, "the simulated swallow never happened"
-    assert task.cancelled()
