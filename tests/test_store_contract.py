@@ -642,6 +642,27 @@ async def test_span_sequence_ids_stay_within_what_the_read_model_stores(store: A
     assert [s.sequence_id for s in await store.query_spans(rid)] == [MAX_SPAN_SEQUENCE_ID]
 
 
+async def test_a_write_refused_for_its_ids_fails_alone_beside_concurrent_ones(store: Any, runner_store: Any) -> None:
+    """Spans written at the same moment share one message on JetStream (group commit): a numbering
+    that would pass ``MAX_SPAN_SEQUENCE_ID`` fails alone, and a span with its own id written beside
+    it is stored, as on the in-memory store (a reviewer: both failed, 7 of 15 tries)."""
+    r = await store.enqueue_rollout("ids")
+    d = await runner_store.dequeue_rollout()
+    rid, aid = r.rollout_id, d.attempt.attempt_id
+    await runner_store.add_span(reward_span(rid, aid, MAX_SPAN_SEQUENCE_ID - 1, 1.0))
+    for round_ in range(5):
+        own, numbered = await asyncio.gather(
+            runner_store.add_span(reward_span(rid, aid, 10 + round_, 0.5)),
+            runner_store.add_spans_numbered(rid, aid, [reward_span(rid, aid, 0, 0.1), reward_span(rid, aid, 0, 0.2)]),
+            return_exceptions=True,
+        )
+        assert isinstance(own, Span), own
+        assert isinstance(numbered, InvalidInputError) and "no sequence id left" in str(numbered)
+    await runner_store.update_attempt(rid, aid, status="succeeded")
+    await store.wait_for_rollouts(rollout_ids=[rid], timeout=10)
+    assert [s.sequence_id for s in await store.query_spans(rid)] == [10, 11, 12, 13, 14, MAX_SPAN_SEQUENCE_ID - 1]
+
+
 async def test_nul_characters_do_not_stop_the_projection(store: Any, runner_store: Any) -> None:
     """LLM output may hold NUL, which Postgres cannot store: the span is kept (NUL as U+FFFD in the
     read model, unchanged in the stream) and later events are still projected."""

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from eventlight.core.errors import ConcurrencyError, RolloutRetiredError
+from eventlight.core.errors import ConcurrencyError, InvalidInputError, RolloutRetiredError
 from eventlight.core.events import SpansAdded
 from eventlight.core.types import Span
 from eventlight.store.futures import mark_seen
@@ -108,7 +108,7 @@ class SpanLog:
                     group.append(req)
                     count += len(req.spans)
                 try:
-                    duplicate, at, seq = await self._append_group(key, state, group)
+                    appended = await self._append_group(key, state, group)
                 except BaseException as e:
                     for req in group:
                         if not req.done.done():
@@ -116,6 +116,9 @@ class SpanLog:
                     if not isinstance(e, Exception):
                         raise
                     continue
+                if appended is None:  # every request of the group was refused on its own
+                    continue
+                duplicate, at, seq = appended
                 for req in group:
                     if not req.done.done():
                         req.done.set_result((None if duplicate else req.first, at, seq))
@@ -128,24 +131,36 @@ class SpanLog:
 
     async def _append_group(
         self, key: tuple[str, str], state: _Attempt, group: list[_Request]
-    ) -> tuple[bool, float, int]:
+    ) -> tuple[bool, float, int] | None:
+        """Append the group's spans as one message, numbered from the attempt's head; ``None``
+        when no request of it is left to append. A request that would number past
+        ``MAX_SPAN_SEQUENCE_ID`` fails alone (``InvalidInputError``), as it would in a message of
+        its own: the others of the group are appended."""
         rid, aid = key
-        spans = [s for req in group for s in req.spans]
-        ids = [req.msg_id for req in group]
-        msg_id = ids[0] if len(ids) == 1 and ids[0] else None  # combined batches get a fresh id
         for _ in range(MAX_TRIES):
             cursor = state.high
+            taken: list[_Request] = []
             for req in group:
+                if req.done.done():
+                    continue
+                high = cursor + len(req.spans) if req.numbered else max([cursor, *(s.sequence_id for s in req.spans)])
+                try:
+                    check_span_ids_left(rid, aid, high + req.reserve)
+                except InvalidInputError as e:
+                    req.done.set_exception(e)
+                    continue
                 if req.numbered:
-                    req.first = cursor + 1
                     for j, span in enumerate(req.spans):
                         span.sequence_id = cursor + 1 + j
-                    cursor += len(req.spans)
-                else:
-                    cursor = max([cursor, *(s.sequence_id for s in req.spans)])
                     req.first = cursor + 1
-                cursor += req.reserve
-            check_span_ids_left(rid, aid, cursor)
+                else:
+                    req.first = high + 1
+                cursor = high + req.reserve
+                taken.append(req)
+            if not taken:
+                return None
+            spans = [s for req in taken for s in req.spans]
+            msg_id = taken[0].msg_id if len(taken) == 1 and taken[0].msg_id else None  # combined: a fresh id
             if state.last_seq == 0 and self.log.settings.retention_s is not None:
                 await self._refuse_retired(rid)
             at = self.clock()
