@@ -204,3 +204,23 @@ async def test_one_bad_span_is_rejected_alone_and_its_attempts_good_spans_are_ke
     await store.wait_for_rollouts(rollout_ids=[rid], timeout=10)
     stored = await store.query_spans(rid)
     assert sorted(s.name for s in stored) == sorted(name for name, _, _ in specs if name != bad)
+
+
+async def test_an_infinite_sequence_id_does_not_fail_the_export(served: tuple[JetStreamLightningStore, str]) -> None:
+    """``agentlightning.span_sequence_id`` sent as an infinite double answered 500, and the good
+    spans of the request were lost with it (a reviewer); it reads as unreadable, so the store
+    numbers the span."""
+    store, endpoint = served
+    rid, aid = await _attempt(store)
+    request = ExportTraceServiceRequest()
+    scope = request.resource_spans.add().scope_spans.add()
+    _pb_span(scope, "good", rid, aid)
+    _pb_span(scope, "infinite", rid, aid)
+    scope.spans[-1].attributes.add(key="agentlightning.span_sequence_id").value.double_value = float("inf")
+    async with httpx.AsyncClient(timeout=60) as http:
+        r = await http.post(f"{endpoint}/v1/traces", content=request.SerializeToString(), headers=PB)
+    assert r.status_code == 200, r.content
+    assert ExportTraceServiceResponse.FromString(r.content).partial_success.rejected_spans == 0
+    await store.update_attempt(rid, aid, status="succeeded")
+    await store.wait_for_rollouts(rollout_ids=[rid], timeout=10)
+    assert sorted(s.name for s in await store.query_spans(rid)) == ["good", "infinite"]

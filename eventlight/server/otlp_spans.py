@@ -72,7 +72,7 @@ def _sequence(value: Any) -> int | None:
         return None
     try:
         n = int(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: a double that is infinite
         return None
     return n if n >= 0 else None
 
