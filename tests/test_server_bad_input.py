@@ -16,7 +16,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 import eventlight as agl
-from eventlight.core.errors import InvalidInputError, NotFoundError, ServiceUnavailableError
+from eventlight.core.errors import InvalidInputError, InvalidTypeError, NotFoundError, ServiceUnavailableError
 from eventlight.net import free_port
 
 TOKEN = "s3cret-token"
@@ -279,6 +279,21 @@ async def test_the_client_sends_an_id_as_one_path_segment(http: httpx.AsyncClien
         assert (await client.get_rollout_by_id(r.rollout_id)).status == "queuing"  # type: ignore[union-attr]
         with pytest.raises(InvalidInputError, match="rollout_id must not be empty"):
             await client.get_rollout_by_id("")
+        # dot segments are removed by HTTP clients: "." was the collection, and a new rollout or
+        # resources entry was made (a second reviewer)
+        before = len(await client.query_rollouts()), len(await client.query_resources())
+        for dots in (".", ".."):
+            with pytest.raises(NotFoundError):
+                await client.update_rollout(dots, status="cancelled")
+            with pytest.raises((InvalidInputError, NotFoundError)):  # as the store answers
+                await client.update_resources(dots, {"p": agl.PromptTemplate(template="x")})
+            assert await client.get_rollout_by_id(dots) is None
+        assert (len(await client.query_rollouts()), len(await client.query_resources())) == before
+        for call in (lambda: client.update_worker("search"), lambda: client.get_resources_by_id("latest")):
+            with pytest.raises(InvalidInputError, match="names a route"):
+                await call()
+        with pytest.raises(InvalidTypeError, match="worker_id must be a string"):
+            await client.update_worker(5)  # type: ignore[arg-type]
     finally:
         await client.close()
 

@@ -21,7 +21,7 @@ from typing import Any, Literal, TypeVar
 import msgspec
 
 from eventlight.core.commands import UNSET
-from eventlight.core.errors import InvalidInputError
+from eventlight.core.errors import InvalidInputError, InvalidTypeError
 from eventlight.core.types import (
     Attempt,
     AttemptedRollout,
@@ -55,17 +55,30 @@ def _page(data: Any, item: type[T]) -> PaginatedResult[T]:
     return PaginatedResult(items, limit=data["limit"], offset=data["offset"], total=data["total"])
 
 
-def _seg(name: str, value: Any) -> str:
+def _seg(name: str, value: Any, *, routes: tuple[str, ...] = ()) -> str:
     """An id as one URL path segment, percent-encoded: ``w?x=1`` must reach the server as that id,
-    not as worker ``w`` with a query string (nor ``a/b`` as two segments).
+    not as worker ``w`` with a query string (nor ``a/b`` as two segments, nor ``.`` as the
+    collection itself).
+
+    Args:
+        routes: Words that are a route of their own at this place (``POST /workers/search``):
+            such an id cannot be told from the route, so it is refused rather than sent.
 
     Raises:
-        InvalidInputError: The id is empty (no route could tell it from the collection's).
+        InvalidTypeError: The id is not a string.
+        InvalidInputError: The id is empty, or one of ``routes``.
     """
-    text = str(value)
-    if not text:
+    if not isinstance(value, str):
+        raise InvalidTypeError(f"{name} must be a string, not {type(value).__name__}: {value!r}")
+    if not value:
         raise InvalidInputError(f"{name} must not be empty")
-    return urllib.parse.quote(text, safe="")
+    if value in routes:
+        raise InvalidInputError(
+            f"{name} {value!r} cannot be sent over HTTP: it names a route of Agent-lightning's API at that place"
+        )
+    if value in (".", ".."):  # a client (httpx too) removes dot segments from a path
+        return value.replace(".", "%2E")
+    return urllib.parse.quote(value, safe="")
 
 
 def _set(**fields: Any) -> dict[str, Any]:
@@ -196,7 +209,9 @@ class LightningStoreClient(LightningStore):
         metadata: Any = UNSET,
     ) -> Rollout:
         body = _set(input=input, mode=mode, resources_id=resources_id, status=status, config=config, metadata=metadata)
-        return msgspec.convert(await self._post(f"/rollouts/{_seg('rollout_id', rollout_id)}", body), Rollout)
+        return msgspec.convert(
+            await self._post(f"/rollouts/{_seg('rollout_id', rollout_id, routes=('search',))}", body), Rollout
+        )
 
     async def update_attempt(
         self,
@@ -208,12 +223,10 @@ class LightningStoreClient(LightningStore):
         metadata: Any = UNSET,
     ) -> Attempt:
         body = _set(status=status, worker_id=worker_id, last_heartbeat_time=last_heartbeat_time, metadata=metadata)
-        return msgspec.convert(
-            await self._post(
-                f"/rollouts/{_seg('rollout_id', rollout_id)}/attempts/{_seg('attempt_id', attempt_id)}", body
-            ),
-            Attempt,
+        path = (
+            f"/rollouts/{_seg('rollout_id', rollout_id)}/attempts/{_seg('attempt_id', attempt_id, routes=('search',))}"
         )
+        return msgspec.convert(await self._post(path, body), Attempt)
 
     # -- reads -----------------------------------------------------------------------------
 
@@ -346,7 +359,7 @@ class LightningStoreClient(LightningStore):
         return msgspec.convert(data, ResourcesUpdate)
 
     async def get_resources_by_id(self, resources_id: str) -> ResourcesUpdate | None:
-        data = await self._get(f"/resources/{_seg('resources_id', resources_id)}")
+        data = await self._get(f"/resources/{_seg('resources_id', resources_id, routes=('latest',))}")
         return None if data is None else msgspec.convert(data, ResourcesUpdate)
 
     async def get_latest_resources(self) -> ResourcesUpdate | None:
@@ -375,7 +388,10 @@ class LightningStoreClient(LightningStore):
 
     async def update_worker(self, worker_id: str, heartbeat_stats: Any = UNSET) -> Worker:
         return msgspec.convert(
-            await self._post(f"/workers/{_seg('worker_id', worker_id)}", _set(heartbeat_stats=heartbeat_stats)), Worker
+            await self._post(
+                f"/workers/{_seg('worker_id', worker_id, routes=('search',))}", _set(heartbeat_stats=heartbeat_stats)
+            ),
+            Worker,
         )
 
     async def get_worker_by_id(self, worker_id: str) -> Worker | None:
