@@ -24,6 +24,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+import asyncpg
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
@@ -73,17 +74,23 @@ def age(seconds: float) -> str:
 
 
 def _table_cell(col: Column, value: Any) -> Text | str:
+    """A cell as plain ``Text``: values are data, never Rich markup (``[/INST]`` in a prompt)."""
     if value is None:
         return Text("null", style="dim")
     if col.is_epoch and isinstance(value, float | int | decimal.Decimal) and _EPOCH_MIN < value < _EPOCH_MAX:
-        return utc_time(float(value))
+        return Text(utc_time(float(value)))
     if isinstance(value, dt.date) and (infinite := _infinite_time(value)):
-        return infinite
+        return Text(infinite)
     if isinstance(value, dt.datetime):
         moment = value.astimezone(dt.UTC) if value.tzinfo else value
-        return moment.isoformat(sep=" ", timespec="milliseconds").replace("+00:00", "Z")
-    text = _compact_json(value) if col.is_json else str(value)
-    return text if len(text) <= MAX_CELL_CHARS else text[: MAX_CELL_CHARS - 1] + "…"
+        return Text(moment.isoformat(sep=" ", timespec="milliseconds").replace("+00:00", "Z"))
+    if col.is_json:
+        text = _compact_json(value)
+    elif isinstance(value, list | tuple | asyncpg.Record):
+        text = json.dumps(_plain(col, value), ensure_ascii=False, default=str)
+    else:
+        text = str(value)
+    return Text(text if len(text) <= MAX_CELL_CHARS else text[: MAX_CELL_CHARS - 1] + "…")
 
 
 def _compact_json(value: Any) -> str:
@@ -106,7 +113,7 @@ def result_table(cols: Sequence[Column], rows: Sequence[Sequence[Any]], width: i
     if sum(natural) + 3 * len(cols) + 1 <= width or len(cols) == 1:
         table = Table(header_style="bold")
         for col in cols:
-            table.add_column(col.name, max_width=MAX_COLUMN_WIDTH, overflow="fold")
+            table.add_column(Text(col.name), max_width=MAX_COLUMN_WIDTH, overflow="fold")
         for row_cells in cells:
             table.add_row(*row_cells)
         return table
@@ -118,7 +125,7 @@ def _record(index: int, cols: Sequence[Column], cells: Sequence[Text | str]) -> 
     table.add_column(style="bold", no_wrap=True)
     table.add_column(overflow="fold")
     for col, cell in zip(cols, cells, strict=True):
-        table.add_row(col.name, cell)
+        table.add_row(Text(col.name), cell)
     return table
 
 
@@ -145,8 +152,10 @@ def _plain(col: Column, value: Any) -> Any:
             return json.loads(value)
         except (TypeError, ValueError):
             return value
-    if isinstance(value, list):  # an array column
+    if isinstance(value, list | tuple):  # an array column
         return [_plain(col, v) for v in value]
+    if isinstance(value, asyncpg.Record):  # a composite value: its fields by name
+        return {k: _plain(col, v) for k, v in value.items()}
     if isinstance(value, float) and not math.isfinite(value):
         return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
     if isinstance(value, dt.datetime | dt.date | dt.time):

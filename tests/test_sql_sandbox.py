@@ -162,8 +162,26 @@ def test_a_timeout_postgres_cannot_take_is_a_usage_error(namespace: Settings, ti
     assert "--timeout-s" in result.stderr and "internal error" not in result.stderr
 
 
-def test_copy_is_refused_not_answered_with_nothing(namespace: Settings) -> None:
-    assert_one_line_error(cli("sql", "copy rollouts TO STDOUT", env=env_of(namespace)), 2, "is not run here")
+@pytest.mark.parametrize(
+    "query", ["copy rollouts TO STDOUT", "/* a /* nested */ note */ -- and a line\n COPY (select 1) TO stdout"]
+)
+def test_copy_is_refused_not_answered_with_nothing(namespace: Settings, query: str) -> None:
+    assert_one_line_error(cli("sql", query, env=env_of(namespace)), 2, "is not run here")
+
+
+def test_a_query_cancelled_by_itself_is_not_called_a_timeout(namespace: Settings) -> None:
+    result = cli("sql", "SELECT pg_cancel_backend(pg_backend_pid()), pg_sleep(2)", env=env_of(namespace))
+    line = assert_one_line_error(result, 2, "SQL error", "user request")
+    assert "--timeout-s" not in line
+
+
+def test_the_table_shows_values_as_text_never_as_markup(namespace: Settings) -> None:
+    """A prompt holding ``[/INST]`` crashed the table (Rich's MarkupError), and ``[bold]x[/bold]``
+    lost its brackets (a second reviewer)."""
+    value = "[INST] hi [/INST] [bold]x[/bold]"
+    result = cli("sql", 'SELECT $1 AS "[/x]", ARRAY[now()] AS times', "--param", value, env=env_of(namespace))
+    assert result.returncode == 0, result.stderr
+    assert value in result.stdout and "[/x]" in result.stdout and "+00:00" in result.stdout
 
 
 def test_a_query_that_ends_its_own_session_is_a_sql_error(namespace: Settings) -> None:
@@ -174,7 +192,8 @@ def test_a_query_that_ends_its_own_session_is_a_sql_error(namespace: Settings) -
 def test_json_lines_are_strict_json_and_keep_every_column(namespace: Settings) -> None:
     query = (
         "SELECT 'NaN'::float8 AS f, '-Infinity'::float8 AS g, ARRAY['Infinity'::float8, 1.5] AS h,"
-        " 'infinity'::timestamptz AS t, '-infinity'::date AS d, 1 AS a, 2 AS a, 3 AS a_2"
+        " 'infinity'::timestamptz AS t, '-infinity'::date AS d, 1 AS a, 2 AS a, 3 AS a_2,"
+        " ROW(1, 'NaN'::float8) AS rec, ARRAY[ROW('-Infinity'::float8)] AS ra"
     )
     result = cli("sql", query, "--format", "json", env=env_of(namespace))
     assert result.returncode == 0, result.stderr
@@ -183,6 +202,7 @@ def test_json_lines_are_strict_json_and_keep_every_column(namespace: Settings) -
         raise AssertionError(f"{name} is not JSON")
 
     row = json.loads(result.stdout, parse_constant=no_constants)
+    assert row.pop("rec") == [1, "NaN"] and row.pop("ra") == [["-Infinity"]]
     assert row == {
         "f": "NaN",
         "g": "-Infinity",

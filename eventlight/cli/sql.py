@@ -26,7 +26,7 @@ def _check_query(query: str, params: Sequence[str] = ()) -> None:
     """
     if not query.strip().strip(";").strip():
         raise CliError('empty query: give one SQL statement, e.g. eventlight sql "SELECT * FROM rollouts LIMIT 5"')
-    if re.match(r"\s*copy\b.*\b(to\s+stdout|from\s+stdin)\b", query, re.IGNORECASE | re.DOTALL):
+    if re.match(r"copy\b.*\b(to\s+stdout|from\s+stdin)\b", _without_leading_comments(query), re.I | re.DOTALL):
         raise CliError(
             "COPY ... TO STDOUT / FROM STDIN is not run here (it would print nothing): SELECT what you want,"
             " with --format csv or json"
@@ -34,6 +34,30 @@ def _check_query(query: str, params: Sequence[str] = ()) -> None:
     _utf8(query, "the query")
     for k, value in enumerate(params, 1):
         _utf8(value, f"--param ${k}")
+
+
+def _without_leading_comments(query: str) -> str:
+    """``query`` from its first keyword: leading white space, ``-- …`` and ``/* … */`` comments
+    (nested ones too, as Postgres reads them) removed."""
+    rest = query.lstrip()
+    while True:
+        if rest.startswith("--"):
+            end = rest.find("\n")
+            rest = "" if end < 0 else rest[end + 1 :].lstrip()
+        elif rest.startswith("/*"):
+            depth, i = 0, 0
+            while i < len(rest):
+                if rest.startswith("/*", i):
+                    depth, i = depth + 1, i + 2
+                elif rest.startswith("*/", i):
+                    depth, i = depth - 1, i + 2
+                    if depth == 0:
+                        break
+                else:
+                    i += 1
+            rest = rest[i:].lstrip()
+        else:
+            return rest
 
 
 def _utf8(text: str, what: str) -> None:

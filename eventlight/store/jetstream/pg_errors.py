@@ -81,7 +81,7 @@ def sql_error_detail(e: BaseException, timeout_s: float) -> str | None:
     ``timeout_s`` is the statement timeout in force (a cancelled statement names it).
     """
     text = str(e)
-    if isinstance(e, asyncpg.QueryCanceledError):
+    if isinstance(e, asyncpg.QueryCanceledError) and "statement timeout" in text:
         return f"the query ran longer than --timeout-s {timeout_s:g} s and was cancelled"
     if isinstance(e, asyncpg.InsufficientPrivilegeError):
         return (
