@@ -181,9 +181,17 @@ def test_cli_serve_on_a_taken_port_is_one_line_exit_1() -> None:
 
 
 @pytest.mark.parametrize(
-    ("args", "env"), [(["--token", ""], {}), (["--token", " "], {}), ([], {"EVENTLIGHT_SERVER_TOKEN": ""})]
+    ("args", "env", "says"),
+    [
+        (["--token", ""], {}, "the token is empty"),
+        (["--token", " "], {}, "the token is empty"),
+        ([], {"EVENTLIGHT_SERVER_TOKEN": ""}, "the token is empty"),
+        ([], {"EVENTLIGHT_SERVER_TOKEN_FILE": ""}, "the token is empty"),
+        (["--token", "tok "], {}, "visible ASCII characters without spaces"),
+        (["--token", "t\u00f6k"], {}, "visible ASCII characters without spaces"),
+    ],
 )
-def test_cli_serve_with_an_empty_token_refuses_to_start(args: list[str], env: dict[str, str]) -> None:
+def test_cli_serve_with_an_empty_token_refuses_to_start(args: list[str], env: dict[str, str], says: str) -> None:
     """``--token "$UNSET"`` (or the variable set to nothing) is a mistake, not "no token": serving
     would open the store to anyone who can connect (a reviewer)."""
     done = subprocess.run(
@@ -195,12 +203,14 @@ def test_cli_serve_with_an_empty_token_refuses_to_start(args: list[str], env: di
         env={**os.environ, **env},
     )
     assert done.returncode == 2, done.stderr
-    assert "the token is empty" in done.stderr
+    assert says in done.stderr
 
 
 def test_an_app_with_an_empty_token_is_refused() -> None:
     with pytest.raises(InvalidInputError, match="token is empty"):
         create_app(agl.InMemoryLightningStore(), token="")
+    with pytest.raises(InvalidInputError, match="without spaces"):
+        create_app(agl.InMemoryLightningStore(), token="a\nb")
 
 
 async def test_accepted_connections_have_nagle_off() -> None:

@@ -123,10 +123,15 @@ def serve(
     starts them. A port that is taken fails at once (exit 1)."""
     from eventlight.cli.common import _settings
 
-    given = token if token is not None else os.environ.get("EVENTLIGHT_SERVER_TOKEN")  # Click drops an empty one
-    if given is not None and not given.strip():  # `--token "$UNSET"` must not open the store to anyone
+    if token is not None:
+        blank = not token.strip()
+    else:  # Click drops an empty $EVENTLIGHT_SERVER_TOKEN; an empty one with a token file is fine
+        given = [os.environ[v] for v in ("EVENTLIGHT_SERVER_TOKEN", "EVENTLIGHT_SERVER_TOKEN_FILE") if v in os.environ]
+        blank = bool(given) and not any(g.strip() for g in given)
+    if blank:  # `--token "$UNSET"` must not open the store to anyone
         raise CliError(
-            "the token is empty (--token or $EVENTLIGHT_SERVER_TOKEN): give one, or leave both out to serve without one"
+            "the token is empty (--token, $EVENTLIGHT_SERVER_TOKEN or $EVENTLIGHT_SERVER_TOKEN_FILE): give one,"
+            " or leave them all out to serve without one"
         )
     settings = _settings(namespace)
     _check_port(host, port)

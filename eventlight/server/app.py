@@ -9,6 +9,7 @@ Errors: ``eventlight.server.errors``.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from fastapi import FastAPI
@@ -52,13 +53,19 @@ def create_app(
         max_body_bytes: Larger request bodies (and OTLP bodies that inflate past it) get 413.
 
     Raises:
-        InvalidInputError: ``token`` is empty or blank: an unset variable in ``--token "$TOKEN"``
-            would otherwise serve the store to anyone (``None`` is "no token", said explicitly).
+        InvalidInputError: ``token`` is empty or blank (an unset variable in ``--token "$TOKEN"``
+            would otherwise serve the store to anyone; ``None`` is "no token", said explicitly), or
+            holds a space or a character outside ASCII (a token file's stray space).
     """
     if token is not None and not token.strip():
         raise InvalidInputError(
             "the server token is empty: pass a token, or none at all (None; on the command line leave"
             " out --token and $EVENTLIGHT_SERVER_TOKEN) to serve without one"
+        )
+    if token is not None and not re.fullmatch(r"[\x21-\x7e]+", token):
+        raise InvalidInputError(
+            "the server token must be visible ASCII characters without spaces: no client can send"
+            " another in an Authorization header (RFC 6750's bearer token)"
         )
     app = FastAPI(
         title="eventlight store server",
