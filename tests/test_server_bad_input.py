@@ -16,7 +16,13 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 import eventlight as agl
-from eventlight.core.errors import InvalidInputError, InvalidTypeError, NotFoundError, ServiceUnavailableError
+from eventlight.core.errors import (
+    EventlightError,
+    InvalidInputError,
+    InvalidTypeError,
+    NotFoundError,
+    ServiceUnavailableError,
+)
 from eventlight.net import free_port
 
 TOKEN = "s3cret-token"
@@ -311,7 +317,7 @@ async def test_a_write_sent_but_never_answered_says_its_outcome_is_unknown() -> 
     dropping = agl.LightningStoreClient(f"http://127.0.0.1:{port}", retry_delays=())
     refused = agl.LightningStoreClient(f"http://127.0.0.1:{free_port()}", retry_delays=())
     try:
-        with pytest.raises(ServiceUnavailableError, match="outcome is unknown"):
+        with pytest.raises(ServiceUnavailableError, match="^no answer from .*outcome is unknown"):
             await dropping.enqueue_rollout({"q": 1})
         with pytest.raises(ServiceUnavailableError) as never_sent:
             await refused.enqueue_rollout({"q": 1})
@@ -322,6 +328,39 @@ async def test_a_write_sent_but_never_answered_says_its_outcome_is_unknown() -> 
     finally:
         await dropping.close()
         await refused.close()
+        server.close()
+        await server.wait_closed()
+
+
+@pytest.mark.parametrize(
+    ("answer", "error", "says"),
+    [
+        (
+            b"HTTP/1.1 504 Gateway Timeout\r\ncontent-length: 14\r\n\r\nupstream timed",
+            ServiceUnavailableError,
+            "outcome is unknown",
+        ),
+        (b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello", EventlightError, "not JSON ('hello')"),
+    ],
+)
+async def test_what_stands_between_client_and_server_is_named(answer: bytes, error: type, says: str) -> None:
+    """A gateway's 504 to a write may hide a stored write, and a 200 that is not JSON is no store
+    server (a second reviewer: a bare EventlightError('upstream timed'), a raw msgspec error)."""
+
+    async def answer_with(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(65536)
+        writer.write(answer)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer_with, "127.0.0.1", 0)
+    client = agl.LightningStoreClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", retry_delays=())
+    try:
+        with pytest.raises(error) as raised:
+            await client.enqueue_rollout({"q": 1})
+        assert says in str(raised.value)
+    finally:
+        await client.close()
         server.close()
         await server.wait_closed()
 

@@ -39,11 +39,41 @@ _BY_STATUS: dict[int, type[E.EventlightError]] = {
     409: E.InvalidTransitionError,
     413: E.InvalidInputError,
     422: E.InvalidTypeError,
+    502: E.ServiceUnavailableError,
     503: E.ServiceUnavailableError,
+    504: E.ServiceUnavailableError,
 }
 _BY_NAME: dict[str, type[E.EventlightError]] = {
     cls.__name__: cls for cls in vars(E).values() if isinstance(cls, type) and issubclass(cls, E.EventlightError)
 }
+
+
+_GATEWAY_STATUSES = frozenset({502, 504})
+_OUTCOME_UNKNOWN = "the write was sent and its outcome is unknown (read it back before writing again)"
+
+
+def _with_detail(error: E.EventlightError, message: str) -> E.EventlightError:
+    """``error`` (its class and attributes) with ``message`` as its text."""
+    error.args = (message,)
+    return error
+
+
+def _decoded(response: httpx.Response, method: str, path: str) -> Any:
+    """The JSON of a success answer.
+
+    Raises:
+        EventlightError: The body is not JSON (something else than the store server answered).
+    """
+    if not response.content:
+        return None
+    try:
+        return msgspec.json.decode(response.content)
+    except msgspec.DecodeError:
+        shown = response.content[:80].decode(errors="replace")
+        raise E.EventlightError(
+            f"{method} {path}: the server answered {response.status_code} with a body that is not JSON ({shown!r});"
+            " is the address an eventlight server?"
+        ) from None
 
 
 def _error(status: int, content: bytes) -> E.EventlightError:
@@ -129,8 +159,10 @@ class Transport:
                     continue
                 break
             if response.is_success:
-                return msgspec.json.decode(response.content) if response.content else None
+                return _decoded(response, method, path)
             error = _error(response.status_code, response.content)
+            if not idempotent and response.status_code in _GATEWAY_STATUSES:  # a proxy between us gave up
+                error = _with_detail(error, f"{error}; {_OUTCOME_UNKNOWN}")
             retry = isinstance(error, E.ConcurrencyError) or (idempotent and response.status_code in _RETRY_STATUSES)
             if not retry:
                 raise error
@@ -138,9 +170,11 @@ class Transport:
         if isinstance(last, E.EventlightError):
             raise last
         where = redact(self.base_url)
-        unknown = not idempotent and not isinstance(last, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout)
-        outcome = "; the write was sent and its outcome is unknown (read back before writing again)" if unknown else ""
-        raise E.ServiceUnavailableError(where, f"{method} {path}: {type(last).__name__}: {last}{outcome}") from last
+        what = f"{method} {path}: {type(last).__name__}" + (f": {last}" if str(last) else "")
+        if not idempotent and not isinstance(last, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout):
+            error = E.ServiceUnavailableError(where, what)
+            raise _with_detail(error, f"no answer from {where} to {what}; {_OUTCOME_UNKNOWN}") from last
+        raise E.ServiceUnavailableError(where, what) from last
 
     async def close(self) -> None:
         """Close the httpx clients of this loop (others are dropped); idempotent."""
