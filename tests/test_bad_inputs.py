@@ -82,6 +82,11 @@ BAD: dict[str, tuple[Any, type[Exception], str]] = {  # name: (call, error class
         INPUT,
         "invalid sequence_id 2147483648",
     ),
+    "span sequence_id=10**5000 (too long to print)": (
+        lambda s, r: s.add_span(_span(r[0], r[1], sequence_id=10**5000)),
+        INPUT,
+        "invalid sequence_id (an integer of 5001 digits)",
+    ),
     "span sequence_id=2**63": (
         lambda s, r: s.add_span(_span(r[0], r[1], sequence_id=2**63)),
         INPUT,

@@ -124,7 +124,7 @@ def check_spans(spans: Sequence[Any]) -> None:
         sid = span.sequence_id
         if not isinstance(sid, int) or isinstance(sid, bool) or not 0 <= sid <= MAX_SPAN_SEQUENCE_ID:
             raise InvalidInputError(
-                f"span #{i} ({span.name!r}) has an invalid sequence_id {span.sequence_id!r}"
+                f"span #{i} ({span.name!r}) has an invalid sequence_id {_shown(sid)}"
                 f" (an integer from 0 to {MAX_SPAN_SEQUENCE_ID})"
             )
         if not isinstance(span.attributes, dict):
@@ -143,6 +143,14 @@ def check_spans(spans: Sequence[Any]) -> None:
                 raise InvalidInputError(
                     f"span #{i} ({span.name!r}) attribute {key!r} cannot be stored as JSON: {e}"
                 ) from e
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)``, or what it is when Python will not print it (an int over 4,300 digits)."""
+    try:
+        return repr(value)
+    except ValueError:
+        return f"(an integer of {int(abs(value).bit_length() * 0.30103) + 1} digits)"
 
 
 def check_span_ids_left(rollout_id: str, attempt_id: str, high: int) -> None:
