@@ -77,7 +77,7 @@ def _table_cell(col: Column, value: Any) -> Text | str:
     """A cell as plain ``Text``: values are data, never Rich markup (``[/INST]`` in a prompt)."""
     if value is None:
         return Text("null", style="dim")
-    if col.is_epoch and isinstance(value, float | int | decimal.Decimal) and _EPOCH_MIN < value < _EPOCH_MAX:
+    if col.is_epoch and _finite_number(value) and _EPOCH_MIN < value < _EPOCH_MAX:
         return Text(utc_time(float(value)))
     if isinstance(value, dt.date) and (infinite := _infinite_time(value)):
         return Text(infinite)
@@ -91,6 +91,13 @@ def _table_cell(col: Column, value: Any) -> Text | str:
     else:
         text = str(value)
     return Text(text if len(text) <= MAX_CELL_CHARS else text[: MAX_CELL_CHARS - 1] + "…")
+
+
+def _finite_number(value: Any) -> bool:
+    """A number that compares (a NaN ``Decimal`` raises on ``<``), and is finite."""
+    if isinstance(value, decimal.Decimal):
+        return value.is_finite()
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _compact_json(value: Any) -> str:
@@ -207,4 +214,7 @@ def _unique_names(names: list[str]) -> list[str]:
 
 
 def _compact(col: Column, value: Any) -> Any:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False) if col.is_json else value
+    """A csv cell: JSON columns, arrays and records as compact JSON, other values as they are."""
+    if col.is_json or isinstance(value, list | dict):
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    return value

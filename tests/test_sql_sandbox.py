@@ -163,7 +163,14 @@ def test_a_timeout_postgres_cannot_take_is_a_usage_error(namespace: Settings, ti
 
 
 @pytest.mark.parametrize(
-    "query", ["copy rollouts TO STDOUT", "/* a /* nested */ note */ -- and a line\n COPY (select 1) TO stdout"]
+    "query",
+    [
+        "copy rollouts TO STDOUT",
+        "/* a /* nested */ note */ -- and a line\n COPY (select 1) TO stdout",
+        "COPY (select 1) TO/**/STDOUT",
+        "COPY (select 1) TO -- c\n STDOUT",
+        ";COPY (select 1) TO STDOUT",
+    ],
 )
 def test_copy_is_refused_not_answered_with_nothing(namespace: Settings, query: str) -> None:
     assert_one_line_error(cli("sql", query, env=env_of(namespace)), 2, "is not run here")
@@ -179,9 +186,12 @@ def test_the_table_shows_values_as_text_never_as_markup(namespace: Settings) -> 
     """A prompt holding ``[/INST]`` crashed the table (Rich's MarkupError), and ``[bold]x[/bold]``
     lost its brackets (a second reviewer)."""
     value = "[INST] hi [/INST] [bold]x[/bold]"
-    result = cli("sql", 'SELECT $1 AS "[/x]", ARRAY[now()] AS times', "--param", value, env=env_of(namespace))
+    query = "SELECT $1 AS \"[/x]\", ARRAY[now()] AS times, 'NaN'::numeric AS start_time"
+    result = cli("sql", query, "--param", value, env=env_of(namespace))
     assert result.returncode == 0, result.stderr
-    assert value in result.stdout and "[/x]" in result.stdout and "+00:00" in result.stdout
+    assert value in result.stdout and "[/x]" in result.stdout and "+00:00" in result.stdout and "NaN" in result.stdout
+    csv = cli("sql", "SELECT ARRAY['NaN'::float8, 1.5] AS a, ROW(1, 'x') AS r", "-f", "csv", env=env_of(namespace))
+    assert csv.stdout.splitlines()[1] == '"[""NaN"",1.5]","[1,""x""]"', csv.stdout
 
 
 def test_a_query_that_ends_its_own_session_is_a_sql_error(namespace: Settings) -> None:

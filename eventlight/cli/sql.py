@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import sys
 from collections.abc import Sequence
 from typing import Annotated, Any
@@ -21,43 +20,14 @@ def _check_query(query: str, params: Sequence[str] = ()) -> None:
     """Refuse what cannot be one SQL statement, or a ``--param`` that cannot be text, before connecting.
 
     Raises:
-        CliError: Empty, a ``COPY`` to standard output or from standard input, or the query or a
-            parameter not valid UTF-8 (an argument the shell passed as raw bytes).
+        CliError: Empty, or the query or a parameter not valid UTF-8 (an argument the shell passed
+            as raw bytes).
     """
     if not query.strip().strip(";").strip():
         raise CliError('empty query: give one SQL statement, e.g. eventlight sql "SELECT * FROM rollouts LIMIT 5"')
-    if re.match(r"copy\b.*\b(to\s+stdout|from\s+stdin)\b", _without_leading_comments(query), re.I | re.DOTALL):
-        raise CliError(
-            "COPY ... TO STDOUT / FROM STDIN is not run here (it would print nothing): SELECT what you want,"
-            " with --format csv or json"
-        )
     _utf8(query, "the query")
     for k, value in enumerate(params, 1):
         _utf8(value, f"--param ${k}")
-
-
-def _without_leading_comments(query: str) -> str:
-    """``query`` from its first keyword: leading white space, ``-- …`` and ``/* … */`` comments
-    (nested ones too, as Postgres reads them) removed."""
-    rest = query.lstrip()
-    while True:
-        if rest.startswith("--"):
-            end = rest.find("\n")
-            rest = "" if end < 0 else rest[end + 1 :].lstrip()
-        elif rest.startswith("/*"):
-            depth, i = 0, 0
-            while i < len(rest):
-                if rest.startswith("/*", i):
-                    depth, i = depth + 1, i + 2
-                elif rest.startswith("*/", i):
-                    depth, i = depth - 1, i + 2
-                    if depth == 0:
-                        break
-                else:
-                    i += 1
-            rest = rest[i:].lstrip()
-        else:
-            return rest
 
 
 def _utf8(text: str, what: str) -> None:
@@ -89,6 +59,11 @@ async def _query(
             stmt = await conn.prepare(query)
             values = bind(params, stmt.get_parameters())
             rows = await stmt.fetch(*values, timeout=timeout_s + 5)  # the server's statement_timeout fires first
+        if stmt.get_statusmsg().startswith("COPY"):  # TO STDOUT: its rows go to a stream we do not read
+            raise CliError(
+                "COPY ... TO STDOUT is not run here (it would print nothing): SELECT what you want,"
+                " with --format csv or json"
+            )
         cols = [Column(a.name, a.type.name) for a in stmt.get_attributes()]
     except TimeoutError as e:
         raise CliError(f"SQL error: no answer within {timeout_s + 5:g} s") from e

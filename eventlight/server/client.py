@@ -57,8 +57,8 @@ def _page(data: Any, item: type[T]) -> PaginatedResult[T]:
 
 def _seg(name: str, value: Any, *, routes: tuple[str, ...] = ()) -> str:
     """An id as one URL path segment, percent-encoded: ``w?x=1`` must reach the server as that id,
-    not as worker ``w`` with a query string (nor ``a/b`` as two segments, nor ``.`` as the
-    collection itself).
+    not as worker ``w`` with a query string (nor ``.`` as the collection itself). An id with ``/``
+    is refused: servers decode ``%2F`` before routing, so it would reach another route.
 
     Args:
         routes: Words that are a route of their own at this place (``POST /workers/search``):
@@ -66,7 +66,7 @@ def _seg(name: str, value: Any, *, routes: tuple[str, ...] = ()) -> str:
 
     Raises:
         InvalidTypeError: The id is not a string.
-        InvalidInputError: The id is empty, or one of ``routes``.
+        InvalidInputError: The id is empty, holds ``/``, or is one of ``routes``.
     """
     if not isinstance(value, str):
         raise InvalidTypeError(f"{name} must be a string, not {type(value).__name__}: {value!r}")
@@ -76,6 +76,8 @@ def _seg(name: str, value: Any, *, routes: tuple[str, ...] = ()) -> str:
         raise InvalidInputError(
             f"{name} {value!r} cannot be sent over HTTP: it names a route of Agent-lightning's API at that place"
         )
+    if "/" in value:  # servers decode %2F before routing: 'ro-1/attempts' would start an attempt
+        raise InvalidInputError(f"{name} {value!r} cannot be sent over HTTP: no id holds '/'")
     if value in (".", ".."):  # a client (httpx too) removes dot segments from a path
         return value.replace(".", "%2E")
     return urllib.parse.quote(value, safe="")
