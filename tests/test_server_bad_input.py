@@ -345,6 +345,16 @@ async def test_a_write_sent_but_never_answered_says_its_outcome_is_unknown() -> 
             "outcome is unknown",
         ),
         (b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello", EventlightError, "not JSON ('hello')"),
+        (
+            b"HTTP/1.1 502 Bad Gateway\r\ncontent-length: 40\r\n\r\n<html>\n<h1>502 Bad Gateway</h1>\n</html>\n",
+            ServiceUnavailableError,
+            "POST /v1/agl/queues/rollouts/enqueue: HTTP 502 from http://127.0.0.1:",
+        ),
+        (  # a body that does not inflate: the answer is lost, the write may be stored
+            b"HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\ncontent-length: 4\r\n\r\nnope",
+            ServiceUnavailableError,
+            "outcome is unknown",
+        ),
     ],
 )
 async def test_what_stands_between_client_and_server_is_named(answer: bytes, error: type, says: str) -> None:

@@ -76,18 +76,25 @@ def _decoded(response: httpx.Response, method: str, path: str) -> Any:
         ) from None
 
 
-def _error(status: int, content: bytes) -> E.EventlightError:
-    """The error an error answer stands for, built without its class's own constructor."""
+def _error(status: int, content: bytes, request: str = "", where: str = "") -> E.EventlightError:
+    """The error an error answer stands for, built without its class's own constructor.
+
+    ``request`` (``"POST /v1/agl/…"``) and ``where`` (the server) name an answer that is not the
+    store server's own (a gateway's 502/504 page, a redirect): its first line follows.
+    """
     try:
         body = msgspec.json.decode(content)
-        detail, name = str(body.get("detail", "")), str(body.get("error_type", ""))
+        detail, name = str(body.get("detail") or ""), str(body.get("error_type") or "")
     except (msgspec.DecodeError, AttributeError):
-        detail, name = content[:300].decode(errors="replace"), ""
+        detail, name = "", ""
+    if not detail:
+        first = next((line.strip() for line in content[:300].decode(errors="replace").splitlines() if line.strip()), "")
+        detail = f"{request}: HTTP {status} from {where or 'the server'}" + (f" ({first})" if first else "")
     cls = _BY_NAME.get(name) or _BY_STATUS.get(status) or E.EventlightError
     exc = cls.__new__(cls)
-    Exception.__init__(exc, detail or f"HTTP {status}")
+    Exception.__init__(exc, detail)
     if isinstance(exc, E.ServiceUnavailableError):
-        exc.server = ""
+        exc.server, exc.detail = where, detail
     return exc
 
 
@@ -153,14 +160,14 @@ class Transport:
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # never reached the server
                 last = e
                 continue
-            except (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError) as e:
+            except (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError, httpx.DecodingError) as e:
                 last = e
                 if idempotent:
                     continue
                 break
             if response.is_success:
                 return _decoded(response, method, path)
-            error = _error(response.status_code, response.content)
+            error = _error(response.status_code, response.content, f"{method} {path}", redact(self.base_url))
             if not idempotent and response.status_code in _GATEWAY_STATUSES:  # a proxy between us gave up
                 error = _with_detail(error, f"{error}; {_OUTCOME_UNKNOWN}")
             retry = isinstance(error, E.ConcurrencyError) or (idempotent and response.status_code in _RETRY_STATUSES)
