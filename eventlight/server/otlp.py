@@ -58,12 +58,10 @@ async def _record_attempt(store: LightningStore, rollout_id: str, attempt_id: st
         for add, group in groups:
             if not group:
                 continue
-            try:
+            try:  # (NotFoundError is no InvalidInputError: an unknown attempt ends the loop)
                 await add(group)
                 recorded.update(map(id, group))
                 continue
-            except NotFoundError:
-                raise
             except InvalidInputError as e:
                 if len(group) == 1:
                     refused[id(group[0])] = _rejected(group[0], e)
@@ -72,8 +70,6 @@ async def _record_attempt(store: LightningStore, rollout_id: str, attempt_id: st
                 try:
                     await add([span])
                     recorded.add(id(span))
-                except NotFoundError:
-                    raise
                 except InvalidInputError as e:
                     refused[id(span)] = _rejected(span, e)
     except (NotFoundError, ConcurrencyError) as e:
