@@ -73,7 +73,7 @@ def age(seconds: float) -> str:
     return f"in {text}" if ahead else f"{text} ago"
 
 
-def _table_cell(col: Column, value: Any) -> Text | str:
+def _table_cell(col: Column, value: Any) -> Text:
     """A cell as plain ``Text``: values are data, never Rich markup (``[/INST]`` in a prompt)."""
     if value is None:
         return Text("null", style="dim")
@@ -127,7 +127,7 @@ def result_table(cols: Sequence[Column], rows: Sequence[Sequence[Any]], width: i
     return Group(*(_record(i, cols, row_cells) for i, row_cells in enumerate(cells, 1)))
 
 
-def _record(index: int, cols: Sequence[Column], cells: Sequence[Text | str]) -> Table:
+def _record(index: int, cols: Sequence[Column], cells: Sequence[Text]) -> Table:
     table = Table(box=None, show_header=False, pad_edge=False, title=f"row {index}", title_justify="left")
     table.add_column(style="bold", no_wrap=True)
     table.add_column(overflow="fold")
