@@ -483,6 +483,24 @@ async def test_duplicate_spans_are_reported_and_stored_once(
     assert [s.span_id for s in await store.query_spans(r.rollout_id)] == [first.span_id, second.span_id]
 
 
+async def test_concurrent_copies_of_a_span_are_recorded_once(store: Any, runner_store: Any) -> None:
+    """Copies of one span sent at the same time by one store object: one call records it, the others
+    are told it was a duplicate, also where a batch overlaps another in flight."""
+    r = await store.enqueue_rollout("dup-concurrent")
+    d = await runner_store.dequeue_rollout()
+    aid = d.attempt.attempt_id
+    first = reward_span(r.rollout_id, aid, 1, 1.0)
+    answers = await asyncio.gather(*(runner_store.add_span(first) for _ in range(5)))
+    assert sum(a is not None for a in answers) == 1
+    second, third = reward_span(r.rollout_id, aid, 2, 2.0), reward_span(r.rollout_id, aid, 3, 3.0)
+    batches = await asyncio.gather(
+        runner_store.add_many_spans([second, third]), runner_store.add_many_spans([third, second])
+    )
+    assert sorted(s.span_id for batch in batches for s in batch) == sorted([second.span_id, third.span_id])
+    await settle(store)
+    assert len(await store.query_spans(r.rollout_id)) == 3
+
+
 async def test_query_rollouts_deprecated_aliases(store: Any) -> None:
     made = [await store.enqueue_rollout(i) for i in range(3)]
     await store.update_rollout(made[0].rollout_id, status="cancelled")

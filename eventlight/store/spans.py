@@ -3,7 +3,8 @@
 Duplicate spans (same ``(rollout_id, attempt_id, span_id)``) are never stored twice: the projector
 drops them. ``add_span``/``add_many_spans`` also report them at write time (``None`` / left out of
 the result) when they repeat a span this store object already wrote (it remembers the span ids of
-its last ``RECENT_ATTEMPTS`` attempts) or, on JetStream, re-send the same batch from any process
+its last ``RECENT_ATTEMPTS`` attempts; a copy sent while another call of this store object is writing
+that span waits for that write's outcome) or, on JetStream, re-send the same batch from any process
 within the stream's duplicate window (120 s). A duplicate written by another process after that
 is dropped silently but returned as if recorded. Each duplicate reported is also logged as a warning,
 with Agent-lightning 0.3.0's text (``Duplicated span added for rollout=…, attempt=…, span=…. Skipping.``).
@@ -11,6 +12,7 @@ with Agent-lightning 0.3.0's text (``Duplicated span added for rollout=…, atte
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Sequence
 
@@ -38,6 +40,7 @@ class SpanWriter:
         self.loop = loop
         self.on_write = on_write
         self._span_ids: dict[tuple[str, str], set[str]] = {}  # insertion-ordered, trimmed
+        self._writing: dict[tuple[str, str, str], asyncio.Future[None]] = {}  # span ids of appends in flight
 
     async def _attempt_id(self, rollout_id: str, attempt_id: str) -> str:
         """Resolve an attempt (``latest`` allowed) on the cached state, else the log's.
@@ -70,6 +73,8 @@ class SpanWriter:
             await self._attempt_id(rid, aid)
         added: list[Span] = []
         for (rid, aid), group in groups.items():
+            while waits := {f for s in group if (f := self._writing.get((rid, aid, s.span_id))) is not None}:
+                await asyncio.wait(waits)  # a copy is being written by a concurrent call: its outcome decides
             seen = self._seen((rid, aid))
             fresh, batch_ids = [], set()
             for span in group:  # the first of each span id that this store has not written yet
@@ -78,17 +83,25 @@ class SpanWriter:
                     fresh.append(span)
                 else:
                     _dropped(rid, aid, span.span_id)
-            for i in range(0, len(fresh), SPANS_PER_MESSAGE):
-                chunk = fresh[i : i + SPANS_PER_MESSAGE]
-                first, at, seq = await self.log.append_spans(rid, aid, chunk, numbered=numbered)
-                self.on_write(seq)
-                if first is not None:
-                    added.extend(chunk)
-                    self.loop.spans_written(rid, aid, at)
-                else:  # the log had this very batch already (another store re-sent it)
-                    for span in chunk:
-                        _dropped(rid, aid, span.span_id)
-                seen.update(s.span_id for s in chunk)  # only once written: a failed append may be retried
+            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            for span_id in batch_ids:
+                self._writing[(rid, aid, span_id)] = done
+            try:
+                for i in range(0, len(fresh), SPANS_PER_MESSAGE):
+                    chunk = fresh[i : i + SPANS_PER_MESSAGE]
+                    first, at, seq = await self.log.append_spans(rid, aid, chunk, numbered=numbered)
+                    self.on_write(seq)
+                    if first is not None:
+                        added.extend(chunk)
+                        self.loop.spans_written(rid, aid, at)
+                    else:  # the log had this very batch already (another store re-sent it)
+                        for span in chunk:
+                            _dropped(rid, aid, span.span_id)
+                    seen.update(s.span_id for s in chunk)  # only once written: a failed append may be retried
+            finally:
+                for span_id in batch_ids:
+                    del self._writing[(rid, aid, span_id)]
+                done.set_result(None)
         recorded = {(s.rollout_id, s.attempt_id, s.span_id): s for s in added}
         ordered = []  # in the order given (as 0.3.0 returns them), each recorded span once
         for span in spans:
