@@ -21,6 +21,7 @@ from eventlight.core.errors import (
     InvalidInputError,
     InvalidTypeError,
     NotFoundError,
+    RolloutNotFoundError,
     ServiceUnavailableError,
 )
 from eventlight.net import free_port
@@ -287,8 +288,21 @@ async def test_the_client_sends_an_id_as_one_path_segment(http: httpx.AsyncClien
             with pytest.raises(InvalidInputError, match="no id holds '/'"):
                 await client.update_rollout(odd, metadata={"m": 1})
         assert (await client.get_rollout_by_id(r.rollout_id)).status == "queuing"  # type: ignore[union-attr]
-        with pytest.raises(InvalidInputError, match="rollout_id must not be empty"):
-            await client.get_rollout_by_id("")
+        # an id that is not a string, or empty, names nothing: the stores' answers, not a refusal
+        for nameless in ("", 5, None):
+            assert await client.get_rollout_by_id(nameless) is None  # type: ignore[arg-type]
+            assert await client.get_worker_by_id(nameless) is None  # type: ignore[arg-type]
+            assert await client.get_resources_by_id(nameless) is None  # type: ignore[arg-type]
+            for call in (
+                lambda: client.update_rollout(nameless, status="cancelled"),  # type: ignore[arg-type]  # noqa: B023
+                lambda: client.start_attempt(nameless),  # type: ignore[arg-type]  # noqa: B023
+                lambda: client.get_latest_attempt(nameless),  # type: ignore[arg-type]  # noqa: B023
+                lambda: client.wait_for_rollouts(rollout_ids=[r.rollout_id, nameless], timeout=0),  # noqa: B023
+            ):
+                with pytest.raises(RolloutNotFoundError):
+                    await call()
+        with pytest.raises(InvalidTypeError, match="rollout_ids must be a list"):
+            await client.wait_for_rollouts(rollout_ids=r.rollout_id, timeout=0)  # type: ignore[arg-type]
         # dot segments are removed by HTTP clients: "." was the collection, and a new rollout or
         # resources entry was made (a second reviewer)
         before = len(await client.query_rollouts()), len(await client.query_resources())

@@ -609,6 +609,22 @@ async def test_span_and_attempt_reads_refuse_ids_and_filters_of_the_wrong_type(s
     assert list(await store.query_spans(r.rollout_id, name="nothing")) == []
 
 
+async def test_reads_by_an_id_that_is_not_a_string(store: Any) -> None:
+    """Both backends answer alike: ``get_rollout_by_id`` and ``get_worker_by_id`` find nothing (as
+    ``get_resources_by_id``), ``wait_for_rollouts`` names the id it cannot find, and a string for
+    the id list is refused."""
+    r = await store.enqueue_rollout("q")
+    for bad in (123, None, 1.5, b"ro"):
+        assert await store.get_rollout_by_id(bad) is None
+        assert await store.get_worker_by_id(bad) is None
+        with pytest.raises(RolloutNotFoundError, match=repr(bad)[:3]):
+            await store.wait_for_rollouts(rollout_ids=[r.rollout_id, bad], timeout=0)
+    for bad_list in (r.rollout_id, 5, None):
+        with pytest.raises(InvalidTypeError, match="rollout_ids must be a list"):
+            await store.wait_for_rollouts(rollout_ids=bad_list, timeout=0)
+    assert await store.wait_for_rollouts(rollout_ids=(r.rollout_id,), timeout=0) == []
+
+
 async def test_ids_that_cannot_exist_are_not_found(store: Any) -> None:
     """Wildcards and dots never reach a NATS subject: ``*`` must not match some real rollout."""
     r = await store.enqueue_rollout("real")

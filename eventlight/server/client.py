@@ -15,13 +15,13 @@ from __future__ import annotations
 import asyncio
 import time
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal, TypeVar
 
 import msgspec
 
 from eventlight.core.commands import UNSET
-from eventlight.core.errors import InvalidInputError, InvalidTypeError
+from eventlight.core.errors import InvalidInputError, InvalidTypeError, RolloutNotFoundError
 from eventlight.core.types import (
     Attempt,
     AttemptedRollout,
@@ -81,6 +81,23 @@ def _seg(name: str, value: Any, *, routes: tuple[str, ...] = ()) -> str:
     if value in (".", ".."):  # a client (httpx too) removes dot segments from a path
         return value.replace(".", "%2E")
     return urllib.parse.quote(value, safe="")
+
+
+def _rollout_seg(rollout_id: Any, *, routes: tuple[str, ...] = ()) -> str:
+    """A rollout id as a path segment; one that is not a string, or empty, names no rollout.
+
+    Raises:
+        RolloutNotFoundError: ``rollout_id`` is not a string or is empty (as the stores answer).
+        InvalidInputError: The id holds ``/`` or is one of ``routes`` (see ``_seg``).
+    """
+    if not isinstance(rollout_id, str) or not rollout_id:
+        raise RolloutNotFoundError(rollout_id)
+    return _seg("rollout_id", rollout_id, routes=routes)
+
+
+def _names_nothing(value: Any) -> bool:
+    """An id no entity can have: not a string, or empty (a ``get_*_by_id`` answers ``None``, as the stores do)."""
+    return not isinstance(value, str) or not value
 
 
 def _set(**fields: Any) -> dict[str, Any]:
@@ -197,7 +214,7 @@ class LightningStoreClient(LightningStore):
         return [msgspec.convert(x, AttemptedRollout) for x in data]
 
     async def start_attempt(self, rollout_id: str, worker_id: str | None = None) -> AttemptedRollout:
-        data = await self._post(f"/rollouts/{_seg('rollout_id', rollout_id)}/attempts", {"worker_id": worker_id})
+        data = await self._post(f"/rollouts/{_rollout_seg(rollout_id)}/attempts", {"worker_id": worker_id})
         return msgspec.convert(data, AttemptedRollout)
 
     async def update_rollout(
@@ -212,7 +229,7 @@ class LightningStoreClient(LightningStore):
     ) -> Rollout:
         body = _set(input=input, mode=mode, resources_id=resources_id, status=status, config=config, metadata=metadata)
         return msgspec.convert(
-            await self._post(f"/rollouts/{_seg('rollout_id', rollout_id, routes=('search',))}", body), Rollout
+            await self._post(f"/rollouts/{_rollout_seg(rollout_id, routes=('search',))}", body), Rollout
         )
 
     async def update_attempt(
@@ -225,9 +242,7 @@ class LightningStoreClient(LightningStore):
         metadata: Any = UNSET,
     ) -> Attempt:
         body = _set(status=status, worker_id=worker_id, last_heartbeat_time=last_heartbeat_time, metadata=metadata)
-        path = (
-            f"/rollouts/{_seg('rollout_id', rollout_id)}/attempts/{_seg('attempt_id', attempt_id, routes=('search',))}"
-        )
+        path = f"/rollouts/{_rollout_seg(rollout_id)}/attempts/{_seg('attempt_id', attempt_id, routes=('search',))}"
         return msgspec.convert(await self._post(path, body), Attempt)
 
     # -- reads -----------------------------------------------------------------------------
@@ -263,7 +278,9 @@ class LightningStoreClient(LightningStore):
         return PaginatedResult(items, limit=data["limit"], offset=data["offset"], total=data["total"])
 
     async def get_rollout_by_id(self, rollout_id: str) -> Rollout | None:
-        data = await self._get(f"/rollouts/{_seg('rollout_id', rollout_id)}")
+        if _names_nothing(rollout_id):
+            return None
+        data = await self._get(f"/rollouts/{_rollout_seg(rollout_id)}")
         return None if data is None else _rollout(data)
 
     async def query_attempts(
@@ -277,14 +294,20 @@ class LightningStoreClient(LightningStore):
     ) -> PaginatedResult[Attempt]:
         body = {"sort_by": sort_by, "sort_order": sort_order, "limit": limit, "offset": offset}
         return _page(
-            await self._post(f"/rollouts/{_seg('rollout_id', rollout_id)}/attempts/search", body, safe=True), Attempt
+            await self._post(f"/rollouts/{_rollout_seg(rollout_id)}/attempts/search", body, safe=True), Attempt
         )
 
     async def get_latest_attempt(self, rollout_id: str) -> Attempt | None:
-        data = await self._get(f"/rollouts/{_seg('rollout_id', rollout_id)}/attempts/latest")
+        data = await self._get(f"/rollouts/{_rollout_seg(rollout_id)}/attempts/latest")
         return None if data is None else msgspec.convert(data, Attempt)
 
     async def wait_for_rollouts(self, *, rollout_ids: list[str], timeout: float | None = None) -> list[Rollout]:
+        if isinstance(rollout_ids, (str, bytes)) or not isinstance(rollout_ids, Iterable):
+            raise InvalidTypeError(f"rollout_ids must be a list of rollout ids, got {rollout_ids!r:.80}")
+        rollout_ids = list(rollout_ids)
+        for rollout_id in rollout_ids:
+            if not isinstance(rollout_id, str):
+                raise RolloutNotFoundError(rollout_id)
         deadline = None if timeout is None else time.monotonic() + max(timeout, 0.0)
         while True:
             left = _WAIT_CHUNK_S if deadline is None else max(0.0, deadline - time.monotonic())
@@ -361,6 +384,8 @@ class LightningStoreClient(LightningStore):
         return msgspec.convert(data, ResourcesUpdate)
 
     async def get_resources_by_id(self, resources_id: str) -> ResourcesUpdate | None:
+        if _names_nothing(resources_id):
+            return None
         data = await self._get(f"/resources/{_seg('resources_id', resources_id, routes=('latest',))}")
         return None if data is None else msgspec.convert(data, ResourcesUpdate)
 
@@ -397,6 +422,8 @@ class LightningStoreClient(LightningStore):
         )
 
     async def get_worker_by_id(self, worker_id: str) -> Worker | None:
+        if _names_nothing(worker_id):
+            return None
         data = await self._get(f"/workers/{_seg('worker_id', worker_id)}")
         return None if data is None else msgspec.convert(data, Worker)
 

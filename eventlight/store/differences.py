@@ -26,8 +26,10 @@ Choices where Agent-lightning 0.3.0's code and its docs differ, item by item aga
     6. ``limit=-1`` is unlimited, ``limit=0`` an empty page, ``total`` counts before paging; a negative
        offset or ``limit < -1`` raises ``InvalidInputError`` (0.3.0 accepts them); an argument of the
        wrong type (``offset="1"``, ``limit=None``, ``heartbeat_stats=None``, a ``dict`` for a span, an
-       int id) raises ``InvalidTypeError``, which is an ``InvalidInputError``, a ``ValueError`` and a
-       ``TypeError``, so code catching 0.3.0's ``TypeError`` or pydantic's ``ValueError`` still works;
+       int id to write under) raises ``InvalidTypeError``, which is an ``InvalidInputError``, a ``ValueError``
+       and a ``TypeError``, so code catching 0.3.0's ``TypeError`` or pydantic's ``ValueError`` still works;
+       an id to read or change that is not a string names nothing: ``get_*_by_id`` answers ``None``, the
+       others raise ``RolloutNotFoundError`` (also over HTTP, where an empty id does the same);
     7. ``sort_by`` must name a field (``InvalidInputError``, a ``ValueError``); ``None`` values sort
        last ascending and first descending on both backends; no ``sort_by`` is insertion order;
     8. ``update_attempt(attempt_id="latest")`` and rollout propagation only from the latest attempt;

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 from eventlight.core.errors import InvalidTypeError, RolloutNotFoundError
@@ -75,6 +75,9 @@ class Reads(StorePlumbing):
 
     @store_call
     async def get_rollout_by_id(self, rollout_id: str) -> Rollout | None:
+        """The rollout with its latest attempt; ``None`` for an unknown id or one that is not a string."""
+        if not isinstance(rollout_id, str):
+            return None
         return await (await self._reads()).get_rollout_by_id(rollout_id)
 
     @store_call
@@ -103,9 +106,12 @@ class Reads(StorePlumbing):
         would: the rollouts finished by then.
 
         Raises:
-            RolloutNotFoundError: An id names no rollout.
+            RolloutNotFoundError: An id names no rollout (one that is not a string included).
+            InvalidTypeError: ``rollout_ids`` is a string or not iterable.
         """
-        ids = list(rollout_ids)
+        if isinstance(rollout_ids, (str, bytes)) or not isinstance(rollout_ids, Iterable):
+            raise InvalidTypeError(f"rollout_ids must be a list of rollout ids, got {rollout_ids!r:.80}")
+        ids = [_rollout_id(r) for r in rollout_ids]
         reads = await self._reads()
         waited, found = await self._unless_closing(reads.wait_for_rollouts(ids, timeout))
         if waited:

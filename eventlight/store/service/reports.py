@@ -76,5 +76,8 @@ class Reports(StorePlumbing):
 
     @store_call
     async def get_worker_by_id(self, worker_id: str) -> Worker | None:
+        """The worker; ``None`` for an unknown id or one that is not a string."""
+        if not isinstance(worker_id, str):
+            return None
         page = await (await self._reads()).query_workers(worker_id_in=[worker_id])
         return page[0] if page else None
