@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import logging
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -359,6 +360,14 @@ async def test_a_write_sent_but_never_answered_says_its_outcome_is_unknown() -> 
             "outcome is unknown",
         ),
         (b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello", EventlightError, "not JSON ('hello')"),
+        # an answer of another shape (another server, another version): raw msgspec / KeyError before
+        (b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n", EventlightError, "not JSON ('')"),
+        (
+            b'HTTP/1.1 200 OK\r\ncontent-length: 8\r\n\r\n{"ok":1}',
+            EventlightError,
+            'not a list of Rollout (got {"ok":1})',
+        ),
+        (b'HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\n[{"x":1}]', EventlightError, "not a Rollout (Object missing"),
         (
             b"HTTP/1.1 502 Bad Gateway\r\ncontent-length: 40\r\n\r\n<html>\n<h1>502 Bad Gateway</h1>\n</html>\n",
             ServiceUnavailableError,
@@ -387,6 +396,38 @@ async def test_what_stands_between_client_and_server_is_named(answer: bytes, err
         with pytest.raises(error) as raised:
             await client.enqueue_rollout({"q": 1})
         assert says in str(raised.value)
+    finally:
+        await client.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_reads_answered_in_another_shape_say_so() -> None:
+    """Every read of the client checks the answer's shape: a list for a page, an object for an entity
+    (a reviewer: ``TypeError: list indices must be integers``, a raw ``msgspec.ValidationError``)."""
+
+    async def answer_a_list(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(65536)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n[1,2]")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer_a_list, "127.0.0.1", 0)
+    client = agl.LightningStoreClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", retry_delays=())
+    calls = {
+        "a page of Rollout": client.query_rollouts,
+        "a page of Attempt": lambda: client.query_attempts("ro-1"),
+        "a page of Span": lambda: client.query_spans("ro-1"),
+        "a page of Worker": client.query_workers,
+        "a Rollout": lambda: client.get_rollout_by_id("ro-1"),
+        "a ResourcesUpdate": client.get_latest_resources,
+        '{"sequence_id": <int>}': lambda: client.get_next_span_sequence_id("ro-1", "at-1"),
+        "a dict": client.statistics,
+    }
+    try:
+        for what, call in calls.items():
+            with pytest.raises(EventlightError, match=f"not {re.escape(what)} .*got \\[1,2\\]"):
+                await call()
     finally:
         await client.close()
         server.close()

@@ -21,7 +21,7 @@ from typing import Any, Literal, TypeVar
 import msgspec
 
 from eventlight.core.commands import UNSET
-from eventlight.core.errors import InvalidInputError, InvalidTypeError, RolloutNotFoundError
+from eventlight.core.errors import EventlightError, InvalidInputError, InvalidTypeError, RolloutNotFoundError
 from eventlight.core.types import (
     Attempt,
     AttemptedRollout,
@@ -46,13 +46,56 @@ _WAIT_CHUNK_S = 20.0
 _AGL = "/v1/agl"
 
 
+def _unexpected(what: str, data: Any, why: str = "") -> EventlightError:
+    """The error for a success answer of another shape than the route's (another server, or a version
+    that does not match)."""
+    shown = msgspec.json.encode(data)[:120].decode(errors="replace")
+    return EventlightError(
+        f"the server answered with something that is not {what} ({why + '; ' if why else ''}got {shown});"
+        " is the address an eventlight or Agent-lightning store server of a matching version?"
+    )
+
+
+def _convert(data: Any, kind: type[T]) -> T:
+    """A decoded answer as ``kind``.
+
+    Raises:
+        EventlightError: The answer has another shape.
+    """
+    try:
+        return msgspec.convert(data, kind)
+    except msgspec.ValidationError as e:
+        raise _unexpected(f"a {kind.__name__}", data, str(e)) from None
+
+
+def _list(data: Any, kind: type[T]) -> list[T]:
+    """A decoded answer that is a JSON array of ``kind``.
+
+    Raises:
+        EventlightError: The answer is not an array, or an item has another shape.
+    """
+    if not isinstance(data, list):
+        raise _unexpected(f"a list of {kind.__name__}", data)
+    return [_convert(x, kind) for x in data]
+
+
 def _rollout(item: Any) -> Rollout:
-    return msgspec.convert(item, AttemptedRollout if isinstance(item, dict) and "attempt" in item else Rollout)
+    return _convert(item, AttemptedRollout if isinstance(item, dict) and "attempt" in item else Rollout)
 
 
 def _page(data: Any, item: type[T]) -> PaginatedResult[T]:
-    items = [msgspec.convert(x, item) for x in data["items"]]
-    return PaginatedResult(items, limit=data["limit"], offset=data["offset"], total=data["total"])
+    """A decoded ``{"items", "limit", "offset", "total"}`` answer.
+
+    Raises:
+        EventlightError: The answer has another shape.
+    """
+    fields = ("items", "limit", "offset", "total")
+    if not isinstance(data, dict) or not all(k in data for k in fields) or not isinstance(data["items"], list):
+        raise _unexpected(f"a page of {item.__name__}", data)
+    convert: Any = _rollout if item is Rollout else (lambda x: _convert(x, item))
+    items = [convert(x) for x in data["items"]]
+    limit, offset, total = (_convert(data[k], int) for k in fields[1:])
+    return PaginatedResult(items, limit=limit, offset=offset, total=total)
 
 
 def _seg(name: str, value: Any, *, routes: tuple[str, ...] = ()) -> str:
@@ -153,12 +196,10 @@ class LightningStoreClient(LightningStore):
 
     async def health(self) -> dict[str, Any]:
         """What ``/v1/agl/health`` says (``status`` and which server answers)."""
-        data: dict[str, Any] = await self._get("/health")
-        return data
+        return _convert(await self._get("/health"), dict[str, Any])
 
     async def statistics(self) -> dict[str, Any]:
-        data: dict[str, Any] = await self._get("/statistics")
-        return data
+        return _convert(await self._get("/statistics"), dict[str, Any])
 
     async def close(self) -> None:
         await self._http.close()
@@ -182,6 +223,8 @@ class LightningStoreClient(LightningStore):
         if not rollouts:
             return []
         data = await self._post("/queues/rollouts/enqueue", {"rollouts": msgspec.to_builtins(list(rollouts))})
+        if not isinstance(data, list):
+            raise _unexpected("a list of Rollout", data)
         return [_rollout(x) for x in data]
 
     async def start_rollout(
@@ -201,7 +244,7 @@ class LightningStoreClient(LightningStore):
             "metadata": metadata,
             "worker_id": worker_id,
         }
-        return msgspec.convert(await self._post("/rollouts", body), AttemptedRollout)
+        return _convert(await self._post("/rollouts", body), AttemptedRollout)
 
     async def dequeue_rollout(self, worker_id: str | None = None) -> AttemptedRollout | None:
         got = await self.dequeue_many_rollouts(limit=1, worker_id=worker_id)
@@ -211,11 +254,11 @@ class LightningStoreClient(LightningStore):
         if limit <= 0:
             return []
         data = await self._post("/queues/rollouts/dequeue", {"limit": limit, "worker_id": worker_id})
-        return [msgspec.convert(x, AttemptedRollout) for x in data]
+        return _list(data, AttemptedRollout)
 
     async def start_attempt(self, rollout_id: str, worker_id: str | None = None) -> AttemptedRollout:
         data = await self._post(f"/rollouts/{_rollout_seg(rollout_id)}/attempts", {"worker_id": worker_id})
-        return msgspec.convert(data, AttemptedRollout)
+        return _convert(data, AttemptedRollout)
 
     async def update_rollout(
         self,
@@ -228,9 +271,7 @@ class LightningStoreClient(LightningStore):
         metadata: Any = UNSET,
     ) -> Rollout:
         body = _set(input=input, mode=mode, resources_id=resources_id, status=status, config=config, metadata=metadata)
-        return msgspec.convert(
-            await self._post(f"/rollouts/{_rollout_seg(rollout_id, routes=('search',))}", body), Rollout
-        )
+        return _convert(await self._post(f"/rollouts/{_rollout_seg(rollout_id, routes=('search',))}", body), Rollout)
 
     async def update_attempt(
         self,
@@ -243,7 +284,7 @@ class LightningStoreClient(LightningStore):
     ) -> Attempt:
         body = _set(status=status, worker_id=worker_id, last_heartbeat_time=last_heartbeat_time, metadata=metadata)
         path = f"/rollouts/{_rollout_seg(rollout_id)}/attempts/{_seg('attempt_id', attempt_id, routes=('search',))}"
-        return msgspec.convert(await self._post(path, body), Attempt)
+        return _convert(await self._post(path, body), Attempt)
 
     # -- reads -----------------------------------------------------------------------------
 
@@ -273,9 +314,7 @@ class LightningStoreClient(LightningStore):
             "limit": limit,
             "offset": offset,
         }
-        data = await self._post("/rollouts/search", body, safe=True)
-        items = [_rollout(x) for x in data["items"]]
-        return PaginatedResult(items, limit=data["limit"], offset=data["offset"], total=data["total"])
+        return _page(await self._post("/rollouts/search", body, safe=True), Rollout)
 
     async def get_rollout_by_id(self, rollout_id: str) -> Rollout | None:
         if _names_nothing(rollout_id):
@@ -299,7 +338,7 @@ class LightningStoreClient(LightningStore):
 
     async def get_latest_attempt(self, rollout_id: str) -> Attempt | None:
         data = await self._get(f"/rollouts/{_rollout_seg(rollout_id)}/attempts/latest")
-        return None if data is None else msgspec.convert(data, Attempt)
+        return None if data is None else _convert(data, Attempt)
 
     async def wait_for_rollouts(self, *, rollout_ids: list[str], timeout: float | None = None) -> list[Rollout]:
         if isinstance(rollout_ids, (str, bytes)) or not isinstance(rollout_ids, Iterable):
@@ -314,6 +353,8 @@ class LightningStoreClient(LightningStore):
             chunk = min(left, _WAIT_CHUNK_S)
             body = {"rollout_ids": list(rollout_ids), "timeout": chunk}
             data = await self._post("/waits/rollouts", body, safe=True, timeout_s=chunk + 15.0)
+            if not isinstance(data, list):
+                raise _unexpected("a list of Rollout", data)
             done = [_rollout(x) for x in data]
             if len(done) >= len(set(rollout_ids)) or (deadline is not None and time.monotonic() >= deadline):
                 return done
@@ -323,7 +364,7 @@ class LightningStoreClient(LightningStore):
 
     async def add_span(self, span: Span) -> Span | None:
         data = await self._post("/spans", msgspec.to_builtins(span))
-        return None if data is None else msgspec.convert(data, Span)
+        return None if data is None else _convert(data, Span)
 
     async def add_many_spans(self, spans: Sequence[Span]) -> list[Span]:
         added = [await self.add_span(span) for span in spans]
@@ -331,6 +372,8 @@ class LightningStoreClient(LightningStore):
 
     async def get_next_span_sequence_id(self, rollout_id: str, attempt_id: str) -> int:
         data = await self._post("/spans/next", {"rollout_id": rollout_id, "attempt_id": attempt_id})
+        if not isinstance(data, dict) or not isinstance(data.get("sequence_id"), int):
+            raise _unexpected('{"sequence_id": <int>}', data)
         return int(data["sequence_id"])
 
     async def get_many_span_sequence_ids(self, rollout_attempt_ids: Sequence[tuple[str, str]]) -> list[int]:
@@ -377,21 +420,21 @@ class LightningStoreClient(LightningStore):
     # -- resources -------------------------------------------------------------------------
 
     async def add_resources(self, resources: NamedResources) -> ResourcesUpdate:
-        return msgspec.convert(await self._post("/resources", msgspec.to_builtins(resources)), ResourcesUpdate)
+        return _convert(await self._post("/resources", msgspec.to_builtins(resources)), ResourcesUpdate)
 
     async def update_resources(self, resources_id: str, resources: NamedResources) -> ResourcesUpdate:
         data = await self._post(f"/resources/{_seg('resources_id', resources_id)}", msgspec.to_builtins(resources))
-        return msgspec.convert(data, ResourcesUpdate)
+        return _convert(data, ResourcesUpdate)
 
     async def get_resources_by_id(self, resources_id: str) -> ResourcesUpdate | None:
         if _names_nothing(resources_id):
             return None
         data = await self._get(f"/resources/{_seg('resources_id', resources_id, routes=('latest',))}")
-        return None if data is None else msgspec.convert(data, ResourcesUpdate)
+        return None if data is None else _convert(data, ResourcesUpdate)
 
     async def get_latest_resources(self) -> ResourcesUpdate | None:
         data = await self._get("/resources/latest")
-        return None if data is None else msgspec.convert(data, ResourcesUpdate)
+        return None if data is None else _convert(data, ResourcesUpdate)
 
     async def query_resources(
         self,
@@ -414,7 +457,7 @@ class LightningStoreClient(LightningStore):
     # -- workers ---------------------------------------------------------------------------
 
     async def update_worker(self, worker_id: str, heartbeat_stats: Any = UNSET) -> Worker:
-        return msgspec.convert(
+        return _convert(
             await self._post(
                 f"/workers/{_seg('worker_id', worker_id, routes=('search',))}", _set(heartbeat_stats=heartbeat_stats)
             ),
@@ -425,7 +468,7 @@ class LightningStoreClient(LightningStore):
         if _names_nothing(worker_id):
             return None
         data = await self._get(f"/workers/{_seg('worker_id', worker_id)}")
-        return None if data is None else msgspec.convert(data, Worker)
+        return None if data is None else _convert(data, Worker)
 
     async def query_workers(
         self,

@@ -62,9 +62,10 @@ def _decoded(response: httpx.Response, method: str, path: str) -> Any:
     """The JSON of a success answer.
 
     Raises:
-        EventlightError: The body is not JSON (something else than the store server answered).
+        EventlightError: The body is not JSON (something else than the store server answered; the
+            store servers answer a missing entity with ``null``, so an empty 200 is not one).
     """
-    if not response.content:
+    if not response.content and response.status_code == 204:
         return None
     try:
         return msgspec.json.decode(response.content)
