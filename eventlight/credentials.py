@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,26 @@ def read_secret(name: str, env: Mapping[str, str] | None = None) -> str | None:
     if path is None:
         return value
     return _read_file(f"{name}_FILE", Path(path))
+
+
+def check_bearer_token(token: str, what: str) -> str:
+    """``token`` if an HTTP client can send it as ``Authorization: Bearer <token>``.
+
+    Args:
+        token: The token.
+        what: Its name in the message (``"the server token"``, ``"EVENTLIGHT_PROXY_TOKEN"``).
+
+    Raises:
+        InvalidInputError: It is empty, or holds a space or a character outside visible ASCII (RFC
+            6750's bearer token; a token file's stray space, a pasted non-breaking space); the
+            message never shows the token.
+    """
+    if not re.fullmatch(r"[\x21-\x7e]+", token):
+        raise InvalidInputError(
+            f"{what} must be visible ASCII characters without spaces: no client can send another in an"
+            " Authorization header (RFC 6750's bearer token)"
+        )
+    return token
 
 
 def _read_file(var: str, path: Path) -> str:

@@ -150,6 +150,22 @@ def test_a_token_file_that_cannot_be_used_is_one_clear_error(
         LLMProxy()
 
 
+@pytest.mark.parametrize("bad", ["two words", "tok\u00a0en", "tok\u00e9", " \t"])
+def test_a_token_no_client_can_send_is_refused_where_it_is_set(bad: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A token with a space or a character outside visible ASCII cannot travel in an Authorization
+    header: refused when the proxy or a runner is made, not as a UnicodeEncodeError inside the agent's
+    first LLM call; the message never shows it."""
+    for make in (lambda: LLMProxy(token=bad), lambda: LitAgentRunner(proxy_token=bad)):
+        with pytest.raises(InvalidInputError, match="visible ASCII") as info:
+            make()
+        assert bad not in str(info.value)
+    monkeypatch.setenv("EVENTLIGHT_PROXY_TOKEN", bad)
+    for make in (LLMProxy, LitAgentRunner):
+        with pytest.raises(InvalidInputError, match="EVENTLIGHT_PROXY_TOKEN must be visible ASCII"):
+            make()
+    assert LitAgentRunner(proxy_token="").proxy_token is None  # "" is "no token", as for the proxy
+
+
 async def test_the_proxy_binds_loopback_unless_told_otherwise() -> None:
     async with LLMProxy(token=TOKEN) as proxy:
         assert proxy.host == "127.0.0.1"

@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from litellm.router import Router
 
 from eventlight.core.types import LLM, ProxyLLM
+from eventlight.credentials import check_bearer_token
 from eventlight.llm_health import LLMCallHealth
 from eventlight.llm_proxy.forwarding import _SPAN_WAIT_S
 from eventlight.llm_proxy.metrics import ProxyMetrics
@@ -80,7 +81,8 @@ class LLMProxy(ChatRoutes):
 
     Raises:
         ValueError: A ``model_list`` entry is malformed, or ``num_retries < 0``.
-        InvalidInputError: ``$EVENTLIGHT_PROXY_TOKEN_FILE`` cannot be read or is empty.
+        InvalidInputError: ``$EVENTLIGHT_PROXY_TOKEN_FILE`` cannot be read or is empty, or the token
+            holds a space or a character outside visible ASCII (no client could send it).
     """
 
     def __init__(
@@ -114,6 +116,8 @@ class LLMProxy(ChatRoutes):
         self.health = health if health is not None else LLMCallHealth()
         self.metrics = ProxyMetrics()  # served at /metrics
         self._token = (proxy_token_from_env() if token is None else token) or None
+        if self._token is not None:
+            check_bearer_token(self._token, "the LLM proxy's token" if token else "EVENTLIGHT_PROXY_TOKEN")
         self._app = self._build_app()
 
     # -- configuration --------------------------------------------------------------------

@@ -39,6 +39,7 @@ from typing import Any
 
 from eventlight.agent import LitAgent
 from eventlight.core.types import STATUS_REASON, AttemptedRollout, RolloutConfig, Span
+from eventlight.credentials import check_bearer_token
 from eventlight.emitter import emit_exception, emit_reward
 from eventlight.runner.hooks import Hook
 from eventlight.runner.identity import system_snapshot, worker_name
@@ -69,11 +70,12 @@ class LitAgentRunner:
         proxy_token: The LLM proxy's bearer token, put into the ``api_key`` of each ``ProxyLLM``
             resource the agent gets (an agent passing ``llm.api_key`` to its OpenAI client works
             unchanged); ``None`` (default): ``$EVENTLIGHT_PROXY_TOKEN`` or the file
-            ``$EVENTLIGHT_PROXY_TOKEN_FILE`` names, else the resources are handed over as stored.
-            ``Trainer(llm_proxy=...)`` sets it from the proxy's ``token``.
+            ``$EVENTLIGHT_PROXY_TOKEN_FILE`` names, else the resources are handed over as stored;
+            ``""``: none. ``Trainer(llm_proxy=...)`` sets it from the proxy's ``token``.
 
     Raises:
-        InvalidInputError: ``$EVENTLIGHT_PROXY_TOKEN_FILE`` cannot be read or is empty.
+        InvalidInputError: ``$EVENTLIGHT_PROXY_TOKEN_FILE`` cannot be read or is empty, or the token
+            holds a space or a character outside visible ASCII (no client could send it).
     """
 
     def __class_getitem__(cls, item: Any) -> type[LitAgentRunner]:
@@ -91,7 +93,9 @@ class LitAgentRunner:
         proxy_token: str | None = None,
     ):
         self.tracer = tracer or OtelTracer()
-        self.proxy_token = proxy_token if proxy_token is not None else proxy_token_from_env()
+        self.proxy_token = (proxy_token if proxy_token is not None else proxy_token_from_env()) or None
+        if self.proxy_token is not None:
+            check_bearer_token(self.proxy_token, "the LLM proxy's token" if proxy_token else "EVENTLIGHT_PROXY_TOKEN")
         self.metrics = metrics
         self.rollout_config = rollout_config
         self.max_rollouts = max_rollouts

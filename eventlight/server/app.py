@@ -9,13 +9,13 @@ Errors: ``eventlight.server.errors``.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from eventlight.core.errors import InvalidInputError
+from eventlight.credentials import check_bearer_token
 from eventlight.server import dashboard, metrics, otlp
 from eventlight.server.auth import BearerAuth
 from eventlight.server.codec import openapi_components
@@ -62,11 +62,8 @@ def create_app(
             "the server token is empty: pass a token, or none at all (None; on the command line leave"
             " out --token and $EVENTLIGHT_SERVER_TOKEN) to serve without one"
         )
-    if token is not None and not re.fullmatch(r"[\x21-\x7e]+", token):
-        raise InvalidInputError(
-            "the server token must be visible ASCII characters without spaces: no client can send"
-            " another in an Authorization header (RFC 6750's bearer token)"
-        )
+    if token is not None:
+        check_bearer_token(token, "the server token")
     app = FastAPI(
         title="eventlight store server",
         version=_version(),
