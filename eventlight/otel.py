@@ -26,14 +26,27 @@ def _seconds(ns: int | None) -> float | None:
     return None if not ns else ns / 1e9
 
 
+def json_double(value: float) -> float | str:
+    """``value``, or a NaN or infinity as OTLP/JSON writes it (``"NaN"``, ``"Infinity"``,
+    ``"-Infinity"``: proto3's JSON mapping of a double). The store's JSON holds neither, and refuses
+    a span that carries one; an instrumentation's span keeps the value this way."""
+    if value - value == 0.0:
+        return value
+    return "NaN" if value != value else ("Infinity" if value > 0 else "-Infinity")
+
+
 def _attrs(attributes: Any) -> dict[str, Any]:
-    """A plain ``dict`` copy; OpenTelemetry's sequence values (tuples) become lists."""
+    """A plain ``dict`` copy; OpenTelemetry's sequence values (tuples) become lists, a NaN or
+    infinite float becomes its OTLP/JSON text (``json_double``)."""
     if not attributes:
         return {}
     out = dict(_plain(attributes))  # OpenTelemetry keys are already strings
     for key, value in out.items():
-        if type(value) is tuple:
-            out[key] = list(value)
+        kind = type(value)
+        if kind is tuple:
+            out[key] = [json_double(x) if type(x) is float else x for x in value]
+        elif kind is float and value - value != 0.0:
+            out[key] = json_double(value)
     return out
 
 

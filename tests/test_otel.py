@@ -9,6 +9,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
 
 from eventlight.otel import _plain, span_from_readable
+from eventlight.store.validate import check_spans
 
 ATTRIBUTES: dict[str, Any] = {
     "text": "hello",
@@ -80,3 +81,19 @@ def test_a_readable_span_with_plain_attributes_converts_the_same() -> None:
     expected = span_from_readable(sdk, "ro-1", "at-1", 7)
     assert converted.attributes == PLAIN
     assert converted.events == expected.events and converted.links == expected.links
+
+
+def test_nan_and_infinity_keep_their_otlp_json_text_and_the_span_is_stored() -> None:
+    """A NaN or infinite double set by an instrumentation becomes ``"NaN"`` / ``"Infinity"`` /
+    ``"-Infinity"`` (OTLP/JSON's text for them), so the store, whose JSON has neither and refuses
+    such a span, keeps the span, in attributes, in sequences and in events."""
+    kept = _Keep()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(kept))
+    odd = {"nan": float("nan"), "up": float("inf"), "down": (1.5, float("-inf")), "fine": 2.5}
+    with provider.get_tracer("test").start_as_current_span("odd", attributes=odd) as span:
+        span.add_event("e", attributes={"x": float("inf")})
+    converted = span_from_readable(kept.spans[-1], "ro-1", "at-1", 1)
+    assert converted.attributes == {"nan": "NaN", "up": "Infinity", "down": [1.5, "-Infinity"], "fine": 2.5}
+    assert converted.events[0].attributes == {"x": "Infinity"}
+    check_spans([converted])  # what the stores check before writing: accepted

@@ -223,4 +223,7 @@ async def test_an_infinite_sequence_id_does_not_fail_the_export(served: tuple[Je
     assert ExportTraceServiceResponse.FromString(r.content).partial_success.rejected_spans == 0
     await store.update_attempt(rid, aid, status="succeeded")
     await store.wait_for_rollouts(rollout_ids=[rid], timeout=10)
-    assert sorted(s.name for s in await store.query_spans(rid)) == ["good", "infinite"]
+    spans = {s.name: s for s in await store.query_spans(rid)}
+    assert sorted(spans) == ["good", "infinite"]
+    # a NaN or infinite double is kept as OTLP/JSON writes it: the store's JSON has neither
+    assert spans["infinite"].attributes["agentlightning.span_sequence_id"] == "Infinity"

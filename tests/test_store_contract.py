@@ -8,6 +8,7 @@ with writes made through another store.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from typing import Any
@@ -655,6 +656,54 @@ async def test_spans_that_cannot_be_stored_are_refused(store: Any, runner_store:
             await runner_store.add_span(span)
     await settle(store)
     assert len(await store.query_spans(r.rollout_id)) == 0
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"attributes": {"agentlightning.reward.0.value": float("nan")}}, "'agentlightning.reward.0.value' is nan"),
+        ({"attributes": {"score": float("-inf")}}, "'score' is -inf, which JSON cannot hold"),
+        ({"attributes": {"scores": [1.0, float("inf")]}}, r"'scores': \[1\] is inf"),
+        ({"attributes": {"d": {"e": [float("nan")]}}}, r"'d': e\[0\] is nan"),
+        ({"end_time": float("inf")}, "a field: end_time is inf"),
+        ({"attributes": {"text": json.loads('"model said \\ud83d"')}}, "'text' is not valid Unicode text"),
+        ({"name": "half \ud83d"}, "name is not valid Unicode text"),
+        ({"attributes": {"k\udc80": "v"}}, "an attribute key is not valid Unicode text"),
+        ({"span_id": "ab\ud800"}, "span_id is not valid Unicode text"),
+    ],
+)
+async def test_spans_json_cannot_hold_are_refused_alike(store: Any, runner_store: Any, change: dict, says: str) -> None:
+    """NaN, infinity and lone surrogates: JetStream's JSON turned NaN into null (a reward read back
+    as ``None`` failed ``find_final_reward``) and a lone surrogate failed the whole batch with a
+    ``UnicodeEncodeError``, where the in-memory store kept both (a reviewer). Both refuse the span
+    with ``InvalidInputError``, so the tracer keeps the other spans of its batch."""
+    r = await store.enqueue_rollout("odd values")
+    d = await runner_store.dequeue_rollout()
+    span = reward_span(r.rollout_id, d.attempt.attempt_id, 1, 1.0)
+    for k, v in change.items():
+        setattr(span, k, v)
+    good = reward_span(r.rollout_id, d.attempt.attempt_id, 2, 0.5)
+    with pytest.raises(InvalidInputError, match=says):
+        await runner_store.add_many_spans([good, span])
+    assert await runner_store.add_span(good) is not None
+    await settle(store)
+    assert [s.span_id for s in await store.query_spans(r.rollout_id)] == [good.span_id]
+
+
+@pytest.mark.parametrize(
+    ("call", "says"),
+    [
+        (lambda s: s.enqueue_rollout({"x": float("nan")}), "input.x is nan"),
+        (lambda s: s.enqueue_rollout("q", metadata={"m": [0, float("inf")]}), r"metadata.m\[1\] is inf"),
+        (lambda s: s.start_rollout("q", metadata={"m": float("-inf")}), "metadata.m is -inf"),
+    ],
+)
+async def test_payloads_json_cannot_hold_are_refused_alike(store: Any, call: Any, says: str) -> None:
+    """An input or metadata with NaN or infinity came back as ``None`` on JetStream and as given in
+    memory (a reviewer); both refuse it and write nothing."""
+    with pytest.raises(InvalidInputError, match=says):
+        await call(store)
+    assert (await store.query_rollouts()).total == 0
 
 
 async def test_span_sequence_ids_stay_within_what_the_read_model_stores(store: Any, runner_store: Any) -> None:

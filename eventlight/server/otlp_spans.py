@@ -19,6 +19,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as PbSpan
 
 from eventlight.core.types import Event, Link, OtelResource, Span, SpanContext, TraceStatus
+from eventlight.otel import json_double
 from eventlight.semconv import LightningResourceAttributes as Keys
 
 __all__ = ["Rejected", "spans_from_request"]
@@ -38,7 +39,8 @@ class Rejected(msgspec.Struct, frozen=True):
 
 
 def value_of(v: AnyValue) -> Any:
-    """An OTLP ``AnyValue`` as Python."""
+    """An OTLP ``AnyValue`` as Python; a NaN or infinite double as OTLP/JSON writes it (``"NaN"``,
+    ``"Infinity"``, ``"-Infinity"``, proto3's JSON mapping), since the store's JSON has neither."""
     kind = v.WhichOneof("value")
     if kind is None:
         return None
@@ -48,6 +50,8 @@ def value_of(v: AnyValue) -> Any:
         return attributes_of(v.kvlist_value.values)
     if kind == "bytes_value":
         return v.bytes_value.hex()
+    if kind == "double_value":
+        return json_double(v.double_value)
     return getattr(v, kind)
 
 

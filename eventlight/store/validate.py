@@ -38,7 +38,7 @@ def check_payload(what: str, value: msgspec.Struct) -> None:
     Raises:
         InvalidTypeError: A field's value is not of its type (the message names the field).
         InvalidInputError: A value cannot be stored as JSON (not JSON-like, a lone surrogate,
-            nested deeper than ``MAX_DEPTH``).
+            a NaN or infinity, nested deeper than ``MAX_DEPTH``).
     """
     try:
         builtins = msgspec.to_builtins(value)
@@ -47,6 +47,8 @@ def check_payload(what: str, value: msgspec.Struct) -> None:
         size = len(_json.encode(builtins))
     except msgspec.ValidationError as e:
         raise InvalidTypeError(f"{what}: {str(e).replace('$.', '')}") from e
+    except _NotFinite as e:
+        raise InvalidInputError(f"{what}: {e.where()} is {e.value!r}, {_NOT_FINITE}") from None
     except RecursionError as e:
         raise InvalidInputError(f"{what}: a value is nested deeper than {MAX_DEPTH} levels") from e
     except UnicodeError as e:
@@ -61,13 +63,41 @@ def check_payload(what: str, value: msgspec.Struct) -> None:
         )
 
 
+_NOT_FINITE = "which JSON cannot hold (it would be read back as null): store a finite number or a string"
+
+
+class _NotFinite(Exception):
+    """A NaN or infinity inside a value; ``path`` is filled in on the way out of the walk."""
+
+    def __init__(self, value: float):
+        self.value = value
+        self.path: list[str] = []
+
+    def where(self) -> str:
+        return "".join(reversed(self.path)).lstrip(".") or "a value"
+
+
 def _check_depth(value: Any, left: int) -> None:
-    if isinstance(value, (dict, list)):
+    """Walk a JSON-like value (``dict``/``list``/scalars).
+
+    Raises:
+        RecursionError: It nests deeper than ``left``.
+        _NotFinite: It holds a NaN or an infinity (``msgspec`` and Postgres' ``jsonb`` would turn it
+            into ``null`` or refuse it).
+    """
+    if isinstance(value, float):
+        if value - value != 0.0:  # NaN and +-inf; a finite float gives 0.0
+            raise _NotFinite(value)
+    elif isinstance(value, (dict, list, tuple)):
         if left <= 0:
             raise RecursionError
-        for item in value.values() if isinstance(value, dict) else value:
-            if isinstance(item, (dict, list)):
-                _check_depth(item, left - 1)
+        for key, item in value.items() if isinstance(value, dict) else enumerate(value):
+            if isinstance(item, (dict, list, tuple, float)):
+                try:
+                    _check_depth(item, left - 1)
+                except _NotFinite as e:
+                    e.path.append(f".{key}" if isinstance(key, str) else f"[{key}]")
+                    raise
 
 
 def check_token(what: str, value: Any) -> str:
@@ -107,8 +137,10 @@ def check_spans(spans: Sequence[Any]) -> None:
     Raises:
         InvalidTypeError: An item is not a ``Span``, its name not a string or its attributes not a dict.
         InvalidInputError: An item lacks its rollout, attempt, span or trace id; has a sequence id
-            outside 0 to ``MAX_SPAN_SEQUENCE_ID`` (2**31 - 1), a non-string attribute key, or an
-            attribute value that cannot be encoded as JSON.
+            outside 0 to ``MAX_SPAN_SEQUENCE_ID`` (2**31 - 1), a non-string attribute key, an
+            attribute value that cannot be encoded as JSON, a NaN or infinity anywhere (JSON has
+            neither: it was read back as ``null`` on JetStream), or a string with a lone surrogate
+            (not UTF-8 text). ASCII strings and finite floats, nearly every value, take one check each.
     """
     for i, span in enumerate(spans):
         if not isinstance(span, Span):
@@ -119,6 +151,10 @@ def check_spans(spans: Sequence[Any]) -> None:
             value = getattr(span, field)
             if not value or not isinstance(value, str):
                 raise InvalidInputError(f"span #{i} ({span.name!r}) lacks a {field} (got {value!r})")
+            if not value.isascii():
+                _check_text(i, span, field, value)
+        if not span.name.isascii():
+            _check_text(i, span, "name", span.name)
         if span.attempt_id == "latest":
             raise InvalidInputError(f"span #{i} ({span.name!r}) must name its attempt id, not 'latest'")
         sid = span.sequence_id
@@ -135,14 +171,84 @@ def check_spans(spans: Sequence[Any]) -> None:
         for key, value in span.attributes.items():
             if not isinstance(key, str):
                 raise InvalidInputError(f"span #{i} ({span.name!r}) has a non-string attribute key {key!r}")
-            if value is None or isinstance(value, (str, int, float)):
+            kind = type(value)
+            if kind is str:
+                if not value.isascii():
+                    _check_text(i, span, f"attribute {key!r}", value)
                 continue
-            try:
-                _json.encode(value)
-            except (TypeError, ValueError, msgspec.EncodeError) as e:
-                raise InvalidInputError(
-                    f"span #{i} ({span.name!r}) attribute {key!r} cannot be stored as JSON: {e}"
-                ) from e
+            if kind is float:
+                if value - value != 0.0:  # NaN and +-inf
+                    raise InvalidInputError(f"span #{i} ({span.name!r}) attribute {key!r} is {value!r}, {_NOT_FINITE}")
+                continue
+            if value is None or kind is int or kind is bool:
+                continue
+            _check_json(i, span, f"attribute {key!r}", value)
+        if not all(k.isascii() for k in span.attributes):
+            _check_json(i, span, "an attribute key", list(span.attributes))
+        if span.events or span.links or not _plain(span):
+            fields = ("start_time", "end_time", "status", "events", "links", "resource", "parent_id")
+            _check_json(i, span, "a field", {f: getattr(span, f) for f in fields})
+
+
+def _plain_value(v: Any) -> bool:
+    """Whether an attribute value needs no walk: an ASCII string, an int, a finite float, or a
+    list of those (OpenTelemetry's attribute values)."""
+    kind = type(v)
+    if kind is str:
+        return bool(v.isascii())
+    if kind is float:
+        return bool(v - v == 0.0)
+    if kind is int or kind is bool or v is None:
+        return True
+    return kind is list and all(type(x) is not list and _plain_value(x) for x in v)
+
+
+def _plain(span: Span) -> bool:
+    """Whether a span's other fields need no walk: finite times, ASCII status, parent and resource."""
+    return (
+        _plain_value(span.start_time)
+        and _plain_value(span.end_time)
+        and _plain_value(span.status.description)
+        and _plain_value(span.parent_id)
+        and all(k.isascii() and _plain_value(v) for k, v in span.resource.attributes.items())
+    )
+
+
+def _check_text(i: int, span: Span, what: str, text: str) -> None:
+    """A string must be UTF-8 encodable (a lone surrogate, e.g. half an emoji cut from a model's
+    JSON, is not: the event log could not encode the span, and its whole batch would fail).
+
+    Raises:
+        InvalidInputError: It holds a lone surrogate.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidInputError(
+            f"span #{i} ({span.name!r}) {what} is not valid Unicode text: a lone surrogate"
+            f" {text[e.start : e.end]!r} at character {e.start}"
+        ) from None
+
+
+def _check_json(i: int, span: Span, what: str, value: Any) -> None:
+    """A nested value must encode as JSON and hold no NaN, infinity or lone surrogate.
+
+    Raises:
+        InvalidInputError: It does not.
+    """
+    try:
+        _json.encode(value)
+        _check_depth(msgspec.to_builtins(value), MAX_DEPTH)
+    except _NotFinite as e:
+        raise InvalidInputError(
+            f"span #{i} ({span.name!r}) {what}: {e.where()} is {e.value!r}, {_NOT_FINITE}"
+        ) from None
+    except UnicodeEncodeError as e:
+        raise InvalidInputError(f"span #{i} ({span.name!r}) {what} is not valid Unicode text: {e}") from None
+    except RecursionError:
+        raise InvalidInputError(f"span #{i} ({span.name!r}) {what} is nested deeper than {MAX_DEPTH} levels") from None
+    except (TypeError, ValueError, msgspec.EncodeError) as e:
+        raise InvalidInputError(f"span #{i} ({span.name!r}) {what} cannot be stored as JSON: {e}") from e
 
 
 def _shown(value: Any) -> str:
