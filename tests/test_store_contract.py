@@ -610,6 +610,33 @@ async def test_span_and_attempt_reads_refuse_ids_and_filters_of_the_wrong_type(s
     assert list(await store.query_spans(r.rollout_id, name="nothing")) == []
 
 
+async def test_spans_of_several_attempts_come_attempt_by_attempt(store: Any) -> None:
+    """Sequence ids count per attempt here (0.3.0: per rollout), so sorting a rollout's spans by
+    ``sequence_id`` alone interleaved its attempts, and the tutorial's
+    ``find_final_reward(await store.query_spans(rollout_id))`` returned a failed attempt's reward (a
+    reviewer). Over several attempts ``sequence_id`` sorts attempt by attempt, 0.3.0's order."""
+    from eventlight import find_final_reward
+
+    r = await store.enqueue_rollout("retried")
+    first = await store.dequeue_rollout()
+    for seq in range(1, 5):
+        await store.add_span(reward_span(r.rollout_id, first.attempt.attempt_id, seq, 0.9))
+    await store.update_attempt(r.rollout_id, first.attempt.attempt_id, status="failed")
+    second = await store.start_attempt(r.rollout_id)
+    for seq in (1, 2):
+        await store.add_span(reward_span(r.rollout_id, second.attempt.attempt_id, seq, 0.2))
+    await settle(store)
+    a1, a2 = first.attempt.attempt_id, second.attempt.attempt_id
+    spans = await store.query_spans(r.rollout_id)
+    assert [(s.attempt_id, s.sequence_id) for s in spans] == [(a1, 1), (a1, 2), (a1, 3), (a1, 4), (a2, 1), (a2, 2)]
+    assert find_final_reward(spans) == 0.2
+    down = await store.query_spans(r.rollout_id, sort_order="desc", limit=3)
+    assert [(s.attempt_id, s.sequence_id) for s in down] == [(a2, 2), (a2, 1), (a1, 4)] and down.total == 6
+    by_name = await store.query_spans(r.rollout_id, sort_by="name")  # another field: as asked
+    assert len(by_name) == 6
+    assert [s.sequence_id for s in await store.query_spans(r.rollout_id, attempt_id=a1)] == [1, 2, 3, 4]
+
+
 async def test_reads_by_an_id_that_is_not_a_string(store: Any) -> None:
     """Both backends answer alike: ``get_rollout_by_id`` and ``get_worker_by_id`` find nothing (as
     ``get_resources_by_id``), ``wait_for_rollouts`` names the id it cannot find, and a string for

@@ -12,7 +12,8 @@ Choices where Agent-lightning 0.3.0's code and its docs differ, item by item aga
     2. ``enqueue_rollout``/``enqueue_many_rollouts``/``start_rollout`` with ``resources_id=None`` take
        the latest resources (added or updated) at that moment (0.3.0's behaviour, which runners rely on);
     3. span sequence ids are counted per attempt (the docs allow it; 0.3.0 counts per rollout) and start
-       at 1; a span with its own ``sequence_id`` raises the counter; out-of-order ids are accepted, and
+       at 1; a span with its own ``sequence_id`` raises the counter; ``query_spans`` over several attempts
+       sorts by ``sequence_id`` attempt by attempt (0.3.0's order); out-of-order ids are accepted, and
        a duplicate is the same ``(rollout_id, attempt_id, span_id)`` (0.3.0), dropped with 0.3.0's log
        line (``Duplicated span added for rollout=…, attempt=…, span=…. Skipping.``, at WARNING where
        0.3.0 logs ERROR) when this store object or the stream's duplicate window sees it; ids run

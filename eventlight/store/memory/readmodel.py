@@ -186,6 +186,10 @@ class MemoryReadModel:
                 return PaginatedResult([], limit=limit, offset=offset, total=0)
             aid = state.attempt(attempt_id).attempt_id
             spans = [s for s in spans if s.attempt_id == aid]
+        elif sort_by == "sequence_id" and len(state.attempts) > 1:  # attempts in order, as 0.3.0's per-rollout ids
+            rank = {a.attempt_id: a.sequence_id for a in state.attempts}
+            spans = sorted(spans, key=lambda s: (rank[s.attempt_id], s.sequence_id), reverse=sort_order == "desc")
+            sort_by = None  # sorted (stable: equal keys keep log order, as Postgres' stream_seq)
         conds = [
             q.exact("trace_id", trace_id),
             q.contains("trace_id", trace_id_contains),

@@ -21,6 +21,11 @@ from eventlight.store.jetstream import pg
 from eventlight.store.jetstream.pg_errors import pg_errors
 from eventlight.store.query import check_paging, deprecated_alias
 
+ATTEMPT_ORDER = (
+    "SELECT a.sequence_id FROM attempts a WHERE a.rollout_id = spans.rollout_id AND a.attempt_id = spans.attempt_id"
+)
+"""The sequence number of a span's attempt: ``query_spans`` over several attempts sorts by it first."""
+
 
 class SqlQueries:
     """The queries over the projector's tables, each on one pooled connection."""
@@ -169,6 +174,9 @@ class SqlQueries:
                 w.contains(col, needle)
             n = len(w.args)
             tail = pg.order_page(Span, w, sort_by, sort_order, limit, offset, "sequence_id, stream_seq")
+            if sort_by == "sequence_id" and attempt_id is None:  # attempts in order, as 0.3.0's per-rollout ids
+                direction = "DESC" if sort_order == "desc" else "ASC"
+                tail = tail.replace("ORDER BY ", f"ORDER BY ({ATTEMPT_ORDER}) {direction}, ", 1)
             rows, total = await pg.fetch_page(conn, "spans", pg.SPAN_COLS, w, filter_logic, tail, n, limit, offset)
             if not rows and attempt_id in (None, "latest"):
                 await self._require_rollout(conn, rollout_id)  # no rows: an empty page, or an unknown rollout
