@@ -54,6 +54,8 @@ AGL_EXCEPTION = "agentlightning.exception"
 AGL_OPERATION = "agentlightning.operation"
 AGL_REWARD = "agentlightning.reward"
 
+_Fn = TypeVar("_Fn", bound=Callable[..., Any])
+
 
 def _tracer(propagate: bool, what: str) -> Tracer:
     if not propagate:
@@ -190,31 +192,20 @@ def emit_exception(exception: BaseException, attributes: dict[str, Any] | None =
     _tracer(propagate, "exception").create_span(AGL_EXCEPTION, attributes=attrs, status=TraceStatus(status_code="OK"))
 
 
-class operation:  # noqa: N801 - Agent-lightning's public name
-    """Record an ``agentlightning.operation`` span, as a decorator or a context manager.
+class OperationContext:
+    """An ``agentlightning.operation`` span as a context manager (Agent-lightning 0.3.0's
+    ``agentlightning.emitter.annotation.OperationContext``); calling it on a function decorates it.
 
     Unlike Agent-lightning 0.3.0, the tracer is looked up when the operation runs, not when the
     decorator is applied, so a module-level ``@operation`` works (``seed_runtime.md`` §8 #29).
     """
 
-    def __init__(
-        self,
-        fn: Callable[..., Any] | None = None,
-        *,
-        propagate: bool = True,
-        name: str | None = None,
-        **attributes: Any,
-    ):
-        if fn is not None and not callable(fn):
-            raise ValueError("operation() takes a function; custom span names are not supported")
-        self.fn = fn
+    def __init__(self, *, propagate: bool = True, name: str | None = None, attributes: dict[str, Any] | None = None):
         self.propagate = propagate
         self.name = name
-        self.attributes = flatten_attributes(attributes)
+        self.attributes = flatten_attributes(attributes or {})
         self._cm: Any = None
         self._rec: Any = None
-        if fn is not None:
-            functools.update_wrapper(self, fn)
 
     def _attrs(self, default_name: str | None) -> dict[str, Any]:
         attrs = dict(self.attributes)
@@ -223,27 +214,35 @@ class operation:  # noqa: N801 - Agent-lightning's public name
             attrs["agentlightning.operation.name"] = op_name
         return attrs
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.fn is None:  # used as @operation(...): wrap the function it is given
-            return operation(args[0], propagate=self.propagate, name=self.name, **self.attributes)
-        fn = self.fn
+    def __call__(self, fn: _Fn) -> _Fn:
+        """Wrap ``fn`` (sync or async) so that each call records a span with its inputs and output.
+
+        The wrapper is a plain function (``functools.wraps``), so a decorated method binds ``self``
+        as any method does.
+        """
         if inspect.iscoroutinefunction(fn):
 
-            async def run_async() -> Any:
+            @functools.wraps(fn)
+            async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
                 with self._span(fn, args, kwargs) as rec:
                     result = await fn(*args, **kwargs)
                     rec.record_attributes(_io("output", result))
                     return result
 
-            return run_async()
-        with self._span(fn, args, kwargs) as rec:
-            result = fn(*args, **kwargs)
-            rec.record_attributes(_io("output", result))
-            return result
+            return cast(_Fn, async_wrapper)
+
+        @functools.wraps(fn)
+        def sync_wrapper(*args: Any, **kwargs: Any) -> Any:
+            with self._span(fn, args, kwargs) as rec:
+                result = fn(*args, **kwargs)
+                rec.record_attributes(_io("output", result))
+                return result
+
+        return cast(_Fn, sync_wrapper)
 
     def _span(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         tracer = _tracer(self.propagate, "operation")
-        attrs = self._attrs(fn.__name__)
+        attrs = self._attrs(getattr(fn, "__name__", type(fn).__name__))
         try:
             bound = inspect.signature(fn).bind(*args, **kwargs)
             bound.apply_defaults()
@@ -254,7 +253,7 @@ class operation:  # noqa: N801 - Agent-lightning's public name
             return _DummyOperation(AGL_OPERATION, attrs)
         return tracer.operation_context(AGL_OPERATION, attrs)
 
-    def __enter__(self) -> Any:
+    def __enter__(self) -> OperationContext:
         tracer = _tracer(self.propagate, "operation")
         attrs = self._attrs(None)
         self._cm = (
@@ -287,6 +286,37 @@ class operation:  # noqa: N801 - Agent-lightning's public name
         return recorded
 
 
+def operation(
+    fn: Callable[..., Any] | None = None,
+    *,
+    propagate: bool = True,
+    name: str | None = None,
+    **attributes: Any,
+) -> Any:
+    """Record an ``agentlightning.operation`` span, as a decorator or a context manager.
+
+    ``@operation`` and ``@operation(name=..., **attributes)`` return the decorated function itself
+    wrapped with ``functools.wraps`` (as in Agent-lightning 0.3.0), so methods, static methods and
+    class methods work; ``with operation(**attributes) as op:`` gives an ``OperationContext``.
+
+    Args:
+        fn: The function (sync or async) to decorate; ``None`` for the other forms.
+        propagate: ``False``: record with a ``DummyTracer`` (nothing is exported).
+        name: Stored as ``agentlightning.operation.name`` (default for a decorator: the function's name).
+        **attributes: Span attributes (flattened).
+
+    Returns:
+        The wrapped function, or an ``OperationContext``.
+
+    Raises:
+        ValueError: ``fn`` is not callable (custom span names are not supported).
+    """
+    if fn is not None and not callable(fn):
+        raise ValueError("operation() takes a function; custom span names are not supported")
+    context = OperationContext(propagate=propagate, name=name, attributes=attributes)
+    return context(fn) if fn is not None else context
+
+
 def _io(kind: str, value: Any) -> dict[str, Any]:
     prefix = f"agentlightning.operation.{kind}"
     flat = flatten_attributes({prefix: value}) if isinstance(value, (dict, list)) else {prefix: value}
@@ -313,9 +343,6 @@ class _DummyOperation:
         if self.done is None:
             raise RuntimeError("Span is not ready yet.")
         return self.done
-
-
-_Fn = TypeVar("_Fn", bound=Callable[..., Any])
 
 
 def reward(fn: _Fn) -> _Fn:

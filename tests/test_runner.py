@@ -156,3 +156,38 @@ def test_rollout_decorator_checks_the_signature() -> None:
         def bad(question: str, llm: agl.LLM) -> None: ...
 
     assert returning_agent({"score": 0.5}, agl.PromptTemplate(template="x")) == 0.5
+
+
+class Tools:
+    def __init__(self) -> None:
+        self.k = 10
+
+    @agl.operation
+    def add(self, a: int) -> int:
+        return self.k + a
+
+    @agl.operation(category="tool")
+    async def mul(self, a: int) -> int:
+        return self.k * a
+
+
+@agl.rollout
+async def method_agent(task: dict, prompt_template: agl.PromptTemplate) -> float:
+    tools = Tools()
+    return float(tools.add(1) + await tools.mul(2))
+
+
+async def test_operation_decorates_sync_and_async_methods() -> None:
+    """``@operation`` returns a function (0.3.0: ``functools.wraps``), so a method binds ``self``."""
+    store = agl.InMemoryLightningStore()
+    runner = agl.LitAgentRunner(agl.OtelTracer())
+    with runner.run_context(agent=method_agent, store=store):
+        done = await runner.step({}, resources=RESOURCES)
+    assert done.status == "succeeded"
+    spans = await store.query_spans(done.rollout_id)
+    add, mul = (s.attributes for s in spans if s.name == "agentlightning.operation")
+    assert add["agentlightning.operation.name"] == "add" and add["agentlightning.operation.input.a"] == 1
+    assert add["agentlightning.operation.output"] == 11
+    assert mul["category"] == "tool" and mul["agentlightning.operation.output"] == 20
+    assert agl.find_final_reward(spans) == 31.0
+    assert Tools.add.__name__ == "add" and Tools.add.__wrapped__.__qualname__ == "Tools.add"  # type: ignore[attr-defined]
