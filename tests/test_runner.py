@@ -191,3 +191,61 @@ async def test_operation_decorates_sync_and_async_methods() -> None:
     assert mul["category"] == "tool" and mul["agentlightning.operation.output"] == 20
     assert agl.find_final_reward(spans) == 31.0
     assert Tools.add.__name__ == "add" and Tools.add.__wrapped__.__qualname__ == "Tools.add"  # type: ignore[attr-defined]
+
+
+@agl.rollout
+def otel_spans_agent(task: dict, prompt_template: agl.PromptTemplate) -> list[Any]:
+    from opentelemetry.sdk.trace import TracerProvider
+
+    span = TracerProvider().get_tracer("mine").start_span("my.span", attributes={"k": 1})
+    span.end()
+    return [span]
+
+
+@agl.rollout
+def core_fields_agent(task: dict, prompt_template: agl.PromptTemplate) -> list[Any]:
+    return [agl.emit_object({"a": 1}, propagate=False), agl.emit_reward(0.3, propagate=False)]
+
+
+@agl.rollout
+def id_less_spans_agent(task: dict, prompt_template: agl.PromptTemplate) -> list[Any]:
+    reward = agl.emit_reward(0.4, propagate=False)
+    return [agl.Span.from_attributes(attributes=reward.attributes, name=reward.name)]
+
+
+@agl.rollout
+def mixed_agent(task: dict, prompt_template: agl.PromptTemplate) -> list[Any]:
+    return [agl.emit_reward(0.3, propagate=False), "not a span"]
+
+
+@pytest.mark.parametrize(
+    ("agent", "names", "reward"),
+    [
+        (otel_spans_agent, ["my.span"], None),
+        (core_fields_agent, ["agentlightning.object", "agentlightning.annotation"], 0.3),
+        (id_less_spans_agent, ["agentlightning.annotation"], 0.4),
+    ],
+)
+async def test_returned_spans_become_the_attempts_spans(agent: Any, names: list[str], reward: float | None) -> None:
+    """``list[ReadableSpan]``, ``list[SpanCoreFields]`` and ``list[Span]`` (``RolloutRawResult``, 0.3.0)
+    are stored as spans of the attempt, with its ids and the next sequence ids."""
+    store = agl.InMemoryLightningStore()
+    runner = agl.LitAgentRunner(agl.OtelTracer())
+    with runner.run_context(agent=agent, store=store):
+        done = await runner.step({}, resources=RESOURCES)
+    assert done.status == "succeeded"
+    spans = await store.query_spans(done.rollout_id)
+    assert [s.name for s in spans] == names
+    assert {(s.rollout_id, s.attempt_id) for s in spans} == {(done.rollout_id, done.attempt.attempt_id)}
+    assert [s.sequence_id for s in spans] == list(range(1, len(names) + 1))
+    assert agl.find_final_reward(spans) == reward
+
+
+async def test_a_returned_list_of_other_items_fails_the_attempt() -> None:
+    store = agl.InMemoryLightningStore()
+    runner = agl.LitAgentRunner(agl.OtelTracer())
+    with runner.run_context(agent=mixed_agent, store=store):
+        with pytest.raises(
+            ValueError, match="list of ReadableSpan, Span or SpanCoreFields, but got: SpanCoreFields, str"
+        ):
+            await runner.step({}, resources=RESOURCES)

@@ -26,6 +26,11 @@ Differences from 0.3.0, each deliberate:
       (``worker_name``); ``worker_id`` stays the index the Trainer passes, as in Agent-lightning;
     * with ``proxy_token`` set, every ``ProxyLLM`` handed to the agent carries it as ``api_key``
       (the LLM proxy's bearer token; it is never stored with the resources).
+    * returned spans (``list[ReadableSpan]``, ``list[SpanCoreFields]`` or ``list[Span]``) are stored
+      in one ``add_many_spans``; a ``Span`` made without ids (``Span.from_attributes``) gets this
+      attempt's ids and, as any span with ``sequence_id`` 0, the next sequence id (0.3.0 stores it
+      with empty ids); ``ReadableSpan``s the tracer already recorded are dropped as duplicates by
+      the store, so 0.3.0's warning about them is not logged.
 """
 
 from __future__ import annotations
@@ -37,10 +42,15 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
+from opentelemetry.sdk.trace import ReadableSpan
+
 from eventlight.agent import LitAgent
 from eventlight.core.types import STATUS_REASON, AttemptedRollout, RolloutConfig, Span
 from eventlight.credentials import check_bearer_token
 from eventlight.emitter import emit_exception, emit_reward
+from eventlight.otel import span_from_readable
+from eventlight.recording import SpanCoreFields
 from eventlight.runner.hooks import Hook
 from eventlight.runner.identity import system_snapshot, worker_name
 from eventlight.runner.metrics import RunnerMetrics
@@ -354,23 +364,35 @@ class LitAgentRunner:
         log.exception("%s agent raised", prefix)
 
     async def _post_process(self, rollout: AttemptedRollout, result: Any) -> list[Span]:
-        """Store spans the agent returned; return the attempt's spans for ``on_rollout_end``."""
+        """Store spans the agent returned; return the attempt's spans for ``on_rollout_end``.
+
+        Raises:
+            ValueError: A list holding something other than spans of one kind.
+            TypeError: A result that is neither ``None``, a number nor a list.
+        """
         if result is None:
             return self.tracer.get_last_trace()
         if isinstance(result, list):
             if not result:
                 log.warning("The rollout returns an empty list")
                 return []
-            if all(isinstance(s, Span) for s in result):
-                await self.get_store().add_many_spans(result)
-                return result
-            raise ValueError(
-                f"Invalid raw result type. It's expected to be a list of Span, but got: {type(result[0]).__name__}"
-            )
+            return await self._store_returned(_returned_spans(result, rollout))
         raise TypeError(
-            "Invalid raw result type. It's expected to be none, float, or a list of Span, "
+            "Invalid raw result type. It's expected to be none, float, or a list of ReadableSpan or Span, "
             f"but got: {type(result).__name__}"
         )
+
+    async def _store_returned(self, spans: list[Span]) -> list[Span]:
+        """Give the spans without a sequence id (``0``) the next ones of their attempt, and store them all."""
+        store = self.get_store()
+        unnumbered = [i for i, span in enumerate(spans) if span.sequence_id <= 0]
+        if unnumbered:
+            ids = await store.get_many_span_sequence_ids(
+                [(spans[i].rollout_id, spans[i].attempt_id) for i in unnumbered]
+            )
+            for i, sequence_id in zip(unnumbered, ids, strict=True):
+                spans[i] = msgspec.structs.replace(spans[i], sequence_id=sequence_id)
+        return await store.add_many_spans(spans)
 
     async def _finish(
         self,
@@ -411,3 +433,35 @@ class LitAgentRunner:
             else:
                 log.info("[%s | Rollout %s] recorded status %s late", self.get_worker_id(), rid, status)
             del self._unrecorded[(rid, aid)]
+
+
+def _returned_spans(result: list[Any], rollout: AttemptedRollout) -> list[Span]:
+    """The spans an agent returned, as ``Span``s of its attempt (``RolloutRawResult``, 0.3.0).
+
+    OpenTelemetry ``ReadableSpan``s and emitters' ``SpanCoreFields`` become spans of this attempt; a
+    ``Span`` keeps the ids it carries (0.3.0), and one made without them (``Span.from_attributes``)
+    gets this attempt's. A span without a sequence id gets one when stored.
+
+    Raises:
+        ValueError: The items are not all of one of these kinds.
+    """
+    rid, aid = rollout.rollout_id, rollout.attempt.attempt_id
+    if all(isinstance(s, Span) for s in result):
+        return [_with_ids(s, rid, aid) for s in result]
+    if all(isinstance(s, ReadableSpan) for s in result):
+        return [span_from_readable(s, rid, aid, 0) for s in result]
+    if all(isinstance(s, SpanCoreFields) for s in result):
+        return [Span.from_core_fields(s, rollout_id=rid, attempt_id=aid) for s in result]
+    kinds = ", ".join(type(s).__name__ for s in result[:10])
+    raise ValueError(
+        f"Invalid raw result type. It's expected to be a list of ReadableSpan, Span or SpanCoreFields, but got: {kinds}"
+    )
+
+
+def _with_ids(span: Span, rollout_id: str, attempt_id: str) -> Span:
+    """``span`` with this attempt's ids where it has none (a span of this rollout without an attempt gets this one)."""
+    if not span.rollout_id:
+        return msgspec.structs.replace(span, rollout_id=rollout_id, attempt_id=span.attempt_id or attempt_id)
+    if span.rollout_id == rollout_id and not span.attempt_id:
+        return msgspec.structs.replace(span, attempt_id=attempt_id)
+    return span
