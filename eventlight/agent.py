@@ -6,6 +6,11 @@ resources by parameter name and type: ``llm`` gets the first ``LLM`` resource (a
 resolved to this attempt's routed URL), ``prompt_template`` the first ``PromptTemplate``, and
 ``rollout`` the ``AttemptedRollout``. It may return ``None`` (rewards emitted with ``emit_reward``),
 a number (the runner records it as the final reward), or a list of spans.
+
+Differences from 0.3.0, each deliberate: a signature the runner could not call as
+``func(task, **resources)`` (a parameter without a default that nothing fills, a keyword-only
+``task``, a positional-only resource) is refused when decorated (``rollout``: ``NotImplementedError``,
+``llm_rollout``/``prompt_rollout``: ``ValueError``), where 0.3.0 accepts it and fails every rollout.
 """
 
 from __future__ import annotations
@@ -112,7 +117,10 @@ class FunctionalLitAgent(LitAgent[Any]):
         return self._func(*args, **kwargs)
 
     def __reduce__(self) -> Any:
-        return (_rebuild_functional, (self._func.__module__, self._func.__qualname__))
+        qualname = getattr(self._func, "__qualname__", None)
+        if qualname is None:  # a functools.partial: pickled by value
+            return (_functional_agent, (self._func, self._strip_proxy))
+        return (_rebuild_functional, (self._func.__module__, qualname))
 
     def is_async(self) -> bool:
         return self._is_async
@@ -132,13 +140,17 @@ class FunctionalLitAgent(LitAgent[Any]):
 
     def rollout(self, task: Any, resources: dict[str, Any], rollout: Rollout) -> Any:
         if self._is_async:
-            raise RuntimeError(f"{self._func.__name__} is asynchronous. Use rollout_async instead.")
+            raise RuntimeError(f"{_name(self._func)} is asynchronous. Use rollout_async instead.")
         return self._func(task, **self._kwargs(resources, rollout))
 
     async def rollout_async(self, task: Any, resources: dict[str, Any], rollout: Rollout) -> Any:
         if not self._is_async:
-            raise RuntimeError(f"{self._func.__name__} is synchronous. Use rollout instead.")
+            raise RuntimeError(f"{_name(self._func)} is synchronous. Use rollout instead.")
         return await self._func(task, **self._kwargs(resources, rollout))
+
+
+def _functional_agent(func: Callable[..., Any], strip_proxy: bool) -> FunctionalLitAgent:
+    return FunctionalLitAgent(func, strip_proxy=strip_proxy)
 
 
 def _rebuild_functional(module: str, qualname: str) -> Any:
@@ -150,14 +162,40 @@ def _rebuild_functional(module: str, qualname: str) -> Any:
     return obj
 
 
+_INJECTED = ("rollout", "llm", "prompt_template")
+
+
+def _name(func: Callable[..., Any]) -> str:
+    """How a message names ``func``: its qualified name, else (a ``functools.partial``, an object) its repr."""
+    return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+
+
 def _validate(func: Callable[..., Any], resource_param: str) -> None:
-    params = list(inspect.signature(func).parameters)
+    """Check that ``func`` can be called as the runner calls it: ``func(task, **resources)``.
+
+    The task goes first, positionally (the parameter must be named ``task``, as in 0.3.0), and
+    ``rollout``, ``llm`` and ``prompt_template`` by keyword where the signature names them.
+
+    Raises:
+        ValueError: It has no ``resource_param`` parameter, or cannot be called that way (a
+            parameter without a default that nothing fills, a keyword-only ``task``, a
+            positional-only resource).
+    """
+    sig = inspect.signature(func)
+    params = list(sig.parameters)
     if len(params) < 2:
-        raise ValueError(f"Function {func.__name__} must have at least 2 parameters.")
-    if params[0] != "task":
-        raise ValueError(f"Function {func.__name__} must have a positional parameter called 'task'.")
+        raise ValueError(f"Function {_name(func)} must have at least 2 parameters.")
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if params[0] != "task" or sig.parameters["task"].kind not in positional:
+        raise ValueError(f"Function {_name(func)} must have a positional parameter called 'task'.")
     if resource_param not in params:
-        raise ValueError(f"Function {func.__name__} must have a positional parameter called '{resource_param}'.")
+        raise ValueError(f"Function {_name(func)} must have a positional parameter called '{resource_param}'.")
+    injected = [name for name in _INJECTED if name in sig.parameters]
+    try:
+        sig.bind(None, **dict.fromkeys(injected))
+    except TypeError as e:
+        call = ", ".join(["task", *(f"{name}=..." for name in injected)])
+        raise ValueError(f"Function {_name(func)}{sig} cannot be called as ({call}): {e}.") from e
 
 
 def llm_rollout(func: Callable[..., Any] | None = None, *, strip_proxy: bool = True) -> Any:
@@ -183,16 +221,23 @@ def prompt_rollout(func: Callable[..., Any] | None = None) -> Any:
 def rollout(func: Callable[..., Any]) -> FunctionalLitAgent:
     """Make an agent from ``func(task, llm[, rollout])`` or ``func(task, prompt_template[, rollout])``.
 
+    ``func`` may be sync or async, a function or a ``functools.partial`` of one; other parameters
+    need defaults. A signature the runner could not call is refused here, not at every rollout.
+
     Raises:
-        NotImplementedError: The signature matches neither pattern.
+        NotImplementedError: The signature matches neither pattern, or the runner could not call it.
     """
+    reasons = []
     for param in ("llm", "prompt_template"):
         try:
             _validate(func, param)
-        except ValueError:
+        except ValueError as e:
+            if param in inspect.signature(func).parameters:
+                reasons.append(str(e))
             continue
         return FunctionalLitAgent(func)
     raise NotImplementedError(
         f"Function signature {inspect.signature(func)} does not match any known agent patterns. Expected "
         "signatures: (task, llm[, rollout]) or (task, prompt_template[, rollout]). Functions can be sync or async."
+        + "".join(f" {reason}" for reason in reasons)
     )

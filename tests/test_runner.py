@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import pickle
 from typing import Any
 
 import pytest
@@ -249,3 +251,40 @@ async def test_a_returned_list_of_other_items_fails_the_attempt() -> None:
             ValueError, match="list of ReadableSpan, Span or SpanCoreFields, but got: SpanCoreFields, str"
         ):
             await runner.step({}, resources=RESOURCES)
+
+
+def needs_foo(task: dict, prompt_template: agl.PromptTemplate, foo: float) -> float:
+    return foo
+
+
+def keyword_only_task(*, task: dict, prompt_template: agl.PromptTemplate) -> None: ...
+
+
+def positional_only(task: dict, prompt_template: agl.PromptTemplate, /) -> None: ...
+
+
+@pytest.mark.parametrize(
+    ("func", "why"),
+    [
+        (needs_foo, "missing a required argument: 'foo'"),
+        (keyword_only_task, "positional parameter called 'task'"),
+        (positional_only, "'prompt_template' parameter is positional only"),
+    ],
+)
+def test_rollout_refuses_signatures_the_runner_cannot_call(func: Any, why: str) -> None:
+    with pytest.raises(NotImplementedError, match=why):
+        agl.rollout(func)
+    with pytest.raises(ValueError, match=why):
+        agl.prompt_rollout(func)
+
+
+async def test_rollout_takes_a_partial() -> None:
+    agent = agl.rollout(functools.partial(needs_foo, foo=0.5))
+    assert pickle.loads(pickle.dumps(agent))({}, RESOURCES["prompt"]) == 0.5  # a runner process gets a copy
+    store = agl.InMemoryLightningStore()
+    runner = agl.LitAgentRunner(agl.OtelTracer())
+    with runner.run_context(agent=agent, store=store):
+        done = await runner.step({}, resources=RESOURCES)
+    assert agl.find_final_reward(await store.query_spans(done.rollout_id)) == 0.5
+    with pytest.raises(NotImplementedError, match="does not match"):
+        agl.rollout(functools.partial(needs_foo, {}))  # the task bound: no 'task' parameter left
