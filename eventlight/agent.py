@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
@@ -33,12 +34,28 @@ class LitAgent(Generic[T]):
     """Base class of agents. Override ``rollout`` (sync) or ``rollout_async``.
 
     ``training_rollout*`` runs for ``mode == "train"``; every other mode (``val``, ``test``, ``None``)
-    runs ``validation_rollout*``; both call ``rollout*`` by default.
+    runs ``validation_rollout*``; both call ``rollout*`` by default. The agent holds weak references
+    to its trainer and its runner (Agent-lightning 0.3.0).
+
+    Args:
+        trained_agents: Deprecated (a ``DeprecationWarning``, as in 0.3.0): configure ``agent_match``
+            in the adapter instead. Kept as ``self.trained_agents``.
     """
 
-    def __init__(self) -> None:
-        self._trainer_ref: Any = None
-        self._runner_ref: Any = None
+    trained_agents: str | None = None
+    _trainer_ref: Any = None  # class defaults: a subclass whose __init__ skips super().__init__() works
+    _runner_ref: Any = None
+
+    def __init__(self, *, trained_agents: str | None = None) -> None:
+        if trained_agents is not None:
+            warnings.warn(
+                "`trained_agents` is deprecated. Configure `agent_match` in adapter instead.",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        self.trained_agents = trained_agents
+        self._trainer_ref = None
+        self._runner_ref = None
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled without the trainer and runner (weak references): runner processes set their own."""
@@ -50,21 +67,62 @@ class LitAgent(Generic[T]):
         self._trainer_ref = weakref.ref(trainer)
 
     def get_trainer(self) -> Any:
-        if self._trainer_ref is None or self._trainer_ref() is None:
-            raise ValueError("Trainer has not been set for this agent.")
-        return self._trainer_ref()
+        """The trainer this agent was given (``set_trainer``).
+
+        Raises:
+            ValueError: None was set, or it has been garbage collected.
+        """
+        return _deref(self._trainer_ref, "Trainer")
+
+    @property
+    def trainer(self) -> Any:
+        """``get_trainer()``."""
+        return self.get_trainer()
 
     def set_runner(self, runner: Any) -> None:
         self._runner_ref = weakref.ref(runner)
 
     def get_runner(self) -> Any:
-        if self._runner_ref is None or self._runner_ref() is None:
-            raise ValueError("Runner has not been set for this agent.")
-        return self._runner_ref()
+        """The runner running this agent (``set_runner``; ``LitAgentRunner.init`` sets it).
+
+        Raises:
+            ValueError: None was set, or it has been garbage collected.
+        """
+        return _deref(self._runner_ref, "Runner")
+
+    @property
+    def runner(self) -> Any:
+        """``get_runner()``."""
+        return self.get_runner()
+
+    def get_tracer(self) -> Any:
+        """The runner's tracer, else (a runner without one) the trainer's (0.3.0).
+
+        Raises:
+            ValueError: No runner was set (0.3.0 does not fall back to the trainer then either).
+        """
+        runner = self.get_runner()
+        return runner.tracer if hasattr(runner, "tracer") else self.get_trainer().tracer
 
     @property
     def tracer(self) -> Any:
-        return self.get_runner().tracer
+        """``get_tracer()``."""
+        return self.get_tracer()
+
+    def on_rollout_start(self, task: Any, runner: Any, tracer: Any) -> None:
+        """Called by the runner before each attempt, before the tracer starts; a no-op by default.
+
+        Deprecated (0.3.0): implement ``Hook.on_rollout_start`` instead. 0.3.0's ``LitAgentRunner``
+        never calls it (only the 0.1 runner did); eventlight's does, as the docs say. An exception is
+        logged, not raised.
+        """
+
+    def on_rollout_end(self, task: Any, rollout: Rollout, runner: Any, tracer: Any) -> None:
+        """Called by the runner after each attempt, before its status is recorded; a no-op by default.
+
+        Deprecated (0.3.0): implement ``Hook.on_rollout_end`` instead. 0.3.0's ``LitAgentRunner``
+        never calls it; eventlight's does, as the docs say. An exception is logged, not raised.
+        """
 
     def is_async(self) -> bool:
         """True when a ``*_async`` method is overridden."""
@@ -91,6 +149,15 @@ class LitAgent(Generic[T]):
 
     async def validation_rollout_async(self, task: T, resources: dict[str, Any], rollout: Rollout) -> Any:
         return await self.rollout_async(task, resources=resources, rollout=rollout)
+
+
+def _deref(ref: Any, what: str) -> Any:
+    if ref is None:
+        raise ValueError(f"{what} has not been set for this agent.")
+    target = ref()
+    if target is None:
+        raise ValueError(f"{what} reference is no longer valid (object has been garbage collected).")
+    return target
 
 
 def _first(resources: dict[str, Any], kind: type, what: str) -> Any:

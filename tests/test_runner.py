@@ -288,3 +288,47 @@ async def test_rollout_takes_a_partial() -> None:
     assert agl.find_final_reward(await store.query_spans(done.rollout_id)) == 0.5
     with pytest.raises(NotImplementedError, match="does not match"):
         agl.rollout(functools.partial(needs_foo, {}))  # the task bound: no 'task' parameter left
+
+
+class LegacyHooksAgent(agl.LitAgent[dict]):
+    def __init__(self, *, fail_end: bool = False) -> None:
+        super().__init__()
+        self.fail_end = fail_end
+        self.calls: list[str] = []
+
+    def on_rollout_start(self, task: dict, runner: Any, tracer: Any) -> None:
+        self.calls.append(f"start {task['score']} {runner is self.runner} {tracer is self.get_tracer()}")
+
+    def on_rollout_end(self, task: dict, rollout: agl.Rollout, runner: Any, tracer: Any) -> None:
+        self.calls.append(f"end {rollout.status} {runner is self.runner}")
+        if self.fail_end:
+            raise RuntimeError("a broken hook")
+
+    def rollout(self, task: dict, resources: agl.NamedResources, rollout: agl.Rollout) -> float:
+        self.calls.append("rollout")
+        return float(task["score"])
+
+
+async def test_litagent_has_the_members_of_the_agent_reference() -> None:
+    """``trained_agents`` (deprecated), ``runner``/``trainer``/``tracer``, ``get_tracer()`` and the
+    deprecated ``on_rollout_start``/``on_rollout_end``, which the runner calls around each attempt."""
+    with pytest.deprecated_call(match="agent_match"):
+        assert agl.LitAgent(trained_agents="x").trained_agents == "x"
+    agent = LegacyHooksAgent()
+    with pytest.raises(ValueError, match="Runner has not been set"):
+        agent.get_tracer()
+    with pytest.raises(ValueError, match="Trainer has not been set"):
+        _ = agent.trainer
+    store = agl.InMemoryLightningStore()
+    runner = agl.LitAgentRunner(agl.OtelTracer())
+    hooks = Recorder()
+    with runner.run_context(agent=agent, store=store, hooks=[hooks]):
+        assert agent.runner is runner and agent.get_tracer() is runner.tracer and agent.tracer is runner.tracer
+        done = await runner.step({"score": 0.5}, resources=RESOURCES)
+    assert done.status == "succeeded"
+    assert agent.calls == ["start 0.5 True True", "rollout", "end preparing True"]
+    assert hooks.calls == ["rollout_start", "trace_start", "trace_end", "rollout_end:1"]
+    failing_hook = LegacyHooksAgent(fail_end=True)
+    with runner.run_context(agent=failing_hook, store=store):
+        done = await runner.step({"score": 0.5}, resources=RESOURCES)
+    assert done.status == "succeeded" and failing_hook.calls[-1] == "end preparing True"  # logged, not raised

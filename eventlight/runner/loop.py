@@ -1,10 +1,11 @@
 """``LitAgentRunner``: a queue consumer that runs an agent on each rollout it claims.
 
 One attempt, in order (Agent-lightning ``LitAgentRunner._step_impl``): resolve the rollout's
-resources, call hooks ``on_rollout_start``, enter the tracer's ``trace_context`` (spans stream to
-the store while the agent runs), ``on_trace_start``, run the agent (``training_rollout*`` when
-``mode == "train"``, else ``validation_rollout*``), ``on_trace_end``, record a returned reward or
-spans, ``on_rollout_end``, then ``update_attempt(status="succeeded" | "failed")``.
+resources, call hooks ``on_rollout_start`` (then the agent's own), enter the tracer's
+``trace_context`` (spans stream to the store while the agent runs), ``on_trace_start``, run the
+agent (``training_rollout*`` when ``mode == "train"``, else ``validation_rollout*``),
+``on_trace_end``, record a returned reward or spans, ``on_rollout_end`` (the agent's own, then the
+hooks'), then ``update_attempt(status="succeeded" | "failed")``.
 
 Differences from 0.3.0, each deliberate:
     * missing resources fail the attempt with a clear reason instead of leaving it ``preparing``;
@@ -26,6 +27,9 @@ Differences from 0.3.0, each deliberate:
       (``worker_name``); ``worker_id`` stays the index the Trainer passes, as in Agent-lightning;
     * with ``proxy_token`` set, every ``ProxyLLM`` handed to the agent carries it as ``api_key``
       (the LLM proxy's bearer token; it is never stored with the resources).
+    * an agent that overrides ``LitAgent``'s deprecated ``on_rollout_start``/``on_rollout_end``
+      has them called around each attempt, as the agent reference says (0.3.0's runner never calls
+      them); an exception in one is logged;
     * returned spans (``list[ReadableSpan]``, ``list[SpanCoreFields]`` or ``list[Span]``) are stored
       in one ``add_many_spans``; a ``Span`` made without ids (``Span.from_attributes``) gets this
       attempt's ids and, as any span with ``sequence_id`` 0, the next sequence id (0.3.0 stores it
@@ -259,6 +263,19 @@ class LitAgentRunner:
             except Exception:
                 log.exception("Exception during %s hook %r", name, hook)
 
+    async def _agent_hook(self, agent: LitAgent[Any], name: str, *args: Any) -> None:
+        """The agent's own deprecated ``on_rollout_start``/``on_rollout_end``, when it overrides them."""
+        if getattr(type(agent), name, None) is getattr(LitAgent, name):
+            return
+        method = getattr(agent, name)
+        try:
+            if self.sync_agent_in_thread:
+                await asyncio.to_thread(method, *args)
+            else:
+                method(*args)
+        except Exception:
+            log.exception("Exception during the agent's %s", name)
+
     async def _resources(self, rollout: AttemptedRollout) -> dict[str, Any]:
         store = self.get_store()
         if _reads_resources_with_claims(store):
@@ -310,6 +327,7 @@ class LitAgentRunner:
             rollout = await apply_rollout_config(self.get_store(), rollout, self.rollout_config)
             resources = await self._resources(rollout)
             await self._hook("on_rollout_start", agent=agent, runner=self, rollout=rollout)
+            await self._agent_hook(agent, "on_rollout_start", rollout.input, self, self.tracer)
             async with self.tracer.trace_context(name=rid, rollout_id=rid, attempt_id=aid):
                 await self._hook("on_trace_start", agent=agent, runner=self, tracer=self.tracer, rollout=rollout)
                 try:
@@ -329,6 +347,7 @@ class LitAgentRunner:
                 reason += f" (the store refused: {refusal})" if refusal else ""
                 reason = reason[:_REASON_CHARS]
                 log.error("%s %s", prefix, reason)
+                await self._agent_hook(agent, "on_rollout_end", rollout.input, rollout, self, self.tracer)
                 await self._hook("on_rollout_end", agent=agent, runner=self, rollout=rollout, spans=[])
                 await self._finish(rid, aid, "failed", prefix, reason=reason, rollout=rollout)
                 return "failed"
@@ -345,6 +364,7 @@ class LitAgentRunner:
             if raise_on_exception:
                 await self._finish(rid, aid, "failed", prefix, reason=reason, rollout=rollout)
                 raise
+        await self._agent_hook(agent, "on_rollout_end", rollout.input, rollout, self, self.tracer)
         await self._hook("on_rollout_end", agent=agent, runner=self, rollout=rollout, spans=spans)
         await self._finish(rid, aid, status, prefix, reason=reason, rollout=rollout)
         return status
