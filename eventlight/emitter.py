@@ -13,6 +13,7 @@ import base64
 import functools
 import inspect
 import json
+import numbers
 import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
@@ -86,11 +87,14 @@ def _attributes(attributes: dict[str, Any] | None) -> dict[str, Any]:
 def emit_annotation(annotation: dict[str, Any], propagate: bool = True) -> SpanCoreFields:
     """Record an ``agentlightning.annotation`` span carrying ``annotation`` (flattened).
 
+    An empty list is kept as an empty-list attribute (``{"tags": []}`` records ``tags = []``;
+    OpenTelemetry allows empty arrays), where Agent-lightning 0.3.0's flattening drops the key.
+
     Raises:
         ValueError: A value is not a str/int/float/bool or a homogeneous list of them.
         RuntimeError: No active tracer and ``propagate=True``.
     """
-    flat = flatten_attributes(annotation)
+    flat = {k: [] if v is _EMPTY_LIST else v for k, v in flatten_attributes(_mark_empty_lists(annotation)).items()}
     for key, value in flat.items():
         ok = isinstance(value, (str, bool, int, float)) or (
             isinstance(value, list)
@@ -104,6 +108,18 @@ def emit_annotation(annotation: dict[str, Any], propagate: bool = True) -> SpanC
     )
 
 
+_EMPTY_LIST = object()
+
+
+def _mark_empty_lists(value: Any) -> Any:
+    """``value`` with each empty list or tuple replaced by a marker that flattening keeps as a leaf."""
+    if isinstance(value, dict):
+        return {k: _mark_empty_lists(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_mark_empty_lists(v) for v in value] if value else _EMPTY_LIST
+    return value
+
+
 def emit_reward(
     reward: float | dict[str, float],
     *,
@@ -112,6 +128,9 @@ def emit_reward(
     propagate: bool = True,
 ) -> SpanCoreFields:
     """Record a reward (a scalar, or several named dimensions with ``primary_key`` first).
+
+    A reward is any real number (``numbers.Real``: ``int``, ``float``, ``bool``, ``fractions.Fraction``,
+    ``numpy.float32``, ...), recorded as a ``float``; 0.3.0 takes only ``int``, ``float`` and ``bool``.
 
     Raises:
         TypeError: A scalar reward that is not a number.
@@ -123,12 +142,12 @@ def emit_reward(
         if primary_key not in reward:
             raise ValueError(f"primary_key {primary_key!r} is not one of the reward's keys {list(reward)}")
         for key, value in reward.items():
-            if not isinstance(value, (int, float)):
+            if not isinstance(value, numbers.Real):
                 raise ValueError(f"Reward value must be a number, got: {value!r} for key {key}")
         order = [primary_key] + [k for k in reward if k != primary_key]
         dims = [{"name": k, "value": float(reward[k])} for k in order]
     else:
-        if not isinstance(reward, (int, float)):
+        if not isinstance(reward, numbers.Real):
             raise TypeError(f"Reward must be a number, got: {type(reward).__name__}")
         dims = [{"name": "primary", "value": float(reward)}]
     return emit_annotation({AGL_REWARD: dims, **(attributes or {})}, propagate=propagate)
@@ -352,7 +371,7 @@ def reward(fn: _Fn) -> _Fn:
 
     def record(value: Any) -> Any:
         if value is not None:
-            emit_reward(float(value) if isinstance(value, (int, float)) else value)
+            emit_reward(float(value) if isinstance(value, numbers.Real) else value)
         return value
 
     if inspect.iscoroutinefunction(fn):

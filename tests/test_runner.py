@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import fractions
 import functools
 import pickle
 from typing import Any
@@ -332,3 +333,29 @@ async def test_litagent_has_the_members_of_the_agent_reference() -> None:
     with runner.run_context(agent=failing_hook, store=store):
         done = await runner.step({"score": 0.5}, resources=RESOURCES)
     assert done.status == "succeeded" and failing_hook.calls[-1] == "end preparing True"  # logged, not raised
+
+
+def test_emit_reward_takes_any_real_number() -> None:
+    np = pytest.importorskip("numpy")
+    for value in (np.float32(0.5), np.int64(1), fractions.Fraction(1, 2), True):
+        recorded = agl.emit_reward(value, propagate=False).attributes["agentlightning.reward.0.value"]
+        assert type(recorded) is float and recorded == float(value)
+    dims = agl.emit_reward({"a": np.float32(0.25), "b": np.int64(2)}, primary_key="a", propagate=False).attributes
+    assert dims["agentlightning.reward.0.value"] == 0.25 and dims["agentlightning.reward.1.value"] == 2.0
+
+
+@agl.rollout
+def numpy_agent(task: dict, prompt_template: agl.PromptTemplate) -> Any:
+    agl.emit_annotation({"tags": [], "nested": {"none": []}, "kept": 1})
+    return pytest.importorskip("numpy").float32(0.25)
+
+
+async def test_a_numpy_reward_and_an_empty_annotation_list_are_recorded() -> None:
+    store = agl.InMemoryLightningStore()
+    runner = agl.LitAgentRunner(agl.OtelTracer())
+    with runner.run_context(agent=numpy_agent, store=store):
+        done = await runner.step({}, resources=RESOURCES)
+    assert done.status == "succeeded"
+    annotation, reward = await store.query_spans(done.rollout_id)
+    assert annotation.attributes == {"tags": [], "nested.none": [], "kept": 1}
+    assert agl.find_final_reward([reward]) == 0.25

@@ -30,6 +30,9 @@ Differences from 0.3.0, each deliberate:
     * an agent that overrides ``LitAgent``'s deprecated ``on_rollout_start``/``on_rollout_end``
       has them called around each attempt, as the agent reference says (0.3.0's runner never calls
       them); an exception in one is logged;
+    * any real number returned (``numbers.Real``: ``numpy.float32``, ``fractions.Fraction``) is the
+      final reward, as a ``float``; 0.3.0 takes ``int``, ``float`` and ``bool`` and fails the attempt
+      with ``TypeError`` for the others;
     * returned spans (``list[ReadableSpan]``, ``list[SpanCoreFields]`` or ``list[Span]``) are stored
       in one ``add_many_spans``; a ``Span`` made without ids (``Span.from_attributes``) gets this
       attempt's ids and, as any span with ``sequence_id`` 0, the next sequence id (0.3.0 stores it
@@ -42,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import numbers
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -337,7 +341,7 @@ class LitAgentRunner:
                         emit_exception(exc)
                     raise
                 await self._hook("on_trace_end", agent=agent, runner=self, tracer=self.tracer, rollout=rollout)
-                if isinstance(result, (bool, int, float)):
+                if isinstance(result, numbers.Real):  # numpy.float32 too (0.3.0: int, float, bool only)
                     emit_reward(float(result))
                     result = None
             lost = self.tracer.undelivered_spans()
