@@ -13,6 +13,7 @@ import base64
 import functools
 import inspect
 import json
+import numbers
 import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
@@ -54,6 +55,8 @@ AGL_EXCEPTION = "agentlightning.exception"
 AGL_OPERATION = "agentlightning.operation"
 AGL_REWARD = "agentlightning.reward"
 
+_Fn = TypeVar("_Fn", bound=Callable[..., Any])
+
 
 def _tracer(propagate: bool, what: str) -> Tracer:
     if not propagate:
@@ -84,11 +87,14 @@ def _attributes(attributes: dict[str, Any] | None) -> dict[str, Any]:
 def emit_annotation(annotation: dict[str, Any], propagate: bool = True) -> SpanCoreFields:
     """Record an ``agentlightning.annotation`` span carrying ``annotation`` (flattened).
 
+    An empty list is kept as an empty-list attribute (``{"tags": []}`` records ``tags = []``;
+    OpenTelemetry allows empty arrays), where Agent-lightning 0.3.0's flattening drops the key.
+
     Raises:
         ValueError: A value is not a str/int/float/bool or a homogeneous list of them.
         RuntimeError: No active tracer and ``propagate=True``.
     """
-    flat = flatten_attributes(annotation)
+    flat = {k: [] if v is _EMPTY_LIST else v for k, v in flatten_attributes(_mark_empty_lists(annotation)).items()}
     for key, value in flat.items():
         ok = isinstance(value, (str, bool, int, float)) or (
             isinstance(value, list)
@@ -102,6 +108,18 @@ def emit_annotation(annotation: dict[str, Any], propagate: bool = True) -> SpanC
     )
 
 
+_EMPTY_LIST = object()
+
+
+def _mark_empty_lists(value: Any) -> Any:
+    """``value`` with each empty list or tuple replaced by a marker that flattening keeps as a leaf."""
+    if isinstance(value, dict):
+        return {k: _mark_empty_lists(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_mark_empty_lists(v) for v in value] if value else _EMPTY_LIST
+    return value
+
+
 def emit_reward(
     reward: float | dict[str, float],
     *,
@@ -110,6 +128,9 @@ def emit_reward(
     propagate: bool = True,
 ) -> SpanCoreFields:
     """Record a reward (a scalar, or several named dimensions with ``primary_key`` first).
+
+    A reward is any real number (``numbers.Real``: ``int``, ``float``, ``bool``, ``fractions.Fraction``,
+    ``numpy.float32``, ...), recorded as a ``float``; 0.3.0 takes only ``int``, ``float`` and ``bool``.
 
     Raises:
         TypeError: A scalar reward that is not a number.
@@ -121,12 +142,12 @@ def emit_reward(
         if primary_key not in reward:
             raise ValueError(f"primary_key {primary_key!r} is not one of the reward's keys {list(reward)}")
         for key, value in reward.items():
-            if not isinstance(value, (int, float)):
+            if not isinstance(value, numbers.Real):
                 raise ValueError(f"Reward value must be a number, got: {value!r} for key {key}")
         order = [primary_key] + [k for k in reward if k != primary_key]
         dims = [{"name": k, "value": float(reward[k])} for k in order]
     else:
-        if not isinstance(reward, (int, float)):
+        if not isinstance(reward, numbers.Real):
             raise TypeError(f"Reward must be a number, got: {type(reward).__name__}")
         dims = [{"name": "primary", "value": float(reward)}]
     return emit_annotation({AGL_REWARD: dims, **(attributes or {})}, propagate=propagate)
@@ -190,31 +211,20 @@ def emit_exception(exception: BaseException, attributes: dict[str, Any] | None =
     _tracer(propagate, "exception").create_span(AGL_EXCEPTION, attributes=attrs, status=TraceStatus(status_code="OK"))
 
 
-class operation:  # noqa: N801 - Agent-lightning's public name
-    """Record an ``agentlightning.operation`` span, as a decorator or a context manager.
+class OperationContext:
+    """An ``agentlightning.operation`` span as a context manager (Agent-lightning 0.3.0's
+    ``agentlightning.emitter.annotation.OperationContext``); calling it on a function decorates it.
 
     Unlike Agent-lightning 0.3.0, the tracer is looked up when the operation runs, not when the
     decorator is applied, so a module-level ``@operation`` works (``seed_runtime.md`` §8 #29).
     """
 
-    def __init__(
-        self,
-        fn: Callable[..., Any] | None = None,
-        *,
-        propagate: bool = True,
-        name: str | None = None,
-        **attributes: Any,
-    ):
-        if fn is not None and not callable(fn):
-            raise ValueError("operation() takes a function; custom span names are not supported")
-        self.fn = fn
+    def __init__(self, *, propagate: bool = True, name: str | None = None, attributes: dict[str, Any] | None = None):
         self.propagate = propagate
         self.name = name
-        self.attributes = flatten_attributes(attributes)
+        self.attributes = flatten_attributes(attributes or {})
         self._cm: Any = None
         self._rec: Any = None
-        if fn is not None:
-            functools.update_wrapper(self, fn)
 
     def _attrs(self, default_name: str | None) -> dict[str, Any]:
         attrs = dict(self.attributes)
@@ -223,27 +233,35 @@ class operation:  # noqa: N801 - Agent-lightning's public name
             attrs["agentlightning.operation.name"] = op_name
         return attrs
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.fn is None:  # used as @operation(...): wrap the function it is given
-            return operation(args[0], propagate=self.propagate, name=self.name, **self.attributes)
-        fn = self.fn
+    def __call__(self, fn: _Fn) -> _Fn:
+        """Wrap ``fn`` (sync or async) so that each call records a span with its inputs and output.
+
+        The wrapper is a plain function (``functools.wraps``), so a decorated method binds ``self``
+        as any method does.
+        """
         if inspect.iscoroutinefunction(fn):
 
-            async def run_async() -> Any:
+            @functools.wraps(fn)
+            async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
                 with self._span(fn, args, kwargs) as rec:
                     result = await fn(*args, **kwargs)
                     rec.record_attributes(_io("output", result))
                     return result
 
-            return run_async()
-        with self._span(fn, args, kwargs) as rec:
-            result = fn(*args, **kwargs)
-            rec.record_attributes(_io("output", result))
-            return result
+            return cast(_Fn, async_wrapper)
+
+        @functools.wraps(fn)
+        def sync_wrapper(*args: Any, **kwargs: Any) -> Any:
+            with self._span(fn, args, kwargs) as rec:
+                result = fn(*args, **kwargs)
+                rec.record_attributes(_io("output", result))
+                return result
+
+        return cast(_Fn, sync_wrapper)
 
     def _span(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         tracer = _tracer(self.propagate, "operation")
-        attrs = self._attrs(fn.__name__)
+        attrs = self._attrs(getattr(fn, "__name__", type(fn).__name__))
         try:
             bound = inspect.signature(fn).bind(*args, **kwargs)
             bound.apply_defaults()
@@ -254,7 +272,7 @@ class operation:  # noqa: N801 - Agent-lightning's public name
             return _DummyOperation(AGL_OPERATION, attrs)
         return tracer.operation_context(AGL_OPERATION, attrs)
 
-    def __enter__(self) -> Any:
+    def __enter__(self) -> OperationContext:
         tracer = _tracer(self.propagate, "operation")
         attrs = self._attrs(None)
         self._cm = (
@@ -287,6 +305,37 @@ class operation:  # noqa: N801 - Agent-lightning's public name
         return recorded
 
 
+def operation(
+    fn: Callable[..., Any] | None = None,
+    *,
+    propagate: bool = True,
+    name: str | None = None,
+    **attributes: Any,
+) -> Any:
+    """Record an ``agentlightning.operation`` span, as a decorator or a context manager.
+
+    ``@operation`` and ``@operation(name=..., **attributes)`` return the decorated function itself
+    wrapped with ``functools.wraps`` (as in Agent-lightning 0.3.0), so methods, static methods and
+    class methods work; ``with operation(**attributes) as op:`` gives an ``OperationContext``.
+
+    Args:
+        fn: The function (sync or async) to decorate; ``None`` for the other forms.
+        propagate: ``False``: record with a ``DummyTracer`` (nothing is exported).
+        name: Stored as ``agentlightning.operation.name`` (default for a decorator: the function's name).
+        **attributes: Span attributes (flattened).
+
+    Returns:
+        The wrapped function, or an ``OperationContext``.
+
+    Raises:
+        ValueError: ``fn`` is not callable (custom span names are not supported).
+    """
+    if fn is not None and not callable(fn):
+        raise ValueError("operation() takes a function; custom span names are not supported")
+    context = OperationContext(propagate=propagate, name=name, attributes=attributes)
+    return context(fn) if fn is not None else context
+
+
 def _io(kind: str, value: Any) -> dict[str, Any]:
     prefix = f"agentlightning.operation.{kind}"
     flat = flatten_attributes({prefix: value}) if isinstance(value, (dict, list)) else {prefix: value}
@@ -315,9 +364,6 @@ class _DummyOperation:
         return self.done
 
 
-_Fn = TypeVar("_Fn", bound=Callable[..., Any])
-
-
 def reward(fn: _Fn) -> _Fn:
     """Decorate a reward function (sync or async) so that each number it returns is also recorded
     with ``emit_reward`` (Agent-lightning 0.3.0's deprecated ``agentlightning.emitter.reward``);
@@ -325,7 +371,7 @@ def reward(fn: _Fn) -> _Fn:
 
     def record(value: Any) -> Any:
         if value is not None:
-            emit_reward(float(value) if isinstance(value, (int, float)) else value)
+            emit_reward(float(value) if isinstance(value, numbers.Real) else value)
         return value
 
     if inspect.iscoroutinefunction(fn):

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import fractions
+import functools
+import pickle
 from typing import Any
 
 import pytest
@@ -156,3 +159,203 @@ def test_rollout_decorator_checks_the_signature() -> None:
         def bad(question: str, llm: agl.LLM) -> None: ...
 
     assert returning_agent({"score": 0.5}, agl.PromptTemplate(template="x")) == 0.5
+
+
+class Tools:
+    def __init__(self) -> None:
+        self.k = 10
+
+    @agl.operation
+    def add(self, a: int) -> int:
+        return self.k + a
+
+    @agl.operation(category="tool")
+    async def mul(self, a: int) -> int:
+        return self.k * a
+
+
+@agl.rollout
+async def method_agent(task: dict, prompt_template: agl.PromptTemplate) -> float:
+    tools = Tools()
+    return float(tools.add(1) + await tools.mul(2))
+
+
+async def test_operation_decorates_sync_and_async_methods() -> None:
+    """``@operation`` returns a function (0.3.0: ``functools.wraps``), so a method binds ``self``."""
+    store = agl.InMemoryLightningStore()
+    runner = agl.LitAgentRunner(agl.OtelTracer())
+    with runner.run_context(agent=method_agent, store=store):
+        done = await runner.step({}, resources=RESOURCES)
+    assert done.status == "succeeded"
+    spans = await store.query_spans(done.rollout_id)
+    add, mul = (s.attributes for s in spans if s.name == "agentlightning.operation")
+    assert add["agentlightning.operation.name"] == "add" and add["agentlightning.operation.input.a"] == 1
+    assert add["agentlightning.operation.output"] == 11
+    assert mul["category"] == "tool" and mul["agentlightning.operation.output"] == 20
+    assert agl.find_final_reward(spans) == 31.0
+    assert Tools.add.__name__ == "add" and Tools.add.__wrapped__.__qualname__ == "Tools.add"  # type: ignore[attr-defined]
+
+
+@agl.rollout
+def otel_spans_agent(task: dict, prompt_template: agl.PromptTemplate) -> list[Any]:
+    from opentelemetry.sdk.trace import TracerProvider
+
+    span = TracerProvider().get_tracer("mine").start_span("my.span", attributes={"k": 1})
+    span.end()
+    return [span]
+
+
+@agl.rollout
+def core_fields_agent(task: dict, prompt_template: agl.PromptTemplate) -> list[Any]:
+    return [agl.emit_object({"a": 1}, propagate=False), agl.emit_reward(0.3, propagate=False)]
+
+
+@agl.rollout
+def id_less_spans_agent(task: dict, prompt_template: agl.PromptTemplate) -> list[Any]:
+    reward = agl.emit_reward(0.4, propagate=False)
+    return [agl.Span.from_attributes(attributes=reward.attributes, name=reward.name)]
+
+
+@agl.rollout
+def mixed_agent(task: dict, prompt_template: agl.PromptTemplate) -> list[Any]:
+    return [agl.emit_reward(0.3, propagate=False), "not a span"]
+
+
+@pytest.mark.parametrize(
+    ("agent", "names", "reward"),
+    [
+        (otel_spans_agent, ["my.span"], None),
+        (core_fields_agent, ["agentlightning.object", "agentlightning.annotation"], 0.3),
+        (id_less_spans_agent, ["agentlightning.annotation"], 0.4),
+    ],
+)
+async def test_returned_spans_become_the_attempts_spans(agent: Any, names: list[str], reward: float | None) -> None:
+    """``list[ReadableSpan]``, ``list[SpanCoreFields]`` and ``list[Span]`` (``RolloutRawResult``, 0.3.0)
+    are stored as spans of the attempt, with its ids and the next sequence ids."""
+    store = agl.InMemoryLightningStore()
+    runner = agl.LitAgentRunner(agl.OtelTracer())
+    with runner.run_context(agent=agent, store=store):
+        done = await runner.step({}, resources=RESOURCES)
+    assert done.status == "succeeded"
+    spans = await store.query_spans(done.rollout_id)
+    assert [s.name for s in spans] == names
+    assert {(s.rollout_id, s.attempt_id) for s in spans} == {(done.rollout_id, done.attempt.attempt_id)}
+    assert [s.sequence_id for s in spans] == list(range(1, len(names) + 1))
+    assert agl.find_final_reward(spans) == reward
+
+
+async def test_a_returned_list_of_other_items_fails_the_attempt() -> None:
+    store = agl.InMemoryLightningStore()
+    runner = agl.LitAgentRunner(agl.OtelTracer())
+    with runner.run_context(agent=mixed_agent, store=store):
+        with pytest.raises(
+            ValueError, match="list of ReadableSpan, Span or SpanCoreFields, but got: SpanCoreFields, str"
+        ):
+            await runner.step({}, resources=RESOURCES)
+
+
+def needs_foo(task: dict, prompt_template: agl.PromptTemplate, foo: float) -> float:
+    return foo
+
+
+def keyword_only_task(*, task: dict, prompt_template: agl.PromptTemplate) -> None: ...
+
+
+def positional_only(task: dict, prompt_template: agl.PromptTemplate, /) -> None: ...
+
+
+@pytest.mark.parametrize(
+    ("func", "why"),
+    [
+        (needs_foo, "missing a required argument: 'foo'"),
+        (keyword_only_task, "positional parameter called 'task'"),
+        (positional_only, "'prompt_template' parameter is positional only"),
+    ],
+)
+def test_rollout_refuses_signatures_the_runner_cannot_call(func: Any, why: str) -> None:
+    with pytest.raises(NotImplementedError, match=why):
+        agl.rollout(func)
+    with pytest.raises(ValueError, match=why):
+        agl.prompt_rollout(func)
+
+
+async def test_rollout_takes_a_partial() -> None:
+    agent = agl.rollout(functools.partial(needs_foo, foo=0.5))
+    assert pickle.loads(pickle.dumps(agent))({}, RESOURCES["prompt"]) == 0.5  # a runner process gets a copy
+    store = agl.InMemoryLightningStore()
+    runner = agl.LitAgentRunner(agl.OtelTracer())
+    with runner.run_context(agent=agent, store=store):
+        done = await runner.step({}, resources=RESOURCES)
+    assert agl.find_final_reward(await store.query_spans(done.rollout_id)) == 0.5
+    with pytest.raises(NotImplementedError, match="does not match"):
+        agl.rollout(functools.partial(needs_foo, {}))  # the task bound: no 'task' parameter left
+
+
+class LegacyHooksAgent(agl.LitAgent[dict]):
+    def __init__(self, *, fail_end: bool = False) -> None:
+        super().__init__()
+        self.fail_end = fail_end
+        self.calls: list[str] = []
+
+    def on_rollout_start(self, task: dict, runner: Any, tracer: Any) -> None:
+        self.calls.append(f"start {task['score']} {runner is self.runner} {tracer is self.get_tracer()}")
+
+    def on_rollout_end(self, task: dict, rollout: agl.Rollout, runner: Any, tracer: Any) -> None:
+        self.calls.append(f"end {rollout.status} {runner is self.runner}")
+        if self.fail_end:
+            raise RuntimeError("a broken hook")
+
+    def rollout(self, task: dict, resources: agl.NamedResources, rollout: agl.Rollout) -> float:
+        self.calls.append("rollout")
+        return float(task["score"])
+
+
+async def test_litagent_has_the_members_of_the_agent_reference() -> None:
+    """``trained_agents`` (deprecated), ``runner``/``trainer``/``tracer``, ``get_tracer()`` and the
+    deprecated ``on_rollout_start``/``on_rollout_end``, which the runner calls around each attempt."""
+    with pytest.deprecated_call(match="agent_match"):
+        assert agl.LitAgent(trained_agents="x").trained_agents == "x"
+    agent = LegacyHooksAgent()
+    with pytest.raises(ValueError, match="Runner has not been set"):
+        agent.get_tracer()
+    with pytest.raises(ValueError, match="Trainer has not been set"):
+        _ = agent.trainer
+    store = agl.InMemoryLightningStore()
+    runner = agl.LitAgentRunner(agl.OtelTracer())
+    hooks = Recorder()
+    with runner.run_context(agent=agent, store=store, hooks=[hooks]):
+        assert agent.runner is runner and agent.get_tracer() is runner.tracer and agent.tracer is runner.tracer
+        done = await runner.step({"score": 0.5}, resources=RESOURCES)
+    assert done.status == "succeeded"
+    assert agent.calls == ["start 0.5 True True", "rollout", "end preparing True"]
+    assert hooks.calls == ["rollout_start", "trace_start", "trace_end", "rollout_end:1"]
+    failing_hook = LegacyHooksAgent(fail_end=True)
+    with runner.run_context(agent=failing_hook, store=store):
+        done = await runner.step({"score": 0.5}, resources=RESOURCES)
+    assert done.status == "succeeded" and failing_hook.calls[-1] == "end preparing True"  # logged, not raised
+
+
+def test_emit_reward_takes_any_real_number() -> None:
+    np = pytest.importorskip("numpy")
+    for value in (np.float32(0.5), np.int64(1), fractions.Fraction(1, 2), True):
+        recorded = agl.emit_reward(value, propagate=False).attributes["agentlightning.reward.0.value"]
+        assert type(recorded) is float and recorded == float(value)
+    dims = agl.emit_reward({"a": np.float32(0.25), "b": np.int64(2)}, primary_key="a", propagate=False).attributes
+    assert dims["agentlightning.reward.0.value"] == 0.25 and dims["agentlightning.reward.1.value"] == 2.0
+
+
+@agl.rollout
+def numpy_agent(task: dict, prompt_template: agl.PromptTemplate) -> Any:
+    agl.emit_annotation({"tags": [], "nested": {"none": []}, "kept": 1})
+    return pytest.importorskip("numpy").float32(0.25)
+
+
+async def test_a_numpy_reward_and_an_empty_annotation_list_are_recorded() -> None:
+    store = agl.InMemoryLightningStore()
+    runner = agl.LitAgentRunner(agl.OtelTracer())
+    with runner.run_context(agent=numpy_agent, store=store):
+        done = await runner.step({}, resources=RESOURCES)
+    assert done.status == "succeeded"
+    annotation, reward = await store.query_spans(done.rollout_id)
+    assert annotation.attributes == {"tags": [], "nested.none": [], "kept": 1}
+    assert agl.find_final_reward([reward]) == 0.25

@@ -374,6 +374,29 @@ class Span(ModelDump, msgspec.Struct, kw_only=True):
             resource=resource or OtelResource(),
         )
 
+    @classmethod
+    def from_core_fields(
+        cls,
+        core: Any,
+        *,
+        rollout_id: str | None = None,
+        attempt_id: str | None = None,
+        sequence_id: int | None = None,
+    ) -> Span:
+        """Build a span from what an emitter recorded (``SpanCoreFields``), as Agent-lightning's
+        ``Span.from_core_fields``: its name, status, attributes and times (a missing start time is
+        now); the other fields as ``from_attributes`` makes them."""
+        return cls.from_attributes(
+            attributes=core.attributes,
+            rollout_id=rollout_id,
+            attempt_id=attempt_id,
+            sequence_id=sequence_id,
+            name=core.name,
+            start_time=core.start_time or time.time(),
+            end_time=core.end_time,
+            status=core.status,
+        )
+
 
 class Triplet(ModelDump, msgspec.Struct, kw_only=True):
     """A (prompt, response, reward) transition extracted from spans by an adapter."""

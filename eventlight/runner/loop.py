@@ -1,10 +1,11 @@
 """``LitAgentRunner``: a queue consumer that runs an agent on each rollout it claims.
 
 One attempt, in order (Agent-lightning ``LitAgentRunner._step_impl``): resolve the rollout's
-resources, call hooks ``on_rollout_start``, enter the tracer's ``trace_context`` (spans stream to
-the store while the agent runs), ``on_trace_start``, run the agent (``training_rollout*`` when
-``mode == "train"``, else ``validation_rollout*``), ``on_trace_end``, record a returned reward or
-spans, ``on_rollout_end``, then ``update_attempt(status="succeeded" | "failed")``.
+resources, call hooks ``on_rollout_start`` (then the agent's own), enter the tracer's
+``trace_context`` (spans stream to the store while the agent runs), ``on_trace_start``, run the
+agent (``training_rollout*`` when ``mode == "train"``, else ``validation_rollout*``),
+``on_trace_end``, record a returned reward or spans, ``on_rollout_end`` (the agent's own, then the
+hooks'), then ``update_attempt(status="succeeded" | "failed")``.
 
 Differences from 0.3.0, each deliberate:
     * missing resources fail the attempt with a clear reason instead of leaving it ``preparing``;
@@ -26,6 +27,17 @@ Differences from 0.3.0, each deliberate:
       (``worker_name``); ``worker_id`` stays the index the Trainer passes, as in Agent-lightning;
     * with ``proxy_token`` set, every ``ProxyLLM`` handed to the agent carries it as ``api_key``
       (the LLM proxy's bearer token; it is never stored with the resources).
+    * an agent that overrides ``LitAgent``'s deprecated ``on_rollout_start``/``on_rollout_end``
+      has them called around each attempt, as the agent reference says (0.3.0's runner never calls
+      them); an exception in one is logged;
+    * any real number returned (``numbers.Real``: ``numpy.float32``, ``fractions.Fraction``) is the
+      final reward, as a ``float``; 0.3.0 takes ``int``, ``float`` and ``bool`` and fails the attempt
+      with ``TypeError`` for the others;
+    * returned spans (``list[ReadableSpan]``, ``list[SpanCoreFields]`` or ``list[Span]``) are stored
+      in one ``add_many_spans``; a ``Span`` made without ids (``Span.from_attributes``) gets this
+      attempt's ids and, as any span with ``sequence_id`` 0, the next sequence id (0.3.0 stores it
+      with empty ids); ``ReadableSpan``s the tracer already recorded are dropped as duplicates by
+      the store, so 0.3.0's warning about them is not logged.
 """
 
 from __future__ import annotations
@@ -33,14 +45,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import numbers
 import time
 from collections.abc import Sequence
 from typing import Any
+
+import msgspec
+from opentelemetry.sdk.trace import ReadableSpan
 
 from eventlight.agent import LitAgent
 from eventlight.core.types import STATUS_REASON, AttemptedRollout, RolloutConfig, Span
 from eventlight.credentials import check_bearer_token
 from eventlight.emitter import emit_exception, emit_reward
+from eventlight.otel import span_from_readable
+from eventlight.recording import SpanCoreFields
 from eventlight.runner.hooks import Hook
 from eventlight.runner.identity import system_snapshot, worker_name
 from eventlight.runner.metrics import RunnerMetrics
@@ -249,6 +267,19 @@ class LitAgentRunner:
             except Exception:
                 log.exception("Exception during %s hook %r", name, hook)
 
+    async def _agent_hook(self, agent: LitAgent[Any], name: str, *args: Any) -> None:
+        """The agent's own deprecated ``on_rollout_start``/``on_rollout_end``, when it overrides them."""
+        if getattr(type(agent), name, None) is getattr(LitAgent, name):
+            return
+        method = getattr(agent, name)
+        try:
+            if self.sync_agent_in_thread:
+                await asyncio.to_thread(method, *args)
+            else:
+                method(*args)
+        except Exception:
+            log.exception("Exception during the agent's %s", name)
+
     async def _resources(self, rollout: AttemptedRollout) -> dict[str, Any]:
         store = self.get_store()
         if _reads_resources_with_claims(store):
@@ -300,6 +331,7 @@ class LitAgentRunner:
             rollout = await apply_rollout_config(self.get_store(), rollout, self.rollout_config)
             resources = await self._resources(rollout)
             await self._hook("on_rollout_start", agent=agent, runner=self, rollout=rollout)
+            await self._agent_hook(agent, "on_rollout_start", rollout.input, self, self.tracer)
             async with self.tracer.trace_context(name=rid, rollout_id=rid, attempt_id=aid):
                 await self._hook("on_trace_start", agent=agent, runner=self, tracer=self.tracer, rollout=rollout)
                 try:
@@ -309,7 +341,7 @@ class LitAgentRunner:
                         emit_exception(exc)
                     raise
                 await self._hook("on_trace_end", agent=agent, runner=self, tracer=self.tracer, rollout=rollout)
-                if isinstance(result, (bool, int, float)):
+                if isinstance(result, numbers.Real):  # numpy.float32 too (0.3.0: int, float, bool only)
                     emit_reward(float(result))
                     result = None
             lost = self.tracer.undelivered_spans()
@@ -319,6 +351,7 @@ class LitAgentRunner:
                 reason += f" (the store refused: {refusal})" if refusal else ""
                 reason = reason[:_REASON_CHARS]
                 log.error("%s %s", prefix, reason)
+                await self._agent_hook(agent, "on_rollout_end", rollout.input, rollout, self, self.tracer)
                 await self._hook("on_rollout_end", agent=agent, runner=self, rollout=rollout, spans=[])
                 await self._finish(rid, aid, "failed", prefix, reason=reason, rollout=rollout)
                 return "failed"
@@ -335,6 +368,7 @@ class LitAgentRunner:
             if raise_on_exception:
                 await self._finish(rid, aid, "failed", prefix, reason=reason, rollout=rollout)
                 raise
+        await self._agent_hook(agent, "on_rollout_end", rollout.input, rollout, self, self.tracer)
         await self._hook("on_rollout_end", agent=agent, runner=self, rollout=rollout, spans=spans)
         await self._finish(rid, aid, status, prefix, reason=reason, rollout=rollout)
         return status
@@ -354,23 +388,35 @@ class LitAgentRunner:
         log.exception("%s agent raised", prefix)
 
     async def _post_process(self, rollout: AttemptedRollout, result: Any) -> list[Span]:
-        """Store spans the agent returned; return the attempt's spans for ``on_rollout_end``."""
+        """Store spans the agent returned; return the attempt's spans for ``on_rollout_end``.
+
+        Raises:
+            ValueError: A list holding something other than spans of one kind.
+            TypeError: A result that is neither ``None``, a number nor a list.
+        """
         if result is None:
             return self.tracer.get_last_trace()
         if isinstance(result, list):
             if not result:
                 log.warning("The rollout returns an empty list")
                 return []
-            if all(isinstance(s, Span) for s in result):
-                await self.get_store().add_many_spans(result)
-                return result
-            raise ValueError(
-                f"Invalid raw result type. It's expected to be a list of Span, but got: {type(result[0]).__name__}"
-            )
+            return await self._store_returned(_returned_spans(result, rollout))
         raise TypeError(
-            "Invalid raw result type. It's expected to be none, float, or a list of Span, "
+            "Invalid raw result type. It's expected to be none, float, or a list of ReadableSpan or Span, "
             f"but got: {type(result).__name__}"
         )
+
+    async def _store_returned(self, spans: list[Span]) -> list[Span]:
+        """Give the spans without a sequence id (``0``) the next ones of their attempt, and store them all."""
+        store = self.get_store()
+        unnumbered = [i for i, span in enumerate(spans) if span.sequence_id <= 0]
+        if unnumbered:
+            ids = await store.get_many_span_sequence_ids(
+                [(spans[i].rollout_id, spans[i].attempt_id) for i in unnumbered]
+            )
+            for i, sequence_id in zip(unnumbered, ids, strict=True):
+                spans[i] = msgspec.structs.replace(spans[i], sequence_id=sequence_id)
+        return await store.add_many_spans(spans)
 
     async def _finish(
         self,
@@ -411,3 +457,35 @@ class LitAgentRunner:
             else:
                 log.info("[%s | Rollout %s] recorded status %s late", self.get_worker_id(), rid, status)
             del self._unrecorded[(rid, aid)]
+
+
+def _returned_spans(result: list[Any], rollout: AttemptedRollout) -> list[Span]:
+    """The spans an agent returned, as ``Span``s of its attempt (``RolloutRawResult``, 0.3.0).
+
+    OpenTelemetry ``ReadableSpan``s and emitters' ``SpanCoreFields`` become spans of this attempt; a
+    ``Span`` keeps the ids it carries (0.3.0), and one made without them (``Span.from_attributes``)
+    gets this attempt's. A span without a sequence id gets one when stored.
+
+    Raises:
+        ValueError: The items are not all of one of these kinds.
+    """
+    rid, aid = rollout.rollout_id, rollout.attempt.attempt_id
+    if all(isinstance(s, Span) for s in result):
+        return [_with_ids(s, rid, aid) for s in result]
+    if all(isinstance(s, ReadableSpan) for s in result):
+        return [span_from_readable(s, rid, aid, 0) for s in result]
+    if all(isinstance(s, SpanCoreFields) for s in result):
+        return [Span.from_core_fields(s, rollout_id=rid, attempt_id=aid) for s in result]
+    kinds = ", ".join(type(s).__name__ for s in result[:10])
+    raise ValueError(
+        f"Invalid raw result type. It's expected to be a list of ReadableSpan, Span or SpanCoreFields, but got: {kinds}"
+    )
+
+
+def _with_ids(span: Span, rollout_id: str, attempt_id: str) -> Span:
+    """``span`` with this attempt's ids where it has none (a span of this rollout without an attempt gets this one)."""
+    if not span.rollout_id:
+        return msgspec.structs.replace(span, rollout_id=rollout_id, attempt_id=span.attempt_id or attempt_id)
+    if span.rollout_id == rollout_id and not span.attempt_id:
+        return msgspec.structs.replace(span, attempt_id=attempt_id)
+    return span
