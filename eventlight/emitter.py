@@ -134,7 +134,9 @@ def emit_reward(
 
     Raises:
         TypeError: A scalar reward that is not a number.
-        ValueError: A dict reward without a valid ``primary_key`` or with a non-numeric value.
+        ValueError: A dict reward without a valid ``primary_key`` or with a non-numeric value; a NaN
+            or infinite reward (no store keeps one: JSON has neither, and a policy update on it is
+            NaN), so an agent returning ``float("nan")`` fails its attempt with this message.
     """
     if isinstance(reward, dict):
         if primary_key is None:
@@ -145,12 +147,18 @@ def emit_reward(
             if not isinstance(value, numbers.Real):
                 raise ValueError(f"Reward value must be a number, got: {value!r} for key {key}")
         order = [primary_key] + [k for k in reward if k != primary_key]
-        dims = [{"name": k, "value": float(reward[k])} for k in order]
+        dims = [{"name": k, "value": _finite(float(reward[k]), k)} for k in order]
     else:
         if not isinstance(reward, numbers.Real):
             raise TypeError(f"Reward must be a number, got: {type(reward).__name__}")
-        dims = [{"name": "primary", "value": float(reward)}]
+        dims = [{"name": "primary", "value": _finite(float(reward), "primary")}]
     return emit_annotation({AGL_REWARD: dims, **(attributes or {})}, propagate=propagate)
+
+
+def _finite(value: float, name: str) -> float:
+    if value - value != 0.0:  # NaN and +-inf
+        raise ValueError(f"Reward {name!r} must be a finite number, got: {value!r}")
+    return value
 
 
 def emit_message(message: str, attributes: dict[str, Any] | None = None, propagate: bool = True) -> None:

@@ -108,6 +108,31 @@ async def test_returned_number_becomes_the_final_reward() -> None:
     assert spans[0].attributes == {"agentlightning.reward.0.name": "primary", "agentlightning.reward.0.value": 0.25}
 
 
+def test_a_reward_that_is_not_finite_is_refused_where_it_is_emitted() -> None:
+    """NaN and infinity were stored as ``null`` on JetStream and as given in memory (a reviewer); no
+    store keeps them now, so the emitter says so at once, naming the dimension."""
+    for value in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(ValueError, match=f"'primary' must be a finite number, got: {value!r}"):
+            agl.emit_reward(value, propagate=False)
+    with pytest.raises(ValueError, match="'b' must be a finite number, got: nan"):
+        agl.emit_reward({"a": 1.0, "b": float("nan")}, primary_key="a", propagate=False)
+
+
+@agl.rollout
+def nan_agent(task: dict, prompt_template: agl.PromptTemplate) -> float:
+    return float("nan")
+
+
+async def test_an_agent_returning_nan_fails_its_attempt_with_the_reason() -> None:
+    store = agl.InMemoryLightningStore()
+    runner = agl.LitAgentRunner(agl.OtelTracer())
+    with runner.run_context(agent=nan_agent, store=store), pytest.raises(ValueError, match="finite"):
+        await runner.step({"q": 1}, resources=RESOURCES)  # step re-raises what the agent raised (0.3.0)
+    (listed,) = await store.query_rollouts()
+    rollout = await store.get_rollout_by_id(listed.rollout_id)
+    assert rollout.status == "failed" and "must be a finite number, got: nan" in (rollout.status_reason or "")
+
+
 async def test_agent_exception_fails_the_attempt_and_the_loop_goes_on() -> None:
     store = agl.InMemoryLightningStore()
     await store.add_resources(RESOURCES)
