@@ -139,6 +139,9 @@ async def test_a_delivered_trace_succeeds_without_a_reason() -> None:
         ({"timeout_s": 5}, ValueError, "unknown fields ['timeout_s']"),
         ({"max_attempts": "three"}, ValueError, "Expected `int`"),
         ("max_attempts=3", TypeError, "must be a RolloutConfig or a dict"),
+        ({"timeout_seconds": -1}, ValueError, "timeout_seconds must be a finite number of seconds > 0"),
+        ({"unresponsive_seconds": 0}, ValueError, "unresponsive_seconds must be a finite number of seconds > 0"),
+        (agl.RolloutConfig(timeout_seconds=float("nan")), ValueError, "got nan"),
     ],
 )
 def test_trainer_rollout_config_is_validated(given: Any, error: type[Exception], says: str) -> None:

@@ -651,6 +651,37 @@ async def test_reads_by_an_id_that_is_not_a_string(store: Any) -> None:
         with pytest.raises(InvalidTypeError, match="rollout_ids must be a list"):
             await store.wait_for_rollouts(rollout_ids=bad_list, timeout=0)
     assert await store.wait_for_rollouts(rollout_ids=(r.rollout_id,), timeout=0) == []
+    for bad_timeout, error in (("1", InvalidTypeError), (True, InvalidTypeError), (float("nan"), InvalidInputError)):
+        with pytest.raises(error, match="timeout must be a number of seconds"):
+            await store.wait_for_rollouts(rollout_ids=[r.rollout_id], timeout=bad_timeout)
+
+
+async def test_a_config_given_as_a_dict_or_out_of_range(store: Any) -> None:
+    """``config={"timeout_seconds": 5}`` is taken as a ``RolloutConfig`` (it was checked, then passed
+    on as a dict: ``TypeError: struct must be a msgspec.Struct``); a bound that is not a finite number
+    of seconds > 0 is refused (``-1`` timed every attempt out at once, NaN never; a reviewer)."""
+    r = await store.enqueue_rollout("q", config={"timeout_seconds": 5, "max_attempts": 2})
+    assert r.config == RolloutConfig(timeout_seconds=5, max_attempts=2)
+    started = await store.start_rollout("s", config={"unresponsive_seconds": 3})
+    assert started.config.unresponsive_seconds == 3
+    updated = await store.update_rollout(r.rollout_id, config={"max_attempts": 3})
+    assert updated.config == RolloutConfig(max_attempts=3)
+    for bad, error, says in (
+        ({"timeout_seconds": -1}, InvalidInputError, "config.timeout_seconds must be a finite number"),
+        (RolloutConfig(timeout_seconds=float("nan")), InvalidInputError, "timeout_seconds must be a finite"),
+        (RolloutConfig(unresponsive_seconds=0), InvalidInputError, "unresponsive_seconds must be a finite"),
+        ({"bogus": 1}, InvalidInputError, "unknown fields"),
+        ({"timeout_seconds": "10"}, InvalidTypeError, "Expected `float | null`"),
+    ):
+        for call in (
+            lambda: store.enqueue_rollout("q", config=bad),  # noqa: B023
+            lambda: store.start_rollout("q", config=bad),  # noqa: B023
+            lambda: store.update_rollout(r.rollout_id, config=bad),  # noqa: B023
+        ):
+            with pytest.raises(error, match=says):
+                await call()
+    assert (await store.query_rollouts()).total == 2
+    assert (await store.get_rollout_by_id(r.rollout_id)).config == RolloutConfig(max_attempts=3)
 
 
 async def test_ids_that_cannot_exist_are_not_found(store: Any) -> None:

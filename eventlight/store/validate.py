@@ -336,25 +336,47 @@ def _check_span_size(i: int, span: Span) -> None:
         )
 
 
-def check_rollout_config(value: Any) -> RolloutConfig | None:
+def check_rollout_config(value: Any, what: str = "rollout_config") -> RolloutConfig | None:
     """``value`` as a ``RolloutConfig``: one already, a mapping of its fields, or ``None``.
 
+    Args:
+        value: The config.
+        what: Its name in messages (``"config"`` for ``enqueue_rollout(config=)``).
+
     Raises:
-        InvalidTypeError: ``value`` is neither (a ``TypeError``).
-        InvalidInputError: A field is unknown or out of range (a ``ValueError``), e.g.
-            ``max_attempts < 1`` or a ``retry_condition`` status that does not exist.
+        InvalidTypeError: ``value`` is neither (a ``TypeError``), or a field has the wrong type.
+        InvalidInputError: A field is unknown or out of range (a ``ValueError``): ``max_attempts < 1``,
+            a ``retry_condition`` status that does not exist, or a ``timeout_seconds`` /
+            ``unresponsive_seconds`` that is neither ``None`` nor a finite number of seconds > 0 (a
+            negative one timed every attempt out at the watchdog's first tick, NaN never). Stored
+            configs are not checked again, so old events still read.
     """
-    if value is None or isinstance(value, RolloutConfig):
-        return value
-    if not isinstance(value, Mapping):
-        raise InvalidTypeError(
-            f"rollout_config must be a RolloutConfig or a dict of its fields, got {type(value).__name__}"
-        )
-    fields = set(RolloutConfig.__struct_fields__)
-    unknown = sorted(set(value) - fields)
-    if unknown:
-        raise InvalidInputError(f"rollout_config has unknown fields {unknown}; known: {sorted(fields)}")
-    try:
-        return msgspec.convert(dict(value), RolloutConfig)
-    except (msgspec.ValidationError, ValueError) as exc:
-        raise InvalidInputError(f"rollout_config: {exc}") from exc
+    if value is None:
+        return None
+    config: RolloutConfig
+    if isinstance(value, RolloutConfig):
+        config = value
+    else:
+        if not isinstance(value, Mapping):
+            raise InvalidTypeError(
+                f"{what} must be a RolloutConfig or a dict of its fields, got {type(value).__name__}"
+            )
+        fields = set(RolloutConfig.__struct_fields__)
+        unknown = sorted(set(value) - fields)
+        if unknown:
+            raise InvalidInputError(f"{what} has unknown fields {unknown}; known: {sorted(fields)}")
+        try:
+            config = msgspec.convert(dict(value), RolloutConfig)
+        except msgspec.ValidationError as exc:
+            raise InvalidTypeError(f"{what}: {str(exc).replace('$.', '')}") from exc
+        except ValueError as exc:
+            raise InvalidInputError(f"{what}: {exc}") from exc
+    for name in ("timeout_seconds", "unresponsive_seconds"):
+        bound = getattr(config, name)
+        if bound is None:
+            continue
+        if isinstance(bound, bool) or not isinstance(bound, int | float):
+            raise InvalidTypeError(f"{what}.{name} must be a number of seconds or None, got {bound!r}")
+        if not 0 < bound < float("inf"):
+            raise InvalidInputError(f"{what}.{name} must be a finite number of seconds > 0 or None, got {bound!r}")
+    return config

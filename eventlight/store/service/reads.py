@@ -6,7 +6,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
-from eventlight.core.errors import InvalidTypeError, RolloutNotFoundError
+from eventlight.core.errors import InvalidInputError, InvalidTypeError, RolloutNotFoundError
 from eventlight.core.types import (
     Attempt,
     PaginatedResult,
@@ -107,10 +107,15 @@ class Reads(StorePlumbing):
 
         Raises:
             RolloutNotFoundError: An id names no rollout (one that is not a string included).
-            InvalidTypeError: ``rollout_ids`` is a string or not iterable.
+            InvalidTypeError: ``rollout_ids`` is a string or not iterable, or ``timeout`` is not a number.
+            InvalidInputError: ``timeout`` is NaN.
         """
         if isinstance(rollout_ids, (str, bytes)) or not isinstance(rollout_ids, Iterable):
             raise InvalidTypeError(f"rollout_ids must be a list of rollout ids, got {rollout_ids!r:.80}")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)):
+            raise InvalidTypeError(f"timeout must be a number of seconds or None, got {timeout!r:.80}")
+        if timeout is not None and timeout != timeout:
+            raise InvalidInputError("timeout must be a number of seconds or None, got nan")
         ids = [_rollout_id(r) for r in rollout_ids]
         reads = await self._reads()
         waited, found = await self._unless_closing(reads.wait_for_rollouts(ids, timeout))

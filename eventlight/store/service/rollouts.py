@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -26,6 +26,7 @@ from eventlight.core.types import (
 from eventlight.store.service.plumbing import UNSET, StorePlumbing, Unset, store_call
 from eventlight.store.validate import (
     check_payload,
+    check_rollout_config,
     check_token,
 )
 
@@ -47,6 +48,7 @@ class RolloutCommands(StorePlumbing):
     def _create_command(
         self, input: Any, mode: str | None, resources_id: str | None, config: RolloutConfig | None, metadata: Any
     ) -> c.CreateRollout:
+        config = check_rollout_config(config, "config")  # a dict of fields becomes a RolloutConfig
         cmd = c.CreateRollout(
             rollout_id=generate_id("ro-", 12),
             input=input,
@@ -102,6 +104,7 @@ class RolloutCommands(StorePlumbing):
         if worker_id is not None:
             check_token("worker_id", worker_id)
         rollout_id, attempt_id = generate_id("ro-", 12), generate_id("at-", 8)
+        config = check_rollout_config(config, "config")
 
         def build(res: str | None) -> c.CreateRollout:
             cmd = c.CreateRollout(
@@ -135,6 +138,8 @@ class RolloutCommands(StorePlumbing):
         config: RolloutConfig | Unset = UNSET,
         metadata: dict[str, Any] | None | Unset = UNSET,
     ) -> Rollout:
+        if isinstance(config, Mapping | RolloutConfig):  # None and other types: check_payload names them
+            config = check_rollout_config(config, "config") or config
         cmd = c.UpdateRollout(
             input=input, mode=mode, resources_id=resources_id, status=status, config=config, metadata=metadata
         )
