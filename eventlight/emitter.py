@@ -29,7 +29,7 @@ from eventlight.rewards import (  # 0.3.0's agentlightning.emitter re-exports th
     get_rewards_from_span,
     is_reward_span,
 )
-from eventlight.tracer import DummyTracer, SpanCoreFields, Tracer, get_active_tracer
+from eventlight.tracer import DummyTracer, SpanCoreFields, Tracer, get_active_tracer, open_trace_contexts
 
 __all__ = [
     "emit_annotation",
@@ -63,7 +63,13 @@ def _tracer(propagate: bool, what: str) -> Tracer:
         return DummyTracer()
     tracer = get_active_tracer()
     if tracer is None:
-        raise RuntimeError(f"No active tracer found. Cannot emit {what} span.")
+        hint = ""
+        if open_trace_contexts() > 1:
+            hint = (
+                f" (this thread is outside the rollout's context while {open_trace_contexts()} rollouts run in this"
+                " process: start it with contextvars.copy_context().run or use asyncio.to_thread)"
+            )
+        raise RuntimeError(f"No active tracer found. Cannot emit {what} span.{hint}")
     return tracer
 
 

@@ -9,7 +9,11 @@ batch. Spans therefore reach the stream while the agent still runs (they are its
 the cost of a few store calls per batch rather than per span.
 
 Unlike Agent-lightning 0.3.0, the active tracer and the current attempt are context variables, so
-concurrent rollouts in one process (asyncio tasks) do not collide (``seed_runtime.md`` §8 #19).
+concurrent rollouts in one process (asyncio tasks) do not collide (``seed_runtime.md`` §8 #19). A
+thread the agent starts does not inherit them; while a single trace context is open in the process,
+spans and emitters there go to it, as with 0.3.0's process-wide tracer (``get_active_tracer``). A
+span that ends after its attempt finished (a task the agent left running) is not recorded, and the
+first one is logged as a warning.
 """
 
 from __future__ import annotations
@@ -57,8 +61,33 @@ def clear_active_tracer() -> None:
 
 
 def get_active_tracer() -> Tracer | None:
-    """The tracer whose ``trace_context`` the caller runs in, or ``None``."""
-    return _active_tracer.get()
+    """The tracer whose ``trace_context`` the caller runs in, or ``None``.
+
+    A thread the agent starts (``ThreadPoolExecutor``, ``loop.run_in_executor``) does not inherit
+    the rollout's context; there, while exactly one trace context is open in the process (one
+    runner per process, as 0.3.0's process-wide active tracer assumes), its tracer is the answer.
+    With several open (``--per-process K``), a thread must carry the context itself
+    (``contextvars.copy_context().run``, ``asyncio.to_thread``).
+    """
+    tracer = _active_tracer.get()
+    if tracer is None and (sole := _sole_open()) is not None:
+        return sole[0]
+    return tracer
+
+
+_open: list[tuple[Tracer, _AttemptBuffer | None]] = []  # trace contexts open in this process
+_open_lock = threading.Lock()
+
+
+def open_trace_contexts() -> int:
+    """How many trace contexts are open in this process."""
+    return len(_open)
+
+
+def _sole_open() -> tuple[Tracer, _AttemptBuffer | None] | None:
+    """The only trace context open in this process, if exactly one is."""
+    open_now = _open
+    return open_now[0] if len(open_now) == 1 else None
 
 
 class Tracer:
@@ -138,6 +167,8 @@ class _AttemptBuffer:
         self.loop = asyncio.get_running_loop()
         self.thread = threading.get_ident()  # the loop's
         self.closing = False
+        self.done = False  # the attempt's spans were sent for the last time
+        self.late = 0  # spans that ended after that (a task the agent left running): not recorded
         self.undelivered = 0  # still pending after the last flush
         self.refused = 0  # refused by the store as bad input
         self.refusal = ""
@@ -189,7 +220,20 @@ class StreamSpanProcessor(SpanProcessor):
 
     def on_end(self, span: ReadableSpan) -> None:
         buf = _current_attempt.get()
+        if buf is None and (sole := _sole_open()) is not None:  # a thread the agent started (0.3.0 takes it too)
+            buf = sole[1]
         if buf is None or not span.context.trace_flags.sampled:
+            return
+        if buf.done:  # e.g. from a task the agent left running: the attempt has finished
+            buf.late += 1
+            if buf.late == 1:
+                log.warning(
+                    "rollout %s attempt %s: span %r ended after the attempt finished (a task or thread the agent"
+                    " left running?); it is not recorded, nor are later ones of this attempt",
+                    buf.rollout_id,
+                    buf.attempt_id,
+                    span.name,
+                )
             return
         buf.pending.append(span)
         if len(buf.pending) >= 256:
@@ -273,10 +317,15 @@ class OtelTracer(Tracer):
         buf = _AttemptBuffer(store, rollout_id, attempt_id) if rollout_id and store else None  # type: ignore[arg-type]
         tracer_token = _active_tracer.set(self)
         attempt_token = _current_attempt.set(buf)
+        entry = (self, buf)
+        with _open_lock:
+            _open.append(entry)
         flusher = asyncio.create_task(self._flush_loop(buf)) if buf else None
         try:
             yield tracer
         finally:
+            with _open_lock:
+                _open.remove(entry)
             _current_attempt.reset(attempt_token)
             _active_tracer.reset(tracer_token)
             if flusher is not None and buf is not None:
@@ -290,6 +339,9 @@ class OtelTracer(Tracer):
                     flusher.cancel()
                     raise
                 finally:
+                    buf.done = True
+                    if buf.pending and flusher.done() and not flusher.cancelled() and not buf.undelivered:
+                        buf.late += len(buf.pending)  # ended between the last flush and now
                     self._last = buf.recorded
                     lost = buf.undelivered if not flusher.cancelled() else len(buf.pending)
                     self._undelivered = lost + buf.refused

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextvars
 import fractions
 import functools
 import pickle
+import threading
 from typing import Any
 
+import opentelemetry.trace
 import pytest
 
 import eventlight as agl
@@ -384,3 +388,82 @@ async def test_a_numpy_reward_and_an_empty_annotation_list_are_recorded() -> Non
     annotation, reward = await store.query_spans(done.rollout_id)
     assert annotation.attributes == {"tags": [], "nested.none": [], "kept": 1}
     assert agl.find_final_reward([reward]) == 0.25
+
+
+# -- threads the agent starts, tasks it leaves running ---------------------------------------
+
+
+@agl.rollout
+def threaded_agent(task: dict, prompt_template: agl.PromptTemplate) -> None:
+    """Emitters and a plain OpenTelemetry span in threads that do not inherit the rollout's context."""
+
+    def in_thread(value: float) -> None:
+        agl.emit_reward(value)
+        with opentelemetry.trace.get_tracer("lib").start_as_current_span(f"lib.call.{value}"):
+            pass
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        list(pool.map(in_thread, [0.1, 0.2]))
+
+    async def grade() -> None:  # the tutorials' run_sync_ephemeral: asyncio.run in a fresh thread
+        agl.emit_message("graded")
+
+    worker = threading.Thread(target=lambda: asyncio.run(grade()))
+    worker.start()
+    worker.join()
+
+
+async def test_spans_and_emitters_in_threads_the_agent_starts_are_recorded() -> None:
+    """A thread does not inherit context variables: emitters there raised "No active tracer found" and
+    OpenTelemetry spans were dropped without a mark (a reviewer). With one rollout running in the
+    process they go to it, as 0.3.0's process-wide tracer does."""
+    store = agl.InMemoryLightningStore()
+    runner = agl.LitAgentRunner(agl.OtelTracer())
+    with runner.run_context(agent=threaded_agent, store=store):
+        done = await runner.step({"q": 1}, resources=RESOURCES)
+    assert done.status == "succeeded"
+    spans = await store.query_spans(done.rollout_id)
+    assert sorted(agl.get_reward_value(s) for s in spans if agl.is_reward_span(s)) == [0.1, 0.2]
+    names = {s.name for s in spans}
+    assert {"lib.call.0.1", "lib.call.0.2", "agentlightning.message"} <= names
+
+
+async def test_emitting_from_a_thread_with_several_rollouts_running_says_how_to_carry_the_context() -> None:
+    tracer = agl.OtelTracer()
+    tracer.init_worker(0, agl.InMemoryLightningStore())
+    errors: list[str] = []
+
+    def from_thread() -> None:
+        try:
+            agl.emit_reward(1.0)
+        except RuntimeError as exc:
+            errors.append(str(exc))
+
+    async with tracer.trace_context("a"), tracer.trace_context("b"):
+        await asyncio.to_thread(contextvars.Context().run, from_thread)  # a bare context: no rollout
+    assert len(errors) == 1 and errors[0].startswith("No active tracer found. Cannot emit annotation span.")
+    assert "contextvars.copy_context().run" in errors[0]
+
+
+@agl.rollout
+async def leaving_agent(task: dict, prompt_template: agl.PromptTemplate) -> None:
+    async def late() -> None:
+        await asyncio.sleep(0.2)
+        agl.emit_reward(0.66)
+
+    LEFT.append(asyncio.ensure_future(late()))
+
+
+LEFT: list[asyncio.Future[None]] = []
+
+
+async def test_a_span_ending_after_its_attempt_finished_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """A task the agent leaves running emitted into a finished attempt: lost without a word (a
+    reviewer). It is still not recorded (the attempt has ended), but the runner's log says so."""
+    store = agl.InMemoryLightningStore()
+    runner = agl.LitAgentRunner(agl.OtelTracer())
+    with runner.run_context(agent=leaving_agent, store=store):
+        done = await runner.step({"q": 1}, resources=RESOURCES)
+    await asyncio.gather(*LEFT)
+    assert list(await store.query_spans(done.rollout_id)) == []
+    assert any("ended after the attempt finished" in r.getMessage() for r in caplog.records)
