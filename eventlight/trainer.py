@@ -75,8 +75,12 @@ class Trainer:
         initial_resources: Resources the algorithm starts from (e.g. a ``PromptTemplate``).
         adapter: Turns spans into what the algorithm learns from (default ``TracerTraceToTriplet``;
             a dict is its keyword arguments, as in 0.3.0).
-        store: ``"cs"``: a ``JetStreamLightningStore`` whose namespace and servers every side uses;
-            ``"shm"``: any store (default ``InMemoryLightningStore()``).
+        store: ``"cs"``: a ``JetStreamLightningStore`` whose namespace and servers every side uses
+            (default: the namespace's, opened by ``fit``); ``"shm"``: any store (default
+            ``InMemoryLightningStore()``, built here as in 0.3.0, so ``trainer.store`` is there
+            before ``fit``). A ``"shm"`` run shares it through a ``LightningStoreThreaded`` that it
+            closes, with the store, at its end: an in-memory store stays readable and writable,
+            and the next ``fit`` / ``dev`` starts it again.
         runner: A ``LitAgentRunner`` used as the template of every runner.
         strategy: ``"cs"`` (default), ``"shm"``, a dict with a ``"type"``, or a strategy of
             ``eventlight.execution``; ``AGL_CURRENT_ROLE``, ``AGL_MANAGED_STORE``,
@@ -159,6 +163,10 @@ class Trainer:
         self.check_llm = check_llm
         self.rollout_config = check_rollout_config(rollout_config)
         self.store: Any = store
+        if store is None and isinstance(self.strategy, SharedMemoryExecutionStrategy):
+            from eventlight.store.memory import InMemoryLightningStore
+
+            self.store = InMemoryLightningStore()  # 0.3.0's default, there from construction
         self.services: Services | None = None
 
     def fit(self, agent: LitAgent[Any], train_dataset: Any = None, *, val_dataset: Any = None) -> None:
@@ -199,17 +207,13 @@ class Trainer:
         train: Any,
         val: Any,
     ) -> None:
-        from eventlight.store.memory import InMemoryLightningStore
-
         agent.set_trainer(self)
-        own = self.store is None
-        store = shared_store(strategy, InMemoryLightningStore() if own else self.store)
-        self.store = store
+        store = shared_store(strategy, self.store)
         algorithm = self._run_algorithm(store, train, val, algo) if algo is not None else None
         try:
             run_shared_memory(strategy, store, agent, self.runner, self.hooks, algorithm)
         finally:
-            if own:  # a store the caller passed in stays open for them to read
+            if store is not self.store:  # the wrapper (and its loop's thread) lasts one run
                 run_event_loop(store.close())
 
     async def fit_async(self, agent: LitAgent[Any], train_dataset: Any = None, *, val_dataset: Any = None) -> None:

@@ -160,9 +160,9 @@ def run_shared_memory(
 ) -> None:
     """``"shm"``: ``strategy.n_runners`` runner threads on ``store`` and ``algorithm`` on this thread.
 
-    ``store`` is wrapped in ``LightningStoreThreaded`` when ``strategy.managed_store`` (any thread
-    and loop may call it); ``algorithm`` is a coroutine function's call on the store the caller
-    passes in (``None``: the runners work until each finished ``max_rollouts``, or Ctrl+C). When it
+    ``store`` is the one the threads share (``shared_store``: in ``LightningStoreThreaded`` when
+    ``strategy.managed_store``, so any thread and loop may call it); ``algorithm`` is a coroutine
+    function's call on that store (``None``: the runners work until each finished ``max_rollouts``, or Ctrl+C). When it
     ends, or fails, the runners are stopped and joined (``join_timeout`` each).
     """
     stop = threading.Event()

@@ -9,6 +9,7 @@ and the ``AGL_*`` variables; ``"shm"`` (runner threads on an in-memory store) wi
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import sys
 import time
@@ -129,6 +130,26 @@ def test_shm_fit_with_an_algo_function_and_max_rollouts() -> None:
     agl.Trainer(algorithm=one_by_one, strategy="shm", max_rollouts=5, store=store).fit(score_length, TASKS)
     assert seen == ["succeeded"] * 3
     assert len(asyncio.run(_rewards(store))) == 3
+
+
+def test_shm_trainer_store_is_usable_before_between_and_after_runs(caplog: pytest.LogCaptureFixture) -> None:
+    """0.3.0 builds ``Trainer.store`` (``InMemoryLightningStore()``) in ``__init__``: it is there
+    before ``fit``, stays readable after, and a second ``dev`` / ``fit`` runs on it (each run's
+    ``LightningStoreThreaded`` wrapper was left as ``trainer.store``, closed, and the next run failed)."""
+    trainer = agl.Trainer(
+        algorithm=agl.Baseline(),
+        strategy={"type": "shm", "n_runners": 2, "main_thread": "algorithm"},
+        initial_resources={"prompt_template": PROMPT},
+    )
+    store = trainer.store
+    assert isinstance(store, agl.InMemoryLightningStore)
+    trainer.dev(score_length, TASKS[:1])
+    assert trainer.store is store and len(asyncio.run(_rewards(store))) == 1
+    with caplog.at_level(logging.WARNING, logger="eventlight.runner"):
+        trainer.fit(score_length, TASKS[1:2], val_dataset=TASKS[2:])
+    assert not [r.getMessage() for r in caplog.records if r.name.startswith("eventlight.runner")]
+    assert trainer.store is store
+    assert asyncio.run(_rewards(store)) == {t: float(len(PROMPT.format(any_question=t))) for t in TASKS}
 
 
 # -- client-server -------------------------------------------------------------------------------
