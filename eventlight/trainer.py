@@ -35,7 +35,12 @@ from eventlight.algorithm.base import Algorithm, FastAlgorithm
 from eventlight.algorithm.baseline import Baseline
 from eventlight.component import build_component
 from eventlight.core.types import RolloutConfig
-from eventlight.execution import ClientServerExecutionStrategy, ExecutionStrategy, SharedMemoryExecutionStrategy
+from eventlight.execution import (
+    ClientServerExecutionStrategy,
+    ExecutionStrategy,
+    SharedMemoryExecutionStrategy,
+    check_n_runners,
+)
 from eventlight.ops import Services, apply_migrations, apply_streams, prepare_services, stop_services
 from eventlight.runner import Hook, LitAgentRunner
 from eventlight.runner_pool import RunnerPool, check_runners_per_process
@@ -70,7 +75,8 @@ class Trainer:
     Args (Agent-lightning 0.3.0's, unless marked eventlight's):
         algorithm: What improves the agent (``APO``, ``Baseline``, an ``@algo`` function), or a
             component spec (class, import path, ``{"type": ..., **kwargs}``).
-        n_runners: Runners to start (default 1; a strategy instance's own ``n_runners`` wins).
+        n_runners: Runners to start, a whole number >= 1 (default 1; a strategy instance's own
+            ``n_runners`` wins).
         max_rollouts: Rollouts each runner takes before it stops (``None``: until stopped).
         initial_resources: Resources the algorithm starts from (e.g. a ``PromptTemplate``).
         adapter: Turns spans into what the algorithm learns from (default ``TracerTraceToTriplet``;
@@ -104,6 +110,8 @@ class Trainer:
             and their commands share atomic batches; a synchronous agent then runs in a thread.
 
     Raises:
+        InvalidTypeError: ``n_runners`` (the trainer's or the strategy's) is not an ``int``.
+        InvalidInputError: ``n_runners`` is below 1.
         TypeError, ValueError: A spec that builds the wrong thing, or invalid strategy settings.
     """
 
@@ -132,8 +140,9 @@ class Trainer:
         from eventlight.adapter import TraceAdapter, TracerTraceToTriplet
 
         self.algorithm = build_component(algorithm, expected_type=Algorithm, spec_name="algorithm", allow_none=True)
-        self.strategy: ExecutionStrategy = resolve_strategy(strategy, n_runners=n_runners or 1, port=port)
-        self.n_runners: int = getattr(self.strategy, "n_runners", n_runners or 1)
+        n = 1 if n_runners is None else check_n_runners(n_runners)
+        self.strategy: ExecutionStrategy = resolve_strategy(strategy, n_runners=n, port=port)
+        self.n_runners: int = check_n_runners(getattr(self.strategy, "n_runners", n))  # the strategy's wins
         self.runners_per_process = check_runners_per_process(runners_per_process)
         if runners_per_process != 1 and isinstance(self.strategy, SharedMemoryExecutionStrategy):
             raise ValueError("runners_per_process applies to runner processes (strategy 'cs'), not to 'shm' threads")

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 import eventlight as agl
+from eventlight.core.errors import InvalidInputError, InvalidTypeError
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.trainer_strategies import resolve_strategy
@@ -89,6 +90,33 @@ def test_bad_strategy_specs_raise() -> None:
         agl.Trainer(algorithm=agl.APO(object())).dev(score_length, TASKS)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="cannot share a InMemoryLightningStore"):
         agl.Trainer(store=agl.InMemoryLightningStore(), algorithm=agl.Baseline()).fit(score_length, TASKS)
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, "2", True])
+def test_a_bad_n_runners_is_refused_at_construction(bad: Any) -> None:
+    """``n_runners=0`` became 1, ``-2`` started no runner (the run hung; plain ``"shm"`` blamed
+    ``main_thread``), ``1.5``, ``"2"`` and ``True`` were kept as given: each is refused now, from
+    the trainer, a strategy spec or a strategy class."""
+    error = InvalidTypeError if isinstance(bad, bool) or not isinstance(bad, int) else InvalidInputError
+    for spec in (None, "cs", "shm", {"type": "shm", "main_thread": "algorithm"}):
+        with pytest.raises(error, match=r"n_runners must be a whole number >= 1, got"):
+            agl.Trainer(n_runners=bad, strategy=spec)
+    for kind in ("shm", "cs"):
+        with pytest.raises(error, match=r"n_runners must be a whole number >= 1, got"):
+            agl.Trainer(
+                strategy={"type": kind, "n_runners": bad, "main_thread": "algorithm"}
+                if kind == "shm"
+                else {"type": kind, "n_runners": bad}
+            )
+    with pytest.raises(error, match="n_runners"):
+        agl.SharedMemoryExecutionStrategy(n_runners=bad, main_thread="algorithm")
+    with pytest.raises(error, match="n_runners"):
+        agl.ClientServerExecutionStrategy(n_runners=bad)
+
+
+def test_n_runners_defaults_to_one_as_in_agent_lightning() -> None:
+    assert agl.Trainer().n_runners == 1 and agl.Trainer(strategy="shm").n_runners == 1
+    assert agl.Trainer(n_runners=None, strategy={"type": "shm", "main_thread": "algorithm"}).n_runners == 1
 
 
 # -- shared memory -------------------------------------------------------------------------------
