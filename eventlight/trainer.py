@@ -52,6 +52,7 @@ from eventlight.store.validate import check_rollout_config
 from eventlight.tracer import OtelTracer, Tracer
 from eventlight.trainer_guards import stop_when_llm_fails, stop_when_runners_gone
 from eventlight.trainer_strategies import (
+    RunnerThreads,
     resolve_strategy,
     run_event_loop,
     run_shared_memory,
@@ -184,6 +185,9 @@ class Trainer:
         Raises:
             KeyboardInterrupt: After a clean shutdown, when interrupted.
             ServiceUnavailableError: NATS or Postgres could not be started or reached.
+            NoRunnersError: Rollouts wait and no runner this trainer started is left: its runner
+                processes keep dying (``"cs"``), or every ``"shm"`` runner thread has stopped (at
+                its ``max_rollouts``, or on an error); the algorithm was cancelled.
         """
         self._execute(agent, self.algorithm, train_dataset, val_dataset)
 
@@ -193,6 +197,7 @@ class Trainer:
 
         Raises:
             TypeError: The trainer's algorithm is not a ``FastAlgorithm``.
+            NoRunnersError: As for ``fit``.
         """
         algorithm = self.algorithm if self.algorithm is not None else Baseline()
         if not isinstance(algorithm, FastAlgorithm):
@@ -218,9 +223,10 @@ class Trainer:
     ) -> None:
         agent.set_trainer(self)
         store = shared_store(strategy, self.store)
-        algorithm = self._run_algorithm(store, train, val, algo) if algo is not None else None
+        threads = RunnerThreads(strategy.n_runners, self.runner, agent, self.hooks, store)
+        algorithm = self._run_algorithm(store, train, val, algo, threads) if algo is not None else None
         try:
-            run_shared_memory(strategy, store, agent, self.runner, self.hooks, algorithm)
+            run_shared_memory(strategy, threads, algorithm)
         finally:
             if store is not self.store:  # the wrapper (and its loop's thread) lasts one run
                 run_event_loop(store.close())
@@ -320,12 +326,17 @@ class Trainer:
             log.warning("runner processes exited with codes %s", codes)
 
     async def _run_algorithm(
-        self, store: Any, train: Any, val: Any, algo: Algorithm | None, pool: RunnerPool | None = None
+        self,
+        store: Any,
+        train: Any,
+        val: Any,
+        algo: Algorithm | None,
+        runners: RunnerPool | RunnerThreads | None = None,
     ) -> None:
         if algo is None:
             log.info("no algorithm: runners serve the queue until they finish or are interrupted")
-            if pool is not None:
-                await wait_for_pool(pool)
+            if isinstance(runners, RunnerPool):
+                await wait_for_pool(runners)
             return
         algo.set_trainer(self)
         if self.rollout_config is not None:  # a wrapper (LightningStoreThreaded) passes it to its store
@@ -346,7 +357,7 @@ class Trainer:
             if algo.is_async():
                 watched = proxy if self.check_llm else None
                 run = stop_when_llm_fails(algo.run(train_dataset=train, val_dataset=val), watched)
-                await stop_when_runners_gone(run, store, pool, self.runner)
+                await stop_when_runners_gone(run, store, runners, self.runner)
             else:
                 algo.run(train_dataset=train, val_dataset=val)
         finally:

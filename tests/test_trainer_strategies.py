@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -178,6 +179,38 @@ def test_shm_trainer_store_is_usable_before_between_and_after_runs(caplog: pytes
     assert not [r.getMessage() for r in caplog.records if r.name.startswith("eventlight.runner")]
     assert trainer.store is store
     assert asyncio.run(_rewards(store)) == {t: float(len(PROMPT.format(any_question=t))) for t in TASKS}
+
+
+@pytest.mark.parametrize("main_thread", ["algorithm", "runner"])
+def test_shm_stops_with_a_clear_error_once_its_runner_threads_stopped_and_rollouts_wait(main_thread: str) -> None:
+    """One runner thread with ``max_rollouts=1`` and two tasks: it stops after the first rollout,
+    and ``Baseline`` waited for the second for ever (no guard watched the threads). Now the
+    trainer raises ``NoRunnersError`` as it does when its runner processes are gone."""
+    trainer = agl.Trainer(
+        strategy={"type": "shm", "main_thread": main_thread},
+        n_runners=1,
+        max_rollouts=1,
+        initial_resources={"prompt_template": PROMPT},
+    )
+    outcome: list[BaseException | None] = []
+
+    def dev() -> None:
+        try:
+            trainer.dev(score_length, TASKS[:2])
+            outcome.append(None)
+        except BaseException as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=dev, daemon=True)  # a daemon: a hang fails the test, not the session
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "Trainer.dev still waits for a rollout no runner will take"
+    [error] = outcome
+    assert isinstance(error, agl.NoRunnersError), repr(error)
+    assert "1 rollout(s) wait in the queue and no runner is alive" in str(error), str(error)
+    assert "runner thread" in str(error) and "max_rollouts=1" in str(error), str(error)
+    rollouts = asyncio.run(trainer.store.query_rollouts())
+    assert sorted(r.status for r in rollouts) == ["queuing", "succeeded"]
 
 
 # -- client-server -------------------------------------------------------------------------------
