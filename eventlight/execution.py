@@ -24,6 +24,7 @@ import threading
 from collections.abc import Iterable
 from typing import Any, Literal, Protocol, cast
 
+from eventlight.core.errors import InvalidInputError, InvalidTypeError
 from eventlight.env_var import LightningEnvVar, resolve_bool_env_var, resolve_int_env_var, resolve_str_env_var
 
 __all__ = [
@@ -34,9 +35,24 @@ __all__ = [
     "MultiprocessingEvent",
     "SharedMemoryExecutionStrategy",
     "ThreadingEvent",
+    "check_n_runners",
 ]
 
 Role = Literal["algorithm", "runner", "both"]
+
+
+def check_n_runners(value: Any) -> int:
+    """``value`` when it is a whole number >= 1 (``n_runners`` of ``Trainer`` and of both strategies).
+
+    Raises:
+        InvalidTypeError: Not an ``int`` (a bool, a float, a string).
+        InvalidInputError: 0 or less (a run without runners would wait for ever).
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidTypeError(f"n_runners must be a whole number >= 1, got {value!r:.80}")
+    if value < 1:
+        raise InvalidInputError(f"n_runners must be a whole number >= 1, got {value!r}")
+    return value
 
 
 class ExecutionEvent(Protocol):
@@ -99,7 +115,7 @@ class SharedMemoryExecutionStrategy(ExecutionStrategy):
     """0.3.0's ``"shm"`` strategy: the algorithm and ``n_runners`` runner threads in one process.
 
     Args (0.3.0's):
-        n_runners: Runner threads.
+        n_runners: Runner threads (a whole number >= 1).
         main_thread: Validated as in 0.3.0 (``"runner"`` needs ``n_runners == 1``); eventlight runs
             the algorithm on the main thread either way.
         join_timeout: Seconds to wait for each runner thread after the stop.
@@ -108,6 +124,8 @@ class SharedMemoryExecutionStrategy(ExecutionStrategy):
             else true); false shares the given store across threads as it is.
 
     Raises:
+        InvalidTypeError: ``n_runners`` is not an ``int``.
+        InvalidInputError: ``n_runners`` is below 1.
         ValueError: An invalid ``main_thread``, or ``"runner"`` with several runners; a non-boolean
             ``AGL_MANAGED_STORE``.
     """
@@ -123,6 +141,7 @@ class SharedMemoryExecutionStrategy(ExecutionStrategy):
         poll_interval: float = 0.05,
         managed_store: bool | None = None,
     ) -> None:
+        check_n_runners(n_runners)
         if main_thread not in ("algorithm", "runner"):
             raise ValueError("main_thread must be 'algorithm' or 'runner'")
         if main_thread == "runner" and n_runners != 1:
@@ -145,7 +164,7 @@ class ClientServerExecutionStrategy(ExecutionStrategy):
         role: ``"algorithm"``, ``"runner"`` or ``"both"`` (``AGL_CURRENT_ROLE``, default ``"both"``).
         server_host, server_port: 0.3.0's store server address (``AGL_SERVER_HOST``, default
             ``"localhost"``; ``AGL_SERVER_PORT``, default 4747); kept, unused by eventlight.
-        n_runners: Runner processes (roles ``"runner"`` and ``"both"``).
+        n_runners: Runner processes (roles ``"runner"`` and ``"both"``; a whole number >= 1).
         graceful_timeout: Seconds runner processes get to finish the attempt in flight at the stop.
         terminate_timeout: Accepted (SIGTERM to SIGKILL is ``runner_pool.KILL_AFTER_S``).
         main_process: Validated as in 0.3.0 (``"runner"`` only with ``role="both"`` and one runner).
@@ -155,6 +174,8 @@ class ClientServerExecutionStrategy(ExecutionStrategy):
         allowed_exit_codes: Runner exit codes that are not reported as failures.
 
     Raises:
+        InvalidTypeError: ``n_runners`` is not an ``int``.
+        InvalidInputError: ``n_runners`` is below 1.
         ValueError: An invalid role or ``main_process``, or an ``AGL_*`` value of the wrong type.
     """
 
@@ -172,6 +193,7 @@ class ClientServerExecutionStrategy(ExecutionStrategy):
         managed_store: bool | None = None,
         allowed_exit_codes: Iterable[int] = (0, -15),
     ) -> None:
+        check_n_runners(n_runners)
         resolved = resolve_str_env_var(LightningEnvVar.AGL_CURRENT_ROLE, role, "both")
         if resolved not in ("algorithm", "runner", "both"):
             raise ValueError("role must be one of 'algorithm', 'runner', or 'both'")

@@ -35,7 +35,12 @@ from eventlight.algorithm.base import Algorithm, FastAlgorithm
 from eventlight.algorithm.baseline import Baseline
 from eventlight.component import build_component
 from eventlight.core.types import RolloutConfig
-from eventlight.execution import ClientServerExecutionStrategy, ExecutionStrategy, SharedMemoryExecutionStrategy
+from eventlight.execution import (
+    ClientServerExecutionStrategy,
+    ExecutionStrategy,
+    SharedMemoryExecutionStrategy,
+    check_n_runners,
+)
 from eventlight.ops import Services, apply_migrations, apply_streams, prepare_services, stop_services
 from eventlight.runner import Hook, LitAgentRunner
 from eventlight.runner_pool import RunnerPool, check_runners_per_process
@@ -47,6 +52,7 @@ from eventlight.store.validate import check_rollout_config
 from eventlight.tracer import OtelTracer, Tracer
 from eventlight.trainer_guards import stop_when_llm_fails, stop_when_runners_gone
 from eventlight.trainer_strategies import (
+    RunnerThreads,
     resolve_strategy,
     run_event_loop,
     run_shared_memory,
@@ -70,13 +76,18 @@ class Trainer:
     Args (Agent-lightning 0.3.0's, unless marked eventlight's):
         algorithm: What improves the agent (``APO``, ``Baseline``, an ``@algo`` function), or a
             component spec (class, import path, ``{"type": ..., **kwargs}``).
-        n_runners: Runners to start (default 1; a strategy instance's own ``n_runners`` wins).
+        n_runners: Runners to start, a whole number >= 1 (default 1; a strategy instance's own
+            ``n_runners`` wins).
         max_rollouts: Rollouts each runner takes before it stops (``None``: until stopped).
         initial_resources: Resources the algorithm starts from (e.g. a ``PromptTemplate``).
         adapter: Turns spans into what the algorithm learns from (default ``TracerTraceToTriplet``;
             a dict is its keyword arguments, as in 0.3.0).
-        store: ``"cs"``: a ``JetStreamLightningStore`` whose namespace and servers every side uses;
-            ``"shm"``: any store (default ``InMemoryLightningStore()``).
+        store: ``"cs"``: a ``JetStreamLightningStore`` whose namespace and servers every side uses
+            (default: the namespace's, opened by ``fit``); ``"shm"``: any store (default
+            ``InMemoryLightningStore()``, built here as in 0.3.0, so ``trainer.store`` is there
+            before ``fit``). A ``"shm"`` run shares it through a ``LightningStoreThreaded`` that it
+            closes, with the store, at its end: an in-memory store stays readable and writable,
+            and the next ``fit`` / ``dev`` starts it again.
         runner: A ``LitAgentRunner`` used as the template of every runner.
         strategy: ``"cs"`` (default), ``"shm"``, a dict with a ``"type"``, or a strategy of
             ``eventlight.execution``; ``AGL_CURRENT_ROLE``, ``AGL_MANAGED_STORE``,
@@ -100,6 +111,8 @@ class Trainer:
             and their commands share atomic batches; a synchronous agent then runs in a thread.
 
     Raises:
+        InvalidTypeError: ``n_runners`` (the trainer's or the strategy's) is not an ``int``.
+        InvalidInputError: ``n_runners`` is below 1.
         TypeError, ValueError: A spec that builds the wrong thing, or invalid strategy settings.
     """
 
@@ -128,8 +141,9 @@ class Trainer:
         from eventlight.adapter import TraceAdapter, TracerTraceToTriplet
 
         self.algorithm = build_component(algorithm, expected_type=Algorithm, spec_name="algorithm", allow_none=True)
-        self.strategy: ExecutionStrategy = resolve_strategy(strategy, n_runners=n_runners or 1, port=port)
-        self.n_runners: int = getattr(self.strategy, "n_runners", n_runners or 1)
+        n = 1 if n_runners is None else check_n_runners(n_runners)
+        self.strategy: ExecutionStrategy = resolve_strategy(strategy, n_runners=n, port=port)
+        self.n_runners: int = check_n_runners(getattr(self.strategy, "n_runners", n))  # the strategy's wins
         self.runners_per_process = check_runners_per_process(runners_per_process)
         if runners_per_process != 1 and isinstance(self.strategy, SharedMemoryExecutionStrategy):
             raise ValueError("runners_per_process applies to runner processes (strategy 'cs'), not to 'shm' threads")
@@ -159,6 +173,10 @@ class Trainer:
         self.check_llm = check_llm
         self.rollout_config = check_rollout_config(rollout_config)
         self.store: Any = store
+        if store is None and isinstance(self.strategy, SharedMemoryExecutionStrategy):
+            from eventlight.store.memory import InMemoryLightningStore
+
+            self.store = InMemoryLightningStore()  # 0.3.0's default, there from construction
         self.services: Services | None = None
 
     def fit(self, agent: LitAgent[Any], train_dataset: Any = None, *, val_dataset: Any = None) -> None:
@@ -167,6 +185,9 @@ class Trainer:
         Raises:
             KeyboardInterrupt: After a clean shutdown, when interrupted.
             ServiceUnavailableError: NATS or Postgres could not be started or reached.
+            NoRunnersError: Rollouts wait and no runner this trainer started is left: its runner
+                processes keep dying (``"cs"``), or every ``"shm"`` runner thread has stopped (at
+                its ``max_rollouts``, or on an error); the algorithm was cancelled.
         """
         self._execute(agent, self.algorithm, train_dataset, val_dataset)
 
@@ -176,6 +197,7 @@ class Trainer:
 
         Raises:
             TypeError: The trainer's algorithm is not a ``FastAlgorithm``.
+            NoRunnersError: As for ``fit``.
         """
         algorithm = self.algorithm if self.algorithm is not None else Baseline()
         if not isinstance(algorithm, FastAlgorithm):
@@ -199,17 +221,14 @@ class Trainer:
         train: Any,
         val: Any,
     ) -> None:
-        from eventlight.store.memory import InMemoryLightningStore
-
         agent.set_trainer(self)
-        own = self.store is None
-        store = shared_store(strategy, InMemoryLightningStore() if own else self.store)
-        self.store = store
-        algorithm = self._run_algorithm(store, train, val, algo) if algo is not None else None
+        store = shared_store(strategy, self.store)
+        threads = RunnerThreads(strategy.n_runners, self.runner, agent, self.hooks, store)
+        algorithm = self._run_algorithm(store, train, val, algo, threads) if algo is not None else None
         try:
-            run_shared_memory(strategy, store, agent, self.runner, self.hooks, algorithm)
+            run_shared_memory(strategy, threads, algorithm)
         finally:
-            if own:  # a store the caller passed in stays open for them to read
+            if store is not self.store:  # the wrapper (and its loop's thread) lasts one run
                 run_event_loop(store.close())
 
     async def fit_async(self, agent: LitAgent[Any], train_dataset: Any = None, *, val_dataset: Any = None) -> None:
@@ -307,12 +326,17 @@ class Trainer:
             log.warning("runner processes exited with codes %s", codes)
 
     async def _run_algorithm(
-        self, store: Any, train: Any, val: Any, algo: Algorithm | None, pool: RunnerPool | None = None
+        self,
+        store: Any,
+        train: Any,
+        val: Any,
+        algo: Algorithm | None,
+        runners: RunnerPool | RunnerThreads | None = None,
     ) -> None:
         if algo is None:
             log.info("no algorithm: runners serve the queue until they finish or are interrupted")
-            if pool is not None:
-                await wait_for_pool(pool)
+            if isinstance(runners, RunnerPool):
+                await wait_for_pool(runners)
             return
         algo.set_trainer(self)
         if self.rollout_config is not None:  # a wrapper (LightningStoreThreaded) passes it to its store
@@ -333,7 +357,7 @@ class Trainer:
             if algo.is_async():
                 watched = proxy if self.check_llm else None
                 run = stop_when_llm_fails(algo.run(train_dataset=train, val_dataset=val), watched)
-                await stop_when_runners_gone(run, store, pool, self.runner)
+                await stop_when_runners_gone(run, store, runners, self.runner)
             else:
                 algo.run(train_dataset=train, val_dataset=val)
         finally:

@@ -1,57 +1,98 @@
 """What stops a training run early: its runners gone while rollouts wait (``NoRunnersError``), or
 most calls through its LLM proxy failing (``LLMUnavailableError``). ``Trainer`` wraps the
-algorithm's run in both."""
+algorithm's run in both, for its runner processes (``"cs"``) and its runner threads (``"shm"``)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from collections.abc import Coroutine
+import time
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from eventlight.core.errors import LLMUnavailableError, NoRunnersError
-from eventlight.store.liveness import LIVE_HEARTBEAT_S, waiting_without_workers
+from eventlight.store.liveness import LIVE_HEARTBEAT_S, QUEUED_STATUSES, is_alive, waiting_without_workers
+from eventlight.trainer_strategies import RunnerThreads
 
 if TYPE_CHECKING:
     from eventlight.llm_proxy import LLMProxy
     from eventlight.runner import LitAgentRunner
     from eventlight.runner_pool import RunnerPool
 
-__all__ = ["RUNNERS_CHECK_S", "stop_when_llm_fails", "stop_when_runners_gone"]
+__all__ = ["RUNNERS_CHECK_S", "RUNNER_THREADS_CHECK_S", "stop_when_llm_fails", "stop_when_runners_gone"]
 
 log = logging.getLogger("eventlight.trainer")
 
 
 RUNNERS_CHECK_S = 10.0
-"""Seconds between the trainer's checks that its runners are alive while rollouts wait."""
+"""Seconds between the trainer's checks that its runner processes are alive while rollouts wait."""
+RUNNER_THREADS_CHECK_S = 0.5
+"""Seconds between the checks that some of the ``"shm"`` runner threads still run (a cheap test)."""
 DEFAULT_HEARTBEAT_S = 10.0  # LitAgentRunner's default heartbeat_interval
 
 
 async def stop_when_runners_gone(
-    run: Coroutine[Any, Any, Any], store: Any, pool: RunnerPool | None, runner: LitAgentRunner | None
+    run: Coroutine[Any, Any, Any],
+    store: Any,
+    runners: RunnerPool | RunnerThreads | None,
+    runner: LitAgentRunner | None,
 ) -> None:
     """Await ``run``; cancel it and raise ``NoRunnersError`` when rollouts wait and none of the
-    runners this trainer started is alive (``waiting_without_workers``: no heartbeat within
-    ``max(LIVE_HEARTBEAT_S, 3 heartbeats)``, while some of its processes are down). Checked every
+    runners this trainer started is alive.
+
+    Runner processes (``RunnerPool``, ``"cs"``): ``waiting_without_workers`` (no heartbeat within
+    ``max(LIVE_HEARTBEAT_S, 3 heartbeats)``) while some of its processes are down; checked every
     ``RUNNERS_CHECK_S`` after that much grace; not when the runners are elsewhere (role
-    ``algorithm``) or send no heartbeats."""
+    ``algorithm``, ``runners`` None) or send no heartbeats. Runner threads (``RunnerThreads``,
+    ``"shm"``): every thread has stopped (each stops for good at its ``max_rollouts`` or on an
+    error) and no other worker of the store sent a heartbeat within ``LIVE_HEARTBEAT_S``; checked
+    every ``RUNNER_THREADS_CHECK_S``.
+
+    Raises:
+        NoRunnersError: As above; the run was cancelled.
+    """
+    if isinstance(runners, RunnerThreads):
+        await _stop_when(run, lambda: _threads_gone(store, runners))
+        return
     beats = runner.heartbeat_interval if runner is not None else DEFAULT_HEARTBEAT_S
-    if pool is None or beats <= 0:
+    if runners is None or beats <= 0:
         await run
         return
-    live_s = max(LIVE_HEARTBEAT_S, 3 * beats)
+    await _stop_when(run, lambda: _pool_gone(store, runners, max(LIVE_HEARTBEAT_S, 3 * beats)))
 
-    async def watch() -> str:
-        await asyncio.sleep(live_s)
-        while True:
-            message = await waiting_without_workers(store, live_s=live_s)
-            if message is not None and pool.alive() < len(pool.procs):
-                return f"{message} ({pool.alive()} of {len(pool.procs)} runner processes up, {pool.restarts} restarts)"
-            await asyncio.sleep(RUNNERS_CHECK_S)
 
+async def _pool_gone(store: Any, pool: RunnerPool, live_s: float) -> str:
+    await asyncio.sleep(live_s)
+    while True:
+        message = await waiting_without_workers(store, live_s=live_s)
+        if message is not None and pool.alive() < len(pool.procs):
+            return f"{message} ({pool.alive()} of {len(pool.procs)} runner processes up, {pool.restarts} restarts)"
+        await asyncio.sleep(RUNNERS_CHECK_S)
+
+
+async def _threads_gone(store: Any, threads: RunnerThreads) -> str:
+    while True:
+        if threads.alive() == 0:
+            waiting = (await store.query_rollouts(status_in=list(QUEUED_STATUSES), limit=1)).total
+            if waiting > 0:
+                now = time.time()
+                others = [w for w in await store.query_workers() if w.worker_id not in threads.worker_ids]
+                if not any(is_alive(w, now, LIVE_HEARTBEAT_S) for w in others):
+                    limit = threads.template.max_rollouts
+                    why = "on an error" if limit is None else f"after max_rollouts={limit}, or on an error"
+                    return (
+                        f"{waiting} rollout(s) wait in the queue and no runner is alive: the "
+                        f"{len(threads.threads)} runner thread(s) of this trainer have stopped ({why}: see "
+                        f"the log) and no other runner sent a heartbeat in the last {LIVE_HEARTBEAT_S:.0f} s"
+                    )
+        await asyncio.sleep(RUNNER_THREADS_CHECK_S)
+
+
+async def _stop_when(run: Coroutine[Any, Any, Any], gone_check: Callable[[], Awaitable[str]]) -> None:
+    """Await ``run``, unless ``gone_check()`` returns first: then cancel ``run`` and raise ``NoRunnersError``."""
     task = asyncio.ensure_future(run)
-    gone = asyncio.ensure_future(watch())
+    gone = asyncio.ensure_future(gone_check())
     try:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
         if task.done():

@@ -11,7 +11,7 @@
   The sides meet through NATS and Postgres (``EVENTLIGHT_NATS_URL``, ``EVENTLIGHT_PG_DSN``,
   ``EVENTLIGHT_NAMESPACE``), on one machine or several;
 * ``SharedMemoryExecutionStrategy``: ``run_shared_memory`` runs the algorithm on this thread and
-  ``n_runners`` runner threads, each with its own event loop, on one store.
+  ``n_runners`` runner threads (``RunnerThreads``), each with its own event loop, on one store.
 """
 
 from __future__ import annotations
@@ -32,13 +32,21 @@ from eventlight.execution import (
     ExecutionStrategyRegistry,
     SharedMemoryExecutionStrategy,
 )
-from eventlight.runner import Hook, LitAgentRunner
+from eventlight.runner import Hook, LitAgentRunner, worker_name
 from eventlight.runner_pool import RunnerPool
 from eventlight.store.threaded import LightningStoreThreaded
 
 log = logging.getLogger(__name__)
 
-__all__ = ["resolve_strategy", "run_event_loop", "run_shared_memory", "serve_runner_role", "wait_for_pool"]
+__all__ = [
+    "RunnerThreads",
+    "resolve_strategy",
+    "run_event_loop",
+    "run_shared_memory",
+    "serve_runner_role",
+    "shared_store",
+    "wait_for_pool",
+]
 
 POOL_CHECK_S = 0.5
 
@@ -135,60 +143,84 @@ def _runner_copy(template: LitAgentRunner) -> LitAgentRunner:
     )
 
 
-def _runner_thread(
-    template: LitAgentRunner, agent: LitAgent[Any], hooks: Sequence[Hook], store: Any, index: int, stop: threading.Event
-) -> None:
-    runner = _runner_copy(template)
+class RunnerThreads:
+    """The runner threads of ``"shm"``: ``n`` copies of ``template``, each on its own event loop, on ``store``.
 
-    async def main() -> None:
-        with runner.run_context(agent=agent, store=store, hooks=hooks, worker_id=index):
-            await runner.iter(event=stop)
+    Args:
+        n: Threads (``Worker-0`` .. ``Worker-<n-1>`` of this process, ``worker_name``).
+        template: The runner whose tracer and settings each copy takes.
+        agent, hooks: What each copy runs.
+        store: The store they share (``shared_store``).
 
-    try:
-        run_event_loop(main())
-    except Exception:
-        log.exception("runner thread %d failed", index)
+    Attributes:
+        worker_ids: The worker ids the threads' runners use in the store.
+    """
+
+    def __init__(
+        self, n: int, template: LitAgentRunner, agent: LitAgent[Any], hooks: Sequence[Hook], store: Any
+    ) -> None:
+        self.template = template
+        self.stop_event = threading.Event()
+        self.threads = [
+            threading.Thread(target=self._run, args=(agent, hooks, store, i), name=f"eventlight-runner-{i}")
+            for i in range(n)
+        ]
+        self.worker_ids = frozenset(worker_name(i) for i in range(n))
+
+    def _run(self, agent: LitAgent[Any], hooks: Sequence[Hook], store: Any, index: int) -> None:
+        runner = _runner_copy(self.template)
+
+        async def main() -> None:
+            with runner.run_context(agent=agent, store=store, hooks=hooks, worker_id=index):
+                await runner.iter(event=self.stop_event)
+
+        try:
+            run_event_loop(main())
+        except Exception:
+            log.exception("runner thread %d failed", index)
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+        log.info("shared memory: %d runner threads", len(self.threads))
+
+    def alive(self) -> int:
+        """Threads still running (one that stopped, at its ``max_rollouts`` or on an error, is gone for good)."""
+        return sum(t.is_alive() for t in self.threads)
+
+    def join(self) -> None:
+        """Wait until every thread stopped on its own."""
+        for t in self.threads:
+            t.join()
+
+    def stop(self, join_timeout_s: float) -> None:
+        """Tell the threads to stop and wait up to ``join_timeout_s`` for each."""
+        self.stop_event.set()
+        for t in self.threads:
+            t.join(timeout=join_timeout_s)
+            if t.is_alive():
+                log.warning("runner thread %s still running %.0f s after the stop", t.name, join_timeout_s)
 
 
 def run_shared_memory(
-    strategy: SharedMemoryExecutionStrategy,
-    store: Any,
-    agent: LitAgent[Any],
-    runner: LitAgentRunner,
-    hooks: Sequence[Hook],
-    algorithm: Coroutine[Any, Any, None] | None,
+    strategy: SharedMemoryExecutionStrategy, threads: RunnerThreads, algorithm: Coroutine[Any, Any, None] | None
 ) -> None:
-    """``"shm"``: ``strategy.n_runners`` runner threads on ``store`` and ``algorithm`` on this thread.
+    """``"shm"``: start ``threads`` and run ``algorithm`` on this thread.
 
-    ``store`` is wrapped in ``LightningStoreThreaded`` when ``strategy.managed_store`` (any thread
-    and loop may call it); ``algorithm`` is a coroutine function's call on the store the caller
-    passes in (``None``: the runners work until each finished ``max_rollouts``, or Ctrl+C). When it
-    ends, or fails, the runners are stopped and joined (``join_timeout`` each).
+    ``algorithm`` is a coroutine function's call on the store the threads share (``None``: the
+    runners work until each finished ``max_rollouts``, or Ctrl+C). When it ends, or fails, the
+    threads are stopped and joined (``strategy.join_timeout`` each).
     """
-    stop = threading.Event()
-    threads = [
-        threading.Thread(
-            target=_runner_thread, args=(runner, agent, hooks, store, i, stop), name=f"eventlight-runner-{i}"
-        )
-        for i in range(strategy.n_runners)
-    ]
-    for t in threads:
-        t.start()
-    log.info("shared memory: %d runner threads", len(threads))
+    threads.start()
     try:
         if algorithm is not None:
             run_event_loop(algorithm)
         else:
-            for t in threads:
-                t.join()
+            threads.join()
     finally:
         if algorithm is not None:
             algorithm.close()  # never awaited if the loop failed to start: no warning
-        stop.set()
-        for t in threads:
-            t.join(timeout=strategy.join_timeout)
-            if t.is_alive():
-                log.warning("runner thread %s still running %.0f s after the stop", t.name, strategy.join_timeout)
+        threads.stop(strategy.join_timeout)
 
 
 def shared_store(strategy: SharedMemoryExecutionStrategy, store: Any) -> Any:

@@ -240,3 +240,25 @@ def test_a_jetstream_store_after_its_asyncio_run_ended_fails_at_once(services: t
     finally:
         fixture_loop.run_until_complete(namespace_cm.__aexit__(None, None, None))
         fixture_loop.close()
+
+
+def test_memory_store_waits_from_one_event_loop_after_another() -> None:
+    """A wait (an idle ``dequeue_rollout``'s long poll, ``wait_for_rollouts``) from a later loop
+    works although an earlier loop waited on the same store (asyncio's events bind to one loop):
+    Trainer's "shm" runs each on a fresh loop around one store."""
+    store = InMemoryLightningStore()
+
+    async def first() -> str:
+        assert await store.dequeue_rollout(wait_s=0.05) is None
+        r = await store.enqueue_rollout("x")
+        assert await store.wait_for_rollouts(rollout_ids=[r.rollout_id], timeout=0.05) == []
+        return r.rollout_id
+
+    rid = asyncio.run(first())
+
+    async def second() -> None:
+        assert await store.wait_for_rollouts(rollout_ids=[rid], timeout=0.05) == []
+        assert await store.dequeue_rollout(wait_s=0.05) is not None
+        assert await store.dequeue_rollout(wait_s=0.05) is None
+
+    asyncio.run(second())

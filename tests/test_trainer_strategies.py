@@ -9,8 +9,10 @@ and the ``AGL_*`` variables; ``"shm"`` (runner threads on an in-memory store) wi
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ from typing import Any
 import pytest
 
 import eventlight as agl
+from eventlight.core.errors import InvalidInputError, InvalidTypeError
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.trainer_strategies import resolve_strategy
@@ -90,6 +93,33 @@ def test_bad_strategy_specs_raise() -> None:
         agl.Trainer(store=agl.InMemoryLightningStore(), algorithm=agl.Baseline()).fit(score_length, TASKS)
 
 
+@pytest.mark.parametrize("bad", [0, -2, 1.5, "2", True])
+def test_a_bad_n_runners_is_refused_at_construction(bad: Any) -> None:
+    """``n_runners=0`` became 1, ``-2`` started no runner (the run hung; plain ``"shm"`` blamed
+    ``main_thread``), ``1.5``, ``"2"`` and ``True`` were kept as given: each is refused now, from
+    the trainer, a strategy spec or a strategy class."""
+    error = InvalidTypeError if isinstance(bad, bool) or not isinstance(bad, int) else InvalidInputError
+    for spec in (None, "cs", "shm", {"type": "shm", "main_thread": "algorithm"}):
+        with pytest.raises(error, match=r"n_runners must be a whole number >= 1, got"):
+            agl.Trainer(n_runners=bad, strategy=spec)
+    for kind in ("shm", "cs"):
+        with pytest.raises(error, match=r"n_runners must be a whole number >= 1, got"):
+            agl.Trainer(
+                strategy={"type": kind, "n_runners": bad, "main_thread": "algorithm"}
+                if kind == "shm"
+                else {"type": kind, "n_runners": bad}
+            )
+    with pytest.raises(error, match="n_runners"):
+        agl.SharedMemoryExecutionStrategy(n_runners=bad, main_thread="algorithm")
+    with pytest.raises(error, match="n_runners"):
+        agl.ClientServerExecutionStrategy(n_runners=bad)
+
+
+def test_n_runners_defaults_to_one_as_in_agent_lightning() -> None:
+    assert agl.Trainer().n_runners == 1 and agl.Trainer(strategy="shm").n_runners == 1
+    assert agl.Trainer(n_runners=None, strategy={"type": "shm", "main_thread": "algorithm"}).n_runners == 1
+
+
 # -- shared memory -------------------------------------------------------------------------------
 
 
@@ -129,6 +159,58 @@ def test_shm_fit_with_an_algo_function_and_max_rollouts() -> None:
     agl.Trainer(algorithm=one_by_one, strategy="shm", max_rollouts=5, store=store).fit(score_length, TASKS)
     assert seen == ["succeeded"] * 3
     assert len(asyncio.run(_rewards(store))) == 3
+
+
+def test_shm_trainer_store_is_usable_before_between_and_after_runs(caplog: pytest.LogCaptureFixture) -> None:
+    """0.3.0 builds ``Trainer.store`` (``InMemoryLightningStore()``) in ``__init__``: it is there
+    before ``fit``, stays readable after, and a second ``dev`` / ``fit`` runs on it (each run's
+    ``LightningStoreThreaded`` wrapper was left as ``trainer.store``, closed, and the next run failed)."""
+    trainer = agl.Trainer(
+        algorithm=agl.Baseline(),
+        strategy={"type": "shm", "n_runners": 2, "main_thread": "algorithm"},
+        initial_resources={"prompt_template": PROMPT},
+    )
+    store = trainer.store
+    assert isinstance(store, agl.InMemoryLightningStore)
+    trainer.dev(score_length, TASKS[:1])
+    assert trainer.store is store and len(asyncio.run(_rewards(store))) == 1
+    with caplog.at_level(logging.WARNING, logger="eventlight.runner"):
+        trainer.fit(score_length, TASKS[1:2], val_dataset=TASKS[2:])
+    assert not [r.getMessage() for r in caplog.records if r.name.startswith("eventlight.runner")]
+    assert trainer.store is store
+    assert asyncio.run(_rewards(store)) == {t: float(len(PROMPT.format(any_question=t))) for t in TASKS}
+
+
+@pytest.mark.parametrize("main_thread", ["algorithm", "runner"])
+def test_shm_stops_with_a_clear_error_once_its_runner_threads_stopped_and_rollouts_wait(main_thread: str) -> None:
+    """One runner thread with ``max_rollouts=1`` and two tasks: it stops after the first rollout,
+    and ``Baseline`` waited for the second for ever (no guard watched the threads). Now the
+    trainer raises ``NoRunnersError`` as it does when its runner processes are gone."""
+    trainer = agl.Trainer(
+        strategy={"type": "shm", "main_thread": main_thread},
+        n_runners=1,
+        max_rollouts=1,
+        initial_resources={"prompt_template": PROMPT},
+    )
+    outcome: list[BaseException | None] = []
+
+    def dev() -> None:
+        try:
+            trainer.dev(score_length, TASKS[:2])
+            outcome.append(None)
+        except BaseException as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=dev, daemon=True)  # a daemon: a hang fails the test, not the session
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "Trainer.dev still waits for a rollout no runner will take"
+    [error] = outcome
+    assert isinstance(error, agl.NoRunnersError), repr(error)
+    assert "1 rollout(s) wait in the queue and no runner is alive" in str(error), str(error)
+    assert "runner thread" in str(error) and "max_rollouts=1" in str(error), str(error)
+    rollouts = asyncio.run(trainer.store.query_rollouts())
+    assert sorted(r.status for r in rollouts) == ["queuing", "succeeded"]
 
 
 # -- client-server -------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ events (``MemoryEventLog.events``); the read model is their fold by the projecto
 the running event loop: from ``start()`` (``async with``), or else from the first store call made
 inside a running loop, so a store used without ``async with`` (as Agent-lightning 0.3.0's is) still
 enforces ``timeout_seconds`` and ``unresponsive_seconds``. A store used from a later loop (a second
-``asyncio.run``) starts it again there; ``close()`` stops it for good.
+``asyncio.run``) starts it again there, and its waits (an idle ``dequeue_rollout``,
+``wait_for_rollouts``) wait on that loop (``signal.Signal``); ``close()`` stops the watchdog for good.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from eventlight.core.events import (
 )
 from eventlight.core.evolve import evolve
 from eventlight.core.types import ResourcesUpdate, Span
+from eventlight.store.memory.signal import Signal
 from eventlight.store.ports import SpanHead, StaleStateError
 from eventlight.store.validate import check_span_ids_left
 
@@ -78,8 +79,8 @@ class MemoryEventLog:
         self._latest_resources: str | None = None
         self._latest_resources_seq = 0
         self._subscribers: list[Subscriber] = []
-        self._queued = asyncio.Event()
-        self._appended = asyncio.Event()
+        self._queued = Signal()
+        self._appended = Signal()
         self.durables: dict[str, tuple[int, int]] = {}
         """Subscriptions' durable names -> (acknowledged position, delivered position)."""
 
@@ -104,11 +105,11 @@ class MemoryEventLog:
             self._latest_resources_seq = seq
         for subscriber in self._subscribers:
             subscriber(seq, event)
-        appended, self._appended = self._appended, asyncio.Event()
+        appended, self._appended = self._appended, Signal()
         appended.set()
         return seq
 
-    def appended(self) -> asyncio.Event:
+    def appended(self) -> Signal:
         """An event set at the next append."""
         return self._appended
 

@@ -26,6 +26,7 @@ from eventlight.core.types import (
 )
 from eventlight.store import query as q
 from eventlight.store.fold import Changes, fold_batch, in_flight
+from eventlight.store.memory.signal import Signal
 
 
 class MemoryReadModel:
@@ -39,7 +40,7 @@ class MemoryReadModel:
         self.resources: dict[str, ResourcesUpdate] = {}
         self.workers: dict[str, Worker] = {}
         self.checkpoint = 0
-        self._changed = asyncio.Event()
+        self._changed = Signal()
 
     # -- projection ------------------------------------------------------------------------
 
@@ -68,7 +69,7 @@ class MemoryReadModel:
         self.workers.update(b.workers)
         self.checkpoint = b.last_seq
         self._changed.set()
-        self._changed = asyncio.Event()
+        self._changed = Signal()
 
     def in_flight(self) -> list[tuple[str, RolloutState, int]]:
         """``(rollout_id, state, version)`` of the rollouts the watchdog watches."""
