@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import asyncpg
 import pytest
 
 import eventlight
 from eventlight.core.errors import InvalidInputError
-from eventlight.logreplay.rebuild import rebuild
+from eventlight.logreplay import rebuild as rebuild_module
+from eventlight.logreplay.rebuild import RebuildReport, rebuild
 from eventlight.logreplay.transfer import export_log, import_log
 from eventlight.ops import Services
 from eventlight.settings import Settings
@@ -54,6 +59,48 @@ async def test_rebuild_compares_equal_and_swaps_only_without_a_projector(namespa
             assert len(await store.query_rollouts()) == 3
     finally:
         await _drop(dsn, report.swapped_out or "", f"{namespace.pg_schema}_rebuild")
+
+
+async def test_a_second_rebuild_of_a_namespace_is_refused_while_one_runs(namespace: Settings) -> None:
+    """Both used ``<schema>_rebuild``: one dropped and refilled it under the other
+    (``relation ..._rebuild.schema_migrations does not exist``, a reviewer)."""
+    dsn = namespace.pg_dsn
+    assert dsn is not None
+    async with JetStreamLightningStore(namespace, pg_dsn=dsn) as store:
+        await test_rebuild.workload(store)
+    results = await asyncio.gather(*(rebuild(namespace, dsn, swap=True) for _ in range(2)), return_exceptions=True)
+    reports = [r for r in results if isinstance(r, RebuildReport)]
+    try:
+        refused = [r for r in results if not isinstance(r, RebuildReport)]
+        assert len(reports) == 1 and reports[0].same and reports[0].swapped_out is not None, results
+        assert len(refused) == 1 and isinstance(refused[0], InvalidInputError), results
+        assert str(refused[0]) == (
+            f"another rebuild of schema {namespace.pg_schema} is running (it holds the rebuild lock): "
+            "wait for it to finish"
+        )
+        assert (await rebuild(namespace, dsn)).same  # the lock went with the first one's connection
+    finally:
+        await _drop(dsn, *(r.swapped_out or "" for r in reports), f"{namespace.pg_schema}_rebuild")
+
+
+async def test_two_swaps_within_one_second_keep_both_replaced_schemas(namespace: Settings, monkeypatch: Any) -> None:
+    """The replaced schema was named by the second alone, so a second swap in that second failed."""
+    dsn = namespace.pg_dsn
+    assert dsn is not None
+    async with JetStreamLightningStore(namespace, pg_dsn=dsn) as store:
+        await test_rebuild.workload(store)
+    frozen = SimpleNamespace(time=lambda: 1_900_000_000.0, perf_counter=time.perf_counter)
+    monkeypatch.setattr(rebuild_module, "time", frozen)
+    names: list[str] = []
+    try:
+        for _ in range(2):
+            report = await rebuild(namespace, dsn, swap=True)
+            assert report.same and report.swapped_out is not None
+            names.append(report.swapped_out)
+        prefix = f"{namespace.pg_schema}_replaced_"
+        assert names == [f"{prefix}1900000000", f"{prefix}1900000001"]
+    finally:
+        await _drop(dsn, *names, f"{namespace.pg_schema}_rebuild")
 
 
 def test_cli_rebuild_prints_the_comparison(namespace: Settings) -> None:
