@@ -15,7 +15,7 @@ import eventlight
 from eventlight.core.errors import InvalidInputError
 from eventlight.logreplay import rebuild as rebuild_module
 from eventlight.logreplay.rebuild import RebuildReport, rebuild
-from eventlight.logreplay.transfer import export_log, import_log
+from eventlight.logreplay.transfer import ImportReport, export_log, import_log
 from eventlight.ops import Services
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
@@ -119,9 +119,10 @@ async def test_export_then_import_twice_appends_once(
     assert (await export_log(namespace, part, 0, total // 2))[0] == total // 2
     assert (await export_log(namespace, whole, 0, None))[0] == total
     async with fresh_namespace(services) as other:
-        assert await import_log(other, part) == (total // 2, 0)
-        assert await import_log(other, whole) == (total - total // 2, total // 2)  # only the rest
-        assert await import_log(other, whole) == (0, total)  # twice: nothing
+        assert await import_log(other, part) == ImportReport(appended=total // 2)
+        rest = ImportReport(appended=total - total // 2, present=total // 2)
+        assert await import_log(other, whole) == rest  # only the rest
+        assert await import_log(other, whole) == ImportReport(present=total)  # twice: nothing
         async with JetStreamLightningStore(other) as store:
             assert await test_rebuild.last_seq(store) == total
         a = [r async for r in eventlight.replay(namespace, adapter="messages")]
@@ -169,4 +170,30 @@ async def test_an_import_with_a_bad_entry_appends_nothing(
             await import_log(other, tampered)
         async with JetStreamLightningStore(other) as store:
             assert await test_rebuild.last_seq(store) == 0  # nothing appended
-        assert await import_log(other, good) == (entries, 0)  # the file as exported still imports
+        assert await import_log(other, good) == ImportReport(appended=entries)  # the file as exported imports
+
+
+async def test_entries_that_are_not_events_refuse_the_file_or_are_skipped_and_counted(
+    namespace: Settings, services: tuple[Settings, Services], tmp_path: Path
+) -> None:
+    """A reviewer: a message that is not an eventlight event (dead-lettered by the projector) is
+    exported like the rest, and the file then imported nothing, saying nothing of how many."""
+    async with JetStreamLightningStore(namespace) as store:
+        await workload(store)
+        seq = (await store.log.js.publish(f"{namespace.subject_prefix}.r.ro-garbage.q", b"not json at all")).seq
+        await store.update_worker("w-after", {"cpu": 1})
+    out = tmp_path / "log.jsonl"
+    n = (await export_log(namespace, out, 0, None))[0]
+    async with fresh_namespace(services) as other:
+        with pytest.raises(
+            InvalidInputError, match=f"position {seq} .* 1 of the {n} entries are not eventlight events"
+        ):
+            await import_log(other, out)
+        assert await import_log(other, out, skip_non_events=True) == ImportReport(appended=n - 1, skipped=[seq])
+        assert await import_log(other, out, skip_non_events=True) == ImportReport(present=n - 1, skipped=[seq])
+        env = env_of(other)
+        result = cli("import", str(out), env=env)
+        assert result.returncode != 0 and "--skip-non-events" in result.stderr, result.stdout
+        result = cli("import", "--skip-non-events", str(out), env=env)
+        assert result.returncode == 0 and f"0 entries appended, {n - 1} already present" in result.stdout
+        assert f"1 entries that are not eventlight events (log positions {seq})" in result.stderr

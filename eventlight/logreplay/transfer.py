@@ -5,13 +5,16 @@ then one entry a line, ``{"seq", "subject", "data"}``, with ``subject`` below ``
 payload embedded verbatim (``data_b64`` for one that is not JSON), so an import appends exactly the
 bytes the source holds, old event shapes included (readers upcast them).
 
-Import appends the entries in file order under the target's prefix, each with ``Nats-Msg-Id``
-set to a digest of its subject and payload (JetStream drops a repeat inside its duplicate window).
-Past the window, what the target already holds is found per aggregate (a rollout's subject tree,
-an attempt's span subject, a resources id, a worker): an aggregate the target lacks is appended
-whole without a look; for one it has, the digests of its stored messages are read once and
-entries already there are skipped. So importing the same file twice appends nothing the second
-time, and importing into a namespace that already holds part of the slice appends only the rest.
+Import checks every entry first: an entry that is not an eventlight event (a message the source's
+projector dead-lettered, an event of a newer eventlight) refuses the file, saying how many there
+are, unless ``skip_non_events`` leaves them out and counts them. It appends the rest in file order
+under the target's prefix, each with ``Nats-Msg-Id`` set to a digest of its subject and payload
+(JetStream drops a repeat inside its duplicate window). Past the window, what the target already
+holds is found per aggregate (a rollout's subject tree, an attempt's span subject, a resources id,
+a worker): an aggregate the target lacks is appended whole without a look; for one it has, the
+digests of its stored messages are read once and entries already there are skipped. So importing
+the same file twice appends nothing the second time, and importing into a namespace that already
+holds part of the slice appends only the rest.
 """
 
 from __future__ import annotations
@@ -100,12 +103,19 @@ def _digest(subject: str, data: bytes) -> str:
     return hashlib.sha256(subject.encode() + b"\x00" + data).hexdigest()[:40]
 
 
-def read_export(path: Path) -> tuple[dict[str, Any], list[_Entry]]:
-    """The header and entries of an export file.
+def read_export(path: Path, *, skip_non_events: bool = False) -> tuple[dict[str, Any], list[_Entry], list[_Entry]]:
+    """The header, the entries and the entries left out (``skip_non_events``) of an export file.
+
+    Args:
+        path: A file ``eventlight export`` wrote.
+        skip_non_events: Leave out, instead of refusing the file for, entries this eventlight does
+            not read as events (a message the source's projector dead-lettered, an event of a newer
+            eventlight); they are returned third.
 
     Raises:
-        InvalidInputError: Not a file ``eventlight export`` wrote, or an entry that is not an event
-            of this eventlight on its layout subject (checked for every entry before any is used).
+        InvalidInputError: Not a file ``eventlight export`` wrote, an entry on a subject the layout
+            does not give its event, or (without ``skip_non_events``) an entry that is not an event
+            of this eventlight, saying how many there are (every entry is checked before any is used).
     """
     with path.open("rb") as f:
         lines = f.read().splitlines()
@@ -116,17 +126,33 @@ def read_export(path: Path) -> tuple[dict[str, Any], list[_Entry]]:
         entries = [_entry.decode(line) for line in lines[1:] if line.strip()]
     except msgspec.DecodeError as e:
         raise InvalidInputError(f"{path} is not an eventlight export: {e}") from e
+    kept: list[_Entry] = []
+    left_out: list[tuple[_Entry, InvalidInputError]] = []
     for entry in entries:
-        _check(path, entry)
-    return header, entries
+        why = _check(path, entry)
+        if why is None:
+            kept.append(entry)
+        else:
+            left_out.append((entry, why))
+    if left_out and not skip_non_events:
+        first = left_out[0][1]
+        raise InvalidInputError(
+            f"{first}; {len(left_out)} of the {len(entries)} entries are not eventlight events this version reads "
+            "(dead-lettered in the source, or from a newer eventlight): `eventlight import --skip-non-events` "
+            "imports the others and counts these"
+        ) from first.__cause__
+    return header, kept, [entry for entry, _ in left_out]
 
 
-def _check(path: Path, entry: _Entry) -> None:
+def _check(path: Path, entry: _Entry) -> InvalidInputError | None:
     """An entry must hold an event this eventlight reads (older shapes upcast) on the subject the
     layout gives it, so an import appends nothing the projector would dead-letter.
 
+    Returns:
+        ``None``, or why the entry is not an event this eventlight reads (naming its log position).
+
     Raises:
-        InvalidInputError: Naming the entry's log position and what is wrong.
+        InvalidInputError: An event on another subject than the layout gives it.
     """
     from eventlight.core.events import decode_event
     from eventlight.store.jetstream.layout import subject_for
@@ -136,17 +162,33 @@ def _check(path: Path, entry: _Entry) -> None:
         event = decode_event(entry.payload())
     except (InvalidInputError, ValueError) as e:  # ValueError: bad base64
         why = str(e) if isinstance(e, InvalidInputError) else f"not an eventlight event: {e}"  # says it once
-        raise InvalidInputError(f"{where}: {why}") from e
+        not_an_event = InvalidInputError(f"{where}: {why}")
+        not_an_event.__cause__ = e
+        return not_an_event
     expected = subject_for("", event)[1:]  # "r.<rid>.q", "s.<rid>.<aid>", "res.<id>", "w.<id>"
     if entry.subject != expected:
         raise InvalidInputError(f"{where} holds a {type(event).__name__} that belongs on {expected}")
+    return None
 
 
-async def import_log(settings: Settings, path: Path) -> tuple[int, int]:
+class ImportReport(msgspec.Struct, kw_only=True):
+    """What ``import_log`` did."""
+
+    appended: int = 0
+    present: int = 0
+    """Entries the namespace already held."""
+    skipped: list[int] = msgspec.field(default_factory=list)
+    """The source log positions of entries left out as not eventlight events (``skip_non_events``)."""
+
+
+async def import_log(settings: Settings, path: Path, *, skip_non_events: bool = False) -> ImportReport:
     """Append an export file's entries to the namespace's log, skipping those it holds.
 
-    Returns:
-        ``(entries appended, entries already there)``.
+    Args:
+        settings: The target namespace, with ``nats_url`` set.
+        path: A file ``eventlight export`` wrote.
+        skip_non_events: Leave out (and count) entries that are not eventlight events instead of
+            refusing the file.
 
     Raises:
         InvalidInputError: Not an export file, or an entry that is not an event on its subject
@@ -157,10 +199,10 @@ async def import_log(settings: Settings, path: Path) -> tuple[int, int]:
     from eventlight.store.jetstream.log import JetStreamEventLog
     from eventlight.store.jetstream.nats_errors import nats_errors
 
-    _, entries = read_export(path)
+    _, entries, left_out = read_export(path, skip_non_events=skip_non_events)
+    report = ImportReport(skipped=[e.seq for e in left_out])
     assert settings.nats_url is not None
     nc = await connect_nats(settings.nats_url, auth=settings.nats_auth, name="eventlight-import")
-    added = present = 0
     try:
         log_ = JetStreamEventLog(nc, settings, None)
         held: dict[str, set[str]] = {}
@@ -171,19 +213,19 @@ async def import_log(settings: Settings, path: Path) -> tuple[int, int]:
                 held[agg] = await _held(log_, agg)
             digest = _digest(e.subject, data)
             if digest in held[agg]:
-                present += 1
+                report.present += 1
                 continue
             subject = f"{log_.prefix}.{e.subject}"
             with nats_errors(log_.server, f"publish to {subject}"):
                 ack = await log_.js.publish(subject, data, headers={"Nats-Msg-Id": f"import:{digest}"})
             held[agg].add(digest)
             if ack.duplicate:
-                present += 1
+                report.present += 1
             else:
-                added += 1
+                report.appended += 1
     finally:
         await nc.close()
-    return added, present
+    return report
 
 
 async def _held(log_: Any, aggregate: str) -> set[str]:
