@@ -7,14 +7,22 @@ bytes the source holds, old event shapes included (readers upcast them).
 
 Import checks every entry first: an entry that is not an eventlight event (a message the source's
 projector dead-lettered, an event of a newer eventlight) refuses the file, saying how many there
-are, unless ``skip_non_events`` leaves them out and counts them. It appends the rest in file order
-under the target's prefix, each with ``Nats-Msg-Id`` set to a digest of its subject and payload
-(JetStream drops a repeat inside its duplicate window). Past the window, what the target already
-holds is found per aggregate (a rollout's subject tree, an attempt's span subject, a resources id,
+are, unless ``skip_non_events`` leaves them out and counts them. It then finds what the target
+already holds per aggregate (a rollout's subject tree, an attempt's span subject, a resources id,
 a worker): an aggregate the target lacks is appended whole without a look; for one it has, the
-digests of its stored messages are read once and entries already there are skipped. So importing
-the same file twice appends nothing the second time, and importing into a namespace that already
-holds part of the slice appends only the rest.
+digests of its stored messages are read once, and entries already there are skipped. It refuses the file,
+appending nothing, when a rollout's entries would not fold to the source's history appended after
+what the target holds: a rollout whose beginning (``RolloutCreated``) neither the target holds nor
+the file brings first (a slice that starts inside it), one the target holds a later entry of than
+an entry to append (by the file's order, or by the source position an earlier import recorded in
+the ``Eventlight-Imported`` header). The rest is appended in file order under
+the target's prefix, each with ``Nats-Msg-Id`` set to a digest of its subject and payload
+(JetStream drops a repeat inside its duplicate window) and ``Eventlight-Imported: <source
+namespace> <position>``. So importing the same file twice appends nothing the second time
+and importing into a namespace that holds a slice of the same log up to some
+position appends only the rest. Slices of one log go in in order: a slice that leaves a gap after
+what the target holds of a rollout is appended after it (the gap is not seen), and an import of
+the gap afterwards is refused.
 """
 
 from __future__ import annotations
@@ -31,6 +39,9 @@ from eventlight.settings import Settings
 
 FORMAT = 1
 
+
+IMPORTED = "Eventlight-Imported"
+"""The header of an imported message: ``<source namespace> <its position in the source's log>``."""
 
 _NO_DATA = msgspec.Raw(b"null")
 
@@ -191,34 +202,29 @@ async def import_log(settings: Settings, path: Path, *, skip_non_events: bool = 
             refusing the file.
 
     Raises:
-        InvalidInputError: Not an export file, or an entry that is not an event on its subject
-            (nothing is appended then).
+        InvalidInputError: Not an export file, an entry that is not an event on its subject, or
+            entries of a rollout that would not fold to the source's history in the namespace
+            (``_refuse_out_of_order``); nothing is appended then.
         ServiceUnavailableError: NATS cannot be reached or refused an append.
     """
     from eventlight.store.jetstream.connect import connect_nats
     from eventlight.store.jetstream.log import JetStreamEventLog
     from eventlight.store.jetstream.nats_errors import nats_errors
 
-    _, entries, left_out = read_export(path, skip_non_events=skip_non_events)
+    header, entries, left_out = read_export(path, skip_non_events=skip_non_events)
+    source = str(header.get("namespace", ""))
     report = ImportReport(skipped=[e.seq for e in left_out])
     assert settings.nats_url is not None
     nc = await connect_nats(settings.nats_url, auth=settings.nats_auth, name="eventlight-import")
     try:
         log_ = JetStreamEventLog(nc, settings, None)
-        held: dict[str, set[str]] = {}
-        for e in entries:
-            data = e.payload()
-            agg = _aggregate(e.subject)
-            if agg not in held:
-                held[agg] = await _held(log_, agg)
-            digest = _digest(e.subject, data)
-            if digest in held[agg]:
-                report.present += 1
-                continue
+        todo = await _plan(log_, path, entries, source)
+        report.present = len(entries) - len(todo)
+        for e, data, digest in todo:
             subject = f"{log_.prefix}.{e.subject}"
             with nats_errors(log_.server, f"publish to {subject}"):
-                ack = await log_.js.publish(subject, data, headers={"Nats-Msg-Id": f"import:{digest}"})
-            held[agg].add(digest)
+                headers = {"Nats-Msg-Id": f"import:{digest}", IMPORTED: f"{source} {e.seq}"}
+                ack = await log_.js.publish(subject, data, headers=headers)
             if ack.duplicate:
                 report.present += 1
             else:
@@ -228,10 +234,109 @@ async def import_log(settings: Settings, path: Path, *, skip_non_events: bool = 
     return report
 
 
-async def _held(log_: Any, aggregate: str) -> set[str]:
-    """Digests of the messages the log holds on an aggregate's subjects (none read if it has none)."""
+async def _plan(log_: Any, path: Path, entries: list[_Entry], source: str) -> list[tuple[_Entry, bytes, str]]:
+    """The entries to append, in file order, as ``(entry, payload, digest)``: those the namespace
+    does not hold, each once.
+
+    Raises:
+        InvalidInputError: See ``_refuse_out_of_order``.
+    """
+    held: dict[str, set[str]] = {}
+    imported_up_to: dict[str, int] = {}  # rollout -> the highest source position imported into it
+    for e in entries:
+        agg = _aggregate(e.subject)
+        if agg not in held:
+            held[agg], up_to = await _held(log_, agg, source)
+            if (rid := _rollout_id(e.subject)) is not None:
+                imported_up_to[rid] = max(imported_up_to.get(rid, 0), up_to)
+    todo: list[tuple[_Entry, bytes, str]] = []
+    by_rollout: dict[str, list[tuple[_Entry, bool]]] = {}  # its entries in file order: (entry, held)
+    for e in entries:
+        data = e.payload()
+        digest = _digest(e.subject, data)
+        agg, rid = _aggregate(e.subject), _rollout_id(e.subject)
+        is_held = digest in held[agg]
+        if not is_held:
+            held[agg].add(digest)  # a second copy in the file is present once the first is appended
+            todo.append((e, data, digest))
+        if rid is not None:
+            by_rollout.setdefault(rid, []).append((e, is_held))
+    await _refuse_out_of_order(log_, path, by_rollout, imported_up_to)
+    return todo
+
+
+def _rollout_id(subject: str) -> str | None:
+    """The rollout of an ``r.<rid>.*`` or ``s.<rid>.*`` subject (below the prefix), else ``None``."""
+    parts = subject.split(".")
+    return parts[1] if parts[0] in ("r", "s") and len(parts) >= 3 else None
+
+
+async def _refuse_out_of_order(
+    log_: Any,
+    path: Path,
+    rollouts: dict[str, list[tuple[_Entry, bool]]],
+    imported_up_to: dict[str, int],
+) -> None:
+    """Refuse the file when entries of a rollout, appended after what the namespace holds, would
+    not fold to the source's history:
+
+    - the namespace does not hold the rollout's beginning (its ``RolloutCreated``) and the file
+      does not bring it first (a slice that starts in the middle of the rollout: the projector
+      drops events of a rollout it does not know, and a later import of the beginning would land
+      after them);
+    - the namespace holds a later entry of the rollout than one the file would append: one the file
+      also has (an import of a slice that started inside the rollout, before such a slice was
+      refused), or one imported from a later position of the same source (``IMPORTED``: a slice
+      imported after a gap, and now the gap).
+
+    Raises:
+        InvalidInputError: Naming how many rollouts, the first one and its first entry to append.
+    """
+    from eventlight.core.events import RolloutCreated, decode_event
+
+    bad: dict[str, tuple[_Entry, str]] = {}
+    for rid, items in rollouts.items():
+        first_new = next((i for i, (_, is_held) in enumerate(items) if not is_held), None)
+        if first_new is None:
+            continue
+        entry = items[first_new][0]
+        if any(is_held for _, is_held in items[first_new:]) or entry.seq < imported_up_to.get(rid, 0):
+            bad[rid] = (entry, "has later entries in the namespace already (an earlier import of a later slice)")
+        elif not isinstance(decode_event(entry.payload()), RolloutCreated) and not await _begun(log_, rid):
+            bad[rid] = (entry, "begins before this file and the namespace does not hold its beginning")
+    if bad:
+        rid, (entry, why) = next(iter(bad.items()))
+        raise InvalidInputError(
+            f"{path}: nothing imported: {len(bad)} rollout(s) cannot be appended in order; rollout {rid} {why} "
+            f"(its entry at log position {entry.seq}, {entry.subject}). Import an export that starts before them "
+            "(an earlier --since, or the whole log), or the slices of one log in order"
+        )
+
+
+async def _begun(log_: Any, rollout_id: str) -> bool:
+    """Whether the namespace's first event of the rollout is its ``RolloutCreated``."""
+    from eventlight.core.events import RolloutCreated, decode_event
+
+    async for msg in log_._messages(f"{log_.prefix}.r.{rollout_id}.>"):
+        try:
+            return isinstance(decode_event(msg.data or b""), RolloutCreated)
+        except InvalidInputError:
+            return False
+    return False
+
+
+async def _held(log_: Any, aggregate: str, source: str) -> tuple[set[str], int]:
+    """Digests of the messages the hot stream holds on an aggregate's subjects (none read if it has
+    none), and the highest position of the ``source`` namespace's log imported among them (0: none)."""
     subject = f"{log_.prefix}.{aggregate}"
     if await log_._last_msg(subject) is None:
-        return set()
+        return set(), 0
     cut = len(log_.prefix) + 1
-    return {_digest(m.subject[cut:], m.data or b"") async for m in log_._messages(subject)}
+    digests: set[str] = set()
+    up_to = 0
+    async for m in log_._messages(subject):
+        digests.add(_digest(m.subject[cut:], m.data or b""))
+        origin, _, position = (m.headers or {}).get(IMPORTED, "").rpartition(" ")
+        if origin == source and position.isdigit():
+            up_to = max(up_to, int(position))
+    return digests, up_to
