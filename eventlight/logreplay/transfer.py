@@ -10,16 +10,17 @@ projector dead-lettered, an event of a newer eventlight) refuses the file, sayin
 are, unless ``skip_non_events`` leaves them out and counts them. It then finds what the target
 already holds per aggregate (a rollout's subject tree, an attempt's span subject, a resources id,
 a worker): an aggregate the target lacks is appended whole without a look; for one it has, the
-digests of its stored messages are read once, and entries already there are skipped. It refuses the file,
+digests of its stored messages are read once, and for a retired rollout those of its archived
+ones (one read of the archive), and entries already there are skipped. It refuses the file,
 appending nothing, when a rollout's entries would not fold to the source's history appended after
 what the target holds: a rollout whose beginning (``RolloutCreated``) neither the target holds nor
 the file brings first (a slice that starts inside it), one the target holds a later entry of than
 an entry to append (by the file's order, or by the source position an earlier import recorded in
-the ``Eventlight-Imported`` header). The rest is appended in file order under
+the ``Eventlight-Imported`` header), or a retired one. The rest is appended in file order under
 the target's prefix, each with ``Nats-Msg-Id`` set to a digest of its subject and payload
 (JetStream drops a repeat inside its duplicate window) and ``Eventlight-Imported: <source
 namespace> <position>``. So importing the same file twice appends nothing the second time
-and importing into a namespace that holds a slice of the same log up to some
+(retired or not), and importing into a namespace that holds a slice of the same log up to some
 position appends only the rest. Slices of one log go in in order: a slice that leaves a gap after
 what the target holds of a rollout is appended after it (the gap is not seen), and an import of
 the gap afterwards is refused.
@@ -187,7 +188,7 @@ class ImportReport(msgspec.Struct, kw_only=True):
 
     appended: int = 0
     present: int = 0
-    """Entries the namespace already held."""
+    """Entries the namespace already held (its hot stream, or its archive for a retired rollout)."""
     skipped: list[int] = msgspec.field(default_factory=list)
     """The source log positions of entries left out as not eventlight events (``skip_non_events``)."""
 
@@ -236,7 +237,7 @@ async def import_log(settings: Settings, path: Path, *, skip_non_events: bool = 
 
 async def _plan(log_: Any, path: Path, entries: list[_Entry], source: str) -> list[tuple[_Entry, bytes, str]]:
     """The entries to append, in file order, as ``(entry, payload, digest)``: those the namespace
-    does not hold, each once.
+    does not hold (its hot stream, or its archive for a retired rollout), each once.
 
     Raises:
         InvalidInputError: See ``_refuse_out_of_order``.
@@ -249,6 +250,10 @@ async def _plan(log_: Any, path: Path, entries: list[_Entry], source: str) -> li
             held[agg], up_to = await _held(log_, agg, source)
             if (rid := _rollout_id(e.subject)) is not None:
                 imported_up_to[rid] = max(imported_up_to.get(rid, 0), up_to)
+    ledger = await log_.retired.read()  # one read of the archive's ledger
+    retired = {rid for rid in _rollouts(entries) if rid in ledger}
+    for agg, digests in (await _archived(log_, retired) if retired else {}).items():
+        held.setdefault(agg, set()).update(digests)
     todo: list[tuple[_Entry, bytes, str]] = []
     by_rollout: dict[str, list[tuple[_Entry, bool]]] = {}  # its entries in file order: (entry, held)
     for e in entries:
@@ -261,7 +266,7 @@ async def _plan(log_: Any, path: Path, entries: list[_Entry], source: str) -> li
             todo.append((e, data, digest))
         if rid is not None:
             by_rollout.setdefault(rid, []).append((e, is_held))
-    await _refuse_out_of_order(log_, path, by_rollout, imported_up_to)
+    await _refuse_out_of_order(log_, path, by_rollout, retired, imported_up_to)
     return todo
 
 
@@ -271,10 +276,16 @@ def _rollout_id(subject: str) -> str | None:
     return parts[1] if parts[0] in ("r", "s") and len(parts) >= 3 else None
 
 
+def _rollouts(entries: list[_Entry]) -> list[str]:
+    """The rollouts the entries belong to, each once, in file order."""
+    return list(dict.fromkeys(rid for e in entries if (rid := _rollout_id(e.subject)) is not None))
+
+
 async def _refuse_out_of_order(
     log_: Any,
     path: Path,
     rollouts: dict[str, list[tuple[_Entry, bool]]],
+    retired: set[str],
     imported_up_to: dict[str, int],
 ) -> None:
     """Refuse the file when entries of a rollout, appended after what the namespace holds, would
@@ -287,7 +298,8 @@ async def _refuse_out_of_order(
     - the namespace holds a later entry of the rollout than one the file would append: one the file
       also has (an import of a slice that started inside the rollout, before such a slice was
       refused), or one imported from a later position of the same source (``IMPORTED``: a slice
-      imported after a gap, and now the gap).
+      imported after a gap, and now the gap);
+    - the rollout is retired in the namespace (its history is closed there).
 
     Raises:
         InvalidInputError: Naming how many rollouts, the first one and its first entry to append.
@@ -300,7 +312,9 @@ async def _refuse_out_of_order(
         if first_new is None:
             continue
         entry = items[first_new][0]
-        if any(is_held for _, is_held in items[first_new:]) or entry.seq < imported_up_to.get(rid, 0):
+        if rid in retired:
+            bad[rid] = (entry, "is retired in the namespace")
+        elif any(is_held for _, is_held in items[first_new:]) or entry.seq < imported_up_to.get(rid, 0):
             bad[rid] = (entry, "has later entries in the namespace already (an earlier import of a later slice)")
         elif not isinstance(decode_event(entry.payload()), RolloutCreated) and not await _begun(log_, rid):
             bad[rid] = (entry, "begins before this file and the namespace does not hold its beginning")
@@ -323,6 +337,26 @@ async def _begun(log_: Any, rollout_id: str) -> bool:
         except InvalidInputError:
             return False
     return False
+
+
+async def _archived(log_: Any, rollout_ids: set[str]) -> dict[str, set[str]]:
+    """Digests of the archived messages of the given (retired) rollouts, by aggregate: one read of
+    the archive, by the original subject each message keeps (``archive.source_position``)."""
+    from eventlight.store.jetstream.archive import archive_head, ordered, source_position
+
+    head = await archive_head(log_)
+    out: dict[str, set[str]] = {}
+    cut = len(log_.prefix) + 1
+    async for msg in ordered(
+        log_, log_.settings.archive_stream_name, f"{log_.settings.archive_prefix}.>", 0, head or 0
+    ):
+        found = source_position(msg.headers)
+        if found is None or not found[1].startswith(log_.prefix + "."):
+            continue  # the ledger
+        subject = found[1][cut:]
+        if _rollout_id(subject) in rollout_ids:
+            out.setdefault(_aggregate(subject), set()).add(_digest(subject, msg.data or b""))
+    return out
 
 
 async def _held(log_: Any, aggregate: str, source: str) -> tuple[set[str], int]:
