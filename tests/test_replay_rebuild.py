@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import asyncpg
 import pytest
 
 import eventlight
 from eventlight.core.errors import InvalidInputError
-from eventlight.logreplay.rebuild import rebuild
-from eventlight.logreplay.transfer import export_log, import_log
+from eventlight.logreplay import rebuild as rebuild_module
+from eventlight.logreplay.rebuild import RebuildReport, rebuild, table_sums
+from eventlight.logreplay.transfer import ImportReport, export_log, import_log, read_export
 from eventlight.ops import Services
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
+from eventlight.store.jetstream.connect import connect_nats
 from tests import test_rebuild
 from tests.conftest import fresh_namespace
 from tests.test_cli import cli, env_of
@@ -56,6 +62,48 @@ async def test_rebuild_compares_equal_and_swaps_only_without_a_projector(namespa
         await _drop(dsn, report.swapped_out or "", f"{namespace.pg_schema}_rebuild")
 
 
+async def test_a_second_rebuild_of_a_namespace_is_refused_while_one_runs(namespace: Settings) -> None:
+    """Both used ``<schema>_rebuild``: one dropped and refilled it under the other
+    (``relation ..._rebuild.schema_migrations does not exist``, a reviewer)."""
+    dsn = namespace.pg_dsn
+    assert dsn is not None
+    async with JetStreamLightningStore(namespace, pg_dsn=dsn) as store:
+        await test_rebuild.workload(store)
+    results = await asyncio.gather(*(rebuild(namespace, dsn, swap=True) for _ in range(2)), return_exceptions=True)
+    reports = [r for r in results if isinstance(r, RebuildReport)]
+    try:
+        refused = [r for r in results if not isinstance(r, RebuildReport)]
+        assert len(reports) == 1 and reports[0].same and reports[0].swapped_out is not None, results
+        assert len(refused) == 1 and isinstance(refused[0], InvalidInputError), results
+        assert str(refused[0]) == (
+            f"another rebuild of schema {namespace.pg_schema} is running (it holds the rebuild lock): "
+            "wait for it to finish"
+        )
+        assert (await rebuild(namespace, dsn)).same  # the lock went with the first one's connection
+    finally:
+        await _drop(dsn, *(r.swapped_out or "" for r in reports), f"{namespace.pg_schema}_rebuild")
+
+
+async def test_two_swaps_within_one_second_keep_both_replaced_schemas(namespace: Settings, monkeypatch: Any) -> None:
+    """The replaced schema was named by the second alone, so a second swap in that second failed."""
+    dsn = namespace.pg_dsn
+    assert dsn is not None
+    async with JetStreamLightningStore(namespace, pg_dsn=dsn) as store:
+        await test_rebuild.workload(store)
+    frozen = SimpleNamespace(time=lambda: 1_900_000_000.0, perf_counter=time.perf_counter)
+    monkeypatch.setattr(rebuild_module, "time", frozen)
+    names: list[str] = []
+    try:
+        for _ in range(2):
+            report = await rebuild(namespace, dsn, swap=True)
+            assert report.same and report.swapped_out is not None
+            names.append(report.swapped_out)
+        prefix = f"{namespace.pg_schema}_replaced_"
+        assert names == [f"{prefix}1900000000", f"{prefix}1900000001"]
+    finally:
+        await _drop(dsn, *names, f"{namespace.pg_schema}_rebuild")
+
+
 def test_cli_rebuild_prints_the_comparison(namespace: Settings) -> None:
     result = cli("replay", "--rebuild", env=env_of(namespace))
     assert result.returncode == 0, result.stderr
@@ -72,9 +120,10 @@ async def test_export_then_import_twice_appends_once(
     assert (await export_log(namespace, part, 0, total // 2))[0] == total // 2
     assert (await export_log(namespace, whole, 0, None))[0] == total
     async with fresh_namespace(services) as other:
-        assert await import_log(other, part) == (total // 2, 0)
-        assert await import_log(other, whole) == (total - total // 2, total // 2)  # only the rest
-        assert await import_log(other, whole) == (0, total)  # twice: nothing
+        assert await import_log(other, part) == ImportReport(appended=total // 2)
+        rest = ImportReport(appended=total - total // 2, present=total // 2)
+        assert await import_log(other, whole) == rest  # only the rest
+        assert await import_log(other, whole) == ImportReport(present=total)  # twice: nothing
         async with JetStreamLightningStore(other) as store:
             assert await test_rebuild.last_seq(store) == total
         a = [r async for r in eventlight.replay(namespace, adapter="messages")]
@@ -122,4 +171,119 @@ async def test_an_import_with_a_bad_entry_appends_nothing(
             await import_log(other, tampered)
         async with JetStreamLightningStore(other) as store:
             assert await test_rebuild.last_seq(store) == 0  # nothing appended
-        assert await import_log(other, good) == (entries, 0)  # the file as exported still imports
+        assert await import_log(other, good) == ImportReport(appended=entries)  # the file as exported imports
+
+
+async def _row_counts(settings: Settings) -> dict[str, int]:
+    """Rows per read-model table once the namespace's projector has passed the head of its log."""
+    async with JetStreamLightningStore(settings, pg_dsn=settings.pg_dsn) as store:
+        await store.sync_all(timeout_s=10)
+    conn = await asyncpg.connect(settings.pg_dsn)
+    try:
+        return {table: n for table, (n, _) in (await table_sums(conn, settings.pg_schema)).items()}
+    finally:
+        await conn.close()
+
+
+async def _slices(namespace: Settings, tmp_path: Path) -> tuple[dict[str, str], Path, Path, int]:
+    """The workload's rollouts, the whole log exported, and a slice of it that starts just after the
+    second rollout's ``RolloutCreated`` (its later events are in the slice, its beginning is not)."""
+    async with JetStreamLightningStore(namespace) as store:
+        ids = await workload(store)
+    whole, tail = tmp_path / "whole.jsonl", tmp_path / "tail.jsonl"
+    total = (await export_log(namespace, whole, 0, None))[0]
+    _, entries, _ = read_export(whole)
+    begin = next(e.seq for e in entries if e.subject == f"r.{ids['val']}.q")
+    await export_log(namespace, tail, begin, None)
+    return ids, whole, tail, total
+
+
+async def test_a_slice_that_starts_inside_a_rollout_is_refused_and_the_whole_log_then_imports(
+    namespace: Settings, services: tuple[Settings, Services], tmp_path: Path
+) -> None:
+    """A reviewer: a middle slice went in (its rollouts' later events, which the projector dropped),
+    then the whole log appended the beginnings after them; the read model lost rollouts and spans
+    and runners ran two rollouts again."""
+    ids, whole, tail, total = await _slices(namespace, tmp_path)
+    async with fresh_namespace(services) as other:
+        why = f"nothing imported: 1 rollout\\(s\\) .* rollout {ids['val']} begins before this file"
+        with pytest.raises(InvalidInputError, match=why):
+            await import_log(other, tail)
+        async with JetStreamLightningStore(other) as store:
+            assert await test_rebuild.last_seq(store) == 0  # nothing appended
+        assert await import_log(other, whole) == ImportReport(appended=total)
+        assert await import_log(other, tail) == ImportReport(present=len(read_export(tail)[1]))
+        assert await _row_counts(other) == await _row_counts(namespace)
+        a = [r async for r in eventlight.replay(namespace, adapter="messages")]
+        b = [r async for r in eventlight.replay(other, adapter="messages")]
+        assert a == b and len(a) == 6
+
+
+async def test_a_whole_log_after_a_middle_slice_went_in_is_refused_not_folded_out_of_order(
+    namespace: Settings, services: tuple[Settings, Services], tmp_path: Path
+) -> None:
+    """What an import of a slice that starts inside a rollout appended before it was refused: the
+    whole log then put that rollout's beginning after its later events."""
+    ids, whole, tail, _ = await _slices(namespace, tmp_path)
+    async with fresh_namespace(services) as other:
+        nc = await connect_nats(other.nats_url or "")
+        try:
+            for e in read_export(tail)[1]:
+                await nc.jetstream().publish(f"{other.subject_prefix}.{e.subject}", e.payload())
+        finally:
+            await nc.close()
+        async with JetStreamLightningStore(other) as store:
+            before = await test_rebuild.last_seq(store)
+        with pytest.raises(InvalidInputError, match=f"rollout {ids['val']} has later entries in the namespace"):
+            await import_log(other, whole)
+        async with JetStreamLightningStore(other) as store:
+            assert await test_rebuild.last_seq(store) == before  # nothing appended
+
+
+async def test_entries_that_are_not_events_refuse_the_file_or_are_skipped_and_counted(
+    namespace: Settings, services: tuple[Settings, Services], tmp_path: Path
+) -> None:
+    """A reviewer: a message that is not an eventlight event (dead-lettered by the projector) is
+    exported like the rest, and the file then imported nothing, saying nothing of how many."""
+    async with JetStreamLightningStore(namespace) as store:
+        await workload(store)
+        seq = (await store.log.js.publish(f"{namespace.subject_prefix}.r.ro-garbage.q", b"not json at all")).seq
+        await store.update_worker("w-after", {"cpu": 1})
+    out = tmp_path / "log.jsonl"
+    n = (await export_log(namespace, out, 0, None))[0]
+    async with fresh_namespace(services) as other:
+        with pytest.raises(
+            InvalidInputError, match=f"position {seq} .* 1 of the {n} entries are not eventlight events"
+        ):
+            await import_log(other, out)
+        assert await import_log(other, out, skip_non_events=True) == ImportReport(appended=n - 1, skipped=[seq])
+        assert await import_log(other, out, skip_non_events=True) == ImportReport(present=n - 1, skipped=[seq])
+        env = env_of(other)
+        result = cli("import", str(out), env=env)
+        assert result.returncode != 0 and "--skip-non-events" in result.stderr, result.stdout
+        result = cli("import", "--skip-non-events", str(out), env=env)
+        assert result.returncode == 0 and f"0 entries appended, {n - 1} already present" in result.stdout
+        assert f"1 entries that are not eventlight events (log positions {seq})" in result.stderr
+
+
+async def test_a_slice_skipped_and_imported_after_a_later_one_is_refused(
+    namespace: Settings, services: tuple[Settings, Services], tmp_path: Path
+) -> None:
+    """Slices (0, a], (b, end], then (a, b]: the last would append a rollout's events after later ones."""
+    ids, whole, _, _ = await _slices(namespace, tmp_path)
+    entries = read_export(whole)[1]
+    a = next(e.seq for e in entries if e.subject == f"r.{ids['val']}.q")  # the rollout's RolloutCreated
+    b = next(e.seq for e in entries if e.subject == f"r.{ids['val']}.e")  # its next event
+    first, gap, last = tmp_path / "first.jsonl", tmp_path / "gap.jsonl", tmp_path / "last.jsonl"
+    await export_log(namespace, first, 0, a)
+    await export_log(namespace, gap, a, b)
+    await export_log(namespace, last, b, None)
+    async with fresh_namespace(services) as other:
+        await import_log(other, first)
+        await import_log(other, last)  # the gap is not seen: the rollout's beginning is there
+        async with JetStreamLightningStore(other) as store:
+            before = await test_rebuild.last_seq(store)
+        with pytest.raises(InvalidInputError, match=f"rollout {ids['val']} has later entries in the namespace"):
+            await import_log(other, gap)
+        async with JetStreamLightningStore(other) as store:
+            assert await test_rebuild.last_seq(store) == before  # nothing appended

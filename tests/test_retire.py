@@ -16,7 +16,7 @@ from nats.js.api import StreamConfig, StreamSource, SubjectTransform
 import eventlight
 from eventlight.core.errors import InvalidInputError, RolloutNotFoundError, RolloutRetiredError
 from eventlight.logreplay.rebuild import rebuild
-from eventlight.logreplay.transfer import export_log
+from eventlight.logreplay.transfer import ImportReport, export_log, import_log
 from eventlight.ops import apply_streams
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
@@ -279,3 +279,33 @@ async def test_a_cancel_caught_before_does_not_end_a_scan_of_the_archive(namespa
             assert len([e async for e in store.log.scan()]) == expected > 0
         finally:
             task.uncancel()
+
+
+async def test_importing_an_export_again_after_retirement_appends_nothing(namespace: Settings, tmp_path: Path) -> None:
+    """A reviewer: what import holds was read from the hot stream only, so once the rollouts were
+    retired an import of the namespace's own export appended all of them again."""
+    settings = await _with_archive(namespace)
+    assert settings.pg_dsn is not None
+    async with JetStreamLightningStore(settings, pg_dsn=settings.pg_dsn) as store:
+        ids = await workload(store)
+        await store.sync_all(timeout_s=10)
+        await _archive_caught_up(store)
+        await retire(store.log, store.read_model.pool, settings, now=time.time() + 1)  # type: ignore[union-attr]
+        subjects = await _hot_subjects(store)
+        assert not [s for s in subjects if s.split(".")[2] in ("r", "s")], subjects  # every rollout retired
+        out = tmp_path / "log.jsonl"
+        n = (await export_log(settings, out, 0, None))[0]
+        head = await store.log.head_seq()
+        assert await import_log(settings, out) == ImportReport(present=n)
+        assert await store.log.head_seq() == head and await _hot_subjects(store) == subjects
+
+        lines = out.read_text().splitlines()  # an event of a retired rollout that the namespace lacks
+        i = max(i for i, line in enumerate(lines) if f'"subject":"r.{ids["bad"]}.e"' in line)
+        entry = msgspec.json.decode(lines[i])
+        entry["data"]["time"] += 1.0
+        lines[i] = msgspec.json.encode(entry).decode()
+        changed = tmp_path / "changed.jsonl"
+        changed.write_text("\n".join(lines) + "\n")
+        with pytest.raises(InvalidInputError, match=f"rollout {ids['bad']} is retired in the namespace"):
+            await import_log(settings, changed)
+        assert await store.log.head_seq() == head

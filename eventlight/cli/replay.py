@@ -265,9 +265,19 @@ def export_command(
 
 def import_command(
     file: Annotated[Path, typer.Argument(help="A file `eventlight export` wrote.")],
+    skip_non_events: Annotated[
+        bool,
+        typer.Option(
+            "--skip-non-events",
+            help="Leave out (and count) entries that are not eventlight events, such as messages the source's "
+            "projector dead-lettered, instead of refusing the file.",
+        ),
+    ] = False,
     namespace: NamespaceOpt = None,
 ) -> None:
     """Append an exported slice to this namespace's log; what it already holds is not appended again.
+
+    A rollout whose beginning neither the namespace nor the file holds is refused (nothing is appended).
 
     Servers: uses $EVENTLIGHT_NATS_URL when set, else the embedded NATS; never starts one."""
     from eventlight.logreplay.transfer import import_log
@@ -277,8 +287,15 @@ def import_command(
     if not file.is_file():
         raise CliError(f"no file {file}")
     settings = _run(_nats_settings(_settings(namespace)))
-    added, present = _run(import_log(settings, file))
-    console.print(f"{added} entries appended, {present} already present in {settings.stream_name}")
+    report = _run(import_log(settings, file, skip_non_events=skip_non_events))
+    console.print(f"{report.appended} entries appended, {report.present} already present in {settings.stream_name}")
+    if report.skipped:
+        shown = ", ".join(str(seq) for seq in report.skipped[:SKIPPED_SHOWN])
+        more = f", … ({len(report.skipped) - SKIPPED_SHOWN} more)" if len(report.skipped) > SKIPPED_SHOWN else ""
+        err.print(
+            f"[yellow]skipped:[/yellow] {len(report.skipped)} entries that are not eventlight events "
+            f"(log positions {shown}{more})"
+        )
 
 
 def register(app: typer.Typer) -> None:

@@ -4,9 +4,14 @@ The fresh schema (``<schema>_rebuild``) gets the migrations and then the whole l
 projector's own code (``Projector.rebuild``: no consumer, no leader lock, no watchdog). Each
 read-model table is then compared with the live one by row count and a checksum (md5 over the
 sorted md5s of the rows' text), so a difference is found without moving the rows to the client.
-``--swap`` renames the live schema to ``<schema>_replaced_<unix time>`` and the rebuilt one to the
-live name in one transaction, only while no projector of the namespace holds its advisory lock
-(a running one would go on writing into the swapped-in schema from its own checkpoint).
+``--swap`` renames the live schema to ``<schema>_replaced_<unix seconds>`` (the next free second
+when a swap of the same second already took the name) and the rebuilt one to the live name in one
+transaction, only while no projector of the namespace holds its advisory lock (a running one would
+go on writing into the swapped-in schema from its own checkpoint).
+
+One rebuild of a schema runs at a time: it holds the advisory lock ``(hashtext('eventlight_rebuild'),
+hashtext(<schema>))`` from the drop of ``<schema>_rebuild`` to the end of the swap; a second one
+is refused at once (it would drop and refill the first one's schema under it).
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ TABLES = ("rollouts", "attempts", "spans", "resources", "workers", "rollout_stat
 rollout passed through inside one batch never gets a row, so rows at 0 depend on batching)."""
 
 NO_WATCHDOG_S = 3600.0
+
+_REBUILD_LOCK = "eventlight_rebuild"
+"""First key of the two-key advisory lock a rebuild holds (the second: ``hashtext(<schema>)``)."""
 
 
 class TableDiff(msgspec.Struct, frozen=True):
@@ -78,7 +86,8 @@ async def rebuild(settings: Settings, pg_dsn: str, *, swap: bool = False) -> Reb
         swap: Put the rebuilt schema in place of the live one afterwards.
 
     Raises:
-        InvalidInputError: ``swap`` while a projector of the namespace runs.
+        InvalidInputError: ``swap`` while a projector of the namespace runs, or another rebuild of
+            the namespace is running.
         ServiceUnavailableError: NATS or Postgres cannot be reached.
     """
     from eventlight.ops import apply_migrations
@@ -92,6 +101,10 @@ async def rebuild(settings: Settings, pg_dsn: str, *, swap: bool = False) -> Reb
     assert settings.nats_url is not None
     conn = await pg_errors.connect(pg_dsn)
     try:
+        if not await conn.fetchval("SELECT pg_try_advisory_lock(hashtext($1), hashtext($2))", _REBUILD_LOCK, live):
+            raise InvalidInputError(
+                f"another rebuild of schema {live} is running (it holds the rebuild lock): wait for it to finish"
+            )
         await conn.execute(f"DROP SCHEMA IF EXISTS {_q(fresh)} CASCADE")  # an earlier rebuild left behind
         await apply_migrations(pg_dsn, fresh)
         nc = await connect_nats(settings.nats_url, auth=settings.nats_auth, name="eventlight-rebuild")
@@ -115,7 +128,7 @@ async def rebuild(settings: Settings, pg_dsn: str, *, swap: bool = False) -> Reb
             report.schema = live
         return report
     finally:
-        await conn.close()
+        await conn.close()  # ends the session: its advisory locks go with it
 
 
 async def _swap(conn: Any, live: str, fresh: str) -> str:
@@ -127,13 +140,24 @@ async def _swap(conn: Any, live: str, fresh: str) -> str:
             "opened with pg_dsn, then swap"
         )
     try:
-        old = f"{live}_replaced_{int(time.time())}"
+        old = await _free_name(conn, live, int(time.time()))
         async with conn.transaction():
             await conn.execute(f"ALTER SCHEMA {_q(live)} RENAME TO {_q(old)}")
             await conn.execute(f"ALTER SCHEMA {_q(fresh)} RENAME TO {_q(live)}")
         return old
     finally:
         await conn.execute("SELECT pg_advisory_unlock($1)", key)
+
+
+async def _free_name(conn: Any, live: str, now_s: int) -> str:
+    """``<live>_replaced_<second>`` for the first second from ``now_s`` whose name no schema has
+    (two swaps within one second; the rebuild lock keeps others from taking it meanwhile). The
+    length stays that of a unix time, within Postgres's 63 bytes for the longest namespace."""
+    rows = await conn.fetch("SELECT nspname FROM pg_namespace WHERE starts_with(nspname, $1)", f"{live}_replaced_")
+    taken = {str(r[0]) for r in rows}
+    while f"{live}_replaced_{now_s}" in taken:
+        now_s += 1
+    return f"{live}_replaced_{now_s}"
 
 
 def rebuild_command(settings: Settings, swap: bool) -> None:

@@ -5,13 +5,25 @@ then one entry a line, ``{"seq", "subject", "data"}``, with ``subject`` below ``
 payload embedded verbatim (``data_b64`` for one that is not JSON), so an import appends exactly the
 bytes the source holds, old event shapes included (readers upcast them).
 
-Import appends the entries in file order under the target's prefix, each with ``Nats-Msg-Id``
-set to a digest of its subject and payload (JetStream drops a repeat inside its duplicate window).
-Past the window, what the target already holds is found per aggregate (a rollout's subject tree,
-an attempt's span subject, a resources id, a worker): an aggregate the target lacks is appended
-whole without a look; for one it has, the digests of its stored messages are read once and
-entries already there are skipped. So importing the same file twice appends nothing the second
-time, and importing into a namespace that already holds part of the slice appends only the rest.
+Import checks every entry first: an entry that is not an eventlight event (a message the source's
+projector dead-lettered, an event of a newer eventlight) refuses the file, saying how many there
+are, unless ``skip_non_events`` leaves them out and counts them. It then finds what the target
+already holds per aggregate (a rollout's subject tree, an attempt's span subject, a resources id,
+a worker): an aggregate the target lacks is appended whole without a look; for one it has, the
+digests of its stored messages are read once, and for a retired rollout those of its archived
+ones (one read of the archive), and entries already there are skipped. It refuses the file,
+appending nothing, when a rollout's entries would not fold to the source's history appended after
+what the target holds: a rollout whose beginning (``RolloutCreated``) neither the target holds nor
+the file brings first (a slice that starts inside it), one the target holds a later entry of than
+an entry to append (by the file's order, or by the source position an earlier import recorded in
+the ``Eventlight-Imported`` header), or a retired one. The rest is appended in file order under
+the target's prefix, each with ``Nats-Msg-Id`` set to a digest of its subject and payload
+(JetStream drops a repeat inside its duplicate window) and ``Eventlight-Imported: <source
+namespace> <position>``. So importing the same file twice appends nothing the second time
+(retired or not), and importing into a namespace that holds a slice of the same log up to some
+position appends only the rest. Slices of one log go in in order: a slice that leaves a gap after
+what the target holds of a rollout is appended after it (the gap is not seen), and an import of
+the gap afterwards is refused.
 """
 
 from __future__ import annotations
@@ -28,6 +40,9 @@ from eventlight.settings import Settings
 
 FORMAT = 1
 
+
+IMPORTED = "Eventlight-Imported"
+"""The header of an imported message: ``<source namespace> <its position in the source's log>``."""
 
 _NO_DATA = msgspec.Raw(b"null")
 
@@ -100,12 +115,19 @@ def _digest(subject: str, data: bytes) -> str:
     return hashlib.sha256(subject.encode() + b"\x00" + data).hexdigest()[:40]
 
 
-def read_export(path: Path) -> tuple[dict[str, Any], list[_Entry]]:
-    """The header and entries of an export file.
+def read_export(path: Path, *, skip_non_events: bool = False) -> tuple[dict[str, Any], list[_Entry], list[_Entry]]:
+    """The header, the entries and the entries left out (``skip_non_events``) of an export file.
+
+    Args:
+        path: A file ``eventlight export`` wrote.
+        skip_non_events: Leave out, instead of refusing the file for, entries this eventlight does
+            not read as events (a message the source's projector dead-lettered, an event of a newer
+            eventlight); they are returned third.
 
     Raises:
-        InvalidInputError: Not a file ``eventlight export`` wrote, or an entry that is not an event
-            of this eventlight on its layout subject (checked for every entry before any is used).
+        InvalidInputError: Not a file ``eventlight export`` wrote, an entry on a subject the layout
+            does not give its event, or (without ``skip_non_events``) an entry that is not an event
+            of this eventlight, saying how many there are (every entry is checked before any is used).
     """
     with path.open("rb") as f:
         lines = f.read().splitlines()
@@ -116,17 +138,33 @@ def read_export(path: Path) -> tuple[dict[str, Any], list[_Entry]]:
         entries = [_entry.decode(line) for line in lines[1:] if line.strip()]
     except msgspec.DecodeError as e:
         raise InvalidInputError(f"{path} is not an eventlight export: {e}") from e
+    kept: list[_Entry] = []
+    left_out: list[tuple[_Entry, InvalidInputError]] = []
     for entry in entries:
-        _check(path, entry)
-    return header, entries
+        why = _check(path, entry)
+        if why is None:
+            kept.append(entry)
+        else:
+            left_out.append((entry, why))
+    if left_out and not skip_non_events:
+        first = left_out[0][1]
+        raise InvalidInputError(
+            f"{first}; {len(left_out)} of the {len(entries)} entries are not eventlight events this version reads "
+            "(dead-lettered in the source, or from a newer eventlight): `eventlight import --skip-non-events` "
+            "imports the others and counts these"
+        ) from first.__cause__
+    return header, kept, [entry for entry, _ in left_out]
 
 
-def _check(path: Path, entry: _Entry) -> None:
+def _check(path: Path, entry: _Entry) -> InvalidInputError | None:
     """An entry must hold an event this eventlight reads (older shapes upcast) on the subject the
     layout gives it, so an import appends nothing the projector would dead-letter.
 
+    Returns:
+        ``None``, or why the entry is not an event this eventlight reads (naming its log position).
+
     Raises:
-        InvalidInputError: Naming the entry's log position and what is wrong.
+        InvalidInputError: An event on another subject than the layout gives it.
     """
     from eventlight.core.events import decode_event
     from eventlight.store.jetstream.layout import subject_for
@@ -136,60 +174,203 @@ def _check(path: Path, entry: _Entry) -> None:
         event = decode_event(entry.payload())
     except (InvalidInputError, ValueError) as e:  # ValueError: bad base64
         why = str(e) if isinstance(e, InvalidInputError) else f"not an eventlight event: {e}"  # says it once
-        raise InvalidInputError(f"{where}: {why}") from e
+        not_an_event = InvalidInputError(f"{where}: {why}")
+        not_an_event.__cause__ = e
+        return not_an_event
     expected = subject_for("", event)[1:]  # "r.<rid>.q", "s.<rid>.<aid>", "res.<id>", "w.<id>"
     if entry.subject != expected:
         raise InvalidInputError(f"{where} holds a {type(event).__name__} that belongs on {expected}")
+    return None
 
 
-async def import_log(settings: Settings, path: Path) -> tuple[int, int]:
+class ImportReport(msgspec.Struct, kw_only=True):
+    """What ``import_log`` did."""
+
+    appended: int = 0
+    present: int = 0
+    """Entries the namespace already held (its hot stream, or its archive for a retired rollout)."""
+    skipped: list[int] = msgspec.field(default_factory=list)
+    """The source log positions of entries left out as not eventlight events (``skip_non_events``)."""
+
+
+async def import_log(settings: Settings, path: Path, *, skip_non_events: bool = False) -> ImportReport:
     """Append an export file's entries to the namespace's log, skipping those it holds.
 
-    Returns:
-        ``(entries appended, entries already there)``.
+    Args:
+        settings: The target namespace, with ``nats_url`` set.
+        path: A file ``eventlight export`` wrote.
+        skip_non_events: Leave out (and count) entries that are not eventlight events instead of
+            refusing the file.
 
     Raises:
-        InvalidInputError: Not an export file, or an entry that is not an event on its subject
-            (nothing is appended then).
+        InvalidInputError: Not an export file, an entry that is not an event on its subject, or
+            entries of a rollout that would not fold to the source's history in the namespace
+            (``_refuse_out_of_order``); nothing is appended then.
         ServiceUnavailableError: NATS cannot be reached or refused an append.
     """
     from eventlight.store.jetstream.connect import connect_nats
     from eventlight.store.jetstream.log import JetStreamEventLog
     from eventlight.store.jetstream.nats_errors import nats_errors
 
-    _, entries = read_export(path)
+    header, entries, left_out = read_export(path, skip_non_events=skip_non_events)
+    source = str(header.get("namespace", ""))
+    report = ImportReport(skipped=[e.seq for e in left_out])
     assert settings.nats_url is not None
     nc = await connect_nats(settings.nats_url, auth=settings.nats_auth, name="eventlight-import")
-    added = present = 0
     try:
         log_ = JetStreamEventLog(nc, settings, None)
-        held: dict[str, set[str]] = {}
-        for e in entries:
-            data = e.payload()
-            agg = _aggregate(e.subject)
-            if agg not in held:
-                held[agg] = await _held(log_, agg)
-            digest = _digest(e.subject, data)
-            if digest in held[agg]:
-                present += 1
-                continue
+        todo = await _plan(log_, path, entries, source)
+        report.present = len(entries) - len(todo)
+        for e, data, digest in todo:
             subject = f"{log_.prefix}.{e.subject}"
             with nats_errors(log_.server, f"publish to {subject}"):
-                ack = await log_.js.publish(subject, data, headers={"Nats-Msg-Id": f"import:{digest}"})
-            held[agg].add(digest)
+                headers = {"Nats-Msg-Id": f"import:{digest}", IMPORTED: f"{source} {e.seq}"}
+                ack = await log_.js.publish(subject, data, headers=headers)
             if ack.duplicate:
-                present += 1
+                report.present += 1
             else:
-                added += 1
+                report.appended += 1
     finally:
         await nc.close()
-    return added, present
+    return report
 
 
-async def _held(log_: Any, aggregate: str) -> set[str]:
-    """Digests of the messages the log holds on an aggregate's subjects (none read if it has none)."""
+async def _plan(log_: Any, path: Path, entries: list[_Entry], source: str) -> list[tuple[_Entry, bytes, str]]:
+    """The entries to append, in file order, as ``(entry, payload, digest)``: those the namespace
+    does not hold (its hot stream, or its archive for a retired rollout), each once.
+
+    Raises:
+        InvalidInputError: See ``_refuse_out_of_order``.
+    """
+    held: dict[str, set[str]] = {}
+    imported_up_to: dict[str, int] = {}  # rollout -> the highest source position imported into it
+    for e in entries:
+        agg = _aggregate(e.subject)
+        if agg not in held:
+            held[agg], up_to = await _held(log_, agg, source)
+            if (rid := _rollout_id(e.subject)) is not None:
+                imported_up_to[rid] = max(imported_up_to.get(rid, 0), up_to)
+    ledger = await log_.retired.read()  # one read of the archive's ledger
+    retired = {rid for rid in _rollouts(entries) if rid in ledger}
+    for agg, digests in (await _archived(log_, retired) if retired else {}).items():
+        held.setdefault(agg, set()).update(digests)
+    todo: list[tuple[_Entry, bytes, str]] = []
+    by_rollout: dict[str, list[tuple[_Entry, bool]]] = {}  # its entries in file order: (entry, held)
+    for e in entries:
+        data = e.payload()
+        digest = _digest(e.subject, data)
+        agg, rid = _aggregate(e.subject), _rollout_id(e.subject)
+        is_held = digest in held[agg]
+        if not is_held:
+            held[agg].add(digest)  # a second copy in the file is present once the first is appended
+            todo.append((e, data, digest))
+        if rid is not None:
+            by_rollout.setdefault(rid, []).append((e, is_held))
+    await _refuse_out_of_order(log_, path, by_rollout, retired, imported_up_to)
+    return todo
+
+
+def _rollout_id(subject: str) -> str | None:
+    """The rollout of an ``r.<rid>.*`` or ``s.<rid>.*`` subject (below the prefix), else ``None``."""
+    parts = subject.split(".")
+    return parts[1] if parts[0] in ("r", "s") and len(parts) >= 3 else None
+
+
+def _rollouts(entries: list[_Entry]) -> list[str]:
+    """The rollouts the entries belong to, each once, in file order."""
+    return list(dict.fromkeys(rid for e in entries if (rid := _rollout_id(e.subject)) is not None))
+
+
+async def _refuse_out_of_order(
+    log_: Any,
+    path: Path,
+    rollouts: dict[str, list[tuple[_Entry, bool]]],
+    retired: set[str],
+    imported_up_to: dict[str, int],
+) -> None:
+    """Refuse the file when entries of a rollout, appended after what the namespace holds, would
+    not fold to the source's history:
+
+    - the namespace does not hold the rollout's beginning (its ``RolloutCreated``) and the file
+      does not bring it first (a slice that starts in the middle of the rollout: the projector
+      drops events of a rollout it does not know, and a later import of the beginning would land
+      after them);
+    - the namespace holds a later entry of the rollout than one the file would append: one the file
+      also has (an import of a slice that started inside the rollout, before such a slice was
+      refused), or one imported from a later position of the same source (``IMPORTED``: a slice
+      imported after a gap, and now the gap);
+    - the rollout is retired in the namespace (its history is closed there).
+
+    Raises:
+        InvalidInputError: Naming how many rollouts, the first one and its first entry to append.
+    """
+    from eventlight.core.events import RolloutCreated, decode_event
+
+    bad: dict[str, tuple[_Entry, str]] = {}
+    for rid, items in rollouts.items():
+        first_new = next((i for i, (_, is_held) in enumerate(items) if not is_held), None)
+        if first_new is None:
+            continue
+        entry = items[first_new][0]
+        if rid in retired:
+            bad[rid] = (entry, "is retired in the namespace")
+        elif any(is_held for _, is_held in items[first_new:]) or entry.seq < imported_up_to.get(rid, 0):
+            bad[rid] = (entry, "has later entries in the namespace already (an earlier import of a later slice)")
+        elif not isinstance(decode_event(entry.payload()), RolloutCreated) and not await _begun(log_, rid):
+            bad[rid] = (entry, "begins before this file and the namespace does not hold its beginning")
+    if bad:
+        rid, (entry, why) = next(iter(bad.items()))
+        raise InvalidInputError(
+            f"{path}: nothing imported: {len(bad)} rollout(s) cannot be appended in order; rollout {rid} {why} "
+            f"(its entry at log position {entry.seq}, {entry.subject}). Import an export that starts before them "
+            "(an earlier --since, or the whole log), or the slices of one log in order"
+        )
+
+
+async def _begun(log_: Any, rollout_id: str) -> bool:
+    """Whether the namespace's first event of the rollout is its ``RolloutCreated``."""
+    from eventlight.core.events import RolloutCreated, decode_event
+
+    async for msg in log_._messages(f"{log_.prefix}.r.{rollout_id}.>"):
+        try:
+            return isinstance(decode_event(msg.data or b""), RolloutCreated)
+        except InvalidInputError:
+            return False
+    return False
+
+
+async def _archived(log_: Any, rollout_ids: set[str]) -> dict[str, set[str]]:
+    """Digests of the archived messages of the given (retired) rollouts, by aggregate: one read of
+    the archive, by the original subject each message keeps (``archive.source_position``)."""
+    from eventlight.store.jetstream.archive import archive_head, ordered, source_position
+
+    head = await archive_head(log_)
+    out: dict[str, set[str]] = {}
+    cut = len(log_.prefix) + 1
+    async for msg in ordered(
+        log_, log_.settings.archive_stream_name, f"{log_.settings.archive_prefix}.>", 0, head or 0
+    ):
+        found = source_position(msg.headers)
+        if found is None or not found[1].startswith(log_.prefix + "."):
+            continue  # the ledger
+        subject = found[1][cut:]
+        if _rollout_id(subject) in rollout_ids:
+            out.setdefault(_aggregate(subject), set()).add(_digest(subject, msg.data or b""))
+    return out
+
+
+async def _held(log_: Any, aggregate: str, source: str) -> tuple[set[str], int]:
+    """Digests of the messages the hot stream holds on an aggregate's subjects (none read if it has
+    none), and the highest position of the ``source`` namespace's log imported among them (0: none)."""
     subject = f"{log_.prefix}.{aggregate}"
     if await log_._last_msg(subject) is None:
-        return set()
+        return set(), 0
     cut = len(log_.prefix) + 1
-    return {_digest(m.subject[cut:], m.data or b"") async for m in log_._messages(subject)}
+    digests: set[str] = set()
+    up_to = 0
+    async for m in log_._messages(subject):
+        digests.add(_digest(m.subject[cut:], m.data or b""))
+        origin, _, position = (m.headers or {}).get(IMPORTED, "").rpartition(" ")
+        if origin == source and position.isdigit():
+            up_to = max(up_to, int(position))
+    return digests, up_to

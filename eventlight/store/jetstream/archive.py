@@ -293,15 +293,20 @@ class RetiredLedger:
         """Whether ``rollout_id`` was retired (``False`` when the namespace has no archive)."""
         if rollout_id in self.ids:
             return True
+        return rollout_id in await self.read()
+
+    async def read(self) -> set[str]:
+        """Every retired rollout, the ledger read on from where it was left (empty when the
+        namespace has no archive)."""
         stream = self.log.settings.archive_stream_name
         with nats_errors(self.log.server, f"reading {self.subject}"):
             try:
                 last = int((await self.log.js.get_msg(stream, subject=self.subject)).seq or 0)
             except JsNotFoundError:  # no archive, or nothing retired yet
-                return False
+                return self.ids
         if last > self.read_until:
             async for msg in ordered(self.log, stream, self.subject, self.read_until, last):
                 with contextlib.suppress(msgspec.DecodeError):
                     self.ids.update(_retired_decoder.decode(msg.data).rollout_ids)
             self.read_until = last
-        return rollout_id in self.ids
+        return self.ids
