@@ -167,12 +167,16 @@ def check_spans(spans: Sequence[Any]) -> None:
             raise InvalidTypeError(
                 f"span #{i} ({span.name!r}) has attributes of type {type(span.attributes).__name__}, not dict"
             )
-        _check_span_size(i, span)
+        rough = 0  # the span's size, roughly: a UTF-8 character is at most 4 bytes, a list item rarely over 24
         for key, value in span.attributes.items():
-            if not isinstance(key, str):
-                raise InvalidInputError(f"span #{i} ({span.name!r}) has a non-string attribute key {key!r}")
+            if type(key) is not str:
+                if not isinstance(key, str):
+                    raise InvalidInputError(f"span #{i} ({span.name!r}) has a non-string attribute key {key!r}")
+            elif not key.isascii():
+                _check_text(i, span, "an attribute key", key)
             kind = type(value)
             if kind is str:
+                rough += len(value)
                 if not value.isascii():
                     _check_text(i, span, f"attribute {key!r}", value)
                 continue
@@ -182,9 +186,11 @@ def check_spans(spans: Sequence[Any]) -> None:
                 continue
             if value is None or kind is int or kind is bool:
                 continue
+            if kind is list:
+                rough += 6 * len(value)
             _check_json(i, span, f"attribute {key!r}", value)
-        if not all(k.isascii() for k in span.attributes):
-            _check_json(i, span, "an attribute key", list(span.attributes))
+        if 4 * rough >= MAX_PAYLOAD_BYTES:
+            _check_span_size(i, span)
         if span.events or span.links or not _plain(span):
             fields = ("start_time", "end_time", "status", "events", "links", "resource", "parent_id")
             _check_json(i, span, "a field", {f: getattr(span, f) for f in fields})
@@ -314,17 +320,7 @@ def check_resources(resources: Mapping[str, Any]) -> None:
 
 
 def _check_span_size(i: int, span: Span) -> None:
-    """Refuse a span no event can hold (both backends alike); only spans with large text are encoded."""
-    # a UTF-8 character is at most 4 bytes, a list item (an int, a short string) rarely over 24
-    rough = 0
-    for value in span.attributes.values():
-        kind = type(value)
-        if kind is str:
-            rough += 4 * len(value)
-        elif kind is list:
-            rough += 24 * len(value)
-    if rough < MAX_PAYLOAD_BYTES:
-        return
+    """Refuse a span no event can hold (both backends alike); called for spans with large text only."""
     try:
         size = len(_json.encode(span))
     except (TypeError, ValueError, OverflowError, msgspec.EncodeError):
@@ -353,24 +349,21 @@ def check_rollout_config(value: Any, what: str = "rollout_config") -> RolloutCon
     """
     if value is None:
         return None
-    config: RolloutConfig
-    if isinstance(value, RolloutConfig):
-        config = value
-    else:
-        if not isinstance(value, Mapping):
-            raise InvalidTypeError(
-                f"{what} must be a RolloutConfig or a dict of its fields, got {type(value).__name__}"
-            )
+    if not isinstance(value, RolloutConfig | Mapping):
+        raise InvalidTypeError(f"{what} must be a RolloutConfig or a dict of its fields, got {type(value).__name__}")
+    if isinstance(value, Mapping):
         fields = set(RolloutConfig.__struct_fields__)
         unknown = sorted(set(value) - fields)
         if unknown:
             raise InvalidInputError(f"{what} has unknown fields {unknown}; known: {sorted(fields)}")
-        try:
-            config = msgspec.convert(dict(value), RolloutConfig)
-        except msgspec.ValidationError as exc:
-            raise InvalidTypeError(f"{what}: {str(exc).replace('$.', '')}") from exc
-        except ValueError as exc:
-            raise InvalidInputError(f"{what}: {exc}") from exc
+    try:  # a struct is not checked when built: RolloutConfig(timeout_seconds="10") is checked here
+        config = msgspec.convert(
+            msgspec.to_builtins(dict(value) if isinstance(value, Mapping) else value), RolloutConfig
+        )
+    except msgspec.ValidationError as exc:
+        raise InvalidTypeError(f"{what}: {str(exc).replace('`$.', f'`{what}.')}") from exc
+    except (TypeError, ValueError) as exc:
+        raise InvalidInputError(f"{what}: {exc}") from exc
     for name in ("timeout_seconds", "unresponsive_seconds"):
         bound = getattr(config, name)
         if bound is None:
