@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 import signal
 import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
+from eventlight import instrumentation
 from eventlight.agent import LitAgent
 from eventlight.component import build_component, import_path
 from eventlight.execution import (
@@ -35,6 +37,7 @@ from eventlight.execution import (
 from eventlight.runner import Hook, LitAgentRunner, worker_name
 from eventlight.runner_pool import RunnerPool
 from eventlight.store.threaded import LightningStoreThreaded
+from eventlight.tracer import OtelTracer
 
 log = logging.getLogger(__name__)
 
@@ -133,14 +136,20 @@ async def serve_runner_role(pool: RunnerPool) -> None:
 # -- shared memory ------------------------------------------------------------------------------
 
 
-def _runner_copy(template: LitAgentRunner) -> LitAgentRunner:
-    return LitAgentRunner(
-        template.tracer,
-        max_rollouts=template.max_rollouts,
-        poll_interval=template.poll_interval,
-        heartbeat_interval=template.heartbeat_interval,
-        proxy_token=template.proxy_token,
-    )
+def _runner_copy(template: LitAgentRunner, index: int) -> LitAgentRunner:
+    """Thread ``index``'s runner: a deep copy of ``template`` (its class, settings and tracer; a
+    plain ``LitAgentRunner`` with the template's tracer before, which dropped a subclass and let the
+    threads' attempts share the tracer's last-trace state), sharing the template's ``RunnerMetrics``.
+    Only the first copy's tracer instruments frameworks (instrumentation is process-wide). A tracer
+    that cannot be copied (an initialized provider) is shared, as before."""
+    memo: dict[int, Any] = {} if template.metrics is None else {id(template.metrics): template.metrics}
+    try:
+        runner = copy.deepcopy(template, dict(memo))
+    except TypeError:
+        runner = copy.deepcopy(template, {**memo, id(template.tracer): template.tracer})
+    if index > 0 and isinstance(runner.tracer, OtelTracer) and runner.tracer is not template.tracer:
+        runner.tracer.instrumented = instrumentation.Instrumented(())
+    return runner
 
 
 class RunnerThreads:
@@ -168,7 +177,7 @@ class RunnerThreads:
         self.worker_ids = frozenset(worker_name(i) for i in range(n))
 
     def _run(self, agent: LitAgent[Any], hooks: Sequence[Hook], store: Any, index: int) -> None:
-        runner = _runner_copy(self.template)
+        runner = _runner_copy(self.template, index)
 
         async def main() -> None:
             with runner.run_context(agent=agent, store=store, hooks=hooks, worker_id=index):

@@ -144,6 +144,33 @@ def test_shm_dev_runs_baseline_on_runner_threads() -> None:
     assert rewards == {t: float(len(PROMPT.format(any_question=t))) for t in TASKS}
 
 
+class CountingRunner(agl.LitAgentRunner):
+    """A runner subclass: which runner objects ran attempts, in which threads."""
+
+    ran: set[tuple[int, str]] = set()
+
+    async def _run_attempt(self, *args: Any, **kwargs: Any) -> Any:
+        CountingRunner.ran.add((id(self.tracer), threading.current_thread().name))
+        return await super()._run_attempt(*args, **kwargs)
+
+
+def test_shm_threads_run_copies_of_the_runner_given() -> None:
+    """Each thread ran a plain ``LitAgentRunner`` built from the template's tracer and a few settings:
+    a subclass passed as ``runner=`` never ran, and the threads shared one tracer's last-trace state."""
+    CountingRunner.ran = set()
+    trainer = agl.Trainer(
+        strategy={"type": "shm", "n_runners": 2, "main_thread": "algorithm"},
+        runner=CountingRunner(agl.OtelTracer()),
+        initial_resources={"prompt_template": PROMPT},
+    )
+    trainer.dev(score_length, TASKS * 4)
+    threads = {name for _, name in CountingRunner.ran}
+    tracers = {tracer for tracer, _ in CountingRunner.ran}
+    assert threads and threads <= {"eventlight-runner-0", "eventlight-runner-1"}
+    assert len(tracers) == len(threads)  # a tracer of its own per thread
+    assert id(trainer.runner.tracer) not in tracers  # the template stays as given, for the next run
+
+
 def test_shm_fit_with_an_algo_function_and_max_rollouts() -> None:
     seen: list[str] = []
 
