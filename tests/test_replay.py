@@ -135,6 +135,8 @@ async def test_an_adapter_that_raises_on_one_attempt_is_reported_and_the_rest_re
         ({"adapter": "no_such_module:f"}, "importing 'no_such_module' failed"),
         ({"since": 10, "until": 3}, "bad range"),
         ({"since": "yesterday-ish"}, "neither a log position"),
+        ({"since": "\u00b2"}, "neither a log position"),  # a digit to str.isdigit, not to int()
+        ({"until": "\u0663"}, "neither a log position"),  # an Arabic-Indic 3: int() takes it; not a position
         ({"reward": "json:no_such_function"}, "has no attribute"),
         ({"min_reward": float("nan")}, "min_reward must be a finite number"),
         ({"min_reward": float("inf")}, "min_reward must be a finite number"),

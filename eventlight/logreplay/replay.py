@@ -434,7 +434,7 @@ def parse_bound(text: str) -> Bound:
     from datetime import UTC, datetime
 
     text = text.strip()
-    if text.isdigit():
+    if text.isascii() and text.isdigit():  # not str.isdigit alone: "²" is a digit int() refuses
         return Bound(seq=int(text))
     try:
         when = datetime.fromisoformat(text.replace("Z", "+00:00"))
