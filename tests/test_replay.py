@@ -249,7 +249,14 @@ def test_cli_replay_bad_input_is_one_line(namespace: Settings, tmp_path: Path) -
 def test_cli_rebuild_refuses_what_only_a_replay_to_a_file_takes(namespace: Settings, tmp_path: Path) -> None:
     """``--rebuild --adapter messages`` rebuilt the read models and dropped the adapter without a word."""
     env = env_of(namespace)
-    for extra in (["--adapter", "messages"], ["--status", "succeeded"], ["--min-reward", "0.5"], ["--workers", "2"]):
+    for extra in (
+        ["--adapter", "messages"],
+        ["--status", "succeeded"],
+        ["--min-reward", "0.5"],
+        ["--workers", "2"],
+        ["--min-reward", "0"],  # falsy values were dropped without a word
+        ["--since", ""],
+    ):
         assert_one_line_error(cli("replay", "--rebuild", *extra, env=env), 2, f"{extra[0]} would not apply")
     assert_one_line_error(
         cli("replay", "--min-reward", "nan", "--out", str(tmp_path / "x.jsonl"), env=env), 2, "finite"

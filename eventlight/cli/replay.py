@@ -190,7 +190,7 @@ def replay_command(
             "--reward": reward,
             "--workers": workers,
         }
-        ignored = [name for name, value in given.items() if value]
+        ignored = [name for name, value in given.items() if value is not None and value != []]  # 0 and "" too
         if ignored:
             raise CliError(f"--rebuild projects the whole log with the projector: {', '.join(ignored)} would not apply")
         from eventlight.logreplay.rebuild import rebuild_command
