@@ -60,3 +60,9 @@ def int_keys(spans: list[Span]) -> list[dict[str, Any]]:
     record file can hold."""
     bad = any("[bad]" in str((s.attributes or {}).get("gen_ai.prompt.0.content", "")) for s in spans)
     return [{"n": len(spans)}, {"n": 0, "extra": {2: "b"} if bad else {"2": "b"}}]
+
+
+def str_reward(spans: list[Span]) -> list[dict[str, Any]]:
+    """Two items per attempt; on "[bad]" attempts the second's ``reward`` is the string "high"."""
+    bad = any("[bad]" in str((s.attributes or {}).get("gen_ai.prompt.0.content", "")) for s in spans)
+    return [{"n": len(spans), "reward": 0.5}, {"n": 0, "reward": "high" if bad else 1}]

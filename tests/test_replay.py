@@ -14,7 +14,7 @@ import pytest
 
 import eventlight
 from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
-from eventlight.core.types import Span
+from eventlight.core.types import Span, Triplet
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.store.memory import InMemoryLightningStore
@@ -126,6 +126,54 @@ async def test_an_adapter_that_raises_on_one_attempt_is_reported_and_the_rest_re
         assert [r["rollout_id"] for r in records] == [ids["good"], ids["val"]]
         assert len(run.errors) == 1 and run.errors[0].rollout_id == ids["bad"]
         assert "RuntimeError: cannot adapt this one" in run.errors[0].error and run.errors[0].attempt_id
+
+
+@pytest.mark.parametrize(
+    ("returned", "says"),
+    [
+        ("abc", "returned a str"),
+        ({"a": 1}, "returned a dict"),
+        (b"ab", "returned a bytes"),
+        (None, "returned None"),
+        (Triplet(prompt="p", response="r"), "returned a Triplet"),
+    ],
+)
+async def test_an_adapter_returning_no_list_of_items_fails_each_attempt(returned: Any, says: str) -> None:
+    """A str or a dict was iterated: one record per character or per key, without a word."""
+    async with InMemoryLightningStore() as store:
+        await workload(store)
+        run = eventlight.replay(store, adapter=lambda spans: returned)
+        assert await collect(run) == []
+    assert [e.error for e in run.errors] == [
+        f"TypeError: the adapter {says}, expected a list of items (one record each)"
+    ] * 3
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        (float("nan"), "nan, expected a finite number or None"),
+        (float("inf"), "inf, expected a finite number or None"),
+        (float("-inf"), "-inf, expected a finite number or None"),
+        (10**400, "1" + "0" * 56 + "..., too large for a float"),
+        ("high", "str 'high', expected a number or None"),
+        (True, "bool True, expected a number or None"),
+    ],
+    ids=["nan", "inf", "-inf", "huge-int", "str", "bool"],
+)
+async def test_a_reward_that_is_no_finite_number_fails_its_attempt(value: Any, says: str) -> None:
+    """NaN or infinity from --reward became null with exit 0; from an adapter's ``reward`` field it
+    was null in .jsonl and NaN in .parquet (and a string failed the whole .parquet replay)."""
+    async with InMemoryLightningStore() as store:
+        await workload(store)
+        relabelled = eventlight.replay(store, reward=lambda spans: value)
+        from_items = eventlight.replay(store, adapter=lambda spans: [{"n": 1, "reward": 1}, {"n": 2, "reward": value}])
+        assert await collect(relabelled) == [] and await collect(from_items) == []
+        whole = await collect(eventlight.replay(store, adapter=lambda spans: [{"reward": 1}, {"reward": None}]))
+    assert all(f"the reward function returned {says}" in e.error for e in relabelled.errors), relabelled.errors
+    assert all(f"the adapter's item 1 has reward {says}" in e.error for e in from_items.errors), from_items.errors
+    assert len(relabelled.errors) == len(from_items.errors) == 3
+    assert [r["reward"] for r in whole] == [1.0, None] * 3 and isinstance(whole[0]["reward"], float)
 
 
 @pytest.mark.parametrize(
@@ -286,19 +334,29 @@ async def test_a_replay_that_fails_midway_leaves_no_partial_file(namespace: Sett
 
 
 @pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
+@pytest.mark.parametrize(
+    ("adapter", "says"),
+    [
+        ("int_keys", "its records cannot be written"),
+        ("str_reward", "TypeError: the adapter's item 1 has reward str 'high', expected a number or None"),
+    ],
+    ids=["int-keys", "str-reward"],
+)
 async def test_records_that_cannot_be_written_skip_their_attempt_not_the_replay(
-    namespace: Settings, tmp_path: Path, suffix: str
+    namespace: Settings, tmp_path: Path, suffix: str, adapter: str, says: str
 ) -> None:
-    """A dict with int keys in an item failed the whole replay as an internal error."""
+    """A dict with int keys in an item failed the whole replay as an internal error; so did a
+    ``reward`` of "high" in .parquet ("internal error: ArrowInvalid", leaving a 0-row file), which
+    .jsonl wrote as it was."""
     from tests.test_replay_parallel import workload as many
 
     async with JetStreamLightningStore(namespace) as store:
         kinds = await many(store)
     out = tmp_path / f"some.{suffix}"
-    result = cli("replay", "--adapter", "tests.replay_adapters:int_keys", "--out", str(out), env=env_of(namespace))
+    result = cli("replay", "--adapter", f"tests.replay_adapters:{adapter}", "--out", str(out), env=env_of(namespace))
     assert result.returncode == 0, result.stderr
     skipped = [line for line in result.stderr.splitlines() if line.startswith("skipped:")]
-    assert len(skipped) == len(kinds["bad"]) and all("its records cannot be written" in line for line in skipped)
+    assert len(skipped) == len(kinds["bad"]) and all(says in line for line in skipped), result.stderr
     if suffix == "jsonl":
         rows = [json.loads(line) for line in out.read_text().splitlines()]
     else:

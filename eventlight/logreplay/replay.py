@@ -388,7 +388,8 @@ def replay(
         modes, resources_ids: The rollout's ``mode`` / ``resources_id`` to keep.
         min_reward: Keep attempts whose final reward is at least this (none: dropped).
         reward: A function of an attempt's spans returning its new reward (relabelling), or its
-            ``"module:callable"``.
+            ``"module:callable"``: a finite number or ``None``; anything else (NaN, a string)
+            fails that attempt, as an exception it raises does.
         on_progress: Called now and then with the ``ReplayStats``.
         workers: Processes that run the adapter (``eventlight.logreplay.parallel``): with 2 or more,
             attempts are adapted in worker processes, starting while the log is still read, and
