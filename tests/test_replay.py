@@ -6,6 +6,8 @@ Runs on real NATS for the JetStream log and on the in-memory log; the CLI is run
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ from eventlight.core.types import Span, Triplet
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.store.memory import InMemoryLightningStore
-from tests.test_cli import assert_one_line_error, cli, env_of
+from tests.test_cli import ROOT, assert_one_line_error, cli, env_of
 
 
 def llm_span(rid: str, aid: str, seq: int, text: str, start: float) -> Span:
@@ -316,21 +318,102 @@ def test_cli_import_of_a_folder_says_so(namespace: Settings, tmp_path: Path) -> 
     assert_one_line_error(cli("import", str(tmp_path), env=env_of(namespace)), 2, "is a folder")
 
 
-async def test_a_replay_that_fails_midway_leaves_no_partial_file(namespace: Settings, tmp_path: Path) -> None:
-    """A worker that dies after records were written: the file would pass for the whole dataset."""
+def only_error(result: Any, code: int) -> str:
+    """The one ``error:`` line of a replay that failed (after the progress bar's last line)."""
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == code and len(errors) == 1, (result.returncode, result.stderr)
+    assert "Traceback" not in result.stderr
+    return errors[0]
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new", "existing"])
+async def test_a_replay_that_fails_midway_leaves_no_partial_file(
+    namespace: Settings, tmp_path: Path, existing: bool
+) -> None:
+    """A worker that dies after records were written: the file would pass for the whole dataset.
+    A file already there was truncated as the replay began, and removed when it failed."""
     from tests.test_replay_parallel import workload as many
 
     async with JetStreamLightningStore(namespace) as store:
         await many(store)
     out = tmp_path / "partial.jsonl"
+    if existing:
+        out.write_text("precious\n")
     result = cli(
         "replay", "--adapter", "tests.replay_adapters:dies", "--workers", "2", "--out", str(out), env=env_of(namespace)
     )
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert result.returncode == 1 and len(errors) == 1, result.stderr  # after the progress bar's last line
-    assert "a replay worker process died" in errors[0] and "nothing was written" in errors[0]
-    assert "Traceback" not in result.stderr
-    assert not out.exists()
+    line = only_error(result, 1)
+    assert "a replay worker process died" in line and "nothing was written" in line
+    assert files_in(tmp_path) == (["partial.jsonl"] if existing else [])  # no temporary file
+    assert not existing or out.read_text() == "precious\n"
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new", "existing"])
+async def test_a_parquet_replay_failing_at_its_last_write_leaves_no_file(
+    namespace: Settings, tmp_path: Path, existing: bool
+) -> None:
+    """Records that gain a field after the first row group fail the file when its last row group is
+    written, at the writer's close, which ran outside the clean-up: a readable file of the first
+    4,096 rows was left (or replaced the one there)."""
+    from tests.test_replay_parallel import workload as many
+
+    async with JetStreamLightningStore(namespace) as store:
+        await many(store)
+    out = tmp_path / "late.parquet"
+    if existing:
+        out.write_bytes(b"precious")
+    result = cli("replay", "--adapter", "tests.replay_adapters:late_key", "--out", str(out), env=env_of(namespace))
+    assert "has fields ['late'] that the first 4096 records lack" in only_error(result, 2)
+    assert files_in(tmp_path) == (["late.parquet"] if existing else [])
+    assert not existing or out.read_bytes() == b"precious"
+
+
+def files_in(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def interrupted(env: dict[str, str], args: list[str], ready: Callable[[int], bool]) -> Any:
+    """Run ``eventlight ARGS`` in a session of its own, wait until ``ready(pid)`` (30 s at most), then
+    send SIGINT to its process group, as a terminal's Ctrl-C does."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith("EVENTLIGHT_")}
+    command = [sys.executable, "-m", "eventlight.cli", *args]
+    proc = subprocess.Popen(
+        command, env={**base, **env}, cwd=ROOT, start_new_session=True, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 30
+    while not ready(proc.pid) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    return subprocess.CompletedProcess(command, proc.returncode, "", stderr)
+
+
+async def test_ctrl_c_during_a_replay_leaves_an_existing_file_as_it_was(namespace: Settings, tmp_path: Path) -> None:
+    """Ctrl-C deleted the file the replay was about to replace, and said nothing."""
+    from tests.test_replay_parallel import workload as many
+
+    async with JetStreamLightningStore(namespace) as store:
+        await many(store)
+    out = tmp_path / "keep.jsonl"
+    out.write_text("precious\n")
+    args = ["replay", "-a", "tests.replay_adapters:slow", "-j", "1", "-o", str(out)]
+    started: list[float] = []
+
+    def writing(pid: int) -> bool:  # a second into the adapter's 0.2 s per attempt
+        import time
+
+        if not started and (out.read_text() != "precious\n" or any(tmp_path.glob(".keep.jsonl.*.part"))):
+            started.append(time.monotonic())
+        return bool(started) and time.monotonic() - started[0] > 1.0
+
+    line = only_error(interrupted(env_of(namespace), args, writing), 130)
+    assert line.startswith("error: interrupted: nothing was written to")
+    assert out.read_text() == "precious\n" and files_in(tmp_path) == ["keep.jsonl"]
 
 
 @pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
@@ -398,8 +481,10 @@ async def test_cli_replay_where_every_attempt_fails_exits_1(namespace: Settings,
     async with JetStreamLightningStore(namespace) as store:
         await workload(store)
     out = tmp_path / "none.jsonl"
+    out.write_text("precious\n")  # a failed replay leaves it as it was
     result = cli("replay", "--reward", "os:getcwd", "--out", str(out), env=env_of(namespace))
     assert result.returncode == 1, result.stdout + result.stderr
+    assert out.read_text() == "precious\n" and "nothing was written to" in result.stderr
     skipped = [line for line in result.stderr.splitlines() if line.startswith("skipped:")]
     assert len(skipped) == 3 and all("TypeError" in line for line in skipped), result.stderr
     assert result.stderr.count("TypeError") == 3 + 1 + 1, result.stderr  # the lines, the one warning, the error
