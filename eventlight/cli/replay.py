@@ -266,7 +266,7 @@ def replay_command(
 
 
 def export_command(
-    out: Annotated[Path, typer.Option("--out", "-o", help="The file to write (JSON lines).")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="The file to write: FILE.jsonl (JSON lines).")],
     since: Annotated[int, typer.Option(min=0, help="Export entries after this log position.")] = 0,
     until: Annotated[
         int | None, typer.Option(min=0, help="Export entries up to this log position (default: the head).")
@@ -275,14 +275,22 @@ def export_command(
 ) -> None:
     """Write a slice of the namespace's event log to a file, as stored (payloads untouched).
 
+    The file ends with the count of its entries, which `eventlight import` checks; it is written
+    beside --out and renamed over it once whole, so a failed or interrupted export leaves --out as it was.
+
     Servers: uses $EVENTLIGHT_NATS_URL when set, else the embedded NATS; never starts one."""
     from eventlight.logreplay.transfer import export_log
 
     if until is not None and until < since:
         raise CliError(f"bad range: --until {until} is before --since {since}")
+    if out.suffix.lower() != ".jsonl":
+        raise CliError(f"--out {out}: an export is JSON lines: give a .jsonl file name")
     _writable(out)
     settings = _run(_nats_settings(_settings(namespace)))
-    n, first, last = _run(export_log(settings, out, since, until))
+    try:
+        n, first, last = _run(export_log(settings, out, since, until))
+    except KeyboardInterrupt:
+        raise CliError(f"interrupted: nothing was written to {out}", exit_code=EXIT_INTERRUPTED) from None
     console.print(f"{n} entries (log positions {first}..{last}) → {escape(str(out))}")
 
 
