@@ -74,3 +74,10 @@ def late_key(spans: list[Span]) -> list[dict[str, Any]]:
     text = str((spans[0].attributes or {}).get("gen_ai.prompt.0.content", ""))  # "q task 17 [bad]"
     late = {"late": 1} if int(text.split()[2]) >= 70 else {}
     return [{"k": k, **late} for k in range(64)]
+
+
+class AdaptOnly:
+    """An adapter class with ``adapt`` but no ``__call__`` (not a ``TraceAdapter``)."""
+
+    def adapt(self, spans: list[Span]) -> list[dict[str, Any]]:
+        return [{"n": len(spans)}]

@@ -20,6 +20,7 @@ from eventlight.core.types import Span, Triplet
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.store.memory import InMemoryLightningStore
+from tests.replay_adapters import AdaptOnly
 from tests.test_cli import ROOT, assert_one_line_error, cli, env_of
 
 
@@ -133,11 +134,14 @@ async def test_an_adapter_that_raises_on_one_attempt_is_reported_and_the_rest_re
 @pytest.mark.parametrize(
     ("returned", "says"),
     [
-        ("abc", "returned a str"),
-        ({"a": 1}, "returned a dict"),
-        (b"ab", "returned a bytes"),
+        ("abc", "returned str 'abc'"),
+        ({"a": 1}, "returned dict {'a': 1}"),
+        (b"ab", "returned bytes b'ab'"),
         (None, "returned None"),
-        (Triplet(prompt="p", response="r"), "returned a Triplet"),
+        (
+            Triplet(prompt="p", response="r"),
+            "returned Triplet Triplet(prompt='p', response='r', reward=None, metadata={})",
+        ),
     ],
 )
 async def test_an_adapter_returning_no_list_of_items_fails_each_attempt(returned: Any, says: str) -> None:
@@ -183,6 +187,11 @@ async def test_a_reward_that_is_no_finite_number_fails_its_attempt(value: Any, s
     [
         ({"adapter": "nope"}, "unknown adapter 'nope'"),
         ({"adapter": "no_such_module:f"}, "importing 'no_such_module' failed"),
+        (
+            {"adapter": "tests.replay_adapters:AdaptOnly"},
+            "an instance of AdaptOnly is not callable",
+        ),  # not once per attempt
+        ({"adapter": AdaptOnly()}, "adapter: an instance of AdaptOnly is not callable"),
         ({"since": 10, "until": 3}, "bad range"),
         ({"since": "yesterday-ish"}, "neither a log position"),
         ({"since": "\u00b2"}, "neither a log position"),  # a digit to str.isdigit, not to int()

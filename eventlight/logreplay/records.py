@@ -101,10 +101,13 @@ def resolve_adapter(adapter: str | AdapterFn) -> AdapterFn:
     arguments), or a callable of the spans.
 
     Raises:
-        InvalidInputError: An unknown name or a spec that does not import.
+        InvalidInputError: An unknown name, a spec that does not import, or something not callable
+            (a class with ``adapt`` but no ``__call__``, say).
     """
     if callable(adapter):
         return adapter
+    if not isinstance(adapter, str):
+        raise InvalidInputError(f"adapter: {_not_callable(adapter)}")
     from eventlight.adapter import LlmProxyTraceToTriplet, TracerTraceToTriplet, TraceToMessages
 
     builtin: dict[str, Callable[[], AdapterFn]] = {
@@ -124,7 +127,16 @@ def resolve_adapter(adapter: str | AdapterFn) -> AdapterFn:
             obj = obj()
         except Exception as e:
             raise InvalidInputError(f"adapter {adapter!r}: {obj.__name__}() failed: {type(e).__name__}: {e}") from e
+        if not callable(obj):  # refused once here, not on every attempt
+            raise InvalidInputError(f"adapter {adapter!r}: {_not_callable(obj)}")
     return obj  # type: ignore[no-any-return]
+
+
+def _not_callable(obj: object) -> str:
+    return (
+        f"an instance of {type(obj).__name__} is not callable: give a function of the spans, or a class with "
+        "__call__(spans) (subclassing eventlight.adapter.TraceAdapter makes __call__ run adapt)"
+    )
 
 
 def resolve_reward(reward: str | RewardFn | None) -> RewardFn | None:
@@ -216,7 +228,7 @@ def _items(returned: Any) -> Iterable[Any]:
     """
     single = isinstance(returned, (str, bytes, bytearray, Mapping, msgspec.Struct)) or hasattr(returned, "model_dump")
     if returned is None or single or not isinstance(returned, Iterable):
-        kind = "None" if returned is None else f"a {type(returned).__name__}"
+        kind = "None" if returned is None else f"{type(returned).__name__} {_short(returned)}"
         raise TypeError(f"the adapter returned {kind}, expected a list of items (one record each)")
     return returned
 
