@@ -317,9 +317,12 @@ def test_cli_rebuild_refuses_what_only_a_replay_to_a_file_takes(namespace: Setti
         ["--since", ""],
     ):
         assert_one_line_error(cli("replay", "--rebuild", *extra, env=env), 2, f"{extra[0]} would not apply")
-    assert_one_line_error(
-        cli("replay", "--min-reward", "nan", "--out", str(tmp_path / "x.jsonl"), env=env), 2, "finite"
-    )
+    for value in ("nan", "inf"):  # the option's name, not the Python argument's (min_reward)
+        assert_one_line_error(
+            cli("replay", "--min-reward", value, "--out", str(tmp_path / "x.jsonl"), env=env),
+            2,
+            f"--min-reward must be a finite number, not {value}",
+        )
     assert not (tmp_path / "x.jsonl").exists()
 
 
@@ -484,9 +487,9 @@ async def test_cli_replay_since_past_the_head_warns_and_writes_an_empty_file(
 
 
 async def test_cli_replay_where_every_attempt_fails_exits_1(namespace: Settings, tmp_path: Path) -> None:
-    """A reward function that raises on every attempt: each skip printed once (it was printed twice,
-    as a log warning and a 'skipped:' line) and the command fails instead of reporting 0 records as
-    a success (a fresh-user run)."""
+    """A reward function that raises on every attempt: each skip printed once (the first was printed
+    twice, as a log warning and a 'skipped:' line) and the command fails instead of reporting 0
+    records as a success (a fresh-user run)."""
     async with JetStreamLightningStore(namespace) as store:
         await workload(store)
     out = tmp_path / "none.jsonl"
@@ -496,7 +499,8 @@ async def test_cli_replay_where_every_attempt_fails_exits_1(namespace: Settings,
     assert out.read_text() == "precious\n" and "nothing was written to" in result.stderr
     skipped = [line for line in result.stderr.splitlines() if line.startswith("skipped:")]
     assert len(skipped) == 3 and all("TypeError" in line for line in skipped), result.stderr
-    assert result.stderr.count("TypeError") == 3 + 1 + 1, result.stderr  # the lines, the one warning, the error
+    assert result.stderr.count("TypeError") == 3 + 1, result.stderr  # the lines and the error (no log warning)
+    assert "WARNING" not in result.stderr, result.stderr
     assert "error: every one of the 3 selected attempt(s) failed in the adapter or reward function" in result.stderr
 
 

@@ -7,6 +7,7 @@ answer, 2 for a wrong argument (an unknown adapter, a bad range, a file name wit
 from __future__ import annotations
 
 import contextlib
+import math
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -84,6 +85,7 @@ async def _replay_to_file(settings: Settings, out: Path, opts: dict[str, Any]) -
     make_writer = writer_for(out)  # and so does a file name without a known suffix
     settings = await _nats_settings(settings)
     run.source = settings
+    run.log_first_skip = False  # printed below with the others, once
     # a partial dataset would pass for a whole one: written beside `out`, renamed over it when whole
     with replacing(out) as part, _progress() as bar:
         writer = make_writer(part)
@@ -224,6 +226,8 @@ def replay_command(
         raise CliError("--swap goes with --rebuild")
     if out is None:
         raise CliError("--out FILE.jsonl|FILE.parquet is required (or --rebuild)")
+    if min_reward is not None and not math.isfinite(min_reward):
+        raise CliError(f"--min-reward must be a finite number, not {min_reward}")
     from eventlight.logreplay.parallel import default_workers
 
     opts: dict[str, Any] = {

@@ -127,6 +127,8 @@ class Replay(AsyncIterator[dict[str, Any]]):
         self.min_reward = min_reward
         self.on_progress = on_progress
         self.errors: list[ReplayError] = []
+        self.log_first_skip = True
+        """Log a warning for the first attempt skipped (``eventlight replay`` prints each itself)."""
         self.stats = ReplayStats()
         self._it: AsyncIterator[dict[str, Any]] | None = None
 
@@ -160,7 +162,7 @@ class Replay(AsyncIterator[dict[str, Any]]):
                     raise AssertionError("adapt_one does not answer InThisProcess")
                 if isinstance(result, str):  # the user's adapter or reward function raised: report, go on
                     err = ReplayError(selected.rollout.rollout_id, selected.attempt.attempt_id, result)
-                    if not self.errors:  # once; ``errors`` holds them all, and the CLI prints them
+                    if not self.errors and self.log_first_skip:  # once; ``errors`` holds them all
                         log.warning(
                             "replay: rollout %s attempt %s skipped: %s (the first skipped; the run's errors list all)",
                             err.rollout_id,
