@@ -60,3 +60,24 @@ def int_keys(spans: list[Span]) -> list[dict[str, Any]]:
     record file can hold."""
     bad = any("[bad]" in str((s.attributes or {}).get("gen_ai.prompt.0.content", "")) for s in spans)
     return [{"n": len(spans)}, {"n": 0, "extra": {2: "b"} if bad else {"2": "b"}}]
+
+
+def str_reward(spans: list[Span]) -> list[dict[str, Any]]:
+    """Two items per attempt; on "[bad]" attempts the second's ``reward`` is the string "high"."""
+    bad = any("[bad]" in str((s.attributes or {}).get("gen_ai.prompt.0.content", "")) for s in spans)
+    return [{"n": len(spans), "reward": 0.5}, {"n": 0, "reward": "high" if bad else 1}]
+
+
+def late_key(spans: list[Span]) -> list[dict[str, Any]]:
+    """64 items per attempt; from task 70 on (past Parquet's first row group of 4,096 records, in
+    ``test_replay_parallel.workload``) each has a field ``late`` the earlier ones lack."""
+    text = str((spans[0].attributes or {}).get("gen_ai.prompt.0.content", ""))  # "q task 17 [bad]"
+    late = {"late": 1} if int(text.split()[2]) >= 70 else {}
+    return [{"k": k, **late} for k in range(64)]
+
+
+class AdaptOnly:
+    """An adapter class with ``adapt`` but no ``__call__`` (not a ``TraceAdapter``)."""
+
+    def adapt(self, spans: list[Span]) -> list[dict[str, Any]]:
+        return [{"n": len(spans)}]

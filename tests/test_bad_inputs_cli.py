@@ -90,6 +90,7 @@ CLI: dict[str, Case] = {
         2,
         "neither a log position",
     ),
+    "replay: --since \u00b2": (("replay", "-o", "{tmp}/x.jsonl", "--since", "\u00b2"), {}, 2, "neither a log position"),
     "replay: --status typo": (
         ("replay", "-o", "{tmp}/x.jsonl", "--status", "succeded"),
         {},

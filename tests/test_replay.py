@@ -6,6 +6,8 @@ Runs on real NATS for the JetStream log and on the in-memory log; the CLI is run
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,11 +16,12 @@ import pytest
 
 import eventlight
 from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
-from eventlight.core.types import Span
+from eventlight.core.types import Span, Triplet
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.store.memory import InMemoryLightningStore
-from tests.test_cli import assert_one_line_error, cli, env_of
+from tests.replay_adapters import AdaptOnly
+from tests.test_cli import ROOT, assert_one_line_error, cli, env_of
 
 
 def llm_span(rid: str, aid: str, seq: int, text: str, start: float) -> Span:
@@ -129,12 +132,70 @@ async def test_an_adapter_that_raises_on_one_attempt_is_reported_and_the_rest_re
 
 
 @pytest.mark.parametrize(
+    ("returned", "says"),
+    [
+        ("abc", "returned str 'abc'"),
+        ({"a": 1}, "returned dict {'a': 1}"),
+        (b"ab", "returned bytes b'ab'"),
+        (None, "returned None"),
+        (
+            Triplet(prompt="p", response="r"),
+            "returned Triplet Triplet(prompt='p', response='r', reward=None, metadata={})",
+        ),
+    ],
+)
+async def test_an_adapter_returning_no_list_of_items_fails_each_attempt(returned: Any, says: str) -> None:
+    """A str or a dict was iterated: one record per character or per key, without a word."""
+    async with InMemoryLightningStore() as store:
+        await workload(store)
+        run = eventlight.replay(store, adapter=lambda spans: returned)
+        assert await collect(run) == []
+    assert [e.error for e in run.errors] == [
+        f"TypeError: the adapter {says}, expected a list of items (one record each)"
+    ] * 3
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        (float("nan"), "nan, expected a finite number or None"),
+        (float("inf"), "inf, expected a finite number or None"),
+        (float("-inf"), "-inf, expected a finite number or None"),
+        (10**400, "1" + "0" * 56 + "..., too large for a float"),
+        ("high", "str 'high', expected a number or None"),
+        (True, "bool True, expected a number or None"),
+    ],
+    ids=["nan", "inf", "-inf", "huge-int", "str", "bool"],
+)
+async def test_a_reward_that_is_no_finite_number_fails_its_attempt(value: Any, says: str) -> None:
+    """NaN or infinity from --reward became null with exit 0; from an adapter's ``reward`` field it
+    was null in .jsonl and NaN in .parquet (and a string failed the whole .parquet replay)."""
+    async with InMemoryLightningStore() as store:
+        await workload(store)
+        relabelled = eventlight.replay(store, reward=lambda spans: value)
+        from_items = eventlight.replay(store, adapter=lambda spans: [{"n": 1, "reward": 1}, {"n": 2, "reward": value}])
+        assert await collect(relabelled) == [] and await collect(from_items) == []
+        whole = await collect(eventlight.replay(store, adapter=lambda spans: [{"reward": 1}, {"reward": None}]))
+    assert all(f"the reward function returned {says}" in e.error for e in relabelled.errors), relabelled.errors
+    assert all(f"the adapter's item 1 has reward {says}" in e.error for e in from_items.errors), from_items.errors
+    assert len(relabelled.errors) == len(from_items.errors) == 3
+    assert [r["reward"] for r in whole] == [1.0, None] * 3 and isinstance(whole[0]["reward"], float)
+
+
+@pytest.mark.parametrize(
     ("kwargs", "says"),
     [
         ({"adapter": "nope"}, "unknown adapter 'nope'"),
         ({"adapter": "no_such_module:f"}, "importing 'no_such_module' failed"),
+        (
+            {"adapter": "tests.replay_adapters:AdaptOnly"},
+            "an instance of AdaptOnly is not callable",
+        ),  # not once per attempt
+        ({"adapter": AdaptOnly()}, "adapter: an instance of AdaptOnly is not callable"),
         ({"since": 10, "until": 3}, "bad range"),
         ({"since": "yesterday-ish"}, "neither a log position"),
+        ({"since": "\u00b2"}, "neither a log position"),  # a digit to str.isdigit, not to int()
+        ({"until": "\u0663"}, "neither a log position"),  # an Arabic-Indic 3: int() takes it; not a position
         ({"reward": "json:no_such_function"}, "has no attribute"),
         ({"min_reward": float("nan")}, "min_reward must be a finite number"),
         ({"min_reward": float("inf")}, "min_reward must be a finite number"),
@@ -247,11 +308,21 @@ def test_cli_replay_bad_input_is_one_line(namespace: Settings, tmp_path: Path) -
 def test_cli_rebuild_refuses_what_only_a_replay_to_a_file_takes(namespace: Settings, tmp_path: Path) -> None:
     """``--rebuild --adapter messages`` rebuilt the read models and dropped the adapter without a word."""
     env = env_of(namespace)
-    for extra in (["--adapter", "messages"], ["--status", "succeeded"], ["--min-reward", "0.5"], ["--workers", "2"]):
+    for extra in (
+        ["--adapter", "messages"],
+        ["--status", "succeeded"],
+        ["--min-reward", "0.5"],
+        ["--workers", "2"],
+        ["--min-reward", "0"],  # falsy values were dropped without a word
+        ["--since", ""],
+    ):
         assert_one_line_error(cli("replay", "--rebuild", *extra, env=env), 2, f"{extra[0]} would not apply")
-    assert_one_line_error(
-        cli("replay", "--min-reward", "nan", "--out", str(tmp_path / "x.jsonl"), env=env), 2, "finite"
-    )
+    for value in ("nan", "inf"):  # the option's name, not the Python argument's (min_reward)
+        assert_one_line_error(
+            cli("replay", "--min-reward", value, "--out", str(tmp_path / "x.jsonl"), env=env),
+            2,
+            f"--min-reward must be a finite number, not {value}",
+        )
     assert not (tmp_path / "x.jsonl").exists()
 
 
@@ -259,37 +330,128 @@ def test_cli_import_of_a_folder_says_so(namespace: Settings, tmp_path: Path) -> 
     assert_one_line_error(cli("import", str(tmp_path), env=env_of(namespace)), 2, "is a folder")
 
 
-async def test_a_replay_that_fails_midway_leaves_no_partial_file(namespace: Settings, tmp_path: Path) -> None:
-    """A worker that dies after records were written: the file would pass for the whole dataset."""
+def only_error(result: Any, code: int) -> str:
+    """The one ``error:`` line of a replay that failed (after the progress bar's last line)."""
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == code and len(errors) == 1, (result.returncode, result.stderr)
+    assert "Traceback" not in result.stderr
+    return errors[0]
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new", "existing"])
+async def test_a_replay_that_fails_midway_leaves_no_partial_file(
+    namespace: Settings, tmp_path: Path, existing: bool
+) -> None:
+    """A worker that dies after records were written: the file would pass for the whole dataset.
+    A file already there was truncated as the replay began, and removed when it failed."""
     from tests.test_replay_parallel import workload as many
 
     async with JetStreamLightningStore(namespace) as store:
         await many(store)
     out = tmp_path / "partial.jsonl"
+    if existing:
+        out.write_text("precious\n")
     result = cli(
         "replay", "--adapter", "tests.replay_adapters:dies", "--workers", "2", "--out", str(out), env=env_of(namespace)
     )
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert result.returncode == 1 and len(errors) == 1, result.stderr  # after the progress bar's last line
-    assert "a replay worker process died" in errors[0] and "nothing was written" in errors[0]
-    assert "Traceback" not in result.stderr
-    assert not out.exists()
+    line = only_error(result, 1)
+    assert "a replay worker process died" in line and "nothing was written" in line
+    assert files_in(tmp_path) == (["partial.jsonl"] if existing else [])  # no temporary file
+    assert not existing or out.read_text() == "precious\n"
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new", "existing"])
+async def test_a_parquet_replay_failing_at_its_last_write_leaves_no_file(
+    namespace: Settings, tmp_path: Path, existing: bool
+) -> None:
+    """Records that gain a field after the first row group fail the file when its last row group is
+    written, at the writer's close, which ran outside the clean-up: a readable file of the first
+    4,096 rows was left (or replaced the one there)."""
+    from tests.test_replay_parallel import workload as many
+
+    async with JetStreamLightningStore(namespace) as store:
+        await many(store)
+    out = tmp_path / "late.parquet"
+    if existing:
+        out.write_bytes(b"precious")
+    result = cli("replay", "--adapter", "tests.replay_adapters:late_key", "--out", str(out), env=env_of(namespace))
+    assert "has fields ['late'] that the first 4096 records lack" in only_error(result, 2)
+    assert files_in(tmp_path) == (["late.parquet"] if existing else [])
+    assert not existing or out.read_bytes() == b"precious"
+
+
+def files_in(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def interrupted(env: dict[str, str], args: list[str], ready: Callable[[int], bool]) -> Any:
+    """Run ``eventlight ARGS`` in a session of its own, wait until ``ready(pid)`` (30 s at most), then
+    send SIGINT to its process group, as a terminal's Ctrl-C does."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith("EVENTLIGHT_")}
+    command = [sys.executable, "-m", "eventlight.cli", *args]
+    proc = subprocess.Popen(
+        command, env={**base, **env}, cwd=ROOT, start_new_session=True, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 30
+    while not ready(proc.pid) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    return subprocess.CompletedProcess(command, proc.returncode, "", stderr)
+
+
+async def test_ctrl_c_during_a_replay_leaves_an_existing_file_as_it_was(namespace: Settings, tmp_path: Path) -> None:
+    """Ctrl-C deleted the file the replay was about to replace, and said nothing."""
+    from tests.test_replay_parallel import workload as many
+
+    async with JetStreamLightningStore(namespace) as store:
+        await many(store)
+    out = tmp_path / "keep.jsonl"
+    out.write_text("precious\n")
+    args = ["replay", "-a", "tests.replay_adapters:slow", "-j", "1", "-o", str(out)]
+    started: list[float] = []
+
+    def writing(pid: int) -> bool:  # a second into the adapter's 0.2 s per attempt
+        import time
+
+        if not started and (out.read_text() != "precious\n" or any(tmp_path.glob(".keep.jsonl.*.part"))):
+            started.append(time.monotonic())
+        return bool(started) and time.monotonic() - started[0] > 1.0
+
+    line = only_error(interrupted(env_of(namespace), args, writing), 130)
+    assert line.startswith("error: interrupted: nothing was written to")
+    assert out.read_text() == "precious\n" and files_in(tmp_path) == ["keep.jsonl"]
 
 
 @pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
+@pytest.mark.parametrize(
+    ("adapter", "says"),
+    [
+        ("int_keys", "its records cannot be written"),
+        ("str_reward", "TypeError: the adapter's item 1 has reward str 'high', expected a number or None"),
+    ],
+    ids=["int-keys", "str-reward"],
+)
 async def test_records_that_cannot_be_written_skip_their_attempt_not_the_replay(
-    namespace: Settings, tmp_path: Path, suffix: str
+    namespace: Settings, tmp_path: Path, suffix: str, adapter: str, says: str
 ) -> None:
-    """A dict with int keys in an item failed the whole replay as an internal error."""
+    """A dict with int keys in an item failed the whole replay as an internal error; so did a
+    ``reward`` of "high" in .parquet ("internal error: ArrowInvalid", leaving a 0-row file), which
+    .jsonl wrote as it was."""
     from tests.test_replay_parallel import workload as many
 
     async with JetStreamLightningStore(namespace) as store:
         kinds = await many(store)
     out = tmp_path / f"some.{suffix}"
-    result = cli("replay", "--adapter", "tests.replay_adapters:int_keys", "--out", str(out), env=env_of(namespace))
+    result = cli("replay", "--adapter", f"tests.replay_adapters:{adapter}", "--out", str(out), env=env_of(namespace))
     assert result.returncode == 0, result.stderr
     skipped = [line for line in result.stderr.splitlines() if line.startswith("skipped:")]
-    assert len(skipped) == len(kinds["bad"]) and all("its records cannot be written" in line for line in skipped)
+    assert len(skipped) == len(kinds["bad"]) and all(says in line for line in skipped), result.stderr
     if suffix == "jsonl":
         rows = [json.loads(line) for line in out.read_text().splitlines()]
     else:
@@ -325,17 +487,20 @@ async def test_cli_replay_since_past_the_head_warns_and_writes_an_empty_file(
 
 
 async def test_cli_replay_where_every_attempt_fails_exits_1(namespace: Settings, tmp_path: Path) -> None:
-    """A reward function that raises on every attempt: each skip printed once (it was printed twice,
-    as a log warning and a 'skipped:' line) and the command fails instead of reporting 0 records as
-    a success (a fresh-user run)."""
+    """A reward function that raises on every attempt: each skip printed once (the first was printed
+    twice, as a log warning and a 'skipped:' line) and the command fails instead of reporting 0
+    records as a success (a fresh-user run)."""
     async with JetStreamLightningStore(namespace) as store:
         await workload(store)
     out = tmp_path / "none.jsonl"
+    out.write_text("precious\n")  # a failed replay leaves it as it was
     result = cli("replay", "--reward", "os:getcwd", "--out", str(out), env=env_of(namespace))
     assert result.returncode == 1, result.stdout + result.stderr
+    assert out.read_text() == "precious\n" and "nothing was written to" in result.stderr
     skipped = [line for line in result.stderr.splitlines() if line.startswith("skipped:")]
     assert len(skipped) == 3 and all("TypeError" in line for line in skipped), result.stderr
-    assert result.stderr.count("TypeError") == 3 + 1 + 1, result.stderr  # the lines, the one warning, the error
+    assert result.stderr.count("TypeError") == 3 + 1, result.stderr  # the lines and the error (no log warning)
+    assert "WARNING" not in result.stderr, result.stderr
     assert "error: every one of the 3 selected attempt(s) failed in the adapter or reward function" in result.stderr
 
 

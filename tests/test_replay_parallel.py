@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,7 +24,7 @@ from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.store.memory import InMemoryLightningStore
 from tests.test_cli import cli, env_of
-from tests.test_replay import collect, llm_span, reward_span
+from tests.test_replay import collect, interrupted, llm_span, only_error, reward_span
 
 ROLLOUTS = 5 * CHUNK  # enough that attempts are sent to the workers during the read
 
@@ -197,3 +198,39 @@ def test_cli_workers_out_of_range_is_a_usage_error(namespace: Settings, tmp_path
     out = cli("replay", "--out", str(tmp_path / "x.jsonl"), "--workers", workers, env=env_of(namespace))
     assert out.returncode == 2 and "--workers" in out.stderr and not (tmp_path / "x.jsonl").exists(), out.stderr
     assert "Traceback" not in out.stderr and "internal error" not in out.stderr
+
+
+def _forkserver_of(pid: int) -> int | None:
+    """The pid of a ``multiprocessing`` forkserver whose parent is ``pid``, if one runs."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid and b"forkserver" in cmdline:
+            return int(entry.name)
+    return None
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the forkserver in /proc")
+async def test_ctrl_c_while_the_workers_start_is_one_line(namespace: Settings, tmp_path: Path) -> None:
+    """A Ctrl-C while the forkserver imported eventlight (the first second or so of a replay with
+    workers) printed its KeyboardInterrupt traceback: it ignored SIGINT only once it had."""
+    async with JetStreamLightningStore(namespace) as store:
+        await workload(store)
+    out = tmp_path / "x.jsonl"
+    seen: list[float] = []
+
+    def importing(pid: int) -> bool:  # 0.2 s after the forkserver started: importing eventlight
+        if not seen and _forkserver_of(pid) is not None:
+            seen.append(time.monotonic())
+        return bool(seen) and time.monotonic() - seen[0] > 0.2
+
+    args = ["replay", "-a", "tests.replay_adapters:slow", "-j", "2", "-o", str(out)]
+    result = interrupted(env_of(namespace), args, importing)
+    assert seen, "no forkserver was seen"
+    assert only_error(result, 130).startswith("error: interrupted: nothing was written to"), result.stderr
+    assert not out.exists()

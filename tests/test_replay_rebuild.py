@@ -159,7 +159,7 @@ async def test_an_import_with_a_bad_entry_appends_nothing(
     good, tampered = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
     await export_log(namespace, good, 0, None)
     lines = good.read_text().splitlines()
-    entries = len(lines) - 1  # after the header
+    entries = len(lines) - 2  # between the header and the count
     if bad == "moved":  # the first rollout event, put on a subject of another rollout
         i = next(i for i, line in enumerate(lines) if '"subject":"r.' in line)
         lines[i] = lines[i].replace('"subject":"r.', '"subject":"r.ro-elsewhere', 1)

@@ -6,6 +6,8 @@ answer, 2 for a wrong argument (an unknown adapter, a bad range, a file name wit
 
 from __future__ import annotations
 
+import contextlib
+import math
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -13,7 +15,7 @@ import typer
 from rich.markup import escape
 from rich.progress import Progress, TextColumn, TimeElapsedColumn
 
-from eventlight.cli.common import CliError, NamespaceOpt, _run, _settings, console, err
+from eventlight.cli.common import EXIT_INTERRUPTED, CliError, NamespaceOpt, _run, _settings, console, err
 from eventlight.cli.discovery import _need_nats, _no_namespace
 from eventlight.cli.status import _stream_state
 from eventlight.core.types import ROLLOUT_MODES
@@ -37,26 +39,29 @@ SKIPPED_SHOWN = 10
 
 
 def _writable(out: Path) -> Path:
-    """``out`` if its folder exists and is not ``out`` itself (checked before any server is asked).
+    """``out`` if its folder exists, takes a new file, and ``out`` is not a folder nor a file that
+    may not be written (checked before any server is asked).
 
-    The file is opened for appending once (and removed again if this made it), so a folder that
-    takes no new file (read-only, ``/proc``) is refused here, not after the replay.
+    The output is written to a temporary file in that folder and renamed over ``out`` once whole
+    (``eventlight.logreplay.files``), so one is made and removed here: a folder that takes no new
+    file (read-only, ``/proc``) is refused now, not after the replay.
 
     Raises:
-        CliError: The folder is missing, ``out`` is a folder, or it cannot be written.
+        CliError: The folder is missing, ``out`` is a folder, or either cannot be written.
     """
+    from eventlight.logreplay.files import temporary_beside
+
     if out.is_dir():
         raise CliError(f"--out {out} is a folder: give a file name")
     if not out.absolute().parent.is_dir():
         raise CliError(f"--out {out}: no folder {out.absolute().parent}")
-    existed = out.exists()
     try:
-        with out.open("ab"):
-            pass
+        if out.exists():
+            with out.open("ab"):  # a file made read-only is not replaced
+                pass
+        temporary_beside(out).unlink()
     except OSError as e:
         raise CliError(f"--out {out}: cannot write it ({e.strerror or e})") from e
-    if not existed:
-        out.unlink(missing_ok=True)
     return out
 
 
@@ -72,6 +77,7 @@ def _progress() -> Progress:
 
 
 async def _replay_to_file(settings: Settings, out: Path, opts: dict[str, Any]) -> Any:
+    from eventlight.logreplay.files import replacing
     from eventlight.logreplay.replay import replay
     from eventlight.logreplay.writer import writer_for
 
@@ -79,8 +85,10 @@ async def _replay_to_file(settings: Settings, out: Path, opts: dict[str, Any]) -
     make_writer = writer_for(out)  # and so does a file name without a known suffix
     settings = await _nats_settings(settings)
     run.source = settings
-    writer = make_writer(out)
-    with _progress() as bar:
+    run.log_first_skip = False  # printed below with the others, once
+    # a partial dataset would pass for a whole one: written beside `out`, renamed over it when whole
+    with replacing(out) as part, _progress() as bar:
+        writer = make_writer(part)
         task = bar.add_task("replay", events=0, records=0)
         run.on_progress = lambda s: bar.update(task, events=s.events, records=s.records)
         try:
@@ -95,13 +103,30 @@ async def _replay_to_file(settings: Settings, out: Path, opts: dict[str, Any]) -
                 attempt.append(record)
             if attempt:
                 _write_attempt(writer, attempt, run)
+            if run.errors and not run.stats.attempts:
+                raise _EveryAttemptFailed(run)
+            writer.close()  # the Parquet writer's last row group, and its footer
         except BaseException:
-            writer.close()
-            out.unlink(missing_ok=True)  # noqa: ASYNC240 - a partial dataset would pass for a whole one
+            with contextlib.suppress(Exception):  # the file goes; the first error is the one to tell
+                writer.close()
             raise
-        writer.close()
         bar.update(task, events=run.stats.events, records=run.stats.records)
     return run
+
+
+class _EveryAttemptFailed(Exception):
+    """Every selected attempt failed in the adapter or reward function: a failure, not an empty file."""
+
+    def __init__(self, run: Any):
+        super().__init__(f"every one of the {len(run.errors)} selected attempt(s) failed")
+        self.run = run
+
+
+def _print_skipped(run: Any) -> None:
+    for e in run.errors[:SKIPPED_SHOWN]:
+        err.print(f"[yellow]skipped:[/yellow] rollout {e.rollout_id} attempt {e.attempt_id}: {escape(e.error)}")
+    if len(run.errors) > SKIPPED_SHOWN:
+        err.print(f"[yellow]skipped:[/yellow] … and {len(run.errors) - SKIPPED_SHOWN} more attempt(s)")
 
 
 def _write_attempt(writer: Any, records: list[dict[str, Any]], run: Any) -> None:
@@ -190,7 +215,7 @@ def replay_command(
             "--reward": reward,
             "--workers": workers,
         }
-        ignored = [name for name, value in given.items() if value]
+        ignored = [name for name, value in given.items() if value is not None and value != []]  # 0 and "" too
         if ignored:
             raise CliError(f"--rebuild projects the whole log with the projector: {', '.join(ignored)} would not apply")
         from eventlight.logreplay.rebuild import rebuild_command
@@ -201,6 +226,8 @@ def replay_command(
         raise CliError("--swap goes with --rebuild")
     if out is None:
         raise CliError("--out FILE.jsonl|FILE.parquet is required (or --rebuild)")
+    if min_reward is not None and not math.isfinite(min_reward):
+        raise CliError(f"--min-reward must be a finite number, not {min_reward}")
     from eventlight.logreplay.parallel import default_workers
 
     opts: dict[str, Any] = {
@@ -220,10 +247,16 @@ def replay_command(
         run = _run(_replay_to_file(settings, _writable(out), opts))
     except ReplayWorkerError as died:
         raise CliError(f"{died} (nothing was written to {out})", exit_code=1) from died
-    for e in run.errors[:SKIPPED_SHOWN]:
-        err.print(f"[yellow]skipped:[/yellow] rollout {e.rollout_id} attempt {e.attempt_id}: {escape(e.error)}")
-    if len(run.errors) > SKIPPED_SHOWN:
-        err.print(f"[yellow]skipped:[/yellow] … and {len(run.errors) - SKIPPED_SHOWN} more attempt(s)")
+    except KeyboardInterrupt:
+        raise CliError(f"interrupted: nothing was written to {out}", exit_code=EXIT_INTERRUPTED) from None
+    except _EveryAttemptFailed as failed:
+        _print_skipped(failed.run)
+        raise CliError(
+            f"{failed} in the adapter or reward function (first: {failed.run.errors[0].error}); "
+            f"nothing was written to {out}",
+            exit_code=1,
+        ) from None
+    _print_skipped(run)
     s = run.stats
     start = run.filters.since  # the parsed --since
     if start is not None and start.seq is not None and start.seq > s.head_seq:
@@ -234,16 +267,10 @@ def replay_command(
         f"[dim]({s.events} events and {s.spans} spans read up to log position {s.head_seq}"
         f"{f'; {len(run.errors)} attempt(s) skipped' if run.errors else ''})[/dim]"
     )
-    if run.errors and not s.attempts:
-        raise CliError(
-            f"every one of the {len(run.errors)} selected attempt(s) failed in the adapter or reward function "
-            f"(first: {run.errors[0].error})",
-            exit_code=1,
-        )
 
 
 def export_command(
-    out: Annotated[Path, typer.Option("--out", "-o", help="The file to write (JSON lines).")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="The file to write: FILE.jsonl (JSON lines).")],
     since: Annotated[int, typer.Option(min=0, help="Export entries after this log position.")] = 0,
     until: Annotated[
         int | None, typer.Option(min=0, help="Export entries up to this log position (default: the head).")
@@ -252,14 +279,22 @@ def export_command(
 ) -> None:
     """Write a slice of the namespace's event log to a file, as stored (payloads untouched).
 
+    The file ends with the count of its entries, which `eventlight import` checks; it is written
+    beside --out and renamed over it once whole, so a failed or interrupted export leaves --out as it was.
+
     Servers: uses $EVENTLIGHT_NATS_URL when set, else the embedded NATS; never starts one."""
     from eventlight.logreplay.transfer import export_log
 
     if until is not None and until < since:
         raise CliError(f"bad range: --until {until} is before --since {since}")
+    if out.suffix.lower() != ".jsonl":
+        raise CliError(f"--out {out}: an export is JSON lines: give a .jsonl file name")
     _writable(out)
     settings = _run(_nats_settings(_settings(namespace)))
-    n, first, last = _run(export_log(settings, out, since, until))
+    try:
+        n, first, last = _run(export_log(settings, out, since, until))
+    except KeyboardInterrupt:
+        raise CliError(f"interrupted: nothing was written to {out}", exit_code=EXIT_INTERRUPTED) from None
     console.print(f"{n} entries (log positions {first}..{last}) → {escape(str(out))}")
 
 

@@ -8,6 +8,7 @@ module       what
 ``records``  an attempt's spans in order, the adapter and reward function, one record per item
 ``parallel`` the adapter in worker processes, started on attempts while the log is still read
 ``writer``   records as JSON lines or Parquet, deterministic
+``files``    an output file written beside its target and renamed over it once whole
 ``rebuild``  the whole log into a fresh schema, compared with the live one, swapped in on request
 ``transfer`` a slice of the log to a file and back into another namespace, without duplicates
 ===========  ===================================================================================

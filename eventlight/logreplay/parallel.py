@@ -25,8 +25,9 @@ with ``workers=1``. An adapter object is used in this process (it may keep state
 like ``CountingAdapter.stats``). An attempt whose records do not pickle (a lock, a lambda in an
 item) is adapted again in this process, so it gives what it gives there.
 
-Workers ignore SIGINT: a Ctrl-C reaches the whole process group, and the parent, which stops
-them (``AdaptPool.close(abort=True)``), is the one to act on it.
+Workers ignore SIGINT, and so does the forkserver, from the start (``_start_forkserver_ignoring_sigint``):
+a Ctrl-C reaches the whole process group, and the parent, which stops them
+(``AdaptPool.close(abort=True)``), is the one to act on it.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
+import threading
 from concurrent.futures import Future, InvalidStateError, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
 
@@ -132,7 +134,29 @@ def _context() -> Any:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([__name__, "eventlight.adapter"])  # imported once, not by each worker
+    _start_forkserver_ignoring_sigint()
     return ctx
+
+
+def _start_forkserver_ignoring_sigint() -> None:
+    """Start ``multiprocessing``'s forkserver now, with SIGINT ignored, so that it and every worker
+    it forks ignore a Ctrl-C from their first instruction (an ignored signal stays ignored across
+    ``exec`` and ``fork``, and the forkserver gives its children the handlers it started with).
+
+    Left to the pool, it started with Python's handler and ignored SIGINT only once it had imported
+    what it preloads (``eventlight``, about a second): a Ctrl-C meanwhile printed its
+    ``KeyboardInterrupt`` traceback. Only from the main thread (``signal.signal``); elsewhere the
+    pool starts it as before. A Ctrl-C in the few milliseconds of the start is ignored here too.
+    """
+    from multiprocessing import forkserver
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()  # a no-op when it runs already
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class AdaptPool:

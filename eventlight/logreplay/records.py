@@ -17,13 +17,21 @@ Each item the adapter returns becomes one record::
 
 With a reward function the triplets' ``reward`` is relabelled as Agent-lightning's
 ``to_trajectory(final_reward=...)`` does: the last triplet gets the new reward, the others ``None``.
+
+An attempt fails (reported like an adapter that raises, the rest replays) when the adapter returns
+something other than a collection of items (a string, bytes, a mapping or a single item would give
+a record per character or per key), or when a reward (the reward function's, or an item's
+``reward`` field) is not a number or ``None``, or is NaN or infinite. A record's ``reward`` is
+therefore a float or ``None`` in both file formats. A NaN or infinity in any other field is
+written as JSON ``null`` (JSON has neither), in ``.jsonl`` and in ``.parquet``'s JSON text alike.
 """
 
 from __future__ import annotations
 
 import importlib
+import math
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,10 +101,13 @@ def resolve_adapter(adapter: str | AdapterFn) -> AdapterFn:
     arguments), or a callable of the spans.
 
     Raises:
-        InvalidInputError: An unknown name or a spec that does not import.
+        InvalidInputError: An unknown name, a spec that does not import, or something not callable
+            (a class with ``adapt`` but no ``__call__``, say).
     """
     if callable(adapter):
         return adapter
+    if not isinstance(adapter, str):
+        raise InvalidInputError(f"adapter: {_not_callable(adapter)}")
     from eventlight.adapter import LlmProxyTraceToTriplet, TracerTraceToTriplet, TraceToMessages
 
     builtin: dict[str, Callable[[], AdapterFn]] = {
@@ -116,7 +127,16 @@ def resolve_adapter(adapter: str | AdapterFn) -> AdapterFn:
             obj = obj()
         except Exception as e:
             raise InvalidInputError(f"adapter {adapter!r}: {obj.__name__}() failed: {type(e).__name__}: {e}") from e
+        if not callable(obj):  # refused once here, not on every attempt
+            raise InvalidInputError(f"adapter {adapter!r}: {_not_callable(obj)}")
     return obj  # type: ignore[no-any-return]
+
+
+def _not_callable(obj: object) -> str:
+    return (
+        f"an instance of {type(obj).__name__} is not callable: give a function of the spans, or a class with "
+        "__call__(spans) (subclassing eventlight.adapter.TraceAdapter makes __call__ run adapt)"
+    )
 
 
 def resolve_reward(reward: str | RewardFn | None) -> RewardFn | None:
@@ -173,12 +193,44 @@ def spans_of_batches(
     return [s for _, _, s in spans], positions
 
 
-def _reward_value(value: Any, where: str) -> float | None:
+def _reward_value(value: Any, what: str) -> float | None:
+    """``value`` as a float, or ``None``; ``what`` names it in the error (``"the reward function
+    returned"``).
+
+    Raises:
+        TypeError: Not a number (a bool is not one either).
+        ValueError: NaN or infinite, or an int past a float's range.
+    """
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{where} returned {type(value).__name__}, expected a number or None")
-    return float(value)
+        raise TypeError(f"{what} {type(value).__name__} {_short(value)}, expected a number or None")
+    try:
+        number = float(value)
+    except OverflowError:
+        raise ValueError(f"{what} {_short(value)}, too large for a float") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{what} {number}, expected a finite number or None")
+    return number
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _items(returned: Any) -> Iterable[Any]:
+    """What the adapter returned, if it is a collection of items.
+
+    Raises:
+        TypeError: A string, bytes, a mapping or a single item: iterating it would make one record
+            per character or per key.
+    """
+    single = isinstance(returned, (str, bytes, bytearray, Mapping, msgspec.Struct)) or hasattr(returned, "model_dump")
+    if returned is None or single or not isinstance(returned, Iterable):
+        kind = "None" if returned is None else f"{type(returned).__name__} {_short(returned)}"
+        raise TypeError(f"the adapter returned {kind}, expected a list of items (one record each)")
+    return returned
 
 
 def item_fields(item: Any) -> dict[str, Any]:
@@ -209,20 +261,24 @@ def adapt_batches(batches: Sequence[tuple[int, bytes]], adapter: AdapterFn, rewa
     record fields (see the module docstring).
 
     Raises:
+        TypeError, ValueError: The adapter returned no collection of items, or a reward is not a
+            finite number or ``None`` (module docstring).
         Exception: Whatever the adapter or reward function raised, for the caller to report.
     """
     spans, positions = spans_of_batches(batches)
     if reward_fn is not None:
-        final = _reward_value(reward_fn(spans), "the reward function")
+        final = _reward_value(reward_fn(spans), "the reward function returned")
     else:
         final = find_final_reward(spans)
-    items = list(adapter(spans))
+    items = list(_items(adapter(spans)))
     out: list[dict[str, Any]] = []
     for i, item in enumerate(items):
         fields = item_fields(item)
         clash = sorted(set(fields) & set(PROVENANCE))
         if clash:
             raise ValueError(f"the adapter's item {i} has fields named like the record's own: {', '.join(clash)}")
+        if "reward" in fields:
+            fields["reward"] = _reward_value(fields["reward"], f"the adapter's item {i} has reward")
         if reward_fn is not None and isinstance(item, Triplet):
             fields["reward"] = final if i == len(items) - 1 else None
         elif "reward" not in fields and not isinstance(item, Triplet):

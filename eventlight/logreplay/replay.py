@@ -127,6 +127,8 @@ class Replay(AsyncIterator[dict[str, Any]]):
         self.min_reward = min_reward
         self.on_progress = on_progress
         self.errors: list[ReplayError] = []
+        self.log_first_skip = True
+        """Log a warning for the first attempt skipped (``eventlight replay`` prints each itself)."""
         self.stats = ReplayStats()
         self._it: AsyncIterator[dict[str, Any]] | None = None
 
@@ -160,7 +162,7 @@ class Replay(AsyncIterator[dict[str, Any]]):
                     raise AssertionError("adapt_one does not answer InThisProcess")
                 if isinstance(result, str):  # the user's adapter or reward function raised: report, go on
                     err = ReplayError(selected.rollout.rollout_id, selected.attempt.attempt_id, result)
-                    if not self.errors:  # once; ``errors`` holds them all, and the CLI prints them
+                    if not self.errors and self.log_first_skip:  # once; ``errors`` holds them all
                         log.warning(
                             "replay: rollout %s attempt %s skipped: %s (the first skipped; the run's errors list all)",
                             err.rollout_id,
@@ -388,7 +390,8 @@ def replay(
         modes, resources_ids: The rollout's ``mode`` / ``resources_id`` to keep.
         min_reward: Keep attempts whose final reward is at least this (none: dropped).
         reward: A function of an attempt's spans returning its new reward (relabelling), or its
-            ``"module:callable"``.
+            ``"module:callable"``: a finite number or ``None``; anything else (NaN, a string)
+            fails that attempt, as an exception it raises does.
         on_progress: Called now and then with the ``ReplayStats``.
         workers: Processes that run the adapter (``eventlight.logreplay.parallel``): with 2 or more,
             attempts are adapted in worker processes, starting while the log is still read, and
@@ -434,7 +437,7 @@ def parse_bound(text: str) -> Bound:
     from datetime import UTC, datetime
 
     text = text.strip()
-    if text.isdigit():
+    if text.isascii() and text.isdigit():  # not str.isdigit alone: "²" is a digit int() refuses
         return Bound(seq=int(text))
     try:
         when = datetime.fromisoformat(text.replace("Z", "+00:00"))

@@ -1,9 +1,14 @@
 """``eventlight export`` / ``eventlight import``: a slice of the log to a file and into another namespace.
 
-The file is JSON lines: a header ``{"eventlight_export": 1, "namespace", "stream", "since", "until"}``
-then one entry a line, ``{"seq", "subject", "data"}``, with ``subject`` below ``el.<ns>.`` and the
-payload embedded verbatim (``data_b64`` for one that is not JSON), so an import appends exactly the
-bytes the source holds, old event shapes included (readers upcast them).
+The file is JSON lines: a header ``{"eventlight_export": 2, "namespace", "since", "until"}``, one
+entry a line, ``{"seq", "subject", "data"}``, with ``subject`` below ``el.<ns>.`` and the payload
+embedded verbatim (``data_b64`` for one that is not JSON), so an import appends exactly the bytes
+the source holds, old event shapes included (readers upcast them), and last the count
+``{"eventlight_export_entries": N}``. The file is written beside ``--out`` and renamed over it once
+whole (``files.replacing``). An import refuses a file whose last line is not that count, or whose
+count differs from the entries it holds (one cut at a line boundary, say): it would append part of
+the slice as if it were all. A format-1 file (written before the count) is imported with a warning
+that a cut one cannot be told.
 
 Import checks every entry first: an entry that is not an eventlight event (a message the source's
 projector dead-lettered, an event of a newer eventlight) refuses the file, saying how many there
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +44,11 @@ import msgspec
 from eventlight.core.errors import InvalidInputError
 from eventlight.settings import Settings
 
-FORMAT = 1
+FORMAT = 2
+"""2: the file ends with ``{"eventlight_export_entries": N}``; 1 (still read): without it."""
+ENTRIES = "eventlight_export_entries"
+
+log = logging.getLogger(__name__)
 
 
 IMPORTED = "Eventlight-Imported"
@@ -76,7 +86,13 @@ async def export_log(settings: Settings, out: Path, since: int, until: int | Non
 
     Returns:
         ``(entries written, first position, last position)``.
+
+    Raises:
+        ServiceUnavailableError: NATS cannot be reached or fails midway (``out`` is then left as
+            it was: the file is written beside it and renamed over it once whole).
+        OSError: ``out``'s folder cannot be written.
     """
+    from eventlight.logreplay.files import replacing
     from eventlight.store.jetstream.connect import connect_nats
     from eventlight.store.jetstream.log import JetStreamEventLog
 
@@ -88,7 +104,7 @@ async def export_log(settings: Settings, out: Path, since: int, until: int | Non
         head = await log_.head_seq()
         until = head if until is None else min(until, head)
         header = {"eventlight_export": FORMAT, "namespace": settings.namespace, "since": since, "until": until}
-        with out.open("wb") as f:
+        with replacing(out) as part, part.open("wb") as f:
             f.write(_enc.encode(header) + b"\n")
             async for seq, subject, data in log_.scan(since, until):
                 entry = (
@@ -98,6 +114,7 @@ async def export_log(settings: Settings, out: Path, since: int, until: int | Non
                 )
                 f.write(_enc.encode(entry) + b"\n")
                 n, first, last = n + 1, first or seq, seq
+            f.write(_enc.encode({ENTRIES: n}) + b"\n")  # last: a file without it was cut short
     finally:
         await nc.close()
     return n, first, last
@@ -126,16 +143,24 @@ def read_export(path: Path, *, skip_non_events: bool = False) -> tuple[dict[str,
 
     Raises:
         InvalidInputError: Not a file ``eventlight export`` wrote, an entry on a subject the layout
-            does not give its event, or (without ``skip_non_events``) an entry that is not an event
-            of this eventlight, saying how many there are (every entry is checked before any is used).
+            does not give its event, (format 2) a last line that is not the entry count or a count
+            that differs, or (without ``skip_non_events``) an entry that is not an event of this
+            eventlight, saying how many there are (every entry is checked before any is used).
     """
     with path.open("rb") as f:
-        lines = f.read().splitlines()
+        lines = [line for line in f.read().splitlines() if line.strip()]
     try:
         header = msgspec.json.decode(lines[0]) if lines else None
-        if not isinstance(header, dict) or header.get("eventlight_export") != FORMAT:
-            raise InvalidInputError(f"{path} is not an eventlight export (format {FORMAT})")
-        entries = [_entry.decode(line) for line in lines[1:] if line.strip()]
+        if not isinstance(header, dict) or header.get("eventlight_export") not in (1, FORMAT):
+            raise InvalidInputError(f"{path} is not an eventlight export (format 1 or {FORMAT})")
+        counted = header["eventlight_export"] == FORMAT
+        written = _count(lines[-1]) if counted and len(lines) > 1 else None
+        if counted and written is None:
+            raise InvalidInputError(
+                f"{path} does not end with the entry count `eventlight export` writes last: "
+                "the export was interrupted or the file cut short"
+            )
+        entries = [_entry.decode(line) for line in lines[1 : -1 if counted else None]]
     except msgspec.DecodeError as e:
         raise InvalidInputError(f"{path} is not an eventlight export: {e}") from e
     kept: list[_Entry] = []
@@ -153,7 +178,21 @@ def read_export(path: Path, *, skip_non_events: bool = False) -> tuple[dict[str,
             "(dead-lettered in the source, or from a newer eventlight): `eventlight import --skip-non-events` "
             "imports the others and counts these"
         ) from first.__cause__
+    if counted and written != len(entries):
+        raise InvalidInputError(f"{path} holds {len(entries)} entries where its export wrote {written}: cut or altered")
+    if not counted:
+        log.warning("%s is an export of format 1, without an entry count: a file cut short cannot be told", path)
     return header, kept, [entry for entry, _ in left_out]
+
+
+def _count(line: bytes) -> int | None:
+    """The entry count of an export's last line, ``None`` if it is not that line."""
+    try:
+        last = msgspec.json.decode(line)
+    except msgspec.DecodeError:
+        return None
+    count = last.get(ENTRIES) if isinstance(last, dict) else None
+    return count if isinstance(count, int) and not isinstance(count, bool) else None
 
 
 def _check(path: Path, entry: _Entry) -> InvalidInputError | None:
