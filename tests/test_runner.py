@@ -467,3 +467,35 @@ async def test_a_span_ending_after_its_attempt_finished_is_logged(caplog: pytest
     await asyncio.gather(*LEFT)
     assert list(await store.query_spans(done.rollout_id)) == []
     assert any("ended after the attempt finished" in r.getMessage() for r in caplog.records)
+
+
+@agl.rollout
+async def quiet_agent(task: dict, prompt_template: agl.PromptTemplate) -> float:
+    await asyncio.sleep(task["sleep_s"])  # a long LLM call: no span for a while
+    return 1.0
+
+
+async def test_the_runners_heartbeats_keep_a_quiet_attempt_alive() -> None:
+    """With ``unresponsive_seconds`` set, an attempt busy without spans for longer was marked
+    ``unresponsive`` (and, retried on it, run again beside itself) although its runner beat every
+    ``heartbeat_interval`` (a reviewer): the heartbeats now stamp the runner's attempt too."""
+    store = agl.InMemoryLightningStore(watchdog_interval_s=0.1)
+    await store.add_resources(RESOURCES)
+    config = agl.RolloutConfig(unresponsive_seconds=0.6, max_attempts=2, retry_condition=["unresponsive"])
+    r = await store.enqueue_rollout({"sleep_s": 2.0}, config=config)
+    runner = agl.LitAgentRunner(agl.OtelTracer(), max_rollouts=1, poll_interval=0.05, heartbeat_interval=0.2)
+    seen: set[str] = set()
+
+    async def watch() -> None:
+        while True:
+            seen.update(a.status for a in await store.query_attempts(r.rollout_id))
+            await asyncio.sleep(0.05)
+
+    watching = asyncio.create_task(watch())
+    with runner.run_context(agent=quiet_agent, store=store):
+        await asyncio.wait_for(runner.iter(), 20)
+    watching.cancel()
+    [done] = await store.wait_for_rollouts(rollout_ids=[r.rollout_id], timeout=5)
+    attempts = await store.query_attempts(r.rollout_id)
+    assert done.status == "succeeded" and [a.status for a in attempts] == ["succeeded"]
+    assert "unresponsive" not in seen and "running" not in seen  # no span: preparing until it succeeded

@@ -26,6 +26,7 @@ from eventlight.core.errors import (
 )
 from eventlight.core.types import (
     MAX_SPAN_SEQUENCE_ID,
+    STATUS_REASON,
     AttemptedRollout,
     EnqueueRolloutRequest,
     PromptTemplate,
@@ -635,6 +636,29 @@ async def test_spans_of_several_attempts_come_attempt_by_attempt(store: Any) -> 
     by_name = await store.query_spans(r.rollout_id, sort_by="name")  # another field: as asked
     assert len(by_name) == 6
     assert [s.sequence_id for s in await store.query_spans(r.rollout_id, attempt_id=a1)] == [1, 2, 3, 4]
+
+
+async def test_an_attempt_that_revives_or_succeeds_drops_the_watchdogs_reason(store: Any, runner_store: Any) -> None:
+    """``unresponsive`` writes its reason into the attempt's metadata; an attempt that a span revives,
+    or that then succeeds, kept saying "unresponsive: ..." as its ``status_reason`` (a reviewer)."""
+    reason = "unresponsive: no span or heartbeat for 4.0 s, over unresponsive_seconds=3"
+    for revive_with_span in (True, False):
+        r = await store.enqueue_rollout("revived")
+        d = await runner_store.dequeue_rollout()
+        aid = d.attempt.attempt_id
+        await store.update_attempt(
+            r.rollout_id, aid, status="unresponsive", metadata={STATUS_REASON: reason, "kept": 1}
+        )
+        if revive_with_span:
+            await runner_store.add_span(reward_span(r.rollout_id, aid, 1, 1.0))
+            await settle(store)
+            revived = await store.get_latest_attempt(r.rollout_id)
+            assert revived.status == "running" and revived.metadata == {"kept": 1}
+        await runner_store.update_attempt(r.rollout_id, aid, status="succeeded")
+        await settle(store)
+        done = await store.get_rollout_by_id(r.rollout_id)
+        assert done.attempt.status == "succeeded" and done.status_reason is None, revive_with_span
+        assert done.attempt.metadata == {"kept": 1}
 
 
 async def test_reads_by_an_id_that_is_not_a_string(store: Any) -> None:

@@ -26,7 +26,7 @@ from eventlight.core.events import (
     WorkerHeartbeat,
     WorkerIdle,
 )
-from eventlight.core.types import Attempt, Worker
+from eventlight.core.types import STATUS_REASON, Attempt, Worker
 
 _ATTEMPT_FIELDS = ("status", "end_time", "worker_id", "metadata")
 _ROLLOUT_FIELDS = ("input", "mode", "resources_id", "status", "end_time", "config", "metadata")
@@ -49,6 +49,8 @@ def spans_arrived(state: RolloutState, attempt_id: str, at: float) -> RolloutSta
     if attempt.status in ("preparing", "unresponsive"):
         changes["status"] = "running"
         changes["end_time"] = None
+        if attempt.status == "unresponsive":
+            changes.update(_without_reason(attempt))
     new = msgspec.structs.replace(attempt, **changes)
     rollout = state.rollout
     latest = state.latest
@@ -76,8 +78,20 @@ def _evolve_attempt_updated(state: RolloutState, event: AttemptUpdated) -> Rollo
         known = old.last_heartbeat_time
         hb = event.last_heartbeat_time
         changes["last_heartbeat_time"] = hb if known is None or (hb is not None and hb > known) else known
+    if changes.get("status") in ("running", "succeeded") and event.metadata is UNSET:
+        changes.update(_without_reason(old))  # the watchdog's "unresponsive: ..." no longer says why
     new = msgspec.structs.replace(old, **changes)
     return RolloutState(rollout=rollout, attempts=_replace_attempt(state.attempts, new))
+
+
+def _without_reason(attempt: Attempt) -> dict[str, Any]:
+    """``{"metadata": ...}`` without ``STATUS_REASON`` when the attempt's metadata holds one (an
+    attempt that revives or succeeds after the watchdog's ``unresponsive`` kept its stale reason),
+    else nothing to change. Metadata left empty becomes ``None``, as before the watchdog wrote it."""
+    if not attempt.metadata or STATUS_REASON not in attempt.metadata:
+        return {}
+    rest = {k: v for k, v in attempt.metadata.items() if k != STATUS_REASON}
+    return {"metadata": rest or None}
 
 
 def _evolve_rollout_updated(state: RolloutState, event: RolloutUpdated) -> RolloutState:

@@ -68,8 +68,11 @@ class RolloutConfig(ModelDump, msgspec.Struct, kw_only=True):
     Attributes:
         timeout_seconds: Longest an attempt may run, from its start, before the watchdog marks it
             ``timeout``. ``None`` disables it.
-        unresponsive_seconds: Longest silence (no span, no heartbeat) before the watchdog marks the
-            attempt ``unresponsive``. ``None`` disables it.
+        unresponsive_seconds: Longest silence (no span, no ``update_attempt(last_heartbeat_time=)``)
+            before the watchdog marks the attempt ``unresponsive``; eventlight's runners send that
+            heartbeat for their attempt with each worker heartbeat (every ``heartbeat_interval``, 10 s)
+            when this is set, so it detects a runner that stopped, not an agent busy without spans
+            (``timeout_seconds`` bounds that). ``None`` disables it.
         max_attempts: Attempts allowed in total, the first included (>= 1).
         retry_condition: Attempt statuses that requeue the rollout while attempts remain.
     """

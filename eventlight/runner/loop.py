@@ -18,7 +18,10 @@ Differences from 0.3.0, each deliberate:
       trip instead of two, and the agent gets the resources as they were at its claim;
     * heartbeats run as an asyncio task (``update_worker`` with a system snapshot every
       ``heartbeat_interval`` seconds); on the JetStream store they also keep the claimed queue
-      message in progress;
+      message in progress; when the attempt's rollout has ``unresponsive_seconds``, each also
+      stamps the attempt's ``last_heartbeat_time`` (0.3.0 counts spans only), so an agent that is
+      busy without spans (a long LLM call) is not taken for a dead runner: ``unresponsive`` then
+      means the runner stopped beating, and ``timeout_seconds`` bounds a slow agent;
     * a failed dequeue (a NATS error during a claim, a malformed queue message, a timeout) is one
       log line and a retry after a capped backoff (``Backoff``: 0.1 s doubling to 5 s), never the
       end of the loop; a status the store could not record is retried before the next dequeue, so
@@ -119,6 +122,7 @@ class LitAgentRunner:
         self.max_rollouts = max_rollouts
         self.poll_interval = poll_interval
         self.heartbeat_interval = heartbeat_interval
+        self._in_flight: tuple[str, str] | None = None  # (rollout id, attempt id) the heartbeats stamp
         self.worker_id: int | None = None
         self.sync_agent_in_thread = False
         """Run a synchronous agent's rollout in a thread (``asyncio.to_thread``) instead of on the
@@ -239,6 +243,8 @@ class LitAgentRunner:
         while True:
             try:
                 await store.update_worker(self.get_worker_id(), system_snapshot())
+                if (in_flight := self._in_flight) is not None:
+                    await store.update_attempt(*in_flight, last_heartbeat_time=time.time())
             except asyncio.CancelledError:
                 raise
             except Exception as e:
@@ -315,6 +321,7 @@ class LitAgentRunner:
         try:
             status = await self._run_attempt(rollout, raise_on_exception)
         finally:
+            self._in_flight = None
             if self.metrics is not None:
                 self.metrics.in_flight.dec()
                 self.metrics.finished(status, rollout.mode, time.monotonic() - start)
@@ -329,6 +336,8 @@ class LitAgentRunner:
         start = time.monotonic()
         try:
             rollout = await apply_rollout_config(self.get_store(), rollout, self.rollout_config)
+            if rollout.config.unresponsive_seconds is not None:  # the heartbeats keep it alive too
+                self._in_flight = (rid, aid)
             resources = await self._resources(rollout)
             await self._hook("on_rollout_start", agent=agent, runner=self, rollout=rollout)
             await self._agent_hook(agent, "on_rollout_start", rollout.input, self, self.tracer)
