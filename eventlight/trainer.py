@@ -83,7 +83,8 @@ class Trainer:
         adapter: Turns spans into what the algorithm learns from (default ``TracerTraceToTriplet``;
             a dict is its keyword arguments, as in 0.3.0).
         store: ``"cs"``: a ``JetStreamLightningStore`` whose namespace and servers every side uses
-            (default: the namespace's, opened by ``fit``); ``"shm"``: any store (default
+            (default: the namespace's, opened and closed by each ``fit`` / ``dev``: afterwards
+            ``trainer.store`` is the last run's, closed); ``"shm"``: any store (default
             ``InMemoryLightningStore()``, built here as in 0.3.0, so ``trainer.store`` is there
             before ``fit``). A ``"shm"`` run shares it through a ``LightningStoreThreaded`` that it
             closes, with the store, at its end: an in-memory store stays readable and writable,
@@ -173,6 +174,7 @@ class Trainer:
         self.check_llm = check_llm
         self.rollout_config = check_rollout_config(rollout_config)
         self.store: Any = store
+        self._given_store = store  # "cs": each fit opens its own store on the namespace unless one was given
         if store is None and isinstance(self.strategy, SharedMemoryExecutionStrategy):
             from eventlight.store.memory import InMemoryLightningStore
 
@@ -248,7 +250,7 @@ class Trainer:
         return strategy
 
     async def _services(self, strategy: ClientServerExecutionStrategy) -> Services:
-        store = self.store
+        store = self._given_store
         if store is not None and not isinstance(store, JetStreamLightningStore):
             raise ValueError(
                 f"strategy 'cs' runs runners in other processes, which cannot share a {type(store).__name__}: "
@@ -297,7 +299,7 @@ class Trainer:
                 assert pool is not None
                 await serve_runner_role(pool)
                 return
-            given = self.store if isinstance(self.store, JetStreamLightningStore) else None
+            given = self._given_store if isinstance(self._given_store, JetStreamLightningStore) else None
             store = given or JetStreamLightningStore(self.settings, nats_url=services.nats_url, pg_dsn=services.pg_dsn)
             async with contextlib.AsyncExitStack() as stack:
                 if given is None or given.nc is None:

@@ -246,9 +246,13 @@ def test_shm_stops_with_a_clear_error_once_its_runner_threads_stopped_and_rollou
 async def test_cs_dev_with_runner_processes(namespace: Settings) -> None:
     trainer = agl.Trainer(n_runners=1, initial_resources={"prompt_template": PROMPT}, settings=namespace)
     await asyncio.to_thread(trainer.dev, score_length, TASKS)
+    # a second run on the same Trainer opens its own store (it reused the first run's, closed:
+    # "this store is closed"; a reviewer)
+    await asyncio.to_thread(trainer.dev, score_length, TASKS[:1])
     async with JetStreamLightningStore(namespace, nats_url=namespace.nats_url, pg_dsn=namespace.pg_dsn) as store:
         rewards = await _rewards(store)
         workers = {a.worker_id for r in await store.query_rollouts() for a in await store.query_attempts(r.rollout_id)}
+        assert (await store.query_rollouts(status_in=["succeeded"])).total == len(TASKS) + 1
     assert rewards == {t: float(len(PROMPT.format(any_question=t))) for t in TASKS}
     assert all(w and w.startswith("Worker-0@") and f"-{os.getpid()}-" not in w for w in workers), workers
 
