@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -50,7 +51,7 @@ from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.store.jetstream.connect import connect_nats
 from eventlight.store.validate import check_rollout_config
 from eventlight.tracer import OtelTracer, Tracer
-from eventlight.trainer_guards import stop_when_llm_fails, stop_when_runners_gone
+from eventlight.trainer_guards import cancel_left_in_queue, stop_when_llm_fails, stop_when_runners_gone
 from eventlight.trainer_strategies import (
     RunnerThreads,
     resolve_strategy,
@@ -227,8 +228,14 @@ class Trainer:
         store = shared_store(strategy, self.store)
         threads = RunnerThreads(strategy.n_runners, self.runner, agent, self.hooks, store)
         algorithm = self._run_algorithm(store, train, val, algo, threads) if algo is not None else None
+        started = time.time()
         try:
             run_shared_memory(strategy, threads, algorithm)
+        except BaseException:
+            if algo is not None:
+                with contextlib.suppress(Exception):
+                    asyncio.run(cancel_left_in_queue(store, started))
+            raise
         finally:
             if store is not self.store:  # the wrapper (and its loop's thread) lasts one run
                 run_event_loop(store.close())
@@ -305,8 +312,13 @@ class Trainer:
                 if given is None or given.nc is None:
                     await stack.enter_async_context(store)
                 self.store = store
+                started = time.time()
                 try:
                     await self._run_algorithm(store, train, val, algo, pool)
+                except BaseException:  # Ctrl+C, the runners or the LLM gone, the algorithm failed
+                    if algo is not None:
+                        await cancel_left_in_queue(store, started)
+                    raise
                 finally:
                     if pool is not None:
                         await self._stop_runners(pool, strategy.graceful_timeout)

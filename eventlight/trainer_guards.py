@@ -20,7 +20,13 @@ if TYPE_CHECKING:
     from eventlight.runner import LitAgentRunner
     from eventlight.runner_pool import RunnerPool
 
-__all__ = ["RUNNERS_CHECK_S", "RUNNER_THREADS_CHECK_S", "stop_when_llm_fails", "stop_when_runners_gone"]
+__all__ = [
+    "RUNNERS_CHECK_S",
+    "RUNNER_THREADS_CHECK_S",
+    "cancel_left_in_queue",
+    "stop_when_llm_fails",
+    "stop_when_runners_gone",
+]
 
 log = logging.getLogger("eventlight.trainer")
 
@@ -105,6 +111,10 @@ async def _stop_when(run: Coroutine[Any, Any, Any], gone_check: Callable[[], Awa
         raise NoRunnersError(gone.result())
     finally:
         gone.cancel()
+        if not task.done():  # cancelled from outside (Ctrl+C): the run stops with it, not after the store closed
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
 
 async def stop_when_llm_fails(run: Coroutine[Any, Any, Any], proxy: LLMProxy | None) -> None:
@@ -132,3 +142,33 @@ async def stop_when_llm_fails(run: Coroutine[Any, Any, Any], proxy: LLMProxy | N
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+async def cancel_left_in_queue(store: Any, since: float, *, limit_s: float = 15.0) -> int:
+    """Cancel the rollouts enqueued since ``since`` (wall-clock seconds) that still wait in the
+    queue: the run that enqueued them stopped early (Ctrl+C, ``NoRunnersError``, an error of its
+    algorithm), so nothing will read their results, and runners of a later run on the namespace
+    would otherwise spend their time on them first. Claimed rollouts are left to their runners.
+    Best effort within ``limit_s`` (a store that is down cancels nothing); returns how many.
+    """
+
+    async def cancel() -> int:
+        with contextlib.suppress(Exception):
+            await store.sync_all(timeout_s=min(5.0, limit_s))  # what this process enqueued last, too
+        waiting = await store.query_rollouts(status_in=list(QUEUED_STATUSES))
+        n = 0
+        for rollout in waiting:
+            if rollout.start_time >= since:
+                with contextlib.suppress(Exception):  # claimed meanwhile: the runner has it
+                    await store.update_rollout(rollout.rollout_id, status="cancelled")
+                    n += 1
+        return n
+
+    try:
+        n = await asyncio.wait_for(cancel(), limit_s)
+    except Exception as e:
+        log.warning("the run stopped early; its rollouts still in the queue could not be cancelled: %s", e)
+        return 0
+    if n:
+        log.warning("the run stopped early: cancelled %d rollout(s) it had enqueued that no runner had claimed", n)
+    return n

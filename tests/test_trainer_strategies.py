@@ -237,7 +237,7 @@ def test_shm_stops_with_a_clear_error_once_its_runner_threads_stopped_and_rollou
     assert "1 rollout(s) wait in the queue and no runner is alive" in str(error), str(error)
     assert "runner thread" in str(error) and "max_rollouts=1" in str(error), str(error)
     rollouts = asyncio.run(trainer.store.query_rollouts())
-    assert sorted(r.status for r in rollouts) == ["queuing", "succeeded"]
+    assert sorted(r.status for r in rollouts) == ["cancelled", "succeeded"]  # the run's leftover, cancelled
 
 
 # -- client-server -------------------------------------------------------------------------------
@@ -311,3 +311,70 @@ async def test_a_trainer_whose_runners_die_at_start_stops_with_a_clear_error(
     with pytest.raises(agl.NoRunnersError, match=r"rollout\(s\) wait in the queue and no runner is alive") as info:
         await asyncio.wait_for(asyncio.to_thread(trainer.dev, score_length, TASKS), 120)
     assert "runner processes up" in str(info.value) and "restarts" in str(info.value)
+
+
+async def test_a_run_cancelled_from_outside_stops_its_algorithm_with_it() -> None:
+    """Ctrl+C cancels the trainer's task: the guard left the algorithm's task running, so it went on
+    enqueueing while the store closed ("Task exception was never retrieved"; a reviewer)."""
+    from eventlight.trainer_guards import _stop_when
+
+    ticks: list[float] = []
+
+    async def algorithm() -> None:
+        while True:
+            ticks.append(time.monotonic())
+            await asyncio.sleep(0.01)
+
+    async def never_gone() -> str:
+        await asyncio.sleep(3600)
+        return ""
+
+    guarded = asyncio.create_task(_stop_when(algorithm(), never_gone))
+    await asyncio.sleep(0.1)
+    guarded.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await guarded
+    stopped = len(ticks)
+    await asyncio.sleep(0.1)
+    assert len(ticks) == stopped  # nothing ran after the cancel
+
+
+@agl.rollout
+async def slow_agent(task: str, prompt_template: agl.PromptTemplate) -> float:
+    await asyncio.sleep(0.5)
+    return 1.0
+
+
+@agl.algo
+async def enqueue_then_fail(*, store: agl.LightningStore, train_dataset: Any = None, val_dataset: Any = None) -> None:
+    await store.add_resources({"prompt_template": PROMPT})
+    for task in train_dataset:
+        await store.enqueue_rollout(input=task)
+    for _ in range(200):  # until a runner has claimed one
+        if (await store.query_rollouts(status_in=["running", "preparing"])).total:
+            break
+        await asyncio.sleep(0.05)
+    raise RuntimeError("the algorithm failed")
+
+
+def test_a_run_that_stops_early_cancels_what_it_left_in_the_queue() -> None:
+    """A stopped run (Ctrl+C, its runners gone, its algorithm failing) left its queued rollouts
+    ``queuing``: nothing would read them, and the next run's runners ran them first (a reviewer)."""
+    trainer = agl.Trainer(
+        algorithm=enqueue_then_fail, strategy={"type": "shm", "n_runners": 1, "main_thread": "algorithm"}
+    )
+    with pytest.raises(RuntimeError, match="the algorithm failed"):
+        trainer.fit(slow_agent, [f"t{i}" for i in range(6)])
+    statuses = sorted(r.status for r in asyncio.run(trainer.store.query_rollouts()))
+    assert statuses.count("cancelled") >= 4 and "queuing" not in statuses, statuses
+    assert set(statuses) <= {"cancelled", "succeeded", "failed", "running", "preparing"}
+
+
+async def test_a_cs_run_that_stops_early_cancels_what_it_left_in_the_queue(namespace: Settings) -> None:
+    trainer = agl.Trainer(n_runners=1, algorithm=enqueue_then_fail, settings=namespace)
+    with pytest.raises(RuntimeError, match="the algorithm failed"):
+        await trainer.fit_async(slow_agent, [f"t{i}" for i in range(6)])
+    async with JetStreamLightningStore(namespace, nats_url=namespace.nats_url, pg_dsn=namespace.pg_dsn) as store:
+        await store.sync_all(timeout_s=10)
+        statuses = sorted(r.status for r in await store.query_rollouts())
+    assert statuses.count("cancelled") >= 4 and "queuing" not in statuses, statuses
