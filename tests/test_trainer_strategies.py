@@ -378,3 +378,16 @@ async def test_a_cs_run_that_stops_early_cancels_what_it_left_in_the_queue(names
         await store.sync_all(timeout_s=10)
         statuses = sorted(r.status for r in await store.query_rollouts())
     assert statuses.count("cancelled") >= 4 and "queuing" not in statuses, statuses
+
+
+async def test_baseline_stops_quietly_when_the_store_closes_under_its_wait() -> None:
+    """``wait_for_rollouts`` answers what finished when the store closes: nothing, for the rollout
+    ``Baseline`` waited on ("not enough values to unpack (expected 1, got 0)"; a reviewer)."""
+    store = agl.InMemoryLightningStore()
+    baseline = agl.Baseline()
+    baseline.set_store(store)
+    rollout = await store.enqueue_rollout("never claimed")
+    harvest = asyncio.create_task(baseline._harvest(rollout.rollout_id))
+    await asyncio.sleep(0.05)
+    await store.close()
+    assert await asyncio.wait_for(harvest, 5) is None

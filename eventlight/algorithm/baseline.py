@@ -118,8 +118,10 @@ class Baseline(FastAlgorithm):
 
     async def _harvest(self, rollout_id: str) -> None:
         store = self.get_store()
-        (rollout,) = await store.wait_for_rollouts(rollout_ids=[rollout_id], timeout=None)
-        await self._log_rollout(rollout)
+        done = await store.wait_for_rollouts(rollout_ids=[rollout_id], timeout=None)
+        if not done:  # the store closed under the wait (the run is stopping): nothing finished to log
+            return
+        await self._log_rollout(done[0])
 
     async def _log_rollout(self, rollout: Rollout) -> None:
         store = self.get_store()
