@@ -13,17 +13,23 @@ pool's process at ``start`` (as a spawned process would), not the forkserver's. 
   nats-py's ``max_reconnect_attempts=-1``: the store's connection settings stay what the projector,
   the CLI and the algorithm's store use, and a connection closed for any other reason (a server in
   lame-duck mode, a slow-consumer disconnect) is recovered the same way. The attempt in flight when
-  the connection closes is cancelled and recorded ``failed`` once a store answers again (its spans
-  from the outage are lost either way);
-* on SIGTERM cancels the attempt in flight, which the runner records ``failed`` (the rollout is then
-  requeued or failed by its ``RolloutConfig``: under the default one it fails, so nothing stays
-  ``running``), and exits 0. A second SIGTERM kills it at once. SIGINT is ignored: the parent
-  coordinates shutdown (peer failure C06);
-* stops the same way when the pool's process dies (it checks every ``PARENT_CHECK_S`` that this
-  pid still runs and is not a zombie; the process's OS parent is the forkserver), so a kill -9 of
-  ``eventlight runner`` or of a trainer leaves no orphan working, and exits hard when that stop
-  takes longer than ``GRACEFUL_STOP_S`` (a synchronous agent blocks the event loop). Not
-  ``PR_SET_PDEATHSIG``: Linux ties it to the parent *thread*, and the parent is the forkserver.
+  the connection closes is cancelled and recorded ``failed`` (``NATS_LOST_REASON``) once a store
+  answers again (its spans from the outage are lost either way);
+* on SIGTERM stops claiming and gives the attempts in flight the pool's ``graceful_s``, then (or on
+  a second SIGTERM, or at once when the pool sends it after its own grace) cancels them, which the
+  runner records ``failed`` with ``SIGTERM_REASON`` (the rollout is then requeued or failed by its
+  ``RolloutConfig``: under the default one it fails, so nothing stays ``running``), and exits 0.
+  So a SIGTERM sent to the whole process group (``kill -TERM -- -PGID``, systemd, ``timeout``)
+  gives the same grace as one the pool relays; the forkserver ignores SIGTERM (it exits with the
+  pool's process), else the pool would read every runner process as exited (code 255). A SIGTERM
+  after the cancel kills at once. SIGINT is ignored: the parent coordinates shutdown (peer failure C06);
+* stops at once when the pool's process dies (it checks every ``PARENT_CHECK_S`` that this pid
+  still runs and is not a zombie; the process's OS parent is the forkserver; ``PARENT_GONE_REASON``),
+  so a kill -9 of ``eventlight runner`` or of a trainer leaves no orphan working, and exits hard
+  when that stop takes longer than ``GRACEFUL_STOP_S`` (a synchronous agent blocks the event loop).
+  Not ``PR_SET_PDEATHSIG``: Linux ties it to the parent *thread*, and the parent is the forkserver;
+* writes the attempts its runners hold on the pool's ``ClaimBoard`` (shared memory) and wipes
+  each once its status is recorded.
 
 ``RunnerPool.stop`` sets the processes' stop event (each finishes its attempt in flight, if it can
 within ``graceful_s``), then sends SIGTERM (the attempts still running are recorded ``failed``), then
@@ -31,6 +37,14 @@ SIGKILL. Until then the pool restarts a process that exits: after ``restart_dela
 to ``RESTART_MAX_S`` while a slot's processes keep dying within ``RESTART_STABLE_S`` of their start),
 each restart one warning line. A process of a runner with ``max_rollouts`` that exits 0 has done
 its share and is not restarted; ``finished()`` tells when all have.
+
+A process that exits holding attempts on the claim board (``kill -9``, the OOM killer, a crash, a
+process killed after ignoring SIGTERM) cannot record them; the pool does, before it restarts the
+process: ``failed``, with ``eventlight.status_reason`` "runner process <pid> exited with code -9
+(SIGKILL) while the attempt ran" (the store's ``abandon_attempt``; an attempt that finished is
+left alone), so the rollout's ``RolloutConfig`` retries or fails it and the algorithm's wait ends.
+The restarted process claims under a new worker id (its pid and tag). An attempt claimed in the
+instant between the claim's append and its entry on the board is not covered.
 """
 
 from __future__ import annotations
@@ -43,6 +57,7 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Coroutine, Sequence
@@ -53,6 +68,7 @@ from eventlight import instrumentation
 from eventlight.agent import LitAgent
 from eventlight.core.errors import ServiceUnavailableError
 from eventlight.runner import Backoff, Hook, LitAgentRunner
+from eventlight.runner.claims import ClaimBoard, abandon_attempts
 from eventlight.runner.metrics import RunnerMetrics
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
@@ -70,6 +86,27 @@ SUPERVISE_S = 0.5
 RESTART_MIN_S = 1.0
 RESTART_MAX_S = 60.0
 RESTART_STABLE_S = 60.0  # a process that lived this long resets its slot's restart delay
+SIGTERM_REASON = "the runner stopped (SIGTERM) while the attempt ran"
+"""The ``eventlight.status_reason`` of an attempt a runner process records failed on SIGTERM."""
+PARENT_GONE_REASON = "the runner's pool process died while the attempt ran"
+NATS_LOST_REASON = "the runner's NATS connection closed for good while the attempt ran"
+_PARENT_GONE = threading.Event()  # set in a runner process by _watch_parent
+
+
+def _in_forkserver() -> bool:
+    """Whether this module is being imported by ``multiprocessing``'s forkserver (its preload)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "main" and frame.f_globals.get("__name__") == "multiprocessing.forkserver":
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+if _in_forkserver():
+    # A SIGTERM to the whole process group must not kill the forkserver: the pool would read every
+    # runner process as exited (code 255) while they still run. It exits with the pool's process.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def restart_delay_s(quick_deaths: int) -> float:
@@ -94,11 +131,16 @@ def _runner_main(
     metrics_port: int | None = None,
     environ: dict[str, str] | None = None,
     slot: int = 0,
+    claims: ClaimBoard | None = None,
+    cancel_now: Any = None,
+    grace_s: float = GRACEFUL_STOP_S,
 ) -> None:
     """Entry point of a runner process: the runners ``worker_indexes`` on one store (``/metrics``
     on ``metrics_port + slot`` when given; ``environ``: the pool process's environment, which
-    replaces the forkserver's)."""
+    replaces the forkserver's; ``claims``: the pool's claim board; ``cancel_now`` and ``grace_s``:
+    as for ``serve_many``)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent coordinates shutdown (peer failure C06)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the forkserver ignores it; a runner must not
     if environ is not None:
         os.environ.clear()
         os.environ.update(environ)
@@ -108,8 +150,10 @@ def _runner_main(
         runner.metrics.serve(metrics_port + slot)
         log.info("runner process %d: metrics on http://127.0.0.1:%d/metrics", slot, metrics_port + slot)
     slots = runner_copies(agent, runner, worker_indexes)
+    for _, _, r in slots:
+        r.claims = claims
     with contextlib.suppress(asyncio.CancelledError):  # SIGTERM: the attempts in flight are recorded failed
-        _run(serve_many(slots, hooks, settings, nats_url, stop))
+        _run(serve_many(slots, hooks, settings, nats_url, stop, grace_s=grace_s, cancel_now=cancel_now))
 
 
 def runner_copies(
@@ -172,6 +216,7 @@ def _watch_parent(parent_pid: int) -> None:
         while _alive(parent_pid):
             time.sleep(PARENT_CHECK_S)
         log.warning("runner process %d: parent %d is gone; stopping", os.getpid(), parent_pid)
+        _PARENT_GONE.set()  # no grace: nobody supervises this process any more
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(GRACEFUL_STOP_S)
         os._exit(1)
@@ -191,7 +236,7 @@ async def serve(
     """Run ``runner`` on the namespace's queue until ``stop`` is set (or ``max_rollouts``), opening
     a new store whenever the NATS connection closes for good (``serve_many`` with one runner).
 
-    SIGTERM cancels it: the attempt in flight is recorded ``failed`` and ``CancelledError`` raised.
+    SIGTERM stops it as ``serve_many`` says.
 
     Args:
         stop: Anything with ``is_set()`` (a ``multiprocessing`` or ``threading`` event).
@@ -205,18 +250,31 @@ async def serve_many(
     settings: Settings,
     nats_url: str,
     stop: Any,
+    *,
+    grace_s: float = GRACEFUL_STOP_S,
+    cancel_now: Any = None,
 ) -> None:
     """Run each ``(worker index, agent, runner)`` of ``slots`` as a task on one store (one NATS
     connection, so their commands share atomic batches) until ``stop`` is set or every runner has
     done its ``max_rollouts``; a new store whenever the NATS connection closes for good.
 
     A runner that raises cancels the others (their attempts are recorded ``failed``) and the
-    exception propagates: the process exits and its pool restarts it. SIGTERM cancels them all.
+    exception propagates: the process exits and its pool restarts it.
+
+    SIGTERM stops them as the stop event does (no new claims) and gives the attempts in flight
+    ``grace_s`` seconds to finish; then, or on a second SIGTERM, they are cancelled, recorded
+    ``failed`` (``SIGTERM_REASON``) and ``CancelledError`` raised. So a SIGTERM sent to the whole
+    process group (``kill -TERM -- -PGID``, systemd, ``timeout``) gives the grace that the pool's
+    own stop gives. A SIGTERM when ``cancel_now`` is set (the pool's, after its grace) or after the
+    pool's process died cancels at once.
 
     Args:
         stop: Anything with ``is_set()`` (a ``multiprocessing`` or ``threading`` event).
+        grace_s: Seconds a SIGTERM leaves the attempts in flight.
+        cancel_now: Anything with ``is_set()``, or ``None``.
     """
-    _cancel_on_sigterm()
+    stop = _Shutdown(stop, [r for _, _, r in slots], grace_s, cancel_now)
+    stop.on_sigterm()
     backoff = Backoff()
     first = slots[0][0]
     done: set[int] = set()  # runners that did their max_rollouts
@@ -237,7 +295,7 @@ async def serve_many(
                             runner.run_context(agent=agent, store=store, hooks=hooks, worker_id=index)
                         )
                 work = _all_runners([(i, r) for i, _, r in slots if i not in done], stop, done)
-                if await _unless_disconnected(store, work):
+                if await _unless_disconnected(store, work, [r for _, _, r in slots]):
                     return
         finally:
             await store.close()
@@ -260,27 +318,65 @@ async def _all_runners(runners: Sequence[tuple[int, LitAgentRunner]], stop: Any,
             group.create_task(one(index, runner), name=f"eventlight-runner-{index}")
 
 
-def _cancel_on_sigterm() -> None:
-    loop = asyncio.get_running_loop()
-    main = asyncio.current_task()
-    assert main is not None
+class _Shutdown:
+    """A runner process's stop event: the pool's ``stop``, or a SIGTERM of its own (``serve_many``)."""
 
-    def on_sigterm() -> None:
-        log.info("runner process %d: SIGTERM; recording the attempt in flight as failed", os.getpid())
-        loop.remove_signal_handler(signal.SIGTERM)  # a second one kills at once
-        main.cancel()
+    def __init__(self, stop: Any, runners: Sequence[LitAgentRunner], grace_s: float, cancel_now: Any) -> None:
+        self.stop = stop
+        self.runners = runners
+        self.grace_s = grace_s
+        self.cancel_now = cancel_now
+        self.sigterm = False  # a SIGTERM came: no new claims
+        self.cancelled = False
 
-    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    def is_set(self) -> bool:
+        return self.sigterm or self.stop.is_set()
+
+    def on_sigterm(self) -> None:
+        """Handle SIGTERM from now on, in the running task."""
+        loop = asyncio.get_running_loop()
+        main = asyncio.current_task()
+        assert main is not None
+        pid = os.getpid()
+
+        def cancel(reason: str) -> None:
+            if self.cancelled:
+                return
+            self.cancelled = True
+            log.info("runner process %d: recording the attempts in flight as failed: %s", pid, reason)
+            loop.remove_signal_handler(signal.SIGTERM)  # another one kills at once
+            for runner in self.runners:
+                runner.cancel_reason = reason
+            main.cancel()
+
+        def sigterm() -> None:
+            if _PARENT_GONE.is_set():
+                cancel(PARENT_GONE_REASON)
+            elif self.sigterm or (self.cancel_now is not None and self.cancel_now.is_set()):
+                cancel(SIGTERM_REASON)
+            else:
+                self.sigterm = True
+                log.info(
+                    "runner process %d: SIGTERM; attempts in flight get %.0f s to finish (SIGTERM again: at once)",
+                    pid, self.grace_s,
+                )  # fmt: skip
+                loop.call_later(self.grace_s, cancel, SIGTERM_REASON)
+
+        loop.add_signal_handler(signal.SIGTERM, sigterm)
 
 
-async def _unless_disconnected(store: JetStreamLightningStore, work: Coroutine[Any, Any, Any]) -> bool:
+async def _unless_disconnected(
+    store: JetStreamLightningStore, work: Coroutine[Any, Any, Any], runners: Sequence[LitAgentRunner]
+) -> bool:
     """Await ``work``; return ``True`` when it ends, ``False`` (after cancelling it) when the store's
-    NATS connection closes for good first."""
+    NATS connection closes for good first (the ``runners``' attempts then fail with ``NATS_LOST_REASON``)."""
     task = asyncio.ensure_future(work)
     try:
         while not task.done():
             await asyncio.wait({task}, timeout=CONNECTION_CHECK_S)
             if not task.done() and store.nc is not None and store.nc.is_closed:
+                for runner in runners:
+                    runner.cancel_reason = NATS_LOST_REASON
                 task.cancel()
                 await asyncio.wait({task})
                 return False
@@ -337,7 +433,9 @@ class RunnerPool:
             runners as asyncio tasks on one store (``runner_copies``: each its own copy of the
             agent and runner, a synchronous agent in a thread). Fewer processes hold less memory
             and their runners' commands share atomic batches; a process that dies takes its
-            runners' attempts with it.
+            runners' attempts with it (the pool records them ``failed``).
+        graceful_s: Seconds ``stop`` leaves the attempts in flight by default, and what a runner
+            process that gets SIGTERM itself leaves them (``serve_many``).
 
     Raises:
         ValueError: ``n`` or ``runners_per_process`` below 1, or ``metrics_port`` with a runner that
@@ -356,6 +454,7 @@ class RunnerPool:
         log_level: str = "WARNING",
         metrics_port: int | None = None,
         runners_per_process: int = 1,
+        graceful_s: float = GRACEFUL_STOP_S,
     ):
         if n < 1:
             raise ValueError(f"n_runners must be >= 1, got {n}")
@@ -373,6 +472,9 @@ class RunnerPool:
         ]
         self.ctx = _context()
         self.stop_event = self.ctx.Event()
+        self.cancel_now = self.ctx.Event()  # set before stop's SIGTERM: the processes cancel at once
+        self.graceful_s = graceful_s
+        self.claims = ClaimBoard(self.ctx, n)
         self._args = (agent, runner, tuple(hooks), settings, nats_url)
         self._finite = runner.max_rollouts is not None
         self._done: set[int] = set()  # slots whose process finished its max_rollouts
@@ -403,6 +505,9 @@ class RunnerPool:
                 self.metrics_port,
                 dict(os.environ),
                 index,
+                self.claims,
+                self.cancel_now,
+                self.graceful_s,
             ),  # fmt: skip
         )
 
@@ -448,16 +553,21 @@ class RunnerPool:
                     continue
                 if self._finite and p.exitcode == 0:
                     log.info("runner process %d (pid %s) finished its rollouts", i, p.pid)
+                    self._abandon(i, p)
                     with self._lock:
                         self._done.add(i)
                     continue
                 lived = now - self._started_at[i]
                 quick_deaths[i] = quick_deaths[i] + 1 if lived < RESTART_STABLE_S else 0
                 due[i] = now + restart_delay_s(quick_deaths[i])
+                with self._lock:
+                    if self._stopping:  # it exited because of the stop: stop() sees to it
+                        return
                 log.warning(
                     "runner process %d (pid %s) exited with code %s after %.1f s; restarting it in %.1f s",
-                    i, p.pid, p.exitcode, lived, due[i] - now,
+                    i, p.pid, _exit_code(p.exitcode), lived, due[i] - now,
                 )  # fmt: skip
+                self._abandon(i, p)
             for i, at in sorted(due.items()):
                 if at <= now and self._restart(i):
                     del due[i]
@@ -480,29 +590,52 @@ class RunnerPool:
         log.warning("runner process %d restarted as pid %s (restart %d of this pool)", index, p.pid, self.restarts)
         return True
 
-    def stop(self, graceful_s: float = GRACEFUL_STOP_S) -> list[int | None]:
-        """Stop the processes: stop event, then SIGTERM after ``graceful_s`` (attempts still in
-        flight are recorded ``failed``), then SIGKILL. No process is restarted from the call on.
+    def _abandon(self, index: int, p: BaseProcess) -> None:
+        """Record ``failed`` the attempts process ``index`` (``p``, which has exited) still held."""
+        with self._lock:
+            held = self.claims.take(self.worker_indexes[index])
+        if held:
+            _, _, _, settings, nats_url = self._args
+            reason = f"runner process {p.pid} exited with code {_exit_code(p.exitcode)} while the attempt ran"
+            abandon_attempts(settings, nats_url, held, reason)
+
+    def stop(self, graceful_s: float | None = None) -> list[int | None]:
+        """Stop the processes: stop event, then SIGTERM after ``graceful_s`` (default: the pool's;
+        attempts still in flight are recorded ``failed``), then SIGKILL. No process is restarted
+        from the call on; attempts that a process did not record (it was killed) are recorded
+        ``failed`` here.
 
         Returns:
             Their exit codes (``0`` after a stop event or SIGTERM).
         """
         with self._lock:
             self._stopping = True
-            procs = [p for p in self.procs if p.pid is not None]
+            procs = [(i, p) for i, p in enumerate(self.procs) if p.pid is not None]
         self.stop_event.set()
         if self._supervisor is not None and self._supervisor is not threading.current_thread():
             self._supervisor.join(timeout=SUPERVISE_S * 4)
-        deadline = time.monotonic() + graceful_s  # one deadline for all, not one per process
-        for p in procs:
+        grace = self.graceful_s if graceful_s is None else graceful_s
+        deadline = time.monotonic() + grace  # one deadline for all, not one per process
+        for _, p in procs:
             p.join(timeout=max(0.0, deadline - time.monotonic()))
-        for p in procs:
+        self.cancel_now.set()
+        for _, p in procs:
             if p.is_alive():
                 p.terminate()
-        for p in procs:
+        for _, p in procs:
             p.join(timeout=KILL_AFTER_S)
             if p.is_alive():
                 log.warning("runner process pid %s ignored SIGTERM for %.0f s; killing it", p.pid, KILL_AFTER_S)
                 p.kill()
                 p.join(timeout=KILL_AFTER_S)
-        return [p.exitcode for p in procs]
+        for i, p in procs:
+            self._abandon(i, p)
+        return [p.exitcode for _, p in procs]
+
+
+def _exit_code(code: int | None) -> str:
+    """``-9 (SIGKILL)`` for a signal, else the code."""
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            return f"{code} ({signal.Signals(-code).name})"
+    return str(code)

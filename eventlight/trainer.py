@@ -299,6 +299,7 @@ class Trainer:
                 hooks=self.hooks,
                 log_level=self.runner_log_level,
                 runners_per_process=self.runners_per_process,
+                graceful_s=strategy.graceful_timeout,
             )
             pool.start()
         try:

@@ -63,3 +63,11 @@ class DyingRunner(agl.LitAgentRunner):  # type: ignore[type-arg]
 
     async def iter(self, *, event: Any = None) -> int:
         raise RuntimeError("this runner cannot start (on purpose, for the test)")
+
+
+@agl.rollout
+async def slow_first(task: dict, prompt_template: agl.PromptTemplate, rollout: agl.AttemptedRollout) -> float:
+    """Sleeps ``task["sleep_s"]`` (default 600) in its first attempt only; later attempts return at once."""
+    if rollout.attempt.sequence_id == 1:
+        await asyncio.sleep(float(task.get("sleep_s", 600)))
+    return 1.0

@@ -190,6 +190,22 @@ def test_watchdog_ignores_finished_and_queued_rollouts() -> None:
     assert d.decide(update(claimed(created(cfg)), "at-1", "succeeded"), d.CheckHealth(), T0 + 100) == []
 
 
+def test_an_abandoned_attempt_in_flight_fails_with_the_reason_and_a_finished_one_is_left_alone() -> None:
+    """``AbandonAttempt`` (a runner process died): ``failed`` with the reason merged into the
+    attempt's metadata, so the rollout is retried by its config; a finished attempt, ``failed``
+    included, keeps its status and reason (an ``UpdateAttempt`` would overwrite the reason)."""
+    cfg = RolloutConfig(max_attempts=2, retry_condition=["failed"])
+    state = claimed(created(cfg))
+    state = apply(state, d.decide(state, d.UpdateAttempt(attempt_id="at-1", metadata={"k": 1}), T0 + 2))
+    events = d.decide(state, d.AbandonAttempt(attempt_id="at-1", reason="process 7 died"), T0 + 3)
+    after = apply(state, events)
+    assert after.latest.status == "failed" and after.rollout.status == "requeuing"
+    assert after.latest.metadata == {"k": 1, "eventlight.status_reason": "process 7 died"}
+    assert d.decide(after, d.AbandonAttempt(attempt_id="at-1", reason="again"), T0 + 4) == []
+    done = update(claimed(created()), "at-1", "succeeded")
+    assert d.decide(done, d.AbandonAttempt(attempt_id="at-1", reason="late"), T0 + 4) == []
+
+
 def test_worker_status_is_derived() -> None:
     state = claimed(created(RolloutConfig(max_attempts=2, retry_condition=["timeout"])))
     started = d.decide(created(), d.StartAttempt(attempt_id="at-1", worker_id="w", claim=True), T0)[0]

@@ -29,9 +29,10 @@ import pytest
 
 import eventlight as agl
 from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
+from eventlight.core.types import STATUS_REASON
 from eventlight.ops import Services, drop_namespace, prepare_services, stop_services
 from eventlight.runner import Backoff, worker_name
-from eventlight.runner_pool import RESTART_MAX_S, RunnerPool, restart_delay_s
+from eventlight.runner_pool import RESTART_MAX_S, SIGTERM_REASON, RunnerPool, restart_delay_s
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.store.validate import is_token
@@ -167,8 +168,9 @@ _SIGINT_IGNORED = (
 
 
 async def _start_runner(
-    settings: Settings, agent: str, n: int, *args: str, sigint_ignored: bool = False
+    settings: Settings, agent: str, n: int, *args: str, sigint_ignored: bool = False, own_group: bool = False
 ) -> asyncio.subprocess.Process:
+    """``eventlight runner``; ``own_group``: in a process group (and session) of its own."""
     wrap = (sys.executable, "-c", _SIGINT_IGNORED) if sigint_ignored else ()
     return await asyncio.create_subprocess_exec(
         *wrap,
@@ -178,11 +180,13 @@ async def _start_runner(
         env=_env(settings),
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
+        start_new_session=own_group,
     )
 
 
-async def _stop_runner(proc: asyncio.subprocess.Process, sig: int = signal.SIGINT) -> tuple[int, str]:
-    if proc.returncode is None:
+async def _stop_runner(proc: asyncio.subprocess.Process, sig: int | None = signal.SIGINT) -> tuple[int, str]:
+    """Send ``sig`` (``None``: none) and wait for the runner to exit."""
+    if proc.returncode is None and sig is not None:
         with _suppress_lookup():
             proc.send_signal(sig)
     try:
@@ -244,6 +248,7 @@ async def test_ctrl_c_on_eventlight_runner_fails_its_attempts_in_flight(namespac
         got = await _settled(store, [r.rollout_id for r in made])
     assert code == 130, err
     assert [(r.status, r.attempt.status) for r in got] == [("failed", "failed")] * 2, err
+    assert [r.attempt.metadata.get(STATUS_REASON) for r in got] == [SIGTERM_REASON] * 2
     assert "Traceback" not in err
     print(f"\nCtrl+C: {len(got)} attempts in flight recorded failed; the runner exited in {stop_s:.1f} s")
 
@@ -282,6 +287,29 @@ async def test_ctrl_c_stops_eventlight_runner_started_with_sigint_ignored(namesp
     assert code == 130, err
 
 
+async def test_sigterm_to_the_process_group_of_eventlight_runner_gives_attempts_the_grace(namespace: Settings) -> None:
+    """``kill -TERM -- -PGID`` (systemd, ``timeout``): the runner processes got SIGTERM themselves and
+    failed their attempts at once, and the forkserver died of it, so the pool read them as exited
+    (code 255) and logged a restart. Now the 4 s attempts finish within the 10 s grace."""
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
+        await store.add_resources(RESOURCES)
+        made = [await store.enqueue_rollout({"sleep_s": 4}) for _ in range(2)]
+        proc = await _start_runner(namespace, "slow", 2, own_group=True)
+        try:
+            await _until_running(store, [r.rollout_id for r in made])
+            os.killpg(proc.pid, signal.SIGTERM)
+            t0 = time.monotonic()
+        finally:
+            code, err = await _stop_runner(proc, None if "t0" in locals() else signal.SIGKILL)
+        stop_s = time.monotonic() - t0
+        got = await _settled(store, [r.rollout_id for r in made])
+    assert code == 143, err
+    assert [r.status for r in got] == ["succeeded"] * 2, err
+    assert "exited with code" not in err and "restart" not in err, err
+    assert stop_s < 10, err
+    print(f"\nSIGTERM to the group: both attempts finished; the runner exited in {stop_s:.1f} s")
+
+
 async def test_runner_pool_stop_fails_in_flight_attempts_and_requeues_by_config(namespace: Settings) -> None:
     async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
         await store.add_resources(RESOURCES)
@@ -297,6 +325,36 @@ async def test_runner_pool_stop_fails_in_flight_attempts_and_requeues_by_config(
         attempts = await store.query_attempts(made.rollout_id)
     assert codes == [0]
     assert got.status in ("requeuing", "queuing") and [a.status for a in attempts] == ["failed"], (got, attempts)
+    assert attempts[0].metadata[STATUS_REASON] == SIGTERM_REASON  # it said nothing before
+
+
+async def test_kill_9_of_a_runner_process_fails_its_attempt_and_the_rollout_is_retried(namespace: Settings) -> None:
+    """kill -9 of one of two runner processes mid-rollout: the pool records the attempt that process
+    ran ``failed``, saying so (the default RolloutConfig has no timeout: it stayed ``preparing`` for
+    ever, and an algorithm waiting for it with it), so the rollout's retry runs and succeeds; the
+    other process's attempt is not touched, and the restarted process claims under a new worker id."""
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
+        await store.add_resources(RESOURCES)
+        config = agl.RolloutConfig(max_attempts=2, retry_condition=["failed"])
+        made = [await store.enqueue_rollout({"sleep_s": 600}, config=config) for _ in range(2)]
+        pool = RunnerPool(fault_agents.slow_first, 2, namespace, namespace.nats_url or "", log_level="INFO")
+        pool.start()
+        try:
+            await _until_running(store, [r.rollout_id for r in made])
+            pid = pool.procs[0].pid
+            assert pid is not None
+            [killed] = [r for r in made if f"-{pid}-" in (await store.get_latest_attempt(r.rollout_id)).worker_id]
+            [other] = [r for r in made if r is not killed]
+            os.kill(pid, signal.SIGKILL)
+            [done] = await store.wait_for_rollouts(rollout_ids=[killed.rollout_id], timeout=30)
+            still = await store.get_latest_attempt(other.rollout_id)
+        finally:
+            await asyncio.to_thread(pool.stop, 0.5)
+        first, second = await store.query_attempts(killed.rollout_id)
+    assert done.status == "succeeded" and (first.status, second.status) == ("failed", "succeeded")
+    assert first.metadata[STATUS_REASON] == f"runner process {pid} exited with code -9 (SIGKILL) while the attempt ran"
+    assert second.worker_id != first.worker_id and f"-{pool.procs[0].pid}-" in second.worker_id
+    assert still.status in ("preparing", "running") and STATUS_REASON not in (still.metadata or {})
 
 
 async def test_kill_9_of_the_runner_parent_leaves_no_orphans(namespace: Settings) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing as mp
 import re
 from typing import Any
 
@@ -16,6 +17,7 @@ import fault_agents
 import pytest
 
 import eventlight as agl
+from eventlight.runner.claims import ENTRIES, ClaimBoard
 from eventlight.runner.metrics import RunnerMetrics
 from eventlight.runner_pool import RunnerPool, runner_copies
 from eventlight.settings import Settings
@@ -154,3 +156,20 @@ async def test_processes_that_exit_on_the_stop_event_are_not_restarted(namespace
         assert pool.restarts == 0 and pool.alive() == 0 and not pool.supervising()
     finally:
         await asyncio.to_thread(pool.stop, 5)
+
+
+def test_the_claim_board_keeps_what_each_runner_holds_until_released_or_taken() -> None:
+    board = ClaimBoard(mp.get_context("spawn"), 3)
+    board.hold(0, "ro-a", "at-1")
+    board.hold(2, "ro-b", "at-2")
+    board.hold(2, "ro-c", "at-3")
+    long_id = "x" * 200  # ids are tokens of up to 200 characters
+    board.hold(1, long_id, long_id)
+    board.release(2, "ro-b", "at-2")
+    board.release(0, "ro-b", "at-2")  # not runner 0's: nothing happens
+    assert board.take([1, 2]) == [(1, long_id, long_id), (2, "ro-c", "at-3")]
+    assert board.take([1, 2]) == []  # taken means wiped
+    assert board.take([0]) == [(0, "ro-a", "at-1")]
+    for k in range(ENTRIES + 1):  # a full row keeps what it has (the one that did not fit is logged)
+        board.hold(0, "ro-d", f"at-{k}")
+    assert [aid for _, _, aid in board.take([0])] == [f"at-{k}" for k in range(ENTRIES)]

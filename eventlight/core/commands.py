@@ -26,6 +26,7 @@ Unset: TypeAlias = UnsetType
 
 __all__ = [
     "UNSET",
+    "AbandonAttempt",
     "CheckHealth",
     "Command",
     "CreateRollout",
@@ -123,4 +124,12 @@ class CheckHealth(msgspec.Struct, frozen=True, kw_only=True):
     """The watchdog's command: mark the latest attempt ``timeout``/``unresponsive`` when overdue."""
 
 
-Command = CreateRollout | StartAttempt | UpdateAttempt | UpdateRollout | CheckHealth
+class AbandonAttempt(msgspec.Struct, frozen=True, kw_only=True):
+    """An attempt whose runner is gone (its process died) and cannot record it: ``failed`` with
+    ``reason`` as its ``STATUS_REASON``, unless it already finished (``RunnerPool``'s command)."""
+
+    attempt_id: str
+    reason: str
+
+
+Command = CreateRollout | StartAttempt | UpdateAttempt | UpdateRollout | CheckHealth | AbandonAttempt

@@ -18,6 +18,9 @@ Attempt
     * ``end_time`` is set on every terminal status, ``timeout`` and ``unresponsive`` included (docs).
     * The watchdog's ``timeout``/``unresponsive`` writes its reason into the attempt's metadata
       (``STATUS_REASON``); a runner writes its own there when it records ``failed``.
+    * ``AbandonAttempt`` (a runner process died; its pool records it) → ``failed`` with the reason
+      in its metadata, from ``preparing``/``running``/``unresponsive``; a finished attempt is left
+      as it is (no events).
 
 Rollout (an aggregated view of its latest attempt)
     * Only the latest attempt (highest ``sequence_id``) moves the rollout (C01).
@@ -42,6 +45,7 @@ import msgspec
 
 from eventlight.core.commands import (
     UNSET,
+    AbandonAttempt,
     CheckHealth,
     Command,
     CreateRollout,
@@ -258,6 +262,15 @@ def _decide_health(state: RolloutState, now: float) -> list[RolloutEvent]:
     )
 
 
+def _decide_abandon(state: RolloutState, cmd: AbandonAttempt, now: float) -> list[RolloutEvent]:
+    attempt = state.attempt(cmd.attempt_id)
+    if attempt.status in FINAL_ATTEMPT_STATUSES:
+        return []
+    metadata = {**(attempt.metadata or {}), STATUS_REASON: cmd.reason}
+    update = UpdateAttempt(attempt_id=attempt.attempt_id, status="failed", metadata=metadata)
+    return _decide_update_attempt(state, update, now)
+
+
 def decide(state: RolloutState | None, command: Command, now: float) -> list[RolloutEvent]:
     """Turn a command on one rollout into the events that record it.
 
@@ -288,4 +301,6 @@ def decide(state: RolloutState | None, command: Command, now: float) -> list[Rol
         return _decide_update_rollout(state, command, now)
     if isinstance(command, CheckHealth):
         return _decide_health(state, now)
+    if isinstance(command, AbandonAttempt):
+        return _decide_abandon(state, command, now)
     raise InvalidInputError(f"unknown command {type(command).__name__}")

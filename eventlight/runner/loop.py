@@ -10,7 +10,9 @@ hooks'), then ``update_attempt(status="succeeded" | "failed")``.
 Differences from 0.3.0, each deliberate:
     * missing resources fail the attempt with a clear reason instead of leaving it ``preparing``;
     * a cancelled rollout (``CancelledError``, e.g. Ctrl+C) is recorded ``failed`` and the
-      cancellation re-raised, not recorded ``succeeded``;
+      cancellation re-raised, not recorded ``succeeded``; its ``eventlight.status_reason`` says why
+      (``cancel_reason``, which ``RunnerPool`` sets before it cancels: SIGTERM, a lost NATS
+      connection; else "the runner was cancelled (CancelledError) while the attempt ran");
     * an empty queue is a long poll in the server (``dequeue_rollout(wait_s=poll_interval)``), not a
       sleep loop, and is never an error (peer failure C19);
     * on eventlight's store the resources are read with the claim (``dequeue_rollout(
@@ -62,6 +64,7 @@ from eventlight.credentials import check_bearer_token
 from eventlight.emitter import emit_exception, emit_reward
 from eventlight.otel import span_from_readable
 from eventlight.recording import SpanCoreFields
+from eventlight.runner.claims import ClaimBoard
 from eventlight.runner.hooks import Hook
 from eventlight.runner.identity import system_snapshot, worker_name
 from eventlight.runner.metrics import RunnerMetrics
@@ -74,6 +77,8 @@ from eventlight.tracer import OtelTracer, Tracer
 log = logging.getLogger(__name__)
 
 _REASON_CHARS = 500
+CANCELLED = "the runner was cancelled (CancelledError) while the attempt ran"
+"""The ``eventlight.status_reason`` of an attempt cancelled without a ``cancel_reason``."""
 
 
 class LitAgentRunner:
@@ -127,6 +132,12 @@ class LitAgentRunner:
         self.sync_agent_in_thread = False
         """Run a synchronous agent's rollout in a thread (``asyncio.to_thread``) instead of on the
         event loop; ``RunnerPool`` sets it for runners that share a process."""
+        self.claims: ClaimBoard | None = None
+        """Where this runner writes the attempts it holds (its row ``worker_id``), so that its pool
+        can record them ``failed`` if the process dies; ``RunnerPool`` sets it in each process."""
+        self.cancel_reason: str | None = None
+        """Why the attempt in flight is cancelled, recorded as its ``eventlight.status_reason``
+        (``RunnerPool`` sets it before it cancels the runner); ``None``: ``CANCELLED``."""
         self._agent: LitAgent[Any] | None = None
         self._seen_errors: set[tuple[str, str]] = set()
         self._store: LightningStore | None = None
@@ -198,6 +209,7 @@ class LitAgentRunner:
         store = self.get_store()
         count = 0
         backoff = Backoff()
+        self.cancel_reason = None
         heartbeat = asyncio.create_task(self._heartbeat_loop()) if self.heartbeat_interval > 0 else None
         try:
             while (event is None or not event.is_set()) and (self.max_rollouts is None or count < self.max_rollouts):
@@ -214,6 +226,8 @@ class LitAgentRunner:
                 backoff.reset()
                 if claimed is None:
                     continue
+                if self.claims is not None and self.worker_id is not None:
+                    self.claims.hold(self.worker_id, claimed.rollout_id, claimed.attempt.attempt_id)
                 await self._step_impl(claimed)
                 count += 1
                 if count == 1 or count % 10 == 0:
@@ -368,8 +382,9 @@ class LitAgentRunner:
             status = "succeeded"
             log.debug("%s completed in %.2fs with %d spans", prefix, time.monotonic() - start, len(spans))
         except asyncio.CancelledError:
-            log.info("%s cancelled; recording the attempt as failed", prefix)
-            await asyncio.shield(self._finish(rid, aid, "failed", prefix))
+            reason = self.cancel_reason or CANCELLED
+            log.info("%s cancelled; recording the attempt as failed: %s", prefix, reason)
+            await asyncio.shield(self._finish(rid, aid, "failed", prefix, reason=reason, rollout=rollout))
             raise
         except Exception as exc:
             self._log_agent_error(prefix, exc)
@@ -444,9 +459,16 @@ class LitAgentRunner:
         try:
             await self._update(rid, aid, status, metadata)
         except Exception as e:
+            log.warning("%s could not record status %s: %s", prefix, status, _describe(e))
             if _retryable(e):  # tried again before the next dequeue, on this store or the next one
                 self._unrecorded[(rid, aid)] = (status, metadata)
-            log.warning("%s could not record status %s: %s", prefix, status, _describe(e))
+                return
+        self._release(rid, aid)
+
+    def _release(self, rid: str, aid: str) -> None:
+        """Wipe the attempt from the claim board: its status is recorded (or refused for good)."""
+        if self.claims is not None and self.worker_id is not None:
+            self.claims.release(self.worker_id, rid, aid)
 
     async def _update(self, rid: str, aid: str, status: str, metadata: dict[str, Any] | None) -> None:
         if metadata is None:
@@ -466,6 +488,7 @@ class LitAgentRunner:
             else:
                 log.info("[%s | Rollout %s] recorded status %s late", self.get_worker_id(), rid, status)
             del self._unrecorded[(rid, aid)]
+            self._release(rid, aid)
 
 
 def _returned_spans(result: list[Any], rollout: AttemptedRollout) -> list[Span]:

@@ -205,3 +205,22 @@ class RolloutCommands(StorePlumbing):
         if attempt.status in ENDED:
             await self._release(rollout_id, aid)
         return attempt
+
+    @store_call
+    async def abandon_attempt(self, rollout_id: str, attempt_id: str, reason: str) -> Attempt:
+        """Record an attempt whose runner is gone ``failed``, with ``reason`` as its
+        ``eventlight.status_reason``, unless it already finished (eventlight's; ``RunnerPool`` calls
+        it for the attempts of a runner process that died). Decided on the rollout's state in the
+        log, so a write-only store (a runner's, without Postgres) can do it; the rollout is then
+        requeued or failed by its ``RolloutConfig``, as after any failed attempt.
+
+        Returns:
+            The attempt as it is now (``failed`` with ``reason``, or as it finished before).
+
+        Raises:
+            RolloutNotFoundError / AttemptNotFoundError: Unknown ids.
+        """
+        check_token("rollout_id", rollout_id)
+        check_token("attempt_id", attempt_id)
+        outcome = await self._loop.execute(rollout_id, c.AbandonAttempt(attempt_id=attempt_id, reason=reason))
+        return outcome.state.attempt(attempt_id)
