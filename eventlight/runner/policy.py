@@ -26,8 +26,8 @@ async def apply_rollout_config(
     The config is recorded on the rollout (``update_rollout``) before the agent runs, so the
     watchdog's timeouts and the retry decision at the attempt's end follow it. A rollout whose
     enqueuer chose a config keeps it; one given equal to ``RolloutConfig()`` cannot be told from
-    none (the event holds the config, not whether it was given) and takes the runner's. A store that refuses the update is logged; the attempt runs
-    under the rollout's own config then.
+    none (the event holds the config, not whether it was given) and takes the runner's. A store
+    that refuses the update is logged; the attempt runs under the rollout's own config then.
     """
     if config is None or rollout.config != _DEFAULT or config == _DEFAULT:
         return rollout
