@@ -94,6 +94,29 @@ def test_runner_needs_at_least_one_process() -> None:
     assert_one_line_error(cli("runner", "examples.room_booking.agent:room_booker", "-n", "0"), 2, "--n-runners")
 
 
+def test_runner_refuses_a_metrics_port_in_use_before_starting_processes(tmp_path: Path) -> None:
+    """Runner process 1's port taken: it failed to bind and was restarted forever, after the CLI had
+    promised metrics on both ports."""
+    import socket
+
+    from eventlight.net import free_port
+
+    taken = socket.socket()
+    while True:  # two neighbouring ports: the first free, the second held here
+        first = free_port()
+        try:
+            taken.bind(("127.0.0.1", first + 1))
+            break
+        except OSError:
+            continue
+    taken.listen()
+    with taken:
+        env = {"EVENTLIGHT_STATE_DIR": str(tmp_path / "state")}
+        result = cli("runner", "tests/fault_agents.py:quick", "-n", "2", "--metrics-port", str(first), env=env)
+    assert_one_line_error(result, 2, f"--metrics-port {first}: port {first + 1} (runner process 1) is already in use")
+    assert "metrics on" not in result.stdout
+
+
 def test_down_refuses_a_namespace_it_would_not_limit(tmp_path: Path) -> None:
     """``down -N x`` stopped the servers of every namespace, as if -N had limited it to one."""
     result = cli("down", "-N", "x", env={"EVENTLIGHT_STATE_DIR": str(tmp_path / "state")})

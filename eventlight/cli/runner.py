@@ -177,10 +177,10 @@ def runner(
     config = _rollout_config(timeout_s, unresponsive_s, max_attempts, retry_on)
     the_agent = load_agent(agent)
     instrument_names = _instrumented(instrument)
-    nats_url = _run(_runner_nats(settings))
     processes = -(-n // per_process)
-    if metrics_port is not None and metrics_port + processes - 1 > 65535:
-        raise CliError(f"--metrics-port {metrics_port} with {processes} runner processes goes past port 65535")
+    if metrics_port is not None:
+        _check_metrics_ports(metrics_port, processes)
+    nats_url = _run(_runner_nats(settings))
     template = LitAgentRunner(
         OtelTracer(instrument=instrument_names),
         metrics=RunnerMetrics() if metrics_port is not None else None,
@@ -223,6 +223,21 @@ def runner(
         raise typer.Exit(EXIT_INTERRUPTED if isinstance(e, KeyboardInterrupt) else EXIT_TERMINATED) from None
     codes = pool.stop()
     raise CliError(f"runner processes exited (exit codes {codes}); their log is above", EXIT_UNAVAILABLE)
+
+
+def _check_metrics_ports(first: int, processes: int) -> None:
+    """Refuse ``--metrics-port`` when a port runner process ``i`` would serve on (``first + i``) is
+    taken, before any process starts: that process would fail to bind, die and be restarted forever."""
+    from eventlight.net import port_free
+
+    if first + processes - 1 > 65535:
+        raise CliError(f"--metrics-port {first} with {processes} runner processes goes past port 65535")
+    for i in range(processes):
+        if not port_free(first + i):
+            raise CliError(
+                f"--metrics-port {first}: port {first + i} (runner process {i}) is already in use on 127.0.0.1; "
+                "pick another --metrics-port"
+            )
 
 
 def _instrumented(frameworks: list[str] | None) -> tuple[str, ...]:
