@@ -39,16 +39,22 @@ AGENT_EXPECTED = (
 
 
 def _import_module(spec: str, module_name: str) -> Any:
+    """The module ``module_name`` names: a dotted module, or a Python file by path, which is imported
+    under a name that cannot clash (``eventlight.file_modules``: ``x/random.py`` is that file, not
+    the standard library's ``random``), with its folder first on ``sys.path`` for its own imports,
+    as when it runs as a script (runner processes inherit ``sys.path``)."""
+    from eventlight.file_modules import import_file
+
+    path = None
     if module_name.endswith(".py") or "/" in module_name:
         path = Path(module_name)
         if not path.is_file() or path.suffix != ".py":
             raise CliError(f"agent {spec!r}: no Python file {module_name}; {AGENT_EXPECTED}")
-        sys.path.insert(0, str(path.resolve().parent))  # spawned runner processes inherit sys.path
-        module_name = path.stem
+        sys.path.insert(0, str(path.resolve().parent))
     if str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))
     try:
-        return importlib.import_module(module_name)
+        return import_file(path) if path is not None else importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
             msg = f"agent {spec!r}: no module named {e.name!r} (searched the current folder and sys.path)"
