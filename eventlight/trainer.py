@@ -51,7 +51,12 @@ from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.store.jetstream.connect import connect_nats
 from eventlight.store.validate import check_rollout_config
 from eventlight.tracer import OtelTracer, Tracer
-from eventlight.trainer_guards import cancel_left_in_queue, stop_when_llm_fails, stop_when_runners_gone
+from eventlight.trainer_guards import (
+    cancel_left_in_queue,
+    refuse_unguarded_main,
+    stop_when_llm_fails,
+    stop_when_runners_gone,
+)
 from eventlight.trainer_strategies import (
     RunnerThreads,
     resolve_strategy,
@@ -191,8 +196,10 @@ class Trainer:
             NoRunnersError: Rollouts wait and no runner this trainer started is left: its runner
                 processes keep dying (``"cs"``), or every ``"shm"`` runner thread has stopped (at
                 its ``max_rollouts``, or on an error); the algorithm was cancelled.
+            RuntimeError: Called from the main file's top-level code outside ``if __name__ ==
+                "__main__":`` (``"cs"``), which runner processes import again; nothing was started.
         """
-        self._execute(agent, self.algorithm, train_dataset, val_dataset)
+        self._execute("Trainer.fit()", agent, self.algorithm, train_dataset, val_dataset)
 
     def dev(self, agent: LitAgent[Any], train_dataset: Any = None, *, val_dataset: Any = None) -> None:
         """``fit`` with a fast algorithm: the trainer's own if it is a ``FastAlgorithm``, else ``Baseline()``
@@ -200,7 +207,7 @@ class Trainer:
 
         Raises:
             TypeError: The trainer's algorithm is not a ``FastAlgorithm``.
-            NoRunnersError: As for ``fit``.
+            NoRunnersError, RuntimeError: As for ``fit``.
         """
         algorithm = self.algorithm if self.algorithm is not None else Baseline()
         if not isinstance(algorithm, FastAlgorithm):
@@ -208,13 +215,19 @@ class Trainer:
                 "Trainer.dev() requires an algorithm that inherits from FastAlgorithm. "
                 f"Received {type(algorithm).__name__}."
             )
-        self._execute(agent, algorithm, train_dataset, val_dataset)
+        self._execute("Trainer.dev()", agent, algorithm, train_dataset, val_dataset)
 
-    def _execute(self, agent: LitAgent[Any], algorithm: Algorithm | None, train: Any, val: Any) -> None:
+    def _execute(self, what: str, agent: LitAgent[Any], algorithm: Algorithm | None, train: Any, val: Any) -> None:
         if isinstance(self.strategy, SharedMemoryExecutionStrategy):
             self._run_shared_memory(self.strategy, agent, algorithm, train, val)
             return
+        self._refuse_unguarded_main(what)
         run_event_loop(self._fit_async(agent, algorithm, train, val))
+
+    def _refuse_unguarded_main(self, what: str) -> None:
+        """Before runner processes start (``"cs"``, not role ``"algorithm"``): ``refuse_unguarded_main``."""
+        if isinstance(self.strategy, ClientServerExecutionStrategy) and self.strategy.role != "algorithm":
+            refuse_unguarded_main(what)
 
     def _run_shared_memory(
         self,
@@ -245,9 +258,11 @@ class Trainer:
 
         Raises:
             ValueError: The strategy is ``"shm"`` (which owns its threads' loops: call ``fit``).
+            RuntimeError: As for ``fit``.
         """
         if isinstance(self.strategy, SharedMemoryExecutionStrategy):
             raise ValueError("fit_async runs the 'cs' strategy; call fit() for 'shm'")
+        self._refuse_unguarded_main("Trainer.fit_async()")
         await self._fit_async(agent, self.algorithm, train_dataset, val_dataset)
 
     def _cs(self) -> ClientServerExecutionStrategy:

@@ -1,14 +1,20 @@
 """What stops a training run early: its runners gone while rollouts wait (``NoRunnersError``), or
 most calls through its LLM proxy failing (``LLMUnavailableError``). ``Trainer`` wraps the
-algorithm's run in both, for its runner processes (``"cs"``) and its runner threads (``"shm"``)."""
+algorithm's run in both, for its runner processes (``"cs"``) and its runner threads (``"shm"``).
+Before it starts runner processes, ``refuse_unguarded_main`` stops a run that each of them would
+start again."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import contextlib
 import logging
+import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine
+from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from eventlight.core.errors import LLMUnavailableError, NoRunnersError
@@ -24,6 +30,7 @@ __all__ = [
     "RUNNERS_CHECK_S",
     "RUNNER_THREADS_CHECK_S",
     "cancel_left_in_queue",
+    "refuse_unguarded_main",
     "stop_when_llm_fails",
     "stop_when_runners_gone",
 ]
@@ -172,3 +179,50 @@ async def cancel_left_in_queue(store: Any, since: float, *, limit_s: float = 15.
     if n:
         log.warning("the run stopped early: cancelled %d rollout(s) it had enqueued that no runner had claimed", n)
     return n
+
+
+def refuse_unguarded_main(what: str) -> None:
+    """Raise when ``what`` (``"Trainer.fit()"``) runs from the top-level code of the program's main
+    file outside ``if __name__ == "__main__":``.
+
+    Runner processes start by multiprocessing's ``forkserver`` (or ``spawn``), which imports the
+    main file again in each of them (as ``__mp_main__``): unguarded, each would start the training
+    again, die at once with multiprocessing's bootstrapping ``RuntimeError`` and be restarted until
+    the run ended with ``NoRunnersError``. Found from the call stack and the file's syntax tree; a
+    program without a main file (``python -c``, a notebook), run as a package's ``__main__``
+    (which multiprocessing does not import again) or whose file cannot be read passes.
+
+    Raises:
+        RuntimeError: Naming the file, the line and the guard.
+    """
+    main = sys.modules.get("__main__")
+    file = getattr(main, "__file__", None)
+    spec_name = getattr(getattr(main, "__spec__", None), "name", None) or ""
+    if main is None or not file or spec_name == "__main__" or spec_name.endswith(".__main__"):
+        return  # as multiprocessing.spawn: a package's __main__ is not imported again
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main)):
+        frame = frame.f_back
+    if frame is None:  # not called from the main file's top-level code
+        return
+    try:
+        tree = ast.parse(Path(file).read_bytes(), file)
+    except (OSError, SyntaxError, ValueError):
+        return
+    line = frame.f_lineno
+    for stmt in tree.body:
+        if stmt.lineno <= line <= (stmt.end_lineno or stmt.lineno) and not _is_main_guard(stmt):
+            raise RuntimeError(
+                f'{what} runs at the top level of {file} (line {line}) without `if __name__ == "__main__":`; '
+                "runner processes import that file again (multiprocessing's forkserver or spawn), so each "
+                "would start the training again and die: put the code that trains under that guard"
+            )
+
+
+def _is_main_guard(stmt: ast.stmt) -> bool:
+    """Whether ``stmt`` is ``if __name__ == "__main__":`` (in any spelling that names both)."""
+    if not isinstance(stmt, ast.If):
+        return False
+    names = {n.id for n in ast.walk(stmt.test) if isinstance(n, ast.Name)}
+    constants = {n.value for n in ast.walk(stmt.test) if isinstance(n, ast.Constant)}
+    return "__name__" in names and "__main__" in constants

@@ -94,6 +94,29 @@ def test_runner_needs_at_least_one_process() -> None:
     assert_one_line_error(cli("runner", "examples.room_booking.agent:room_booker", "-n", "0"), 2, "--n-runners")
 
 
+def test_runner_refuses_a_metrics_port_in_use_before_starting_processes(tmp_path: Path) -> None:
+    """Runner process 1's port taken: it failed to bind and was restarted forever, after the CLI had
+    promised metrics on both ports."""
+    import socket
+
+    from eventlight.net import free_port
+
+    taken = socket.socket()
+    while True:  # two neighbouring ports: the first free, the second held here
+        first = free_port()
+        try:
+            taken.bind(("127.0.0.1", first + 1))
+            break
+        except OSError:
+            continue
+    taken.listen()
+    with taken:
+        env = {"EVENTLIGHT_STATE_DIR": str(tmp_path / "state")}
+        result = cli("runner", "tests/fault_agents.py:quick", "-n", "2", "--metrics-port", str(first), env=env)
+    assert_one_line_error(result, 2, f"--metrics-port {first}: port {first + 1} (runner process 1) is already in use")
+    assert "metrics on" not in result.stdout
+
+
 def test_down_refuses_a_namespace_it_would_not_limit(tmp_path: Path) -> None:
     """``down -N x`` stopped the servers of every namespace, as if -N had limited it to one."""
     result = cli("down", "-N", "x", env={"EVENTLIGHT_STATE_DIR": str(tmp_path / "state")})
@@ -107,6 +130,35 @@ def test_load_agent_accepts_agents_by_module_or_file() -> None:
     assert isinstance(load_agent("examples/room_booking/agent.py:room_booker"), LitAgent)
     with pytest.raises(CliError, match="not an agent"):
         load_agent("examples.room_booking.agent:grade")
+
+
+AGENT_FILE = """
+import eventlight as agl
+
+
+@agl.rollout
+async def agent(task: dict, prompt_template: agl.PromptTemplate) -> float:
+    return 0.25
+"""
+
+
+def test_load_agent_imports_the_file_named_not_a_module_of_that_name(tmp_path: Path) -> None:
+    """``x/random.py:agent`` gave the standard library's ``random`` ('has no attribute 'agent'')."""
+    import pickle
+    import random
+
+    from eventlight.agent import LitAgent
+
+    (tmp_path / "random.py").write_text(AGENT_FILE)
+    agent = load_agent(f"{tmp_path}/random.py:agent")
+    assert isinstance(agent, LitAgent) and not hasattr(random, "agent")
+    # a runner process (here a fresh interpreter with the standard library's random imported first)
+    # unpickles the agent by its module's name and gets the function from that file
+    code = "import asyncio, pickle, random, sys; print(asyncio.run(pickle.loads(sys.stdin.buffer.read())({}, None)))"
+    child = subprocess.run(
+        [sys.executable, "-c", code], input=pickle.dumps(agent), capture_output=True, cwd=ROOT, timeout=60
+    )
+    assert child.returncode == 0 and child.stdout.strip() == b"0.25", child.stderr.decode()
 
 
 # -- absent, unreachable and recorded servers -------------------------------------------------
@@ -262,7 +314,7 @@ async def test_runner_runs_heartbeats_into_status_and_stops_on_ctrl_c(namespace:
     base = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
     proc = await asyncio.create_subprocess_exec(
         *(sys.executable, "-X", "faulthandler", "-m", "eventlight.cli", "runner"),
-        *("examples.room_booking.agent:room_booker", "-n", "1"),
+        *("examples/room_booking/agent.py:room_booker", "-n", "1"),  # a file: its runner process imports it again
         cwd=ROOT,
         env={**base, **env_of(namespace)},
         stdout=asyncio.subprocess.PIPE,

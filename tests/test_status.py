@@ -3,14 +3,23 @@ runs it (a subprocess) against the test servers; and the liveness rules it share
 
 from __future__ import annotations
 
+import asyncio
+import os
 import re
+import signal
+import sys
 import time
+from pathlib import Path
+
+import msgspec
 
 from eventlight.core.types import Worker
+from eventlight.net import free_port
+from eventlight.ops import Services
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.store.liveness import LIVE_HEARTBEAT_S, is_alive, no_live_worker, waiting_without_workers
-from tests.test_cli import cli, env_of
+from tests.test_cli import ENV_VARS, ROOT, assert_one_line_error, cli, env_of
 
 
 def test_liveness_is_the_age_of_the_last_heartbeat() -> None:
@@ -63,3 +72,54 @@ async def test_status_shows_projector_lag(namespace: Settings) -> None:
     assert found, out
     projected, head, lag = map(int, found.groups())
     assert lag == head - projected >= 2
+
+
+async def test_with_only_the_embedded_postgres_down_runner_starts_and_status_names_it(
+    namespace: Settings, services: tuple[Settings, Services], tmp_path: Path
+) -> None:
+    """A stopped embedded postmaster made `runner` and `status` say no servers ran at all, though
+    NATS, all runners need, was up."""
+    _, svc = services
+    gone = await asyncio.create_subprocess_exec(sys.executable, "-c", "pass")
+    await gone.wait()  # a pid that no longer runs: the postmaster that stopped
+    record = Services(
+        nats_url=svc.nats_url,
+        pg_dsn=f"postgresql://postgres@127.0.0.1:{free_port()}/postgres",
+        nats_pid=svc.nats_pid or os.getpid(),
+        pg_pid=gone.pid,
+        pg_kind="system",
+    )
+    (tmp_path / "services.json").write_bytes(msgspec.json.encode(record))
+    env = {"EVENTLIGHT_STATE_DIR": str(tmp_path), "EVENTLIGHT_NAMESPACE": namespace.namespace}
+
+    status = cli("status", env=env)
+    stopped = f"postgres pid {gone.pid} is no longer running"
+    assert_one_line_error(status, 1, stopped, "runners need only NATS")
+    assert re.search(r"^NATS\s+nats://\S+\s+embedded", status.stdout, re.M), status.stdout
+    assert re.search(rf"^Postgres\s+embedded postgresql://\S+\s+down: {stopped}", status.stdout, re.M), status.stdout
+    assert f"stream {namespace.stream_name} (" in status.stdout
+    assert_one_line_error(cli("sql", "SELECT 1", env=env), 1, stopped)
+    stale = msgspec.structs.replace(record, nats_pid=gone.pid)  # a record every server of which stopped
+    (tmp_path / "services.json").write_bytes(msgspec.json.encode(stale))
+    assert_one_line_error(cli("status", env=env), 1, "no eventlight servers are running", "run `eventlight up`")
+    (tmp_path / "services.json").write_bytes(msgspec.json.encode(record))
+
+    base = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
+    runner = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "eventlight.cli", "runner", "tests/fault_agents.py:quick"),
+        cwd=ROOT,
+        env={**base, **env},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    assert runner.stdout is not None
+    try:
+        first = await asyncio.wait_for(runner.stdout.readline(), 60)
+        runner.send_signal(signal.SIGINT)
+        rest, err = await asyncio.wait_for(runner.communicate(), 60)
+    finally:
+        if runner.returncode is None:
+            runner.kill()
+            await runner.wait()
+    assert "consuming" in first.decode(), (first + rest + err).decode()
+    assert runner.returncode == 130, err.decode()

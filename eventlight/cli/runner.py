@@ -39,16 +39,22 @@ AGENT_EXPECTED = (
 
 
 def _import_module(spec: str, module_name: str) -> Any:
+    """The module ``module_name`` names: a dotted module, or a Python file by path, which is imported
+    under a name that cannot clash (``eventlight.file_modules``: ``x/random.py`` is that file, not
+    the standard library's ``random``), with its folder first on ``sys.path`` for its own imports,
+    as when it runs as a script (runner processes inherit ``sys.path``)."""
+    from eventlight.file_modules import import_file
+
+    path = None
     if module_name.endswith(".py") or "/" in module_name:
         path = Path(module_name)
         if not path.is_file() or path.suffix != ".py":
             raise CliError(f"agent {spec!r}: no Python file {module_name}; {AGENT_EXPECTED}")
-        sys.path.insert(0, str(path.resolve().parent))  # spawned runner processes inherit sys.path
-        module_name = path.stem
+        sys.path.insert(0, str(path.resolve().parent))
     if str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))
     try:
-        return importlib.import_module(module_name)
+        return import_file(path) if path is not None else importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
             msg = f"agent {spec!r}: no module named {e.name!r} (searched the current folder and sys.path)"
@@ -177,10 +183,10 @@ def runner(
     config = _rollout_config(timeout_s, unresponsive_s, max_attempts, retry_on)
     the_agent = load_agent(agent)
     instrument_names = _instrumented(instrument)
-    nats_url = _run(_runner_nats(settings))
     processes = -(-n // per_process)
-    if metrics_port is not None and metrics_port + processes - 1 > 65535:
-        raise CliError(f"--metrics-port {metrics_port} with {processes} runner processes goes past port 65535")
+    if metrics_port is not None:
+        _check_metrics_ports(metrics_port, processes)
+    nats_url = _run(_runner_nats(settings))
     template = LitAgentRunner(
         OtelTracer(instrument=instrument_names),
         metrics=RunnerMetrics() if metrics_port is not None else None,
@@ -223,6 +229,21 @@ def runner(
         raise typer.Exit(EXIT_INTERRUPTED if isinstance(e, KeyboardInterrupt) else EXIT_TERMINATED) from None
     codes = pool.stop()
     raise CliError(f"runner processes exited (exit codes {codes}); their log is above", EXIT_UNAVAILABLE)
+
+
+def _check_metrics_ports(first: int, processes: int) -> None:
+    """Refuse ``--metrics-port`` when a port runner process ``i`` would serve on (``first + i``) is
+    taken, before any process starts: that process would fail to bind, die and be restarted forever."""
+    from eventlight.net import port_free
+
+    if first + processes - 1 > 65535:
+        raise CliError(f"--metrics-port {first} with {processes} runner processes goes past port 65535")
+    for i in range(processes):
+        if not port_free(first + i):
+            raise CliError(
+                f"--metrics-port {first}: port {first + i} (runner process {i}) is already in use on 127.0.0.1; "
+                "pick another --metrics-port"
+            )
 
 
 def _instrumented(frameworks: list[str] | None) -> tuple[str, ...]:

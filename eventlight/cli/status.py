@@ -13,8 +13,8 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
-from eventlight.cli.common import NamespaceOpt, _run, _settings, console
-from eventlight.cli.discovery import _connect_pg, _need_nats, _need_pg
+from eventlight.cli.common import EXIT_UNAVAILABLE, CliError, NamespaceOpt, _run, _settings, console
+from eventlight.cli.discovery import _connect_pg, _need_nats, _need_pg, _no_namespace
 from eventlight.settings import Settings
 
 # ---------------------------------------------------------------------------------------------
@@ -49,9 +49,16 @@ async def _stream_state(url: str, settings: Settings) -> tuple[int, int] | None:
 
 
 async def _status(settings: Settings) -> dict[str, Any]:
+    from eventlight.core.errors import ServiceUnavailableError
+
     nats = await _need_nats(settings)
-    pg = await _need_pg(settings)
     stream = await _stream_state(nats.url, settings)
+    try:
+        pg = await _need_pg(settings)
+    except ServiceUnavailableError as e:  # NATS alone still tells where the servers and the stream are
+        if stream is None:
+            raise _no_namespace(settings, f"no stream {settings.stream_name}") from None
+        return {"nats": nats, "stream": stream, "pg": None, "pg_down": e}
     conn = await _connect_pg(settings, pg)
     try:
         projected = await conn.fetchval("SELECT min(last_seq) FROM projector_checkpoint")
@@ -139,19 +146,31 @@ def status(namespace: NamespaceOpt = None) -> None:
     a warning when rollouts wait and no worker is alive.
 
     Servers: uses $EVENTLIGHT_NATS_URL / $EVENTLIGHT_PG_DSN when set, else the embedded servers
-    `eventlight up` started; never starts or stops any (without them: exit 1, 'run `eventlight up`')."""
+    `eventlight up` started; never starts or stops any (without them: exit 1, 'run `eventlight up`').
+    With NATS up and Postgres down: the services and the stream, then exit 1 naming Postgres."""
     settings = _settings(namespace)
     s = _run(_status(settings))
     stream = f"{s['stream'][0]} events" if s["stream"] is not None else "missing"
+    pg_down = s.get("pg_down")
     console.print(f"NATS       {_describe('nats-server', s['nats'])}")
-    console.print(f"Postgres   {_describe('postgres', s['pg'])}")
+    if pg_down is not None:
+        console.print(f"Postgres   {escape(pg_down.server)}  [red]down[/red]: {escape(pg_down.detail)}")
+    else:
+        console.print(f"Postgres   {_describe('postgres', s['pg'])}")
     console.print(f"durability {_durability_line(settings, s['nats'])}")
-    if "embedded" in (s["nats"].origin, s["pg"].origin):
+    pg_origin = s["pg"].origin if pg_down is None else pg_down.server.split()[0]
+    if "embedded" in (s["nats"].origin, pg_origin):
         console.print(f"state      {escape(str(settings.state_dir))}")
     console.print(
         f"namespace  {settings.namespace}  [dim]stream {settings.stream_name} ({stream}), "
         f"schema {settings.pg_schema}[/dim]"
     )
+    if pg_down is not None:
+        raise CliError(
+            f"{pg_down}; the projection, rollouts, queue, spans and workers come from Postgres "
+            "(runners need only NATS)",
+            EXIT_UNAVAILABLE,
+        )
     console.print(f"projection {_projection_line(s['stream'], s['projected'])}")
     console.print("rollouts   " + (", ".join(f"{st}={n}" for st, n in s["by_status"]) or "none"))
     by_status = {st: int(n) for st, n in s["by_status"]}

@@ -8,7 +8,8 @@ from eventlight.core.errors import ServiceUnavailableError
 from eventlight.net import redact_configured
 from eventlight.ops.nats_server import nats_probe
 from eventlight.ops.postgres import pg_probe
-from eventlight.ops.state import read_services
+from eventlight.ops.procs import pid_running
+from eventlight.ops.state import Services, embedded_pids, read_record
 from eventlight.settings import Settings
 
 
@@ -32,20 +33,22 @@ async def find_nats(settings: Settings) -> Endpoint | None:
     """Find the NATS server to use without starting one.
 
     ``settings.nats_url`` when set, else the embedded server ``ensure_services`` recorded in
-    ``services.json``.
+    ``services.json`` (whether or not the embedded Postgres still runs: runners need only NATS).
 
     Returns:
-        The server, which answered within 2 s; ``None`` when none is configured or recorded.
+        The server, which answered within 2 s; ``None`` when none is configured or recorded, or
+        no embedded server recorded still runs.
 
     Raises:
-        ServiceUnavailableError: The configured or recorded server does not answer (the URL redacted).
+        ServiceUnavailableError: The configured or recorded server does not answer, or the
+            recorded nats-server stopped while the embedded Postgres runs (the URL redacted).
     """
     if settings.nats_url:
         found = Endpoint(settings.nats_url, "EVENTLIGHT_NATS_URL")
-    elif (recorded := read_services(settings)) is not None:
+    elif (recorded := _recorded(settings)) is not None:
         embedded = recorded.nats_pid is not None
         origin, kind = ("embedded", "embedded") if embedded else ("EVENTLIGHT_NATS_URL", "external")
-        found = Endpoint(recorded.nats_url, origin, recorded.nats_pid, kind)
+        found = _still_running(Endpoint(recorded.nats_url, origin, recorded.nats_pid, kind), "nats-server")
     else:
         return None
     why = await nats_probe(found.url, auth=settings.nats_auth)
@@ -64,16 +67,18 @@ async def find_pg(settings: Settings) -> Endpoint | None:
     fallback), else the one ``ensure_services`` recorded in ``services.json``.
 
     Returns:
-        The server, which answered ``SELECT 1`` within 3 s; ``None`` when none is configured or recorded.
+        The server, which answered ``SELECT 1`` within 3 s; ``None`` when none is configured or
+        recorded, or no embedded server recorded still runs.
 
     Raises:
-        ServiceUnavailableError: The configured or recorded server does not answer (the DSN redacted).
+        ServiceUnavailableError: The configured or recorded server does not answer, or the
+            recorded postmaster stopped while the embedded NATS runs (the DSN redacted).
     """
     if settings.pg_dsn:
         found = Endpoint(settings.pg_dsn, "EVENTLIGHT_PG_DSN")
-    elif (recorded := read_services(settings)) is not None:
+    elif (recorded := _recorded(settings)) is not None:
         origin = "embedded" if recorded.pg_pid is not None else "EVENTLIGHT_PG_DSN"
-        found = Endpoint(recorded.pg_dsn, origin, recorded.pg_pid, recorded.pg_kind)
+        found = _still_running(Endpoint(recorded.pg_dsn, origin, recorded.pg_pid, recorded.pg_kind), "postgres")
     else:
         return None
     why = await pg_probe(found.url)
@@ -81,5 +86,28 @@ async def find_pg(settings: Settings) -> Endpoint | None:
         raise ServiceUnavailableError(
             redact_configured(found.url, f"{found.origin} {found.url}"),
             redact_configured(found.url, f"Postgres did not answer ({why})"),
+        )
+    return found
+
+
+def _recorded(settings: Settings) -> Services | None:
+    """``services.json`` while some embedded server it names still runs; ``None`` when there is no
+    record or every one of them stopped (a record left behind: as if no server had been started)."""
+    recorded = read_record(settings)
+    if recorded is None or not any(pid_running(pid, "") for pid in embedded_pids(recorded)):
+        return None
+    return recorded
+
+
+def _still_running(found: Endpoint, name: str) -> Endpoint:
+    """``found``, unless it is an embedded server whose recorded process stopped.
+
+    Raises:
+        ServiceUnavailableError: It stopped (the other embedded server still runs).
+    """
+    if found.pid is not None and not pid_running(found.pid, ""):
+        raise ServiceUnavailableError(
+            redact_configured(found.url, f"{found.origin} {found.url}"),
+            f"{name} pid {found.pid} is no longer running (`eventlight up` starts it again)",
         )
     return found

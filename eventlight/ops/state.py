@@ -85,15 +85,26 @@ def read_services(settings: Settings) -> Services | None:
         The recorded services (``started`` empty), or ``None`` when there is no file, it is
         unreadable, or an embedded server it names is no longer running.
     """
+    services = read_record(settings)
+    if services is None or not all(pid_running(pid, "") for pid in embedded_pids(services)):
+        return None
+    return services
+
+
+def read_record(settings: Settings) -> Services | None:
+    """``<state_dir>/services.json`` as written (``started`` empty), whether or not the servers it
+    names still run; ``None`` when there is no file or it is unreadable."""
     path = Path(settings.state_dir) / "services.json"
     try:
         services = msgspec.json.decode(path.read_bytes(), type=Services)
     except (OSError, msgspec.DecodeError, msgspec.ValidationError):
         return None
-    for pid in (services.nats_pid, services.pg_pid):
-        if pid is not None and not pid_running(pid, ""):
-            return None
     return msgspec.structs.replace(services, started=[])
+
+
+def embedded_pids(services: Services) -> list[int]:
+    """The pids of the embedded servers ``services`` names (none for external ones)."""
+    return [pid for pid in (services.nats_pid, services.pg_pid) if pid is not None]
 
 
 def existing_state_dir(settings: Settings) -> Path | None:
