@@ -142,16 +142,28 @@ async def agent(task: dict, prompt_template: agl.PromptTemplate) -> float:
 """
 
 
-def test_load_agent_imports_the_file_named_not_a_module_of_that_name(tmp_path: Path) -> None:
+def test_load_agent_imports_the_file_named_not_a_module_of_that_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``x/random.py:agent`` gave the standard library's ``random`` ('has no attribute 'agent'')."""
     import pickle
     import random
 
     from eventlight.agent import LitAgent
 
+    monkeypatch.setattr(sys, "path", list(sys.path))  # load_agent adds the file's folder
     (tmp_path / "random.py").write_text(AGENT_FILE)
     agent = load_agent(f"{tmp_path}/random.py:agent")
     assert isinstance(agent, LitAgent) and not hasattr(random, "agent")
+    # runner processes inherit sys.path: the folder must not shadow the standard library there
+    # (first on sys.path, this file was `random` to every process spawned afterwards)
+    shadow = subprocess.run(
+        [sys.executable, "-c", "import random; print(hasattr(random, 'agent'))"],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
+        capture_output=True,
+        timeout=60,
+    )
+    assert shadow.stdout.strip() == b"False", shadow.stderr.decode()
     # a runner process (here a fresh interpreter with the standard library's random imported first)
     # unpickles the agent by its module's name and gets the function from that file
     code = "import asyncio, pickle, random, sys; print(asyncio.run(pickle.loads(sys.stdin.buffer.read())({}, None)))"

@@ -41,8 +41,10 @@ AGENT_EXPECTED = (
 def _import_module(spec: str, module_name: str) -> Any:
     """The module ``module_name`` names: a dotted module, or a Python file by path, which is imported
     under a name that cannot clash (``eventlight.file_modules``: ``x/random.py`` is that file, not
-    the standard library's ``random``), with its folder first on ``sys.path`` for its own imports,
-    as when it runs as a script (runner processes inherit ``sys.path``)."""
+    the standard library's ``random``), with its folder on ``sys.path`` for its own imports (runner
+    processes inherit ``sys.path``). The folder goes last, not first as for a script: first, a file
+    there named like a module (that ``random.py``) would shadow it in the runner processes, which
+    import the standard library after this."""
     from eventlight.file_modules import import_file
 
     path = None
@@ -50,7 +52,9 @@ def _import_module(spec: str, module_name: str) -> Any:
         path = Path(module_name)
         if not path.is_file() or path.suffix != ".py":
             raise CliError(f"agent {spec!r}: no Python file {module_name}; {AGENT_EXPECTED}")
-        sys.path.insert(0, str(path.resolve().parent))
+        folder = str(path.resolve().parent)
+        if folder not in sys.path:
+            sys.path.append(folder)
     if str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))
     try:
