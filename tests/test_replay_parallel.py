@@ -8,6 +8,8 @@ attempt of one rollout, train and val rollouts, and an adapter that raises on so
 
 from __future__ import annotations
 
+import multiprocessing
+import signal
 import sys
 import time
 from pathlib import Path
@@ -149,12 +151,13 @@ async def test_stopping_a_replay_early_stops_its_workers_at_once() -> None:
         await workload(store)
         run = eventlight.replay(store, adapter="tests.replay_adapters:slow", workers=2)
         first = await run.__anext__()
-        started = time.monotonic()
+        workers = [p for p in multiprocessing.active_children() if p.name.startswith(("SpawnProcess", "ForkServer"))]
         await run.aclose()
-        took = time.monotonic() - started
-    assert first["n"] > 0
-    # queued when closed: up to IN_FLIGHT chunks per worker of CHUNK attempts at 0.2 s each (>= 12 s)
-    assert took < 0.2 * CHUNK, f"closing took {took:.1f} s: it waited for the queued chunks"
+    assert first["n"] > 0 and workers
+    # queued when closed: up to IN_FLIGHT chunks per worker of CHUNK attempts at 0.2 s each (>= 12 s);
+    # the workers are terminated, not left to adapt them (they ignored SIGTERM when the forkserver
+    # had imported eventlight.runner_pool, which ignores it there, and the close took those seconds)
+    assert [p.exitcode for p in workers] == [-signal.SIGTERM] * len(workers)
 
 
 def test_answers_made_ahead_are_held_up_to_a_byte_budget() -> None:

@@ -90,6 +90,9 @@ def default_workers() -> int:
 def _init(adapter: str, reward: str | None) -> None:
     global _adapter, _reward
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent acts on a Ctrl-C (module docstring)
+    # the forkserver ignores SIGTERM once it imported eventlight.runner_pool (a process-group
+    # SIGTERM must not kill it), and its children inherit that: an early stop terminates workers
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     with contextlib.suppress(OSError):  # where it may not: at the parent's priority
         os.nice(WORKER_NICE)
     # A worker only adapts: what it imported stays, and what an attempt makes is garbage once its
