@@ -11,7 +11,9 @@ the cost of a few store calls per batch rather than per span.
 Unlike Agent-lightning 0.3.0, the active tracer and the current attempt are context variables, so
 concurrent rollouts in one process (asyncio tasks) do not collide (``seed_runtime.md`` §8 #19). A
 thread the agent starts does not inherit them; while a single trace context is open in the process,
-spans and emitters there go to it, as with 0.3.0's process-wide tracer (``get_active_tracer``). A
+spans and emitters there go to it, as with 0.3.0's process-wide tracer (``get_active_tracer``). In
+the rollout's own thread only the context counts, so an in-process server on the same event loop
+(the LLM proxy) does not record its spans into the rollout. A
 span that ends after its attempt finished (a task the agent left running) is not recorded, and the
 first one is logged as a warning.
 """
@@ -67,7 +69,9 @@ def get_active_tracer() -> Tracer | None:
     the rollout's context; there, while exactly one trace context is open in the process (one
     runner per process, as 0.3.0's process-wide active tracer assumes), its tracer is the answer.
     With several open (``--per-process K``), a thread must carry the context itself
-    (``contextvars.copy_context().run``, ``asyncio.to_thread``).
+    (``contextvars.copy_context().run``, ``asyncio.to_thread``). In the thread whose event loop
+    runs the rollout only the context counts: a task there that the agent did not start (an
+    in-process server) has no active tracer.
     """
     tracer = _active_tracer.get()
     if tracer is None and (sole := _sole_open()) is not None:
@@ -75,7 +79,7 @@ def get_active_tracer() -> Tracer | None:
     return tracer
 
 
-_open: list[tuple[Tracer, _AttemptBuffer | None]] = []  # trace contexts open in this process
+_open: list[tuple[Tracer, _AttemptBuffer | None, int]] = []  # trace contexts open here, with their loop's thread
 _open_lock = threading.Lock()
 
 
@@ -85,9 +89,18 @@ def open_trace_contexts() -> int:
 
 
 def _sole_open() -> tuple[Tracer, _AttemptBuffer | None] | None:
-    """The only trace context open in this process, if exactly one is."""
+    """The only trace context open in this process, if exactly one is and the caller runs in another
+    thread than the one it was opened in.
+
+    In the rollout's own thread the context variables are the answer: a task there without the
+    attempt in its context was not started by the agent (an in-process server such as the LLM
+    proxy, serving on the same event loop), and its spans are not the rollout's.
+    """
     open_now = _open
-    return open_now[0] if len(open_now) == 1 else None
+    if len(open_now) != 1:
+        return None
+    tracer, buf, thread = open_now[0]
+    return None if thread == threading.get_ident() else (tracer, buf)
 
 
 class Tracer:
@@ -317,7 +330,7 @@ class OtelTracer(Tracer):
         buf = _AttemptBuffer(store, rollout_id, attempt_id) if rollout_id and store else None  # type: ignore[arg-type]
         tracer_token = _active_tracer.set(self)
         attempt_token = _current_attempt.set(buf)
-        entry = (self, buf)
+        entry = (self, buf, threading.get_ident())
         with _open_lock:
             _open.append(entry)
         flusher = asyncio.create_task(self._flush_loop(buf)) if buf else None

@@ -428,6 +428,39 @@ async def test_spans_and_emitters_in_threads_the_agent_starts_are_recorded() -> 
     assert {"lib.call.0.1", "lib.call.0.2", "agentlightning.message"} <= names
 
 
+async def test_a_server_task_on_the_rollouts_event_loop_records_nothing_into_it() -> None:
+    """An in-process server on the runner's event loop (the LLM proxy, a stand-in model) is not the
+    agent: its request spans went into the rollout by the one-open-context rule of threads, so the
+    framework examples' rollouts held the proxy's FastAPI spans and a second ChatCompletion copy
+    (CI). Only the agent's own spans, and those of the threads it starts, are the rollout's."""
+    go, served = asyncio.Event(), asyncio.Event()
+
+    async def serve() -> None:  # started before the rollout, as a server is: no attempt in its context
+        await go.wait()
+        with opentelemetry.trace.get_tracer("server").start_as_current_span("server.request"):
+            pass
+        served.set()
+
+    @agl.rollout
+    async def agent(task: dict, prompt_template: agl.PromptTemplate) -> None:
+        go.set()
+        await served.wait()
+        with opentelemetry.trace.get_tracer("lib").start_as_current_span("agent.step"):
+            pass
+        await asyncio.to_thread(threaded_agent, task, prompt_template)
+
+    server = asyncio.create_task(serve())
+    store = agl.InMemoryLightningStore()
+    runner = agl.LitAgentRunner(agl.OtelTracer())
+    with runner.run_context(agent=agent, store=store):
+        done = await runner.step({"q": 1}, resources=RESOURCES)
+    await server
+    assert done.status == "succeeded"
+    names = {s.name for s in await store.query_spans(done.rollout_id)}
+    assert {"agent.step", "lib.call.0.1", "lib.call.0.2"} <= names
+    assert "server.request" not in names
+
+
 async def test_emitting_from_a_thread_with_several_rollouts_running_says_how_to_carry_the_context() -> None:
     tracer = agl.OtelTracer()
     tracer.init_worker(0, agl.InMemoryLightningStore())
