@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 
@@ -90,6 +91,51 @@ class NatsServer:
 
     def stop(self) -> None:
         self.kill9()
+
+
+class Relay:
+    """A TCP relay on a free loopback port to the server of ``url`` (a NATS URL or a Postgres DSN):
+    ``cut()`` stops listening and drops every connection through it, as a server that went away
+    (the server itself, maybe the machine's own, goes on); ``mend()`` listens again on that port.
+
+    ``url``: the same URL with the relay's address, for the clients under test."""
+
+    def __init__(self, url: str):
+        parts = urlsplit(url)
+        self.target = (parts.hostname or "127.0.0.1", parts.port or (4222 if parts.scheme == "nats" else 5432))
+        self.port = free_port()
+        userinfo = parts.netloc.rpartition("@")[0]
+        self.url = urlunsplit(parts._replace(netloc=f"{userinfo}@127.0.0.1:{self.port}".lstrip("@")))
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    async def mend(self) -> None:
+        self._server = await asyncio.start_server(self._link, "127.0.0.1", self.port)
+
+    def cut(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for writer in self._writers:
+            writer.transport.abort()
+        self._writers.clear()
+
+    async def _link(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self.target)
+        except OSError:
+            writer.transport.abort()
+            return
+        self._writers.update((writer, up_writer))
+        await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    with contextlib.suppress(OSError):
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    writer.transport.abort()
 
 
 @contextlib.asynccontextmanager

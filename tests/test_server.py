@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from eventlight.core.errors import (
     InvalidTransitionError,
     NotFoundError,
     RolloutNotFoundError,
+    ServiceUnavailableError,
 )
 from eventlight.net import free_port
 from eventlight.server.app import create_app
@@ -27,6 +29,7 @@ from eventlight.server.serving import PortInUseError, bind
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.store.jetstream.connect import connect_nats
+from tests.faults import Relay
 
 SCRIPTS = Path(__file__).parent / "server_scripts"
 
@@ -159,6 +162,64 @@ async def test_second_server_on_a_taken_port_fails_at_once(served: tuple[object,
     async with httpx.AsyncClient() as http:  # the first one still serves
         health = (await http.get(f"{server.endpoint}/v1/agl/health")).json()  # type: ignore[attr-defined]
     assert health == {"status": "ok", "instance": "srv-test", "ns": "x"}
+
+
+async def _health(http: httpx.AsyncClient, url: str, status: int, timeout_s: float = 15) -> dict:
+    """The health answer, once it has ``status`` (NATS reconnects every second, Postgres on the next use)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        started = time.monotonic()
+        r = await http.get(url)
+        assert time.monotonic() - started < 4, "a health check must stay cheap (2 s per server at most)"
+        if r.status_code == status or time.monotonic() > deadline:
+            assert r.status_code == status, r.text
+            return dict(r.json())
+        await asyncio.sleep(0.2)
+
+
+async def test_health_names_the_server_that_is_down(namespace: Settings) -> None:
+    """``/v1/agl/health`` answered "ok" while the store's Postgres (or NATS) was down: now 503 naming
+    it, as an ``ErrorBody`` the client raises as ``ServiceUnavailableError``; "ok" again once it is back."""
+    assert namespace.nats_url is not None and namespace.pg_dsn is not None
+    nats, pg = Relay(namespace.nats_url), Relay(namespace.pg_dsn)
+    await nats.mend()
+    await pg.mend()
+    try:
+        async with (
+            JetStreamLightningStore(namespace, nats_url=nats.url, pg_dsn=pg.url) as store,
+            agl.LightningStoreServer(store, port=free_port(), identity={"instance": "h"}) as server,
+            httpx.AsyncClient() as http,
+        ):
+            url, client = f"{server.endpoint}/v1/agl/health", agl.LightningStoreClient(server.endpoint, retry_delays=())
+            try:
+                assert await _health(http, url, 200) == {"status": "ok", "instance": "h"}
+                pg.cut()
+                down = await _health(http, url, 503)
+                assert (down["status"], down["instance"], list(down["down"])) == ("unavailable", "h", ["postgres"])
+                assert down["error_type"] == "ServiceUnavailableError" and down["retryable"] is True
+                assert down["detail"].startswith(f"postgres is down: postgresql://postgres@127.0.0.1:{pg.port}/")
+                with pytest.raises(ServiceUnavailableError, match="postgres is down"):
+                    await client.health()
+                nats.cut()
+                assert list((await _health(http, url, 503))["down"]) == ["nats", "postgres"]
+                await pg.mend()
+                assert list((await _health(http, url, 503))["down"]) == ["nats"]
+                await nats.mend()
+                assert await _health(http, url, 200) == {"status": "ok", "instance": "h"}
+                assert (await client.health())["status"] == "ok"
+            finally:
+                await client.close()
+    finally:
+        nats.cut()
+        pg.cut()
+
+
+async def test_health_of_the_in_memory_store_is_ok() -> None:
+    async with agl.InMemoryLightningStore() as store:
+        app = create_app(store)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as http:
+            r = await http.get("/v1/agl/health")
+    assert r.status_code == 200 and r.json() == {"status": "ok", "store": "InMemoryLightningStore"}
 
 
 def test_cli_serve_on_a_taken_port_is_one_line_exit_1() -> None:

@@ -195,7 +195,14 @@ class LightningStoreClient(LightningStore):
         return await self._http.request("POST", _AGL + path, json=body, idempotent=safe, timeout_s=timeout_s)
 
     async def health(self) -> dict[str, Any]:
-        """What ``/v1/agl/health`` says (``status`` and which server answers)."""
+        """What ``/v1/agl/health`` says while its store's servers answer: ``{"status": "ok", ...}``
+        and which server answers (``instance``, ``namespace``, ``store``).
+
+        Raises:
+            ServiceUnavailableError: The server answered 503 (still after the retries of a read):
+                NATS or Postgres of its store is down, and the message names which
+                (``"postgres is down: ..."``); or the server itself cannot be reached.
+        """
         return _convert(await self._get("/health"), dict[str, Any])
 
     async def statistics(self) -> dict[str, Any]:

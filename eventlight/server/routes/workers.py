@@ -4,23 +4,52 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
+import msgspec
 from fastapi import APIRouter, Query, Request
 from starlette.responses import Response
 
+from eventlight.core.errors import ServiceUnavailableError
 from eventlight.core.types import Worker, WorkerStatus
 from eventlight.server.codec import body, doc, json_response
-from eventlight.server.models import FilterLogic, Paginated, QueryWorkersRequest, SortOrder, UpdateWorkerRequest
+from eventlight.server.errors import one_line
+from eventlight.server.models import (
+    ErrorBody,
+    FilterLogic,
+    Paginated,
+    QueryWorkersRequest,
+    SortOrder,
+    UpdateWorkerRequest,
+)
 from eventlight.server.routes.common import check_page, store_of
+from eventlight.store.service import EventStore
 
 __all__ = ["router"]
 
 router = APIRouter()
 
 
+HEALTH_TIMEOUT_S = 2.0
+"""How long ``/health`` waits for each server the store needs (NATS, Postgres) before it counts as down."""
+
+
 @router.get("/health", openapi_extra=doc(response=dict[str, Any]))
 async def health(request: Request) -> Response:
-    """``{"status": "ok", "instance": ..., "namespace": ..., "store": ...}``: which server answers."""
-    return json_response({"status": "ok", **request.app.state.identity})
+    """Which server answers, and whether the servers its store needs answer too.
+
+    200 ``{"status": "ok", "instance": ..., "namespace": ..., "store": ...}`` when they do (the
+    in-memory store needs none). 503 when one does not answer within ``HEALTH_TIMEOUT_S``
+    (``EventStore.dependencies_down``): ``{"status": "unavailable", <the same identity>, "down":
+    {"nats" | "postgres": why}, "detail", "error_type": "ServiceUnavailableError", "retryable": true}``,
+    an ``ErrorBody`` (``LightningStoreClient.health`` raises it as ``ServiceUnavailableError``).
+    """
+    store = store_of(request)
+    down = await store.dependencies_down(HEALTH_TIMEOUT_S) if isinstance(store, EventStore) else {}
+    if not down:
+        return json_response({"status": "ok", **request.app.state.identity})
+    detail = one_line("; ".join(f"{name} is down: {why}" for name, why in down.items()))
+    error = ErrorBody(detail=detail, error_type=ServiceUnavailableError.__name__, retryable=True)
+    body = {"status": "unavailable", **request.app.state.identity, "down": down, **msgspec.structs.asdict(error)}
+    return json_response(body, status_code=503)
 
 
 @router.get("/statistics", openapi_extra=doc(response=dict[str, Any]))

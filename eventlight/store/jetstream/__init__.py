@@ -23,13 +23,14 @@ from collections.abc import Callable
 import asyncpg
 from nats.aio.client import Client as NATS
 
-from eventlight.core.errors import InvalidInputError, WrongEventLoopError
+from eventlight.core.errors import InvalidInputError, ServiceUnavailableError, WrongEventLoopError
 from eventlight.core.events import AnyEvent
 from eventlight.core.types import now as wall_clock
+from eventlight.net import redact_configured
 from eventlight.settings import Settings
 from eventlight.store.base import LightningStoreCapabilities
 from eventlight.store.jetstream import pg
-from eventlight.store.jetstream.connect import connect_nats
+from eventlight.store.jetstream.connect import RECONNECT_WAIT_S, connect_nats, connected_server
 from eventlight.store.jetstream.log import JetStreamEventLog
 from eventlight.store.jetstream.nats_errors import nats_errors
 from eventlight.store.jetstream.projector import Projector, ProjectorGroup
@@ -217,6 +218,42 @@ class JetStreamLightningStore(EventStore):
             except TimeoutError:
                 log.warning("Postgres connections did not close within %.0f s; terminating them", CLOSE_TIMEOUT_S)
                 self.pool.terminate()
+
+    async def dependencies_down(self, timeout_s: float = 2.0) -> dict[str, str]:
+        """NATS and Postgres, checked at once and cheaply: what ``/v1/agl/health`` reports.
+
+        NATS is down when the connection is lost (nats-py reconnects meanwhile) or the server does
+        not answer a PING within ``timeout_s`` seconds; Postgres (when the store has it) when no
+        connection of the pool answers ``SELECT 1`` within ``timeout_s`` seconds (``postgres_down``
+        of the read model). A closed store has neither.
+
+        Returns:
+            ``{"nats": why, "postgres": why}`` for those that are down (one line each, no
+            passwords); ``{}`` when both answer.
+        """
+        nats, postgres = await asyncio.gather(self._nats_down(timeout_s), self._postgres_down(timeout_s))
+        return {name: why for name, why in (("nats", nats), ("postgres", postgres)) if why is not None}
+
+    async def _nats_down(self, timeout_s: float) -> str | None:
+        nc, url = self.nc, self.nats_url or "NATS"
+        if nc is None or nc.is_closed:
+            return redact_configured(url, f"no connection to {url} (the store is closed)")
+        if not nc.is_connected:
+            return redact_configured(
+                url, f"the connection to {url} is lost; reconnecting every {RECONNECT_WAIT_S:.0f} s"
+            )
+        try:
+            with nats_errors(connected_server(nc), "ping"):
+                await nc.flush(timeout=timeout_s)  # type: ignore[arg-type]  # nats-py annotates int; a float works
+        except ServiceUnavailableError as e:
+            return str(e)
+        return None
+
+    async def _postgres_down(self, timeout_s: float) -> str | None:
+        if self.read_model is None or self.pg_dsn is None:
+            return None  # a runner's store: it needs no Postgres
+        why = await self.read_model.postgres_down(timeout_s)
+        return None if why is None else redact_configured(self.pg_dsn, f"{self.pg_dsn} does not answer ({why})")
 
     @store_call
     async def sync(self, seq: int | None = None, timeout_s: float = SYNC_TIMEOUT_S) -> None:

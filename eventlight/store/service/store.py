@@ -18,3 +18,11 @@ class EventStore(RolloutCommands, Claims, Resources, Reports, Reads, Subscriptio
         reads: The read model; ``None`` for a write-only store (reads raise ``InvalidInputError``).
         clock: Wall-clock seconds (injectable for tests of timing rules).
     """
+
+    async def dependencies_down(self, timeout_s: float = 2.0) -> dict[str, str]:
+        """The servers this store needs that do not answer now, each with why (one line).
+
+        ``{}`` here: the in-memory store needs none. ``JetStreamLightningStore`` checks NATS and
+        Postgres within ``timeout_s`` seconds. What ``/v1/agl/health`` reports.
+        """
+        return {}

@@ -123,7 +123,7 @@ class Waits(SqlQueries):
                 return  # has none, or a standby): read its checkpoint
             if time.monotonic() >= deadline:
                 break
-        why = await self._postgres_down()
+        why = await self.postgres_down()
         if why is not None:
             raise ServiceUnavailableError(
                 "Postgres", f"the projection cannot reach stream sequence {target}: Postgres does not answer ({why})"
@@ -158,11 +158,13 @@ class Waits(SqlQueries):
             await asyncio.sleep(min(pause_s, left))
             pause_s = min(pause_s * 2, POLL_MAX_S)
 
-    async def _postgres_down(self) -> str | None:
-        """Why Postgres does not answer, or ``None`` when it does (the projector is the one missing)."""
+    async def postgres_down(self, timeout_s: float = 2.0) -> str | None:
+        """Why Postgres does not answer, or ``None`` when it does: a connection from the pool must
+        answer ``SELECT 1``, each step within ``timeout_s`` seconds (a pool that stays busy that long
+        counts as down too). Also what ``/v1/agl/health`` asks (``JetStreamLightningStore.dependencies_down``)."""
         try:
-            async with self.pool.acquire(timeout=2) as conn:
-                await conn.fetchval("SELECT 1", timeout=2)
+            async with self.pool.acquire(timeout=timeout_s) as conn:
+                await conn.fetchval("SELECT 1", timeout=timeout_s)
         except SERVER_FAILURES as e:
             return repr(e)
         return None
