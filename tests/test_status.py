@@ -123,3 +123,42 @@ async def test_with_only_the_embedded_postgres_down_runner_starts_and_status_nam
             await runner.wait()
     assert "consuming" in first.decode(), (first + rest + err).decode()
     assert runner.returncode == 130, err.decode()
+
+
+async def test_with_only_nats_down_status_shows_what_postgres_holds_and_names_nats(
+    namespace: Settings, services: tuple[Settings, Services], tmp_path: Path
+) -> None:
+    """With NATS down and Postgres up `status` stopped with one line about NATS; now it shows what
+    Postgres holds (projection, rollouts, queue, spans, workers), then exits 1 naming NATS, as it
+    does the other way round."""
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
+        for i in range(2):
+            await store.enqueue_rollout({"i": i})
+        await store.update_worker("Worker-a", {"cpu": 0.1})
+        await store.sync_all()
+    dead = f"nats://127.0.0.1:{free_port()}"
+    status = cli("status", env={**env_of(namespace), "EVENTLIGHT_NATS_URL": dead})
+    assert_one_line_error(status, 1, f"cannot reach EVENTLIGHT_NATS_URL {dead}", "come from NATS")
+    out = status.stdout
+    assert re.search(rf"^NATS\s+EVENTLIGHT_NATS_URL {dead}\s+down: NATS is not reachable", out, re.M), out
+    assert re.search(r"^Postgres\s+postgresql://\S+\s+external", out, re.M), out
+    assert f"stream {namespace.stream_name} (unknown: NATS is down)" in out, out
+    assert re.search(r"^projection\s+at event [1-9]\d* \(the stream's last event is unknown", out, re.M), out
+    assert re.search(r"^rollouts\s+queuing=2$", out, re.M), out
+    assert re.search(r"^queue\s+2 rollout\(s\) waiting \(queuing=2\)$", out, re.M), out
+    assert re.search(r"^spans\s+0$", out, re.M) and re.search(r"Worker-a\s+yes", out), out
+
+    gone = await asyncio.create_subprocess_exec(sys.executable, "-c", "pass")
+    await gone.wait()  # the embedded nats-server that stopped, while the recorded Postgres runs
+    _, svc = services
+    record = Services(nats_url=dead, pg_dsn=svc.pg_dsn, nats_pid=gone.pid, pg_pid=svc.pg_pid or os.getpid())
+    (tmp_path / "services.json").write_bytes(msgspec.json.encode(record))
+    env = {"EVENTLIGHT_STATE_DIR": str(tmp_path), "EVENTLIGHT_NAMESPACE": namespace.namespace}
+    status = cli("status", env=env)
+    assert_one_line_error(status, 1, f"nats-server pid {gone.pid} is no longer running")
+    assert re.search(r"^NATS\s+embedded nats://\S+\s+down: nats-server pid", status.stdout, re.M), status.stdout
+    assert re.search(r"^rollouts\s+queuing=2$", status.stdout, re.M), status.stdout
+
+    dead_pg = f"postgresql://postgres@127.0.0.1:{free_port()}/postgres"
+    both = cli("status", env={**env_of(namespace), "EVENTLIGHT_NATS_URL": dead, "EVENTLIGHT_PG_DSN": dead_pg})
+    assert_one_line_error(both, 1, f"EVENTLIGHT_NATS_URL {dead}", "; and cannot reach EVENTLIGHT_PG_DSN")

@@ -49,9 +49,19 @@ async def _stream_state(url: str, settings: Settings) -> tuple[int, int] | None:
 
 
 async def _status(settings: Settings) -> dict[str, Any]:
+    """What the servers tell: ``nats``/``pg`` (where each is), ``stream`` and the Postgres rows
+    (``_from_pg``); with one server down, ``nats_down`` or ``pg_down`` (its error) and what the
+    other tells.
+
+    Raises:
+        ServiceUnavailableError / CliError: Both are down, or no server is configured or recorded.
+    """
     from eventlight.core.errors import ServiceUnavailableError
 
-    nats = await _need_nats(settings)
+    try:
+        nats = await _need_nats(settings)
+    except ServiceUnavailableError as e:  # Postgres alone still tells the projection, rollouts, spans and workers
+        return await _status_without_nats(settings, e)
     stream = await _stream_state(nats.url, settings)
     try:
         pg = await _need_pg(settings)
@@ -59,6 +69,29 @@ async def _status(settings: Settings) -> dict[str, Any]:
         if stream is None:
             raise _no_namespace(settings, f"no stream {settings.stream_name}") from None
         return {"nats": nats, "stream": stream, "pg": None, "pg_down": e}
+    return {"nats": nats, "stream": stream, "pg": pg, **await _from_pg(settings, pg)}
+
+
+async def _status_without_nats(settings: Settings, nats_down: Exception) -> dict[str, Any]:
+    """``_status`` while NATS is down: what Postgres tells (``nats_down``: NATS's error).
+
+    Raises:
+        ServiceUnavailableError: NATS's error, when no Postgres is configured or recorded either.
+        CliError: Postgres is down too (both named), or the namespace has no schema there.
+    """
+    from eventlight.core.errors import ServiceUnavailableError
+
+    try:
+        pg = await _need_pg(settings)
+    except ServiceUnavailableError as e:
+        raise CliError(f"{nats_down}; and {e}", EXIT_UNAVAILABLE) from None
+    except CliError:  # no Postgres at all: NATS's error says what is wrong
+        raise nats_down from None
+    return {"nats": None, "nats_down": nats_down, "stream": None, "pg": pg, **await _from_pg(settings, pg)}
+
+
+async def _from_pg(settings: Settings, pg: Any) -> dict[str, Any]:
+    """The projector's checkpoint (``projected``), rollouts ``by_status``, ``workers`` and ``spans``."""
     conn = await _connect_pg(settings, pg)
     try:
         projected = await conn.fetchval("SELECT min(last_seq) FROM projector_checkpoint")
@@ -70,18 +103,12 @@ async def _status(settings: Settings) -> dict[str, Any]:
         spans = await conn.fetchval("SELECT count(*) FROM spans")
     finally:
         await conn.close()
-    return {
-        "nats": nats,
-        "pg": pg,
-        "stream": stream,
-        "projected": projected,
-        "by_status": by_status,
-        "workers": workers,
-        "spans": spans,
-    }
+    return {"projected": projected, "by_status": by_status, "workers": workers, "spans": spans}
 
 
-def _projection_line(stream: tuple[int, int] | None, projected: int | None) -> str:
+def _projection_line(stream: tuple[int, int] | None, projected: int | None, nats_down: bool = False) -> str:
+    if nats_down:
+        return f"at event {projected or 0} (the stream's last event is unknown while NATS is down)"
     if stream is None or projected is None or projected >= stream[1]:
         return "up to date (lag 0 events)"
     return (
@@ -127,11 +154,11 @@ def _workers_table(rows: list[Any], now: float) -> Table:
     return table
 
 
-def _durability_line(settings: Settings, nats: Any) -> str:
+def _durability_line(settings: Settings, nats_origin: str) -> str:
     """The level in force: the embedded server's, from its config; else the setting (external servers)."""
     from eventlight.ops.nats_server import embedded_durability
 
-    level = embedded_durability(settings.state_dir) if nats.origin == "embedded" else None
+    level = embedded_durability(settings.state_dir) if nats_origin == "embedded" else None
     if level is None:
         level = settings.durability
     note = "" if level == settings.durability else f" (EVENTLIGHT_DURABILITY asks {settings.durability})"
@@ -147,31 +174,53 @@ def status(namespace: NamespaceOpt = None) -> None:
 
     Servers: uses $EVENTLIGHT_NATS_URL / $EVENTLIGHT_PG_DSN when set, else the embedded servers
     `eventlight up` started; never starts or stops any (without them: exit 1, 'run `eventlight up`').
-    With NATS up and Postgres down: the services and the stream, then exit 1 naming Postgres."""
+    With NATS up and Postgres down: the services and the stream, then exit 1 naming Postgres; with
+    Postgres up and NATS down: the services and what Postgres holds, then exit 1 naming NATS."""
     settings = _settings(namespace)
     s = _run(_status(settings))
-    stream = f"{s['stream'][0]} events" if s["stream"] is not None else "missing"
-    pg_down = s.get("pg_down")
-    console.print(f"NATS       {_describe('nats-server', s['nats'])}")
-    if pg_down is not None:
-        console.print(f"Postgres   {escape(pg_down.server)}  [red]down[/red]: {escape(pg_down.detail)}")
-    else:
-        console.print(f"Postgres   {_describe('postgres', s['pg'])}")
-    console.print(f"durability {_durability_line(settings, s['nats'])}")
-    pg_origin = s["pg"].origin if pg_down is None else pg_down.server.split()[0]
-    if "embedded" in (s["nats"].origin, pg_origin):
-        console.print(f"state      {escape(str(settings.state_dir))}")
-    console.print(
-        f"namespace  {settings.namespace}  [dim]stream {settings.stream_name} ({stream}), "
-        f"schema {settings.pg_schema}[/dim]"
-    )
+    _print_services(settings, s)
+    pg_down, nats_down = s.get("pg_down"), s.get("nats_down")
     if pg_down is not None:
         raise CliError(
             f"{pg_down}; the projection, rollouts, queue, spans and workers come from Postgres "
             "(runners need only NATS)",
             EXIT_UNAVAILABLE,
         )
-    console.print(f"projection {_projection_line(s['stream'], s['projected'])}")
+    _print_from_postgres(s)
+    if nats_down is not None:
+        raise CliError(
+            f"{nats_down}; the stream and its last event come from NATS, and runners, writes and the "
+            "projector need it (the rest above is Postgres's projection)",
+            EXIT_UNAVAILABLE,
+        )
+
+
+def _down_line(e: Any) -> str:
+    return f"{escape(e.server)}  [red]down[/red]: {escape(e.detail)}"
+
+
+def _print_services(settings: Settings, s: dict[str, Any]) -> None:
+    """The servers (one of them maybe down), the durability level, the state folder and the namespace."""
+    pg_down, nats_down = s.get("pg_down"), s.get("nats_down")
+    console.print(f"NATS       {_describe('nats-server', s['nats']) if nats_down is None else _down_line(nats_down)}")
+    console.print(f"Postgres   {_describe('postgres', s['pg']) if pg_down is None else _down_line(pg_down)}")
+    nats_origin = s["nats"].origin if nats_down is None else nats_down.server.split()[0]
+    pg_origin = s["pg"].origin if pg_down is None else pg_down.server.split()[0]
+    console.print(f"durability {_durability_line(settings, nats_origin)}")
+    if "embedded" in (nats_origin, pg_origin):
+        console.print(f"state      {escape(str(settings.state_dir))}")
+    stream = f"{s['stream'][0]} events" if s["stream"] is not None else "missing"
+    if nats_down is not None:
+        stream = "unknown: NATS is down"
+    console.print(
+        f"namespace  {settings.namespace}  [dim]stream {settings.stream_name} ({stream}), "
+        f"schema {settings.pg_schema}[/dim]"
+    )
+
+
+def _print_from_postgres(s: dict[str, Any]) -> None:
+    """The projection, rollouts, queue, spans and workers (the read models), and the no-runner warning."""
+    console.print(f"projection {_projection_line(s['stream'], s['projected'], s.get('nats_down') is not None)}")
     console.print("rollouts   " + (", ".join(f"{st}={n}" for st, n in s["by_status"]) or "none"))
     by_status = {st: int(n) for st, n in s["by_status"]}
     console.print(f"queue      {_queue_line(by_status)}")
