@@ -19,6 +19,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 
 import eventlight as agl
 from eventlight.net import free_port
+from eventlight.server.app import create_app
 from eventlight.server.otlp_wire import parse_request
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
@@ -227,3 +228,29 @@ async def test_an_infinite_sequence_id_does_not_fail_the_export(served: tuple[Je
     assert sorted(spans) == ["good", "infinite"]
     # a NaN or infinite double is kept as OTLP/JSON writes it: the store's JSON has neither
     assert spans["infinite"].attributes["agentlightning.span_sequence_id"] == "Infinity"
+
+
+async def test_a_span_sent_twice_is_recorded_once_within_a_request_as_across_requests(store: Any) -> None:
+    """A span id repeated inside one request is handled as one repeated by a later request, on both
+    backends: recorded once (no sequence id spent on the copy), and never a rejection in
+    ``partial_success`` (a copy is accepted: an exporter's retry must not count as a failure)."""
+    claimed = await store.start_rollout({"q": 1})
+    rid, aid = claimed.rollout_id, claimed.attempt.attempt_id
+    doc = _json_request(rid, aid)
+    spans = doc["resourceSpans"][0]["scopeSpans"][0]["spans"]
+    numbered = {**spans[0], "spanId": "eee19b7ec3c1b175", "name": "numbered"}
+    numbered["attributes"] = [
+        *numbered["attributes"],
+        {"key": "agentlightning.span_sequence_id", "value": {"intValue": "7"}},
+    ]
+    spans += [json.loads(json.dumps(spans[0])), numbered, {**numbered, "name": "numbered copy"}]
+    app = create_app(store)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://store") as http:
+        answers = [await http.post("/v1/traces", json=doc) for _ in range(2)]
+    assert [(r.status_code, r.json()) for r in answers] == [(200, {}), (200, {})]
+    stored = await store.query_spans(rid)
+    assert [(s.span_id, s.name, s.sequence_id) for s in stored] == [
+        ("eee19b7ec3c1b174", "json.span", 1),
+        ("eee19b7ec3c1b175", "numbered", 7),
+    ]
+    assert (await store.statistics())["total_spans"] == 2

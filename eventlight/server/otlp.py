@@ -4,7 +4,10 @@ The spans of each attempt go to the log together (``add_spans_numbered`` when th
 their sequence ids, one append on JetStream; ``add_many_spans`` when they carry their own), the
 attempts of one request concurrently. Spans that cannot be taken (no rollout or attempt id, an
 attempt the store does not know, a span the store refuses) are counted and explained in
-``partial_success`` of a 200 answer, as the OTLP specification asks; the others are recorded.
+``partial_success`` of a 200 answer, as the OTLP specification asks; the others are recorded. A
+span id its attempt already has, sent earlier or again within the same request, is recorded once
+and is no rejection (the store drops the copy with Agent-lightning's warning line: an exporter's
+retry is no failure).
 Wire format, content types and whole-request errors: ``eventlight.server.otlp_wire``.
 """
 
