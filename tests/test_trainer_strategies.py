@@ -249,6 +249,8 @@ async def test_cs_dev_with_runner_processes(namespace: Settings) -> None:
     # a second run on the same Trainer opens its own store (it reused the first run's, closed:
     # "this store is closed"; a reviewer)
     await asyncio.to_thread(trainer.dev, score_length, TASKS[:1])
+    with pytest.raises(InvalidInputError, match="a closed store does not open again"):  # the run's, which it closed
+        await trainer.store.query_rollouts()
     async with JetStreamLightningStore(namespace, nats_url=namespace.nats_url, pg_dsn=namespace.pg_dsn) as store:
         rewards = await _rewards(store)
         workers = {a.worker_id for r in await store.query_rollouts() for a in await store.query_attempts(r.rollout_id)}
