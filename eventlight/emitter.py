@@ -15,7 +15,7 @@ import inspect
 import json
 import numbers
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, cast
 
 from eventlight.attributes import flatten_attributes
@@ -85,8 +85,30 @@ def _sanitize(value: Any) -> Any:
     return json.dumps(value, default=str)
 
 
+def _native(value: Any) -> Any:
+    """``value`` with each numpy scalar and 1-d array in it, at any depth, as the Python number, bool,
+    string or list (``.tolist()``); a deeper array is left as it is. numpy is not imported: its
+    values are known by their type's module."""
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) in (0, 1):
+        value = value.tolist()
+    if isinstance(value, Mapping):
+        return {k: _native(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_native(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_native(v) for v in value)
+    return value
+
+
+def _numpy_json(value: Any) -> Any:
+    """``json.dumps``'s ``default``: a numpy scalar or array as Python values, anything else refused."""
+    if type(value).__module__ == "numpy" and hasattr(value, "tolist"):
+        return value.tolist()
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
 def _attributes(attributes: dict[str, Any] | None) -> dict[str, Any]:
-    flat = flatten_attributes(attributes or {})
+    flat = flatten_attributes(_native(attributes or {}))
     return {k: _sanitize(v) for k, v in flat.items()}
 
 
@@ -95,12 +117,17 @@ def emit_annotation(annotation: dict[str, Any], propagate: bool = True) -> SpanC
 
     An empty list is kept as an empty-list attribute (``{"tags": []}`` records ``tags = []``;
     OpenTelemetry allows empty arrays), where Agent-lightning 0.3.0's flattening drops the key.
+    A numpy scalar is recorded as its Python value and a 1-d numpy array as a list, in annotations
+    as in rewards (any ``numbers.Real``), where 0.3.0 refuses them (``numpy.float64``, a ``float``
+    subclass, aside). A NaN or infinity among them goes as a ``float``'s does: the tracer records it
+    as OTLP/JSON text (``"NaN"``, ``eventlight.otel.json_double``).
 
     Raises:
         ValueError: A value is not a str/int/float/bool or a homogeneous list of them.
         RuntimeError: No active tracer and ``propagate=True``.
     """
-    flat = {k: [] if v is _EMPTY_LIST else v for k, v in flatten_attributes(_mark_empty_lists(annotation)).items()}
+    marked = _mark_empty_lists(_native(annotation))
+    flat = {k: [] if v is _EMPTY_LIST else v for k, v in flatten_attributes(marked).items()}
     for key, value in flat.items():
         ok = isinstance(value, (str, bool, int, float)) or (
             isinstance(value, list)
@@ -182,6 +209,9 @@ def emit_message(message: str, attributes: dict[str, Any] | None = None, propaga
 def emit_object(obj: Any, attributes: dict[str, Any] | None = None, propagate: bool = True) -> SpanCoreFields:
     """Record an ``agentlightning.object`` span holding ``obj`` (literal or JSON).
 
+    numpy scalars and arrays in ``obj`` are written to the JSON as their Python values (0.3.0's
+    ``json.dumps`` refuses them); the recorded type stays numpy's (``numpy.int64``).
+
     Raises:
         RuntimeError: ``obj`` is not JSON serializable.
     """
@@ -197,7 +227,7 @@ def emit_object(obj: Any, attributes: dict[str, Any] | None = None, propagate: b
         cls = type(obj)
         name = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
         try:
-            payload = json.dumps(obj)
+            payload = json.dumps(obj, default=_numpy_json)
         except (TypeError, ValueError) as e:
             raise RuntimeError(f"Object must be JSON serializable, got: {type(obj).__name__}") from e
         attrs = {"agentlightning.object.type": name, "agentlightning.object.json": payload}
@@ -236,7 +266,7 @@ class OperationContext:
     def __init__(self, *, propagate: bool = True, name: str | None = None, attributes: dict[str, Any] | None = None):
         self.propagate = propagate
         self.name = name
-        self.attributes = flatten_attributes(attributes or {})
+        self.attributes = flatten_attributes(_native(attributes or {}))
         self._cm: Any = None
         self._rec: Any = None
 
@@ -352,6 +382,7 @@ def operation(
 
 def _io(kind: str, value: Any) -> dict[str, Any]:
     prefix = f"agentlightning.operation.{kind}"
+    value = _native(value)
     flat = flatten_attributes({prefix: value}) if isinstance(value, (dict, list)) else {prefix: value}
     return {k: _sanitize(v) for k, v in flat.items()}
 

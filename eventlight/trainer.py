@@ -53,6 +53,7 @@ from eventlight.store.validate import check_rollout_config
 from eventlight.tracer import OtelTracer, Tracer
 from eventlight.trainer_guards import (
     cancel_left_in_queue,
+    refuse_running_loop,
     refuse_unguarded_main,
     stop_when_llm_fails,
     stop_when_runners_gone,
@@ -88,13 +89,20 @@ class Trainer:
         initial_resources: Resources the algorithm starts from (e.g. a ``PromptTemplate``).
         adapter: Turns spans into what the algorithm learns from (default ``TracerTraceToTriplet``;
             a dict is its keyword arguments, as in 0.3.0).
-        store: ``"cs"``: a ``JetStreamLightningStore`` whose namespace and servers every side uses
-            (default: the namespace's, opened and closed by each ``fit`` / ``dev``: afterwards
-            ``trainer.store`` is the last run's, closed); ``"shm"``: any store (default
-            ``InMemoryLightningStore()``, built here as in 0.3.0, so ``trainer.store`` is there
-            before ``fit``). A ``"shm"`` run shares it through a ``LightningStoreThreaded`` that it
-            closes, with the store, at its end: an in-memory store stays readable and writable,
-            and the next ``fit`` / ``dev`` starts it again.
+        store: Whoever opens a store closes it: a store open when the run starts is used and left
+            open; one that is not is opened by the run and closed at its end (a closed
+            ``JetStreamLightningStore`` does not open again). ``"cs"``: a ``JetStreamLightningStore``
+            whose namespace and servers every side uses (an open one: call ``fit_async`` on its
+            loop). Default: the namespace's, opened and closed by each ``fit`` / ``dev``; afterwards
+            ``trainer.store`` is the last run's, closed, and a call on it raises
+            ``InvalidInputError`` ("this store is closed ..."): read the run with a store of your
+            own on ``trainer.settings`` (while the servers run: ``keep_services``).
+            ``"shm"``: any store (default ``InMemoryLightningStore()``, built here as in 0.3.0, so
+            ``trainer.store`` is there before ``fit``), shared through a ``LightningStoreThreaded``:
+            it opens a store that is not open on a loop of its own and closes it at the run's end
+            (an in-memory store stays readable and writable, and the next run starts it again); a
+            ``JetStreamLightningStore`` open on a running loop (inside ``async with store:``,
+            ``await asyncio.to_thread(trainer.fit, ...)``) is called on that loop and left open.
         runner: A ``LitAgentRunner`` used as the template of every runner.
         strategy: ``"cs"`` (default), ``"shm"``, a dict with a ``"type"``, or a strategy of
             ``eventlight.execution``; ``AGL_CURRENT_ROLE``, ``AGL_MANAGED_STORE``,
@@ -197,7 +205,9 @@ class Trainer:
                 processes keep dying (``"cs"``), or every ``"shm"`` runner thread has stopped (at
                 its ``max_rollouts``, or on an error); the algorithm was cancelled.
             RuntimeError: Called from the main file's top-level code outside ``if __name__ ==
-                "__main__":`` (``"cs"``), which runner processes import again; nothing was started.
+                "__main__":`` (``"cs"``), which runner processes import again, or on a running
+                event loop (run it in a thread, or use ``fit_async``); nothing was started.
+            WrongEventLoopError: ``"shm"`` with a store open on an event loop that does not run.
         """
         self._execute("Trainer.fit()", agent, self.algorithm, train_dataset, val_dataset)
 
@@ -218,6 +228,7 @@ class Trainer:
         self._execute("Trainer.dev()", agent, algorithm, train_dataset, val_dataset)
 
     def _execute(self, what: str, agent: LitAgent[Any], algorithm: Algorithm | None, train: Any, val: Any) -> None:
+        refuse_running_loop(what)
         if isinstance(self.strategy, SharedMemoryExecutionStrategy):
             self._run_shared_memory(self.strategy, agent, algorithm, train, val)
             return

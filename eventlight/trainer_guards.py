@@ -2,7 +2,7 @@
 most calls through its LLM proxy failing (``LLMUnavailableError``). ``Trainer`` wraps the
 algorithm's run in both, for its runner processes (``"cs"``) and its runner threads (``"shm"``).
 Before it starts runner processes, ``refuse_unguarded_main`` stops a run that each of them would
-start again."""
+start again; ``refuse_running_loop`` stops a ``fit`` called on a running event loop."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ __all__ = [
     "RUNNERS_CHECK_S",
     "RUNNER_THREADS_CHECK_S",
     "cancel_left_in_queue",
+    "refuse_running_loop",
     "refuse_unguarded_main",
     "stop_when_llm_fails",
     "stop_when_runners_gone",
@@ -179,6 +180,24 @@ async def cancel_left_in_queue(store: Any, since: float, *, limit_s: float = 15.
     if n:
         log.warning("the run stopped early: cancelled %d rollout(s) it had enqueued that no runner had claimed", n)
     return n
+
+
+def refuse_running_loop(what: str) -> None:
+    """Raise when ``what`` (``"Trainer.fit()"``), which runs event loops of its own, is called from a
+    thread whose event loop runs: that loop would stop until the run ends, and a store open on it
+    (which the ``"shm"`` runner threads call there) would never answer.
+
+    Raises:
+        RuntimeError: Saying to run it in a thread (``asyncio.to_thread``).
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    raise RuntimeError(
+        f"{what} runs event loops of its own and cannot be called from a running one: "
+        "from async code, run it in a thread (`await asyncio.to_thread(...)`), or use Trainer.fit_async (strategy 'cs')"
+    )
 
 
 def refuse_unguarded_main(what: str) -> None:

@@ -390,6 +390,51 @@ async def test_a_numpy_reward_and_an_empty_annotation_list_are_recorded() -> Non
     assert agl.find_final_reward([reward]) == 0.25
 
 
+def test_numpy_values_in_annotations_objects_and_attributes_are_recorded_as_python_values() -> None:
+    """``emit_annotation({"n": np.int64(2)})`` raised "unsupported value" (and a ``np.float64``, a float
+    subclass, passed here but the store refused it), while rewards take any ``numbers.Real``."""
+    np = pytest.importorskip("numpy")
+    annotation = {
+        "f": np.float64(0.5),
+        "i": np.int64(2),
+        "b": np.bool_(True),
+        "s": np.str_("x"),
+        "array": np.array([1.0, 2.0]),
+        "scalars": [np.int64(1), np.int64(2)],
+        "mixed": [np.float64(1.0), 2.0],
+    }
+    attrs = agl.emit_annotation(annotation, propagate=False).attributes
+    expected = {"f": 0.5, "i": 2, "b": True, "s": "x", "array": [1.0, 2.0], "scalars": [1, 2], "mixed": [1.0, 2.0]}
+    assert attrs == expected and [type(v) for v in attrs.values()] == [type(v) for v in expected.values()]
+    assert [type(v) for v in attrs["scalars"]] == [int, int]
+    with pytest.raises(ValueError, match="unsupported value"):  # only 1-d arrays are lists
+        agl.emit_annotation({"grid": np.zeros((2, 2))}, propagate=False)
+    obj = agl.emit_object({"n": np.int64(3), "v": np.array([0.5])}, propagate=False).attributes
+    assert obj["agentlightning.object.json"] == '{"n": 3, "v": [0.5]}'
+    with agl.operation(propagate=False, k=np.int64(1)) as op:
+        op.set_output(np.array([1, 2]))
+    assert op.span().attributes == {"k": 1, "agentlightning.operation.output": [1, 2]}
+
+
+@agl.rollout
+def numpy_annotation_agent(task: dict, prompt_template: agl.PromptTemplate) -> None:
+    np = pytest.importorskip("numpy")
+    agl.emit_annotation({"score": np.float64(0.5), "n": np.int64(2), "nan": np.float64("nan"), "py_nan": float("nan")})
+    agl.emit_message("m", attributes={"ok": np.bool_(True)})
+
+
+async def test_numpy_annotations_reach_the_store_and_a_numpy_nan_goes_as_a_float_nan_does() -> None:
+    pytest.importorskip("numpy")
+    store = agl.InMemoryLightningStore()
+    runner = agl.LitAgentRunner(agl.OtelTracer())
+    with runner.run_context(agent=numpy_annotation_agent, store=store):
+        done = await runner.step({}, resources=RESOURCES)
+    assert done.status == "succeeded"
+    annotation, message = await store.query_spans(done.rollout_id)
+    assert annotation.attributes == {"score": 0.5, "n": 2, "nan": "NaN", "py_nan": "NaN"}  # OTLP/JSON's NaN
+    assert message.attributes["ok"] is True
+
+
 # -- threads the agent starts, tasks it leaves running ---------------------------------------
 
 

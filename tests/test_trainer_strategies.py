@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 import eventlight as agl
-from eventlight.core.errors import InvalidInputError, InvalidTypeError
+from eventlight.core.errors import InvalidInputError, InvalidTypeError, WrongEventLoopError
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.trainer_strategies import resolve_strategy
@@ -240,6 +240,46 @@ def test_shm_stops_with_a_clear_error_once_its_runner_threads_stopped_and_rollou
     assert sorted(r.status for r in rollouts) == ["cancelled", "succeeded"]  # the run's leftover, cancelled
 
 
+async def test_shm_leaves_a_jetstream_store_the_user_opened_open(namespace: Settings) -> None:
+    """Whoever opens a store closes it. A ``"shm"`` run started the ``JetStreamLightningStore`` the
+    user had opened again, on its wrapper's loop (new connections over the user's), and closed it at
+    its end: inside the user's ``async with`` the store was closed after ``fit``. Now its runner
+    threads call it on its own loop, and it stays open for reads and another run; a store that was
+    not open is opened by the run and closed by it."""
+    async with JetStreamLightningStore(namespace, nats_url=namespace.nats_url, pg_dsn=namespace.pg_dsn) as store:
+        nc = store.nc
+        trainer = agl.Trainer(
+            strategy={"type": "shm", "n_runners": 2, "main_thread": "algorithm"},
+            store=store,
+            initial_resources={"prompt_template": PROMPT},
+        )
+        with pytest.raises(RuntimeError, match="run it in a thread"):  # it would stop the store's loop
+            trainer.dev(score_length, TASKS[:1])
+        await asyncio.wait_for(asyncio.to_thread(trainer.dev, score_length, TASKS[:2]), 60)
+        assert trainer.store is store and store.nc is nc and len(await _rewards(store)) == 2
+        await asyncio.wait_for(asyncio.to_thread(trainer.dev, score_length, TASKS[2:]), 60)
+        assert await _rewards(store) == {t: float(len(PROMPT.format(any_question=t))) for t in TASKS}
+    closed = JetStreamLightningStore(namespace, nats_url=namespace.nats_url, pg_dsn=namespace.pg_dsn)
+    trainer = agl.Trainer(strategy="shm", store=closed, initial_resources={"prompt_template": PROMPT})
+    await asyncio.wait_for(asyncio.to_thread(trainer.dev, score_length, TASKS[:1]), 60)
+    with pytest.raises(InvalidInputError, match="a closed store does not open again"):
+        await closed.query_rollouts()
+
+
+async def test_shm_refuses_a_store_open_on_a_loop_that_does_not_run(namespace: Settings) -> None:
+    """Its calls would wait for ever; the run stops before it starts, naming the way out."""
+    loop = asyncio.new_event_loop()
+    store = JetStreamLightningStore(namespace, nats_url=namespace.nats_url, pg_dsn=namespace.pg_dsn)
+    await asyncio.to_thread(loop.run_until_complete, store.start())
+    try:
+        trainer = agl.Trainer(strategy="shm", store=store, initial_resources={"prompt_template": PROMPT})
+        with pytest.raises(WrongEventLoopError, match="open on an event loop that is not running"):
+            await asyncio.wait_for(asyncio.to_thread(trainer.dev, score_length, TASKS[:1]), 30)
+    finally:
+        await asyncio.to_thread(loop.run_until_complete, store.close())
+        loop.close()
+
+
 # -- client-server -------------------------------------------------------------------------------
 
 
@@ -249,6 +289,8 @@ async def test_cs_dev_with_runner_processes(namespace: Settings) -> None:
     # a second run on the same Trainer opens its own store (it reused the first run's, closed:
     # "this store is closed"; a reviewer)
     await asyncio.to_thread(trainer.dev, score_length, TASKS[:1])
+    with pytest.raises(InvalidInputError, match="a closed store does not open again"):  # the run's, which it closed
+        await trainer.store.query_rollouts()
     async with JetStreamLightningStore(namespace, nats_url=namespace.nats_url, pg_dsn=namespace.pg_dsn) as store:
         rewards = await _rewards(store)
         workers = {a.worker_id for r in await store.query_rollouts() for a in await store.query_attempts(r.rollout_id)}

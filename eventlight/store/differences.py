@@ -91,7 +91,7 @@ Other behaviours to know:
       ``/v1/traces`` ingests OTLP), and ``ExecutionStrategy.execute`` (``Trainer(strategy=...)``
       takes the strategies and places runners as queue consumers: ``eventlight.trainer_strategies``);
       ``LightningStoreThreaded`` runs its store on a loop thread of its own, so any thread or event
-      loop may call it;
+      loop may call it (a store already open on a running loop is called there, and left open);
     * ``Trainer``'s ``"cs"`` strategy starts no store server (``eventlight serve`` is one, for
       other processes and languages): ``server_host``/``server_port``
       (``AGL_SERVER_HOST``/``AGL_SERVER_PORT``, ``port=``) are read and kept but unused; the sides

@@ -157,6 +157,12 @@ class JetStreamLightningStore(EventStore):
     async def __aenter__(self) -> JetStreamLightningStore:
         return await self.start()
 
+    @property
+    def home_loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop this store is open on (``start()`` ran there, and its NATS connection,
+        Postgres pool and projector belong to it), or ``None`` before ``start()`` and after ``close()``."""
+        return None if self.nc is None or self._closed else self._home_loop
+
     def _check_open(self) -> None:
         super()._check_open()
         self._check_loop()

@@ -122,7 +122,10 @@ class StorePlumbing(LightningStore):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise InvalidInputError("this store is closed")
+            raise InvalidInputError(
+                "this store is closed, and a closed store does not open again: open a new one"
+                " (Trainer.fit and dev close a store they opened, such as a 'cs' run's trainer.store, at the run's end)"
+            )
         if self._draining and _inside.get() is not self:
             raise InvalidInputError("this store is closing")
         if self._event_log is None:
