@@ -244,13 +244,20 @@ async def test_entries_that_are_not_events_refuse_the_file_or_are_skipped_and_co
     namespace: Settings, services: tuple[Settings, Services], tmp_path: Path
 ) -> None:
     """A reviewer: a message that is not an eventlight event (dead-lettered by the projector) is
-    exported like the rest, and the file then imported nothing, saying nothing of how many."""
+    exported like the rest, and the file then imported nothing, saying nothing of how many. The
+    export itself said nothing either: it now counts them and names the import's flag."""
     async with JetStreamLightningStore(namespace) as store:
         await workload(store)
         seq = (await store.log.js.publish(f"{namespace.subject_prefix}.r.ro-garbage.q", b"not json at all")).seq
         await store.update_worker("w-after", {"cpu": 1})
     out = tmp_path / "log.jsonl"
-    n = (await export_log(namespace, out, 0, None))[0]
+    report = await export_log(namespace, out, 0, None)
+    n = report.entries
+    assert report.non_events == [seq]
+    result = cli("export", "--out", str(tmp_path / "cli.jsonl"), env=env_of(namespace))
+    assert result.returncode == 0 and f"{n} entries" in result.stdout, result.stderr
+    warning = f"1 of them are not eventlight events (log positions {seq})"
+    assert warning in result.stderr and "eventlight import --skip-non-events" in result.stderr, result.stderr
     async with fresh_namespace(services) as other:
         with pytest.raises(
             InvalidInputError, match=f"position {seq} .* 1 of the {n} entries are not eventlight events"

@@ -5,10 +5,11 @@ entry a line, ``{"seq", "subject", "data"}``, with ``subject`` below ``el.<ns>.`
 embedded verbatim (``data_b64`` for one that is not JSON), so an import appends exactly the bytes
 the source holds, old event shapes included (readers upcast them), and last the count
 ``{"eventlight_export_entries": N}``. The file is written beside ``--out`` and renamed over it once
-whole (``files.replacing``). An import refuses a file whose last line is not that count, or whose
-count differs from the entries it holds (one cut at a line boundary, say): it would append part of
-the slice as if it were all. A format-1 file (written before the count) is imported with a warning
-that a cut one cannot be told.
+whole (``files.replacing``). Entries that are not eventlight events are written as stored and
+counted (``ExportReport.non_events``; the CLI warns, naming ``eventlight import --skip-non-events``).
+An import refuses a file whose last line is not that count, or whose count differs from the entries
+it holds (one cut at a line boundary, say): it would append part of the slice as if it were all.
+A format-1 file (written before the count) is imported with a warning that a cut one cannot be told.
 
 Import checks every entry first: an entry that is not an eventlight event (a message the source's
 projector dead-lettered, an event of a newer eventlight) refuses the file, saying how many there
@@ -37,7 +38,7 @@ import base64
 import hashlib
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -81,11 +82,26 @@ def _is_json(data: bytes) -> bool:
     return bool(data)
 
 
-async def export_log(settings: Settings, out: Path, since: int, until: int | None) -> tuple[int, int, int]:
+class ExportReport(NamedTuple):
+    """What ``export_log`` wrote."""
+
+    entries: int
+    first: int
+    """The log position of the first entry written (0: none)."""
+    last: int
+    non_events: list[int]
+    """The log positions of entries written that are not eventlight events this version reads (a
+    message the projector dead-lettered, an event of a newer eventlight): ``import_log`` refuses the
+    file for them unless ``skip_non_events``."""
+
+
+async def export_log(settings: Settings, out: Path, since: int, until: int | None) -> ExportReport:
     """Write entries after ``since`` up to ``until`` (default: the head now) of the namespace's log.
 
+    Every entry is written as stored; those that are not eventlight events are counted too.
+
     Returns:
-        ``(entries written, first position, last position)``.
+        The entries written, the first and last positions, and the positions of non-events.
 
     Raises:
         ServiceUnavailableError: NATS cannot be reached or fails midway (``out`` is then left as
@@ -99,6 +115,7 @@ async def export_log(settings: Settings, out: Path, since: int, until: int | Non
     assert settings.nats_url is not None
     nc = await connect_nats(settings.nats_url, auth=settings.nats_auth, name="eventlight-export")
     n, first, last = 0, 0, 0
+    non_events: list[int] = []
     try:
         log_ = JetStreamEventLog(nc, settings, None)
         head = await log_.head_seq()
@@ -114,10 +131,23 @@ async def export_log(settings: Settings, out: Path, since: int, until: int | Non
                 )
                 f.write(_enc.encode(entry) + b"\n")
                 n, first, last = n + 1, first or seq, seq
+                if not _is_event(data):
+                    non_events.append(seq)
             f.write(_enc.encode({ENTRIES: n}) + b"\n")  # last: a file without it was cut short
     finally:
         await nc.close()
-    return n, first, last
+    return ExportReport(n, first, last, non_events)
+
+
+def _is_event(data: bytes) -> bool:
+    """Whether ``data`` is an eventlight event this version reads (what ``read_export`` checks)."""
+    from eventlight.core.events import decode_event
+
+    try:
+        decode_event(data)
+    except InvalidInputError:
+        return False
+    return True
 
 
 def _aggregate(subject: str) -> str:
