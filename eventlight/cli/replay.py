@@ -320,7 +320,9 @@ def import_command(
 ) -> None:
     """Append an exported slice to this namespace's log; what it already holds is not appended again.
 
-    A rollout whose beginning neither the namespace nor the file holds is refused (nothing is appended).
+    A rollout whose beginning neither the namespace nor the file holds is refused (nothing is appended),
+    as is a slice that leaves a gap after what the namespace holds of a rollout (an export with
+    --since records each rollout's entry before the slice).
 
     Servers: uses $EVENTLIGHT_NATS_URL when set, else the embedded NATS; never starts one."""
     from eventlight.logreplay.transfer import import_log
