@@ -28,8 +28,9 @@ pool's process at ``start`` (as a spawned process would), not the forkserver's. 
   so a kill -9 of ``eventlight runner`` or of a trainer leaves no orphan working, and exits hard
   when that stop takes longer than ``GRACEFUL_STOP_S`` (a synchronous agent blocks the event loop).
   Not ``PR_SET_PDEATHSIG``: Linux ties it to the parent *thread*, and the parent is the forkserver;
-* writes the attempts its runners hold on the pool's ``ClaimBoard`` (shared memory) and wipes
-  each once its status is recorded.
+* writes the attempts its runners claim on the pool's ``ClaimBoard`` (shared memory), each before
+  the store appends its claim (``dequeue_rollout(on_claim=)``), and wipes each once its status is
+  recorded (or at once, a claim that was not made).
 
 ``RunnerPool.stop`` sets the processes' stop event (each finishes its attempt in flight, if it can
 within ``graceful_s``), then sends SIGTERM (the attempts still running are recorded ``failed``), then
@@ -43,8 +44,11 @@ process killed after ignoring SIGTERM) cannot record them; the pool does, before
 process: ``failed``, with ``eventlight.status_reason`` "runner process <pid> exited with code -9
 (SIGKILL) while the attempt ran" (the store's ``abandon_attempt``; an attempt that finished is
 left alone), so the rollout's ``RolloutConfig`` retries or fails it and the algorithm's wait ends.
-The restarted process claims under a new worker id (its pid and tag). An attempt claimed in the
-instant between the claim's append and its entry on the board is not covered.
+The restarted process claims under a new worker id (its pid and tag). An attempt whose claim the
+store recorded in the instant before the process died, before the claim reached the runner, is
+covered too: its entry was written before the append (an entry for a claim never appended is
+passed over). Not covered: a claim the process published as it was killed that the server stores
+only after the pool has looked for it (the pool looks once the process is gone).
 """
 
 from __future__ import annotations

@@ -71,3 +71,18 @@ async def slow_first(task: dict, prompt_template: agl.PromptTemplate, rollout: a
     if rollout.attempt.sequence_id == 1:
         await asyncio.sleep(float(task.get("sleep_s", 600)))
     return 1.0
+
+
+class DiesAfterItsFirstClaim(agl.LitAgentRunner):  # type: ignore[type-arg]
+    """A runner whose process kills itself (SIGKILL) as the store hands it an attempt that is its
+    rollout's first: the claim is recorded, the runner loop never hears of it (the instant a
+    ``kill -9`` could hit between a claim's append and the runner writing it on its claim board)."""
+
+    async def _dequeue(self, store: Any) -> agl.AttemptedRollout | None:
+        import os
+        import signal
+
+        claimed = await super()._dequeue(store)
+        if claimed is not None and claimed.attempt.sequence_id == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return claimed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -244,13 +245,20 @@ async def test_entries_that_are_not_events_refuse_the_file_or_are_skipped_and_co
     namespace: Settings, services: tuple[Settings, Services], tmp_path: Path
 ) -> None:
     """A reviewer: a message that is not an eventlight event (dead-lettered by the projector) is
-    exported like the rest, and the file then imported nothing, saying nothing of how many."""
+    exported like the rest, and the file then imported nothing, saying nothing of how many. The
+    export itself said nothing either: it now counts them and names the import's flag."""
     async with JetStreamLightningStore(namespace) as store:
         await workload(store)
         seq = (await store.log.js.publish(f"{namespace.subject_prefix}.r.ro-garbage.q", b"not json at all")).seq
         await store.update_worker("w-after", {"cpu": 1})
     out = tmp_path / "log.jsonl"
-    n = (await export_log(namespace, out, 0, None))[0]
+    report = await export_log(namespace, out, 0, None)
+    n = report.entries
+    assert report.non_events == [seq]
+    result = cli("export", "--out", str(tmp_path / "cli.jsonl"), env=env_of(namespace))
+    assert result.returncode == 0 and f"{n} entries" in result.stdout, result.stderr
+    warning = f"1 of them are not eventlight events (log positions {seq})"
+    assert warning in result.stderr and "eventlight import --skip-non-events" in result.stderr, result.stderr
     async with fresh_namespace(services) as other:
         with pytest.raises(
             InvalidInputError, match=f"position {seq} .* 1 of the {n} entries are not eventlight events"
@@ -266,10 +274,44 @@ async def test_entries_that_are_not_events_refuse_the_file_or_are_skipped_and_co
         assert f"1 entries that are not eventlight events (log positions {seq})" in result.stderr
 
 
-async def test_a_slice_skipped_and_imported_after_a_later_one_is_refused(
+@pytest.mark.parametrize("subject", ["r", "s"], ids=["events", "spans"])
+async def test_a_slice_that_leaves_a_gap_is_refused_up_front(
+    namespace: Settings, services: tuple[Settings, Services], tmp_path: Path, subject: str
+) -> None:
+    """Slices (0, a], then (b, end]: the second skips the rollout's entries in (a, b] (its next event,
+    or its second span batch). It was appended after the first, and only the gap was refused when
+    it came; now the export records the rollout's entry at b and the import refuses the slice."""
+    ids, whole, _, total = await _slices(namespace, tmp_path)
+    val = [e.seq for e in read_export(whole)[1] if e.subject.startswith(f"{subject}.{ids['val']}.")]
+    a, b = val[0], val[1]  # RolloutCreated and AttemptStarted, or the first two span batches
+    first, gap, last = tmp_path / "first.jsonl", tmp_path / "gap.jsonl", tmp_path / "last.jsonl"
+    await export_log(namespace, first, 0, a)
+    await export_log(namespace, gap, a, b)
+    await export_log(namespace, last, b, None)
+    async with fresh_namespace(services) as other:
+        await import_log(other, first)
+        async with JetStreamLightningStore(other) as store:
+            before = await test_rebuild.last_seq(store)
+        why = f"rollout {ids['val']} would be continued after a gap: its entry at log position {b} \\({subject}\\."
+        fill = f"which starts after {b}: import the slice `eventlight export --since {a} --until {b}` writes first"
+        with pytest.raises(InvalidInputError, match=f"nothing imported: 1 rollout.*{why}.*{fill}"):
+            await import_log(other, last)
+        async with JetStreamLightningStore(other) as store:
+            assert await test_rebuild.last_seq(store) == before  # nothing appended
+        await import_log(other, gap)
+        await import_log(other, last)
+        assert await _row_counts(other) == await _row_counts(namespace)
+        a_ = [r async for r in eventlight.replay(namespace, adapter="messages")]
+        assert a_ == [r async for r in eventlight.replay(other, adapter="messages")] and len(a_) == 6
+        async with JetStreamLightningStore(other) as store:
+            assert await test_rebuild.last_seq(store) == total
+
+
+async def test_a_slice_from_before_the_gap_record_goes_in_and_the_gap_is_refused_after(
     namespace: Settings, services: tuple[Settings, Services], tmp_path: Path
 ) -> None:
-    """Slices (0, a], (b, end], then (a, b]: the last would append a rollout's events after later ones."""
+    """A file without the count line's ``before`` (an older export) cannot show a gap: slices
+    (0, a], (b, end], then (a, b]: the last would append a rollout's events after later ones."""
     ids, whole, _, _ = await _slices(namespace, tmp_path)
     entries = read_export(whole)[1]
     a = next(e.seq for e in entries if e.subject == f"r.{ids['val']}.q")  # the rollout's RolloutCreated
@@ -278,9 +320,13 @@ async def test_a_slice_skipped_and_imported_after_a_later_one_is_refused(
     await export_log(namespace, first, 0, a)
     await export_log(namespace, gap, a, b)
     await export_log(namespace, last, b, None)
+    lines = last.read_text().splitlines()
+    assert '"before":' in lines[-1]
+    lines[-1] = json.dumps({"eventlight_export_entries": len(lines) - 2})
+    last.write_text("\n".join(lines) + "\n")
     async with fresh_namespace(services) as other:
         await import_log(other, first)
-        await import_log(other, last)  # the gap is not seen: the rollout's beginning is there
+        await import_log(other, last)  # the gap is not seen
         async with JetStreamLightningStore(other) as store:
             before = await test_rebuild.last_seq(store)
         with pytest.raises(InvalidInputError, match=f"rollout {ids['val']} has later entries in the namespace"):

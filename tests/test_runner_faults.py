@@ -357,6 +357,30 @@ async def test_kill_9_of_a_runner_process_fails_its_attempt_and_the_rollout_is_r
     assert still.status in ("preparing", "running") and STATUS_REASON not in (still.metadata or {})
 
 
+async def test_kill_9_right_after_a_claim_is_recorded_fails_the_attempt(namespace: Settings) -> None:
+    """A runner process killed once the store recorded its claim, before the claim reached the runner
+    loop (``fault_agents.DiesAfterItsFirstClaim``): the loop wrote the claim board after the claim
+    returned, so the board was empty and the attempt stayed ``preparing`` for ever (no timeout).
+    The claim is now on the board before its append: the pool records it ``failed`` and the retry
+    runs on the restarted process."""
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
+        await store.add_resources(RESOURCES)
+        config = agl.RolloutConfig(max_attempts=2, retry_condition=["failed"])
+        made = await store.enqueue_rollout({"q": 1}, config=config)
+        runner = fault_agents.DiesAfterItsFirstClaim()
+        pool = RunnerPool(fault_agents.quick, 1, namespace, namespace.nats_url or "", runner=runner)
+        pool.start()
+        try:
+            done = await store.wait_for_rollouts(rollout_ids=[made.rollout_id], timeout=20)
+        finally:
+            await asyncio.to_thread(pool.stop, 0.5)
+        attempts = await store.query_attempts(made.rollout_id)
+    assert [a.status for a in attempts] == ["failed", "succeeded"] and done[0].status == "succeeded", attempts
+    reason = attempts[0].metadata[STATUS_REASON]
+    assert re.fullmatch(r"runner process \d+ exited with code -9 \(SIGKILL\) while the attempt ran", reason), reason
+    assert pool.restarts == 1
+
+
 async def test_kill_9_of_the_runner_parent_leaves_no_orphans(namespace: Settings) -> None:
     async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
         await store.add_resources(RESOURCES)

@@ -173,3 +173,25 @@ def test_the_claim_board_keeps_what_each_runner_holds_until_released_or_taken() 
     for k in range(ENTRIES + 1):  # a full row keeps what it has (the one that did not fit is logged)
         board.hold(0, "ro-d", f"at-{k}")
     assert [aid for _, _, aid in board.take([0])] == [f"at-{k}" for k in range(ENTRIES)]
+
+
+async def test_a_claim_goes_on_the_board_before_it_is_made_and_off_when_refused(monkeypatch: Any) -> None:
+    """The runner writes each claim on its row as the store is about to append it (``on_claim``),
+    not after the claim returned (a kill -9 in between left it off the board); a claim the store
+    refuses (its rollout was cancelled after it was queued) is wiped again."""
+    async with agl.InMemoryLightningStore() as store:
+        await store.add_resources(RESOURCES)
+        cancelled = await store.enqueue_rollout({"q": 1})
+        await store.update_rollout(cancelled.rollout_id, status="cancelled")
+        queued = await store.enqueue_rollout({"q": 2})
+        board = ClaimBoard(mp.get_context("spawn"), 1)
+        written: list[str] = []
+        hold = board.hold
+        monkeypatch.setattr(board, "hold", lambda i, rid, aid: (written.append(rid), hold(i, rid, aid)))
+        runner = agl.LitAgentRunner()
+        runner.claims = board
+        with runner.run_context(agent=fault_agents.quick, store=store, worker_id=0):
+            claimed = await runner._dequeue(store)
+    assert claimed is not None and claimed.rollout_id == queued.rollout_id
+    assert written == [cancelled.rollout_id, queued.rollout_id]
+    assert board.take([0]) == [(0, queued.rollout_id, claimed.attempt.attempt_id)]

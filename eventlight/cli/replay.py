@@ -281,6 +281,8 @@ def export_command(
 
     The file ends with the count of its entries, which `eventlight import` checks; it is written
     beside --out and renamed over it once whole, so a failed or interrupted export leaves --out as it was.
+    Entries that are not eventlight events (dead-lettered messages) are written too, and counted
+    in a warning: import such a file with `eventlight import --skip-non-events`.
 
     Servers: uses $EVENTLIGHT_NATS_URL when set, else the embedded NATS; never starts one."""
     from eventlight.logreplay.transfer import export_log
@@ -292,10 +294,16 @@ def export_command(
     _writable(out)
     settings = _run(_nats_settings(_settings(namespace)))
     try:
-        n, first, last = _run(export_log(settings, out, since, until))
+        report = _run(export_log(settings, out, since, until))
     except KeyboardInterrupt:
         raise CliError(f"interrupted: nothing was written to {out}", exit_code=EXIT_INTERRUPTED) from None
-    console.print(f"{n} entries (log positions {first}..{last}) → {escape(str(out))}")
+    console.print(f"{report.entries} entries (log positions {report.first}..{report.last}) → {escape(str(out))}")
+    if report.non_events:
+        err.print(
+            f"[yellow]warning:[/yellow] {len(report.non_events)} of them are not eventlight events "
+            f"(log positions {_positions(report.non_events)}), such as messages the projector dead-lettered: "
+            "`eventlight import` refuses the file for them; `eventlight import --skip-non-events` leaves them out"
+        )
 
 
 def import_command(
@@ -312,7 +320,9 @@ def import_command(
 ) -> None:
     """Append an exported slice to this namespace's log; what it already holds is not appended again.
 
-    A rollout whose beginning neither the namespace nor the file holds is refused (nothing is appended).
+    A rollout whose beginning neither the namespace nor the file holds is refused (nothing is appended),
+    as is a slice that leaves a gap after what the namespace holds of a rollout (an export with
+    --since records each rollout's entry before the slice).
 
     Servers: uses $EVENTLIGHT_NATS_URL when set, else the embedded NATS; never starts one."""
     from eventlight.logreplay.transfer import import_log
@@ -325,12 +335,16 @@ def import_command(
     report = _run(import_log(settings, file, skip_non_events=skip_non_events))
     console.print(f"{report.appended} entries appended, {report.present} already present in {settings.stream_name}")
     if report.skipped:
-        shown = ", ".join(str(seq) for seq in report.skipped[:SKIPPED_SHOWN])
-        more = f", … ({len(report.skipped) - SKIPPED_SHOWN} more)" if len(report.skipped) > SKIPPED_SHOWN else ""
         err.print(
             f"[yellow]skipped:[/yellow] {len(report.skipped)} entries that are not eventlight events "
-            f"(log positions {shown}{more})"
+            f"(log positions {_positions(report.skipped)})"
         )
+
+
+def _positions(seqs: list[int]) -> str:
+    """The first ``SKIPPED_SHOWN`` log positions, and how many more."""
+    shown = ", ".join(str(seq) for seq in seqs[:SKIPPED_SHOWN])
+    return shown + (f", … ({len(seqs) - SKIPPED_SHOWN} more)" if len(seqs) > SKIPPED_SHOWN else "")
 
 
 def register(app: typer.Typer) -> None:

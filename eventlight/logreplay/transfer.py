@@ -5,10 +5,11 @@ entry a line, ``{"seq", "subject", "data"}``, with ``subject`` below ``el.<ns>.`
 embedded verbatim (``data_b64`` for one that is not JSON), so an import appends exactly the bytes
 the source holds, old event shapes included (readers upcast them), and last the count
 ``{"eventlight_export_entries": N}``. The file is written beside ``--out`` and renamed over it once
-whole (``files.replacing``). An import refuses a file whose last line is not that count, or whose
-count differs from the entries it holds (one cut at a line boundary, say): it would append part of
-the slice as if it were all. A format-1 file (written before the count) is imported with a warning
-that a cut one cannot be told.
+whole (``files.replacing``). Entries that are not eventlight events are written as stored and
+counted (``ExportReport.non_events``; the CLI warns, naming ``eventlight import --skip-non-events``).
+An import refuses a file whose last line is not that count, or whose count differs from the entries
+it holds (one cut at a line boundary, say): it would append part of the slice as if it were all.
+A format-1 file (written before the count) is imported with a warning that a cut one cannot be told.
 
 Import checks every entry first: an entry that is not an eventlight event (a message the source's
 projector dead-lettered, an event of a newer eventlight) refuses the file, saying how many there
@@ -26,9 +27,14 @@ the target's prefix, each with ``Nats-Msg-Id`` set to a digest of its subject an
 (JetStream drops a repeat inside its duplicate window) and ``Eventlight-Imported: <source
 namespace> <position>``. So importing the same file twice appends nothing the second time
 (retired or not), and importing into a namespace that holds a slice of the same log up to some
-position appends only the rest. Slices of one log go in in order: a slice that leaves a gap after
-what the target holds of a rollout is appended after it (the gap is not seen), and an import of
-the gap afterwards is refused.
+position appends only the rest. Slices of one log go in in order: an export that starts after
+position 0 records in its count line (``BEFORE``), for each rollout aggregate it holds, the position
+and digest of its last entry before the slice, and an import refuses, up front, a slice whose first
+entry of an aggregate it would append follows an entry the target does not hold (a gap), naming
+the rollout and the positions missing. That entry is looked up in the source's hot stream, so a
+rollout retired in the source, or one whose entry there is not an event, is not checked; nor is a
+file written before the record (it is appended after the gap, and the gap is refused when it
+comes, as a rollout the target holds later entries of).
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ import base64
 import hashlib
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -47,6 +53,11 @@ from eventlight.settings import Settings
 FORMAT = 2
 """2: the file ends with ``{"eventlight_export_entries": N}``; 1 (still read): without it."""
 ENTRIES = "eventlight_export_entries"
+BEFORE = "before"
+"""In the count line of a slice that starts after position 0: for each rollout aggregate the slice
+holds (``r.<rid>.>``, ``s.<rid>.<aid>``), its last entry at or before ``since`` in the source, as
+``[log position, digest]`` (none: it has none there, it is retired in the source, or that entry is
+not an event). Older readers ignore it."""
 
 log = logging.getLogger(__name__)
 
@@ -81,11 +92,26 @@ def _is_json(data: bytes) -> bool:
     return bool(data)
 
 
-async def export_log(settings: Settings, out: Path, since: int, until: int | None) -> tuple[int, int, int]:
+class ExportReport(NamedTuple):
+    """What ``export_log`` wrote."""
+
+    entries: int
+    first: int
+    """The log position of the first entry written (0: none)."""
+    last: int
+    non_events: list[int]
+    """The log positions of entries written that are not eventlight events this version reads (a
+    message the projector dead-lettered, an event of a newer eventlight): ``import_log`` refuses the
+    file for them unless ``skip_non_events``."""
+
+
+async def export_log(settings: Settings, out: Path, since: int, until: int | None) -> ExportReport:
     """Write entries after ``since`` up to ``until`` (default: the head now) of the namespace's log.
 
+    Every entry is written as stored; those that are not eventlight events are counted too.
+
     Returns:
-        ``(entries written, first position, last position)``.
+        The entries written, the first and last positions, and the positions of non-events.
 
     Raises:
         ServiceUnavailableError: NATS cannot be reached or fails midway (``out`` is then left as
@@ -99,6 +125,8 @@ async def export_log(settings: Settings, out: Path, since: int, until: int | Non
     assert settings.nats_url is not None
     nc = await connect_nats(settings.nats_url, auth=settings.nats_auth, name="eventlight-export")
     n, first, last = 0, 0, 0
+    non_events: list[int] = []
+    aggregates: set[str] = set()  # the rollout aggregates of the slice
     try:
         log_ = JetStreamEventLog(nc, settings, None)
         head = await log_.head_seq()
@@ -114,10 +142,49 @@ async def export_log(settings: Settings, out: Path, since: int, until: int | Non
                 )
                 f.write(_enc.encode(entry) + b"\n")
                 n, first, last = n + 1, first or seq, seq
-            f.write(_enc.encode({ENTRIES: n}) + b"\n")  # last: a file without it was cut short
+                if not _is_event(data):
+                    non_events.append(seq)
+                if since and _rollout_id(subject) is not None:
+                    aggregates.add(_aggregate(subject))
+            before = await _before(log_, sorted(aggregates), since) if aggregates else {}
+            trailer: dict[str, Any] = {ENTRIES: n, BEFORE: before} if before else {ENTRIES: n}
+            f.write(_enc.encode(trailer) + b"\n")  # last: a file without it was cut short
     finally:
         await nc.close()
-    return n, first, last
+    return ExportReport(n, first, last, non_events)
+
+
+async def _before(log_: Any, aggregates: list[str], since: int) -> dict[str, tuple[int, str]]:
+    """``BEFORE``: each aggregate's last entry at or before ``since``, as ``(position, digest)``.
+
+    Read from the hot stream (``archive.direct_last``); the retired ledger is read after it, so a
+    rollout purged meanwhile (listed before it is purged) is left out rather than seen as new.
+    """
+    from eventlight.store.jetstream.archive import direct_last
+
+    cut = len(log_.prefix) + 1
+    last: dict[str, tuple[int, str, bytes]] = {}
+    async for seq, subject, data in direct_last(log_, [f"{log_.prefix}.{a}" for a in aggregates], since):
+        agg = _aggregate(subject[cut:])
+        if seq > last.get(agg, (0, "", b""))[0]:  # r.<rid>.> answers for .q and .e
+            last[agg] = (seq, subject[cut:], data)
+    retired = await log_.retired.read()
+    return {
+        agg: (seq, _digest(subject, data))
+        for agg, (seq, subject, data) in last.items()
+        if _rollout_id(subject) not in retired and _is_event(data)
+    }
+
+
+def _is_event(data: bytes) -> bool:
+    """Whether ``data`` is an eventlight event this version reads (what ``read_export`` checks)."""
+    from eventlight.core.events import decode_event
+
+    try:
+        decode_event(data)
+    except InvalidInputError:
+        return False
+    return True
 
 
 def _aggregate(subject: str) -> str:
@@ -133,7 +200,8 @@ def _digest(subject: str, data: bytes) -> str:
 
 
 def read_export(path: Path, *, skip_non_events: bool = False) -> tuple[dict[str, Any], list[_Entry], list[_Entry]]:
-    """The header, the entries and the entries left out (``skip_non_events``) of an export file.
+    """The header (with the count line's ``BEFORE`` under that key), the entries and the entries left
+    out (``skip_non_events``) of an export file.
 
     Args:
         path: A file ``eventlight export`` wrote.
@@ -154,12 +222,14 @@ def read_export(path: Path, *, skip_non_events: bool = False) -> tuple[dict[str,
         if not isinstance(header, dict) or header.get("eventlight_export") not in (1, FORMAT):
             raise InvalidInputError(f"{path} is not an eventlight export (format 1 or {FORMAT})")
         counted = header["eventlight_export"] == FORMAT
-        written = _count(lines[-1]) if counted and len(lines) > 1 else None
-        if counted and written is None:
+        trailer = _trailer(lines[-1]) if counted and len(lines) > 1 else None
+        if counted and trailer is None:
             raise InvalidInputError(
                 f"{path} does not end with the entry count `eventlight export` writes last: "
                 "the export was interrupted or the file cut short"
             )
+        written = trailer[ENTRIES] if trailer is not None else None
+        header[BEFORE] = msgspec.convert((trailer or {}).get(BEFORE, {}), dict[str, tuple[int, str]])
         entries = [_entry.decode(line) for line in lines[1 : -1 if counted else None]]
     except msgspec.DecodeError as e:
         raise InvalidInputError(f"{path} is not an eventlight export: {e}") from e
@@ -185,14 +255,14 @@ def read_export(path: Path, *, skip_non_events: bool = False) -> tuple[dict[str,
     return header, kept, [entry for entry, _ in left_out]
 
 
-def _count(line: bytes) -> int | None:
-    """The entry count of an export's last line, ``None`` if it is not that line."""
+def _trailer(line: bytes) -> dict[str, Any] | None:
+    """An export's last line (the entry count, and ``BEFORE``), ``None`` if it is not that line."""
     try:
         last = msgspec.json.decode(line)
     except msgspec.DecodeError:
         return None
     count = last.get(ENTRIES) if isinstance(last, dict) else None
-    return count if isinstance(count, int) and not isinstance(count, bool) else None
+    return last if isinstance(count, int) and not isinstance(count, bool) else None
 
 
 def _check(path: Path, entry: _Entry) -> InvalidInputError | None:
@@ -258,7 +328,7 @@ async def import_log(settings: Settings, path: Path, *, skip_non_events: bool = 
     nc = await connect_nats(settings.nats_url, auth=settings.nats_auth, name="eventlight-import")
     try:
         log_ = JetStreamEventLog(nc, settings, None)
-        todo = await _plan(log_, path, entries, source)
+        todo = await _plan(log_, path, entries, header)
         report.present = len(entries) - len(todo)
         for e, data, digest in todo:
             subject = f"{log_.prefix}.{e.subject}"
@@ -274,13 +344,16 @@ async def import_log(settings: Settings, path: Path, *, skip_non_events: bool = 
     return report
 
 
-async def _plan(log_: Any, path: Path, entries: list[_Entry], source: str) -> list[tuple[_Entry, bytes, str]]:
+async def _plan(
+    log_: Any, path: Path, entries: list[_Entry], header: dict[str, Any]
+) -> list[tuple[_Entry, bytes, str]]:
     """The entries to append, in file order, as ``(entry, payload, digest)``: those the namespace
     does not hold (its hot stream, or its archive for a retired rollout), each once.
 
     Raises:
         InvalidInputError: See ``_refuse_out_of_order``.
     """
+    source = str(header.get("namespace", ""))
     held: dict[str, set[str]] = {}
     imported_up_to: dict[str, int] = {}  # rollout -> the highest source position imported into it
     for e in entries:
@@ -295,18 +368,61 @@ async def _plan(log_: Any, path: Path, entries: list[_Entry], source: str) -> li
         held.setdefault(agg, set()).update(digests)
     todo: list[tuple[_Entry, bytes, str]] = []
     by_rollout: dict[str, list[tuple[_Entry, bool]]] = {}  # its entries in file order: (entry, held)
+    firsts: dict[str, tuple[_Entry, bool]] = {}  # each aggregate's first entry: (entry, held)
     for e in entries:
         data = e.payload()
         digest = _digest(e.subject, data)
         agg, rid = _aggregate(e.subject), _rollout_id(e.subject)
         is_held = digest in held[agg]
+        firsts.setdefault(agg, (e, is_held))
         if not is_held:
             held[agg].add(digest)  # a second copy in the file is present once the first is appended
             todo.append((e, data, digest))
         if rid is not None:
             by_rollout.setdefault(rid, []).append((e, is_held))
-    await _refuse_out_of_order(log_, path, by_rollout, retired, imported_up_to)
+    gaps = _gaps(firsts, held, header, imported_up_to)
+    await _refuse_out_of_order(log_, path, by_rollout, retired, imported_up_to, gaps)
     return todo
+
+
+def _gaps(
+    firsts: dict[str, tuple[_Entry, bool]],
+    held: dict[str, set[str]],
+    header: dict[str, Any],
+    imported_up_to: dict[str, int],
+) -> dict[str, tuple[_Entry, str]]:
+    """Rollouts the file would continue after a gap: an aggregate whose first entry in the file is
+    to be appended while its entry before the slice (``BEFORE``) is not in the namespace, so
+    entries between what the namespace holds and the file's start would be missing.
+
+    Returns:
+        ``{rollout_id: (its first such entry, why)}``.
+    """
+    since = int(header.get("since") or 0)
+    gaps: dict[str, tuple[_Entry, str]] = {}
+    for agg, (e, is_held) in firsts.items():
+        found = header[BEFORE].get(agg)
+        rid = _rollout_id(e.subject)
+        if found is None or is_held or found[1] in held[agg] or rid is None or rid in gaps:
+            continue
+        why = f"would be continued after a gap: {_missing(imported_up_to.get(rid, 0), found[0], agg, since)}"
+        gaps[rid] = (e, why)
+    return gaps
+
+
+def _missing(up_to: int, position: int, aggregate: str, since: int) -> str:
+    """The source positions a gap leaves out: after ``up_to`` (the last the namespace imported of
+    the rollout; 0: unknown) up to ``position`` (the aggregate's last entry before the file)."""
+    if not 0 < up_to < position:
+        return f"its entries up to log position {position} ({aggregate}) are in neither the namespace nor this file"
+    if up_to + 1 == position:
+        what = f"its entry at log position {position} ({aggregate}) is"
+    else:
+        what = f"its entries at log positions {up_to + 1} to {position} ({aggregate}) are"
+    return (
+        f"{what} in neither the namespace nor this file, which starts after {since}: "
+        f"import the slice `eventlight export --since {up_to} --until {since}` writes first"
+    )
 
 
 def _rollout_id(subject: str) -> str | None:
@@ -326,6 +442,7 @@ async def _refuse_out_of_order(
     rollouts: dict[str, list[tuple[_Entry, bool]]],
     retired: set[str],
     imported_up_to: dict[str, int],
+    gaps: dict[str, tuple[_Entry, str]],
 ) -> None:
     """Refuse the file when entries of a rollout, appended after what the namespace holds, would
     not fold to the source's history:
@@ -338,7 +455,9 @@ async def _refuse_out_of_order(
       also has (an import of a slice that started inside the rollout, before such a slice was
       refused), or one imported from a later position of the same source (``IMPORTED``: a slice
       imported after a gap, and now the gap);
-    - the rollout is retired in the namespace (its history is closed there).
+    - the rollout is retired in the namespace (its history is closed there);
+    - the file would continue the rollout after a gap (``_gaps``: the rollout's entry just before the
+      slice, which the export recorded in ``BEFORE``, is not in the namespace).
 
     Raises:
         InvalidInputError: Naming how many rollouts, the first one and its first entry to append.
@@ -357,6 +476,8 @@ async def _refuse_out_of_order(
             bad[rid] = (entry, "has later entries in the namespace already (an earlier import of a later slice)")
         elif not isinstance(decode_event(entry.payload()), RolloutCreated) and not await _begun(log_, rid):
             bad[rid] = (entry, "begins before this file and the namespace does not hold its beginning")
+        elif rid in gaps:
+            bad[rid] = gaps[rid]
     if bad:
         rid, (entry, why) = next(iter(bad.items()))
         raise InvalidInputError(

@@ -1,11 +1,16 @@
 """``ClaimBoard``: which attempts each runner of a ``RunnerPool`` holds, in memory its processes share.
 
-A runner writes an attempt onto its row when it claims it and wipes it once the attempt's final
-status is recorded (or refused). When a runner process dies (``kill -9``, the OOM killer, a crash
-in native code), what its rows still show are the attempts nobody will finish: the pool records
-them ``failed`` (the store's ``abandon_attempt``), so the rollouts are retried or failed by their
-``RolloutConfig`` instead of staying ``preparing`` for ever. Shared memory, not a pipe: writing
-never blocks the runner, and the pool reads it only after a death.
+A runner writes an attempt onto its row as it claims it, before the store appends the claim
+(``dequeue_rollout(on_claim=)`` names the attempt id it is about to record), and wipes it once the
+attempt's final status is recorded (or refused), or at once when the claim is not made (refused,
+or the dequeue failed). When a runner process dies (``kill -9``, the OOM killer, a crash in native
+code), what its rows still show are the attempts nobody will finish: the pool records them
+``failed`` (the store's ``abandon_attempt``), so the rollouts are retried or failed by their
+``RolloutConfig`` instead of staying ``preparing`` for ever. That includes a claim the store
+recorded in the instant before the process died, before it reached the runner; a process killed
+before the append leaves an attempt that does not exist, which ``abandon_attempts`` passes over.
+Shared memory, not a pipe: writing never blocks the runner, and the pool reads it only after a
+death.
 
 Each row has ``ENTRIES`` entries (an attempt whose status could not be recorded yet keeps its entry
 while the runner claims the next); an entry is a flag byte and ``<rollout_id> <attempt_id>``. The
@@ -21,6 +26,7 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from eventlight.core.errors import NotFoundError
 from eventlight.core.types import STATUS_REASON
 
 if TYPE_CHECKING:
@@ -97,7 +103,9 @@ class ClaimBoard:
 
 def abandon_attempts(settings: Settings, nats_url: str, held: Sequence[tuple[int, str, str]], reason: str) -> None:
     """Record each held ``(runner index, rollout_id, attempt_id)`` ``failed`` with ``reason``, unless
-    it finished (``abandon_attempt`` on a write-only store of the namespace), one log line each.
+    it finished (``abandon_attempt`` on a write-only store of the namespace), one log line each. An
+    attempt the store does not know was written on the board for a claim never appended (the
+    process died first, or the claim was refused as it died): nothing to record.
 
     Blocks up to ``ABANDON_TIMEOUT_S`` (in a thread of its own, so it may be called from one that
     runs an event loop); what it could not record is logged.
@@ -110,6 +118,9 @@ def abandon_attempts(settings: Settings, nats_url: str, held: Sequence[tuple[int
             for index, rollout_id, attempt_id in held:
                 try:
                     attempt = await store.abandon_attempt(rollout_id, attempt_id, reason)
+                except NotFoundError:
+                    log.info("runner %d: attempt %s of rollout %s was never claimed", index, attempt_id, rollout_id)
+                    continue
                 except Exception as e:
                     log.warning("runner %d: attempt %s of rollout %s: %s", index, attempt_id, rollout_id, e)
                     continue

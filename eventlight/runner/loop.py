@@ -52,7 +52,7 @@ import contextlib
 import logging
 import numbers
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -68,7 +68,13 @@ from eventlight.runner.claims import ClaimBoard
 from eventlight.runner.hooks import Hook
 from eventlight.runner.identity import system_snapshot, worker_name
 from eventlight.runner.metrics import RunnerMetrics
-from eventlight.runner.policy import _long_polls, _reads_resources_with_claims, apply_rollout_config, with_proxy_key
+from eventlight.runner.policy import (
+    _claims_before_append,
+    _long_polls,
+    _reads_resources_with_claims,
+    apply_rollout_config,
+    with_proxy_key,
+)
 from eventlight.runner.retry import Backoff, _describe, _retryable
 from eventlight.settings import proxy_token_from_env
 from eventlight.store.base import LightningStore
@@ -226,8 +232,6 @@ class LitAgentRunner:
                 backoff.reset()
                 if claimed is None:
                     continue
-                if self.claims is not None and self.worker_id is not None:
-                    self.claims.hold(self.worker_id, claimed.rollout_id, claimed.attempt.attempt_id)
                 await self._step_impl(claimed)
                 count += 1
                 if count == 1 or count % 10 == 0:
@@ -241,13 +245,48 @@ class LitAgentRunner:
         return count
 
     async def _dequeue(self, store: LightningStore) -> AttemptedRollout | None:
+        """Claim the next rollout, on the claim board (``claims``) from before the store records it
+        where the store says when (``on_claim``), else once it has."""
+        if self.claims is not None and _claims_before_append(store):
+            return await self._claim_on_board(store)
+        claimed = await self._poll(store)
+        if claimed is not None:
+            self._hold(claimed.rollout_id, claimed.attempt.attempt_id)
+        return claimed
+
+    async def _claim_on_board(self, store: LightningStore) -> AttemptedRollout | None:
+        """``dequeue_rollout`` writing each claim on the claim board before its append (``on_claim``),
+        so a process killed once the store holds the claim, before the runner hears of it, leaves it
+        there for its pool (``abandon_attempts``); a claim that was not made is wiped again."""
+        written: list[tuple[str, str]] = []  # the last claim written, until the dequeue returns
+
+        def on_claim(rollout_id: str, attempt_id: str) -> None:
+            for key in written:  # the store goes on to another claim only when that one was refused
+                self._release(*key)
+            written[:] = [(rollout_id, attempt_id)]
+            self._hold(rollout_id, attempt_id)
+
+        claimed = None
+        try:
+            claimed = await self._poll(store, on_claim=on_claim)
+            return claimed
+        finally:
+            made = None if claimed is None else (claimed.rollout_id, claimed.attempt.attempt_id)
+            for key in written:
+                if key != made:  # refused, or the dequeue failed (a cancelled claim the store settles)
+                    self._release(*key)
+
+    async def _poll(
+        self, store: LightningStore, on_claim: Callable[[str, str], None] | None = None
+    ) -> AttemptedRollout | None:
+        told: dict[str, Any] = {} if on_claim is None else {"on_claim": on_claim}
         if _reads_resources_with_claims(store):  # eventlight's store: the resources read with the claim
             return await store.dequeue_rollout(  # type: ignore[call-arg]
-                worker_id=self.get_worker_id(), wait_s=self.poll_interval, read_resources=True
+                worker_id=self.get_worker_id(), wait_s=self.poll_interval, read_resources=True, **told
             )
         if _long_polls(store):
-            return await store.dequeue_rollout(worker_id=self.get_worker_id(), wait_s=self.poll_interval)  # type: ignore[call-arg]
-        claimed = await store.dequeue_rollout(worker_id=self.get_worker_id())
+            return await store.dequeue_rollout(worker_id=self.get_worker_id(), wait_s=self.poll_interval, **told)  # type: ignore[call-arg]
+        claimed = await store.dequeue_rollout(worker_id=self.get_worker_id(), **told)
         if claimed is None:
             await asyncio.sleep(self.poll_interval)
         return claimed
@@ -464,6 +503,11 @@ class LitAgentRunner:
                 self._unrecorded[(rid, aid)] = (status, metadata)
                 return
         self._release(rid, aid)
+
+    def _hold(self, rid: str, aid: str) -> None:
+        """Write the attempt on the claim board: the pool records it ``failed`` if this process dies."""
+        if self.claims is not None and self.worker_id is not None:
+            self.claims.hold(self.worker_id, rid, aid)
 
     def _release(self, rid: str, aid: str) -> None:
         """Wipe the attempt from the claim board: its status is recorded (or refused for good)."""

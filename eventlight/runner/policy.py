@@ -66,6 +66,12 @@ def _reads_resources_with_claims(store: LightningStore) -> bool:
     return _dequeue_takes(cls, "read_resources") and hasattr(cls, "claimed_resources")
 
 
+def _claims_before_append(store: LightningStore) -> bool:
+    """Whether the store's ``dequeue_rollout`` tells its caller of a claim before appending it
+    (``on_claim``), so a runner can put it on its claim board first."""
+    return _dequeue_takes(_dequeue_of(store), "on_claim")
+
+
 def with_proxy_key(resource: Any, token: str) -> Any:
     """``resource`` with ``api_key=token`` when it is a ``ProxyLLM`` (a copy: the stored one is shared)."""
     return msgspec.structs.replace(resource, api_key=token) if isinstance(resource, ProxyLLM) else resource

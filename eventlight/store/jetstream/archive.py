@@ -218,6 +218,47 @@ async def direct_range(
             await inbox.unsubscribe()
 
 
+MULTI_LAST_FILTERS = 64
+"""Subject filters per ``multi_last`` direct get (each ``r.<rid>.>`` answers up to two subjects)."""
+
+
+async def direct_last(
+    log: JetStreamEventLog, filters: list[str], up_to_seq: int, per_request: int = MULTI_LAST_FILTERS
+) -> AsyncGenerator[tuple[int, str, bytes]]:
+    """The hot stream's last message on each subject that ``filters`` match, at or before
+    ``up_to_seq``, as ``(sequence, subject, payload)``: direct gets with ``multi_last`` +
+    ``up_to_seq`` (nats-server >= 2.11), ``per_request`` filters each, every one answered by the
+    messages found and an end-of-batch status (404: none).
+
+    Raises:
+        ServiceUnavailableError: NATS did not answer, or answered an error status.
+    """
+    nc = log.nc
+    api = f"$JS.API.DIRECT.GET.{log.stream}"
+    inbox = await nc.subscribe(nc.new_inbox())
+    try:
+        for i in range(0, len(filters), per_request):
+            request = msgspec.json.encode({"multi_last": filters[i : i + per_request], "up_to_seq": up_to_seq})
+            with nats_errors(log.server, "reading the last messages before a position"):
+                await nc.publish(api, request, reply=inbox.subject)
+                while True:
+                    base = cancels()
+                    msg = await inbox.next_msg(timeout=SCAN_IDLE_S)
+                    raise_if_cancelled(base)  # a cancel nats-py's wait_for swallowed
+                    headers = msg.headers or {}
+                    status = headers.get("Status")
+                    if status in ("404", "204"):  # none found / the end of this answer
+                        break
+                    if status is not None:
+                        raise ServiceUnavailableError(log.server(), f"direct get of {filters[i]}… answered {headers}")
+                    yield int(headers["Nats-Sequence"]), headers["Nats-Subject"], msg.data
+    except TimeoutError as e:
+        raise ServiceUnavailableError(log.server(), f"no answer for {SCAN_IDLE_S:g} s reading last messages") from e
+    finally:
+        with contextlib.suppress(Exception):
+            await inbox.unsubscribe()
+
+
 async def _merge(
     a: AsyncIterator[tuple[int, str, bytes]], b: AsyncIterator[tuple[int, str, bytes]]
 ) -> AsyncIterator[tuple[int, str, bytes]]:

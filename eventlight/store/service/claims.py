@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 
 from eventlight.core import commands as c
 from eventlight.core.errors import (
@@ -68,7 +69,12 @@ class Claims(StorePlumbing):
 
     @store_call
     async def dequeue_rollout(
-        self, worker_id: str | None = None, *, wait_s: float = 0.0, read_resources: bool = False
+        self,
+        worker_id: str | None = None,
+        *,
+        wait_s: float = 0.0,
+        read_resources: bool = False,
+        on_claim: Callable[[str, str], object] | None = None,
     ) -> AttemptedRollout | None:
         """Claim the oldest queued rollout.
 
@@ -85,6 +91,11 @@ class Claims(StorePlumbing):
                 leave in one write, and the runner waits one round trip less (eventlight extension;
                 ``LitAgentRunner`` sets it). ``claimed_resources`` hands them over. The read is
                 made while the claim is appended: it shows the resources as of the claim.
+            on_claim: Called with ``(rollout_id, attempt_id)`` of each claim just before its append
+                (eventlight extension): a runner of a ``RunnerPool`` writes it on its claim board
+                there, so a process killed once the claim is stored, before this call returns,
+                leaves it on the board. A claim that is refused (the rollout was claimed or
+                cancelled meanwhile) is not made: its attempt never exists.
 
         Raises:
             InvalidInputError: ``worker_id`` is not a token, or ``wait_s`` is not from 0 to
@@ -111,7 +122,7 @@ class Claims(StorePlumbing):
                 await item.nak(0.0)
                 return None
             if item is not None:
-                claimed = await self._claim(item, worker_id, read_resources)
+                claimed = await self._claim(item, worker_id, read_resources, on_claim)
                 if claimed is not None:
                     if worker_id is not None:
                         self._idle_marks.pop(worker_id, None)
@@ -120,7 +131,9 @@ class Claims(StorePlumbing):
                 await self._mark_idle(worker_id)
                 return None
 
-    async def _claim(self, item: Queued, worker_id: str | None, read_resources: bool) -> AttemptedRollout | None:
+    async def _claim(
+        self, item: Queued, worker_id: str | None, read_resources: bool, on_claim: Callable[[str, str], object] | None
+    ) -> AttemptedRollout | None:
         """Claim a queue entry: append ``AttemptStarted`` expecting the rollout's version; an entry
         whose rollout left ``queuing``/``requeuing`` since is acknowledged and skipped. With
         ``read_resources``, the resources the entry names are read concurrently (``claimed_resources``)."""
@@ -132,6 +145,8 @@ class Claims(StorePlumbing):
             # Scheduled before the append, so on JetStream its request leaves with the claim's publish.
             read = asyncio.ensure_future(self._resources_for(named))
             read.add_done_callback(mark_seen)
+        if on_claim is not None:
+            on_claim(item.rollout_id, cmd.attempt_id)
         claim = asyncio.ensure_future(self._loop.execute(item.rollout_id, cmd, hint=hint, max_tries=3))
         # Registered until the caller has its answer: a caller cancelled mid-claim (``wait_for``, a
         # runner shutting down) may have had its append stored already; its claim is then settled
