@@ -250,11 +250,22 @@ async def test_a_closed_jetstream_store_refuses_the_watchdog(namespace: Settings
         await store.run_watchdog()
 
 
+async def test_the_health_probe_of_a_closed_jetstream_store_names_it_closed(namespace: Settings) -> None:
+    """``dependencies_down`` (what ``/v1/agl/health`` asks) answers after ``close()`` instead of
+    refusing the call: NATS is named, the store being closed."""
+    store = await JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn).start()
+    assert await store.dependencies_down(1.0) == {}
+    await store.close()
+    down = await store.dependencies_down(1.0)
+    assert "closed" in down["nats"]
+
+
 @pytest.mark.parametrize("cls", [InMemoryLightningStore, JetStreamLightningStore])
 def test_every_public_store_method_is_a_call_close_waits_for(cls: type) -> None:
     """Each public coroutine method of a store is counted by ``close`` (``store_call``), or
-    delegates to one that is (the base class's conveniences), or is a lifecycle method."""
-    lifecycle = {"start", "close", "__aenter__", "__aexit__", "sync_all"}
+    delegates to one that is (the base class's conveniences), or is a lifecycle method. The health
+    probe (``dependencies_down``) answers while the store closes, naming it closed, and is not counted."""
+    lifecycle = {"start", "close", "__aenter__", "__aexit__", "sync_all", "dependencies_down"}
     delegating = {"dequeue_many_rollouts", "add_span", "add_otel_span", "get_next_span_sequence_id"}
     uncounted = []
     for name in dir(cls):
