@@ -195,17 +195,11 @@ async def direct_range(
                 await nc.publish(api, request, reply=inbox.subject)
                 got = 0
                 while True:
-                    base = cancels()
-                    msg = await inbox.next_msg(timeout=SCAN_IDLE_S)
-                    raise_if_cancelled(base)  # a cancel nats-py's wait_for swallowed
-                    headers = msg.headers or {}
-                    status = headers.get("Status")
+                    status, headers, msg = await _next_answer(log, inbox, subject)
                     if status == "404":
                         return  # nothing more on the subject
                     if status == "204":  # end of this batch
                         break
-                    if status is not None:
-                        raise ServiceUnavailableError(log.server(), f"direct get of {subject} answered {headers}")
                     seq = int(headers["Nats-Sequence"])
                     got += 1
                     yield seq, headers["Nats-Subject"], msg.data
@@ -216,6 +210,24 @@ async def direct_range(
     finally:
         with contextlib.suppress(Exception):
             await inbox.unsubscribe()
+
+
+async def _next_answer(log: JetStreamEventLog, inbox: Any, what: str) -> tuple[str | None, dict[str, str], Any]:
+    """The next message of a direct get's answer on ``inbox``, with its status: ``None`` for a
+    stored message, ``"204"`` at the end of a batch, ``"404"`` when nothing (more) matches.
+
+    Raises:
+        ServiceUnavailableError: Another status (named with ``what``, the subject asked for).
+        TimeoutError: No message within ``SCAN_IDLE_S``.
+    """
+    base = cancels()
+    msg = await inbox.next_msg(timeout=SCAN_IDLE_S)
+    raise_if_cancelled(base)  # a cancel nats-py's wait_for swallowed
+    headers = msg.headers or {}
+    status = headers.get("Status")
+    if status not in (None, "404", "204"):
+        raise ServiceUnavailableError(log.server(), f"direct get of {what} answered {headers}")
+    return status, headers, msg
 
 
 MULTI_LAST_FILTERS = 64
@@ -242,15 +254,9 @@ async def direct_last(
             with nats_errors(log.server, "reading the last messages before a position"):
                 await nc.publish(api, request, reply=inbox.subject)
                 while True:
-                    base = cancels()
-                    msg = await inbox.next_msg(timeout=SCAN_IDLE_S)
-                    raise_if_cancelled(base)  # a cancel nats-py's wait_for swallowed
-                    headers = msg.headers or {}
-                    status = headers.get("Status")
-                    if status in ("404", "204"):  # none found / the end of this answer
+                    status, headers, msg = await _next_answer(log, inbox, f"{filters[i]}…")
+                    if status is not None:  # none found / the end of this answer
                         break
-                    if status is not None:
-                        raise ServiceUnavailableError(log.server(), f"direct get of {filters[i]}… answered {headers}")
                     yield int(headers["Nats-Sequence"]), headers["Nats-Subject"], msg.data
     except TimeoutError as e:
         raise ServiceUnavailableError(log.server(), f"no answer for {SCAN_IDLE_S:g} s reading last messages") from e
