@@ -539,6 +539,37 @@ async def test_bad_request_bodies_get_json_errors() -> None:
             assert r.status_code == 400 and "unknown-model" in r.json()["error"]["message"]
 
 
+async def test_wrong_field_types_get_400_forward_nothing_and_leave_health_alone() -> None:
+    # LiteLLM fails on these before sending, as a 502 "cannot reach the upstream" that counted as a
+    # backend failure (a client bug could trip the Trainer's LLM health) and burnt an error span.
+    store = InMemoryLightningStore()
+    stub = ScriptedLLM(responses="x")
+    async with stub as url, running_proxy(url, store) as proxy:
+        rollout = await store.start_rollout(input={})
+        base = proxy.as_resource().get_base_url(rollout.rollout_id, rollout.attempt.attempt_id)
+        hi = [{"role": "user", "content": "hi"}]
+        cases = [
+            ({"model": 5, "messages": hi}, "model"),
+            ({"model": ["a"], "messages": hi}, "model"),
+            ({"model": MODEL, "messages": ["hi"]}, "messages"),
+            ({"model": MODEL, "messages": [*hi, None]}, "messages"),
+            ({"model": MODEL, "messages": hi, "stream": "false"}, "stream"),
+            ({"model": MODEL, "messages": hi, "stream": True, "stream_options": "yes"}, "stream_options"),
+            ({"model": MODEL, "messages": hi, "stream": True, "stream_options": ["include_usage"]}, "stream_options"),
+        ]
+        async with httpx.AsyncClient() as http:
+            for body, param in cases:
+                r = await http.post(f"{base}/chat/completions", json=body)
+                assert r.status_code == 400, (body, r.text)
+                assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["param"] == param
+                r = await http.post(f"{base}/messages", json={**body, "max_tokens": 5})
+                assert r.status_code == 400, (body, r.text)
+                assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
+        assert stub.requests == []
+        assert await spans_of(store, rollout.rollout_id) == []
+        assert proxy.health.calls == 0
+
+
 async def test_internal_failure_answers_json_500(monkeypatch: pytest.MonkeyPatch) -> None:
     import eventlight.llm_proxy.span_attributes as module
 

@@ -141,6 +141,22 @@ class ChatRoutes(Forwarding):
             return CallError(
                 400, "invalid_request_error", "request body must be a JSON object with a 'messages' list", "messages"
             )
+        # Checked here, not by LiteLLM: it fails on these before sending, as a 502 that counts as a backend failure.
+        wrong = next((i for i, m in enumerate(body["messages"]) if not isinstance(m, dict)), None)
+        if wrong is not None:
+            got = type(body["messages"][wrong]).__name__
+            return CallError(
+                400, "invalid_request_error", f"messages[{wrong}] must be an object, got {got}", "messages"
+            )
+        for key, kind, what in (
+            ("model", str, "a string"),
+            ("stream", bool, "a boolean"),
+            ("stream_options", dict, "an object"),
+        ):
+            value = body.get(key)
+            if value is not None and not isinstance(value, kind):
+                message = f"'{key}' must be {what}, got {type(value).__name__} {json.dumps(value)[:80]}"
+                return CallError(400, "invalid_request_error", message, key)
         if not body.get("model"):
             names = {e["model_name"] for e in self._model_list}
             if len(names) != 1:
