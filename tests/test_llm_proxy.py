@@ -619,6 +619,42 @@ def test_as_resource_model_resolution_and_routing() -> None:
     assert isinstance(LLMProxy().port, int)
 
 
+async def test_stop_cutting_a_call_short_records_it_as_an_error_span(monkeypatch: pytest.MonkeyPatch) -> None:
+    # stop() gives requests in flight a grace period, then uvicorn cancels them; the cancelled call had
+    # its sequence id and left no span at all (the call vanished from the attempt's trace).
+    import eventlight.llm_proxy.server as server_module
+
+    monkeypatch.setattr(server_module, "_SHUTDOWN_TIMEOUT_S", 1.0)
+    store = InMemoryLightningStore()
+    arrived = asyncio.Event()
+
+    def script(messages: list[dict[str, Any]], request: dict[str, Any]) -> Reply:
+        arrived.set()
+        return Reply(content="late", delay_s=4)
+
+    stub = ScriptedLLM(responses=script)
+    async with stub as url:
+        proxy = LLMProxy(model_list=model_list(url), store=store)
+        await proxy.start()
+        rollout = await store.start_rollout(input={})
+        base = proxy.as_resource().get_base_url(rollout.rollout_id, rollout.attempt.attempt_id)
+        async with httpx.AsyncClient(timeout=30) as http:
+            call = asyncio.create_task(
+                http.post(
+                    f"{base}/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+                )
+            )
+            await asyncio.wait_for(arrived.wait(), 10)
+            await proxy.stop()
+            r = await call
+        assert r.status_code >= 500
+        (span,) = await spans_of(store, rollout.rollout_id)
+        assert span.sequence_id == 1 and span.status.status_code == "ERROR"
+        assert span.attributes["error.type"] == "Cancelled" and span.attributes["http.status_code"] == 503
+        assert "stopped" in (span.status.description or "")
+        assert span.attributes["gen_ai.prompt.0.content"] == "hi"
+
+
 async def test_lifecycle_stop_is_idempotent_and_restart_keeps_the_port() -> None:
     store = InMemoryLightningStore()
     async with ScriptedLLM(responses="hi") as url:

@@ -240,7 +240,23 @@ class ChatRoutes(Forwarding):
         try:
             completion, provider = await self._forward(body)
             system = provider or system
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # stop() ran out of patience: the sequence id is spent, record why
+            if store is not None and rollout_id is not None and attempt_id is not None:
+                message = "the call was cancelled before the upstream answered (the LLM proxy stopped)"
+                cancelled = {"type": "Cancelled", "status_code": 503, "message": message}
+                span = make_span(
+                    body,
+                    None,
+                    cancelled,
+                    system=system,
+                    streaming=streaming,
+                    rollout_id=rollout_id,
+                    attempt_id=attempt_id,
+                    sequence_id=sequence_id,
+                    start_time=start_time,
+                    route=route,
+                )
+                self._record_soon(store, span)  # stop() waits for it
             raise
         except Exception as exc:
             status, err_type, message = upstream_error(exc)
