@@ -539,6 +539,35 @@ async def test_bad_request_bodies_get_json_errors() -> None:
             assert r.status_code == 400 and "unknown-model" in r.json()["error"]["message"]
 
 
+async def test_nan_and_lone_surrogates_get_400_not_an_unrecorded_500() -> None:
+    # Python's json takes NaN / Infinity and a lone "\\ud800"; LiteLLM then failed to send them (500,
+    # counted as a backend failure) and the store refused the span (the call left no trace).
+    store = InMemoryLightningStore()
+    stub = ScriptedLLM(responses="x")
+    async with stub as url, running_proxy(url, store) as proxy:
+        rollout = await store.start_rollout(input={})
+        base = proxy.as_resource().get_base_url(rollout.rollout_id, rollout.attempt.attempt_id)
+        head = b'{"model": "stub-model", "messages": [{"role": "user", "content": '
+        bodies = [
+            head + b'"a\\ud800b"}]}',
+            head + b'"a\\uDC00"}]}',
+            head + b'"x"}], "temperature": NaN}',
+            head + b'"x", "extra": -Infinity}]}',
+        ]
+        async with httpx.AsyncClient() as http:
+            for body in bodies:
+                r = await http.post(f"{base}/chat/completions", content=body)
+                assert r.status_code == 400, (body, r.text)
+                assert r.json()["error"]["type"] == "invalid_request_error"
+            ok = head + b'"\\ud83d\\ude00 \\u00e9"}]}'  # a surrogate pair is text
+            r = await http.post(f"{base}/chat/completions", content=ok)
+            assert r.status_code == 200, r.text
+        assert [m["messages"][0]["content"] for m in stub.requests] == ["\U0001f600 \u00e9"]
+        assert proxy.health.calls == 1
+        (span,) = await spans_of(store, rollout.rollout_id)
+        assert span.status.status_code == "OK"
+
+
 async def test_wrong_field_types_get_400_forward_nothing_and_leave_health_alone() -> None:
     # LiteLLM fails on these before sending, as a 502 "cannot reach the upstream" that counted as a
     # backend failure (a client bug could trip the Trainer's LLM health) and burnt an error span.

@@ -17,9 +17,10 @@ Routes:
   forwards with ``stream`` forced off upstream, and publishes exactly ONE span named
   ``openai.chat.completion`` per call, successful or not (an upstream error gives status ``ERROR``
   with ``error.type``, ``http.status_code`` and ``error.message``; the client gets the upstream
-  status and an OpenAI-style error body). A body that is not a JSON object with a ``messages`` list
-  of objects, or whose ``model`` / ``stream`` / ``stream_options`` has the wrong type, answers 400
-  and is neither forwarded, recorded nor counted towards ``health``.
+  status and an OpenAI-style error body). A body that is not strict JSON (``NaN``, ``Infinity``, a
+  lone ``\\ud800`` escape), not an object with a ``messages`` list of objects, or whose ``model`` /
+  ``stream`` / ``stream_options`` has the wrong type answers 400 and is neither forwarded, recorded
+  nor counted towards ``health``.
 * ``POST /rollout/{rollout_id}/attempt/{attempt_id}/v1/messages``: Anthropic's Messages API,
   translated by LiteLLM's adapter to a chat completion and recorded the same way, with
   ``eventlight.llm_proxy.route = "anthropic.messages"`` (``anthropic_messages``); ``POST /v1/messages``

@@ -32,6 +32,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def _refuse_constant(name: str) -> Any:
+    """``json.loads``' hook for ``NaN`` / ``Infinity`` / ``-Infinity``, which JSON does not have."""
+    raise ValueError(f"{name} is not a JSON value")
+
+
 class ChatRoutes(Forwarding):
     """The FastAPI app: chat completions (routed and unrouted), models, health, metrics."""
 
@@ -133,9 +138,12 @@ class ChatRoutes(Forwarding):
 
     async def _read_body(self, request: Request) -> dict[str, Any] | CallError:
         """The request's JSON object with a ``messages`` list and a ``model`` (the only one, if left out)."""
+        raw = await request.body()
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            body = json.loads(raw, parse_constant=_refuse_constant)
+            if b"\\ud" in raw.lower():  # an escaped surrogate: a lone one is no text (nor storable in a span)
+                json.dumps(body, ensure_ascii=False).encode()
+        except (json.JSONDecodeError, UnicodeError, ValueError) as exc:
             return CallError(400, "invalid_request_error", f"request body is not JSON: {exc}")
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
             return CallError(
