@@ -599,6 +599,32 @@ async def test_wrong_field_types_get_400_forward_nothing_and_leave_health_alone(
         assert proxy.health.calls == 0
 
 
+@pytest.mark.filterwarnings("ignore:Sending a large body:ResourceWarning")  # aiohttp, under LiteLLM
+async def test_a_call_too_large_for_one_event_is_recorded_with_its_largest_texts_left_off() -> None:
+    # A 5 MB prompt (an image, a document) is held twice by the span (flattened and as
+    # gen_ai.input.messages): over the 8 MiB an event holds, the store refused the span and the
+    # client's successful call left no span at all.
+    store = InMemoryLightningStore()
+    big = "x" * 5_000_000
+    async with ScriptedLLM(responses="seen it") as url, running_proxy(url, store) as proxy:
+        rollout = await store.start_rollout(input={})
+        client = client_for(proxy.as_resource().get_base_url(rollout.rollout_id, rollout.attempt.attempt_id))
+        messages: Any = [{"role": "system", "content": "look"}, {"role": "user", "content": big}]
+        resp = await client.chat.completions.create(model=MODEL, messages=messages)
+        await client.close()
+        assert resp.choices[0].message.content == "seen it"
+        (span,) = await spans_of(store, rollout.rollout_id)
+    a = span.attributes
+    assert span.status.status_code == "OK"
+    omitted = a["eventlight.llm_proxy.omitted_attributes"]
+    assert omitted and set(omitted) <= {"gen_ai.prompt.1.content", "gen_ai.input.messages"}
+    assert not set(omitted) & set(a)
+    assert len(msgspec.json.encode(span)) < 8 * 1024 * 1024
+    assert a["gen_ai.prompt.0.content"] == "look" and a["gen_ai.completion.0.content"] == "seen it"
+    assert a["prompt_token_ids"] and a["response_token_ids"] == toy_tokenize("seen it")
+    check_legal_attributes(a)
+
+
 async def test_internal_failure_answers_json_500(monkeypatch: pytest.MonkeyPatch) -> None:
     import eventlight.llm_proxy.span_attributes as module
 

@@ -37,8 +37,9 @@ writes them (``gen_ai.prompt.{i}.role``, ``gen_ai.completion.{i}.content``, ...)
 ``prompt_token_ids`` / ``response_token_ids`` when the backend returns them (vLLM
 ``return_token_ids``, wherever LiteLLM placed them: ``token_ids``), ``eventlight.token_ids.missing``
 naming those a successful answer lacked, and ``token_ids_incomplete=True`` when the ids do not
-match ``usage`` (peer failure C14). Resource attributes: ``agentlightning.rollout_id``,
-``agentlightning.attempt_id``, ``agentlightning.span_sequence_id``.
+match ``usage`` (peer failure C14). A span too large for one event (a prompt with big images) is
+recorded without its largest texts, named in ``eventlight.llm_proxy.omitted_attributes``. Resource
+attributes: ``agentlightning.rollout_id``, ``agentlightning.attempt_id``, ``agentlightning.span_sequence_id``.
 
 Differences from Agent-lightning 0.3: one launch mode (asyncio, in-process; the event loop must stay
 responsive — a blocking algorithm stalls the proxy); ``update_model_list`` takes effect at once on a
