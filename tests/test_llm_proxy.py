@@ -539,6 +539,92 @@ async def test_bad_request_bodies_get_json_errors() -> None:
             assert r.status_code == 400 and "unknown-model" in r.json()["error"]["message"]
 
 
+async def test_nan_and_lone_surrogates_get_400_not_an_unrecorded_500() -> None:
+    # Python's json takes NaN / Infinity and a lone "\\ud800"; LiteLLM then failed to send them (500,
+    # counted as a backend failure) and the store refused the span (the call left no trace).
+    store = InMemoryLightningStore()
+    stub = ScriptedLLM(responses="x")
+    async with stub as url, running_proxy(url, store) as proxy:
+        rollout = await store.start_rollout(input={})
+        base = proxy.as_resource().get_base_url(rollout.rollout_id, rollout.attempt.attempt_id)
+        head = b'{"model": "stub-model", "messages": [{"role": "user", "content": '
+        bodies = [
+            head + b'"a\\ud800b"}]}',
+            head + b'"a\\uDC00"}]}',
+            head + b'"x"}], "temperature": NaN}',
+            head + b'"x", "extra": -Infinity}]}',
+        ]
+        async with httpx.AsyncClient() as http:
+            for body in bodies:
+                r = await http.post(f"{base}/chat/completions", content=body)
+                assert r.status_code == 400, (body, r.text)
+                assert r.json()["error"]["type"] == "invalid_request_error"
+            ok = head + b'"\\ud83d\\ude00 \\u00e9"}]}'  # a surrogate pair is text
+            r = await http.post(f"{base}/chat/completions", content=ok)
+            assert r.status_code == 200, r.text
+        assert [m["messages"][0]["content"] for m in stub.requests] == ["\U0001f600 \u00e9"]
+        assert proxy.health.calls == 1
+        (span,) = await spans_of(store, rollout.rollout_id)
+        assert span.status.status_code == "OK"
+
+
+async def test_wrong_field_types_get_400_forward_nothing_and_leave_health_alone() -> None:
+    # LiteLLM fails on these before sending, as a 502 "cannot reach the upstream" that counted as a
+    # backend failure (a client bug could trip the Trainer's LLM health) and burnt an error span.
+    store = InMemoryLightningStore()
+    stub = ScriptedLLM(responses="x")
+    async with stub as url, running_proxy(url, store) as proxy:
+        rollout = await store.start_rollout(input={})
+        base = proxy.as_resource().get_base_url(rollout.rollout_id, rollout.attempt.attempt_id)
+        hi = [{"role": "user", "content": "hi"}]
+        cases = [
+            ({"model": 5, "messages": hi}, "model"),
+            ({"model": ["a"], "messages": hi}, "model"),
+            ({"model": MODEL, "messages": ["hi"]}, "messages"),
+            ({"model": MODEL, "messages": [*hi, None]}, "messages"),
+            ({"model": MODEL, "messages": hi, "stream": "false"}, "stream"),
+            ({"model": MODEL, "messages": hi, "stream": True, "stream_options": "yes"}, "stream_options"),
+            ({"model": MODEL, "messages": hi, "stream": True, "stream_options": ["include_usage"]}, "stream_options"),
+        ]
+        async with httpx.AsyncClient() as http:
+            for body, param in cases:
+                r = await http.post(f"{base}/chat/completions", json=body)
+                assert r.status_code == 400, (body, r.text)
+                assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["param"] == param
+                r = await http.post(f"{base}/messages", json={**body, "max_tokens": 5})
+                assert r.status_code == 400, (body, r.text)
+                assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
+        assert stub.requests == []
+        assert await spans_of(store, rollout.rollout_id) == []
+        assert proxy.health.calls == 0
+
+
+@pytest.mark.filterwarnings("ignore:Sending a large body:ResourceWarning")  # aiohttp, under LiteLLM
+async def test_a_call_too_large_for_one_event_is_recorded_with_its_largest_texts_left_off() -> None:
+    # A 5 MB prompt (an image, a document) is held twice by the span (flattened and as
+    # gen_ai.input.messages): over the 8 MiB an event holds, the store refused the span and the
+    # client's successful call left no span at all.
+    store = InMemoryLightningStore()
+    big = "x" * 5_000_000
+    async with ScriptedLLM(responses="seen it") as url, running_proxy(url, store) as proxy:
+        rollout = await store.start_rollout(input={})
+        client = client_for(proxy.as_resource().get_base_url(rollout.rollout_id, rollout.attempt.attempt_id))
+        messages: Any = [{"role": "system", "content": "look"}, {"role": "user", "content": big}]
+        resp = await client.chat.completions.create(model=MODEL, messages=messages)
+        await client.close()
+        assert resp.choices[0].message.content == "seen it"
+        (span,) = await spans_of(store, rollout.rollout_id)
+    a = span.attributes
+    assert span.status.status_code == "OK"
+    omitted = a["eventlight.llm_proxy.omitted_attributes"]
+    assert omitted and set(omitted) <= {"gen_ai.prompt.1.content", "gen_ai.input.messages"}
+    assert not set(omitted) & set(a)
+    assert len(msgspec.json.encode(span)) < 8 * 1024 * 1024
+    assert a["gen_ai.prompt.0.content"] == "look" and a["gen_ai.completion.0.content"] == "seen it"
+    assert a["prompt_token_ids"] and a["response_token_ids"] == toy_tokenize("seen it")
+    check_legal_attributes(a)
+
+
 async def test_internal_failure_answers_json_500(monkeypatch: pytest.MonkeyPatch) -> None:
     import eventlight.llm_proxy.span_attributes as module
 
@@ -586,6 +672,42 @@ def test_as_resource_model_resolution_and_routing() -> None:
     with pytest.raises(ValueError):
         LLMProxy(model_list=[{"model_name": "m"}])
     assert isinstance(LLMProxy().port, int)
+
+
+async def test_stop_cutting_a_call_short_records_it_as_an_error_span(monkeypatch: pytest.MonkeyPatch) -> None:
+    # stop() gives requests in flight a grace period, then uvicorn cancels them; the cancelled call had
+    # its sequence id and left no span at all (the call vanished from the attempt's trace).
+    import eventlight.llm_proxy.server as server_module
+
+    monkeypatch.setattr(server_module, "_SHUTDOWN_TIMEOUT_S", 1.0)
+    store = InMemoryLightningStore()
+    arrived = asyncio.Event()
+
+    def script(messages: list[dict[str, Any]], request: dict[str, Any]) -> Reply:
+        arrived.set()
+        return Reply(content="late", delay_s=4)
+
+    stub = ScriptedLLM(responses=script)
+    async with stub as url:
+        proxy = LLMProxy(model_list=model_list(url), store=store)
+        await proxy.start()
+        rollout = await store.start_rollout(input={})
+        base = proxy.as_resource().get_base_url(rollout.rollout_id, rollout.attempt.attempt_id)
+        async with httpx.AsyncClient(timeout=30) as http:
+            call = asyncio.create_task(
+                http.post(
+                    f"{base}/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+                )
+            )
+            await asyncio.wait_for(arrived.wait(), 10)
+            await proxy.stop()
+            r = await call
+        assert r.status_code >= 500
+        (span,) = await spans_of(store, rollout.rollout_id)
+        assert span.sequence_id == 1 and span.status.status_code == "ERROR"
+        assert span.attributes["error.type"] == "Cancelled" and span.attributes["http.status_code"] == 503
+        assert "stopped" in (span.status.description or "")
+        assert span.attributes["gen_ai.prompt.0.content"] == "hi"
 
 
 async def test_lifecycle_stop_is_idempotent_and_restart_keeps_the_port() -> None:

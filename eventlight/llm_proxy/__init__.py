@@ -17,7 +17,10 @@ Routes:
   forwards with ``stream`` forced off upstream, and publishes exactly ONE span named
   ``openai.chat.completion`` per call, successful or not (an upstream error gives status ``ERROR``
   with ``error.type``, ``http.status_code`` and ``error.message``; the client gets the upstream
-  status and an OpenAI-style error body).
+  status and an OpenAI-style error body). A body that is not strict JSON (``NaN``, ``Infinity``, a
+  lone ``\\ud800`` escape), not an object with a ``messages`` list of objects, or whose ``model`` /
+  ``stream`` / ``stream_options`` has the wrong type answers 400 and is neither forwarded, recorded
+  nor counted towards ``health``.
 * ``POST /rollout/{rollout_id}/attempt/{attempt_id}/v1/messages``: Anthropic's Messages API,
   translated by LiteLLM's adapter to a chat completion and recorded the same way, with
   ``eventlight.llm_proxy.route = "anthropic.messages"`` (``anthropic_messages``); ``POST /v1/messages``
@@ -34,8 +37,9 @@ writes them (``gen_ai.prompt.{i}.role``, ``gen_ai.completion.{i}.content``, ...)
 ``prompt_token_ids`` / ``response_token_ids`` when the backend returns them (vLLM
 ``return_token_ids``, wherever LiteLLM placed them: ``token_ids``), ``eventlight.token_ids.missing``
 naming those a successful answer lacked, and ``token_ids_incomplete=True`` when the ids do not
-match ``usage`` (peer failure C14). Resource attributes: ``agentlightning.rollout_id``,
-``agentlightning.attempt_id``, ``agentlightning.span_sequence_id``.
+match ``usage`` (peer failure C14). A span too large for one event (a prompt with big images) is
+recorded without its largest texts, named in ``eventlight.llm_proxy.omitted_attributes``. Resource
+attributes: ``agentlightning.rollout_id``, ``agentlightning.attempt_id``, ``agentlightning.span_sequence_id``.
 
 Differences from Agent-lightning 0.3: one launch mode (asyncio, in-process; the event loop must stay
 responsive — a blocking algorithm stalls the proxy); ``update_model_list`` takes effect at once on a

@@ -118,11 +118,16 @@ class Forwarding:
                 span.sequence_id,
             )
 
-    async def _record(self, store: LightningStore, span: Span) -> None:
-        """Publish ``span``; wait at most 5 s (publication continues in the background after that)."""
+    def _record_soon(self, store: LightningStore, span: Span) -> asyncio.Task[None]:
+        """Publish ``span`` in the background (``stop()`` waits for it)."""
         task = asyncio.create_task(self._publish(store, span), name=f"llm-proxy-span:{span.span_id}")
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
+        return task
+
+    async def _record(self, store: LightningStore, span: Span) -> None:
+        """Publish ``span``; wait at most 5 s (publication continues in the background after that)."""
+        task = self._record_soon(store, span)
         try:
             await asyncio.wait_for(asyncio.shield(task), _SPAN_WAIT_S)
         except TimeoutError:

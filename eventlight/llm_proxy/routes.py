@@ -32,6 +32,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def _refuse_constant(name: str) -> Any:
+    """``json.loads``' hook for ``NaN`` / ``Infinity`` / ``-Infinity``, which JSON does not have."""
+    raise ValueError(f"{name} is not a JSON value")
+
+
 class ChatRoutes(Forwarding):
     """The FastAPI app: chat completions (routed and unrouted), models, health, metrics."""
 
@@ -133,14 +138,33 @@ class ChatRoutes(Forwarding):
 
     async def _read_body(self, request: Request) -> dict[str, Any] | CallError:
         """The request's JSON object with a ``messages`` list and a ``model`` (the only one, if left out)."""
+        raw = await request.body()
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            body = json.loads(raw, parse_constant=_refuse_constant)
+            if b"\\ud" in raw.lower():  # an escaped surrogate: a lone one is no text (nor storable in a span)
+                json.dumps(body, ensure_ascii=False).encode()
+        except (json.JSONDecodeError, UnicodeError, ValueError) as exc:
             return CallError(400, "invalid_request_error", f"request body is not JSON: {exc}")
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
             return CallError(
                 400, "invalid_request_error", "request body must be a JSON object with a 'messages' list", "messages"
             )
+        # Checked here, not by LiteLLM: it fails on these before sending, as a 502 that counts as a backend failure.
+        wrong = next((i for i, m in enumerate(body["messages"]) if not isinstance(m, dict)), None)
+        if wrong is not None:
+            got = type(body["messages"][wrong]).__name__
+            return CallError(
+                400, "invalid_request_error", f"messages[{wrong}] must be an object, got {got}", "messages"
+            )
+        for key, kind, what in (
+            ("model", str, "a string"),
+            ("stream", bool, "a boolean"),
+            ("stream_options", dict, "an object"),
+        ):
+            value = body.get(key)
+            if value is not None and not isinstance(value, kind):
+                message = f"'{key}' must be {what}, got {type(value).__name__} {json.dumps(value)[:80]}"
+                return CallError(400, "invalid_request_error", message, key)
         if not body.get("model"):
             names = {e["model_name"] for e in self._model_list}
             if len(names) != 1:
@@ -224,7 +248,23 @@ class ChatRoutes(Forwarding):
         try:
             completion, provider = await self._forward(body)
             system = provider or system
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # stop() ran out of patience: the sequence id is spent, record why
+            if store is not None and rollout_id is not None and attempt_id is not None:
+                message = "the call was cancelled before the upstream answered (the LLM proxy stopped)"
+                cancelled = {"type": "Cancelled", "status_code": 503, "message": message}
+                span = make_span(
+                    body,
+                    None,
+                    cancelled,
+                    system=system,
+                    streaming=streaming,
+                    rollout_id=rollout_id,
+                    attempt_id=attempt_id,
+                    sequence_id=sequence_id,
+                    start_time=start_time,
+                    route=route,
+                )
+                self._record_soon(store, span)  # stop() waits for it
             raise
         except Exception as exc:
             status, err_type, message = upstream_error(exc)

@@ -285,7 +285,9 @@ class LLMProxy(ChatRoutes):
     async def stop(self) -> None:
         """Stop serving and wait for spans still being published; idempotent.
 
-        Requests in flight get up to 5 s to finish before their connections are dropped.
+        Requests in flight get up to 5 s to finish before their connections are dropped; a routed
+        call cut short that way is recorded as a span with status ``ERROR`` (``error.type``
+        ``Cancelled``, ``http.status_code`` 503).
         """
         server, task = self._server, self._serve_task
         self._server, self._serve_task = None, None

@@ -13,15 +13,22 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
+
 from eventlight.core.types import Event, OtelResource, Span, TraceStatus
 from eventlight.genai import genai_attributes
 from eventlight.llm_proxy.token_ids import token_id_marks, token_ids
+from eventlight.store.validate import MAX_PAYLOAD_BYTES
 
 log = logging.getLogger(__name__)
 
 SPAN_NAME = "openai.chat.completion"
 ROUTE_ATTRIBUTE = "eventlight.llm_proxy.route"
 """The client API of a call made through a route other than chat completions (``anthropic.messages``)."""
+OMITTED_ATTRIBUTE = "eventlight.llm_proxy.omitted_attributes"
+"""The attributes left off a span that would not fit one event (the largest texts first), sorted."""
+_SPAN_BUDGET_BYTES = MAX_PAYLOAD_BYTES - 256 * 1024  # the rest of the span and the event's envelope
+_json = msgspec.json.Encoder()
 
 
 def _attr_value(value: Any) -> Any:
@@ -162,6 +169,30 @@ def build_chat_span_attributes(
     return attrs
 
 
+def fit_attributes(attributes: dict[str, Any], budget: int = _SPAN_BUDGET_BYTES) -> None:
+    """Leave attributes off, in place, until they fit ``budget`` bytes of JSON (what one event holds).
+
+    A prompt with large images or documents (held twice: flattened and as ``gen_ai.input.messages``)
+    makes a span the store refuses, and the call would leave no span at all. The largest texts go
+    first, then the largest lists; the names of those left off are in ``OMITTED_ATTRIBUTE``.
+    """
+    # JSON spends at most 6 bytes on a character (an escaped control character), rarely 24 on a list item
+    rough = sum(len(k) + (len(v) if isinstance(v, (str, list)) else 2) for k, v in attributes.items())
+    if 24 * rough < budget:
+        return
+    sizes = {key: len(key) + len(_json.encode(value)) + 4 for key, value in attributes.items()}
+    total = sum(sizes.values())
+    omitted = []
+    for key in sorted(sizes, key=lambda k: (not isinstance(attributes[k], str), -sizes[k])):
+        if total <= budget:
+            break
+        total -= sizes[key]
+        del attributes[key]
+        omitted.append(key)
+    if omitted:
+        attributes[OMITTED_ATTRIBUTE] = sorted(omitted)
+
+
 def make_span(
     body: dict[str, Any],
     completion: dict[str, Any] | None,
@@ -183,6 +214,7 @@ def make_span(
     attributes = build_chat_span_attributes(body, completion, system=system, streaming=streaming, error=error)
     if route is not None:
         attributes[ROUTE_ATTRIBUTE] = route
+    fit_attributes(attributes)
     status = TraceStatus(status_code="ERROR", description=error["message"]) if error else TraceStatus(status_code="OK")
     span = Span.from_attributes(
         attributes=attributes,
