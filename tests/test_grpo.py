@@ -199,6 +199,50 @@ async def test_empty_steps_are_counted_then_stop_the_run(monkeypatch) -> None:
     assert all(torch.equal(v, weights[k]) for k, v in grpo.policy.model.state_dict().items())
 
 
+async def test_a_nan_reward_or_a_foreign_token_id_skips_its_rollout_not_the_step() -> None:
+    """A NaN reward would blank its group's advantages (std NaN); a token id past the model's
+    embeddings would stop the step with an IndexError. Each is skipped and counted instead."""
+    store = agl.InMemoryLightningStore()
+    grpo = GRPO(GRPOConfig(steps=1, batch_size=2, group_size=3), policy=tiny_policy(lr=1e-2))
+    grpo.set_store(store)
+    vocab = grpo.policy.model.get_input_embeddings().num_embeddings
+    ok = {"token_ids": [4, 10]}
+    plan = [  # (group, reward, response token ids)
+        (0, float("nan"), [12, 1]),
+        (0, 1.0, [13, 1]),
+        (0, 0.0, [14, 1]),
+        (1, 1.0, [vocab + 3, 1]),
+        (1, 0.0, [-1, 1]),
+        (1, 1.0, [15, 1]),
+    ]
+    triplets = {}
+    finished = []
+    for group, reward, response in plan:
+        rollout = await store.enqueue_rollout(input={}, mode="train", metadata={"group": group})
+        triplets[rollout.rollout_id] = [Triplet(prompt=ok, response={"token_ids": response}, reward=reward)]
+        finished.append(
+            Rollout(
+                rollout_id=rollout.rollout_id, input={}, start_time=0.0, status="succeeded", metadata=rollout.metadata
+            )
+        )
+
+    class ByRollout:
+        def adapt(self, spans):
+            return triplets[spans[0]]
+
+    async def query_spans(rollout_id, attempt_id=None):
+        return [rollout_id]
+
+    grpo.set_adapter(ByRollout())
+    store.query_spans = query_spans  # type: ignore[method-assign]
+    assert await grpo._train(0, "step0", finished, 0.0)
+    assert grpo.counters["non_finite_reward"] == 1
+    assert grpo.counters["token_id_out_of_range"] == 2
+    # group 0 trains on its 1.0 and 0.0; group 1's rewards (1, 0, 1) keep its one usable rollout
+    assert grpo.steps[-1]["sequences"] == 3 and grpo.steps[-1]["trained"] is True
+    assert math.isfinite(grpo.steps[-1]["train_reward"])
+
+
 @pytest.mark.e2e
 async def test_each_checkpoint_is_a_resources_version_and_a_run_resumes(namespace: agl.Settings, tmp_path) -> None:
     train = [{"q": f"{a} + {b}?"} for a in range(3) for b in range(3)]

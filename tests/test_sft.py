@@ -235,6 +235,15 @@ async def test_every_rollout_failed_stops_with_a_clear_message(tokenizer: Any, t
         assert await store.get_latest_resources() is None
 
 
+async def test_a_nan_reward_does_not_pass_min_reward(tmp_path) -> None:
+    # NaN < min_reward is False: without a check a NaN-rewarded conversation was selected
+    chat = [{"role": "user", "content": "1?"}, {"role": "assistant", "content": "x"}]
+    records = [{"final_reward": math.nan, "messages": chat, "status": "succeeded", "mode": "train"}]
+    sft = SFT(config(min_reward=0.5), records=records, checkpoint_dir=tmp_path)
+    with pytest.raises(TrainingStoppedError, match="no_reward: 1"):
+        await sft.run()
+
+
 async def test_conversations_longer_than_the_context_are_skipped_and_counted(tokenizer: Any, tmp_path) -> None:
     async with InMemoryLightningStore() as store:
         await add_rollout(store, "1 + 1?", "2", 1.0)

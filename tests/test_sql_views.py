@@ -67,3 +67,31 @@ def test_params_are_bound_never_pasted(namespace: Settings) -> None:
         "--param $1 'ten' is not a whole number (Postgres takes $1 as int4)",
     )
     assert_one_line_error(cli("sql", "SELECT $1::int", env=env), 2, "1 placeholder(s)", "0 --param")
+
+
+def test_params_of_other_types_are_read_as_postgres_reads_a_literal(namespace: Settings) -> None:
+    # timestamptz, date, interval and arrays: asyncpg would refuse a str for each
+    [row] = rows(
+        "SELECT $1::timestamptz AS t, $2::date AS d, $3::interval + interval '0' AS i, $4::text[] AS a, $5::uuid AS u",
+        *("-p", "2024-05-01 12:00Z", "-p", "2024-05-01", "-p", "1 hour", "-p", "{a,b}"),
+        *("-p", "0e9b9c6a-0000-4000-8000-000000000000"),
+        ns=namespace,
+    )
+    assert row == {
+        "t": "2024-05-01T12:00:00+00:00",
+        "d": "2024-05-01",
+        "i": "1:00:00",
+        "a": ["a", "b"],
+        "u": "0e9b9c6a-0000-4000-8000-000000000000",
+    }
+    env = env_of(namespace)
+    assert_one_line_error(
+        cli("sql", "SELECT $1::date", "-p", "2024-02-30", env=env),
+        2,
+        "--param $1 '2024-02-30' is not a valid date (Postgres takes $1 as date: date/time field value out of range",
+    )
+    assert_one_line_error(  # bound as a timedelta, one month would silently become 30 days
+        cli("sql", "SELECT now() - $1::interval", "-p", "1 month", env=env),
+        2,
+        "--param $1 '1 month' would be bound as '30 days', not '1 mon' (interval)",
+    )

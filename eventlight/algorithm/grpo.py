@@ -18,9 +18,11 @@ So every rollout names the weights that produced it, and ``reward_by_resources``
 checkpoint. A restarted run with the same ``checkpoint_dir`` resumes after its last checkpoint.
 
 Bad input is skipped and counted in ``GRPO.counters``: failed or unfinished rollouts, rollouts
-without a reward, triplets without token ids or longer than ``max_seq_len``, groups whose rewards
-are all equal; a step left with nothing to learn from makes no optimizer step, and
-``max_empty_steps`` such steps in a row stop the run with ``TrainingStoppedError``.
+without a reward or with a NaN or infinite one (``non_finite_reward``; it would blank its whole
+group's advantages), triplets without token ids, longer than ``max_seq_len`` or with a token id the
+model has no embedding for (``token_id_out_of_range``), groups whose rewards are all equal; a step
+left with nothing to learn from makes no optimizer step, and ``max_empty_steps`` such steps in a row
+stop the run with ``TrainingStoppedError``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import time
 from collections import Counter
@@ -308,7 +311,13 @@ class GRPO(Algorithm):
         self.counters["spans_read"] += len(spans)
         rewards = [t.reward for t in triplets if t.reward is not None]
         reward = rewards[-1] if rewards else find_final_reward(spans)
-        if reward is None:
+        if reward is not None and not math.isfinite(float(reward)):
+            log.warning(
+                "GRPO: rollout %s has a reward of %r; left out like one without a reward", rollout.rollout_id, reward
+            )
+            self.counters["non_finite_reward"] += 1
+            reward = None
+        elif reward is None:
             self.counters["no_reward"] += 1
         return reward, triplets
 
@@ -351,13 +360,19 @@ class GRPO(Algorithm):
         groups = [(r.metadata or {}).get("group", r.rollout_id) for r, _, _ in outcomes]
         advantages = group_advantages([w for _, w, _ in outcomes], groups, scale_by_std=self.config.scale_by_std)
         skipped: Counter[str] = Counter()
+        vocab_size = self._vocab_size()
         samples = []
         for (r, _, triplets), adv in zip(outcomes, advantages, strict=True):
             if adv == 0.0:
                 skipped["zero_advantage"] += 1
                 continue
             samples += samples_from_triplets(
-                triplets, adv, max_seq_len=self.config.max_seq_len, rollout_id=r.rollout_id, skipped=skipped
+                triplets,
+                adv,
+                max_seq_len=self.config.max_seq_len,
+                rollout_id=r.rollout_id,
+                skipped=skipped,
+                vocab_size=vocab_size,
             )
         self.counters.update(skipped)
         train_reward = sum(w for _, w, _ in outcomes) / len(outcomes) if outcomes else float("nan")
@@ -382,6 +397,13 @@ class GRPO(Algorithm):
         self.steps.append(record)
         self._emit(record)
         return bool(samples)
+
+    def _vocab_size(self) -> int | None:
+        """The policy model's number of token embeddings (``None`` when it has no such model)."""
+        get = getattr(getattr(self.policy, "model", None), "get_input_embeddings", None)
+        embeddings = get() if callable(get) else None
+        n = getattr(embeddings, "num_embeddings", None)
+        return n if isinstance(n, int) else None
 
     def _checkpoint(self, step: int) -> None:
         if self.checkpoint_dir is None:

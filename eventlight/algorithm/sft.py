@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import shutil
 from collections import Counter
@@ -205,8 +206,8 @@ class SFT(Algorithm):
             reason = "failed_rollouts"
         elif c.modes is not None and mode not in c.modes:
             reason = "other_mode"
-        elif c.min_reward is not None and reward is None:
-            reason = "no_reward"
+        elif c.min_reward is not None and (reward is None or not math.isfinite(reward)):
+            reason = "no_reward"  # NaN passes any `reward < min_reward`
         elif c.min_reward is not None and reward is not None and reward < c.min_reward:
             reason = "below_min_reward"
         if reason is not None:

@@ -44,7 +44,7 @@ async def _query(
     """Run ``query`` as the namespace's read-only role ``<schema>_reader`` (``eventlight.sql_reader``),
     with ``params`` bound to ``$1``, ``$2``, … (``eventlight.sql_params``)."""
     from eventlight.cli_output import Column
-    from eventlight.sql_params import bind
+    from eventlight.sql_params import bind_on
     from eventlight.sql_reader import connect_reader
     from eventlight.store.jetstream.pg_errors import sql_error_detail
 
@@ -57,7 +57,7 @@ async def _query(
     try:
         async with conn.transaction(readonly=True):
             stmt = await conn.prepare(query)
-            values = bind(params, stmt.get_parameters())
+            values = await bind_on(conn, params, stmt.get_parameters())
             rows = await stmt.fetch(*values, timeout=timeout_s + 5)  # the server's statement_timeout fires first
         if stmt.get_statusmsg().startswith("COPY"):  # TO STDOUT: its rows go to a stream we do not read
             raise CliError(

@@ -5,7 +5,8 @@ saw (``prompt["token_ids"]``) and the ones it produced (``response["token_ids"]`
 the policy server returned them through the LLM proxy. Each becomes one row: prompt then response,
 right-padded; the response mask is 1 on the response ids only, so templates, padding and anything
 the agent added never receive gradient (VERL's ``response_mask``). Triplets that cannot train are
-skipped and counted by reason, never padded into zero-length rows.
+skipped and counted by reason, never padded into zero-length rows; so are those with an id the
+model has no embedding for (another tokenizer's), which would stop the step with an ``IndexError``.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def samples_from_triplets(
     max_seq_len: int,
     rollout_id: str = "",
     skipped: Counter[str] | None = None,
+    vocab_size: int | None = None,
 ) -> list[Sample]:
     """The samples of one rollout: each of its LLM calls, all with the rollout's advantage.
 
@@ -76,7 +78,10 @@ def samples_from_triplets(
         advantage: The rollout's group-relative advantage.
         max_seq_len: Longest prompt + response kept, in tokens.
         rollout_id: Kept on each sample for logs.
-        skipped: Counts skipped triplets by reason (``"no_token_ids"``, ``"too_long"``).
+        skipped: Counts skipped triplets by reason (``"no_token_ids"``, ``"too_long"``,
+            ``"token_id_out_of_range"``).
+        vocab_size: The model's number of token embeddings; a triplet with an id outside
+            ``[0, vocab_size)`` is skipped (``None``: not checked).
 
     Returns:
         One sample per usable triplet.
@@ -89,6 +94,8 @@ def samples_from_triplets(
             skipped["no_token_ids"] += 1
         elif len(prompt) + len(response) > max_seq_len:
             skipped["too_long"] += 1
+        elif vocab_size is not None and not all(0 <= i < vocab_size for i in (*prompt, *response)):
+            skipped["token_id_out_of_range"] += 1
         else:
             out.append(Sample(tuple(prompt), tuple(response), float(advantage), rollout_id))
     return out
