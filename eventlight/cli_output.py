@@ -174,24 +174,45 @@ def _plain(col: Column, value: Any) -> Any:
 
 def result_text(cols: Sequence[Column], rows: Sequence[Sequence[Any]], fmt: str) -> str:
     """The ``csv`` or ``json`` (JSON lines) text of a result, ending in a newline when not empty."""
-    if fmt == "json":
-        names = _unique_names([c.name for c in cols])
-        lines = [
-            json.dumps(
-                {name: _plain(c, v) for name, c, v in zip(names, cols, row, strict=True)},
-                ensure_ascii=False,
-                default=str,
-            )
-            for row in rows
-        ]
-        return "".join(line + "\n" for line in lines)
-    out = io.StringIO()
-    writer = csv.writer(out, lineterminator="\n")
-    writer.writerow([c.name for c in cols])
-    for row in rows:
-        cells = [_plain(c, v) for c, v in zip(cols, row, strict=True)]
-        writer.writerow(["" if v is None else _compact(c, v) for c, v in zip(cols, cells, strict=True)])
-    return out.getvalue()
+    lines = ResultLines(cols, fmt)
+    return lines.header() + "".join(lines.rows(rows))
+
+
+class ResultLines:
+    """A result as ``csv`` (a header line, then a line a row) or ``json`` (JSON lines), written a
+    batch of rows at a time, so that a result larger than memory streams (``eventlight sql``)."""
+
+    def __init__(self, cols: Sequence[Column], fmt: str) -> None:
+        self.cols, self.fmt = list(cols), fmt
+        self.names = _unique_names([c.name for c in cols])
+
+    def header(self) -> str:
+        """The line before the rows: the column names in ``csv``; nothing in ``json``."""
+        return "" if self.fmt == "json" else self._csv([[c.name for c in self.cols]])
+
+    def rows(self, rows: Sequence[Sequence[Any]]) -> list[str]:
+        """One line (ending in a newline) per row, in order."""
+        if self.fmt == "json":
+            return [
+                json.dumps(
+                    {name: _plain(c, v) for name, c, v in zip(self.names, self.cols, row, strict=True)},
+                    ensure_ascii=False,
+                    default=str,
+                )
+                + "\n"
+                for row in rows
+            ]
+        cells = []
+        for row in rows:
+            plain = [_plain(c, v) for c, v in zip(self.cols, row, strict=True)]
+            cells.append(["" if v is None else _compact(c, v) for c, v in zip(self.cols, plain, strict=True)])
+        return [self._csv(cells)] if cells else []
+
+    @staticmethod
+    def _csv(rows: list[list[Any]]) -> str:
+        out = io.StringIO()
+        csv.writer(out, lineterminator="\n").writerows(rows)
+        return out.getvalue()
 
 
 def _unique_names(names: list[str]) -> list[str]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any
 
 import typer
@@ -38,11 +38,24 @@ def _utf8(text: str, what: str) -> None:
         raise CliError(f"{what} is not valid UTF-8 (byte {bad!r} at position {e.start})") from None
 
 
+STREAM_ROWS = 1000
+"""Rows a fetch brings, and a write prints, when ``--format csv|json`` streams a result."""
+
+
 async def _query(
-    settings: Settings, query: str, timeout_s: float, params: Sequence[str] = ()
+    settings: Settings,
+    query: str,
+    timeout_s: float,
+    params: Sequence[str] = (),
+    sink: Callable[[list[Any], Sequence[Any]], None] | None = None,
 ) -> tuple[list[Any], list[Any]]:
     """Run ``query`` as the namespace's read-only role ``<schema>_reader`` (``eventlight.sql_reader``),
-    with ``params`` bound to ``$1``, ``$2``, … (``eventlight.sql_params``)."""
+    with ``params`` bound to ``$1``, ``$2``, … (``eventlight.sql_params``).
+
+    With ``sink``, a statement that returns rows is read through a cursor, ``STREAM_ROWS`` at a
+    time, each batch handed to ``sink(columns, rows)`` (then once more with none at the end), and
+    the rows returned are ``[]``: a result larger than memory streams. The timeout then bounds each
+    fetch (Postgres' ``statement_timeout`` counts per execute)."""
     from eventlight.cli_output import Column
     from eventlight.sql_params import bind_on
     from eventlight.sql_reader import connect_reader
@@ -58,13 +71,22 @@ async def _query(
         async with conn.transaction(readonly=True):
             stmt = await conn.prepare(query)
             values = await bind_on(conn, params, stmt.get_parameters())
+            cols = [Column(a.name, a.type.name) for a in stmt.get_attributes()]
+            if sink is not None and cols:
+                batch: list[Any] = []
+                async for row in stmt.cursor(*values, prefetch=STREAM_ROWS, timeout=timeout_s + 5):
+                    batch.append(row)
+                    if len(batch) == STREAM_ROWS:
+                        sink(cols, batch)
+                        batch = []
+                sink(cols, batch)
+                return cols, []
             rows = await stmt.fetch(*values, timeout=timeout_s + 5)  # the server's statement_timeout fires first
         if stmt.get_statusmsg().startswith("COPY"):  # TO STDOUT: its rows go to a stream we do not read
             raise CliError(
                 "COPY ... TO STDOUT is not run here (it would print nothing): SELECT what you want,"
                 " with --format csv or json"
             )
-        cols = [Column(a.name, a.type.name) for a in stmt.get_attributes()]
     except TimeoutError as e:
         raise CliError(f"SQL error: no answer within {timeout_s + 5:g} s") from e
     except Exception as e:
@@ -74,6 +96,9 @@ async def _query(
         raise CliError(f"SQL error: {detail}") from e
     finally:
         await conn.close()
+    if sink is not None:  # a result without columns (SELECT FROM t): its rows, read whole
+        sink(cols, rows)
+        return cols, []
     return cols, rows
 
 
@@ -112,17 +137,29 @@ def sql(
     projection of the stream, and a row changed here would silently disagree with it (write
     through the store API instead).
 
+    csv and json stream: rows are printed as they are fetched, 1,000 at a time, so a result
+    larger than memory goes through (the timeout then bounds each fetch); table reads it whole.
+
     Servers: uses $EVENTLIGHT_PG_DSN when set, else the embedded Postgres `eventlight up` started;
     never starts or stops one (without it: exit 1, 'run `eventlight up`')."""
-    from eventlight.cli_output import FORMATS, result_table, result_text
+    from eventlight.cli_output import FORMATS, ResultLines, result_table
 
     if output_format not in FORMATS:
         raise CliError(f"--format {output_format!r}: expected one of {', '.join(FORMATS)}")
     _check_query(query, param or ())
-    cols, rows = _run(_query(_settings(namespace), query, timeout_s, param or ()))
     if output_format != "table":
-        sys.stdout.write(result_text(cols, rows, output_format))
+        lines: list[ResultLines] = []
+
+        def write(cols: list[Any], rows: Sequence[Any]) -> None:
+            if not lines:
+                lines.append(ResultLines(cols, output_format))
+                sys.stdout.write(lines[0].header())
+            sys.stdout.writelines(lines[0].rows(rows))
+            sys.stdout.flush()
+
+        _run(_query(_settings(namespace), query, timeout_s, param or (), sink=write))
         return
+    cols, rows = _run(_query(_settings(namespace), query, timeout_s, param or ()))
     if cols:
         console.print(result_table(cols, rows, console.width))
     console.print(f"{len(rows)} row(s)")
