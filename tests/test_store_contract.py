@@ -359,6 +359,56 @@ async def test_a_dequeue_cancelled_before_its_claim_was_stored_hands_the_entry_b
     assert [a.worker_id for a in await store.query_attempts(r.rollout_id)] == ["w2"]
 
 
+def _lose_the_next_claims_answer(log: Any, monkeypatch: pytest.MonkeyPatch, *, stored: bool) -> None:
+    """The next append fails in transit with ``ServiceUnavailableError`` (a NATS timeout, a lost
+    connection), after the server stored it (``stored``: its acknowledgement was lost) or before."""
+    original, failed = log.append, False
+
+    async def append(*args: Any, **kwargs: Any) -> Any:
+        nonlocal failed
+        if failed:
+            return await original(*args, **kwargs)
+        failed = True
+        if stored:
+            await original(*args, **kwargs)
+        raise ServiceUnavailableError("test", "no acknowledgement")
+
+    monkeypatch.setattr(log, "append", append)
+
+
+async def test_a_claim_stored_without_an_answer_fails_that_attempt(
+    store: Any, runner_store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claim the server stored but whose acknowledgement was lost: the caller hears
+    ``ServiceUnavailableError`` and will never run that attempt, which stayed ``preparing`` for ever
+    (a reviewer). The store settles it as a cancelled caller's: failed, and the retry policy
+    requeues the rollout."""
+    r = await store.enqueue_rollout("x", config=RolloutConfig(max_attempts=2, retry_condition=["failed"]))
+    _lose_the_next_claims_answer(runner_store._event_log, monkeypatch, stored=True)
+    with pytest.raises(ServiceUnavailableError):
+        await runner_store.dequeue_rollout(worker_id="w1")
+    again = await runner_store.dequeue_rollout(worker_id="w2", wait_s=10)
+    assert again is not None and again.rollout_id == r.rollout_id and again.attempt.sequence_id == 2
+    await settle(store)
+    attempts = await store.query_attempts(r.rollout_id)
+    assert [(a.sequence_id, a.status, a.worker_id) for a in attempts] == [(1, "failed", "w1"), (2, "preparing", "w2")]
+
+
+async def test_a_claim_lost_before_it_was_stored_hands_the_entry_back(
+    store: Any, runner_store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claim that failed in transit before the server stored it: the entry comes back at once,
+    not after the consumer's 30 s ack wait, and no attempt is left behind."""
+    r = await store.enqueue_rollout("x")
+    _lose_the_next_claims_answer(runner_store._event_log, monkeypatch, stored=False)
+    with pytest.raises(ServiceUnavailableError):
+        await runner_store.dequeue_rollout(worker_id="w1")
+    again = await runner_store.dequeue_rollout(worker_id="w2", wait_s=10)
+    assert again is not None and again.rollout_id == r.rollout_id and again.attempt.sequence_id == 1
+    await settle(store)
+    assert [a.worker_id for a in await store.query_attempts(r.rollout_id)] == ["w2"]
+
+
 @pytest.mark.parametrize(
     ("wait_s", "error"),
     [

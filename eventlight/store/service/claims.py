@@ -9,10 +9,12 @@ from collections.abc import Callable
 
 from eventlight.core import commands as c
 from eventlight.core.errors import (
+    AttemptNotFoundError,
     ConcurrencyError,
     InvalidInputError,
     InvalidTransitionError,
     NotFoundError,
+    ServiceUnavailableError,
 )
 from eventlight.core.events import WorkerIdle
 from eventlight.core.types import (
@@ -37,6 +39,10 @@ IDLE_REFRESH_S = 1.0
 MAX_IDLE_MARKS = 4096  # workers whose last idle mark this store remembers
 MAX_CLAIM_READS = 1024  # resources read with claims and not handed over yet, kept at most
 
+
+UNKNOWN_CLAIM_RETRIES_S = (0.5, 1.0, 2.0, 4.0, 8.0)
+"""Waits (seconds) before each try to settle a claim whose append failed in transit (the first lets
+a publish still in flight land, so that its attempt is found)."""
 
 GIVE_UP_RECANCEL_S = 0.05  # how often a pull its dequeue gave up on is cancelled again (``_give_up``)
 
@@ -186,6 +192,13 @@ class Claims(StorePlumbing):
             return None
         except asyncio.CancelledError:
             raise
+        except ServiceUnavailableError:
+            # The append failed in transit: it may have been stored (an acknowledgement lost), and
+            # the caller, told it failed, will never run that attempt.
+            _cancel(read)
+            self._claims.pop(claim, None)
+            self._in_background(self._settle_unknown_claim(item, attempt_id))
+            raise
         except BaseException:
             _cancel(read)
             self._claims.pop(claim, None)  # failed for this caller, who hears of it: nothing to settle
@@ -236,6 +249,43 @@ class Claims(StorePlumbing):
             return
         self._held[(rollout_id, attempt_id)] = item
         await self._fail_unreceived(rollout_id, attempt_id)
+
+    async def _settle_unknown_claim(self, item: Queued, attempt_id: str) -> None:
+        """Settle a claim whose append failed in transit (``ServiceUnavailableError``): if the server
+        stored it, the attempt is marked ``failed`` (its caller will never run it; the rollout's
+        retry policy decides what follows, as for a caller cancelled mid-claim), else the entry is
+        handed back at once (``nak``) instead of after the consumer's ack wait. Tried again after
+        ``UNKNOWN_CLAIM_RETRIES_S`` while the servers do not answer; after that the entry waits out
+        its ack wait, and an attempt stored meanwhile stays ``preparing`` (logged)."""
+        rollout_id = item.rollout_id
+        for delay in UNKNOWN_CLAIM_RETRIES_S:
+            await asyncio.sleep(delay)
+            self._held[(rollout_id, attempt_id)] = item
+            try:
+                await self.update_attempt(rollout_id, attempt_id, status="failed")
+            except AttemptNotFoundError:  # never stored
+                self._held.pop((rollout_id, attempt_id), None)
+                with contextlib.suppress(Exception):
+                    await item.nak(0.0)
+                return
+            except ServiceUnavailableError:
+                self._held.pop((rollout_id, attempt_id), None)
+                continue
+            except Exception:  # finished or moved on meanwhile: nothing to settle
+                self._held.pop((rollout_id, attempt_id), None)
+                return
+            log.warning(
+                "the claim of rollout %s got no answer but was stored; marked its attempt %s failed",
+                rollout_id,
+                attempt_id,
+            )
+            return
+        log.warning(
+            "could not learn whether the claim of rollout %s (attempt %s) was stored: the servers did not"
+            " answer; if it was, the attempt stays preparing until a timeout in its rollout's config",
+            rollout_id,
+            attempt_id,
+        )
 
     def _answer_lost(self, result: object) -> None:
         """Claims a cancelled caller never received (``store_call``) are settled as those of a
