@@ -179,6 +179,15 @@ OTLP_CASES: list[tuple[str, dict[str, Any], int, str]] = [
         "not valid gzip",
     ),
     (
+        "trailing bytes after the gzip member",
+        {
+            "content": gzip.compress(_pb_span(b"\x01" * 16, b"\x02" * 8)) + b"junk",
+            "headers": {**PB, "Content-Encoding": "gzip"},
+        },
+        400,
+        "not valid gzip",
+    ),
+    (
         "gzip bomb",
         {"content": gzip.compress(b"\x00" * (MAX_BODY + 10)), "headers": {**PB, "Content-Encoding": "gzip"}},
         413,

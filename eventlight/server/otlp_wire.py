@@ -57,21 +57,28 @@ def media_type(content_type: str | None) -> str:
 
 
 def _decompress(raw: bytes, encoding: str | None, max_bytes: int) -> bytes:
+    """The inflated body; a gzip body of several members (RFC 1952 allows it; ``cat a.gz b.gz``)
+    inflates to all of them, and trailing bytes that are no gzip member are an error, not ignored."""
     coding = (encoding or "identity").strip().lower()
     if coding == "identity":
         return raw
     if coding != "gzip":
         raise OtlpError(415, f"Content-Encoding {coding} is not supported: send gzip or none")
-    inflater = zlib.decompressobj(wbits=31)
-    try:
-        out = inflater.decompress(raw, max_bytes + 1)
-    except zlib.error as e:
-        raise OtlpError(400, f"the body is not valid gzip: {e}") from None
-    if len(out) > max_bytes:
-        raise OtlpError(413, f"the body inflates to more than the server's limit of {max_bytes} bytes")
-    if not inflater.eof:
-        raise OtlpError(400, "the gzip body is truncated")
-    return out
+    out = bytearray()
+    rest = raw
+    while True:
+        inflater = zlib.decompressobj(wbits=31)
+        try:
+            out += inflater.decompress(rest, max_bytes + 1 - len(out))
+        except zlib.error as e:
+            raise OtlpError(400, f"the body is not valid gzip: {e}") from None
+        if len(out) > max_bytes:
+            raise OtlpError(413, f"the body inflates to more than the server's limit of {max_bytes} bytes")
+        if not inflater.eof:
+            raise OtlpError(400, "the gzip body is truncated")
+        rest = inflater.unused_data
+        if not rest.strip(b"\0"):  # the last member (gzip itself ignores zeros padding the end)
+            return bytes(out)
 
 
 def _hex_to_b64(value: Any, where: str) -> Any:
