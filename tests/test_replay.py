@@ -540,3 +540,16 @@ def test_numpy_values_are_written_as_numbers_and_an_object_without_json_form_is_
         (row,) = pq.read_table(out).to_pylist()
         row = {k: json.loads(row[k]) for k in ("prompt", "ids", "p")}
     assert row["prompt"] == {"token_ids": [5, 6]} and row["ids"] == [[1, 2]] and row["p"] == 0.5
+
+
+def test_a_numpy_reward_is_a_number() -> None:
+    """A reward function returning a NumPy float32 or int64 (a reward model's output) failed every
+    attempt with "returned float32 np.float32(0.5), expected a number or None"."""
+    import numpy as np
+
+    from eventlight.logreplay.records import adapt_batches
+
+    for value, expected in [(np.float32(0.5), 0.5), (np.int64(2), 2.0)]:
+        adapted = adapt_batches([], lambda spans: [{"x": 1}], lambda spans, v=value: v)
+        assert adapted.final_reward == expected and type(adapted.final_reward) is float
+        assert adapted.items == [{"x": 1, "reward": expected}]
