@@ -511,3 +511,45 @@ async def test_an_unknown_resources_id_is_warned_about(caplog: pytest.LogCapture
             records = await collect(eventlight.replay(store, adapter="triplets", resources_ids=["rs-typo"]))
     assert records == []
     assert "no resources snapshot in the log is named rs-typo" in caplog.text
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
+def test_numpy_values_are_written_as_numbers_and_an_object_without_json_form_is_refused(
+    tmp_path: Path, suffix: str
+) -> None:
+    """Token ids from a tokenizer's NumPy output were written as their repr ("np.int64(5)",
+    "array([1, 2])"): strings in place of numbers, and an object's repr with its memory address
+    gave other bytes on each replay of the same log."""
+    import numpy as np
+
+    from eventlight.logreplay.writer import UnwritableError, writer_for
+
+    base = {"rollout_id": "ro-1", "attempt_id": "at-1", "index": 0, "reward": 1.0, "log_positions": [3]}
+    record = {**base, "prompt": {"token_ids": list(np.array([5, 6]))}, "ids": np.array([[1, 2]]), "p": np.float32(0.5)}
+    out = tmp_path / f"r.{suffix}"
+    writer = writer_for(out)(out)
+    with pytest.raises(UnwritableError, match="builtins.object is no JSON value"):
+        writer.write_attempt([{**base, "meta": {"x": object()}}])
+    writer.write_attempt([record])
+    writer.close()
+    if suffix == "jsonl":
+        (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    else:
+        import pyarrow.parquet as pq
+
+        (row,) = pq.read_table(out).to_pylist()
+        row = {k: json.loads(row[k]) for k in ("prompt", "ids", "p")}
+    assert row["prompt"] == {"token_ids": [5, 6]} and row["ids"] == [[1, 2]] and row["p"] == 0.5
+
+
+def test_a_numpy_reward_is_a_number() -> None:
+    """A reward function returning a NumPy float32 or int64 (a reward model's output) failed every
+    attempt with "returned float32 np.float32(0.5), expected a number or None"."""
+    import numpy as np
+
+    from eventlight.logreplay.records import adapt_batches
+
+    for value, expected in [(np.float32(0.5), 0.5), (np.int64(2), 2.0)]:
+        adapted = adapt_batches([], lambda spans: [{"x": 1}], lambda spans, v=value: v)
+        assert adapted.final_reward == expected and type(adapted.final_reward) is float
+        assert adapted.items == [{"x": 1, "reward": expected}]

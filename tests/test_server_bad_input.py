@@ -179,6 +179,40 @@ OTLP_CASES: list[tuple[str, dict[str, Any], int, str]] = [
         "not valid gzip",
     ),
     (
+        "trailing bytes after the gzip member",
+        {
+            "content": gzip.compress(_pb_span(b"\x01" * 16, b"\x02" * 8)) + b"junk",
+            "headers": {**PB, "Content-Encoding": "gzip"},
+        },
+        400,
+        "not valid gzip",
+    ),
+    (
+        "OTLP/JSON resourceSpans a number",
+        {"json": {"resourceSpans": 5}},
+        400,
+        "resourceSpans must be an array, got int",
+    ),
+    ("OTLP/JSON resourceSpans of numbers", {"json": {"resourceSpans": [5]}}, 400, "resourceSpans[0] is not an object"),
+    (
+        "OTLP/JSON scopeSpans a string",
+        {"json": {"resourceSpans": [{"scopeSpans": "x"}]}},
+        400,
+        "resourceSpans[0].scopeSpans must be an array, got str",
+    ),
+    (
+        "OTLP/JSON links an object",
+        {
+            "json": {
+                "resourceSpans": [
+                    {"scopeSpans": [{"spans": [{"traceId": "01" * 16, "spanId": "01" * 8, "links": {}}]}]}
+                ]
+            }
+        },
+        400,
+        "spans[0].links must be an array, got dict",
+    ),
+    (
         "gzip bomb",
         {"content": gzip.compress(b"\x00" * (MAX_BODY + 10)), "headers": {**PB, "Content-Encoding": "gzip"}},
         413,

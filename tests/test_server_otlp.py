@@ -254,3 +254,18 @@ async def test_a_span_sent_twice_is_recorded_once_within_a_request_as_across_req
         ("eee19b7ec3c1b175", "numbered", 7),
     ]
     assert (await store.statistics())["total_spans"] == 2
+
+
+def test_a_gzip_body_of_several_members_inflates_whole() -> None:
+    """``cat a.gz b.gz`` is one gzip body (RFC 1952); its second member's spans were dropped
+    silently (a 200 without partial_success). Concatenated protobuf messages merge, so the body
+    is one request of both."""
+    requests = []
+    for n in (1, 2):
+        request = ExportTraceServiceRequest()
+        span = request.resource_spans.add().scope_spans.add().spans.add()
+        span.trace_id, span.span_id, span.name = b"\x01" * 16, bytes([n]) * 8, f"s{n}"
+        requests.append(gzip.compress(request.SerializeToString()))
+    parsed, _ = parse_request(b"".join(requests), PB["Content-Type"], "gzip", 1 << 20)
+    names = [s.name for rs in parsed.resource_spans for ss in rs.scope_spans for s in ss.spans]
+    assert names == ["s1", "s2"]

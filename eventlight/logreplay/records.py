@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import numbers
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -198,12 +199,12 @@ def _reward_value(value: Any, what: str) -> float | None:
     returned"``).
 
     Raises:
-        TypeError: Not a number (a bool is not one either).
+        TypeError: Not a real number (``numbers.Real``: a NumPy ``float32`` is one, a bool is not).
         ValueError: NaN or infinite, or an int past a float's range.
     """
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # Real: NumPy's floats and ints too
         raise TypeError(f"{what} {type(value).__name__} {_short(value)}, expected a number or None")
     try:
         number = float(value)

@@ -23,11 +23,35 @@ from eventlight.logreplay.records import PROVENANCE
 
 ROW_GROUP = 4096
 
-_encoder = msgspec.json.Encoder(order="sorted", enc_hook=repr)
+
+def _json_value(value: Any) -> Any:
+    """A value msgspec does not encode itself, as JSON data: a NumPy array or scalar (or anything
+    else with ``tolist()``, a torch tensor) as its ``tolist()``, a pydantic model as its
+    ``model_dump(mode="json")``.
+
+    Raises:
+        TypeError: Anything else: its ``repr`` is no data (a NumPy int was written ``"np.int64(5)"``)
+            and may hold a memory address, which would give other bytes on each replay.
+    """
+    tolist = getattr(value, "tolist", None)
+    if callable(tolist):
+        return tolist()
+    dump = getattr(value, "model_dump", None)
+    if callable(dump):
+        return dump(mode="json")
+    kind = type(value)
+    raise TypeError(f"a {kind.__module__}.{kind.__qualname__} is no JSON value (give lists, dicts, strings, numbers)")
+
+
+_encoder = msgspec.json.Encoder(order="sorted", enc_hook=_json_value)
 
 
 def to_json(value: Any) -> bytes:
-    """Deterministic JSON (sorted keys; an unknown type as its ``repr``)."""
+    """Deterministic JSON (sorted keys; NumPy values as lists and numbers, ``_json_value``).
+
+    Raises:
+        TypeError: A value of a type that has no JSON form (``_json_value``).
+    """
     return _encoder.encode(value)
 
 

@@ -57,21 +57,28 @@ def media_type(content_type: str | None) -> str:
 
 
 def _decompress(raw: bytes, encoding: str | None, max_bytes: int) -> bytes:
+    """The inflated body; a gzip body of several members (RFC 1952 allows it; ``cat a.gz b.gz``)
+    inflates to all of them, and trailing bytes that are no gzip member are an error, not ignored."""
     coding = (encoding or "identity").strip().lower()
     if coding == "identity":
         return raw
     if coding != "gzip":
         raise OtlpError(415, f"Content-Encoding {coding} is not supported: send gzip or none")
-    inflater = zlib.decompressobj(wbits=31)
-    try:
-        out = inflater.decompress(raw, max_bytes + 1)
-    except zlib.error as e:
-        raise OtlpError(400, f"the body is not valid gzip: {e}") from None
-    if len(out) > max_bytes:
-        raise OtlpError(413, f"the body inflates to more than the server's limit of {max_bytes} bytes")
-    if not inflater.eof:
-        raise OtlpError(400, "the gzip body is truncated")
-    return out
+    out = bytearray()
+    rest = raw
+    while True:
+        inflater = zlib.decompressobj(wbits=31)
+        try:
+            out += inflater.decompress(rest, max_bytes + 1 - len(out))
+        except zlib.error as e:
+            raise OtlpError(400, f"the body is not valid gzip: {e}") from None
+        if len(out) > max_bytes:
+            raise OtlpError(413, f"the body inflates to more than the server's limit of {max_bytes} bytes")
+        if not inflater.eof:
+            raise OtlpError(400, "the gzip body is truncated")
+        rest = inflater.unused_data
+        if not rest.strip(b"\0"):  # the last member (gzip itself ignores zeros padding the end)
+            return bytes(out)
 
 
 def _hex_to_b64(value: Any, where: str) -> Any:
@@ -83,22 +90,45 @@ def _hex_to_b64(value: Any, where: str) -> Any:
         raise OtlpError(400, f"{where} {value[:40]!r} is not hex (OTLP/JSON ids are hex strings)") from None
 
 
+def _array(value: Any, where: str) -> list[Any]:
+    """``value`` if it is a JSON array (``None``: empty)."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise OtlpError(400, f"{where} must be an array, got {type(value).__name__}")
+    return value
+
+
+def _object(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise OtlpError(400, f"{where} is not an object")
+    return value
+
+
 def _json_ids_to_b64(doc: Any) -> None:
-    """Rewrite the hex ids of an OTLP/JSON document into the base64 that protobuf's JSON mapping reads."""
+    """Rewrite the hex ids of an OTLP/JSON document into the base64 that protobuf's JSON mapping reads.
+
+    Raises:
+        OtlpError: 400 naming the first place that is not of its OTLP/JSON shape (an object, an
+            array) on the way to the ids, or an id that is not hex.
+    """
     if not isinstance(doc, dict):
         raise OtlpError(400, f"an OTLP/JSON body is an object, got {type(doc).__name__}")
-    for r, rs in enumerate(doc.get("resourceSpans") or doc.get("resource_spans") or []):
-        for s, ss in enumerate((rs or {}).get("scopeSpans") or (rs or {}).get("scope_spans") or []):
-            for i, span in enumerate((ss or {}).get("spans") or []):
+    for r, rs in enumerate(_array(doc.get("resourceSpans") or doc.get("resource_spans"), "resourceSpans")):
+        rs = _object(rs, f"resourceSpans[{r}]")
+        scopes = _array(rs.get("scopeSpans") or rs.get("scope_spans"), f"resourceSpans[{r}].scopeSpans")
+        for s, ss in enumerate(scopes):
+            ss = _object(ss, f"resourceSpans[{r}].scopeSpans[{s}]")
+            for i, span in enumerate(_array(ss.get("spans"), f"resourceSpans[{r}].scopeSpans[{s}].spans")):
                 where = f"resourceSpans[{r}].scopeSpans[{s}].spans[{i}]"
-                if not isinstance(span, dict):
-                    raise OtlpError(400, f"{where} is not an object")
+                span = _object(span, where)
                 for key in ("traceId", "trace_id", "spanId", "span_id", "parentSpanId", "parent_span_id"):
                     if key in span:
                         span[key] = _hex_to_b64(span[key], f"{where}.{key}")
-                for j, link in enumerate(span.get("links") or []):
+                for j, link in enumerate(_array(span.get("links"), f"{where}.links")):
+                    link = _object(link, f"{where}.links[{j}]")
                     for key in ("traceId", "trace_id", "spanId", "span_id"):
-                        if isinstance(link, dict) and key in link:
+                        if key in link:
                             link[key] = _hex_to_b64(link[key], f"{where}.links[{j}].{key}")
 
 
