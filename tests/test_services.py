@@ -264,6 +264,19 @@ async def test_a_program_on_configured_servers_keeps_the_record_of_the_embedded_
     assert record is not None and record.nats_pid == embedded.nats_pid
 
 
+def test_the_record_is_readable_by_its_owner_only(tmp_path: Path) -> None:
+    """services.json keeps a configured DSN beside the embedded NATS, password included: mode 600,
+    also when it replaces a record written before (0644)."""
+    from eventlight.ops.state import write_services_file
+
+    (tmp_path / "services.json").write_text("{}")
+    (tmp_path / "services.json").chmod(0o644)
+    record = svc.Services("nats://127.0.0.1:1", "postgresql://app:secret@db/app", nats_pid=1, pg_kind="external")
+    write_services_file(tmp_path, record)
+    assert (tmp_path / "services.json").stat().st_mode & 0o777 == 0o600
+    assert msgspec.json.decode((tmp_path / "services.json").read_bytes(), type=svc.Services) == record
+
+
 async def test_drop_namespace_also_drops_what_a_rebuild_left_beside_it(services: tuple[Settings, Any]) -> None:
     _, found = services
     settings = Settings(namespace=_ns())

@@ -2,7 +2,8 @@
 
 Layout of ``settings.state_dir`` (every path is the project's own; nothing else is touched)::
 
-    services.json        URLs/DSNs and pids of what runs, for other processes (``read_services``)
+    services.json        URLs/DSNs and pids of what runs, for other processes (``read_services``);
+                         mode 600: a configured DSN's password may be in it
     services.lock        held while ``ensure_services`` runs, so two processes do not race
     nats/nats.conf       generated config: 127.0.0.1:<port>, JetStream with sync_interval always
     nats/port            the port picked the first time and reused after
@@ -142,8 +143,14 @@ def _open_lock_file(state: Path) -> Any:
 
 
 def write_services_file(state: Path, services: Services) -> None:
+    """Write ``services.json`` readable by its owner only: beside the embedded servers it records a
+    configured server's URL or DSN (``_record``), password included."""
     tmp = state / f"services.json.{os.getpid()}"
-    tmp.write_bytes(msgspec.json.format(msgspec.json.encode(services)))
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()  # a leftover of a killed writer would keep its mode
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with open(fd, "wb") as f:
+        f.write(msgspec.json.format(msgspec.json.encode(services)))
     tmp.replace(state / "services.json")
 
 
