@@ -171,6 +171,18 @@ DOWN: dict[str, Case] = {
         2,
         "postgresql://*** is not a Postgres DSN",
     ),
+    "up, EVENTLIGHT_STATE_DIR a file": (  # was "internal error: FileExistsError", exit 1
+        ("up",),
+        {"EVENTLIGHT_STATE_DIR": "{tmp}/other.jsonl"},
+        2,
+        "other.jsonl as the state folder (EVENTLIGHT_STATE_DIR): it is a file, not a folder",
+    ),
+    "up, EVENTLIGHT_STATE_DIR under a file": (
+        ("up",),
+        {"EVENTLIGHT_STATE_DIR": "{tmp}/other.jsonl/state"},
+        2,
+        "state as the state folder (EVENTLIGHT_STATE_DIR): Not a directory",
+    ),
     "up, EVENTLIGHT_NATS_URL without a scheme": (  # `up` named it as given, `status` hid it
         ("up",),
         {"EVENTLIGHT_NATS_URL": "user:secret@127.0.0.1:1", "EVENTLIGHT_STATE_DIR": "{tmp}/empty-state"},

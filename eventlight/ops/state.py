@@ -35,7 +35,7 @@ from typing import Any
 
 import msgspec
 
-from eventlight.core.errors import ServiceUnavailableError
+from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
 from eventlight.ops.procs import pid_running
 from eventlight.settings import Settings
 
@@ -114,8 +114,17 @@ def existing_state_dir(settings: Settings) -> Path | None:
 
 
 def state_dir(settings: Settings) -> Path:
+    """``settings.state_dir``, created if missing.
+
+    Raises:
+        InvalidInputError: It is a file, or it cannot be created or written.
+    """
     state = Path(settings.state_dir).absolute()
-    state.mkdir(parents=True, exist_ok=True)
+    try:
+        state.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        why = "it is a file, not a folder" if state.exists() else e.strerror
+        raise InvalidInputError(f"cannot use {state} as the state folder (EVENTLIGHT_STATE_DIR): {why}") from None
     return state
 
 
@@ -139,7 +148,12 @@ async def state_lock(state: Path) -> AsyncIterator[None]:
 
 
 def _open_lock_file(state: Path) -> Any:
-    return open(state / "services.lock", "a+b")  # closed by the caller's `with`
+    try:
+        return open(state / "services.lock", "a+b")  # closed by the caller's `with`
+    except OSError as e:
+        raise InvalidInputError(
+            f"cannot use {state} as the state folder (EVENTLIGHT_STATE_DIR): {e.strerror} ({e.filename})"
+        ) from None
 
 
 def write_services_file(state: Path, services: Services) -> None:
