@@ -277,6 +277,24 @@ def test_the_record_is_readable_by_its_owner_only(tmp_path: Path) -> None:
     assert msgspec.json.decode((tmp_path / "services.json").read_bytes(), type=svc.Services) == record
 
 
+def test_a_state_folder_with_a_quote_keeps_the_postgres_config_valid(tmp_path: Path) -> None:
+    """``unix_socket_directories = '<home>'``: a quote in the state folder's path (/home/o'brien)
+    ended the string, and Postgres refused its config; a comma would split the list. Such a folder
+    gets no socket (the DSN is TCP)."""
+    from eventlight.ops.pg_system import _write_pg_conf
+
+    for name in ("o'brien", "a,b"):
+        home = tmp_path / name / "pg"
+        (home / "data").mkdir(parents=True)
+        _write_pg_conf(home / "data", home, 5432)
+        conf = (home / "data" / "eventlight.conf").read_text()
+        assert "unix_socket_directories = ''" in conf and name not in conf
+    plain = tmp_path / "plain" / "pg"
+    (plain / "data").mkdir(parents=True)
+    _write_pg_conf(plain / "data", plain, 5432)
+    assert f"unix_socket_directories = '{plain}'" in (plain / "data" / "eventlight.conf").read_text()
+
+
 async def test_drop_namespace_also_drops_what_a_rebuild_left_beside_it(services: tuple[Settings, Any]) -> None:
     _, found = services
     settings = Settings(namespace=_ns())

@@ -13,7 +13,8 @@ Layout of ``settings.state_dir`` (every path is the project's own; nothing else 
     nats/js/             JetStream store
     pg/data/             system-binary cluster (initdb + pg_ctl); postmaster.pid inside
     pg/port              the port picked the first time and reused after
-    pg/server.log        server log; pg/ is also the unix socket folder
+    pg/server.log        server log; pg/ is also the unix socket folder (none when its path is too
+                         long or holds a quote, a backslash or a comma: TCP only)
     pg/data/eventlight.conf  listen/port/socket/fsync/max_connections/shared_buffers, included
                          from postgresql.conf; binaries follow the data's PG_VERSION
     pg-pgserver/         the cluster of the ``pgserver`` fallback (unix socket only)
