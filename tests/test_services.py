@@ -295,6 +295,17 @@ def test_a_state_folder_with_a_quote_keeps_the_postgres_config_valid(tmp_path: P
     assert f"unix_socket_directories = '{plain}'" in (plain / "data" / "eventlight.conf").read_text()
 
 
+def test_a_remembered_port_out_of_range_is_replaced(tmp_path: Path) -> None:
+    """A port file holding 99999 or -1 (edited by hand) made `eventlight up` fail with
+    "internal error: OverflowError"; it now picks a free port, as for a port taken."""
+    from eventlight.ops.procs import remembered_port
+
+    for text in ("99999\n", "-1\n", "0\n"):
+        (tmp_path / "port").write_text(text)
+        port = remembered_port(tmp_path / "port")
+        assert 0 < port < 65536 and (tmp_path / "port").read_text() == f"{port}\n"
+
+
 async def test_drop_namespace_also_drops_what_a_rebuild_left_beside_it(services: tuple[Settings, Any]) -> None:
     _, found = services
     settings = Settings(namespace=_ns())
