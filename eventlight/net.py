@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import socket
 
-__all__ = ["free_port", "port_free", "redact", "tcp_listener"]
+__all__ = ["free_port", "port_free", "redact", "redact_unparsed", "tcp_listener"]
 
 
 def tcp_listener(host: str) -> socket.socket:
@@ -48,9 +48,10 @@ def port_free(port: int, host: str = "127.0.0.1") -> bool:
 def redact(url: str) -> str:
     """A NATS URL (or comma-separated list) or Postgres DSN without passwords or tokens.
 
-    ``scheme://user:secret@host`` becomes ``scheme://user:***@host``; a NATS token
-    (``nats://secret@host``) becomes ``nats://***@host``; ``password=…`` in a key/value DSN or a
-    query string becomes ``password=***``. URLs inside a longer text (an error message) are masked too.
+    ``scheme://user:secret@host`` becomes ``scheme://user:***@host`` (a password holding an ``@``:
+    up to the last one before the host); a NATS token (``nats://secret@host``) becomes
+    ``nats://***@host``; ``password=…`` in a key/value DSN or a query string becomes ``password=***``.
+    URLs inside a longer text (an error message) are masked too.
     """
     url = re.sub(r"(?i)(password=)[^&\s]*", r"\1***", url)
     return _CREDS_RE.sub(_mask, url)
@@ -73,7 +74,24 @@ def redact_configured(value: str, text: str) -> str:
     return redact(text)
 
 
-_CREDS_RE = re.compile(r"(?<![\w+.-])([a-zA-Z][\w+.-]*://)([^@/\s,]*)@")
+def redact_unparsed(url: str, what: str, error: BaseException) -> str:
+    """The one-line message for ``url``, which its parser refused with ``error`` (``what``: ``"a NATS
+    URL"``), safe to print.
+
+    With ``user:password@`` in it, ``redact`` masks the password; so it does when the port is a number
+    (out of range). Otherwise the password cannot be told from the rest: ``nats://user:secret`` (the
+    host forgotten) reads as host ``user`` and port ``secret``, and the parser's error quotes that
+    port; so the address and every quoted value of the error are masked.
+    """
+    authority = url.split("://", 1)[-1].split("/", 1)[0]
+    if "@" in authority or authority.rpartition(":")[2].isdigit():
+        return f"{redact(url)} is not {what}: {redact(str(error))}"
+    scheme = url.split("://", 1)[0] + "://" if "://" in url else ""
+    why = re.sub(r"'[^']*'|\"[^\"]*\"", "'***'", str(error))
+    return f"{scheme}*** is not {what}: {why} (the address is not shown: it may hold a password)"
+
+
+_CREDS_RE = re.compile(r"(?<![\w+.-])([a-zA-Z][\w+.-]*://)([^/\s,]*)@")
 
 
 def _mask(m: re.Match[str]) -> str:

@@ -158,6 +158,37 @@ DOWN: dict[str, Case] = {
         "must be a postgresql://",
     ),
     "EVENTLIGHT_STREAM_REPLICAS=x": (("status",), {"EVENTLIGHT_STREAM_REPLICAS": "x"}, 2, "must be a whole number"),
+    # the host forgotten: the password reads as a port, which the parser's error quoted
+    "EVENTLIGHT_NATS_URL nats://user:secret": (
+        ("status",),
+        {"EVENTLIGHT_NATS_URL": "nats://user:secret"},
+        2,
+        "nats://*** is not a NATS URL",
+    ),
+    "EVENTLIGHT_PG_DSN postgresql://user:secret/db": (
+        ("sql", "SELECT 1"),
+        {"EVENTLIGHT_PG_DSN": "postgresql://user:secret/db"},
+        2,
+        "postgresql://*** is not a Postgres DSN",
+    ),
+    "up, EVENTLIGHT_STATE_DIR a file": (  # was "internal error: FileExistsError", exit 1
+        ("up",),
+        {"EVENTLIGHT_STATE_DIR": "{tmp}/other.jsonl"},
+        2,
+        "other.jsonl as the state folder (EVENTLIGHT_STATE_DIR): it is a file, not a folder",
+    ),
+    "up, EVENTLIGHT_STATE_DIR under a file": (
+        ("up",),
+        {"EVENTLIGHT_STATE_DIR": "{tmp}/other.jsonl/state"},
+        2,
+        "state as the state folder (EVENTLIGHT_STATE_DIR): Not a directory",
+    ),
+    "up, EVENTLIGHT_NATS_URL without a scheme": (  # `up` named it as given, `status` hid it
+        ("up",),
+        {"EVENTLIGHT_NATS_URL": "user:secret@127.0.0.1:1", "EVENTLIGHT_STATE_DIR": "{tmp}/empty-state"},
+        1,
+        "cannot reach ***: NATS is not reachable",
+    ),
 }
 
 

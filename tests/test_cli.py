@@ -362,3 +362,25 @@ def test_redact_hides_passwords_and_tokens() -> None:
     assert redact("nats://tok@h:4222,nats://a:b@h2:4222") == "nats://***@h:4222,nats://a:***@h2:4222"
     assert redact("host=h password=pw user=u") == "host=h password=*** user=u"
     assert redact("postgresql://postgres@127.0.0.1/postgres") == "postgresql://postgres@127.0.0.1/postgres"
+    # a password holding an unencoded "@": all of it, up to the last "@" before the host
+    assert redact("nats://u:se@cret@h:4222 (x@y)") == "nats://u:***@h:4222 (x@y)"
+
+
+async def test_an_address_that_does_not_parse_never_shows_its_password() -> None:
+    """``scheme://user:secret`` (the host forgotten) parses as host ``user``, port ``secret``: the
+    parsers' errors quote that port, and ``redact`` finds no ``@`` to mask before."""
+    from eventlight.core.errors import InvalidInputError
+    from eventlight.store.jetstream import pg_errors
+    from eventlight.store.jetstream.connect import server_urls
+
+    with pytest.raises(InvalidInputError) as nats_error:
+        server_urls("nats://user:secret")
+    assert "secret" not in str(nats_error.value) and "is not a NATS URL" in str(nats_error.value)
+    with pytest.raises(InvalidInputError) as pg_error:  # asyncpg's ValueError, before any connection
+        await pg_errors.connect("postgresql://user:secret/db")
+    assert "secret" not in str(pg_error.value) and "is not a Postgres DSN" in str(pg_error.value)
+    with pytest.raises(InvalidInputError) as with_at:  # "user:password@" is there: redact masks it, the rest stays
+        server_urls("nats://user:secret@host:x")
+    assert str(with_at.value) == (
+        "nats://user:***@host:x is not a NATS URL: Port could not be cast to integer value as 'x'"
+    )

@@ -264,6 +264,48 @@ async def test_a_program_on_configured_servers_keeps_the_record_of_the_embedded_
     assert record is not None and record.nats_pid == embedded.nats_pid
 
 
+def test_the_record_is_readable_by_its_owner_only(tmp_path: Path) -> None:
+    """services.json keeps a configured DSN beside the embedded NATS, password included: mode 600,
+    also when it replaces a record written before (0644)."""
+    from eventlight.ops.state import write_services_file
+
+    (tmp_path / "services.json").write_text("{}")
+    (tmp_path / "services.json").chmod(0o644)
+    record = svc.Services("nats://127.0.0.1:1", "postgresql://app:secret@db/app", nats_pid=1, pg_kind="external")
+    write_services_file(tmp_path, record)
+    assert (tmp_path / "services.json").stat().st_mode & 0o777 == 0o600
+    assert msgspec.json.decode((tmp_path / "services.json").read_bytes(), type=svc.Services) == record
+
+
+def test_a_state_folder_with_a_quote_keeps_the_postgres_config_valid(tmp_path: Path) -> None:
+    """``unix_socket_directories = '<home>'``: a quote in the state folder's path (/home/o'brien)
+    ended the string, and Postgres refused its config; a comma would split the list. Such a folder
+    gets no socket (the DSN is TCP)."""
+    from eventlight.ops.pg_system import _write_pg_conf
+
+    for name in ("o'brien", "a,b"):
+        home = tmp_path / name / "pg"
+        (home / "data").mkdir(parents=True)
+        _write_pg_conf(home / "data", home, 5432)
+        conf = (home / "data" / "eventlight.conf").read_text()
+        assert "unix_socket_directories = ''" in conf and name not in conf
+    plain = tmp_path / "plain" / "pg"
+    (plain / "data").mkdir(parents=True)
+    _write_pg_conf(plain / "data", plain, 5432)
+    assert f"unix_socket_directories = '{plain}'" in (plain / "data" / "eventlight.conf").read_text()
+
+
+def test_a_remembered_port_out_of_range_is_replaced(tmp_path: Path) -> None:
+    """A port file holding 99999 or -1 (edited by hand) made `eventlight up` fail with
+    "internal error: OverflowError"; it now picks a free port, as for a port taken."""
+    from eventlight.ops.procs import remembered_port
+
+    for text in ("99999\n", "-1\n", "0\n"):
+        (tmp_path / "port").write_text(text)
+        port = remembered_port(tmp_path / "port")
+        assert 0 < port < 65536 and (tmp_path / "port").read_text() == f"{port}\n"
+
+
 async def test_drop_namespace_also_drops_what_a_rebuild_left_beside_it(services: tuple[Settings, Any]) -> None:
     _, found = services
     settings = Settings(namespace=_ns())

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
 from eventlight.credentials import NatsAuth
-from eventlight.net import redact
+from eventlight.net import redact_configured
 from eventlight.ops.procs import (
     STOP_TIMEOUT_S,
     log_tail,
@@ -69,7 +69,8 @@ async def ensure_nats(settings: Settings, state: Path) -> tuple[str, int | None,
     if settings.nats_url:
         why = await nats_probe(settings.nats_url, auth=settings.nats_auth)
         if why:
-            raise ServiceUnavailableError(redact(settings.nats_url), why)
+            url = settings.nats_url  # may lack a scheme (``user:pw@host``): redact_configured hides it then
+            raise ServiceUnavailableError(redact_configured(url, url), redact_configured(url, why))
         return settings.nats_url, None, False
     if settings.durability == "replicated":
         raise InvalidInputError(

@@ -150,6 +150,9 @@ def _write_pg_conf(data: Path, home: Path, port: int) -> None:
     sock = str(home) if len(str(home)) < _SOCKET_PATH_MAX - 20 else ""
     if not sock:
         _log.warning("%s is too long for a unix socket; Postgres listens on TCP only", home)
+    elif any(c in sock for c in "'\\,\""):  # a quote ends the setting's string, a comma splits its list
+        _log.warning("%s holds a quote, a backslash or a comma; Postgres listens on TCP only", home)
+        sock = ""
     lines = ["listen_addresses = '127.0.0.1'", f"port = {port}", f"unix_socket_directories = '{sock}'"]
     lines += [f"{k} = {v}" for k, v in PG_SETTINGS.items()]
     conf = data / "eventlight.conf"

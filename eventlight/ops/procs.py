@@ -60,6 +60,8 @@ def remembered_port(port_file: Path) -> int:
         port = int(port_file.read_text())
     except (OSError, ValueError):
         port = 0
+    if not 0 < port < 65536:  # an edited file: port_free would raise OverflowError
+        port = 0
     if port and not port_free(port):
         _log.warning("port %d from %s is taken by another process; picking a new one", port, port_file)
         port = 0

@@ -2,7 +2,8 @@
 
 Layout of ``settings.state_dir`` (every path is the project's own; nothing else is touched)::
 
-    services.json        URLs/DSNs and pids of what runs, for other processes (``read_services``)
+    services.json        URLs/DSNs and pids of what runs, for other processes (``read_services``);
+                         mode 600: a configured DSN's password may be in it
     services.lock        held while ``ensure_services`` runs, so two processes do not race
     nats/nats.conf       generated config: 127.0.0.1:<port>, JetStream with sync_interval always
     nats/port            the port picked the first time and reused after
@@ -12,7 +13,8 @@ Layout of ``settings.state_dir`` (every path is the project's own; nothing else 
     nats/js/             JetStream store
     pg/data/             system-binary cluster (initdb + pg_ctl); postmaster.pid inside
     pg/port              the port picked the first time and reused after
-    pg/server.log        server log; pg/ is also the unix socket folder
+    pg/server.log        server log; pg/ is also the unix socket folder (none when its path is too
+                         long or holds a quote, a backslash or a comma: TCP only)
     pg/data/eventlight.conf  listen/port/socket/fsync/max_connections/shared_buffers, included
                          from postgresql.conf; binaries follow the data's PG_VERSION
     pg-pgserver/         the cluster of the ``pgserver`` fallback (unix socket only)
@@ -34,7 +36,7 @@ from typing import Any
 
 import msgspec
 
-from eventlight.core.errors import ServiceUnavailableError
+from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
 from eventlight.ops.procs import pid_running
 from eventlight.settings import Settings
 
@@ -113,8 +115,17 @@ def existing_state_dir(settings: Settings) -> Path | None:
 
 
 def state_dir(settings: Settings) -> Path:
+    """``settings.state_dir``, created if missing.
+
+    Raises:
+        InvalidInputError: It is a file, or it cannot be created or written.
+    """
     state = Path(settings.state_dir).absolute()
-    state.mkdir(parents=True, exist_ok=True)
+    try:
+        state.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        why = "it is a file, not a folder" if state.exists() else e.strerror
+        raise InvalidInputError(f"cannot use {state} as the state folder (EVENTLIGHT_STATE_DIR): {why}") from None
     return state
 
 
@@ -138,12 +149,23 @@ async def state_lock(state: Path) -> AsyncIterator[None]:
 
 
 def _open_lock_file(state: Path) -> Any:
-    return open(state / "services.lock", "a+b")  # closed by the caller's `with`
+    try:
+        return open(state / "services.lock", "a+b")  # closed by the caller's `with`
+    except OSError as e:
+        raise InvalidInputError(
+            f"cannot use {state} as the state folder (EVENTLIGHT_STATE_DIR): {e.strerror} ({e.filename})"
+        ) from None
 
 
 def write_services_file(state: Path, services: Services) -> None:
+    """Write ``services.json`` readable by its owner only: beside the embedded servers it records a
+    configured server's URL or DSN (``_record``), password included."""
     tmp = state / f"services.json.{os.getpid()}"
-    tmp.write_bytes(msgspec.json.format(msgspec.json.encode(services)))
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()  # a leftover of a killed writer would keep its mode
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with open(fd, "wb") as f:
+        f.write(msgspec.json.format(msgspec.json.encode(services)))
     tmp.replace(state / "services.json")
 
 

@@ -11,7 +11,7 @@ from nats.aio.client import Client as NATS
 
 from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
 from eventlight.credentials import NatsAuth
-from eventlight.net import redact
+from eventlight.net import redact, redact_unparsed
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def server_urls(url: str | Sequence[str]) -> list[str]:
         try:
             urlsplit(u).port  # noqa: B018 - parsing it raises on a port out of range or not a number
         except ValueError as e:
-            raise InvalidInputError(f"{redact(u)} is not a NATS URL: {e}") from e
+            raise InvalidInputError(redact_unparsed(u, "a NATS URL", e)) from None
     return urls
 
 

@@ -30,7 +30,7 @@ from eventlight.core.types import (
     TraceStatus,
     Worker,
 )
-from eventlight.store.jetstream.pg_errors import pg_errors
+from eventlight.store.jetstream.pg_errors import dsn_errors, pg_errors
 from eventlight.store.query import check_paging, check_sort_field, check_values, is_text_field
 
 _enc = msgspec.json.Encoder()
@@ -103,8 +103,9 @@ async def create_pool(dsn: str, schema: str, *, max_size: int = 4) -> asyncpg.Po
 
     Raises:
         ServiceUnavailableError: Postgres refused or did not answer.
+        InvalidInputError: ``dsn`` cannot be parsed (``pg_errors.dsn_errors``).
     """
-    with pg_errors(dsn, "connect"):
+    with dsn_errors(dsn), pg_errors(dsn, "connect"):
         pool: asyncpg.Pool = await asyncpg.create_pool(
             dsn,
             min_size=1,

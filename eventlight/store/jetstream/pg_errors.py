@@ -17,10 +17,10 @@ from collections.abc import Iterator
 
 import asyncpg
 
-from eventlight.core.errors import ServiceUnavailableError
-from eventlight.net import redact
+from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
+from eventlight.net import redact, redact_unparsed
 
-__all__ = ["AUTH_FAILURES", "SERVER_FAILURES", "connect", "pg_errors", "sql_error_detail"]
+__all__ = ["AUTH_FAILURES", "SERVER_FAILURES", "connect", "dsn_errors", "pg_errors", "sql_error_detail"]
 
 SERVER_FAILURES: tuple[type[BaseException], ...] = (
     OSError,
@@ -69,10 +69,28 @@ async def connect(
 
     Raises:
         ServiceUnavailableError: Postgres refused or did not answer within ``timeout_s`` seconds.
+        InvalidInputError: asyncpg cannot parse ``dsn`` (``postgresql://user:secret/db``, the host
+            forgotten, reads as port ``secret``: the message hides it, ``redact_unparsed``).
     """
-    with pg_errors(name or dsn, "connect"):
+    with dsn_errors(dsn), pg_errors(name or dsn, "connect"):
         conn: asyncpg.Connection = await asyncpg.connect(dsn, timeout=timeout_s, server_settings=server_settings)
         return conn
+
+
+@contextlib.contextmanager
+def dsn_errors(dsn: str) -> Iterator[None]:
+    """Around ``asyncpg.connect`` / ``create_pool``: the ``ValueError`` asyncpg raises on a DSN it
+    cannot parse becomes ``InvalidInputError``, the DSN and the password in it hidden (``redact_unparsed``).
+
+    Raises:
+        InvalidInputError: ``dsn`` is not a DSN asyncpg can parse.
+    """
+    try:
+        yield
+    except InvalidInputError:
+        raise
+    except ValueError as e:
+        raise InvalidInputError(redact_unparsed(dsn, "a Postgres DSN", e)) from None
 
 
 def sql_error_detail(e: BaseException, timeout_s: float) -> str | None:
