@@ -200,6 +200,11 @@ async def test_a_reward_that_is_no_finite_number_fails_its_attempt(value: Any, s
         ({"min_reward": float("nan")}, "min_reward must be a finite number"),
         ({"min_reward": float("inf")}, "min_reward must be a finite number"),
         ({"min_reward": "0.5"}, "min_reward must be a finite number"),
+        ({"llm_call_match": "chat ("}, "--llm-call-match 'chat (' is not a regular expression"),
+        ({"adapter": "messages", "llm_call_match": "^chat "}, "the messages adapter does not pick LLM calls"),
+        ({"adapter": "proxy-triplets", "llm_call_match": "^chat "}, "the proxy-triplets adapter does not pick"),
+        ({"adapter": "tests.replay_adapters:picky", "llm_call_match": "^chat "}, "MODULE:CALLABLE or an object"),
+        ({"adapter": AdaptOnly(), "llm_call_match": "^chat "}, "MODULE:CALLABLE or an object"),
     ],
 )
 def test_bad_arguments_fail_before_reading(kwargs: dict[str, Any], says: str) -> None:
@@ -313,6 +318,7 @@ def test_cli_rebuild_refuses_what_only_a_replay_to_a_file_takes(namespace: Setti
         ["--status", "succeeded"],
         ["--min-reward", "0.5"],
         ["--workers", "2"],
+        ["--llm-call-match", "^chat "],
         ["--min-reward", "0"],  # falsy values were dropped without a word
         ["--since", ""],
     ):
@@ -553,3 +559,55 @@ def test_a_numpy_reward_is_a_number() -> None:
         adapted = adapt_batches([], lambda spans: [{"x": 1}], lambda spans, v=value: v)
         assert adapted.final_reward == expected and type(adapted.final_reward) is float
         assert adapted.items == [{"x": 1, "reward": expected}]
+
+
+def genai_span(rid: str, aid: str, seq: int, text: str, start: float) -> Span:
+    """An LLM call named as OpenTelemetry's GenAI conventions name it (``{operation} {model}``,
+    opentelemetry-instrumentation-openai-v2)."""
+    span = llm_span(rid, aid, seq, text, start)
+    attributes = {**(span.attributes or {}), "gen_ai.operation.name": "chat", "gen_ai.request.model": "gpt-4o"}
+    return msgspec.structs.replace(span, name="chat gpt-4o", attributes=attributes)
+
+
+async def genai_workload(store: Any, rollouts: int = 2) -> None:
+    for i in range(rollouts):
+        r = await store.enqueue_rollout({"task": i}, mode="train")
+        d = await store.dequeue_rollout(worker_id="w1")
+        aid = d.attempt.attempt_id
+        await store.add_many_spans([genai_span(r.rollout_id, aid, 1, f"t{i}", 10.0)])
+        await store.add_span(reward_span(r.rollout_id, aid, 2, 1.0, 12.0))
+        await store.update_attempt(r.rollout_id, aid, status="succeeded")
+
+
+async def test_llm_call_match_takes_spans_named_in_the_genai_conventions() -> None:
+    """Spans named ``chat gpt-4o`` gave no triplet: only an adapter object could set the pattern."""
+    async with InMemoryLightningStore() as store:
+        await genai_workload(store)
+        default = await collect(eventlight.replay(store, adapter="triplets"))
+        genai = await collect(eventlight.replay(store, adapter="triplets", llm_call_match=r"^chat "))
+    assert default == []
+    assert [(r["prompt"]["token_ids"], r["response"]["token_ids"], r["reward"]) for r in genai] == [
+        ([1, 2, 1], [3, 1], 1.0)
+    ] * 2
+
+
+async def test_cli_llm_call_match(namespace: Settings, tmp_path: Path) -> None:
+    async with JetStreamLightningStore(namespace) as store:
+        await genai_workload(store)
+    out = tmp_path / "genai.jsonl"
+    result = cli("replay", "--llm-call-match", "^chat ", "-j", "2", "--out", str(out), env=env_of(namespace))
+    assert result.returncode == 0, result.stderr
+    assert "2 record(s) from 2 attempt(s)" in result.stdout
+    assert [json.loads(line)["response"]["token_ids"] for line in out.read_text().splitlines()] == [[3, 1]] * 2
+
+
+def test_cli_llm_call_match_is_checked_before_looking_for_servers(tmp_path: Path) -> None:
+    none = {"EVENTLIGHT_NATS_URL": "", "EVENTLIGHT_PG_DSN": "", "EVENTLIGHT_STATE_DIR": str(tmp_path / "empty-state")}
+    out = str(tmp_path / "x.jsonl")
+    for args, says in (
+        (["--llm-call-match", "chat ("], "is not a regular expression: missing ), unterminated subpattern"),
+        (["-a", "messages", "--llm-call-match", "^chat "], "applies to the triplets adapter only"),
+        (["-a", "tests.replay_adapters:picky", "--llm-call-match", "^chat "], "set the pattern there"),
+    ):
+        assert_one_line_error(cli("replay", *args, "--out", out, env=none), 2, says)
+    assert not list(tmp_path.glob("x.*"))
