@@ -366,24 +366,72 @@ async def test_a_replay_that_fails_midway_leaves_no_partial_file(
     assert not existing or out.read_text() == "precious\n"
 
 
-@pytest.mark.parametrize("existing", [False, True], ids=["new", "existing"])
-async def test_a_parquet_replay_failing_at_its_last_write_leaves_no_file(
-    namespace: Settings, tmp_path: Path, existing: bool
+def parquet_as_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The Parquet file's rows as its JSON lines have them: JSON text decoded, no key for a null."""
+    import pyarrow.parquet as pq
+
+    from eventlight.logreplay.writer import _TYPES
+
+    rows = pq.read_table(path).to_pylist()
+    return [{k: v if k in _TYPES else json.loads(v) for k, v in r.items() if v is not None} for r in rows]
+
+
+def jsonl_rows(path: Path) -> list[dict[str, Any]]:
+    return [{k: v for k, v in json.loads(line).items() if v is not None} for line in path.read_text().splitlines()]
+
+
+async def test_a_field_that_first_appears_after_the_first_row_group_is_a_parquet_column(
+    namespace: Settings, tmp_path: Path
 ) -> None:
-    """Records that gain a field after the first row group fail the file when its last row group is
-    written, at the writer's close, which ran outside the clean-up: a readable file of the first
-    4,096 rows was left (or replaced the one there)."""
+    """Parquet's columns were fixed by the first 4,096 records: a field that first appeared later
+    (a custom adapter adding a key to some records) failed the whole replay."""
     from tests.test_replay_parallel import workload as many
 
     async with JetStreamLightningStore(namespace) as store:
         await many(store)
     out = tmp_path / "late.parquet"
-    if existing:
-        out.write_bytes(b"precious")
-    result = cli("replay", "--adapter", "tests.replay_adapters:late_key", "--out", str(out), env=env_of(namespace))
-    assert "has fields ['late'] that the first 4096 records lack" in only_error(result, 2)
-    assert files_in(tmp_path) == (["late.parquet"] if existing else [])
-    assert not existing or out.read_bytes() == b"precious"
+    out.write_bytes(b"precious")  # replaced once whole
+    for name in ("late.jsonl", "late.parquet"):
+        args = ("replay", "-a", "tests.replay_adapters:late_key", "--out", str(tmp_path / name))
+        result = cli(*args, env=env_of(namespace))
+        assert result.returncode == 0, result.stderr
+    rows = parquet_as_jsonl(out)
+    assert rows == jsonl_rows(tmp_path / "late.jsonl"), "Parquet and JSON lines differ"
+    late = [r.get("late") for r in rows]
+    assert len(rows) > 4096 and late[:4096] == [None] * 4096 and late[-1] == 1
+    assert files_in(tmp_path) == ["late.jsonl", "late.parquet"]  # no file set aside left
+
+
+def test_parquet_columns_grow_row_group_by_row_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fields appearing in the second and third row groups; a failure while the files set aside
+    are copied leaves none of them."""
+    from eventlight.logreplay import writer as w
+
+    monkeypatch.setattr(w, "ROW_GROUP", 2)
+    base = {"rollout_id": "ro-1", "attempt_id": "at-1", "index": 0, "log_positions": [3]}
+    records = [{**base, "a": 1}, {**base, "a": 2}, {**base, "b": {"x": [1]}}, base, {**base, "reward": 0.5}]
+    for suffix in ("jsonl", "parquet"):
+        out = tmp_path / f"r.{suffix}"
+        writer = w.writer_for(out)(out)
+        for r in records:
+            writer.write_attempt([r])
+        writer.close()
+    assert parquet_as_jsonl(tmp_path / "r.parquet") == jsonl_rows(tmp_path / "r.jsonl")
+    assert files_in(tmp_path) == ["r.jsonl", "r.parquet"]
+    import pyarrow.parquet as pq
+
+    assert pq.ParquetFile(tmp_path / "r.parquet").metadata.num_row_groups == 3
+
+    def fails(self: Any, part: Path) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(w.ParquetWriter, "_copy", fails)
+    broken = w.ParquetWriter(tmp_path / "x.parquet")
+    for r in records:
+        broken.write_attempt([r])
+    with pytest.raises(OSError, match="disk full"):
+        broken.close()
+    assert files_in(tmp_path) == ["r.jsonl", "r.parquet", "x.parquet"]
 
 
 def files_in(folder: Path) -> list[str]:
