@@ -659,3 +659,37 @@ def test_cli_llm_call_match_is_checked_before_looking_for_servers(tmp_path: Path
     ):
         assert_one_line_error(cli("replay", *args, "--out", out, env=none), 2, says)
     assert not list(tmp_path.glob("x.*"))
+
+
+async def test_a_range_of_a_position_and_a_time_is_checked_as_one_of_a_kind() -> None:
+    """``since=<position>, until=<time>`` (or the other way) with the start after the end gave an
+    empty result without a word; ``since=10, until=3`` is a "bad range" error."""
+    import time as clock
+    from datetime import UTC, datetime
+
+    hour_ago, in_an_hour = (datetime.fromtimestamp(clock.time() + d, UTC).isoformat() for d in (-3600, 3600))
+    async with InMemoryLightningStore() as store:
+        ids = await workload(store)
+        first = await collect(eventlight.replay(store))
+        val_seq = next(r["attempt_seq"] for r in first if r["rollout_id"] == ids["val"])
+        kept = await collect(eventlight.replay(store, since=val_seq, until=in_an_hour))
+        assert {r["rollout_id"] for r in kept} == {ids["val"], ids["bad"]}
+        assert await collect(eventlight.replay(store, since=hour_ago, until=val_seq))  # the start and val
+        with pytest.raises(InvalidInputError, match=rf"bad range: --since {val_seq} is later than --until .* \(log "):
+            await collect(eventlight.replay(store, since=val_seq, until=hour_ago))
+        with pytest.raises(InvalidInputError, match=rf"bad range: --since .* is later than --until {val_seq} \(log "):
+            await collect(eventlight.replay(store, since=in_an_hour, until=val_seq))
+        with pytest.raises(InvalidInputError, match=r"--until 100000 \(log position \d+, the last entry up to 100000,"):
+            await collect(eventlight.replay(store, since=in_an_hour, until=100000))
+        assert await collect(eventlight.replay(store, since=100000, until=hour_ago)) == []  # past the end: warned
+
+
+async def test_cli_a_bad_range_of_a_position_and_a_time_is_one_line(namespace: Settings, tmp_path: Path) -> None:
+    async with JetStreamLightningStore(namespace) as store:
+        await workload(store)
+    out = tmp_path / "x.jsonl"
+    result = cli("replay", "--since", "2", "--until", "2001-01-01", "--out", str(out), env=env_of(namespace))
+    assert "bad range: --since 2 is later than --until 2001-01-01T00:00:00+00:00 (log position 2" in only_error(
+        result, 2
+    )
+    assert files_in(tmp_path) == []

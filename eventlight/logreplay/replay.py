@@ -157,6 +157,7 @@ class Replay(AsyncIterator[dict[str, Any]]):
         try:
             async with _open_log(self.source) as log_:
                 fold, ahead = await self._read(log_, pool)
+            check_mixed_range(self.filters, fold.position_time(), self.stats.head_seq)
             unknown = sorted((self.filters.resources_ids or frozenset()) - fold.resources.keys())
             if unknown:  # most likely a typo: say so rather than write an empty file without a word
                 log.warning("replay: no resources snapshot in the log is named %s (--resources-id)", ", ".join(unknown))
@@ -416,7 +417,8 @@ def replay(
 
     Raises:
         InvalidInputError: An unknown adapter or reward spec, attempt status or rollout mode, a
-            range whose start is after its end, a ``min_reward`` that is not a finite number,
+            range whose start is after its end (when iterating, for a position and a time:
+            ``check_mixed_range``), a ``min_reward`` that is not a finite number,
             ``workers`` not a whole number from 1 to ``MAX_WORKERS``, or an ``llm_call_match`` that
             is no regex or given with another adapter than ``"triplets"``.
         ServiceUnavailableError: NATS cannot be reached (when iterating).
@@ -488,3 +490,31 @@ def check_range(lo: Bound | None, hi: Bound | None) -> None:
         raise InvalidInputError(f"bad range: --since {lo.seq} is after --until {hi.seq}")
     if lo.time is not None and hi.time is not None and lo.time > hi.time:
         raise InvalidInputError("bad range: --since is later than --until")
+
+
+def check_mixed_range(filters: Filters, entry: tuple[int, float] | None, head_seq: int) -> None:
+    """Refuse a range of a log position and a time whose start is after its end, as ``check_range``
+    does when both are of one kind: once the log is read, the position is compared through the
+    ``time`` of its entry (``entry``: that entry's position and time, or the last one's before it).
+    A ``--since`` position past the end of the log is left to the caller's warning.
+
+    Raises:
+        InvalidInputError: It is.
+    """
+    lo, hi = filters.since, filters.until
+    if entry is None or lo is None or hi is None:
+        return
+    seq, position_time = entry
+    bound = lo.seq if lo.seq is not None else hi.seq
+    last = "" if seq == bound else f", the last entry up to {bound},"
+    written = f"log position {seq}{last} was written at {_iso(position_time)}"
+    if lo.seq is not None and hi.time is not None and lo.seq <= head_seq and position_time > hi.time:
+        raise InvalidInputError(f"bad range: --since {lo.seq} is later than --until {_iso(hi.time)} ({written})")
+    if lo.time is not None and hi.seq is not None and lo.time > position_time:
+        raise InvalidInputError(f"bad range: --since {_iso(lo.time)} is later than --until {hi.seq} ({written})")
+
+
+def _iso(seconds: float) -> str:
+    from datetime import UTC, datetime
+
+    return datetime.fromtimestamp(seconds, UTC).isoformat()
