@@ -200,6 +200,11 @@ async def test_a_reward_that_is_no_finite_number_fails_its_attempt(value: Any, s
         ({"min_reward": float("nan")}, "min_reward must be a finite number"),
         ({"min_reward": float("inf")}, "min_reward must be a finite number"),
         ({"min_reward": "0.5"}, "min_reward must be a finite number"),
+        ({"llm_call_match": "chat ("}, "--llm-call-match 'chat (' is not a regular expression"),
+        ({"adapter": "messages", "llm_call_match": "^chat "}, "the messages adapter does not pick LLM calls"),
+        ({"adapter": "proxy-triplets", "llm_call_match": "^chat "}, "the proxy-triplets adapter does not pick"),
+        ({"adapter": "tests.replay_adapters:picky", "llm_call_match": "^chat "}, "MODULE:CALLABLE or an object"),
+        ({"adapter": AdaptOnly(), "llm_call_match": "^chat "}, "MODULE:CALLABLE or an object"),
     ],
 )
 def test_bad_arguments_fail_before_reading(kwargs: dict[str, Any], says: str) -> None:
@@ -313,6 +318,7 @@ def test_cli_rebuild_refuses_what_only_a_replay_to_a_file_takes(namespace: Setti
         ["--status", "succeeded"],
         ["--min-reward", "0.5"],
         ["--workers", "2"],
+        ["--llm-call-match", "^chat "],
         ["--min-reward", "0"],  # falsy values were dropped without a word
         ["--since", ""],
     ):
@@ -360,24 +366,72 @@ async def test_a_replay_that_fails_midway_leaves_no_partial_file(
     assert not existing or out.read_text() == "precious\n"
 
 
-@pytest.mark.parametrize("existing", [False, True], ids=["new", "existing"])
-async def test_a_parquet_replay_failing_at_its_last_write_leaves_no_file(
-    namespace: Settings, tmp_path: Path, existing: bool
+def parquet_as_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The Parquet file's rows as its JSON lines have them: JSON text decoded, no key for a null."""
+    import pyarrow.parquet as pq
+
+    from eventlight.logreplay.writer import _TYPES
+
+    rows = pq.read_table(path).to_pylist()
+    return [{k: v if k in _TYPES else json.loads(v) for k, v in r.items() if v is not None} for r in rows]
+
+
+def jsonl_rows(path: Path) -> list[dict[str, Any]]:
+    return [{k: v for k, v in json.loads(line).items() if v is not None} for line in path.read_text().splitlines()]
+
+
+async def test_a_field_that_first_appears_after_the_first_row_group_is_a_parquet_column(
+    namespace: Settings, tmp_path: Path
 ) -> None:
-    """Records that gain a field after the first row group fail the file when its last row group is
-    written, at the writer's close, which ran outside the clean-up: a readable file of the first
-    4,096 rows was left (or replaced the one there)."""
+    """Parquet's columns were fixed by the first 4,096 records: a field that first appeared later
+    (a custom adapter adding a key to some records) failed the whole replay."""
     from tests.test_replay_parallel import workload as many
 
     async with JetStreamLightningStore(namespace) as store:
         await many(store)
     out = tmp_path / "late.parquet"
-    if existing:
-        out.write_bytes(b"precious")
-    result = cli("replay", "--adapter", "tests.replay_adapters:late_key", "--out", str(out), env=env_of(namespace))
-    assert "has fields ['late'] that the first 4096 records lack" in only_error(result, 2)
-    assert files_in(tmp_path) == (["late.parquet"] if existing else [])
-    assert not existing or out.read_bytes() == b"precious"
+    out.write_bytes(b"precious")  # replaced once whole
+    for name in ("late.jsonl", "late.parquet"):
+        args = ("replay", "-a", "tests.replay_adapters:late_key", "--out", str(tmp_path / name))
+        result = cli(*args, env=env_of(namespace))
+        assert result.returncode == 0, result.stderr
+    rows = parquet_as_jsonl(out)
+    assert rows == jsonl_rows(tmp_path / "late.jsonl"), "Parquet and JSON lines differ"
+    late = [r.get("late") for r in rows]
+    assert len(rows) > 4096 and late[:4096] == [None] * 4096 and late[-1] == 1
+    assert files_in(tmp_path) == ["late.jsonl", "late.parquet"]  # no file set aside left
+
+
+def test_parquet_columns_grow_row_group_by_row_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fields appearing in the second and third row groups; a failure while the files set aside
+    are copied leaves none of them."""
+    from eventlight.logreplay import writer as w
+
+    monkeypatch.setattr(w, "ROW_GROUP", 2)
+    base = {"rollout_id": "ro-1", "attempt_id": "at-1", "index": 0, "log_positions": [3]}
+    records = [{**base, "a": 1}, {**base, "a": 2}, {**base, "b": {"x": [1]}}, base, {**base, "reward": 0.5}]
+    for suffix in ("jsonl", "parquet"):
+        out = tmp_path / f"r.{suffix}"
+        writer = w.writer_for(out)(out)
+        for r in records:
+            writer.write_attempt([r])
+        writer.close()
+    assert parquet_as_jsonl(tmp_path / "r.parquet") == jsonl_rows(tmp_path / "r.jsonl")
+    assert files_in(tmp_path) == ["r.jsonl", "r.parquet"]
+    import pyarrow.parquet as pq
+
+    assert pq.ParquetFile(tmp_path / "r.parquet").metadata.num_row_groups == 3
+
+    def fails(self: Any, part: Path) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(w.ParquetWriter, "_copy", fails)
+    broken = w.ParquetWriter(tmp_path / "x.parquet")
+    for r in records:
+        broken.write_attempt([r])
+    with pytest.raises(OSError, match="disk full"):
+        broken.close()
+    assert files_in(tmp_path) == ["r.jsonl", "r.parquet", "x.parquet"]
 
 
 def files_in(folder: Path) -> list[str]:
@@ -553,3 +607,89 @@ def test_a_numpy_reward_is_a_number() -> None:
         adapted = adapt_batches([], lambda spans: [{"x": 1}], lambda spans, v=value: v)
         assert adapted.final_reward == expected and type(adapted.final_reward) is float
         assert adapted.items == [{"x": 1, "reward": expected}]
+
+
+def genai_span(rid: str, aid: str, seq: int, text: str, start: float) -> Span:
+    """An LLM call named as OpenTelemetry's GenAI conventions name it (``{operation} {model}``,
+    opentelemetry-instrumentation-openai-v2)."""
+    span = llm_span(rid, aid, seq, text, start)
+    attributes = {**(span.attributes or {}), "gen_ai.operation.name": "chat", "gen_ai.request.model": "gpt-4o"}
+    return msgspec.structs.replace(span, name="chat gpt-4o", attributes=attributes)
+
+
+async def genai_workload(store: Any, rollouts: int = 2) -> None:
+    for i in range(rollouts):
+        r = await store.enqueue_rollout({"task": i}, mode="train")
+        d = await store.dequeue_rollout(worker_id="w1")
+        aid = d.attempt.attempt_id
+        await store.add_many_spans([genai_span(r.rollout_id, aid, 1, f"t{i}", 10.0)])
+        await store.add_span(reward_span(r.rollout_id, aid, 2, 1.0, 12.0))
+        await store.update_attempt(r.rollout_id, aid, status="succeeded")
+
+
+async def test_llm_call_match_takes_spans_named_in_the_genai_conventions() -> None:
+    """Spans named ``chat gpt-4o`` gave no triplet: only an adapter object could set the pattern."""
+    async with InMemoryLightningStore() as store:
+        await genai_workload(store)
+        default = await collect(eventlight.replay(store, adapter="triplets"))
+        genai = await collect(eventlight.replay(store, adapter="triplets", llm_call_match=r"^chat "))
+    assert default == []
+    assert [(r["prompt"]["token_ids"], r["response"]["token_ids"], r["reward"]) for r in genai] == [
+        ([1, 2, 1], [3, 1], 1.0)
+    ] * 2
+
+
+async def test_cli_llm_call_match(namespace: Settings, tmp_path: Path) -> None:
+    async with JetStreamLightningStore(namespace) as store:
+        await genai_workload(store)
+    out = tmp_path / "genai.jsonl"
+    result = cli("replay", "--llm-call-match", "^chat ", "-j", "2", "--out", str(out), env=env_of(namespace))
+    assert result.returncode == 0, result.stderr
+    assert "2 record(s) from 2 attempt(s)" in result.stdout
+    assert [json.loads(line)["response"]["token_ids"] for line in out.read_text().splitlines()] == [[3, 1]] * 2
+
+
+def test_cli_llm_call_match_is_checked_before_looking_for_servers(tmp_path: Path) -> None:
+    none = {"EVENTLIGHT_NATS_URL": "", "EVENTLIGHT_PG_DSN": "", "EVENTLIGHT_STATE_DIR": str(tmp_path / "empty-state")}
+    out = str(tmp_path / "x.jsonl")
+    for args, says in (
+        (["--llm-call-match", "chat ("], "is not a regular expression: missing ), unterminated subpattern"),
+        (["-a", "messages", "--llm-call-match", "^chat "], "applies to the triplets adapter only"),
+        (["-a", "tests.replay_adapters:picky", "--llm-call-match", "^chat "], "set the pattern there"),
+    ):
+        assert_one_line_error(cli("replay", *args, "--out", out, env=none), 2, says)
+    assert not list(tmp_path.glob("x.*"))
+
+
+async def test_a_range_of_a_position_and_a_time_is_checked_as_one_of_a_kind() -> None:
+    """``since=<position>, until=<time>`` (or the other way) with the start after the end gave an
+    empty result without a word; ``since=10, until=3`` is a "bad range" error."""
+    import time as clock
+    from datetime import UTC, datetime
+
+    hour_ago, in_an_hour = (datetime.fromtimestamp(clock.time() + d, UTC).isoformat() for d in (-3600, 3600))
+    async with InMemoryLightningStore() as store:
+        ids = await workload(store)
+        first = await collect(eventlight.replay(store))
+        val_seq = next(r["attempt_seq"] for r in first if r["rollout_id"] == ids["val"])
+        kept = await collect(eventlight.replay(store, since=val_seq, until=in_an_hour))
+        assert {r["rollout_id"] for r in kept} == {ids["val"], ids["bad"]}
+        assert await collect(eventlight.replay(store, since=hour_ago, until=val_seq))  # the start and val
+        with pytest.raises(InvalidInputError, match=rf"bad range: --since {val_seq} is later than --until .* \(log "):
+            await collect(eventlight.replay(store, since=val_seq, until=hour_ago))
+        with pytest.raises(InvalidInputError, match=rf"bad range: --since .* is later than --until {val_seq} \(log "):
+            await collect(eventlight.replay(store, since=in_an_hour, until=val_seq))
+        with pytest.raises(InvalidInputError, match=r"--until 100000 \(log position \d+, the last entry up to 100000,"):
+            await collect(eventlight.replay(store, since=in_an_hour, until=100000))
+        assert await collect(eventlight.replay(store, since=100000, until=hour_ago)) == []  # past the end: warned
+
+
+async def test_cli_a_bad_range_of_a_position_and_a_time_is_one_line(namespace: Settings, tmp_path: Path) -> None:
+    async with JetStreamLightningStore(namespace) as store:
+        await workload(store)
+    out = tmp_path / "x.jsonl"
+    result = cli("replay", "--since", "2", "--until", "2001-01-01", "--out", str(out), env=env_of(namespace))
+    assert "bad range: --since 2 is later than --until 2001-01-01T00:00:00+00:00 (log position 2" in only_error(
+        result, 2
+    )
+    assert files_in(tmp_path) == []

@@ -26,7 +26,7 @@ from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.store.memory import InMemoryLightningStore
 from tests.test_cli import cli, env_of
-from tests.test_replay import collect, interrupted, llm_span, only_error, reward_span
+from tests.test_replay import collect, genai_workload, interrupted, llm_span, only_error, reward_span
 
 ROLLOUTS = 5 * CHUNK  # enough that attempts are sent to the workers during the read
 
@@ -89,6 +89,14 @@ async def test_workers_give_the_records_of_one_process_in_the_same_order(kwargs:
         assert run.stats.ahead < run.stats.attempts, "the late batches' attempts were not made again"
         late = {r["rollout_id"] for r in await collect(eventlight.replay(store, workers=2)) if "late" in str(r)}
         assert late == set(kinds["late"])
+
+
+async def test_llm_call_match_reaches_the_workers() -> None:
+    """Each worker builds its adapter from the name: without the pattern it gave no triplets."""
+    async with InMemoryLightningStore() as store:
+        await genai_workload(store, ROLLOUTS)
+        run = await same_both_ways(store, adapter="triplets", llm_call_match=r"^chat ")
+    assert run.stats.records == ROLLOUTS and run.stats.ahead > 0
 
 
 async def test_an_adapter_that_raises_in_a_worker_is_reported_with_its_ids() -> None:

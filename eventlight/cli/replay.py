@@ -150,6 +150,14 @@ def replay_command(
         str | None,
         typer.Option("--adapter", "-a", help="triplets (default) | messages | proxy-triplets | MODULE:CALLABLE."),
     ] = None,
+    llm_call_match: Annotated[
+        str | None,
+        typer.Option(
+            "--llm-call-match",
+            help="With --adapter triplets: the regex on span names that marks LLM calls (default "
+            r"'openai\.chat\.completion'; '^chat ' for OpenTelemetry GenAI spans such as 'chat gpt-4o').",
+        ),
+    ] = None,
     since: Annotated[
         str | None, typer.Option(help="Attempts that started at/after: a log position or ISO time.")
     ] = None,
@@ -206,6 +214,7 @@ def replay_command(
     if rebuild:
         given = {
             "--adapter": adapter,
+            "--llm-call-match": llm_call_match,
             "--since": since,
             "--until": until,
             "--status": status,
@@ -232,6 +241,7 @@ def replay_command(
 
     opts: dict[str, Any] = {
         "adapter": adapter or "triplets",
+        "llm_call_match": llm_call_match,
         "since": since,
         "until": until,
         "statuses": status or None,

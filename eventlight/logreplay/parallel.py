@@ -87,7 +87,7 @@ def default_workers() -> int:
     return max(1, min(8, cpus))
 
 
-def _init(adapter: str, reward: str | None) -> None:
+def _init(adapter: str, reward: str | None, llm_call_match: str | None) -> None:
     global _adapter, _reward
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent acts on a Ctrl-C (module docstring)
     # the forkserver ignores SIGTERM once it imported eventlight.runner_pool (a process-group
@@ -100,7 +100,7 @@ def _init(adapter: str, reward: str | None) -> None:
     # former and to run less often (in a one-process replay it took ~20% of the time).
     gc.freeze()
     gc.set_threshold(*WORKER_GC_THRESHOLD)
-    _adapter = resolve_adapter(adapter)
+    _adapter = resolve_adapter(adapter, llm_call_match)
     _reward = resolve_reward(reward)
 
 
@@ -169,6 +169,7 @@ class AdaptPool:
         adapter, reward: The names (``resolve_adapter`` / ``resolve_reward`` specs) each worker
             builds its adapter and reward function from.
         workers: Processes, at least 2 (one would only add the cost of sending the batches).
+        llm_call_match: ``resolve_adapter``'s, for the ``triplets`` adapter.
 
     The processes start at once, in the background: ``ProcessPoolExecutor.submit`` starts one
     when none is idle and waits, holding the executor's lock, until the forkserver has imported
@@ -176,10 +177,10 @@ class AdaptPool:
     through one thread of its own, and the read in the event loop never waits for it.
     """
 
-    def __init__(self, adapter: str, reward: str | None, workers: int):
+    def __init__(self, adapter: str, reward: str | None, workers: int, llm_call_match: str | None = None):
         self.workers = workers
         self.executor = ProcessPoolExecutor(
-            workers, mp_context=_context(), initializer=_init, initargs=(adapter, reward)
+            workers, mp_context=_context(), initializer=_init, initargs=(adapter, reward, llm_call_match)
         )
         self._submitter = ThreadPoolExecutor(1, thread_name_prefix="eventlight-replay-submit")
         for _ in range(workers):  # one process started per task while none is idle

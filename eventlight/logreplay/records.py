@@ -31,6 +31,7 @@ from __future__ import annotations
 import importlib
 import math
 import numbers
+import re
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -96,21 +97,31 @@ def load_callable(spec: str, what: str) -> Any:
     return obj
 
 
-def resolve_adapter(adapter: str | AdapterFn) -> AdapterFn:
+def resolve_adapter(adapter: str | AdapterFn, llm_call_match: str | None = None) -> AdapterFn:
     """``triplets`` (``TracerTraceToTriplet``), ``messages`` (``TraceToMessages``), ``proxy-triplets``
     (``LlmProxyTraceToTriplet``), ``MODULE:CALLABLE`` (an adapter class is instantiated without
     arguments), or a callable of the spans.
 
+    Args:
+        adapter: The name or the callable.
+        llm_call_match: For ``triplets`` only: the regex (``re.search`` on span names) that marks
+            LLM calls, instead of Agent-lightning's ``openai\\.chat\\.completion``
+            (``check_llm_call_match``).
+
     Raises:
         InvalidInputError: An unknown name, a spec that does not import, or something not callable
-            (a class with ``adapt`` but no ``__call__``, say).
+            (a class with ``adapt`` but no ``__call__``, say); an ``llm_call_match`` that
+            ``check_llm_call_match`` refuses.
     """
+    check_llm_call_match(adapter, llm_call_match)
     if callable(adapter):
         return adapter
     if not isinstance(adapter, str):
         raise InvalidInputError(f"adapter: {_not_callable(adapter)}")
     from eventlight.adapter import LlmProxyTraceToTriplet, TracerTraceToTriplet, TraceToMessages
 
+    if adapter == "triplets" and llm_call_match is not None:
+        return TracerTraceToTriplet(llm_call_match=llm_call_match)
     builtin: dict[str, Callable[[], AdapterFn]] = {
         "triplets": TracerTraceToTriplet,
         "messages": TraceToMessages,
@@ -131,6 +142,35 @@ def resolve_adapter(adapter: str | AdapterFn) -> AdapterFn:
         if not callable(obj):  # refused once here, not on every attempt
             raise InvalidInputError(f"adapter {adapter!r}: {_not_callable(obj)}")
     return obj  # type: ignore[no-any-return]
+
+
+def check_llm_call_match(adapter: object, llm_call_match: str | None) -> None:
+    """Refuse an ``llm_call_match`` that is no regex, or that the adapter would not use: only the
+    ``triplets`` adapter (``TracerTraceToTriplet``) picks LLM calls by span name. ``messages`` takes
+    every span with ``gen_ai.*`` attributes and ``proxy-triplets`` the LLM proxy's spans with token
+    ids; an adapter given as ``MODULE:CALLABLE`` or an object is built by its own code, which sets
+    its own pattern.
+
+    Raises:
+        InvalidInputError: Either.
+    """
+    if llm_call_match is None:
+        return
+    if not isinstance(llm_call_match, str):
+        raise InvalidInputError(f"--llm-call-match must be a regular expression (a str), got {llm_call_match!r}")
+    if adapter != "triplets":
+        if adapter in BUILTIN_ADAPTERS:
+            why = f"the {adapter} adapter does not pick LLM calls by span name"
+        else:
+            why = (
+                "an adapter given as MODULE:CALLABLE or an object is built by its own code: set the pattern "
+                "there, e.g. TracerTraceToTriplet(llm_call_match=...)"
+            )
+        raise InvalidInputError(f"--llm-call-match applies to the triplets adapter only: {why}")
+    try:
+        re.compile(llm_call_match)
+    except re.error as e:
+        raise InvalidInputError(f"--llm-call-match {llm_call_match!r} is not a regular expression: {e}") from None
 
 
 def _not_callable(obj: object) -> str:

@@ -114,15 +114,17 @@ class Replay(AsyncIterator[dict[str, Any]]):
         reward: str | RewardFn | None,
         on_progress: Progress | None,
         workers: int = 1,
+        llm_call_match: str | None = None,
     ):
         self.source = source
-        self.adapter = resolve_adapter(adapter)  # an unknown adapter fails here, before any read
+        self.adapter = resolve_adapter(adapter, llm_call_match)  # an unknown adapter fails here, before any read
         self.reward = resolve_reward(reward)
         by_name = isinstance(adapter, str) and (reward is None or isinstance(reward, str))
         self.workers = workers if by_name else 1
         """Processes adapting attempts (``parallel``); 1 (this process) for an adapter or reward
         function given as an object."""
         self._specs = (adapter, reward) if by_name else None
+        self._llm_call_match = llm_call_match
         self.filters = filters
         self.min_reward = min_reward
         self.on_progress = on_progress
@@ -146,11 +148,16 @@ class Replay(AsyncIterator[dict[str, Any]]):
             await self._it.aclose()
 
     async def _run(self) -> AsyncIterator[dict[str, Any]]:
-        pool = AdaptPool(*self._specs, workers=self.workers) if self.workers > 1 and self._specs else None  # type: ignore[arg-type]
+        pool = (
+            AdaptPool(*self._specs, workers=self.workers, llm_call_match=self._llm_call_match)  # type: ignore[arg-type]
+            if self.workers > 1 and self._specs
+            else None
+        )
         finished = False
         try:
             async with _open_log(self.source) as log_:
                 fold, ahead = await self._read(log_, pool)
+            check_mixed_range(self.filters, fold.position_time(), self.stats.head_seq)
             unknown = sorted((self.filters.resources_ids or frozenset()) - fold.resources.keys())
             if unknown:  # most likely a typo: say so rather than write an empty file without a word
                 log.warning("replay: no resources snapshot in the log is named %s (--resources-id)", ", ".join(unknown))
@@ -374,6 +381,7 @@ def replay(
     reward: str | RewardFn | None = None,
     on_progress: Progress | None = None,
     workers: int = 1,
+    llm_call_match: str | None = None,
 ) -> Replay:
     """Replay stored traces into records, as an async iterator (``eventlight replay`` from Python).
 
@@ -399,14 +407,20 @@ def replay(
             given by name (a string); with objects the adapter runs in this process. The
             processes start with ``multiprocessing``'s ``forkserver``, so a script calling this
             needs the usual ``if __name__ == "__main__":`` guard.
+        llm_call_match: With ``adapter="triplets"`` only: the regex (``re.search`` on span names)
+            that marks LLM calls, instead of Agent-lightning's ``openai\\.chat\\.completion``; e.g.
+            ``r"^chat "`` for spans named in OpenTelemetry's GenAI conventions (``chat gpt-4o``).
+            In the worker processes too.
 
     Returns:
         A ``Replay``: iterate it for the records; ``errors`` lists the attempts that failed.
 
     Raises:
         InvalidInputError: An unknown adapter or reward spec, attempt status or rollout mode, a
-            range whose start is after its end, a ``min_reward`` that is not a finite number, or
-            ``workers`` not a whole number from 1 to ``MAX_WORKERS``.
+            range whose start is after its end (when iterating, for a position and a time:
+            ``check_mixed_range``), a ``min_reward`` that is not a finite number,
+            ``workers`` not a whole number from 1 to ``MAX_WORKERS``, or an ``llm_call_match`` that
+            is no regex or given with another adapter than ``"triplets"``.
         ServiceUnavailableError: NATS cannot be reached (when iterating).
     """
     lo, hi = as_bound(since), as_bound(until)
@@ -424,7 +438,7 @@ def replay(
         raise InvalidInputError(f"min_reward must be a finite number, got {min_reward!r}")
     if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
         raise InvalidInputError(f"workers must be a whole number from 1 to {MAX_WORKERS}, got {workers!r}")
-    return Replay(source, adapter, filters, min_reward, reward, on_progress, workers)
+    return Replay(source, adapter, filters, min_reward, reward, on_progress, workers, llm_call_match)
 
 
 def parse_bound(text: str) -> Bound:
@@ -476,3 +490,31 @@ def check_range(lo: Bound | None, hi: Bound | None) -> None:
         raise InvalidInputError(f"bad range: --since {lo.seq} is after --until {hi.seq}")
     if lo.time is not None and hi.time is not None and lo.time > hi.time:
         raise InvalidInputError("bad range: --since is later than --until")
+
+
+def check_mixed_range(filters: Filters, entry: tuple[int, float] | None, head_seq: int) -> None:
+    """Refuse a range of a log position and a time whose start is after its end, as ``check_range``
+    does when both are of one kind: once the log is read, the position is compared through the
+    ``time`` of its entry (``entry``: that entry's position and time, or the last one's before it).
+    A ``--since`` position past the end of the log is left to the caller's warning.
+
+    Raises:
+        InvalidInputError: It is.
+    """
+    lo, hi = filters.since, filters.until
+    if entry is None or lo is None or hi is None:
+        return
+    seq, position_time = entry
+    bound = lo.seq if lo.seq is not None else hi.seq
+    last = "" if seq == bound else f", the last entry up to {bound},"
+    written = f"log position {seq}{last} was written at {_iso(position_time)}"
+    if lo.seq is not None and hi.time is not None and lo.seq <= head_seq and position_time > hi.time:
+        raise InvalidInputError(f"bad range: --since {lo.seq} is later than --until {_iso(hi.time)} ({written})")
+    if lo.time is not None and hi.seq is not None and lo.time > position_time:
+        raise InvalidInputError(f"bad range: --since {_iso(lo.time)} is later than --until {hi.seq} ({written})")
+
+
+def _iso(seconds: float) -> str:
+    from datetime import UTC, datetime
+
+    return datetime.fromtimestamp(seconds, UTC).isoformat()

@@ -10,7 +10,9 @@ the log). Worker events are skipped undecoded.
 
 ``Filters`` are the ``eventlight replay`` options: ``since``/``until`` select attempts by where they
 started (a log position, or a time compared with the attempt's ``start_time``), ``statuses`` by the
-attempt's status once the log is read, ``modes`` and ``resources_ids`` by the rollout's.
+attempt's status once the log is read, ``modes`` and ``resources_ids`` by the rollout's. When one
+end is a position and the other a time, the fold keeps the entry at that position (or the last one
+before it), whose ``time`` the replay compares with the other end (``LogFold.position_time``).
 """
 
 from __future__ import annotations
@@ -52,6 +54,12 @@ class Filters(msgspec.Struct, frozen=True, kw_only=True):
             return False
         return self.until is None or self.until.before(seq, start_time)
 
+    def mixed_position(self) -> int | None:
+        """The log position that ends a range whose other end is a time, else ``None``."""
+        if self.since is None or self.until is None or (self.since.seq is None) == (self.until.seq is None):
+            return None
+        return self.since.seq if self.since.seq is not None else self.until.seq
+
     def rollout_matches(self, rollout: Rollout) -> bool:
         if self.modes is not None and rollout.mode not in self.modes:
             return False
@@ -70,6 +78,13 @@ class _Head(msgspec.Struct):
 
 
 _head = msgspec.json.Decoder(_Head)
+
+
+class _Time(msgspec.Struct):
+    time: float
+
+
+_time = msgspec.json.Decoder(_Time)
 
 
 class Candidate(msgspec.Struct, kw_only=True):
@@ -108,10 +123,14 @@ class LogFold:
         """With ``track_finished``: candidates whose attempt reached a terminal status, in log order,
         for the reader to take (and clear); their spans are most likely all in (``Replay`` adapts
         them ahead)."""
+        self._position = filters.mixed_position()
+        self._at_position: tuple[int, bytes] | None = None
 
     def add(self, seq: int, subject: str, data: bytes) -> None:
         """Fold one log entry; an entry that is not an event is recorded in ``malformed``."""
         self.events += 1
+        if self._position is not None and seq <= self._position and data:
+            self._at_position = (seq, data)  # decoded once, at the end (position_time)
         kind, _, rest = subject.partition(".")
         if kind == "w" or not data:
             return
@@ -167,6 +186,18 @@ class LogFold:
                 cand = self.candidates.get((rid, attempt.attempt_id))
                 if cand is not None:
                     self.finished.append(cand)
+
+    def position_time(self) -> tuple[int, float] | None:
+        """When a range mixes a position and a time (``Filters.mixed_position``): the log position
+        and ``time`` of the entry at that position, or of the last one before it; ``None`` without
+        one (or when it is no event)."""
+        if self._at_position is None:
+            return None
+        seq, data = self._at_position
+        try:
+            return seq, _time.decode(data).time
+        except msgspec.DecodeError:
+            return None
 
     def selected(self) -> list[Selected]:
         """The candidates that pass every filter once the log is read, in the order they started."""

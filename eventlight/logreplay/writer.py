@@ -7,11 +7,15 @@ for the same input.
   ``log_positions: list<int64>``), ``reward`` as double, and every other field as JSON text (the
   adapters' prompts, responses and messages differ in shape from row to row, which Parquet's one
   schema per file cannot hold); loads with ``pyarrow.parquet.read_table``, ``pandas.read_parquet``
-  and ``datasets.load_dataset("parquet", ...)``. Needs the ``replay`` extra (pyarrow).
+  and ``datasets.load_dataset("parquet", ...)``. Needs the ``replay`` extra (pyarrow). The columns
+  are every field of any record; a record without one has ``null`` there, where its JSON line has
+  no key (``ParquetWriter``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -19,6 +23,7 @@ from typing import Any, Protocol
 import msgspec
 
 from eventlight.core.errors import InvalidInputError
+from eventlight.logreplay.files import temporary_beside
 from eventlight.logreplay.records import PROVENANCE
 
 ROW_GROUP = 4096
@@ -117,7 +122,17 @@ _TYPES = {
 
 
 class ParquetWriter:
-    """Writes ``path`` as Parquet in row groups; the columns are fixed by the first row group."""
+    """Writes ``path`` as Parquet in row groups of ``ROW_GROUP`` records. The columns are the
+    provenance, then every other field that any record has, sorted; a record without one has
+    ``null`` there.
+
+    A Parquet file has one set of columns, and the records stream through (a custom adapter may add
+    a field to a few records only, late in the replay): when a row group brings a field the ones
+    written lack, the file so far is set aside beside ``path`` and the writing goes on in a new one
+    with the new columns. ``close`` then copies the files set aside and the last one into ``path``,
+    one row group at a time, with every column (``null`` in the rows written before it appeared),
+    and removes them. A replay whose fields all appear in its first row group is written once.
+    """
 
     def __init__(self, path: Path):
         try:
@@ -132,7 +147,8 @@ class ParquetWriter:
         self._rows: list[dict[str, Any]] = []
         self._schema: Any = None
         self._writer: Any = None
-        self._count = 0
+        self._set_aside: list[Path] = []
+        """Files of the row groups written before a field appeared, in order."""
 
     def _arrow_type(self, name: str) -> Any:
         kind = _TYPES.get(name, "json")
@@ -140,10 +156,9 @@ class ParquetWriter:
             return self.pa.list_(self.pa.int64())
         return self.pa.string() if kind == "json" else getattr(self.pa, kind)()
 
-    def _make_schema(self) -> Any:
-        extra = sorted({k for r in self._rows for k in r} - set(PROVENANCE))
-        names = [*PROVENANCE, *extra]
-        return self.pa.schema([(n, self._arrow_type(n)) for n in names])
+    def _make_schema(self, names: set[str]) -> Any:
+        extra = sorted(names - set(PROVENANCE))
+        return self.pa.schema([(n, self._arrow_type(n)) for n in [*PROVENANCE, *extra]])
 
     def _cell(self, name: str, value: Any) -> Any:
         if name in _TYPES or value is None:
@@ -163,26 +178,49 @@ class ParquetWriter:
             self.write(r)
 
     def _flush(self) -> None:
-        if self._schema is None:
-            self._schema = self._make_schema()
-            self._writer = self.pq.ParquetWriter(self.path, self._schema)
-        names = self._schema.names
-        for r in self._rows:
-            self._count += 1
-            unknown = set(r) - set(names)
-            if unknown:
-                raise InvalidInputError(
-                    f"record {self._count} has fields {sorted(unknown)} that the first {ROW_GROUP} records lack: "
-                    "a Parquet file has one set of columns (write .jsonl instead)"
-                )
-        columns = {n: [self._cell(n, r.get(n)) for r in self._rows] for n in names}
+        names = {k for r in self._rows for k in r}
+        if self._schema is None or not names <= set(self._schema.names):
+            self._widen(names | set(self._schema.names if self._schema is not None else ()))
+        columns = {n: [self._cell(n, r.get(n)) for r in self._rows] for n in self._schema.names}
         self._writer.write_table(self.pa.table(columns, schema=self._schema))
         self._rows = []
 
+    def _widen(self, names: set[str]) -> None:
+        """Go on writing with the columns ``names``; what was written so far is set aside."""
+        if self._writer is not None:
+            self._writer.close()
+            aside = temporary_beside(self.path)
+            self._set_aside.append(aside)
+            os.replace(self.path, aside)
+        self._schema = self._make_schema(names)
+        self._writer = self.pq.ParquetWriter(self.path, self._schema)
+
     def close(self) -> None:
-        if self._rows or self._schema is None:
-            self._flush()
-        self._writer.close()
+        try:
+            if self._rows or self._schema is None:
+                self._flush()
+            self._writer.close()
+            if self._set_aside:
+                self._widen(set(self._schema.names))  # the last file is set aside too
+                for part in self._set_aside:
+                    self._copy(part)
+                self._writer.close()
+        finally:
+            for part in self._set_aside:
+                with contextlib.suppress(OSError):
+                    part.unlink()
+            self._set_aside = []
+
+    def _copy(self, part: Path) -> None:
+        """Write ``part``'s row groups with the file's columns, ``null`` in those it lacks."""
+        with self.pq.ParquetFile(part) as source:
+            for i in range(source.num_row_groups):
+                group = source.read_row_group(i)
+                columns = [
+                    group.column(f.name) if f.name in group.column_names else self.pa.nulls(group.num_rows, f.type)
+                    for f in self._schema
+                ]
+                self._writer.write_table(self.pa.Table.from_arrays(columns, schema=self._schema))
 
 
 def writer_for(path: Path) -> Callable[[Path], RecordWriter]:
