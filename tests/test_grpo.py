@@ -6,6 +6,7 @@ Skipped without the ``rl`` extra (torch, transformers).
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections import Counter
 
@@ -18,6 +19,7 @@ from rl_tiny import tiny_agent, tiny_policy  # noqa: E402
 from test_demo import run_main_job  # noqa: E402
 
 import eventlight as agl  # noqa: E402
+import eventlight.algorithm.grpo as grpo_module  # noqa: E402
 from eventlight.algorithm.grpo import GRPO, GRPOConfig, TrainingStoppedError  # noqa: E402
 from eventlight.core.types import Rollout, Triplet  # noqa: E402
 from eventlight.rl.batch import Sample, collate, samples_from_triplets  # noqa: E402
@@ -187,7 +189,7 @@ async def test_empty_steps_are_counted_then_stop_the_run(monkeypatch) -> None:
     async def enqueue(tasks, val, version):
         return [f"{version}-{i}" for i in range(len(tasks) * 2)], []
 
-    async def wait(ids):  # every rollout failed
+    async def wait(ids, step):  # every rollout failed
         return {i: Rollout(rollout_id=i, input={}, start_time=0.0, status="failed") for i in ids}
 
     monkeypatch.setattr(grpo, "_publish", publish)
@@ -197,6 +199,33 @@ async def test_empty_steps_are_counted_then_stop_the_run(monkeypatch) -> None:
         await grpo._loop([{"q": "1"}, {"q": "2"}], [], 0)
     assert grpo.counters["empty_steps"] == 2 and grpo.counters["failed_rollouts"] == 8
     assert all(torch.equal(v, weights[k]) for k, v in grpo.policy.model.state_dict().items())
+
+
+async def test_a_long_wait_for_rollouts_reports_progress(monkeypatch) -> None:
+    """The demo printed nothing for 7 minutes while its first step's rollouts ran (a fresh user took
+    it for hung): while a step waits, a ``rollouts`` event says how many have finished."""
+    monkeypatch.setattr(grpo_module, "PROGRESS_EVERY_S", 0.05)
+    store = agl.InMemoryLightningStore()
+    events: list[dict] = []
+    grpo = GRPO(GRPOConfig(steps=1), policy=tiny_policy(), progress=events.append)
+    grpo.set_store(store)
+    ids = [(await store.enqueue_rollout(input={"q": i}, mode="train")).rollout_id for i in range(3)]
+
+    async def finish_one_by_one() -> None:
+        for _ in ids:
+            await asyncio.sleep(0.2)
+            claimed = await store.dequeue_rollout(worker_id="w")
+            assert claimed is not None
+            await store.update_attempt(claimed.rollout_id, claimed.attempt.attempt_id, status="succeeded")
+
+    runner = asyncio.create_task(finish_one_by_one())
+    finished = await grpo._wait(ids, 4)
+    await runner
+    assert sorted(finished) == sorted(ids)
+    progress = [e for e in events if e["event"] == "rollouts"]
+    assert progress and {(e["step"], e["total"]) for e in progress} == {(4, 3)}
+    counts = [e["finished"] for e in progress]
+    assert counts == sorted(counts) and counts[0] < 3 and 0 < max(counts) <= 3
 
 
 async def test_a_nan_reward_or_a_foreign_token_id_skips_its_rollout_not_the_step() -> None:

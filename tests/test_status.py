@@ -61,6 +61,9 @@ async def test_status_warns_when_rollouts_wait_and_no_worker_is_alive(namespace:
     assert re.search(r"^workers\s+0 live .*, 1 silent$", out, re.M), out
     assert re.search(r"Worker-gone\s+no\s+\S+\s+10 min ago", out), out
     assert re.search(r"^warning\s+1 rollout\(s\) wait in the queue and no runner is alive", out, re.M), out
+    # piped (no terminal, no COLUMNS): rich's 80 columns broke such lines mid-phrase (a fresh user)
+    piped = cli("status", env={**env_of(namespace), "COLUMNS": ""}).stdout
+    assert re.search(r"^warning\s+1 rollout\(s\) wait in the queue and no runner is alive \(.*\)", piped, re.M), piped
 
 
 async def test_status_shows_projector_lag(namespace: Settings) -> None:

@@ -41,11 +41,14 @@ from typing import Any
 
 from eventlight.algorithm.base import Algorithm, Dataset
 from eventlight.core.errors import EventlightError
-from eventlight.core.types import EnqueueRolloutRequest, ProxyLLM, Rollout
+from eventlight.core.types import TERMINAL_ROLLOUT_STATUSES, EnqueueRolloutRequest, ProxyLLM, Rollout
 from eventlight.rewards import find_final_reward
 from eventlight.store.subscription import FinishedAttempt, Subscription
 
 log = logging.getLogger(__name__)
+
+PROGRESS_EVERY_S = 30.0
+"""While a step's rollouts run, a ``{"event": "rollouts"}`` progress event this often (seconds)."""
 
 __all__ = ["GRPO", "GRPOConfig", "TrainingStoppedError"]
 
@@ -116,8 +119,10 @@ class GRPO(Algorithm):
             "mean_reward", "n", "by_split"}``, ``{"event": "step", "step", "version", "train_reward",
             "loss", "grad_norm", "step_s", "rollout_s", "held_out", "sequences", "tokens", "skipped"}``
             (``rollout_s``: seconds until the step's rollouts finished, its ``held_out`` evaluation
-            rollouts included),
-            ``{"event": "resume", "step"}``.
+            rollouts included), ``{"event": "resume", "step"}``, and while a step's rollouts run,
+            every ``PROGRESS_EVERY_S`` seconds, ``{"event": "rollouts", "step", "finished",
+            "total", "elapsed_s"}`` (``finished``: rollouts that ended, as the read model has them;
+            ``None`` when it could not be read).
     """
 
     def __init__(
@@ -207,7 +212,7 @@ class GRPO(Algorithm):
             t0 = time.monotonic()
             async with self._subscribed():  # before the enqueue: every rollout's triplets reach us
                 train_ids, val_ids = await self._enqueue(tasks, val if evaluate else [], version)
-                finished = await self._wait(train_ids + val_ids)
+                finished = await self._wait(train_ids + val_ids, step)
             rollout_s = time.monotonic() - t0
             if val_ids:
                 await self._report_eval(step, version, [finished[r] for r in val_ids if r in finished])
@@ -282,9 +287,41 @@ class GRPO(Algorithm):
             finally:
                 self._subscription = None
 
-    async def _wait(self, rollout_ids: list[str]) -> dict[str, Rollout]:
+    async def _wait(self, rollout_ids: list[str], step: int) -> dict[str, Rollout]:
         if not rollout_ids:
             return {}
+        waiting = asyncio.ensure_future(self._wait_all(rollout_ids))
+        started = time.monotonic()
+        try:
+            while self.progress is not None:
+                done, _ = await asyncio.wait([waiting], timeout=PROGRESS_EVERY_S)
+                if done:
+                    break
+                self._emit(
+                    {
+                        "event": "rollouts",
+                        "step": step,
+                        "finished": await self._finished_count(rollout_ids),
+                        "total": len(rollout_ids),
+                        "elapsed_s": time.monotonic() - started,
+                    }
+                )
+            return await waiting
+        finally:
+            waiting.cancel()
+
+    async def _finished_count(self, rollout_ids: list[str]) -> int | None:
+        """How many of ``rollout_ids`` have ended, as the read model has them (``None``: unreadable)."""
+        try:
+            ended = await self.get_store().query_rollouts(
+                rollout_id_in=rollout_ids, status_in=sorted(TERMINAL_ROLLOUT_STATUSES)
+            )
+        except Exception as e:  # progress only: the wait itself goes on
+            log.debug("GRPO progress: could not count finished rollouts: %r", e)
+            return None
+        return len(ended)
+
+    async def _wait_all(self, rollout_ids: list[str]) -> dict[str, Rollout]:
         timeout = self.config.rollout_timeout_s
         if self._subscription is not None:
             records = await self._subscription.collect(rollout_ids, timeout_s=timeout)

@@ -16,7 +16,7 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
 
-console = Console()
+console = Console(soft_wrap=True)  # lines are not broken at rich's 80 columns when piped; tables fit the width
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 

@@ -122,6 +122,9 @@ def on_progress(event: dict) -> None:
             f"{f' (with the {held} held-out)' if (held := event.get('held_out')) else ''}, "
             f"update {event.get('step_s', 0):.1f} s"
         )
+    elif kind == "rollouts":
+        finished = "?" if event["finished"] is None else event["finished"]
+        say(f"step {event['step']:>2}: {finished} of {event['total']} rollouts finished ({event['elapsed_s']:.0f} s)")
     elif kind == "resume":
         say(f"resuming from checkpoint {event['version']}")
 
