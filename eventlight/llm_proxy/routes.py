@@ -245,6 +245,21 @@ class ChatRoutes(Forwarding):
         completion: dict[str, Any] | None = None
         error: dict[str, Any] | None = None
         system = self._system_of(body["model"])
+
+        def span_of(rollout_id: str, attempt_id: str, completion: dict[str, Any] | None, error: Any) -> Any:
+            return make_span(
+                body,
+                completion,
+                error,
+                system=system,
+                streaming=streaming,
+                rollout_id=rollout_id,
+                attempt_id=attempt_id,
+                sequence_id=sequence_id,
+                start_time=start_time,
+                route=route,
+            )
+
         try:
             completion, provider = await self._forward(body)
             system = provider or system
@@ -252,19 +267,7 @@ class ChatRoutes(Forwarding):
             if store is not None and rollout_id is not None and attempt_id is not None:
                 message = "the call was cancelled before the upstream answered (the LLM proxy stopped)"
                 cancelled = {"type": "Cancelled", "status_code": 503, "message": message}
-                span = make_span(
-                    body,
-                    None,
-                    cancelled,
-                    system=system,
-                    streaming=streaming,
-                    rollout_id=rollout_id,
-                    attempt_id=attempt_id,
-                    sequence_id=sequence_id,
-                    start_time=start_time,
-                    route=route,
-                )
-                self._record_soon(store, span)  # stop() waits for it
+                self._record_soon(store, span_of(rollout_id, attempt_id, None, cancelled))  # stop() waits for it
             raise
         except Exception as exc:
             status, err_type, message = upstream_error(exc)
@@ -282,19 +285,7 @@ class ChatRoutes(Forwarding):
             )
 
         if store is not None and rollout_id is not None and attempt_id is not None:
-            span = make_span(
-                body,
-                completion,
-                error,
-                system=system,
-                streaming=streaming,
-                rollout_id=rollout_id,
-                attempt_id=attempt_id,
-                sequence_id=sequence_id,
-                start_time=start_time,
-                route=route,
-            )
-            await self._record(store, span)
+            await self._record(store, span_of(rollout_id, attempt_id, completion, error))
 
         if error is not None:
             return CallError(int(error["status_code"]), str(error["type"]), str(error["message"]))
