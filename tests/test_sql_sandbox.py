@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import sys
+import urllib.parse
 from typing import Any
 
 import asyncpg
@@ -262,3 +263,22 @@ async def test_csv_and_json_print_rows_as_they_are_fetched(namespace: Settings, 
             )
         finally:
             await owner.close()
+
+
+@pytest.mark.parametrize(
+    ("part", "says"), [("user", 'role "eventlight_no_such_role"'), ("db", 'database "no_such_db"')]
+)
+def test_a_postgres_that_refuses_the_role_or_database_is_not_called_down(
+    namespace: Settings, part: str, says: str
+) -> None:
+    """A DSN naming a role or database the server does not have read "Postgres did not answer (role
+    ... does not exist)", as if the server were down (a reviewer)."""
+    assert namespace.pg_dsn is not None
+    url = urllib.parse.urlsplit(namespace.pg_dsn)
+    if part == "user":
+        url = url._replace(netloc=f"eventlight_no_such_role@{url.hostname}:{url.port}")
+    else:
+        url = url._replace(path="/no_such_db")
+    env = {**env_of(namespace), "EVENTLIGHT_PG_DSN": urllib.parse.urlunsplit(url)}
+    line = assert_one_line_error(cli("sql", "SELECT 1", env=env), 1, "Postgres refused the connection", says)
+    assert "did not answer" not in line

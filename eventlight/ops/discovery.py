@@ -85,7 +85,7 @@ async def find_pg(settings: Settings) -> Endpoint | None:
     if why:
         raise ServiceUnavailableError(
             redact_configured(found.url, f"{found.origin} {found.url}"),
-            redact_configured(found.url, f"Postgres did not answer ({why})"),
+            redact_configured(found.url, f"Postgres {why}"),
         )
     return found
 

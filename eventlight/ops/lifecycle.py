@@ -151,7 +151,7 @@ async def ensure_pg(settings: Settings, state: Path) -> PgServer:
         if why is None:
             return PgServer(settings.pg_dsn, None, "external", False)
         _log.warning(
-            "EVENTLIGHT_PG_DSN %s does not answer (%s); using the embedded Postgres in %s",
+            "EVENTLIGHT_PG_DSN %s %s; using the embedded Postgres in %s",
             redact(settings.pg_dsn),
             why,
             state,

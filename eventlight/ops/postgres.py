@@ -14,6 +14,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import asyncpg
+
 from eventlight.core.errors import ServiceUnavailableError
 from eventlight.store.jetstream import pg_errors
 
@@ -23,20 +25,35 @@ PG_PROBE_TIMEOUT_S = 3.0
 PG_INSTALL_HINT = "install Postgres (`apt-get install postgresql`) or `pip install pgserver`"
 
 
+REFUSALS = (
+    asyncpg.InvalidAuthorizationSpecificationError,  # no such role, or pg_hba.conf has no entry for it
+    asyncpg.InvalidPasswordError,
+    asyncpg.InvalidCatalogNameError,  # no such database
+)
+"""What a Postgres that answers says when it will not take the connection."""
+
+
 async def pg_probe(dsn: str, timeout_s: float = PG_PROBE_TIMEOUT_S) -> str | None:
-    """Connect once and run ``SELECT 1``; return ``None`` on success, else why not."""
+    """Connect once and run ``SELECT 1``; return ``None`` on success, else why not, as a phrase:
+    ``"did not answer (why)"``, or ``"refused the connection (why)"`` when the server answered
+    but refused the role, password or database (``REFUSALS``)."""
     try:
         conn = await pg_errors.connect(dsn, timeout_s=timeout_s)
     except ServiceUnavailableError as e:
-        return str(e.__cause__ or e)
+        return _why_not(e)
     try:
         with pg_errors.pg_errors(dsn, "SELECT 1"):
             await conn.fetchval("SELECT 1")
         return None
     except ServiceUnavailableError as e:
-        return str(e.__cause__ or e)
+        return _why_not(e)
     finally:
         await conn.close()
+
+
+def _why_not(e: ServiceUnavailableError) -> str:
+    cause = e.__cause__ or e
+    return f"{'refused the connection' if isinstance(cause, REFUSALS) else 'did not answer'} ({cause})"
 
 
 def choose_pg_kind(state: Path) -> str:
