@@ -190,7 +190,7 @@ async def test_unreachable_pg_dsn_falls_back_to_embedded(
     assert services.nats_url == existing and services.nats_pid is None
     assert services.pg_dsn != dead and services.pg_kind in ("system", "pgserver")
     assert services.started == [f"postgres pid {services.pg_pid}"]
-    assert "does not answer" in caplog.text and "s3cret" not in caplog.text
+    assert "did not answer" in caplog.text and "s3cret" not in caplog.text
     assert await svc.stop_services(settings) == [f"postgres pid {services.pg_pid}"]
     assert await nats_probe(existing) is None  # the external server was left alone
 
