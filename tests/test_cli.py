@@ -9,8 +9,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
+import urllib.parse
 from importlib.metadata import version
 from pathlib import Path
 
@@ -199,6 +202,31 @@ def test_unreachable_configured_servers_are_named_without_their_password(tmp_pat
     ):
         line = assert_one_line_error(cli(*args, env=env), 1, "cannot reach", var)
         assert "s3cret" not in line
+
+
+def test_up_refuses_a_configured_postgres_that_refuses_the_role(namespace: Settings) -> None:
+    """A DSN naming a role the server does not have (a typo, a wrong password) made `up` warn and put
+    the namespace into an embedded Postgres of its own, exit 0: the data landed in another server."""
+    assert namespace.pg_dsn is not None
+    url = urllib.parse.urlsplit(namespace.pg_dsn)
+    dsn = urllib.parse.urlunsplit(url._replace(netloc=f"eventlight_no_such_role:s3cret@{url.hostname}:{url.port}"))
+    root = Path(tempfile.mkdtemp(prefix="el-test-cli-"))
+    root.chmod(0o755)  # one the embedded Postgres could use (it runs as `postgres` under root)
+    env = {**env_of(namespace), "EVENTLIGHT_PG_DSN": dsn, "EVENTLIGHT_STATE_DIR": str(root / "state")}
+    result = cli("up", env=env)
+    try:
+        line = assert_one_line_error(
+            result,
+            2,
+            f"EVENTLIGHT_PG_DSN postgresql://eventlight_no_such_role:***@{url.hostname}:{url.port}",
+            'Postgres refused the connection (role "eventlight_no_such_role" does not exist)',
+            "fix the DSN, or unset EVENTLIGHT_PG_DSN to use the embedded Postgres",
+        )
+        assert "s3cret" not in line
+        assert not (root / "state" / "pg").exists() and not (root / "state" / "services.json").exists()
+    finally:
+        cli("down", env=env)  # what an `up` that fell back started
+        shutil.rmtree(root, ignore_errors=True)
 
 
 async def _fill(ns: Settings) -> None:

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import msgspec
 
-from eventlight.net import redact
+from eventlight.core.errors import InvalidInputError
+from eventlight.net import redact, redact_configured
 from eventlight.ops.nats_server import ensure_nats, stop_nats
 from eventlight.ops.pg_pgserver import ensure_pgserver, stop_pgserver
 from eventlight.ops.pg_system import ensure_system_pg, stop_system_pg
-from eventlight.ops.postgres import choose_pg_kind, pg_probe
+from eventlight.ops.postgres import REFUSED, choose_pg_kind, pg_probe
 from eventlight.ops.schema import apply_migrations
 from eventlight.ops.state import (
     PgServer,
@@ -35,9 +36,10 @@ async def ensure_services(settings: Settings) -> Services:
 
     NATS: ``settings.nats_url`` must answer within 2 s; without it nats-server from the venv
     runs under ``<state_dir>/nats``. Postgres: ``settings.pg_dsn`` when it answers within 3 s
-    (else a warning and the embedded one); the embedded one uses the system binaries, else
-    ``pgserver``. Servers left running by an earlier call are reused, on the same ports and data.
-    If a later step fails, the servers this call started are stopped again.
+    (when nothing answers, a warning and the embedded one; when it refuses the role, password or
+    database, an error); the embedded one uses the system binaries, else ``pgserver``. Servers
+    left running by an earlier call are reused, on the same ports and data. If a later step
+    fails, the servers this call started are stopped again.
 
     Args:
         settings: Service URLs and the state folder.
@@ -48,6 +50,7 @@ async def ensure_services(settings: Settings) -> Services:
     Raises:
         ServiceUnavailableError: A configured NATS URL does not answer, or an embedded server
             cannot be found or does not become ready (10 s for NATS, 60 s for Postgres).
+        InvalidInputError: The configured Postgres refused the role, password or database.
     """
     state = state_dir(settings)
     async with state_lock(state):
@@ -146,10 +149,25 @@ async def stop_services(settings: Settings) -> list[str]:
 
 
 async def ensure_pg(settings: Settings, state: Path) -> PgServer:
+    """``settings.pg_dsn`` when it answers; when nothing answers there, a warning and the embedded one.
+
+    Raises:
+        InvalidInputError: The configured server answered but refused the role, password or
+            database: the data must not land in another server (the DSN redacted).
+        ServiceUnavailableError: The embedded server cannot be found or started.
+    """
     if settings.pg_dsn:
         why = await pg_probe(settings.pg_dsn)
         if why is None:
             return PgServer(settings.pg_dsn, None, "external", False)
+        if why.startswith(REFUSED):
+            raise InvalidInputError(
+                redact_configured(
+                    settings.pg_dsn,
+                    f"EVENTLIGHT_PG_DSN {settings.pg_dsn}: Postgres {why}; fix the DSN, "
+                    "or unset EVENTLIGHT_PG_DSN to use the embedded Postgres",
+                )
+            )
         _log.warning(
             "EVENTLIGHT_PG_DSN %s %s; using the embedded Postgres in %s",
             redact(settings.pg_dsn),

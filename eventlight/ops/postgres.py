@@ -32,6 +32,9 @@ REFUSALS = (
 )
 """What a Postgres that answers says when it will not take the connection."""
 
+REFUSED = "refused the connection"
+"""How ``pg_probe``'s answer begins when the server raised one of ``REFUSALS``."""
+
 
 async def pg_probe(dsn: str, timeout_s: float = PG_PROBE_TIMEOUT_S) -> str | None:
     """Connect once and run ``SELECT 1``; return ``None`` on success, else why not, as a phrase:
@@ -53,7 +56,7 @@ async def pg_probe(dsn: str, timeout_s: float = PG_PROBE_TIMEOUT_S) -> str | Non
 
 def _why_not(e: ServiceUnavailableError) -> str:
     cause = e.__cause__ or e
-    return f"{'refused the connection' if isinstance(cause, REFUSALS) else 'did not answer'} ({cause})"
+    return f"{REFUSED if isinstance(cause, REFUSALS) else 'did not answer'} ({cause})"
 
 
 def choose_pg_kind(state: Path) -> str:
