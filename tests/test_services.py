@@ -9,6 +9,7 @@ session's own server (the ``services`` fixture), never whatever listens on the m
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -30,6 +31,7 @@ from eventlight import ops as svc
 from eventlight._data import data_dir
 from eventlight.core.errors import ServiceUnavailableError
 from eventlight.net import free_port
+from eventlight.ops import lifecycle
 from eventlight.ops.nats_server import nats_probe
 from eventlight.ops.postgres import system_bindir
 from eventlight.settings import Settings
@@ -193,6 +195,68 @@ async def test_unreachable_pg_dsn_falls_back_to_embedded(
     assert "did not answer" in caplog.text and "s3cret" not in caplog.text
     assert await svc.stop_services(settings) == [f"postgres pid {services.pg_pid}"]
     assert await nats_probe(existing) is None  # the external server was left alone
+
+
+def _apply_fails_for(namespace: str, monkeypatch: pytest.MonkeyPatch, after: asyncio.Event | None = None) -> None:
+    """``prepare_services`` cannot create ``namespace``'s stream (once ``after`` is set, or 2 s passed)."""
+    real = lifecycle.apply_streams
+
+    async def apply_streams(nc: Any, settings: Settings, **kwargs: Any) -> list[str]:
+        if settings.namespace != namespace:
+            return await real(nc, settings, **kwargs)
+        if after is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(after.wait(), 2.0)
+        raise ServiceUnavailableError(settings.stream_name, "creating the stream failed (the test's)")
+
+    monkeypatch.setattr(lifecycle, "apply_streams", apply_streams)
+
+
+async def test_a_failed_up_never_stops_the_servers_another_up_reused(
+    root_dir: Path, services: tuple[Settings, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two `up`s at once: the one that started the embedded NATS failed to create its namespace after
+    the other had reused that server and reported it running, and stopped it from under the other."""
+    pg_dsn = services[1].pg_dsn
+    failing = Settings(state_dir=root_dir / "state", pg_dsn=pg_dsn, namespace=_ns())
+    other = msgspec.structs.replace(failing, namespace=_ns())
+    other_done = asyncio.Event()
+    _apply_fails_for(failing.namespace, monkeypatch, after=other_done)
+
+    async def up_other() -> svc.Services:
+        await asyncio.sleep(0.2)  # the first holds the state folder's lock by then
+        try:
+            return await svc.prepare_services(other)
+        finally:
+            other_done.set()
+
+    first, second = await asyncio.gather(svc.prepare_services(failing), up_other(), return_exceptions=True)
+    try:
+        assert isinstance(first, ServiceUnavailableError) and "creating the stream failed" in str(first), first
+        assert isinstance(second, svc.Services), second
+        assert await nats_probe(second.nats_url) is None, "the NATS the other up reported was stopped"
+        assert svc.read_services(other) == msgspec.structs.replace(second, started=[])
+    finally:
+        await svc.drop_namespace(None, pg_dsn, other)  # the stream goes with root_dir
+
+
+async def test_a_failed_up_stops_only_the_servers_it_started(
+    root_dir: Path, services: tuple[Settings, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An `up` that reused the embedded NATS (runners on it) and started the embedded Postgres, then
+    could not create its namespace, stopped every embedded server of the state folder, NATS too."""
+    pg_dsn = services[1].pg_dsn
+    running = Settings(state_dir=root_dir / "state", pg_dsn=pg_dsn, namespace=_ns())
+    nats_pid = (await svc.prepare_services(running)).nats_pid
+    dead = f"postgresql://postgres@127.0.0.1:{free_port()}/postgres"  # nothing answers: the embedded one
+    failing = msgspec.structs.replace(running, pg_dsn=dead, namespace=_ns())
+    _apply_fails_for(failing.namespace, monkeypatch)
+    try:
+        with pytest.raises(ServiceUnavailableError, match="creating the stream failed"):
+            await svc.prepare_services(failing)
+        assert [p.pid for p in _procs_naming(root_dir)] == [nats_pid]  # the Postgres it started is stopped
+    finally:
+        await svc.drop_namespace(None, pg_dsn, running)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="only root hands Postgres to the postgres user")

@@ -54,21 +54,38 @@ async def ensure_services(settings: Settings) -> Services:
     """
     state = state_dir(settings)
     async with state_lock(state):
-        nats_url, nats_pid, nats_started = await ensure_nats(settings, state)
-        try:
-            pg = await ensure_pg(settings, state)
-        except BaseException:
-            if nats_started:
-                await stop_nats(state)
-            raise
-        started = [f"nats-server pid {nats_pid}"] if nats_started else []
-        started += [f"postgres pid {pg.pid}"] if pg.started else []
-        services = Services(nats_url, pg.dsn, started, nats_pid, pg.pid, pg.kind)
-        if nats_pid is not None or pg.pid is not None:
-            # only embedded servers are recorded: a program run against external (or configured)
-            # servers must not overwrite the record `eventlight down` and `status` rely on
-            write_services_file(state, _record(services, read_services(settings)))
+        services = await _start_or_reuse(settings, state)
+        _write_record(settings, state, services)
     return services
+
+
+async def _start_or_reuse(settings: Settings, state: Path) -> Services:
+    """``ensure_services`` without the lock, which the caller holds, and without the record."""
+    nats_url, nats_pid, nats_started = await ensure_nats(settings, state)
+    try:
+        pg = await ensure_pg(settings, state)
+    except BaseException:
+        if nats_started:
+            await stop_nats(state)
+        raise
+    started = [f"nats-server pid {nats_pid}"] if nats_started else []
+    started += [f"postgres pid {pg.pid}"] if pg.started else []
+    return Services(nats_url, pg.dsn, started, nats_pid, pg.pid, pg.kind)
+
+
+async def _stop_started(state: Path, services: Services) -> None:
+    """Stop the servers ``services.started`` names, and only those (the caller holds the lock)."""
+    if f"nats-server pid {services.nats_pid}" in services.started:
+        await stop_nats(state)
+    if f"postgres pid {services.pg_pid}" in services.started:
+        await (stop_system_pg if services.pg_kind == "system" else stop_pgserver)(state)
+
+
+def _write_record(settings: Settings, state: Path, services: Services) -> None:
+    if services.nats_pid is not None or services.pg_pid is not None:
+        # only embedded servers are recorded: a program run against external (or configured)
+        # servers must not overwrite the record `eventlight down` and `status` rely on
+        write_services_file(state, _record(services, read_services(settings)))
 
 
 def _record(services: Services, old: Services | None) -> Services:
@@ -96,7 +113,10 @@ async def prepare_services(settings: Settings) -> Services:
         async with JetStreamLightningStore(settings, nats_url=services.nats_url, pg_dsn=services.pg_dsn) as store:
             ...
 
-    Both steps are idempotent. If applying fails, the servers this call started are stopped again.
+    Both steps are idempotent. If applying fails, the servers this call started are stopped again,
+    and only those. The state folder's lock is held until the namespace is applied and
+    ``services.json`` is written after it, so no other ``up`` (which waits for the lock) and no
+    ``status`` or ``runner`` (which read ``services.json``) can have been handed them by then.
 
     Args:
         settings: Namespace, service URLs and the state folder.
@@ -106,21 +126,28 @@ async def prepare_services(settings: Settings) -> Services:
 
     Raises:
         ServiceUnavailableError: A server cannot be started or reached.
+        InvalidInputError: The configured Postgres refused the role, password or database.
     """
-    services = await ensure_services(settings)
-    try:
-        nc = await connect_nats(services.nats_url, auth=settings.nats_auth)
+    state = state_dir(settings)
+    async with state_lock(state):
+        services = await _start_or_reuse(settings, state)
         try:
-            await apply_streams(nc, settings)
-        finally:
-            await nc.close()
-        await apply_migrations(services.pg_dsn, settings.pg_schema)
-    except BaseException:
-        if services.started:  # do not leave half a setup running
-            with contextlib.suppress(Exception):
-                await stop_services(settings)
-        raise
+            await _apply_namespace(settings, services)
+        except BaseException:
+            with contextlib.suppress(Exception):  # do not leave half a setup running
+                await _stop_started(state, services)
+            raise
+        _write_record(settings, state, services)
     return services
+
+
+async def _apply_namespace(settings: Settings, services: Services) -> None:
+    nc = await connect_nats(services.nats_url, auth=settings.nats_auth)
+    try:
+        await apply_streams(nc, settings)
+    finally:
+        await nc.close()
+    await apply_migrations(services.pg_dsn, settings.pg_schema)
 
 
 async def stop_services(settings: Settings) -> list[str]:

@@ -4,7 +4,8 @@ Layout of ``settings.state_dir`` (every path is the project's own; nothing else 
 
     services.json        URLs/DSNs and pids of what runs, for other processes (``read_services``);
                          mode 600: a configured DSN's password may be in it
-    services.lock        held while ``ensure_services`` runs, so two processes do not race
+    services.lock        held while ``ensure_services`` runs (``prepare_services``: until the
+                         namespace is applied), so two processes do not race
     nats/nats.conf       generated config: 127.0.0.1:<port>, JetStream with sync_interval always
     nats/port            the port picked the first time and reused after
     nats/nats.pid        written by nats-server; ``stop_services`` signals only this pid
