@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -35,6 +36,7 @@ from eventlight.runner import Backoff, worker_name
 from eventlight.runner_pool import RESTART_MAX_S, SIGTERM_REASON, RunnerPool, restart_delay_s
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
+from eventlight.store.jetstream.connect import RECONNECT_WAIT_S, _Events
 from eventlight.store.validate import is_token
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -518,6 +520,59 @@ async def test_runner_survives_a_nats_outage_longer_than_the_client_reconnects(o
     assert {r.attempt.worker_id for r in finished} == {done[0].attempt.worker_id}, "the same process resumed"
     assert "NATS reconnected" in err and code == 130, err
     print(f"\nNATS outage of {OUTAGE_S:.0f} s survived; 3 new rollouts finished {resume_s:.1f} s after the restart")
+
+
+async def test_a_nats_outage_is_one_warning_not_one_a_second(own_nats: Settings) -> None:
+    """`eventlight down` with a runner connected: the runner logged `NATS: [Errno 111] Connection
+    refused` at every reconnect attempt, one a second, until the next `up` (and the return as a warning)."""
+    settings = own_nats
+    base = Settings(state_dir=settings.state_dir, namespace=settings.namespace, pg_dsn=settings.pg_dsn)
+    proc = await _start_runner(settings, "quick", 1)
+    try:
+        async with JetStreamLightningStore(settings, pg_dsn=settings.pg_dsn) as store:
+            await store.add_resources(RESOURCES)
+            first = await store.enqueue_rollout({"q": 1})
+            await store.wait_for_rollouts(rollout_ids=[first.rollout_id], timeout=60)  # the runner is connected
+            await stop_services(base)  # `eventlight down`: the embedded nats-server
+            await asyncio.sleep(6)
+            await prepare_services(base)  # `eventlight up`: same port and data folder
+            second = await _retrying(lambda: store.enqueue_rollout({"q": 2}))
+            [done] = await store.wait_for_rollouts(rollout_ids=[second.rollout_id], timeout=60)
+    finally:
+        code, err = await _stop_runner(proc)
+    assert done.status == "succeeded" and code == 130, err
+    warnings = [line for line in err.splitlines() if " WARNING " in line]
+    lost = [line for line in warnings if "eventlight.store.jetstream.connect" in line]
+    assert len(lost) == 1 and f"NATS connection to {settings.nats_url} lost" in lost[0], err
+    assert "retrying every 1 s until it is back" in lost[0], err
+    # besides it, at most the runner's dequeue the shutdown answered and the one left pending meanwhile
+    assert len(warnings) <= 3, err
+    assert re.search(rf"INFO .*NATS reconnected to {settings.nats_url} after \d+\.\d s away", err), err
+
+
+async def test_a_long_nats_outage_is_reminded_at_doubling_intervals(caplog: pytest.LogCaptureFixture) -> None:
+    """An hour without NATS: one warning when the connection is lost, reminders after 1, 3, 7, 15 and
+    31 minutes (not one a second, as each reconnect attempt was), one line when it is back."""
+    now = [0.0]
+    events = _Events("nats://127.0.0.1:4222", clock=lambda: now[0])
+    events.nc = types.SimpleNamespace(is_closed=False)  # type: ignore[assignment]
+    with caplog.at_level(logging.INFO, logger="eventlight.store.jetstream.connect"):
+        await events.error(nats.errors.UnexpectedEOF())
+        await events.disconnected()
+        for _ in range(3600):
+            now[0] += RECONNECT_WAIT_S
+            await events.error(ConnectionRefusedError(111, "Connection refused"))
+        await events.reconnected()
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert lines[0] == (
+        "WARNING",
+        "NATS connection to nats://127.0.0.1:4222 lost (nats: unexpected EOF); retrying every 1 s until it is "
+        "back (a reminder after 1 min, then at doubling intervals)",
+    )
+    reminders = [m for level, m in lines[1:-1] if level == "WARNING"]
+    assert [m.split(" after ")[1].split(" (")[0] for m in reminders] == ["1 min", "3 min", "7 min", "15 min", "31 min"]
+    assert reminders[0].endswith("(60 attempts, the last: [Errno 111] Connection refused); still retrying")
+    assert len(lines) == 7 and lines[-1] == ("INFO", "NATS reconnected to nats://127.0.0.1:4222 after 60 min away")
 
 
 async def _retrying(call: Any, timeout_s: float = 30.0) -> Any:

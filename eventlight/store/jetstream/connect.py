@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
+import nats.errors
 from nats.aio.client import Client as NATS
 
 from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
@@ -17,28 +19,89 @@ log = logging.getLogger(__name__)
 
 
 async def _nats_error(e: Exception) -> None:
-    log.warning("NATS: %s", e if str(e) else type(e).__name__)
+    log.warning("NATS: %s", _describe(e))
 
 
 class _Events:
-    """Logs a lost and a regained connection; a close asked for by the program logs nothing."""
+    """Logs a lost connection once, a reminder at growing intervals while it stays lost, and how long
+    it was away once it is back; a close asked for by the program logs nothing.
 
-    def __init__(self, url: str):
+    nats-py reports every failed reconnect attempt (one a ``RECONNECT_WAIT_S``) to the error callback:
+    while the connection is lost those are counted, not logged, and the reminders name the last one.
+    """
+
+    def __init__(self, url: str, clock: Callable[[], float] = time.monotonic):
         self.url = url
         self.nc: NATS | None = None
+        self.clock = clock
+        self.cause: Exception | None = None  # what ended the connection
+        self.lost_at: float | None = None
+        self.attempts = 0
+        self.remind_after_s = REMINDER_FIRST_S
+        self.remind_at = 0.0
+
+    async def error(self, e: Exception) -> None:
+        if self.lost_at is None and not isinstance(e, _CONNECTION_ENDED):
+            await _nats_error(e)
+            return
+        if self.lost_at is None:
+            self.cause = e  # the connection ended: the reconnect that follows logs it
+            return
+        self.attempts += 1
+        if (now := self.clock()) >= self.remind_at:
+            log.warning(
+                "NATS at %s still unreachable after %s (%d attempts, the last: %s); still retrying",
+                self.url,
+                _duration(now - self.lost_at),
+                self.attempts,
+                _describe(e),
+            )
+            self.remind_after_s = min(self.remind_after_s * 2, REMINDER_MAX_S)
+            self.remind_at = now + self.remind_after_s
 
     async def disconnected(self) -> None:
-        if self.nc is not None and not self.nc.is_closed:
-            log.warning(
-                "NATS connection to %s lost; reconnecting every %.0f s until it is back", self.url, RECONNECT_WAIT_S
-            )
+        if self.nc is None or self.nc.is_closed or self.lost_at is not None:
+            return
+        self.lost_at = self.clock()
+        self.attempts = 0
+        self.remind_after_s = REMINDER_FIRST_S
+        self.remind_at = self.lost_at + REMINDER_FIRST_S
+        cause = f" ({_describe(self.cause)})" if self.cause is not None else ""
+        self.cause = None
+        log.warning(
+            "NATS connection to %s lost%s; retrying every %.0f s until it is back (a reminder after %s, "
+            "then at doubling intervals)",
+            self.url,
+            cause,
+            RECONNECT_WAIT_S,
+            _duration(REMINDER_FIRST_S),
+        )
 
     async def reconnected(self) -> None:
-        log.warning("NATS reconnected to %s", self.url)
+        away = "" if self.lost_at is None else f" after {_duration(self.clock() - self.lost_at)} away"
+        log.info("NATS reconnected to %s%s", self.url, away)
+        self.lost_at = None
 
+
+_CONNECTION_ENDED: tuple[type[Exception], ...] = (OSError, nats.errors.UnexpectedEOF)
+"""What nats-py reports to the error callback just before it reconnects: logged with the loss."""
 
 RECONNECT_WAIT_S = 1.0
 """Seconds between reconnect attempts after the connection is lost (nats-py's default is 2)."""
+
+REMINDER_FIRST_S = 60.0
+"""Seconds after a lost connection until the first reminder that it is still lost; each next one
+comes twice as long after the one before, up to ``REMINDER_MAX_S``."""
+
+REMINDER_MAX_S = 3600.0
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds < 60 else f"{seconds / 60:.0f} min"
+
+
+def _describe(e: Exception) -> str:
+    return str(e) or type(e).__name__
 
 
 def connected_server(nc: NATS) -> str:
@@ -109,7 +172,9 @@ async def connect_nats(
 
     The one way eventlight connects to NATS: the stores, the runners, ``eventlight.ops`` and the CLI.
     With ``reconnect`` (the default) the client reconnects for as long as it takes after the server
-    goes away (every ``RECONNECT_WAIT_S``), so a store, its projector and a runner resume by themselves.
+    goes away (every ``RECONNECT_WAIT_S``), so a store, its projector and a runner resume by themselves;
+    it logs one warning when the connection is lost, reminders after ``REMINDER_FIRST_S`` and then at
+    doubling intervals (up to ``REMINDER_MAX_S``), and how long it was away when it is back.
 
     Args:
         url: A NATS URL, several separated by commas, or a list of URLs (``server_urls``): the servers
@@ -128,8 +193,6 @@ async def connect_nats(
             of nats-py's reconnect attempts), refuses the credentials, or is older than 2.11 (it ignores
             ``Nats-Expected-Last-Subject-Sequence-Subject``, which eventlight's fencing needs).
     """
-    import nats
-
     urls = server_urls(url)
     shown = redact(",".join(urls))
     why = await _reachable(urls, timeout_s)
@@ -148,7 +211,7 @@ async def connect_nats(
                 max_reconnect_attempts=-1 if reconnect else 0,
                 reconnect_time_wait=RECONNECT_WAIT_S,
                 allow_reconnect=reconnect,
-                error_cb=_quiet if quiet else _nats_error,
+                error_cb=_quiet if quiet else events.error if reconnect else _nats_error,
                 disconnected_cb=events.disconnected,
                 reconnected_cb=events.reconnected,
                 **(auth.connect_kwargs() if auth is not None else {}),
