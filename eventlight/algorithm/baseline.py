@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from eventlight.algorithm.base import Dataset, FastAlgorithm
+from eventlight.algorithm.checks import check_choice, check_int, check_number
+from eventlight.core.errors import InvalidInputError
 from eventlight.core.types import Rollout, Span
 
 log = logging.getLogger(__name__)
@@ -55,7 +57,10 @@ class Baseline(FastAlgorithm):
         span_verbosity: ``"keys"`` (attribute keys), ``"key_values"`` (attributes) or ``"none"``.
 
     Raises:
-        ValueError: ``train_split`` not in (0, 1), ``max_queue_length < 1`` or ``n_epochs < 1``.
+        InvalidInputError: ``train_split`` not in (0, 1), ``n_epochs`` or ``max_queue_length`` below 1,
+            a negative ``polling_interval``, or a ``span_verbosity`` other than the three (a
+            ``ValueError``, as Agent-lightning raises for ``train_split``).
+        InvalidTypeError: A number of the wrong type (``n_epochs=1.5``, ``train_split="0.8"``).
     """
 
     def __init__(
@@ -67,10 +72,13 @@ class Baseline(FastAlgorithm):
         max_queue_length: int = 4,
         span_verbosity: SpanVerbosity = "keys",
     ):
-        if not 0.0 < train_split < 1.0:
-            raise ValueError(f"train_split must be in (0, 1), got {train_split}")
-        if max_queue_length < 1 or n_epochs < 1:
-            raise ValueError("max_queue_length and n_epochs must be >= 1")
+        check_int("Baseline.n_epochs", n_epochs, 1)
+        check_number("Baseline.train_split", train_split, 0.0, above=True)
+        if not train_split < 1.0:
+            raise InvalidInputError(f"Baseline.train_split must be in (0, 1), got {train_split!r}")
+        check_number("Baseline.polling_interval", polling_interval, 0.0)
+        check_int("Baseline.max_queue_length", max_queue_length, 1)
+        check_choice("Baseline.span_verbosity", span_verbosity, get_args(SpanVerbosity))
         self.n_epochs = n_epochs
         self.train_split = train_split
         self.polling_interval = polling_interval
