@@ -26,7 +26,12 @@ SpanVerbosity = Literal["keys", "key_values", "none"]
 
 
 def _iso(t: float | None) -> str:
-    return "?" if t is None else dt.datetime.fromtimestamp(t, tz=dt.UTC).isoformat()
+    if t is None:
+        return "?"
+    try:
+        return dt.datetime.fromtimestamp(t, tz=dt.UTC).isoformat()
+    except (OverflowError, OSError, ValueError):  # no time in seconds (nanoseconds, NaN): shown as it is
+        return repr(t)
 
 
 def format_span(span: Span, verbosity: SpanVerbosity) -> str:
@@ -88,6 +93,11 @@ class Baseline(FastAlgorithm):
     async def run(self, train_dataset: Dataset[Any] | None = None, val_dataset: Dataset[Any] | None = None) -> None:
         """Run all epochs; returns when every rollout finished and was logged.
 
+        A span time that is no time in seconds (nanoseconds, NaN) is logged as it is. An error
+        while a finished rollout is read back and logged (a store read failing) stops the run with
+        that error, a note naming the rollout, as Agent-lightning's ``Baseline`` stops on it;
+        the adapter failing on one rollout is logged and the run goes on.
+
         Raises:
             ValueError: The store is not set.
         """
@@ -114,7 +124,9 @@ class Baseline(FastAlgorithm):
         try:
             for item, mode in items:
                 while len(pending) >= self.max_queue_length:
-                    _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    for task in done:  # a harvest that failed stops the run, as the gather below does
+                        task.result()
                 rollout = await store.enqueue_rollout(input=item, mode=mode, resources_id=resources_id)
                 log.info("Baseline enqueued %s (mode=%s)", rollout.rollout_id, mode)
                 pending.add(asyncio.create_task(self._harvest(rollout.rollout_id)))
@@ -126,10 +138,14 @@ class Baseline(FastAlgorithm):
 
     async def _harvest(self, rollout_id: str) -> None:
         store = self.get_store()
-        done = await store.wait_for_rollouts(rollout_ids=[rollout_id], timeout=None)
-        if not done:  # the store closed under the wait (the run is stopping): nothing finished to log
-            return
-        await self._log_rollout(done[0])
+        try:
+            done = await store.wait_for_rollouts(rollout_ids=[rollout_id], timeout=None)
+            if not done:  # the store closed under the wait (the run is stopping): nothing finished to log
+                return
+            await self._log_rollout(done[0])
+        except Exception as e:
+            e.add_note(f"(Baseline was logging rollout {rollout_id})")
+            raise
 
     async def _log_rollout(self, rollout: Rollout) -> None:
         store = self.get_store()
