@@ -31,6 +31,7 @@ from eventlight.algorithm import (
     batch_iter_over_dataset,
 )
 from eventlight.algorithm.apo import APPLY_EDIT_VARIANTS, EVIDENCE_CHAR_BUDGET, GRADIENT_VARIANTS
+from eventlight.algorithm.baseline import format_span
 from eventlight.core.types import TERMINAL_ROLLOUT_STATUSES, AttemptedRollout, PromptTemplate, ProxyLLM, Span
 from eventlight.store.base import LightningStore
 from eventlight.store.memory import InMemoryLightningStore
@@ -512,6 +513,43 @@ async def test_baseline_without_resources_or_data(caplog: pytest.LogCaptureFixtu
     assert rollout.resources_id == "other"  # the store's latest resources at enqueue time
     with pytest.raises(ValueError):
         Baseline(train_split=1.0)
+
+
+async def test_baseline_stops_with_a_harvest_error_instead_of_losing_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A finished rollout whose logging failed (here a store read) was dropped with its error when
+    its harvest ended while the queue was full (``asyncio.wait``'s finished set went unread), and
+    the run went on as if all was logged. Now the run stops with the error, a note naming the
+    rollout, as Agent-lightning's ``Baseline`` (``asyncio.gather`` of the harvests) does."""
+    store = InMemoryLightningStore()
+    baseline = Baseline(max_queue_length=1)
+    baseline.set_store(store)
+    baseline.set_initial_resources(RESOURCES)
+    query_attempts = store.query_attempts
+    failed: list[str] = []
+
+    async def first_read_fails(rollout_id: str, *args: Any, **kwargs: Any) -> Any:
+        if not failed:
+            failed.append(rollout_id)
+            raise RuntimeError("the store broke")
+        return await query_attempts(rollout_id, *args, **kwargs)
+
+    monkeypatch.setattr(store, "query_attempts", first_read_fails)
+    async with running(FakeRunners(store, by_prompt), n=1):
+        with pytest.raises(RuntimeError, match="the store broke") as got:
+            await asyncio.wait_for(baseline.run(train_dataset=TRAIN[:3]), 30)
+    assert got.value.__notes__ == [f"(Baseline was logging rollout {failed[0]})"]
+
+
+def test_baseline_logs_a_span_time_that_is_no_time_in_seconds_as_it_is() -> None:
+    """A span timed in nanoseconds (a common slip) made ``format_span`` raise (``datetime`` has no
+    year 55,000), so its rollout's remaining spans and adapted data were never logged."""
+    span = Span.from_attributes(
+        attributes={"k": 1}, name="n", rollout_id="r", attempt_id="a", sequence_id=1, start_time=1.7e18, end_time=1.7e18
+    )
+    line = format_span(span, "keys")
+    assert "From 1.7e+18, to 1.7e+18, 0.000 seconds. Attribute keys: ['k']" in line
+    span.start_time = 0.0
+    assert "From 1970-01-01T00:00:00+00:00, to 1.7e+18" in format_span(span, "keys")
 
 
 # ------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -912,3 +913,111 @@ async def test_proxy_connections_have_nagle_off() -> None:
                 for conn in server.server_state.connections
             ]
     assert flags and all(flags), flags
+
+
+# -- request body limit ------------------------------------------------------------------------
+
+
+async def _post_raw(proxy: LLMProxy, path: str, header: str, chunks: AsyncIterator[bytes]) -> tuple[int, Any, int]:
+    """POST ``chunks`` on a raw connection while reading the answer; the body is never finished.
+
+    Returns the status, the JSON body of the answer and the bytes sent when it came. A proxy that
+    waited for the whole body before answering would never answer (the 15 s timeout).
+    """
+    reader, writer = await asyncio.open_connection(proxy.host, proxy.port)
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: {proxy.host}\r\n{header}\r\n\r\n".encode())
+    sent = 0
+
+    async def send() -> None:
+        nonlocal sent
+        with contextlib.suppress(ConnectionError):  # the proxy closes the connection after its 413
+            async for chunk in chunks:
+                writer.write(chunk)
+                await writer.drain()
+                sent += len(chunk)
+                await asyncio.sleep(0.001)
+        await asyncio.Future()  # the body never ends
+
+    sending = asyncio.create_task(send())
+    try:
+        status_line = await asyncio.wait_for(reader.readline(), 15)
+        answered_after = sent
+        head = (await reader.readuntil(b"\r\n\r\n")).decode().lower()
+        length = re.search(r"content-length: (\d+)", head)
+        assert length is not None, head
+        body = json.loads(await reader.readexactly(int(length.group(1))))
+    finally:
+        sending.cancel()
+        writer.close()
+        with contextlib.suppress(Exception):
+            await writer.wait_closed()
+    return int(status_line.split()[1]), body, answered_after
+
+
+async def _no_body() -> AsyncIterator[bytes]:
+    return
+    yield b""
+
+
+async def _chunked_body(chunks: int, size: int) -> AsyncIterator[bytes]:
+    """A chat request in chunked transfer encoding: its JSON head, then ``chunks`` chunks of ``size``
+    bytes of one long string, and never the closing chunk."""
+    head = b'{"model": "stub-model", "messages": [{"role": "user", "content": "'
+    yield f"{len(head):x}\r\n".encode() + head + b"\r\n"
+    for _ in range(chunks):
+        yield f"{size:x}\r\n".encode() + b"x" * size + b"\r\n"
+
+
+async def test_a_body_over_the_limit_gets_413_as_it_arrives_and_reaches_nothing() -> None:
+    """The proxy had no body limit: it read any body whole (``request.body()``) before answering, so
+    a 1 GiB ``Content-Length`` or an endless chunked body held a connection and the memory it sent
+    for as long as the client liked (here: no answer within the timeout). Now ``max_body_bytes``
+    (32 MiB by default) is counted while the body arrives: a ``Content-Length`` over it is refused
+    before a byte is read, a chunked body as soon as it passes it; nothing is forwarded or recorded."""
+    store = InMemoryLightningStore()
+    stub = ScriptedLLM(responses="x")
+    async with stub as url, running_proxy(url, store) as proxy:
+        rollout = await store.start_rollout(input={})
+        path = f"/rollout/{rollout.rollout_id}/attempt/{rollout.attempt.attempt_id}/v1/chat/completions"
+        status, body, _ = await _post_raw(proxy, path, "Content-Length: 1073741824", _no_body())
+        assert status == 413, body
+        assert body["error"] == {
+            "message": "request body of 1073741824 bytes is over the server's limit of 33554432 bytes "
+            "(the LLM proxy's max_body_bytes)",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": 413,
+        }
+        body_64_mib = _chunked_body(chunks=256, size=256 * 1024)
+        status, body, sent = await _post_raw(proxy, path, "Transfer-Encoding: chunked", body_64_mib)
+        assert status == 413 and "more than 33554432 bytes (sent in chunks)" in body["error"]["message"], body
+        assert sent < 64 * 1024 * 1024, sent  # answered before the client ran out of body to send
+    assert stub.requests == [] and proxy.health.calls == 0
+    assert await spans_of(store, rollout.rollout_id) == []
+
+
+async def test_the_body_limit_is_set_on_the_proxy_and_guards_every_route() -> None:
+    limit = 64 * 1024
+    store = InMemoryLightningStore()
+    stub = ScriptedLLM(responses="x")
+    async with stub as url, running_proxy(url, store, max_body_bytes=limit) as proxy:
+        rollout = await store.start_rollout(input={})
+        path = f"/rollout/{rollout.rollout_id}/attempt/{rollout.attempt.attempt_id}/v1"
+        for route in ("chat/completions", "messages"):  # Anthropic's route too, with OpenAI's error as its 401
+            chunked = _chunked_body(chunks=1024, size=8 * 1024)
+            status, body, _ = await _post_raw(proxy, f"{path}/{route}", "Transfer-Encoding: chunked", chunked)
+            assert status == 413 and f"more than {limit} bytes" in body["error"]["message"], body
+        async with httpx.AsyncClient() as http:  # just under the limit: served
+            r = await http.post(
+                f"http://{proxy.host}:{proxy.port}{path}/chat/completions",
+                json={"model": MODEL, "messages": [{"role": "user", "content": "y" * (limit - 200)}]},
+            )
+            assert r.status_code == 200, r.text
+    assert len(stub.requests) == 1 and len(await spans_of(store, rollout.rollout_id)) == 1
+
+
+def test_the_body_limit_defaults_to_32_mib_and_refuses_nonsense() -> None:
+    assert LLMProxy(port=12345)._max_body_bytes == 32 * 1024 * 1024
+    for bad in (0, -1, 1.5, "1MB", True):
+        with pytest.raises(ValueError, match="max_body_bytes"):
+            LLMProxy(port=12345, max_body_bytes=bad)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -25,6 +26,7 @@ from eventlight.core.errors import (
 )
 from eventlight.net import free_port
 from eventlight.server.app import create_app
+from eventlight.server.routes.workers import HEALTH_TIMEOUT_S
 from eventlight.server.serving import PortInUseError, bind
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
@@ -212,6 +214,37 @@ async def test_health_names_the_server_that_is_down(namespace: Settings) -> None
     finally:
         nats.cut()
         pg.cut()
+
+
+async def test_health_does_not_call_a_busy_postgres_down(namespace: Settings) -> None:
+    """With every pooled connection busy longer than the probe's 2 s (``pg_sleep`` in each: a pool
+    saturated under load), the probe waited for one, timed out and reported Postgres down
+    ("TimeoutError()"). It now asks on a connection of its own; one that fails is still down."""
+    store = await JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn).start()
+    assert store.pool is not None and store.read_model is not None
+    held = []
+    try:
+        with contextlib.suppress(TimeoutError):  # all the pool has left (the projector keeps its own)
+            while True:
+                held.append(await store.pool.acquire(timeout=0.5))
+        assert held
+        sleeping = [asyncio.create_task(conn.execute("SELECT pg_sleep(4)")) for conn in held]
+        await asyncio.sleep(0.2)
+        started = time.monotonic()
+        assert await store.dependencies_down(HEALTH_TIMEOUT_S) == {}
+        assert time.monotonic() - started < HEALTH_TIMEOUT_S
+        dsn, store.read_model.server = store.read_model.server, f"postgresql://postgres@127.0.0.1:{free_port()}/x"
+        try:  # its own connection refused: down, and says why
+            down = await store.dependencies_down(HEALTH_TIMEOUT_S)
+        finally:
+            store.read_model.server = dsn
+        assert "no pooled connection free within 0.25 s, and a new connection failed" in down["postgres"], down
+        assert "ConnectionRefusedError" in down["postgres"], down
+        await asyncio.gather(*sleeping)
+    finally:
+        for conn in held:
+            await store.pool.release(conn)
+        await store.close()
 
 
 async def test_health_of_the_in_memory_store_is_ok() -> None:

@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from eventlight.algorithm.base import Dataset, FastAlgorithm
+from eventlight.algorithm.checks import check_choice, check_int, check_number
+from eventlight.core.errors import InvalidInputError
 from eventlight.core.types import Rollout, Span
 
 log = logging.getLogger(__name__)
@@ -24,7 +26,12 @@ SpanVerbosity = Literal["keys", "key_values", "none"]
 
 
 def _iso(t: float | None) -> str:
-    return "?" if t is None else dt.datetime.fromtimestamp(t, tz=dt.UTC).isoformat()
+    if t is None:
+        return "?"
+    try:
+        return dt.datetime.fromtimestamp(t, tz=dt.UTC).isoformat()
+    except (OverflowError, OSError, ValueError):  # no time in seconds (nanoseconds, NaN): shown as it is
+        return repr(t)
 
 
 def format_span(span: Span, verbosity: SpanVerbosity) -> str:
@@ -55,7 +62,10 @@ class Baseline(FastAlgorithm):
         span_verbosity: ``"keys"`` (attribute keys), ``"key_values"`` (attributes) or ``"none"``.
 
     Raises:
-        ValueError: ``train_split`` not in (0, 1), ``max_queue_length < 1`` or ``n_epochs < 1``.
+        InvalidInputError: ``train_split`` not in (0, 1), ``n_epochs`` or ``max_queue_length`` below 1,
+            a negative ``polling_interval``, or a ``span_verbosity`` other than the three (a
+            ``ValueError``, as Agent-lightning raises for ``train_split``).
+        InvalidTypeError: A number of the wrong type (``n_epochs=1.5``, ``train_split="0.8"``).
     """
 
     def __init__(
@@ -67,10 +77,13 @@ class Baseline(FastAlgorithm):
         max_queue_length: int = 4,
         span_verbosity: SpanVerbosity = "keys",
     ):
-        if not 0.0 < train_split < 1.0:
-            raise ValueError(f"train_split must be in (0, 1), got {train_split}")
-        if max_queue_length < 1 or n_epochs < 1:
-            raise ValueError("max_queue_length and n_epochs must be >= 1")
+        check_int("Baseline.n_epochs", n_epochs, 1)
+        check_number("Baseline.train_split", train_split, 0.0, above=True)
+        if not train_split < 1.0:
+            raise InvalidInputError(f"Baseline.train_split must be in (0, 1), got {train_split!r}")
+        check_number("Baseline.polling_interval", polling_interval, 0.0)
+        check_int("Baseline.max_queue_length", max_queue_length, 1)
+        check_choice("Baseline.span_verbosity", span_verbosity, get_args(SpanVerbosity))
         self.n_epochs = n_epochs
         self.train_split = train_split
         self.polling_interval = polling_interval
@@ -79,6 +92,11 @@ class Baseline(FastAlgorithm):
 
     async def run(self, train_dataset: Dataset[Any] | None = None, val_dataset: Dataset[Any] | None = None) -> None:
         """Run all epochs; returns when every rollout finished and was logged.
+
+        A span time that is no time in seconds (nanoseconds, NaN) is logged as it is. An error
+        while a finished rollout is read back and logged (a store read failing) stops the run with
+        that error, a note naming the rollout, as Agent-lightning's ``Baseline`` stops on it;
+        the adapter failing on one rollout is logged and the run goes on.
 
         Raises:
             ValueError: The store is not set.
@@ -106,7 +124,9 @@ class Baseline(FastAlgorithm):
         try:
             for item, mode in items:
                 while len(pending) >= self.max_queue_length:
-                    _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    for task in done:  # a harvest that failed stops the run, as the gather below does
+                        task.result()
                 rollout = await store.enqueue_rollout(input=item, mode=mode, resources_id=resources_id)
                 log.info("Baseline enqueued %s (mode=%s)", rollout.rollout_id, mode)
                 pending.add(asyncio.create_task(self._harvest(rollout.rollout_id)))
@@ -118,10 +138,14 @@ class Baseline(FastAlgorithm):
 
     async def _harvest(self, rollout_id: str) -> None:
         store = self.get_store()
-        done = await store.wait_for_rollouts(rollout_ids=[rollout_id], timeout=None)
-        if not done:  # the store closed under the wait (the run is stopping): nothing finished to log
-            return
-        await self._log_rollout(done[0])
+        try:
+            done = await store.wait_for_rollouts(rollout_ids=[rollout_id], timeout=None)
+            if not done:  # the store closed under the wait (the run is stopping): nothing finished to log
+                return
+            await self._log_rollout(done[0])
+        except Exception as e:
+            e.add_note(f"(Baseline was logging rollout {rollout_id})")
+            raise
 
     async def _log_rollout(self, rollout: Rollout) -> None:
         store = self.get_store()

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from eventlight.algorithm.base import Algorithm, Dataset
+from eventlight.algorithm.checks import MAX_SEED, check_bool, check_int, check_number, check_version_prefix
 from eventlight.core.errors import EventlightError
 from eventlight.core.types import TERMINAL_ROLLOUT_STATUSES, EnqueueRolloutRequest, ProxyLLM, Rollout
 from eventlight.rewards import find_final_reward
@@ -100,8 +101,30 @@ class GRPOConfig:
     keep_checkpoints: int = 1
 
     def __post_init__(self) -> None:
-        if self.steps < 0 or self.batch_size < 1 or self.group_size < 2:
-            raise ValueError("GRPO needs steps >= 0, batch_size >= 1 and group_size >= 2")
+        """Check every field (``eventlight.algorithm.checks``).
+
+        Raises:
+            InvalidTypeError: A field of the wrong type (``lr="2e-5"``, ``micro_batch_size=8.0``).
+            InvalidInputError: A value out of range (0, negative, NaN), named with its range.
+        """
+        for name, low in (
+            ("steps", 0),
+            ("batch_size", 1),
+            ("group_size", 2),
+            ("max_new_tokens", 1),
+            ("eval_every", 0),
+            ("max_seq_len", 2),
+            ("micro_batch_size", 1),
+            ("max_empty_steps", 1),
+            ("keep_checkpoints", 1),
+        ):
+            check_int(f"GRPOConfig.{name}", getattr(self, name), low)
+        check_int("GRPOConfig.seed", self.seed, 0, MAX_SEED)
+        check_number("GRPOConfig.temperature", self.temperature, 0.0)
+        for name in ("lr", "clip_eps", "rollout_timeout_s"):
+            check_number(f"GRPOConfig.{name}", getattr(self, name), 0.0, above=True)
+        check_bool("GRPOConfig.scale_by_std", self.scale_by_std)
+        check_version_prefix("GRPOConfig.version_prefix", self.version_prefix)
 
 
 class GRPO(Algorithm):

@@ -42,7 +42,16 @@ from typing import Any, Literal
 from eventlight.adapter import TraceToMessages
 from eventlight.adapter.base import Adapter
 from eventlight.algorithm.base import Algorithm, Dataset
+from eventlight.algorithm.checks import (
+    MAX_SEED,
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+    check_version_prefix,
+)
 from eventlight.algorithm.grpo import TrainingStoppedError
+from eventlight.core.errors import InvalidTypeError
 from eventlight.core.types import LLM, NamedResources, Rollout
 from eventlight.rewards import find_final_reward
 
@@ -88,10 +97,36 @@ class SFTConfig:
     activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
-        if self.steps < 1 or self.batch_size < 1 or self.save_every < 1 or self.max_seq_len < 2:
-            raise ValueError("SFT needs steps, batch_size and save_every >= 1 and max_seq_len >= 2")
-        if self.train_on not in ("last", "all"):
-            raise ValueError(f"train_on must be 'last' or 'all', not {self.train_on!r}")
+        """Check every field (``eventlight.algorithm.checks``).
+
+        Raises:
+            InvalidTypeError: A field of the wrong type (``lr="2e-5"``, ``modes="train"``).
+            InvalidInputError: A value out of range (0, negative, NaN) or an unknown ``train_on``,
+                named with what it may be.
+        """
+        for name, low in (
+            ("steps", 1),
+            ("batch_size", 1),
+            ("max_seq_len", 2),
+            ("save_every", 1),
+            ("keep_checkpoints", 1),
+        ):
+            check_int(f"SFTConfig.{name}", getattr(self, name), low)
+        check_int("SFTConfig.seed", self.seed, 0, MAX_SEED)
+        check_number("SFTConfig.lr", self.lr, 0.0, above=True)
+        if self.min_reward is not None:
+            check_number("SFTConfig.min_reward", self.min_reward)
+        if self.modes is not None and (
+            isinstance(self.modes, str)
+            or not isinstance(self.modes, tuple | list)
+            or not self.modes
+            or not all(isinstance(m, str) for m in self.modes)
+        ):
+            want = "None or a non-empty tuple of mode names, e.g. ('train',)"
+            raise InvalidTypeError(f"SFTConfig.modes must be {want}, got {self.modes!r:.80}")
+        check_choice("SFTConfig.train_on", self.train_on, ("last", "all"))
+        check_bool("SFTConfig.activation_checkpointing", self.activation_checkpointing)
+        check_version_prefix("SFTConfig.version_prefix", self.version_prefix)
 
 
 class SFT(Algorithm):

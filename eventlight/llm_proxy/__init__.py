@@ -28,6 +28,10 @@ Routes:
 * ``POST /v1/chat/completions`` (also without ``/v1``): forwards and records nothing (warns once).
 * ``GET /v1/models``, ``GET /health``.
 
+A request body over ``max_body_bytes`` (32 MiB by default) answers 413 with an OpenAI error body on
+every route (as the 401 does), counted while it arrives: it is never buffered whole, forwarded nor
+recorded.
+
 A client asking for ``stream: true`` gets a synthetic SSE stream built from the complete upstream
 answer (Agent-lightning's ``StreamConversionMiddleware``, peer failure C12), so token ids are never
 lost to streaming; the span is the one of the non-stream call.

@@ -21,10 +21,12 @@ from eventlight.llm_proxy.upstream import (
     CHECK_HEADER,
     CallError,
     error_response,
+    refuse_too_large,
     refuse_unauthorized,
     upstream_error,
 )
 from eventlight.server.auth import BearerAuth
+from eventlight.server.limits import BodyLimit
 
 if TYPE_CHECKING:
     from eventlight.store.base import LightningStore
@@ -46,6 +48,7 @@ class ChatRoutes(Forwarding):
     health: LLMCallHealth
     metrics: ProxyMetrics
     _token: str | None
+    _max_body_bytes: int
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="eventlight LLM proxy", docs_url=None, redoc_url=None, openapi_url=None)
@@ -56,6 +59,8 @@ class ChatRoutes(Forwarding):
             return error_response(500, f"LLM proxy internal error: {type(exc).__name__}: {exc}", "internal_error")
 
         app.add_exception_handler(Exception, internal_error)
+        # Inside BearerAuth: a request without the token gets its 401 whatever its size.
+        app.add_middleware(BodyLimit, max_body_bytes=self._max_body_bytes, refuse=refuse_too_large)
         if self._token:  # every route, /health and /metrics included
             hint = "the LLM proxy asks for a token: use it as the OpenAI or Anthropic client's api_key"
             app.add_middleware(

@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _STARTUP_TIMEOUT_S = 30.0
+
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+"""32 MiB: a long conversation with a few images fits (a stored span holds at most 8 MiB of it)."""
 _SHUTDOWN_TIMEOUT_S = 5.0
 
 
@@ -78,9 +81,14 @@ class LLMProxy(ChatRoutes):
             ``$EVENTLIGHT_PROXY_TOKEN_FILE`` names, else no token; ``""``: no token, whatever the
             environment says. It never lands in a span, a log line or a metric, nor in ``as_resource()``:
             runners add it to the ``ProxyLLM`` they hand their agents (``LitAgentRunner(proxy_token=)``).
+        max_body_bytes: Largest request body, in bytes (default ``DEFAULT_MAX_BODY_BYTES``, 32 MiB); a
+            larger one gets 413 with an OpenAI error body (``invalid_request_error``, on every route),
+            counted while it arrives (``eventlight.server.limits.BodyLimit``, as ``eventlight serve``):
+            a ``Content-Length`` above it is refused before a byte is read, a chunked body as soon as
+            it passes it, so a huge body is never buffered whole. Nothing is forwarded or recorded.
 
     Raises:
-        ValueError: A ``model_list`` entry is malformed, or ``num_retries < 0``.
+        ValueError: A ``model_list`` entry is malformed, ``num_retries < 0``, or ``max_body_bytes < 1``.
         InvalidInputError: ``$EVENTLIGHT_PROXY_TOKEN_FILE`` cannot be read or is empty, or the token
             holds a space or a character outside visible ASCII (no client could send it).
     """
@@ -97,9 +105,13 @@ class LLMProxy(ChatRoutes):
         request_timeout_s: float = 600.0,
         health: LLMCallHealth | None = None,
         token: str | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ):
         if num_retries < 0:
             raise ValueError(f"num_retries must be >= 0, got {num_retries}")
+        if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be a whole number of bytes >= 1, got {max_body_bytes!r}")
+        self._max_body_bytes = max_body_bytes
         self._host = host or "127.0.0.1"
         self._port = int(port) if port is not None else free_port(self._host)
         self._model_list = check_model_list(model_list or [])

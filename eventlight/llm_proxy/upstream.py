@@ -65,6 +65,11 @@ def refuse_unauthorized(message: str) -> JSONResponse:
     return JSONResponse(body, status_code=401)
 
 
+def refuse_too_large(message: str) -> JSONResponse:
+    """The proxy's 413 for a request body over ``max_body_bytes`` (``BodyLimit``'s ``refuse``), as an OpenAI error."""
+    return error_response(413, f"{message} (the LLM proxy's max_body_bytes)", "invalid_request_error")
+
+
 def upstream_error(exc: BaseException) -> tuple[int, str, str]:
     """``(http_status, error_type, message)`` of an exception raised by LiteLLM.
 

@@ -2,9 +2,14 @@
 
 An ASGI middleware that reads the body (up to ``max_body_bytes``) and hands it on whole: a
 ``Content-Length`` above the ceiling is refused at once, a chunked body as soon as it passes it.
+``eventlight serve`` and the LLM proxy both use it; each says how its 413 body looks. (Starlette's
+own ``RequestBodyLimitMiddleware`` answers a ``Content-Length`` over its limit with a plain-text
+413 whatever the application sends, which no OpenAI client can read.)
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -17,18 +22,38 @@ DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 """16 MiB: a large OTLP batch fits (collectors send a few MiB at most by default)."""
 
 
-class BodyLimit:
-    """Refuse request bodies over ``max_body_bytes`` with 413 (an ASGI middleware around ``app``)."""
+def _store_refusal(detail: str) -> Response:
+    return error_response(413, detail, "PayloadTooLarge")
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+
+class BodyLimit:
+    """Refuse request bodies over ``max_body_bytes`` with 413 (an ASGI middleware around ``app``).
+
+    Args:
+        app: The application to guard.
+        max_body_bytes: The largest body taken, in bytes.
+        refuse: Builds the 413 response from its one-line message; default: the store server's
+            ``ErrorBody`` (the LLM proxy answers OpenAI's error object).
+
+    Raises:
+        ValueError: ``max_body_bytes`` is not positive.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        *,
+        refuse: Callable[[str], Response] = _store_refusal,
+    ):
         if max_body_bytes <= 0:
             raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self._refuse = refuse
 
     def _too_large(self, size: str) -> Response:
-        detail = f"request body of {size} is over the server's limit of {self.max_body_bytes} bytes"
-        return error_response(413, detail, "PayloadTooLarge")
+        return self._refuse(f"request body of {size} is over the server's limit of {self.max_body_bytes} bytes")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

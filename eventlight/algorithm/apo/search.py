@@ -13,11 +13,12 @@ from eventlight.algorithm.apo.evaluation import RolloutEvaluation
 from eventlight.algorithm.apo.models import ProgressCallback, T_task, VersionedPromptTemplate
 from eventlight.algorithm.apo.prompts import EVIDENCE_CHAR_BUDGET
 from eventlight.algorithm.base import Dataset, batch_iter_over_dataset
+from eventlight.algorithm.checks import check_bool, check_choice, check_int, check_number, check_version_prefix
+from eventlight.core.errors import InvalidInputError, InvalidTypeError
 from eventlight.core.types import (
     PromptTemplate,
     RolloutConfig,
 )
-from eventlight.store.validate import is_token
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +105,11 @@ class APO(TextualGradient, RolloutEvaluation[T_task]):
             letters, digits and ``_-:@+=`` only (resources ids are subject tokens).
 
     Raises:
-        ValueError: A size or count is below 1 (``beam_rounds`` below 0), or the timeout is not positive.
+        InvalidInputError: A size or count below 1 (``beam_rounds`` below 0), a timeout not above
+            0, a negative, NaN or infinite temperature, an unknown ``edit_mode``, a ``version_prefix``
+            no id may start with; the message names the argument, the value and what it may be.
+        InvalidTypeError: An argument of the wrong type (``beam_width="4"``, ``beam_rounds=2.0``).
+            Both are ``ValueError`` s.
     """
 
     def __init__(
@@ -127,14 +132,27 @@ class APO(TextualGradient, RolloutEvaluation[T_task]):
         optimizer_max_tokens: int | None = None,
         version_prefix: str = "",
     ):
-        if version_prefix and not is_token(version_prefix):
-            raise ValueError(f"version_prefix {version_prefix!r} may hold only letters, digits and '_-:@+='")
-        if edit_mode not in ("rewrite", "append"):
-            raise ValueError(f"edit_mode must be 'rewrite' or 'append', got {edit_mode!r}")
-        if min(gradient_batch_size, val_batch_size, beam_width, branch_factor) < 1 or beam_rounds < 0:
-            raise ValueError("batch sizes, beam_width and branch_factor must be >= 1, beam_rounds >= 0")
-        if rollout_batch_timeout <= 0:
-            raise ValueError(f"rollout_batch_timeout must be positive, got {rollout_batch_timeout}")
+        check_version_prefix("APO.version_prefix", version_prefix)
+        check_choice("APO.edit_mode", edit_mode, ("rewrite", "append"))
+        for name, model in (("gradient_model", gradient_model), ("apply_edit_model", apply_edit_model)):
+            if not isinstance(model, str) or not model:
+                error = InvalidInputError if isinstance(model, str) else InvalidTypeError
+                raise error(f"APO.{name} must be a model name, got {model!r:.80}")
+        check_number("APO.diversity_temperature", diversity_temperature, 0.0)
+        for name, size in (
+            ("gradient_batch_size", gradient_batch_size),
+            ("val_batch_size", val_batch_size),
+            ("beam_width", beam_width),
+            ("branch_factor", branch_factor),
+        ):
+            check_int(f"APO.{name}", size, 1)
+        check_int("APO.beam_rounds", beam_rounds, 0)
+        check_number("APO.rollout_batch_timeout", rollout_batch_timeout, 0.0, above=True)
+        check_bool("APO.run_initial_validation", run_initial_validation)
+        if rollout_config is not None and not isinstance(rollout_config, RolloutConfig):
+            raise InvalidTypeError(f"APO.rollout_config must be a RolloutConfig or None, got {rollout_config!r:.80}")
+        if optimizer_max_tokens is not None:
+            check_int("APO.optimizer_max_tokens", optimizer_max_tokens, 1)
         self.async_openai_client = async_openai_client
         self.gradient_model = gradient_model
         self.apply_edit_model = apply_edit_model

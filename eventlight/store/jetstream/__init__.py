@@ -230,8 +230,9 @@ class JetStreamLightningStore(EventStore):
 
         NATS is down when the connection is lost (nats-py reconnects meanwhile) or the server does
         not answer a PING within ``timeout_s`` seconds; Postgres (when the store has it) when no
-        connection of the pool answers ``SELECT 1`` within ``timeout_s`` seconds (``postgres_down``
-        of the read model). A closed store has neither.
+        connection answers ``SELECT 1`` within ``timeout_s`` seconds: a pooled one, or, when every
+        pooled connection stays busy (a pool saturated under load), one opened for the probe
+        (``postgres_down`` of the read model). A closed store has neither.
 
         Returns:
             ``{"nats": why, "postgres": why}`` for those that are down (one line each, no

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import asyncpg
 from nats.aio.client import Client as NATS
 
 from eventlight.core.errors import RolloutNotFoundError, ServiceUnavailableError
@@ -16,7 +17,7 @@ from eventlight.core.types import (
     Rollout,
 )
 from eventlight.store.finish import terminal_status
-from eventlight.store.jetstream import pg
+from eventlight.store.jetstream import pg, pg_errors
 from eventlight.store.jetstream.layout import rollout_of_subject
 from eventlight.store.jetstream.pg_errors import SERVER_FAILURES
 from eventlight.store.jetstream.projector import Projector, ProjectorGroup
@@ -26,6 +27,8 @@ SYNC_TIMEOUT_S = 30.0
 POLL_MIN_S = 0.005  # a waiter reading another process's checkpoint: first pause, doubled up to
 POLL_MAX_S = 0.05
 MAX_HINTS = 100_000
+PROBE_POOL_WAIT_S = 0.25
+"""How long ``postgres_down`` waits for a free pooled connection before it opens one of its own."""
 
 
 class _Waiter:
@@ -159,14 +162,44 @@ class Waits(SqlQueries):
             pause_s = min(pause_s * 2, POLL_MAX_S)
 
     async def postgres_down(self, timeout_s: float = 2.0) -> str | None:
-        """Why Postgres does not answer, or ``None`` when it does: a connection from the pool must
-        answer ``SELECT 1``, each step within ``timeout_s`` seconds (a pool that stays busy that long
-        counts as down too). Also what ``/v1/agl/health`` asks (``JetStreamLightningStore.dependencies_down``)."""
+        """Why Postgres does not answer, or ``None`` when it does: a connection must answer ``SELECT 1``
+        within ``timeout_s`` seconds. It is one from the pool when the pool has one free within
+        ``PROBE_POOL_WAIT_S`` (a quarter of ``timeout_s`` at most); else (every pooled connection
+        busy, as under load) one opened for the probe alone and closed after it, so a busy Postgres
+        is not called down. A Postgres that answers that it has too many connections is busy, not
+        down. Also what ``/v1/agl/health`` asks (``JetStreamLightningStore.dependencies_down``)."""
+        waited_s = min(PROBE_POOL_WAIT_S, timeout_s / 4)
         try:
-            async with self.pool.acquire(timeout=timeout_s) as conn:
-                await conn.fetchval("SELECT 1", timeout=timeout_s)
+            conn = await self.pool.acquire(timeout=waited_s)
+        except TimeoutError:  # every pooled connection is busy (or a new one is slow to open)
+            return await self._probe_alone(timeout_s - waited_s, waited_s)
         except SERVER_FAILURES as e:
             return repr(e)
+        try:
+            await conn.fetchval("SELECT 1", timeout=timeout_s)
+        except SERVER_FAILURES as e:
+            return repr(e)
+        finally:
+            await self.pool.release(conn)
+        return None
+
+    async def _probe_alone(self, timeout_s: float, waited_s: float) -> str | None:
+        """``postgres_down`` on a connection of its own (``self.server`` is the DSN), opened within
+        ``timeout_s`` seconds, after ``waited_s`` seconds for a pooled one."""
+        busy = f"no pooled connection free within {waited_s:g} s"
+        try:
+            conn = await pg_errors.connect(self.server, timeout_s=timeout_s)
+        except ServiceUnavailableError as e:
+            if isinstance(e.__cause__, asyncpg.TooManyConnectionsError):
+                return None  # it answered: full, with every connection of ours busy
+            return f"{busy}, and a new connection failed: {e.__cause__!r}"
+        try:
+            await conn.fetchval("SELECT 1", timeout=timeout_s)
+        except SERVER_FAILURES as e:
+            return f"{busy}, and a new connection did not answer: {e!r}"
+        finally:
+            with contextlib.suppress(Exception):
+                await conn.close(timeout=timeout_s)
         return None
 
     async def wait_for_rollouts(self, rollout_ids: list[str], timeout: float | None) -> list[Rollout]:

@@ -1,0 +1,148 @@
+"""The algorithms' settings are checked at construction: a 0, a negative, a NaN or a value of the
+wrong type gets one ``ValueError`` naming the field, the value and what it may be, instead of a
+failure deep in torch (or none). Needs neither torch nor a store.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import pytest
+
+from eventlight.algorithm import APO, Baseline
+from eventlight.algorithm.grpo import GRPOConfig
+from eventlight.algorithm.sft import SFTConfig
+from eventlight.core.errors import InvalidInputError, InvalidTypeError
+from eventlight.verl.config import VerlSettings
+
+NAN = math.nan
+
+GRPO_BAD: list[tuple[str, Any, type[Exception], str]] = [  # field, value, error, what the message says
+    ("micro_batch_size", 0, InvalidInputError, "whole number >= 1, got 0"),
+    ("micro_batch_size", -2, InvalidInputError, "whole number >= 1, got -2"),
+    ("micro_batch_size", 8.0, InvalidTypeError, "got 8.0 (float)"),
+    ("max_seq_len", 0, InvalidInputError, "whole number >= 2, got 0"),
+    ("max_seq_len", "512", InvalidTypeError, "got '512' (str)"),
+    ("lr", 0.0, InvalidInputError, "finite number > 0, got 0.0"),
+    ("lr", -1e-5, InvalidInputError, "finite number > 0, got -1e-05"),
+    ("lr", NAN, InvalidInputError, "finite number > 0, got nan"),
+    ("lr", "2e-5", InvalidTypeError, "got '2e-5' (str)"),
+    ("clip_eps", 0, InvalidInputError, "finite number > 0, got 0"),
+    ("temperature", -0.5, InvalidInputError, "finite number >= 0, got -0.5"),
+    ("temperature", math.inf, InvalidInputError, "got inf"),
+    ("max_new_tokens", 0, InvalidInputError, ">= 1, got 0"),
+    ("eval_every", -1, InvalidInputError, ">= 0, got -1"),
+    ("rollout_timeout_s", NAN, InvalidInputError, "got nan"),
+    ("rollout_timeout_s", 0, InvalidInputError, "> 0, got 0"),
+    ("max_empty_steps", 0, InvalidInputError, ">= 1, got 0"),
+    ("keep_checkpoints", 0, InvalidInputError, ">= 1, got 0"),
+    ("keep_checkpoints", True, InvalidTypeError, "got True (bool)"),
+    ("seed", -1, InvalidInputError, "0 to 4294967295, got -1"),
+    ("seed", 2**40, InvalidInputError, "0 to 4294967295"),
+    ("scale_by_std", "no", InvalidTypeError, "True or False, got 'no' (str)"),
+    ("version_prefix", "run 1.", InvalidInputError, "letters, digits"),
+    ("version_prefix", None, InvalidTypeError, "a string, got None (NoneType)"),
+    ("steps", -1, InvalidInputError, ">= 0, got -1"),
+    ("batch_size", 0, InvalidInputError, ">= 1, got 0"),
+    ("group_size", 1, InvalidInputError, ">= 2, got 1"),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "error", "says"), GRPO_BAD, ids=[f"{f}={v!r}" for f, v, _, _ in GRPO_BAD])
+def test_grpo_config_refuses_each_bad_field_by_name(field: str, value: Any, error: type[Exception], says: str) -> None:
+    with pytest.raises(error, match=f"GRPOConfig.{field} must .*{re.escape(says)}") as got:
+        GRPOConfig(**{field: value})
+    assert isinstance(got.value, ValueError)
+    print(f"GRPOConfig({field}={value!r}): {type(got.value).__name__}: {got.value}")
+
+
+SFT_BAD: list[tuple[str, Any, type[Exception], str]] = [
+    ("lr", NAN, InvalidInputError, "finite number > 0, got nan"),
+    ("lr", 0, InvalidInputError, "> 0, got 0"),
+    ("min_reward", NAN, InvalidInputError, "finite number, got nan"),
+    ("min_reward", "1", InvalidTypeError, "got '1' (str)"),
+    ("modes", "train", InvalidTypeError, "non-empty tuple of mode names"),
+    ("modes", (), InvalidTypeError, "non-empty tuple of mode names"),
+    ("keep_checkpoints", 0, InvalidInputError, ">= 1, got 0"),
+    ("seed", -3, InvalidInputError, "0 to 4294967295, got -3"),
+    ("steps", 2.5, InvalidTypeError, "got 2.5 (float)"),
+    ("max_seq_len", 1, InvalidInputError, ">= 2, got 1"),
+    ("train_on", "every", InvalidInputError, "one of 'last', 'all', got 'every'"),
+    ("activation_checkpointing", 1, InvalidTypeError, "True or False, got 1 (int)"),
+    ("version_prefix", "a*", InvalidInputError, "letters, digits"),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "error", "says"), SFT_BAD, ids=[f"{f}={v!r}" for f, v, _, _ in SFT_BAD])
+def test_sft_config_refuses_each_bad_field_by_name(field: str, value: Any, error: type[Exception], says: str) -> None:
+    with pytest.raises(error, match=f"SFTConfig.{field} must .*{re.escape(says)}"):
+        SFTConfig(**{field: value})
+
+
+BASELINE_BAD: list[tuple[str, Any, type[Exception], str]] = [
+    ("span_verbosity", "key-values", InvalidInputError, "one of 'keys', 'key_values', 'none', got 'key-values'"),
+    ("span_verbosity", "all", InvalidInputError, "one of 'keys', 'key_values', 'none', got 'all'"),
+    ("train_split", NAN, InvalidInputError, "got nan"),
+    ("train_split", 1.0, InvalidInputError, "in (0, 1), got 1.0"),
+    ("train_split", "0.8", InvalidTypeError, "got '0.8' (str)"),
+    ("n_epochs", 1.5, InvalidTypeError, "got 1.5 (float)"),
+    ("max_queue_length", 0, InvalidInputError, ">= 1, got 0"),
+    ("polling_interval", -5.0, InvalidInputError, ">= 0, got -5.0"),
+]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error", "says"), BASELINE_BAD, ids=[f"{f}={v!r}" for f, v, _, _ in BASELINE_BAD]
+)
+def test_baseline_refuses_each_bad_argument_by_name(field: str, value: Any, error: type[Exception], says: str) -> None:
+    """A typo in ``span_verbosity`` used to log every span as ``"keys"`` would, silently."""
+    with pytest.raises(error, match=f"Baseline.{field} must .*{re.escape(says)}"):
+        Baseline(**{field: value})
+
+
+APO_BAD: list[tuple[str, Any, type[Exception], str]] = [
+    ("rollout_batch_timeout", NAN, InvalidInputError, "finite number > 0, got nan"),
+    ("diversity_temperature", -1.0, InvalidInputError, ">= 0, got -1.0"),
+    ("diversity_temperature", NAN, InvalidInputError, "got nan"),
+    ("beam_width", "4", InvalidTypeError, "got '4' (str)"),
+    ("beam_rounds", 2.0, InvalidTypeError, "got 2.0 (float)"),
+    ("val_batch_size", 0, InvalidInputError, ">= 1, got 0"),
+    ("optimizer_max_tokens", 0, InvalidInputError, ">= 1, got 0"),
+    ("run_initial_validation", "yes", InvalidTypeError, "True or False"),
+    ("gradient_model", "", InvalidInputError, "a model name, got ''"),
+    ("apply_edit_model", None, InvalidTypeError, "a model name, got None"),
+    ("rollout_config", {"max_attempts": 2}, InvalidTypeError, "a RolloutConfig or None"),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "error", "says"), APO_BAD, ids=[f"{f}={v!r}" for f, v, _, _ in APO_BAD])
+def test_apo_refuses_each_bad_argument_by_name(field: str, value: Any, error: type[Exception], says: str) -> None:
+    with pytest.raises(error, match=f"APO.{field} must .*{re.escape(says)}"):
+        APO(object(), **{field: value})
+
+
+def test_the_defaults_and_agent_lightnings_documented_settings_pass() -> None:
+    GRPOConfig()
+    SFTConfig()
+    GRPOConfig(lr=1, temperature=0, rollout_timeout_s=30, version_prefix="run-0412-")  # ints for floats are fine
+    SFTConfig(min_reward=0, modes=None)
+    Baseline(n_epochs=2, train_split=0.8, span_verbosity="key_values")  # Agent-lightning's docs
+    Baseline(span_verbosity="none", polling_interval=0)
+    APO(object(), val_batch_size=10, gradient_batch_size=4, beam_width=2, branch_factor=2, beam_rounds=2)
+
+
+def test_verl_settings_name_the_key_and_the_value() -> None:
+    """The VERL glue validated its dict already (``VerlSettings.from_config``); pinned here beside the others."""
+    data = {"train_batch_size": 4, "max_prompt_length": 512, "max_response_length": 256}
+    base: dict[str, Any] = {"actor_rollout_ref": {"model": {"path": "m"}}, "data": data}
+    bad = [
+        ({"data": {"train_batch_size": 0}}, "data.train_batch_size must be a positive integer, got 0"),
+        ({"data": {"train_batch_size": "4"}}, "data.train_batch_size must be a positive integer, got '4'"),
+        ({"actor_rollout_ref": {"rollout": {"temperature": NAN}}}, "temperature must be a number >= 0, got nan"),
+    ]
+    for over, says in bad:
+        config = {**base, **{k: {**base.get(k, {}), **v} for k, v in over.items()}}
+        with pytest.raises(InvalidInputError, match=re.escape(says)):
+            VerlSettings.from_config(config)
