@@ -14,6 +14,7 @@ import openai
 from fastapi.responses import JSONResponse
 from litellm.exceptions import Timeout as LiteLLMTimeout
 from litellm.router import Router
+from starlette.types import Scope
 
 from eventlight.core.errors import LLMUnavailableError
 
@@ -59,8 +60,9 @@ class CallError:
         return JSONResponse(body, status_code=self.status)
 
 
-def refuse_unauthorized(message: str) -> JSONResponse:
-    """The proxy's 401: OpenAI's own error object for a missing or wrong key (``BearerAuth``'s ``refuse``)."""
+def refuse_unauthorized(message: str, scope: Scope) -> JSONResponse:
+    """The proxy's 401: OpenAI's own error object for a missing or wrong key (``BearerAuth``'s ``refuse``;
+    the same on every route, so ``scope`` is not read)."""
     body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}
     return JSONResponse(body, status_code=401)
 

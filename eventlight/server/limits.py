@@ -26,9 +26,9 @@ class BodyLimit:
         self.app = app
         self.max_body_bytes = max_body_bytes
 
-    def _too_large(self, size: str) -> Response:
+    def _too_large(self, size: str, scope: Scope) -> Response:
         detail = f"request body of {size} is over the server's limit of {self.max_body_bytes} bytes"
-        return error_response(413, detail, "PayloadTooLarge")
+        return error_response(413, detail, "PayloadTooLarge", scope=scope)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -36,7 +36,7 @@ class BodyLimit:
             return
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            await self._too_large(f"{int(length)} bytes")(scope, receive, send)
+            await self._too_large(f"{int(length)} bytes", scope)(scope, receive, send)
             return
         chunks: list[bytes] = []
         size = 0
@@ -47,7 +47,8 @@ class BodyLimit:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
-                await self._too_large(f"more than {self.max_body_bytes} bytes (sent in chunks)")(scope, receive, send)
+                too_large = self._too_large(f"more than {self.max_body_bytes} bytes (sent in chunks)", scope)
+                await too_large(scope, receive, send)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):

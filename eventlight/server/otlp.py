@@ -22,8 +22,9 @@ from starlette.responses import Response
 
 from eventlight.core.errors import ConcurrencyError, InvalidInputError, NotFoundError
 from eventlight.core.types import Span
+from eventlight.server.errors import error_response
 from eventlight.server.otlp_spans import Rejected, spans_from_request
-from eventlight.server.otlp_wire import PROTOBUF, OtlpError, encode_response, encode_status, parse_request
+from eventlight.server.otlp_wire import OTLP_PATH, PROTOBUF, OtlpError, encode_response, parse_request
 from eventlight.server.routes.common import store_of
 from eventlight.store.base import LightningStore
 
@@ -106,7 +107,7 @@ def _message(rejected: list[Rejected]) -> str:
 
 
 @router.post(
-    "/v1/traces",
+    OTLP_PATH,
     summary="OTLP/HTTP trace export",
     openapi_extra={
         "requestBody": {
@@ -121,17 +122,15 @@ def _message(rejected: list[Rejected]) -> str:
 )
 async def export_traces(request: Request) -> Response:
     """Take an ``ExportTraceServiceRequest`` (protobuf or JSON, optionally gzip) and record its spans."""
-    kind = PROTOBUF
     try:
-        kind = "application/json" if "json" in request.headers.get("content-type", "") else PROTOBUF
         parsed, kind = parse_request(
             await request.body(),
             request.headers.get("content-type"),
             request.headers.get("content-encoding"),
             request.app.state.max_body_bytes,
         )
-    except OtlpError as e:
-        return Response(encode_status(kind, e.status, str(e)), status_code=e.status, media_type=kind)
+    except OtlpError as e:  # a Status in the request's encoding, as every error of this route
+        return error_response(e.status, str(e), type(e).__name__, scope=request.scope)
     spans, rejected = spans_from_request(parsed)
     rejected += await ingest(store_of(request), spans)
     if rejected:
