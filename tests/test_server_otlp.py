@@ -272,6 +272,38 @@ def test_a_gzip_body_of_several_members_inflates_whole() -> None:
     assert names == ["s1", "s2"]
 
 
+async def test_a_sequence_id_that_is_no_integer_is_not_truncated_and_is_said(store: Any) -> None:
+    """``agentlightning.span_sequence_id`` 3.7 was stored as 3 without a word (a reviewer). As
+    Agent-lightning 0.3.0 (``int(str(value))`` fails, so it numbers the span itself), the store
+    numbers such a span; ``partial_success`` says so, with no span counted rejected (it is
+    recorded). An integral double, 3.0, is 3. On both backends."""
+    claimed = await store.start_rollout({"q": 1})
+    rid, aid = claimed.rollout_id, claimed.attempt.attempt_id
+    request = ExportTraceServiceRequest()
+    scope = request.resource_spans.add().scope_spans.add()
+    names = ("unnumbered", "fractional", "integral", "negative", "long")
+    ids = {name: _pb_span(scope, name, rid, aid) for name in names}
+    for span, value in zip(scope.spans[1:4], (3.7, 3.0, -2.0), strict=True):
+        span.attributes.add(key="agentlightning.span_sequence_id").value.double_value = value
+    scope.spans[4].attributes.add(key="agentlightning.span_sequence_id").value.string_value = "x" * 5000
+    app = create_app(store)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://store") as http:
+        r = await http.post("/v1/traces", content=request.SerializeToString(), headers=PB)
+    assert r.status_code == 200, r.content
+    answer = ExportTraceServiceResponse.FromString(r.content).partial_success
+    assert answer.rejected_spans == 0
+    assert answer.error_message.startswith("3 span(s) recorded with a sequence id the store allocated: ")
+    assert f"span {ids['fractional']} ('fractional'): agentlightning.span_sequence_id 3.7 is not an integer" in (
+        answer.error_message
+    )
+    assert "-2.0" in answer.error_message and ids["integral"] not in answer.error_message
+    assert len(answer.error_message) < 500  # the 5000 characters shown shortened
+    stored = {s.name: s for s in await store.query_spans(rid)}
+    assert stored["integral"].sequence_id == 3
+    assert [stored[n].sequence_id for n in ("unnumbered", "fractional", "negative", "long")] == [1, 2, 3, 4]
+    assert stored["fractional"].attributes["agentlightning.span_sequence_id"] == 3.7  # kept as sent
+
+
 async def test_an_export_while_nats_is_down_is_503_as_a_status_in_the_requests_encoding(
     namespace: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
