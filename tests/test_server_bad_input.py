@@ -161,6 +161,12 @@ OTLP_CASES: list[tuple[str, dict[str, Any], int, str]] = [
         "is not hex",
     ),
     ("OTLP/JSON not JSON", {"content": b"{", "headers": {"Content-Type": "application/json"}}, 400, "not JSON"),
+    (  # a 500 from a RecursionError, with a traceback in the server's log
+        "OTLP/JSON nested 5000 deep",
+        {"content": b'{"resourceSpans": ' + b"[" * 5000 + b"]" * 5000 + b"}", "headers": JSON},
+        400,
+        "nested too deeply",
+    ),
     (
         "unsupported content type",
         {"content": b"x", "headers": {"Content-Type": "text/plain"}},

@@ -139,6 +139,8 @@ def _parse_json(data: bytes) -> ExportTraceServiceRequest:
         doc = json.loads(data) if data.strip() else {}
     except (ValueError, UnicodeDecodeError) as e:
         raise OtlpError(400, f"the body is not JSON: {e}") from None
+    except RecursionError:  # arrays or objects nested thousands deep: bad input, not a server fault
+        raise OtlpError(400, "the body is not JSON this server reads: it is nested too deeply") from None
     _json_ids_to_b64(doc)
     request = ExportTraceServiceRequest()
     try:
