@@ -540,6 +540,39 @@ async def test_cli_replay_since_past_the_head_warns_and_writes_an_empty_file(
     )
 
 
+async def test_cli_replay_a_range_outside_the_log_warns_and_writes_an_empty_file(
+    namespace: Settings, tmp_path: Path
+) -> None:
+    """An ISO ``--since`` after the log's last event wrote an empty file without a word, as did an
+    ``--until`` before its first event (a reviewer); each is warned of as a ``--since`` position past
+    the head is, naming the log's end, and the command exits 0."""
+    import re
+    import time
+    from datetime import datetime
+
+    before = time.time()
+    async with JetStreamLightningStore(namespace) as store:
+        await workload(store)
+    after = time.time()
+    cases = {
+        ("--since", "2099-01-01T00:00:00Z"): r"--since 2099-01-01T00:00:00\+00:00 is past the end of the log: "
+        r"no event at or after that time; its last event is at (\S+)$",
+        ("--until", "2001-01-01"): r"--until 2001-01-01T00:00:00\+00:00 is before the start of the log: "
+        r"no event at or before that time; its first event is at (\S+)$",
+        ("--until", "0"): r"--until 0 is before the start of the log: it begins at sequence (1)$",
+    }
+    for args, says in cases.items():
+        out = tmp_path / "outside.jsonl"
+        result = cli("replay", *args, "--out", str(out), env=env_of(namespace))
+        assert result.returncode == 0 and out.read_bytes() == b"", (args, result.stderr)
+        assert "0 record(s) from 0 attempt(s)" in result.stdout
+        [warning] = [line for line in result.stderr.splitlines() if "warning" in line]
+        found = re.fullmatch("warning: " + says, warning)
+        assert found, (args, result.stderr)
+        if args[1] != "0":
+            assert before - 1 <= datetime.fromisoformat(found[1]).timestamp() <= after + 1, warning
+
+
 async def test_cli_replay_where_every_attempt_fails_exits_1(namespace: Settings, tmp_path: Path) -> None:
     """A reward function that raises on every attempt: each skip printed once (the first was printed
     twice, as a log warning and a 'skipped:' line) and the command fails instead of reporting 0

@@ -14,6 +14,9 @@ from typing import Any
 
 import httpx
 import pytest
+from google.protobuf import json_format
+from google.rpc import code_pb2
+from google.rpc.status_pb2 import Status
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 import eventlight as agl
@@ -30,6 +33,7 @@ from eventlight.net import free_port
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 PB = {"Content-Type": "application/x-protobuf"}
+JSON = {"Content-Type": "application/json"}
 MAX_BODY = 64 * 1024
 
 
@@ -41,15 +45,12 @@ async def http() -> AsyncIterator[httpx.AsyncClient]:
             yield client
 
 
-def _status_message(content: bytes) -> str:
-    """The ``message`` of a protobuf ``google.rpc.Status`` (field 2), read by hand."""
-    from google.protobuf.internal.decoder import _DecodeVarint  # type: ignore[attr-defined]
-
-    assert content[0] == 0x08
-    _, pos = _DecodeVarint(content, 1)
-    assert content[pos] == 0x12
-    size, pos = _DecodeVarint(content, pos + 1)
-    return content[pos : pos + size].decode()
+def _status(r: httpx.Response, kind: str) -> Status:
+    """The answer's ``google.rpc.Status``, read in ``kind``'s encoding, which its Content-Type must name."""
+    assert r.headers["content-type"] == kind, (r.headers, r.content)
+    if kind == JSON["Content-Type"]:
+        return json_format.Parse(r.text, Status())
+    return Status.FromString(r.content)
 
 
 def _pb_span(trace_id: bytes, span_id: bytes) -> bytes:
@@ -160,6 +161,12 @@ OTLP_CASES: list[tuple[str, dict[str, Any], int, str]] = [
         "is not hex",
     ),
     ("OTLP/JSON not JSON", {"content": b"{", "headers": {"Content-Type": "application/json"}}, 400, "not JSON"),
+    (  # a 500 from a RecursionError, with a traceback in the server's log
+        "OTLP/JSON nested 5000 deep",
+        {"content": b'{"resourceSpans": ' + b"[" * 5000 + b"]" * 5000 + b"}", "headers": JSON},
+        400,
+        "nested too deeply",
+    ),
     (
         "unsupported content type",
         {"content": b"x", "headers": {"Content-Type": "text/plain"}},
@@ -256,13 +263,55 @@ async def test_otlp_bad_input(
 ) -> None:
     r = await http.post("/v1/traces", **kwargs)
     assert r.status_code == status, r.content
-    if r.headers["content-type"] == "application/json":
-        message = r.json()["message"]
-    else:
-        assert r.headers["content-type"] == "application/x-protobuf"
-        message = _status_message(r.content)
+    sent = kwargs.get("headers", JSON if "json" in kwargs else {})["Content-Type"]
+    message = _status(r, JSON["Content-Type"] if "json" in sent else PB["Content-Type"]).message
     assert words in message and "\n" not in message, message
     await _still_serving(http)
+
+
+async def _chunks(data: bytes) -> AsyncIterator[bytes]:
+    for i in range(0, len(data), 4096):
+        yield data[i : i + 4096]
+
+
+@pytest.mark.parametrize("kind", [PB, JSON], ids=["protobuf", "json"])
+@pytest.mark.parametrize(
+    ("case", "status", "code", "words"),
+    [
+        ("no token", 401, code_pb2.UNAUTHENTICATED, "missing bearer token"),
+        ("wrong token", 401, code_pb2.UNAUTHENTICATED, "wrong bearer token"),
+        ("over the ceiling", 413, code_pb2.RESOURCE_EXHAUSTED, f"over the server's limit of {MAX_BODY} bytes"),
+        ("over the ceiling in chunks", 413, code_pb2.RESOURCE_EXHAUSTED, "(sent in chunks)"),
+        ("does not parse", 400, code_pb2.INVALID_ARGUMENT, "the body is not"),
+        ("wrong method", 405, code_pb2.UNIMPLEMENTED, "does not accept GET"),
+    ],
+)
+async def test_every_otlp_error_is_a_status_in_the_requests_encoding(
+    http: httpx.AsyncClient, kind: dict[str, str], case: str, status: int, code: int, words: str
+) -> None:
+    """OTLP/HTTP: an error's body is a ``google.rpc.Status`` in the request's encoding, with that
+    Content-Type. The token's 401 and the body ceiling's 413 were ``ErrorBody`` JSON, which a
+    protobuf exporter cannot read (a reviewer); read here with the ``Status`` class itself."""
+    headers = {**AUTH, **kind}
+    body = b"{" if kind == JSON else b"\xff\xff\xff\xff"
+    if case == "no token":
+        del headers["Authorization"]
+    elif case == "wrong token":
+        headers["Authorization"] = "Bearer nope"
+    async with httpx.AsyncClient(base_url=str(http.base_url)) as client:
+        if case == "over the ceiling":
+            r = await client.post("/v1/traces", content=b" " * (MAX_BODY + 1), headers=headers)
+        elif case == "over the ceiling in chunks":
+            r = await client.post("/v1/traces", content=_chunks(b" " * (MAX_BODY + 1)), headers=headers)
+        elif case == "wrong method":
+            r = await client.get("/v1/traces", headers=headers)
+        else:
+            r = await client.post("/v1/traces", content=body, headers=headers)
+    assert r.status_code == status, r.content
+    answer = _status(r, kind["Content-Type"])
+    assert answer.code == code and words in answer.message and "\n" not in answer.message, answer
+    if status == 401:
+        assert r.headers["www-authenticate"].startswith("Bearer") and TOKEN not in r.text
 
 
 @pytest.mark.parametrize(
@@ -276,9 +325,9 @@ async def test_a_request_without_the_token_is_401(
     http: httpx.AsyncClient, headers: dict[str, str], words: str, path: str
 ) -> None:
     async with httpx.AsyncClient(base_url=str(http.base_url), headers=headers) as anonymous:
-        r = await anonymous.post(path, content=b"") if path == "/v1/traces" else await anonymous.get(path)
+        r = await anonymous.post(path, json={}) if path == "/v1/traces" else await anonymous.get(path)
     assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer")
-    assert words in r.json()["detail"] and TOKEN not in r.text
+    assert words in r.json()["message" if path == "/v1/traces" else "detail"] and TOKEN not in r.text
     await _still_serving(http)
 
 

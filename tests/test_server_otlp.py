@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import importlib
 import json
 import os
 import time
@@ -269,3 +270,108 @@ def test_a_gzip_body_of_several_members_inflates_whole() -> None:
     parsed, _ = parse_request(b"".join(requests), PB["Content-Type"], "gzip", 1 << 20)
     names = [s.name for rs in parsed.resource_spans for ss in rs.scope_spans for s in ss.spans]
     assert names == ["s1", "s2"]
+
+
+async def test_a_sequence_id_that_is_no_integer_is_not_truncated_and_is_said(store: Any) -> None:
+    """``agentlightning.span_sequence_id`` 3.7 was stored as 3 without a word (a reviewer). As
+    Agent-lightning 0.3.0 (``int(str(value))`` fails, so it numbers the span itself), the store
+    numbers such a span; ``partial_success`` says so, with no span counted rejected (it is
+    recorded). An integral double, 3.0, is 3. On both backends."""
+    claimed = await store.start_rollout({"q": 1})
+    rid, aid = claimed.rollout_id, claimed.attempt.attempt_id
+    request = ExportTraceServiceRequest()
+    scope = request.resource_spans.add().scope_spans.add()
+    names = ("unnumbered", "fractional", "integral", "negative", "long")
+    ids = {name: _pb_span(scope, name, rid, aid) for name in names}
+    for span, value in zip(scope.spans[1:4], (3.7, 3.0, -2.0), strict=True):
+        span.attributes.add(key="agentlightning.span_sequence_id").value.double_value = value
+    scope.spans[4].attributes.add(key="agentlightning.span_sequence_id").value.string_value = "x" * 5000
+    app = create_app(store)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://store") as http:
+        r = await http.post("/v1/traces", content=request.SerializeToString(), headers=PB)
+    assert r.status_code == 200, r.content
+    answer = ExportTraceServiceResponse.FromString(r.content).partial_success
+    assert answer.rejected_spans == 0
+    assert answer.error_message.startswith("3 span(s) recorded with a sequence id the store allocated: ")
+    assert f"span {ids['fractional']} ('fractional'): agentlightning.span_sequence_id 3.7 is not an integer" in (
+        answer.error_message
+    )
+    assert "-2.0" in answer.error_message and ids["integral"] not in answer.error_message
+    assert len(answer.error_message) < 500  # the 5000 characters shown shortened
+    stored = {s.name: s for s in await store.query_spans(rid)}
+    assert stored["integral"].sequence_id == 3
+    assert [stored[n].sequence_id for n in ("unnumbered", "fractional", "negative", "long")] == [1, 2, 3, 4]
+    assert stored["fractional"].attributes["agentlightning.span_sequence_id"] == 3.7  # kept as sent
+
+
+async def test_an_export_while_nats_is_down_is_503_as_a_status_in_the_requests_encoding(
+    namespace: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 503 (NATS did not answer: the exporter retries) was an ``ErrorBody`` in JSON whatever the
+    request's encoding; OTLP/HTTP asks for a ``google.rpc.Status`` in it (a reviewer)."""
+    from google.protobuf import json_format
+    from google.rpc import code_pb2
+    from google.rpc.status_pb2 import Status
+
+    jetstream_log = importlib.import_module("eventlight.store.jetstream.log")  # the package names a logger `log`
+    from tests.faults import Relay
+
+    assert namespace.nats_url is not None
+    monkeypatch.setattr(jetstream_log, "PUBLISH_TIMEOUT_S", 1.0)  # NATS is down after 1 s, not 10
+    nats = Relay(namespace.nats_url)
+    await nats.mend()
+    try:
+        async with (
+            JetStreamLightningStore(namespace, nats_url=nats.url, pg_dsn=namespace.pg_dsn) as store,
+            agl.LightningStoreServer(store, port=free_port()) as server,
+            httpx.AsyncClient(base_url=server.endpoint, timeout=60) as http,
+        ):
+            rid, aid = await _attempt(store)
+            doc = _json_request(rid, aid)
+            nats.cut()
+            pb = parse_request(json.dumps(doc).encode(), "application/json", None, 1 << 20)[0].SerializeToString()
+            answers = [await http.post("/v1/traces", content=pb, headers=PB), await http.post("/v1/traces", json=doc)]
+            for kind, r in zip((PB["Content-Type"], "application/json"), answers, strict=True):
+                assert (r.status_code, r.headers["content-type"]) == (503, kind), r.content
+                answer = Status()
+                if kind == PB["Content-Type"]:
+                    answer.ParseFromString(r.content)
+                else:
+                    json_format.Parse(r.text, answer)
+                assert answer.code == code_pb2.UNAVAILABLE and "NATS" in answer.message, answer
+    finally:
+        nats.cut()
+
+
+@pytest.mark.parametrize("kind", [PB["Content-Type"], "application/json"], ids=["protobuf", "json"])
+async def test_an_internal_error_is_a_500_status_in_the_requests_encoding(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 500 (a bug: none can be caused from outside, so the store is made to raise) is a
+    ``google.rpc.Status`` in the request's encoding too, naming no more than the error's type."""
+    from google.protobuf import json_format
+    from google.rpc import code_pb2
+    from google.rpc.status_pb2 import Status
+
+    async with agl.InMemoryLightningStore() as store:
+        rid, aid = await _attempt(store)  # type: ignore[arg-type]
+
+        async def broken(*args: Any) -> None:
+            raise RuntimeError("a bug")
+
+        monkeypatch.setattr(store, "add_spans_numbered", broken)
+        app = create_app(store)
+        transport = httpx.ASGITransport(app, raise_app_exceptions=False)  # Starlette re-raises after answering
+        async with httpx.AsyncClient(transport=transport, base_url="http://store") as http:
+            doc = _json_request(rid, aid)
+            body = json.dumps(doc).encode()
+            if kind == PB["Content-Type"]:
+                body = parse_request(body, "application/json", None, 1 << 20)[0].SerializeToString()
+            r = await http.post("/v1/traces", content=body, headers={"Content-Type": kind})
+    assert (r.status_code, r.headers["content-type"]) == (500, kind), r.content
+    answer = Status()
+    if kind == PB["Content-Type"]:
+        answer.ParseFromString(r.content)
+    else:
+        json_format.Parse(r.text, answer)
+    assert answer.code == code_pb2.INTERNAL and answer.message.startswith("internal server error (RuntimeError)")

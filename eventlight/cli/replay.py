@@ -251,7 +251,7 @@ def replay_command(
         "reward": reward,
         "workers": default_workers() if workers is None else workers,
     }
-    from eventlight.logreplay.replay import ReplayWorkerError
+    from eventlight.logreplay.replay import ReplayWorkerError, range_outside_log
 
     try:
         run = _run(_replay_to_file(settings, _writable(out), opts))
@@ -268,10 +268,8 @@ def replay_command(
         ) from None
     _print_skipped(run)
     s = run.stats
-    start = run.filters.since  # the parsed --since
-    if start is not None and start.seq is not None and start.seq > s.head_seq:
-        past = f"--since {start.seq} is past the end of the log: it ends at sequence {s.head_seq}"
-        err.print(f"[yellow]warning:[/yellow] {past}")
+    for outside in range_outside_log(run.filters, s):
+        err.print(f"[yellow]warning:[/yellow] {escape(outside)}")
     console.print(
         f"{s.records} record(s) from {s.attempts} attempt(s) → {escape(str(out))}  "
         f"[dim]({s.events} events and {s.spans} spans read up to log position {s.head_seq}"

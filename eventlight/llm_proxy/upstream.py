@@ -14,6 +14,7 @@ import openai
 from fastapi.responses import JSONResponse
 from litellm.exceptions import Timeout as LiteLLMTimeout
 from litellm.router import Router
+from starlette.types import Scope
 
 from eventlight.core.errors import LLMUnavailableError
 
@@ -59,14 +60,16 @@ class CallError:
         return JSONResponse(body, status_code=self.status)
 
 
-def refuse_unauthorized(message: str) -> JSONResponse:
-    """The proxy's 401: OpenAI's own error object for a missing or wrong key (``BearerAuth``'s ``refuse``)."""
+def refuse_unauthorized(message: str, scope: Scope) -> JSONResponse:
+    """The proxy's 401: OpenAI's own error object for a missing or wrong key (``BearerAuth``'s ``refuse``;
+    the same on every route, so ``scope`` is not read)."""
     body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}
     return JSONResponse(body, status_code=401)
 
 
-def refuse_too_large(message: str) -> JSONResponse:
-    """The proxy's 413 for a request body over ``max_body_bytes`` (``BodyLimit``'s ``refuse``), as an OpenAI error."""
+def refuse_too_large(message: str, scope: Scope) -> JSONResponse:
+    """The proxy's 413 for a request body over ``max_body_bytes`` (``BodyLimit``'s ``refuse``), as an OpenAI
+    error (the same on every route, so ``scope`` is not read)."""
     return error_response(413, f"{message} (the LLM proxy's max_body_bytes)", "invalid_request_error")
 
 

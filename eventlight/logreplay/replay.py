@@ -75,6 +75,11 @@ class ReplayStats(msgspec.Struct):
     attempts: int = 0
     records: int = 0
     head_seq: int = 0
+    first_seq: int = 0
+    """The log position of the first entry read (0: none)."""
+    first_time: float | None = None
+    last_time: float | None = None
+    """The earliest and latest ``time`` of the events read (seconds since the epoch; ``None``: none)."""
     ahead: int = 0
     """Attempts whose records a worker process made while the log was still read (``workers``)."""
 
@@ -215,7 +220,8 @@ class Replay(AsyncIterator[dict[str, Any]]):
             if self.on_progress is not None and fold.events % PROGRESS_EVERY == 0:
                 self.stats.events, self.stats.spans = fold.events, fold.spans
                 self.on_progress(self.stats)
-        self.stats.events, self.stats.spans = fold.events, fold.spans
+        self.stats.events, self.stats.spans, self.stats.first_seq = fold.events, fold.spans, fold.first_seq
+        self.stats.first_time, self.stats.last_time = fold.first_time, fold.last_time
         for seq, why in fold.malformed:
             log.warning(
                 "replay: the entry at log position %d is not an event this version reads (%s); skipped", seq, why
@@ -512,6 +518,30 @@ def check_mixed_range(filters: Filters, entry: tuple[int, float] | None, head_se
         raise InvalidInputError(f"bad range: --since {lo.seq} is later than --until {_iso(hi.time)} ({written})")
     if lo.time is not None and hi.seq is not None and lo.time > position_time:
         raise InvalidInputError(f"bad range: --since {_iso(lo.time)} is later than --until {hi.seq} ({written})")
+
+
+def range_outside_log(filters: Filters, stats: ReplayStats) -> list[str]:
+    """Why the range selects nothing, whatever the log holds, once it is read: a ``since`` past its
+    end (a position after its head, a time after its last event) or an ``until`` before its start (a
+    position before its first entry, a time before its first event). One line each; ``[]`` if
+    neither. ``eventlight replay`` prints them as warnings (it writes an empty file and exits 0).
+    """
+    lo, hi, out = filters.since, filters.until, []
+    if lo is not None and lo.seq is not None and lo.seq > stats.head_seq:
+        out.append(f"--since {lo.seq} is past the end of the log: it ends at sequence {stats.head_seq}")
+    if lo is not None and lo.time is not None and stats.last_time is not None and lo.time > stats.last_time:
+        out.append(
+            f"--since {_iso(lo.time)} is past the end of the log: no event at or after that time; "
+            f"its last event is at {_iso(stats.last_time)}"
+        )
+    if hi is not None and hi.seq is not None and hi.seq < stats.first_seq:
+        out.append(f"--until {hi.seq} is before the start of the log: it begins at sequence {stats.first_seq}")
+    if hi is not None and hi.time is not None and stats.first_time is not None and hi.time < stats.first_time:
+        out.append(
+            f"--until {_iso(hi.time)} is before the start of the log: no event at or before that time; "
+            f"its first event is at {_iso(stats.first_time)}"
+        )
+    return out
 
 
 def _iso(seconds: float) -> str:

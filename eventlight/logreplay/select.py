@@ -17,6 +17,8 @@ before it), whose ``time`` the replay compares with the other end (``LogFold.pos
 
 from __future__ import annotations
 
+import contextlib
+
 import msgspec
 
 from eventlight.core.commands import RolloutState
@@ -119,6 +121,11 @@ class LogFold:
         self.events = 0
         self.spans = 0
         self.malformed: list[tuple[int, str]] = []
+        self.first_seq = 0
+        """The log position of the first entry (0: none)."""
+        self.first_time: float | None = None
+        self.last_time: float | None = None
+        """The earliest and latest ``time`` of the events (``None``: none)."""
         self.finished: list[Candidate] = []
         """With ``track_finished``: candidates whose attempt reached a terminal status, in log order,
         for the reader to take (and clear); their spans are most likely all in (``Replay`` adapts
@@ -129,10 +136,15 @@ class LogFold:
     def add(self, seq: int, subject: str, data: bytes) -> None:
         """Fold one log entry; an entry that is not an event is recorded in ``malformed``."""
         self.events += 1
+        self.first_seq = self.first_seq or seq
         if self._position is not None and seq <= self._position and data:
             self._at_position = (seq, data)  # decoded once, at the end (position_time)
         kind, _, rest = subject.partition(".")
-        if kind == "w" or not data:
+        if not data:
+            return
+        if kind == "w":  # only its time is read
+            with contextlib.suppress(msgspec.DecodeError):
+                self._saw(_time.decode(data).time)
             return
         try:
             if kind == "s":
@@ -145,6 +157,7 @@ class LogFold:
     def _span_batch(self, seq: int, rest: str, data: bytes) -> None:
         rid, _, aid = rest.partition(".")
         head = _head.decode(data)
+        self._saw(head.time)
         if head.type != "spans_added" or not head.spans:
             return  # a reservation of sequence ids: no spans, not a heartbeat
         self.spans += len(head.spans)
@@ -157,6 +170,7 @@ class LogFold:
 
     def _event(self, seq: int, data: bytes) -> None:
         event = decode_event(data)  # upcasts events written in an older shape
+        self._saw(event.time)
         if isinstance(event, ResourcesPut):
             res = event.resources
             self.resources.setdefault(res.resources_id, []).append((seq, res.version))
@@ -186,6 +200,12 @@ class LogFold:
                 cand = self.candidates.get((rid, attempt.attempt_id))
                 if cand is not None:
                     self.finished.append(cand)
+
+    def _saw(self, time: float) -> None:
+        if self.first_time is None or time < self.first_time:
+            self.first_time = time
+        if self.last_time is None or time > self.last_time:
+            self.last_time = time
 
     def position_time(self) -> tuple[int, float] | None:
         """When a range mixes a position and a time (``Filters.mixed_position``): the log position

@@ -2,9 +2,9 @@
 
 An ASGI middleware, so it guards every route, the OTLP one and the OpenAPI description included.
 ``eventlight serve`` and the LLM proxy both use it; each says how its 401 body looks (the server's
-``ErrorBody``, the proxy's OpenAI error object). A request without the header, or with another
-token, gets 401 with ``WWW-Authenticate: Bearer`` (RFC 6750) and a one-line message; the token is
-compared in constant time and never logged.
+``ErrorBody``, or to OTLP's ``/v1/traces`` a ``google.rpc.Status``; the proxy's OpenAI error
+object). A request without the header, or with another token, gets 401 with ``WWW-Authenticate:
+Bearer`` (RFC 6750) and a one-line message; the token is compared in constant time and never logged.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from eventlight.server.errors import error_response
 
 __all__ = ["BearerAuth", "Refusal"]
 
-Refusal = Callable[[str], Response]
-"""Builds the 401 response from its one-line message."""
+Refusal = Callable[[str, Scope], Response]
+"""Builds the 401 response from its one-line message and the refused request's scope."""
 
 
-def _store_refusal(detail: str) -> Response:
-    return error_response(401, detail, "Unauthorized")
+def _store_refusal(detail: str, scope: Scope) -> Response:
+    return error_response(401, detail, "Unauthorized", scope=scope)
 
 
 class BearerAuth:
@@ -33,7 +33,8 @@ class BearerAuth:
     Args:
         app: The application to guard.
         token: The token every request must send (``Authorization: Bearer <token>``).
-        refuse: Builds the 401 response from its message; default: the store server's ``ErrorBody``.
+        refuse: Builds the 401 response from its message and the request's scope; default: the store
+            server's (``error_response``).
         hint: How to say what was configured, in the message of a request without a token.
         key_header: Also accept the bare token in this header (the LLM proxy: ``x-api-key``, which
             Anthropic's clients send their ``api_key`` in).
@@ -80,6 +81,6 @@ class BearerAuth:
             detail = "the Authorization header must be 'Bearer <token>'"
         else:
             detail = "wrong bearer token"
-        response = self._refuse(detail)
+        response = self._refuse(detail, scope)
         response.headers["WWW-Authenticate"] = 'Bearer realm="eventlight"'
         await response(scope, receive, send)

@@ -17,7 +17,9 @@ any other exception               500     its type only; logged with its traceba
 ================================  ======  ==================================================
 
 Each answer is ``{"detail": ..., "error_type": ..., "retryable": ...}`` (``ErrorBody``); Agent-lightning's
-client reads only the status (any 4xx is final, 5xx and 408 are retried).
+client reads only the status (any 4xx is final, 5xx and 408 are retried). An answer to OTLP's
+``/v1/traces`` (these handlers', the bearer token's, the body ceiling's) is instead a
+``google.rpc.Status`` in the request's encoding, as OTLP/HTTP asks (``eventlight.server.otlp_wire``).
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ import logging
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
+from starlette.types import Scope
 
 from eventlight.core.errors import (
     ConcurrencyError,
@@ -40,6 +44,7 @@ from eventlight.core.errors import (
     ServiceUnavailableError,
 )
 from eventlight.server.models import ErrorBody
+from eventlight.server.otlp_wire import OTLP_PATH, answer_kind, encode_status
 
 __all__ = ["error_response", "install_error_handlers", "status_of"]
 
@@ -69,8 +74,14 @@ def one_line(text: str) -> str:
     return flat if len(flat) <= 500 else flat[:497] + "..."
 
 
-def error_response(status: int, detail: str, error_type: str, *, retryable: bool = False) -> Response:
-    """A JSON ``ErrorBody`` answer."""
+def error_response(
+    status: int, detail: str, error_type: str, *, retryable: bool = False, scope: Scope | None = None
+) -> Response:
+    """A JSON ``ErrorBody`` answer; to a request (``scope``) for OTLP's ``/v1/traces``, a
+    ``google.rpc.Status`` of ``detail`` in the request's encoding (protobuf or JSON, OTLP/HTTP)."""
+    if scope is not None and scope.get("path") == OTLP_PATH:
+        kind = answer_kind(Headers(scope=scope).get("content-type"))
+        return Response(encode_status(kind, status, one_line(detail)), status_code=status, media_type=kind)
     body = ErrorBody(detail=one_line(detail), error_type=error_type, retryable=retryable)
     return Response(msgspec.json.encode(body), status_code=status, media_type="application/json")
 
@@ -88,18 +99,18 @@ async def _on_eventlight(request: Request, exc: Exception) -> Response:
     status = status_of(exc)
     if status >= 500:
         log.warning("%s %s: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
-    return error_response(status, str(exc), type(exc).__name__, retryable=exc.retryable)
+    return error_response(status, str(exc), type(exc).__name__, retryable=exc.retryable, scope=request.scope)
 
 
 async def _on_validation(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
-    return error_response(422, _validation_detail(exc), "ValidationError")
+    return error_response(422, _validation_detail(exc), "ValidationError", scope=request.scope)
 
 
 async def _on_decode(request: Request, exc: Exception) -> Response:
     if isinstance(exc, msgspec.ValidationError):
-        return error_response(422, f"request body: {exc}", "ValidationError")
-    return error_response(400, f"request body is not valid JSON: {exc}", "DecodeError")
+        return error_response(422, f"request body: {exc}", "ValidationError", scope=request.scope)
+    return error_response(400, f"request body is not valid JSON: {exc}", "DecodeError", scope=request.scope)
 
 
 async def _on_http(request: Request, exc: Exception) -> Response:
@@ -110,7 +121,7 @@ async def _on_http(request: Request, exc: Exception) -> Response:
         detail = f"{request.url.path} does not accept {request.method}"
     else:
         detail = str(exc.detail)
-    response = error_response(exc.status_code, detail, "HTTPError")
+    response = error_response(exc.status_code, detail, "HTTPError", scope=request.scope)
     for name, value in (exc.headers or {}).items():
         response.headers[name] = value
     return response
@@ -120,14 +131,15 @@ async def _on_value(request: Request, exc: Exception) -> Response:
     """A check outside the tree (e.g. a struct's ``__post_init__``): bad input, 400. Registered on
     its own, not in ``_on_other``: Starlette re-raises what the catch-all handler answered, so the
     server log got a traceback for every such request."""
-    return error_response(400, str(exc), type(exc).__name__)
+    return error_response(400, str(exc), type(exc).__name__, scope=request.scope)
 
 
 async def _on_other(request: Request, exc: Exception) -> Response:
     if isinstance(exc, ValueError):
         return await _on_value(request, exc)
     log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-    return error_response(500, f"internal server error ({type(exc).__name__}); the server log has it", "InternalError")
+    detail = f"internal server error ({type(exc).__name__}); the server log has it"
+    return error_response(500, detail, "InternalError", scope=request.scope)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -22,8 +22,8 @@ DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 """16 MiB: a large OTLP batch fits (collectors send a few MiB at most by default)."""
 
 
-def _store_refusal(detail: str) -> Response:
-    return error_response(413, detail, "PayloadTooLarge")
+def _store_refusal(detail: str, scope: Scope) -> Response:
+    return error_response(413, detail, "PayloadTooLarge", scope=scope)
 
 
 class BodyLimit:
@@ -32,8 +32,9 @@ class BodyLimit:
     Args:
         app: The application to guard.
         max_body_bytes: The largest body taken, in bytes.
-        refuse: Builds the 413 response from its one-line message; default: the store server's
-            ``ErrorBody`` (the LLM proxy answers OpenAI's error object).
+        refuse: Builds the 413 response from its one-line message and the request's scope; default:
+            the store server's error answer (``ErrorBody``, or OTLP's ``Status`` on ``/v1/traces``;
+            the LLM proxy answers OpenAI's error object).
 
     Raises:
         ValueError: ``max_body_bytes`` is not positive.
@@ -44,7 +45,7 @@ class BodyLimit:
         app: ASGIApp,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         *,
-        refuse: Callable[[str], Response] = _store_refusal,
+        refuse: Callable[[str, Scope], Response] = _store_refusal,
     ):
         if max_body_bytes <= 0:
             raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
@@ -52,8 +53,8 @@ class BodyLimit:
         self.max_body_bytes = max_body_bytes
         self._refuse = refuse
 
-    def _too_large(self, size: str) -> Response:
-        return self._refuse(f"request body of {size} is over the server's limit of {self.max_body_bytes} bytes")
+    def _too_large(self, size: str, scope: Scope) -> Response:
+        return self._refuse(f"request body of {size} is over the server's limit of {self.max_body_bytes} bytes", scope)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -61,7 +62,7 @@ class BodyLimit:
             return
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            await self._too_large(f"{int(length)} bytes")(scope, receive, send)
+            await self._too_large(f"{int(length)} bytes", scope)(scope, receive, send)
             return
         chunks: list[bytes] = []
         size = 0
@@ -72,7 +73,8 @@ class BodyLimit:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
-                await self._too_large(f"more than {self.max_body_bytes} bytes (sent in chunks)")(scope, receive, send)
+                too_large = self._too_large(f"more than {self.max_body_bytes} bytes (sent in chunks)", scope)
+                await too_large(scope, receive, send)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):

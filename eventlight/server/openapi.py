@@ -34,6 +34,7 @@ OTLP_ERRORS: dict[str, str] = {
     "401": "a missing or wrong bearer token (when the server was started with one)",
     "413": "the body, or what it inflates to, is over the server's limit",
     "415": "a content type other than application/x-protobuf or application/json",
+    "503": "NATS or Postgres did not answer (retryable)",
 }
 """The error statuses of ``POST /v1/traces`` (OTLP/HTTP: a ``Status`` in the request's encoding)."""
 

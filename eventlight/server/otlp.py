@@ -4,7 +4,8 @@ The spans of each attempt go to the log together (``add_spans_numbered`` when th
 their sequence ids, one append on JetStream; ``add_many_spans`` when they carry their own), the
 attempts of one request concurrently. Spans that cannot be taken (no rollout or attempt id, an
 attempt the store does not know, a span the store refuses) are counted and explained in
-``partial_success`` of a 200 answer, as the OTLP specification asks; the others are recorded. A
+``partial_success`` of a 200 answer, as the OTLP specification asks; the others are recorded (a
+sequence id that is not used, ``otlp_spans``, is said there too, with no span counted rejected). A
 span id its attempt already has, sent earlier or again within the same request, is recorded once
 and is no rejection (the store drops the copy with Agent-lightning's warning line: an exporter's
 retry is no failure).
@@ -22,8 +23,9 @@ from starlette.responses import Response
 
 from eventlight.core.errors import ConcurrencyError, InvalidInputError, NotFoundError
 from eventlight.core.types import Span
-from eventlight.server.otlp_spans import Rejected, spans_from_request
-from eventlight.server.otlp_wire import PROTOBUF, OtlpError, encode_response, encode_status, parse_request
+from eventlight.server.errors import error_response
+from eventlight.server.otlp_spans import SpanNote, spans_from_request
+from eventlight.server.otlp_wire import OTLP_PATH, PROTOBUF, OtlpError, encode_response, parse_request
 from eventlight.server.routes.common import store_of
 from eventlight.store.base import LightningStore
 
@@ -36,7 +38,7 @@ router = APIRouter()
 _MAX_REASONS = 20
 
 
-async def _record_attempt(store: LightningStore, rollout_id: str, attempt_id: str, spans: list[Span]) -> list[Rejected]:
+async def _record_attempt(store: LightningStore, rollout_id: str, attempt_id: str, spans: list[Span]) -> list[SpanNote]:
     """Record one attempt's spans; those the store refused, each with its reason.
 
     A group the store refuses as bad input is sent again span by span, so that one bad span (over
@@ -55,7 +57,7 @@ async def _record_attempt(store: LightningStore, rollout_id: str, attempt_id: st
         (numbered_by_store, [s for s in spans if s.sequence_id <= 0]),
         (own_numbers, [s for s in spans if s.sequence_id > 0]),
     ]
-    refused: dict[int, Rejected] = {}  # by id() of the span
+    refused: dict[int, SpanNote] = {}  # by id() of the span
     recorded: set[int] = set()
     try:
         for add, group in groups:
@@ -82,11 +84,11 @@ async def _record_attempt(store: LightningStore, rollout_id: str, attempt_id: st
     return list(refused.values())
 
 
-def _rejected(span: Span, error: Exception) -> Rejected:
-    return Rejected(span.span_id, span.name, str(error))
+def _rejected(span: Span, error: Exception) -> SpanNote:
+    return SpanNote(span.span_id, span.name, str(error))
 
 
-async def ingest(store: LightningStore, spans: list[Span]) -> list[Rejected]:
+async def ingest(store: LightningStore, spans: list[Span]) -> list[SpanNote]:
     """Record ``spans`` attempt by attempt; the spans the store refused, each with its reason.
 
     Raises:
@@ -99,14 +101,23 @@ async def ingest(store: LightningStore, spans: list[Span]) -> list[Rejected]:
     return [r for group in refused for r in group]
 
 
-def _message(rejected: list[Rejected]) -> str:
-    shown = "; ".join(r.describe() for r in rejected[:_MAX_REASONS])
-    more = f"; and {len(rejected) - _MAX_REASONS} more" if len(rejected) > _MAX_REASONS else ""
-    return f"{len(rejected)} span(s) rejected: {shown}{more}"
+def _listed(what: str, notes: list[SpanNote]) -> str:
+    shown = "; ".join(n.describe() for n in notes[:_MAX_REASONS])
+    more = f"; and {len(notes) - _MAX_REASONS} more" if len(notes) > _MAX_REASONS else ""
+    return f"{len(notes)} span(s) {what}: {shown}{more}"
+
+
+def _message(rejected: list[SpanNote], renumbered: list[SpanNote]) -> str:
+    """``partial_success.error_message``: the spans rejected, then those recorded with a sequence id
+    the store allocated instead of theirs (a warning: OTLP lets a fully accepted request carry one)."""
+    parts = [_listed("rejected", rejected)] if rejected else []
+    if renumbered:
+        parts.append(_listed("recorded with a sequence id the store allocated", renumbered))
+    return ". ".join(parts)
 
 
 @router.post(
-    "/v1/traces",
+    OTLP_PATH,
     summary="OTLP/HTTP trace export",
     openapi_extra={
         "requestBody": {
@@ -121,22 +132,19 @@ def _message(rejected: list[Rejected]) -> str:
 )
 async def export_traces(request: Request) -> Response:
     """Take an ``ExportTraceServiceRequest`` (protobuf or JSON, optionally gzip) and record its spans."""
-    kind = PROTOBUF
     try:
-        kind = "application/json" if "json" in request.headers.get("content-type", "") else PROTOBUF
         parsed, kind = parse_request(
             await request.body(),
             request.headers.get("content-type"),
             request.headers.get("content-encoding"),
             request.app.state.max_body_bytes,
         )
-    except OtlpError as e:
-        return Response(encode_status(kind, e.status, str(e)), status_code=e.status, media_type=kind)
-    spans, rejected = spans_from_request(parsed)
+    except OtlpError as e:  # a Status in the request's encoding, as every error of this route
+        return error_response(e.status, str(e), type(e).__name__, scope=request.scope)
+    spans, rejected, renumbered = spans_from_request(parsed)
     rejected += await ingest(store_of(request), spans)
-    if rejected:
-        log.warning("OTLP export: %s", _message(rejected))
-        body = encode_response(kind, len(rejected), _message(rejected))
-    else:
-        body = encode_response(kind)
-    return Response(body, media_type=kind)
+    refused = {r.span_id for r in rejected}
+    message = _message(rejected, [n for n in renumbered if n.span_id not in refused])
+    if message:
+        log.warning("OTLP export: %s", message)
+    return Response(encode_response(kind, len(rejected), message), media_type=kind)

@@ -5,11 +5,14 @@ As Agent-lightning 0.3.0's ``spans_from_proto``: ``agentlightning.rollout_id``,
 attributes, else from its resource's; ids are lowercase hex (trace 32, span 16 digits); times are
 seconds; ``AnyValue`` becomes Python (bytes as hex, key-value lists as dicts, arrays as lists). A
 span without a rollout or attempt id is not taken: it is reported with its reason (0.3.0 drops it
-with a log line only). A missing, negative or unreadable sequence id is allocated by the store.
+with a log line only). A missing sequence id is allocated by the store; so is one that is no integer
+of 0 or more (negative, fractional as 3.7, a string that is no decimal integer, a boolean), which
+0.3.0 logs and the answer reports (never truncated: 3.7 is not 3; an integral double as 3.0 is 3).
 """
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -22,13 +25,13 @@ from eventlight.core.types import Event, Link, OtelResource, Span, SpanContext, 
 from eventlight.otel import json_double
 from eventlight.semconv import LightningResourceAttributes as Keys
 
-__all__ = ["Rejected", "spans_from_request"]
+__all__ = ["SpanNote", "spans_from_request"]
 
 _STATUS = {0: "UNSET", 1: "OK", 2: "ERROR"}
 
 
-class Rejected(msgspec.Struct, frozen=True):
-    """A span not taken, and why (one line)."""
+class SpanNote(msgspec.Struct, frozen=True):
+    """A span and one line about it: why it was not taken, or why its sequence id was not used."""
 
     span_id: str
     name: str
@@ -70,15 +73,29 @@ def _id_text(value: Any) -> str | None:
     return str(value)
 
 
-def _sequence(value: Any) -> int | None:
-    """A sequence id (an int or a decimal string); ``None`` when missing, negative or unreadable."""
-    if isinstance(value, bool):
-        return None
-    try:
+def _sequence(value: Any) -> tuple[int, str]:
+    """The sequence id ``value`` gives (0: none, the store allocates one) and, when one was given but
+    is not used, why (else ``""``).
+
+    An int, an integral double (3.0) or a decimal string (``"7"``) is used; a negative, fractional
+    or infinite number, a boolean or any other value is not (Agent-lightning 0.3.0 reads
+    ``int(str(value))``, so it too numbers such a span itself, with a warning, and never truncates).
+    """
+    if value is None:
+        return 0, ""
+    n: int | None = None
+    if isinstance(value, float) and value.is_integer():
         n = int(value)
-    except (TypeError, ValueError, OverflowError):  # OverflowError: a double that is infinite
-        return None
-    return n if n >= 0 else None
+    elif isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    elif isinstance(value, str):
+        try:
+            n = int(value)
+        except ValueError:
+            pass
+    if n is None or n < 0:
+        return 0, f"{Keys.SPAN_SEQUENCE_ID.value} {reprlib.repr(value)} is not an integer of 0 or more"
+    return n, ""
 
 
 def _convert(pb: PbSpan, rollout_id: str, attempt_id: str, sequence_id: int, resource: OtelResource) -> Span:
@@ -113,14 +130,16 @@ def _convert(pb: PbSpan, rollout_id: str, attempt_id: str, sequence_id: int, res
     )
 
 
-def spans_from_request(request: ExportTraceServiceRequest) -> tuple[list[Span], list[Rejected]]:
-    """The spans of ``request`` that name their attempt, and those that do not.
+def spans_from_request(request: ExportTraceServiceRequest) -> tuple[list[Span], list[SpanNote], list[SpanNote]]:
+    """The spans of ``request`` that name their attempt; those that do not (not taken), each with
+    why; and those taken whose sequence id is not used (``_sequence``), each with why.
 
     A span whose sequence id must be allocated has ``sequence_id == 0`` (the store's own spans
     start at 1).
     """
     spans: list[Span] = []
-    rejected: list[Rejected] = []
+    rejected: list[SpanNote] = []
+    renumbered: list[SpanNote] = []
     for rs in request.resource_spans:
         resource_attrs = attributes_of(rs.resource.attributes)
         resource = OtelResource(attributes=resource_attrs, schema_url=rs.schema_url)
@@ -134,8 +153,10 @@ def spans_from_request(request: ExportTraceServiceRequest) -> tuple[list[Span], 
                         k.value for k, v in ((Keys.ROLLOUT_ID, rollout_id), (Keys.ATTEMPT_ID, attempt_id)) if v is None
                     )
                     reason = f"no {missing} in its span or resource attributes"
-                    rejected.append(Rejected(pb.span_id.hex(), pb.name, reason))
+                    rejected.append(SpanNote(pb.span_id.hex(), pb.name, reason))
                     continue
-                sequence_id = _sequence(ids[Keys.SPAN_SEQUENCE_ID]) or 0
+                sequence_id, unused = _sequence(ids[Keys.SPAN_SEQUENCE_ID])
+                if unused:
+                    renumbered.append(SpanNote(pb.span_id.hex(), pb.name, unused))
                 spans.append(_convert(pb, rollout_id, attempt_id, sequence_id, resource))
-    return spans, rejected
+    return spans, rejected, renumbered

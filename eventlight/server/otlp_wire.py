@@ -7,7 +7,8 @@ Follows the OTLP/HTTP specification (opentelemetry.io/docs/specs/otlp, "OTLP/HTT
   type is 415;
 * ``Content-Encoding: gzip`` (or none / ``identity``); any other is 415;
 * the answer has the request's content type; an error's body is a ``google.rpc.Status`` (protobuf,
-  or its JSON mapping for a JSON request);
+  or its JSON mapping for a JSON request; ``answer_kind``), the bearer token's 401, the body
+  ceiling's 413 and a 5xx included (``eventlight.server.errors.error_response``);
 * a body that does not parse, and span or trace ids of the wrong length (or all zeros, which the
   spec calls invalid), are 400 for the whole request: the client must not retry it.
 """
@@ -22,17 +23,18 @@ from typing import Any
 
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
+from google.rpc import code_pb2
+from google.rpc.status_pb2 import Status
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
 
-__all__ = ["OtlpError", "encode_response", "encode_status", "parse_request"]
+__all__ = ["OtlpError", "answer_kind", "encode_response", "encode_status", "parse_request"]
 
+OTLP_PATH = "/v1/traces"
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
-_GRPC_INVALID_ARGUMENT = 3
-_GRPC_UNIMPLEMENTED = 12
 
 
 class OtlpError(Exception):
@@ -137,6 +139,8 @@ def _parse_json(data: bytes) -> ExportTraceServiceRequest:
         doc = json.loads(data) if data.strip() else {}
     except (ValueError, UnicodeDecodeError) as e:
         raise OtlpError(400, f"the body is not JSON: {e}") from None
+    except RecursionError:  # arrays or objects nested thousands deep: bad input, not a server fault
+        raise OtlpError(400, "the body is not JSON this server reads: it is nested too deeply") from None
     _json_ids_to_b64(doc)
     request = ExportTraceServiceRequest()
     try:
@@ -207,22 +211,35 @@ def encode_response(kind: str, rejected: int = 0, message: str = "") -> bytes:
     return data
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
+_GRPC_CODES = {
+    400: code_pb2.INVALID_ARGUMENT,
+    401: code_pb2.UNAUTHENTICATED,
+    404: code_pb2.NOT_FOUND,
+    405: code_pb2.UNIMPLEMENTED,
+    409: code_pb2.ABORTED,
+    413: code_pb2.RESOURCE_EXHAUSTED,
+    415: code_pb2.INVALID_ARGUMENT,
+    422: code_pb2.INVALID_ARGUMENT,
+    500: code_pb2.INTERNAL,
+    503: code_pb2.UNAVAILABLE,
+}
+"""The ``google.rpc.Code`` of each HTTP status the server answers (as ``google/rpc/code.proto`` pairs
+them; 413 as gRPC's own "message larger than max"). OTLP clients read only the HTTP status."""
+
+
+def answer_kind(content_type: str | None) -> str:
+    """The media type an answer to a request with ``content_type`` is encoded in: ``application/json``
+    when the type names JSON, else ``application/x-protobuf`` (OTLP/HTTP's default encoding; also for
+    a missing or unsupported type, which is answered 415)."""
+    return JSON if "json" in (content_type or "").lower() else PROTOBUF
 
 
 def encode_status(kind: str, status: int, message: str) -> bytes:
-    """A ``google.rpc.Status`` (``code``, ``message``) in the request's encoding.
-
-    Written by hand (fields 1 and 2), so no ``googleapis-common-protos`` is needed for it.
-    """
-    code = _GRPC_UNIMPLEMENTED if status == 501 else _GRPC_INVALID_ARGUMENT
+    """A ``google.rpc.Status`` (``code`` from the HTTP ``status``, ``message``) in ``kind``'s encoding:
+    protobuf, or its JSON mapping for ``application/json``."""
+    body = Status(code=_GRPC_CODES.get(status, code_pb2.UNKNOWN), message=message)
     if kind == JSON:
-        return json.dumps({"code": code, "message": message}).encode()
-    text = message.encode()
-    return b"\x08" + _varint(code) + b"\x12" + _varint(len(text)) + text
+        text: str = json_format.MessageToJson(body, indent=None)
+        return text.encode()
+    data: bytes = body.SerializeToString()
+    return data
