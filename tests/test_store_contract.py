@@ -33,6 +33,7 @@ from eventlight.core.types import (
     RolloutConfig,
     Span,
 )
+from eventlight.settings import Settings
 
 
 async def settle(store: Any) -> None:
@@ -1148,3 +1149,25 @@ async def test_repeated_empty_polls_mark_a_worker_idle_once(store: Any, runner_s
     await settle(store)
     w = await store.get_worker_by_id("w")
     assert w.status == "idle" and first is not None and w.last_dequeue_time == first
+
+
+async def test_a_rollout_queued_after_an_empty_poll_is_handed_out_at_once(
+    store: Any, runner_store: Any, backend_namespace: Settings | None
+) -> None:
+    """peer_failures C18: an empty poll that timed out leaves no pull request behind (nats-py's
+    ``fetch`` left an orphan that took the next message, and the next fetch sat out its whole
+    timeout). Each time, a rollout queued after an empty poll goes to the next poll at once, and
+    the runners' consumer holds no waiting pull once the poll has its answer."""
+    slowest = 0.0
+    for i in range(40):
+        assert await runner_store.dequeue_rollout(worker_id="w", wait_s=0.05) is None
+        r = await store.enqueue_rollout(i)
+        t0 = time.monotonic()
+        d = await runner_store.dequeue_rollout(worker_id="w", wait_s=5)
+        slowest = max(slowest, time.monotonic() - t0)
+        assert d is not None and d.rollout_id == r.rollout_id, f"iteration {i}"
+        await runner_store.update_attempt(d.rollout_id, d.attempt.attempt_id, status="succeeded")
+        if backend_namespace is not None:
+            info = await runner_store.log.js.consumer_info(backend_namespace.stream_name, "runners")
+            assert info.num_waiting == 0, f"iteration {i}: {info.num_waiting} pull request(s) left waiting"
+    assert slowest < 0.5, f"a queued rollout waited {slowest:.2f} s for a poll"
