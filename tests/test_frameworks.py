@@ -221,6 +221,30 @@ def test_missing_instrumentation_package_is_a_clear_error(monkeypatch: pytest.Mo
     assert instrumentation.instrumented() == []
 
 
+def test_eventlight_runner_without_the_instrumentation_package_exits_before_starting() -> None:
+    """peer_failures C07: ``eventlight runner --instrument openai`` where the instrumentation cannot
+    be imported exits 2 at once with one line naming the package; no runner process starts to die
+    silently while rollouts wait."""
+    import subprocess
+
+    code = (
+        "import sys; sys.modules['openinference.instrumentation.openai'] = None; "
+        "from eventlight.cli.app import main; main()"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, "runner", "tests/fault_agents.py:quick", "--instrument", "openai"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    [line] = done.stderr.strip().splitlines()
+    assert "--instrument: instrumenting 'openai' needs openinference-instrumentation-openai" in line, line
+    assert "consuming" not in done.stdout
+
+
 @OPENAI
 def test_instrumentation_is_counted_per_user(clean_instrumentation: None) -> None:
     from openinference.instrumentation.openai import OpenAIInstrumentor
