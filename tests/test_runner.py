@@ -1,5 +1,5 @@
 """The runner, the tracer and the emitters on the in-memory store (``tutorials_write-agents.md``);
-the idle runner (peer_failures C19) on both backends."""
+the idle and the cancelled runner (peer_failures C19, C06) on both backends."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import pytest
 
 import eventlight as agl
 from eventlight.runner import Hook
+from tests import fault_agents
 
 
 @agl.rollout
@@ -622,3 +623,25 @@ async def test_an_idle_runner_waits_quietly_then_runs_a_rollout_once(
     assert runs == [{"q": "once"}]
     [done] = await store.wait_for_rollouts(rollout_ids=[r.rollout_id], timeout=10)
     assert done.status == "succeeded" and len(await store.query_attempts(r.rollout_id)) == 1
+
+
+async def test_a_runner_cancelled_from_inside_records_why_on_its_attempt(store: Any, runner_store: Any) -> None:
+    """peer_failures C06: a cancel that no Ctrl+C explains must stay visible (0.3.0 keeps its
+    traceback for it, and hides the ones Ctrl+C causes). On both backends, a runner task cancelled
+    from inside re-raises ``CancelledError`` and records its attempt ``failed`` with the reason,
+    so the rollout is not left running for the watchdog to find."""
+    from eventlight.core.types import STATUS_REASON
+    from eventlight.runner.loop import CANCELLED
+
+    await store.add_resources(RESOURCES)
+    r = await store.enqueue_rollout({"sleep_s": 600})
+    runner = agl.LitAgentRunner(agl.OtelTracer(), poll_interval=0.05, heartbeat_interval=0)
+    with runner.run_context(agent=fault_agents.slow, store=runner_store, worker_id=0):
+        task = asyncio.create_task(runner.iter())
+        while (await store.get_rollout_by_id(r.rollout_id)).status == "queuing":  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    [done] = await store.wait_for_rollouts(rollout_ids=[r.rollout_id], timeout=10)
+    assert done.status == "failed" and done.attempt.metadata[STATUS_REASON] == CANCELLED
