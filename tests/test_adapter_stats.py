@@ -62,6 +62,7 @@ def test_the_proxy_marks_what_the_adapters_count() -> None:
 
 
 def test_tracer_adapter_marks_missing_and_incomplete_and_skips_errors_and_duplicates() -> None:
+    """peer_failures C14, C15: incomplete ids are flagged on the triplet; error calls give none."""
     adapter = TracerTraceToTriplet()
     triplets = adapter.adapt(trace())
     assert [t.metadata["response_id"] for t in triplets] == ["r-good", "r-noids", "r-short"]

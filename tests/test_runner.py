@@ -140,6 +140,7 @@ async def test_an_agent_returning_nan_fails_its_attempt_with_the_reason() -> Non
 
 
 async def test_agent_exception_fails_the_attempt_and_the_loop_goes_on() -> None:
+    """peer_failures C16: the sub-agent's exception fails the attempt and is on it as a span."""
     store = agl.InMemoryLightningStore()
     await store.add_resources(RESOURCES)
     bad = await store.enqueue_rollout({"score": 1.0}, config=agl.RolloutConfig(max_attempts=1))

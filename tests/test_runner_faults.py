@@ -235,6 +235,8 @@ async def _settled(store: JetStreamLightningStore, rollout_ids: list[str], timeo
 
 
 async def test_ctrl_c_on_eventlight_runner_fails_its_attempts_in_flight(namespace: Settings) -> None:
+    """peer_failures C06: Ctrl+C exits 130 without a traceback and records the attempts in flight
+    failed, with the reason."""
     async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
         await store.add_resources(RESOURCES)
         made = [await store.enqueue_rollout({"sleep_s": 600}) for _ in range(2)]  # the default RolloutConfig
@@ -254,8 +256,8 @@ async def test_ctrl_c_on_eventlight_runner_fails_its_attempts_in_flight(namespac
 
 
 async def test_ctrl_c_on_runners_sharing_a_process_fails_all_their_attempts(namespace: Settings) -> None:
-    """``eventlight runner -n 2 --per-process 2``: both runners claim in one process, and Ctrl+C
-    records both attempts in flight failed."""
+    """peer_failures C06: ``eventlight runner -n 2 --per-process 2``: both runners claim in one
+    process, and Ctrl+C records both attempts in flight failed."""
     async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
         await store.add_resources(RESOURCES)
         made = [await store.enqueue_rollout({"sleep_s": 600}) for _ in range(2)]

@@ -1141,6 +1141,7 @@ async def test_worker_ids_must_be_tokens_everywhere(store: Any) -> None:
 
 
 async def test_repeated_empty_polls_mark_a_worker_idle_once(store: Any, runner_store: Any) -> None:
+    """peer_failures C19: an empty poll is no error: the worker is idle."""
     assert await runner_store.dequeue_rollout(worker_id="w") is None
     await settle(store)
     first = (await store.get_worker_by_id("w")).last_dequeue_time

@@ -341,8 +341,9 @@ async def test_algorithm_and_runner_roles_as_separate_processes(namespace: Setti
 async def test_a_trainer_whose_runners_die_at_start_stops_with_a_clear_error(
     namespace: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Its runner processes exit as they start and the pool keeps restarting them: rollouts wait
-    with no live runner, and the trainer says so and stops instead of waiting for ever."""
+    """peer_failures C07: its runner processes exit as they start and the pool keeps restarting
+    them: rollouts wait with no live runner, and the trainer says so and stops instead of waiting
+    for ever."""
     import eventlight.trainer_guards as guards
     from tests.fault_agents import DyingRunner
 
