@@ -31,6 +31,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
+from eventlight import instrumentation
 from eventlight.agent import LitAgent
 from eventlight.algorithm.base import Algorithm, FastAlgorithm
 from eventlight.algorithm.baseline import Baseline
@@ -200,6 +201,8 @@ class Trainer:
 
         Raises:
             KeyboardInterrupt: After a clean shutdown, when interrupted.
+            InvalidInputError: The runners' tracer instruments a framework whose instrumentation
+                package is missing here (``OtelTracer(instrument=...)``); nothing was started.
             ServiceUnavailableError: NATS or Postgres could not be started or reached.
             NoRunnersError: Rollouts wait and no runner this trainer started is left: its runner
                 processes keep dying (``"cs"``), or every ``"shm"`` runner thread has stopped (at
@@ -230,15 +233,31 @@ class Trainer:
     def _execute(self, what: str, agent: LitAgent[Any], algorithm: Algorithm | None, train: Any, val: Any) -> None:
         refuse_running_loop(what)
         if isinstance(self.strategy, SharedMemoryExecutionStrategy):
+            self._check_instrumentation()
             self._run_shared_memory(self.strategy, agent, algorithm, train, val)
             return
         self._refuse_unguarded_main(what)
         run_event_loop(self._fit_async(agent, algorithm, train, val))
 
     def _refuse_unguarded_main(self, what: str) -> None:
-        """Before runner processes start (``"cs"``, not role ``"algorithm"``): ``refuse_unguarded_main``."""
+        """Before runner processes start (``"cs"``, not role ``"algorithm"``): ``refuse_unguarded_main``
+        and ``_check_instrumentation``."""
         if isinstance(self.strategy, ClientServerExecutionStrategy) and self.strategy.role != "algorithm":
             refuse_unguarded_main(what)
+            self._check_instrumentation()
+
+    def _check_instrumentation(self) -> None:
+        """Before any runner starts: the frameworks its tracer instruments can be instrumented here
+        (``eventlight.instrumentation.require``), as ``eventlight runner --instrument`` checks. A
+        missing package made every runner die as it started, named only in the runners' log, until
+        the no-runners guard stopped the run (peer failure C07).
+
+        Raises:
+            InvalidInputError: A package is missing or its version conflicts.
+        """
+        instrumented = getattr(self.runner.tracer, "instrumented", None)
+        if isinstance(instrumented, instrumentation.Instrumented) and instrumented.frameworks:
+            instrumentation.require(*instrumented.frameworks)
 
     def _run_shared_memory(
         self,

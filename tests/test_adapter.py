@@ -311,6 +311,7 @@ def _ids_and_rewards(triplets: list[Any]) -> list[tuple[str, float | None]]:
 
 
 def test_c09_first_sibling_credits_the_reward_to_its_own_agent() -> None:
+    """peer_failures C09: under FIRST_SIBLING the reward goes to its own agent's call (checked on 0.3.0)."""
     adapter = TracerTraceToTriplet(
         agent_match="sibling-agent",
         reward_match=RewardMatchPolicy.FIRST_SIBLING,
@@ -323,6 +324,7 @@ def test_c09_first_sibling_credits_the_reward_to_its_own_agent() -> None:
 
 
 def test_c09_first_occurrence_is_pure_time_order() -> None:
+    """peer_failures C09: under the default FIRST_OCCURRENCE the reward goes to the last call before it."""
     adapter = TracerTraceToTriplet(agent_match="sibling-agent", _skip_empty_token_spans=True)
     assert adapter.reward_match is RewardMatchPolicy.FIRST_OCCURRENCE
     assert _ids_and_rewards(adapter.adapt(c09_spans())) == [("resp-1", None), ("resp-2", 0.8)]
@@ -332,6 +334,7 @@ def test_c09_first_occurrence_is_pure_time_order() -> None:
 
 
 def test_c08_no_matching_span_returns_empty_and_names_the_spans(caplog: pytest.LogCaptureFixture) -> None:
+    """peer_failures C08: no matching span gives no triplet and a warning listing the span names seen."""
     spans = [
         span("root", "agent.session", None, 0, 10),
         span("chat", "chat_model.llm", "root", 1, 2, **{"gen_ai.request.model": "m", "gen_ai.prompt": "[]"}),

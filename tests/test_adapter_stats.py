@@ -3,7 +3,10 @@ token ids, upstream errors, duplicates; never an empty or silently wrong triplet
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+import pytest
 
 from eventlight.adapter import AdapterStats, LlmProxyTraceToTriplet, TracerTraceToTriplet, TraceToMessages
 from eventlight.core.types import Span
@@ -59,6 +62,7 @@ def test_the_proxy_marks_what_the_adapters_count() -> None:
 
 
 def test_tracer_adapter_marks_missing_and_incomplete_and_skips_errors_and_duplicates() -> None:
+    """peer_failures C14, C15: incomplete ids are flagged on the triplet; error calls give none."""
     adapter = TracerTraceToTriplet()
     triplets = adapter.adapt(trace())
     assert [t.metadata["response_id"] for t in triplets] == ["r-good", "r-noids", "r-short"]
@@ -70,6 +74,17 @@ def test_tracer_adapter_marks_missing_and_incomplete_and_skips_errors_and_duplic
         llm_calls=5, triplets=3, missing_token_ids=1, incomplete_token_ids=1, errors=1, duplicates=1
     )
     assert adapter.last_stats.skipped == 2
+
+
+def test_a_trace_of_refused_calls_only_says_why_it_gave_no_triplet(caplog: pytest.LogCaptureFixture) -> None:
+    """peer_failures C15: a call vLLM refused (400, prompt longer than the context) gives no
+    triplet, and the warning says the call was left out as an error; it said "no span matches
+    llm_call_match", naming the very span that matched."""
+    refused = trace()[3]
+    with caplog.at_level(logging.WARNING, logger="eventlight.adapter"):
+        assert TracerTraceToTriplet().adapt([refused]) == []
+    assert "no triplet: all 1 LLM call(s) were left out" in caplog.text and "errors=1" in caplog.text
+    assert "no span matches" not in caplog.text
 
 
 def test_tracer_adapter_skipping_empty_token_spans_counts_them() -> None:

@@ -110,6 +110,7 @@ def test_status_not_in_retry_condition_fails_the_rollout() -> None:
 
 
 def test_only_the_latest_attempt_moves_the_rollout() -> None:
+    """peer_failures C01: only the latest attempt's status moves the rollout; a stale one is refused."""
     state = update(claimed(created()), "at-1", "succeeded")
     state = apply(state, d.decide(state, d.StartAttempt(attempt_id="at-2"), T0 + 3))
     assert state.rollout.status == "preparing"

@@ -34,6 +34,7 @@ async def run_queue(agent: Any, store: Any, n: int) -> None:
 async def test_a_rollout_out_of_retries_carries_its_last_failure(
     store: Any, runner_store: Any, backend_namespace: Settings | None
 ) -> None:
+    """peer_failures C16: a rollout out of attempts is failed with its last failure's reason."""
     await store.add_resources(RESOURCES)
     config = RolloutConfig(max_attempts=2, retry_condition=["failed"])
     queued = await store.enqueue_rollout({"q": "x"}, config=config)
@@ -151,6 +152,7 @@ def test_trainer_rollout_config_is_validated(given: Any, error: type[Exception],
 
 
 async def test_trainer_rollout_config_applies_to_what_the_algorithm_enqueues() -> None:
+    """peer_failures C16: ``RolloutConfig`` is settable from the trainer."""
     store = InMemoryLightningStore()
     seen: list[RolloutConfig] = []
 
@@ -216,6 +218,7 @@ def test_eventlight_runner_refuses_a_bad_rollout_config_in_one_line(args: list[s
 
 
 def test_eventlight_runner_builds_the_config_it_is_given() -> None:
+    """peer_failures C16: ``RolloutConfig`` is settable from ``eventlight runner``."""
     from eventlight.cli.runner import _rollout_config
 
     assert _rollout_config(None, None, None, None) is None

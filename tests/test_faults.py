@@ -213,9 +213,10 @@ async def test_lock_connection_killed_mid_run_never_two_writers(
 
 
 async def test_postgres_stopped_and_started_mid_run() -> None:
-    """An embedded Postgres of the test's own (and its own nats-server) is stopped mid-workload and
-    started again: runners' writes go on (they need NATS only), the projection pauses, then catches
-    up from its checkpoint, and the read model equals a rebuild of the log."""
+    """peer_failures C25 (Postgres refusing connections): an embedded Postgres of the test's own
+    (and its own nats-server) is stopped mid-workload and started again: runners' writes go on
+    (they need NATS only), the projection pauses, then catches up from its checkpoint, and the
+    read model equals a rebuild of the log."""
     from eventlight import ops as svc
     from eventlight.ops.pg_pgserver import stop_pgserver
     from eventlight.ops.pg_system import stop_system_pg

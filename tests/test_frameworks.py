@@ -145,6 +145,8 @@ def test_agents_sdk_exports_nothing_to_openai(clean_instrumentation: None) -> No
 
 @LANGCHAIN
 async def test_langgraph_agent(namespace: Settings, clean_instrumentation: None) -> None:
+    """peer_failures C08: LangChain's ``with_structured_output`` call gives one triplet, from the
+    proxy's copy with its token ids."""
     report, spans = await run_example("langgraph_agent", "LangChain/LangGraph", ["langchain"], namespace)
     # two chat-model calls in the graph, one with_structured_output call; each a ChatOpenAI copy
     check_report(report, spans, llm_calls=3, framework_llm_copies=3)
@@ -215,10 +217,35 @@ def test_unknown_framework_is_refused_at_once() -> None:
 
 
 def test_missing_instrumentation_package_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """peer_failures C07: an instrumentation that cannot be imported is an error naming the package, not silence."""
     monkeypatch.setitem(instrumentation.FRAMEWORKS, "openai", ("no_such_module.x", "X", "no-such-package"))
     with pytest.raises(InvalidInputError, match=r"instrumenting 'openai' needs no-such-package: pip install"):
         instrumentation.instrument("openai")
     assert instrumentation.instrumented() == []
+
+
+def test_eventlight_runner_without_the_instrumentation_package_exits_before_starting() -> None:
+    """peer_failures C07: ``eventlight runner --instrument openai`` where the instrumentation cannot
+    be imported exits 2 at once with one line naming the package; no runner process starts to die
+    silently while rollouts wait."""
+    import subprocess
+
+    code = (
+        "import sys; sys.modules['openinference.instrumentation.openai'] = None; "
+        "from eventlight.cli.app import main; main()"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, "runner", "tests/fault_agents.py:quick", "--instrument", "openai"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    [line] = done.stderr.strip().splitlines()
+    assert "--instrument: instrumenting 'openai' needs openinference-instrumentation-openai" in line, line
+    assert "consuming" not in done.stdout
 
 
 @OPENAI

@@ -178,6 +178,7 @@ async def test_client_response_carries_token_ids() -> None:
 
 
 async def test_stream_gives_same_text_ends_with_done_and_same_span() -> None:
+    """peer_failures C12: a streamed call gives the same text, ends with [DONE] and records the same token ids."""
     store = InMemoryLightningStore()
     long_text = "The quick brown fox jumps over the lazy dog, " * 3 + "and that is all."
     stub = ScriptedLLM(responses=long_text)
@@ -233,6 +234,7 @@ async def test_stream_gives_same_text_ends_with_done_and_same_span() -> None:
 
 
 async def test_stream_is_forced_off_upstream() -> None:
+    """peer_failures C12: the proxy never streams from upstream."""
     store = InMemoryLightningStore()
     stub = ScriptedLLM(responses="ok")
     async with stub as url, running_proxy(url, store) as proxy:
@@ -251,6 +253,7 @@ async def test_stream_is_forced_off_upstream() -> None:
 
 
 async def test_tool_calls_survive_stream_conversion_and_are_recorded() -> None:
+    """peer_failures C12, C14: a streamed tool call survives and its ids are complete."""
     store = InMemoryLightningStore()
     args = {"location": "San Francisco, California, United States of America", "unit": "celsius"}
     reply = Reply(content=None, tool_calls=[ToolCall("get_current_weather", args, id="call_1")])
@@ -374,6 +377,7 @@ async def test_unknown_rollout_or_attempt_gives_404_and_records_nothing() -> Non
 
 
 async def test_upstream_400_is_returned_and_recorded_as_error_span_without_retry() -> None:
+    """peer_failures C15: an over-long prompt's 400 is answered, recorded as an error span, not retried."""
     store = InMemoryLightningStore()
     too_long = "This model's maximum context length is 4608 tokens. However, you requested 6859 tokens."
 
@@ -452,6 +456,7 @@ async def test_unreachable_backend_gives_502_and_error_span() -> None:
 
 
 async def test_incomplete_token_ids_are_flagged() -> None:
+    """peer_failures C14: ids that do not add up to the usage counts are flagged on the span."""
     store = InMemoryLightningStore()
     replies = [
         Reply(content="a b c", completion_tokens=7),

@@ -78,6 +78,7 @@ async def test_token_ids_are_found_in_every_placement(placement: str, provider: 
 
 
 async def test_missing_and_incomplete_token_ids_are_marked_on_the_span() -> None:
+    """peer_failures C14: missing and incomplete token ids are marked on the span."""
     store = InMemoryLightningStore()
     no_prompt = {
         "id": "c-1",
@@ -158,6 +159,7 @@ async def test_logprobs_when_the_client_asks_and_not_otherwise() -> None:
 
 
 async def test_stream_with_parallel_tool_calls_assembles_ids_and_arguments() -> None:
+    """peer_failures C14: streamed tool calls carry every token id."""
     store = InMemoryLightningStore()
     weather = {"location": "San Francisco, California, United States of America", "unit": "celsius"}
     clock = {"timezone": "America/Los_Angeles", "format": "24h", "with_seconds": True}
@@ -269,6 +271,7 @@ async def test_anthropic_messages_route_translates_and_records_one_span() -> Non
 
 
 async def test_anthropic_stream_and_errors() -> None:
+    """peer_failures C12: an Anthropic ``stream: true`` call is answered as a stream and recorded."""
     store = InMemoryLightningStore()
 
     def script(messages: list[dict[str, Any]], request: dict[str, Any]) -> Reply:

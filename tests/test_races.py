@@ -494,3 +494,70 @@ async def test_a_full_runners_consumer_answers_no_work_with_a_warning(
         await runner.update_attempt(first.rollout_id, first.attempt.attempt_id, status="succeeded")
         third = await runner.dequeue_rollout(worker_id="w", wait_s=5)
         assert third is not None and third.rollout_id == ids[2]
+
+
+async def _short_ack_wait(settings: Settings, tmp_path: Any, ack_wait_s: int) -> None:
+    """Give the namespace's ``runners`` consumer an ack wait of ``ack_wait_s`` seconds."""
+    import json
+    import shutil
+
+    from eventlight._data import data_dir
+    from eventlight.ops import apply_streams
+    from eventlight.store.jetstream.connect import connect_nats
+
+    edited = shutil.copytree(data_dir("streams"), tmp_path / "streams")
+    spec = json.loads((edited / "002_runners.json").read_text())
+    (edited / "002_runners.json").write_text(json.dumps({**spec, "ack_wait_s": ack_wait_s}))
+    nc = await connect_nats(settings.nats_url or "")
+    try:
+        await apply_streams(nc, settings, streams_dir=edited)
+    finally:
+        await nc.close()
+
+
+async def _delivered(store: JetStreamLightningStore) -> int:
+    """How many times the runners' consumer has delivered a message, redeliveries included."""
+    assert store.log is not None
+    info = await store.log.js.consumer_info(store.settings.stream_name, "runners")
+    return int(info.delivered.consumer_seq)
+
+
+async def test_a_claim_past_its_ack_wait_is_redelivered_but_never_claimed_twice(
+    namespace: Settings, tmp_path: Any
+) -> None:
+    """peer_failures C20: JetStream redelivers an entry whose ack wait ran out, and accepts the
+    first receiver's late ack. Runner A claims and goes silent past the ack wait (1 s); the
+    redelivery reaches runner B, whose claim is refused (the rollout is no longer queued), so there
+    is no second attempt; A's late success completes the rollout, once. A runner that heartbeats
+    keeps its entry in progress: a 2.5 s agent's entry is not redelivered at all."""
+    import eventlight as agl
+    from tests import fault_agents
+
+    await _short_ack_wait(namespace, tmp_path, 1)
+    async with (
+        JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store,
+        JetStreamLightningStore(namespace) as a,
+        JetStreamLightningStore(namespace) as b,
+    ):
+        r = await store.enqueue_rollout({"q": 1})
+        claimed = await a.dequeue_rollout(worker_id="a")
+        assert claimed is not None and await _delivered(store) == 1
+        assert await b.dequeue_rollout(worker_id="b", wait_s=3) is None  # A is silent past its ack wait
+        assert await _delivered(store) == 2  # redelivered to B, who could not claim it
+        await a.update_attempt(r.rollout_id, claimed.attempt.attempt_id, status="succeeded")
+        [done] = await store.wait_for_rollouts(rollout_ids=[r.rollout_id], timeout=10)
+        assert done.status == "succeeded" and done.attempt.worker_id == "a"
+        assert len(await store.query_attempts(r.rollout_id)) == 1
+
+        await store.add_resources({"prompt_template": agl.PromptTemplate(template="{q}")})
+        runner = agl.LitAgentRunner(agl.OtelTracer(), max_rollouts=1, poll_interval=0.2, heartbeat_interval=0.3)
+        with runner.run_context(agent=fault_agents.slow, store=a, worker_id=0):
+            running = asyncio.create_task(runner.iter())
+            healthy = await store.enqueue_rollout({"sleep_s": 2.5})
+            while (await store.get_rollout_by_id(healthy.rollout_id)).status == "queuing":  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+            assert await b.dequeue_rollout(worker_id="b", wait_s=2) is None
+            assert await asyncio.wait_for(running, 10) == 1
+        assert await _delivered(store) == 3  # the healthy rollout's entry, delivered once
+        [done] = await store.wait_for_rollouts(rollout_ids=[healthy.rollout_id], timeout=10)
+        assert done.status == "succeeded" and len(await store.query_attempts(healthy.rollout_id)) == 1

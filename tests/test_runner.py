@@ -1,4 +1,5 @@
-"""The runner, the tracer and the emitters on the in-memory store (``tutorials_write-agents.md``)."""
+"""The runner, the tracer and the emitters on the in-memory store (``tutorials_write-agents.md``);
+the idle and the cancelled runner (peer_failures C19, C06) on both backends."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 
 import eventlight as agl
 from eventlight.runner import Hook
+from tests import fault_agents
 
 
 @agl.rollout
@@ -138,6 +140,7 @@ async def test_an_agent_returning_nan_fails_its_attempt_with_the_reason() -> Non
 
 
 async def test_agent_exception_fails_the_attempt_and_the_loop_goes_on() -> None:
+    """peer_failures C16: the sub-agent's exception fails the attempt and is on it as a span."""
     store = agl.InMemoryLightningStore()
     await store.add_resources(RESOURCES)
     bad = await store.enqueue_rollout({"score": 1.0}, config=agl.RolloutConfig(max_attempts=1))
@@ -577,3 +580,69 @@ async def test_the_runners_heartbeats_keep_a_quiet_attempt_alive() -> None:
     attempts = await store.query_attempts(r.rollout_id)
     assert done.status == "succeeded" and [a.status for a in attempts] == ["succeeded"]
     assert "unresponsive" not in seen and "running" not in seen  # no span: preparing until it succeeded
+
+
+async def test_an_idle_runner_waits_quietly_then_runs_a_rollout_once(
+    store: Any, runner_store: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """peer_failures C19: an empty queue is no error (nats-py's ``fetch`` raises ``TimeoutError``
+    on one). On both backends, a runner that finds nothing for 1.5 s logs nothing, is ``idle``,
+    polls by long polls (not a loop of empty answers) and uses next to no CPU; the one rollout
+    then queued runs once."""
+    import logging
+    import time
+
+    await store.add_resources(RESOURCES)
+    polls: list[float] = []
+    dequeue = runner_store.dequeue_rollout
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        polls.append(kwargs.get("wait_s", 0.0))
+        return await dequeue(*args, **kwargs)
+
+    monkeypatch.setattr(runner_store, "dequeue_rollout", counted)
+    runs: list[Any] = []
+
+    @agl.rollout
+    def counting_agent(task: dict, prompt_template: agl.PromptTemplate) -> float:
+        runs.append(task)
+        return 1.0
+
+    runner = agl.LitAgentRunner(agl.OtelTracer(), max_rollouts=1, poll_interval=0.5, heartbeat_interval=0.5)
+    with caplog.at_level(logging.INFO), runner.run_context(agent=counting_agent, store=runner_store, worker_id=0):
+        loop = asyncio.create_task(runner.iter())
+        cpu, wall = time.process_time(), time.monotonic()
+        await asyncio.sleep(1.5)
+        cpu, wall = time.process_time() - cpu, time.monotonic() - wall
+        assert not loop.done() and 1 <= len(polls) <= 5 and all(w >= 0.5 for w in polls), polls
+        await store.sync_all(timeout_s=10)
+        assert (await store.get_worker_by_id(runner.get_worker_id())).status == "idle"
+        r = await store.enqueue_rollout({"q": "once"})
+        assert await asyncio.wait_for(loop, 10) == 1
+    assert cpu < 0.25 * wall, f"{cpu:.2f} s of CPU in {wall:.2f} s idle"
+    assert [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.WARNING] == []
+    assert runs == [{"q": "once"}]
+    [done] = await store.wait_for_rollouts(rollout_ids=[r.rollout_id], timeout=10)
+    assert done.status == "succeeded" and len(await store.query_attempts(r.rollout_id)) == 1
+
+
+async def test_a_runner_cancelled_from_inside_records_why_on_its_attempt(store: Any, runner_store: Any) -> None:
+    """peer_failures C06: a cancel that no Ctrl+C explains must stay visible (0.3.0 keeps its
+    traceback for it, and hides the ones Ctrl+C causes). On both backends, a runner task cancelled
+    from inside re-raises ``CancelledError`` and records its attempt ``failed`` with the reason,
+    so the rollout is not left running for the watchdog to find."""
+    from eventlight.core.types import STATUS_REASON
+    from eventlight.runner.loop import CANCELLED
+
+    await store.add_resources(RESOURCES)
+    r = await store.enqueue_rollout({"sleep_s": 600})
+    runner = agl.LitAgentRunner(agl.OtelTracer(), poll_interval=0.05, heartbeat_interval=0)
+    with runner.run_context(agent=fault_agents.slow, store=runner_store, worker_id=0):
+        task = asyncio.create_task(runner.iter())
+        while (await store.get_rollout_by_id(r.rollout_id)).status == "queuing":  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    [done] = await store.wait_for_rollouts(rollout_ids=[r.rollout_id], timeout=10)
+    assert done.status == "failed" and done.attempt.metadata[STATUS_REASON] == CANCELLED

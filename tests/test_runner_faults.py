@@ -237,6 +237,8 @@ async def _settled(store: JetStreamLightningStore, rollout_ids: list[str], timeo
 
 
 async def test_ctrl_c_on_eventlight_runner_fails_its_attempts_in_flight(namespace: Settings) -> None:
+    """peer_failures C06: Ctrl+C exits 130 without a traceback and records the attempts in flight
+    failed, with the reason."""
     async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
         await store.add_resources(RESOURCES)
         made = [await store.enqueue_rollout({"sleep_s": 600}) for _ in range(2)]  # the default RolloutConfig
@@ -256,8 +258,8 @@ async def test_ctrl_c_on_eventlight_runner_fails_its_attempts_in_flight(namespac
 
 
 async def test_ctrl_c_on_runners_sharing_a_process_fails_all_their_attempts(namespace: Settings) -> None:
-    """``eventlight runner -n 2 --per-process 2``: both runners claim in one process, and Ctrl+C
-    records both attempts in flight failed."""
+    """peer_failures C06: ``eventlight runner -n 2 --per-process 2``: both runners claim in one
+    process, and Ctrl+C records both attempts in flight failed."""
     async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
         await store.add_resources(RESOURCES)
         made = [await store.enqueue_rollout({"sleep_s": 600}) for _ in range(2)]
@@ -585,3 +587,54 @@ async def _retrying(call: Any, timeout_s: float = 30.0) -> Any:
             if time.monotonic() > deadline:
                 raise
             await asyncio.sleep(0.2)
+
+
+async def test_runners_open_no_postgres_connection_and_stores_stay_within_their_pools(namespace: Settings) -> None:
+    """peer_failures C25: processes that each open a default pool add up past ``max_connections``
+    ("too many clients already"). Here 4 runners in 2 processes (given a Postgres DSN all the
+    same), two projecting stores with ``pool_size=2`` and a server on one of them run 8 rollouts
+    while ``pg_stat_activity`` is sampled: the runners hold no connection at any time, the stores
+    never more than their pools together."""
+    import asyncpg
+    import msgspec
+
+    from eventlight.net import free_port
+
+    assert namespace.pg_dsn is not None
+    sep = "&" if "?" in namespace.pg_dsn else "?"
+    stores_app, runners_app = f"c25s_{namespace.namespace}", f"c25r_{namespace.namespace}"
+    stores_dsn = f"{namespace.pg_dsn}{sep}application_name={stores_app}"
+    runners = msgspec.structs.replace(namespace, pg_dsn=f"{namespace.pg_dsn}{sep}application_name={runners_app}")
+    peak = {stores_app: 0, runners_app: 0}
+    watch = await asyncpg.connect(namespace.pg_dsn)
+    try:
+        async with (
+            JetStreamLightningStore(namespace, pg_dsn=stores_dsn, pool_size=2) as store,
+            JetStreamLightningStore(namespace, pg_dsn=stores_dsn, pool_size=2) as second,
+            agl.LightningStoreServer(store, port=free_port()) as server,
+        ):
+            client = agl.LightningStoreClient(server.endpoint)
+            await store.add_resources(RESOURCES)
+            ids = [(await store.enqueue_rollout({"q": i})).rollout_id for i in range(8)]
+            proc = await _start_runner(runners, "quick", 4, "--per-process", "2")
+            try:
+                deadline = time.monotonic() + 90
+                while len(await store.wait_for_rollouts(rollout_ids=ids, timeout=0)) < len(ids):
+                    assert time.monotonic() < deadline and proc.returncode is None, "the rollouts did not finish"
+                    await second.query_rollouts()
+                    await client.query_rollouts()  # reads through the server
+                    rows = await watch.fetch(
+                        "SELECT application_name, count(*) AS n FROM pg_stat_activity"
+                        " WHERE application_name = ANY($1) GROUP BY 1",
+                        [stores_app, runners_app],
+                    )
+                    for row in rows:
+                        peak[row["application_name"]] = max(peak[row["application_name"]], row["n"])
+                    await asyncio.sleep(0.1)
+            finally:
+                await client.close()
+                code, err = await _stop_runner(proc)
+    finally:
+        await watch.close()
+    assert code == 130, err
+    assert peak[runners_app] == 0 and 1 <= peak[stores_app] <= 2 + 2, peak

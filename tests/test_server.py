@@ -156,6 +156,8 @@ async def test_agent_lightning_client_works_unchanged(served: tuple[JetStreamLig
 
 
 async def test_second_server_on_a_taken_port_fails_at_once(served: tuple[object, object]) -> None:
+    """peer_failures C05: a second server on a taken port fails at once and never reports healthy;
+    the first one's health names its instance."""
     _, server = served
     async with agl.InMemoryLightningStore() as other:
         second = agl.LightningStoreServer(other, port=server.port)  # type: ignore[attr-defined]
@@ -256,6 +258,7 @@ async def test_health_of_the_in_memory_store_is_ok() -> None:
 
 
 def test_cli_serve_on_a_taken_port_is_one_line_exit_1() -> None:
+    """peer_failures C05: ``eventlight serve`` on a taken port exits 1 in one line saying so."""
     import socket
 
     with socket.socket() as taken:

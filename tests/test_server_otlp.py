@@ -128,9 +128,39 @@ async def test_otlp_json_with_hex_ids_and_span_level_ids(served: tuple[JetStream
     assert stored.start_time == 1544712660.0 and stored.end_time == 1544712661.0
 
 
+async def test_otlp_json_ids_are_hex_in_either_case_and_base64_ids_are_refused(
+    served: tuple[JetStreamLightningStore, str],
+) -> None:
+    """peer_failures C22: OTLP/JSON ids are hex (not protobuf-JSON's base64). Upper-case hex is
+    stored as lower-case hex with a JSON answer; base64 ids are a 400 naming the field, answered
+    in JSON, and nothing of that request is stored."""
+    store, endpoint = served
+    rid, aid = await _attempt(store)
+
+    def doc(trace_id: str, span_id: str) -> dict:
+        ids = [("agentlightning.rollout_id", rid), ("agentlightning.attempt_id", aid)]
+        resource = {"attributes": [{"key": k, "value": {"stringValue": v}} for k, v in ids]}
+        span = {"traceId": trace_id, "spanId": span_id, "name": "llm", "startTimeUnixNano": "1", "endTimeUnixNano": "2"}
+        return {"resourceSpans": [{"resource": resource, "scopeSpans": [{"spans": [span]}]}]}
+
+    async with httpx.AsyncClient() as http:
+        upper = await http.post(
+            f"{endpoint}/v1/traces", json=doc("5B8EFFF798038103D269B633813FC60C", "EEE19B7EC3C1B173")
+        )
+        base64 = await http.post(f"{endpoint}/v1/traces", json=doc("W47/95gDgQPSabYzgT/GDA==", "7uGbfsPBsXM="))
+    assert (upper.status_code, upper.headers["content-type"], upper.json()) == (200, "application/json", {})
+    assert base64.status_code == 400 and base64.headers["content-type"] == "application/json"
+    message = base64.json()["message"]
+    assert "traceId 'W47/95gDgQPSabYzgT/GDA==' is not hex" in message, message
+    [stored] = await store.query_spans(rid)
+    assert (stored.trace_id, stored.span_id) == ("5b8efff798038103d269b633813fc60c", "eee19b7ec3c1b173")
+
+
 async def test_partial_success_counts_and_explains_every_rejected_span(
     served: tuple[JetStreamLightningStore, str],
 ) -> None:
+    """peer_failures C22: a gzipped protobuf export is answered 200 in protobuf, an
+    ``ExportTraceServiceResponse`` (here with its partial success)."""
     store, endpoint = served
     rid, aid = await _attempt(store)
     good = _json_request(rid, aid)["resourceSpans"][0]

@@ -33,6 +33,7 @@ from eventlight.core.types import (
     RolloutConfig,
     Span,
 )
+from eventlight.settings import Settings
 
 
 async def settle(store: Any) -> None:
@@ -239,7 +240,8 @@ async def test_a_claim_reads_the_rollouts_resources_with_it(store: Any, runner_s
 
 
 async def test_only_the_latest_attempt_moves_the_rollout(store: Any) -> None:
-    """Peer failure C01."""
+    """peer_failures C01: a status change of an attempt that is no longer the latest is refused
+    and never moves the rollout; a new attempt moves it back to ``preparing``."""
     r = await store.enqueue_rollout({"q": 4})
     d = await store.dequeue_rollout()
     await store.update_attempt(r.rollout_id, d.attempt.attempt_id, status="succeeded")
@@ -252,8 +254,78 @@ async def test_only_the_latest_attempt_moves_the_rollout(store: Any) -> None:
     assert (await store.get_rollout_by_id(r.rollout_id)).status == "failed"
 
 
+async def test_a_live_attempt_that_is_not_the_latest_never_moves_or_requeues_the_rollout(store: Any) -> None:
+    """peer_failures C01 (variants): three attempts started back to back; ``succeeded`` on the
+    first (still live) leaves the rollout as the third has it, ``succeeded`` on the third moves it.
+    With retries, failing a live non-latest attempt does not requeue; failing the latest does."""
+    r = await store.start_rollout({"q": 4})
+    first = r.attempt.attempt_id
+    await store.start_attempt(r.rollout_id)
+    third = (await store.start_attempt(r.rollout_id)).attempt
+    assert third.sequence_id == 3
+    await store.update_attempt(r.rollout_id, third.attempt_id, status="running")
+    await store.update_attempt(r.rollout_id, first, status="succeeded")
+    got = await store.get_rollout_by_id(r.rollout_id)
+    assert got.status == "running" and got.attempt.attempt_id == third.attempt_id and got.end_time is None
+    await store.update_attempt(r.rollout_id, third.attempt_id, status="succeeded")
+    assert (await store.get_rollout_by_id(r.rollout_id)).status == "succeeded"
+
+    retried = await store.enqueue_rollout({"q": 5}, config=RolloutConfig(max_attempts=3, retry_condition=["failed"]))
+    old = await store.dequeue_rollout(worker_id="w1")
+    latest = (await store.start_attempt(retried.rollout_id)).attempt
+    await store.update_attempt(retried.rollout_id, old.attempt.attempt_id, status="failed")
+    assert (await store.get_rollout_by_id(retried.rollout_id)).status == "preparing"
+    assert await store.dequeue_rollout(worker_id="w2") is None  # nothing was requeued
+    await store.update_attempt(retried.rollout_id, latest.attempt_id, status="failed")  # seq 2 < 3
+    assert (await store.get_rollout_by_id(retried.rollout_id)).status == "requeuing"
+
+
+async def test_each_batch_completes_exactly_what_it_queued(store: Any, runner_store: Any) -> None:
+    """peer_failures C04: a retried failure is one completion, from its last attempt; a rollout
+    whose failed attempt waits for its retry is not finished; a late result of a superseded
+    attempt changes nothing; the next batch's wait never returns the previous batch's rollouts;
+    a rollout out of attempts is ``failed`` with its reason, never a success without a reward."""
+    cfg = RolloutConfig(max_attempts=2, retry_condition=["failed"])
+    batch_a = [(await store.enqueue_rollout({"a": i}, config=cfg)).rollout_id for i in range(4)]
+    a1 = batch_a[0]
+    first = await runner_store.dequeue_rollout(worker_id="w1")
+    assert first.rollout_id == a1
+    too_long = {STATUS_REASON: "BadRequestError: maximum context length is 4608 tokens"}
+    await runner_store.update_attempt(a1, first.attempt.attempt_id, status="failed", metadata=too_long)
+    await settle(store)
+    assert (await store.get_rollout_by_id(a1)).status == "requeuing"
+    assert await store.wait_for_rollouts(rollout_ids=[a1], timeout=0.2) == []  # a pending retry is no result
+    attempts: dict[str, str] = {}
+    while (d := await runner_store.dequeue_rollout(worker_id="w2")) is not None:
+        attempts[d.rollout_id] = d.attempt.attempt_id
+        await runner_store.update_attempt(d.rollout_id, d.attempt.attempt_id, status="succeeded")
+    assert sorted(attempts) == sorted(batch_a)
+    done_a = await store.wait_for_rollouts(rollout_ids=batch_a, timeout=10)
+    assert sorted(r.rollout_id for r in done_a) == sorted(batch_a) and {r.status for r in done_a} == {"succeeded"}
+    [a1_done] = [r for r in done_a if r.rollout_id == a1]
+    assert a1_done.attempt.attempt_id == attempts[a1] and a1_done.attempt.sequence_id == 2
+
+    batch_b = [(await store.enqueue_rollout({"b": i}, config=cfg)).rollout_id for i in range(4)]
+    with pytest.raises(InvalidTransitionError, match="already finished"):  # A1's first attempt, late
+        await runner_store.update_attempt(a1, first.attempt.attempt_id, status="succeeded")
+    for _ in range(2):  # B1 fails both its attempts; the others succeed
+        while (d := await runner_store.dequeue_rollout(worker_id="w3")) is not None:
+            status = "failed" if d.rollout_id == batch_b[0] else "succeeded"
+            reason = {STATUS_REASON: f"ConnectionError: attempt {d.attempt.sequence_id}"}
+            await runner_store.update_attempt(d.rollout_id, d.attempt.attempt_id, status=status, metadata=reason)
+        await settle(store)
+    done_b = await store.wait_for_rollouts(rollout_ids=batch_b, timeout=10)
+    assert sorted(r.rollout_id for r in done_b) == sorted(batch_b)
+    [b1] = [r for r in done_b if r.rollout_id == batch_b[0]]
+    assert (b1.status, b1.attempt.sequence_id, b1.status_reason) == ("failed", 2, "ConnectionError: attempt 2")
+    a1_now = await store.get_rollout_by_id(a1)
+    assert a1_now.status == "succeeded" and a1_now.attempt.attempt_id == attempts[a1]
+    assert len(await store.wait_for_rollouts(rollout_ids=batch_a + batch_b, timeout=0)) == 8
+    assert (await store.query_rollouts()).total == 8
+
+
 async def test_superseded_attempt_cannot_complete_the_rollout(store: Any, runner_store: Any) -> None:
-    """Peer failure C03: a late result of a timed-out attempt is fenced off."""
+    """peer_failures C03, C20: a late result of a timed-out attempt is fenced off."""
     cfg = RolloutConfig(max_attempts=3, retry_condition=["timeout"])
     r = await store.enqueue_rollout({}, config=cfg)
     d1 = await runner_store.dequeue_rollout(worker_id="w1")
@@ -1069,6 +1141,7 @@ async def test_worker_ids_must_be_tokens_everywhere(store: Any) -> None:
 
 
 async def test_repeated_empty_polls_mark_a_worker_idle_once(store: Any, runner_store: Any) -> None:
+    """peer_failures C19: an empty poll is no error: the worker is idle."""
     assert await runner_store.dequeue_rollout(worker_id="w") is None
     await settle(store)
     first = (await store.get_worker_by_id("w")).last_dequeue_time
@@ -1077,3 +1150,25 @@ async def test_repeated_empty_polls_mark_a_worker_idle_once(store: Any, runner_s
     await settle(store)
     w = await store.get_worker_by_id("w")
     assert w.status == "idle" and first is not None and w.last_dequeue_time == first
+
+
+async def test_a_rollout_queued_after_an_empty_poll_is_handed_out_at_once(
+    store: Any, runner_store: Any, backend_namespace: Settings | None
+) -> None:
+    """peer_failures C18: an empty poll that timed out leaves no pull request behind (nats-py's
+    ``fetch`` left an orphan that took the next message, and the next fetch sat out its whole
+    timeout). Each time, a rollout queued after an empty poll goes to the next poll at once, and
+    the runners' consumer holds no waiting pull once the poll has its answer."""
+    slowest = 0.0
+    for i in range(40):
+        assert await runner_store.dequeue_rollout(worker_id="w", wait_s=0.05) is None
+        r = await store.enqueue_rollout(i)
+        t0 = time.monotonic()
+        d = await runner_store.dequeue_rollout(worker_id="w", wait_s=5)
+        slowest = max(slowest, time.monotonic() - t0)
+        assert d is not None and d.rollout_id == r.rollout_id, f"iteration {i}"
+        await runner_store.update_attempt(d.rollout_id, d.attempt.attempt_id, status="succeeded")
+        if backend_namespace is not None:
+            info = await runner_store.log.js.consumer_info(backend_namespace.stream_name, "runners")
+            assert info.num_waiting == 0, f"iteration {i}: {info.num_waiting} pull request(s) left waiting"
+    assert slowest < 0.5, f"a queued rollout waited {slowest:.2f} s for a poll"

@@ -341,8 +341,9 @@ async def test_algorithm_and_runner_roles_as_separate_processes(namespace: Setti
 async def test_a_trainer_whose_runners_die_at_start_stops_with_a_clear_error(
     namespace: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Its runner processes exit as they start and the pool keeps restarting them: rollouts wait
-    with no live runner, and the trainer says so and stops instead of waiting for ever."""
+    """peer_failures C07: its runner processes exit as they start and the pool keeps restarting
+    them: rollouts wait with no live runner, and the trainer says so and stops instead of waiting
+    for ever."""
     import eventlight.trainer_guards as guards
     from tests.fault_agents import DyingRunner
 
@@ -353,6 +354,32 @@ async def test_a_trainer_whose_runners_die_at_start_stops_with_a_clear_error(
     with pytest.raises(agl.NoRunnersError, match=r"rollout\(s\) wait in the queue and no runner is alive") as info:
         await asyncio.wait_for(asyncio.to_thread(trainer.dev, score_length, TASKS), 120)
     assert "runner processes up" in str(info.value) and "restarts" in str(info.value)
+
+
+@pytest.mark.parametrize("strategy", ["cs", "shm"])
+async def test_a_trainer_whose_tracer_cannot_instrument_stops_before_any_runner_starts(
+    namespace: Settings, monkeypatch: pytest.MonkeyPatch, strategy: str
+) -> None:
+    """peer_failures C07: the framework instrumentation a runner's tracer asks for is not installed.
+    The run's runner processes died as they instrumented, over and over, and the algorithm waited
+    until the no-runners guard gave up, the missing package named only in the runners' log. The
+    trainer now checks before any runner starts and stops at once, naming it; nothing is enqueued."""
+    from eventlight import instrumentation
+
+    monkeypatch.setitem(instrumentation.FRAMEWORKS, "openai", ("no_such_module.x", "X", "no-such-package"))
+    trainer = agl.Trainer(
+        strategy=strategy,
+        n_runners=1,
+        tracer=agl.OtelTracer(instrument=["openai"]),
+        initial_resources={"prompt_template": PROMPT},
+        settings=namespace,
+    )
+    started = time.monotonic()
+    with pytest.raises(InvalidInputError, match=r"instrumenting 'openai' needs no-such-package"):
+        await asyncio.wait_for(asyncio.to_thread(trainer.dev, score_length, TASKS), 60)
+    assert time.monotonic() - started < 10
+    if strategy == "cs":
+        assert await _queued(namespace) == []
 
 
 async def test_a_run_cancelled_from_outside_stops_its_algorithm_with_it() -> None:

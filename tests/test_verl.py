@@ -10,6 +10,7 @@ Skipped without torch and verl (``make verl`` installs verl's CPU part).
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections import Counter
 from typing import Any
@@ -320,3 +321,101 @@ def test_bench_verl_gpu_parses_builds_its_config_and_fails_fast(capsys: pytest.C
     assert verl_gpu.main(["--steps", "1"]) == 2  # no GPU / no vLLM here: one line, nothing started
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: VERL") and ("missing: " in err or "sees none" in err)
+
+
+# -- peer failures: what the daemon leaves out, and why --------------------------------------
+
+PROMPT = {"prompt": agl.PromptTemplate(template="{q}")}
+
+
+@agl.rollout
+async def three_sub_agents(task: dict, prompt_template: agl.PromptTemplate, rollout: agl.AttemptedRollout) -> Any:
+    """Three sub-agents in a row, each one LLM call; the second raises ``ConnectionError`` in the
+    first ``task["fail_attempts"]`` attempts, after the first one's call was recorded."""
+    from eventlight.tracer import get_active_tracer
+
+    if task.get("nothing"):
+        return None
+    tracer = get_active_tracer()
+    assert tracer is not None
+    seq = rollout.attempt.sequence_id
+    for k in range(3):
+        if k == 1 and seq <= task["fail_attempts"]:
+            raise ConnectionError(f"sub-agent 2 lost its backend in attempt {seq}")
+        ids = {"prompt_token_ids": [10 * seq + k], "response_token_ids": [100 * seq + k]}
+        tracer.create_span("openai.chat.completion", attributes={**ids, "gen_ai.response.id": f"a{seq}-call{k}"})
+    return 1.0
+
+
+async def test_daemon_trains_on_the_last_attempt_of_a_succeeded_rollout_only(store: Any, runner_store: Any) -> None:
+    """peer_failures C16: sub-agent 2 of 3 raises after sub-agent 1's call was recorded. (a) With
+    one attempt the rollout fails with the exception on it, and its partial spans, kept in the
+    store, are not trained on; (b) retried, only attempt 2's calls are; (c) an agent that returns
+    ``None`` without spans succeeds with nothing to train on, counted apart from failures."""
+    await store.add_resources(PROMPT)
+    once = await store.enqueue_rollout({"fail_attempts": 1}, config=agl.RolloutConfig(max_attempts=1))
+    retry = agl.RolloutConfig(max_attempts=2, retry_condition=["failed"])
+    twice = await store.enqueue_rollout({"fail_attempts": 1}, config=retry)
+    nothing = await store.enqueue_rollout({"nothing": True})
+    runner = agl.LitAgentRunner(agl.OtelTracer(), max_rollouts=4, poll_interval=0.05, heartbeat_interval=0)
+    with runner.run_context(agent=three_sub_agents, store=runner_store):
+        assert await asyncio.wait_for(runner.iter(), 60) == 4
+    ids = [once.rollout_id, twice.rollout_id, nothing.rollout_id]
+    daemon = VerlDaemon(VerlSettings.from_config(CONFIG), store, _Proxy(), agl.TracerTraceToTriplet())
+    [trajectory] = await daemon.collect(ids, timeout_s=10)
+    assert trajectory.rollout_id == twice.rollout_id and trajectory.reward == 1.0
+    assert [t.response["token_ids"] for t in trajectory.triplets] == [[200], [201], [202]]
+    assert (daemon.counters["failed_rollouts"], daemon.counters["no_spans"]) == (1, 1)
+    failed = await store.get_rollout_by_id(once.rollout_id)
+    assert failed.status == "failed"
+    assert failed.status_reason == "ConnectionError: sub-agent 2 lost its backend in attempt 1"
+    partial = [s.name for s in await store.query_spans(once.rollout_id)]
+    assert partial.count("openai.chat.completion") == 1 and "agentlightning.exception" in partial
+    assert (await store.get_rollout_by_id(nothing.rollout_id)).status == "succeeded"
+
+
+def _context_length_error(rid: str, aid: str, prompt_tokens: int) -> Span:
+    """The LLM proxy's span of a call vLLM refused with 400: the prompt does not fit the context."""
+    from eventlight.llm_proxy.span_attributes import make_span
+
+    asked = prompt_tokens + 512
+    message = f"This model's maximum context length is 4608 tokens. However, you requested {asked} tokens."
+    return make_span(
+        {"model": "m", "messages": [{"role": "user", "content": "x " * prompt_tokens}], "max_tokens": 512},
+        None,
+        {"type": "ContextWindowExceededError", "status_code": 400, "message": message},
+        system="hosted_vllm",
+        streaming=False,
+        rollout_id=rid,
+        attempt_id=aid,
+        sequence_id=1,
+        start_time=1.0,
+    )
+
+
+async def test_a_batch_leaves_out_calls_the_llm_refused_and_says_so(tok: Any, store: Any) -> None:
+    """peer_failures C15: one rollout of four sent a prompt longer than the context and got a 400
+    (its agent caught it and returned no reward). The batch trains on the three others and counts
+    the refused call (``llm_errors``); a batch of such rollouts only stops with ``EmptyBatchError``
+    naming that count, never a tensor-shape error."""
+    daemon = VerlDaemon(VerlSettings.from_config(CONFIG), store, _Proxy(), agl.TracerTraceToTriplet())
+    await daemon.register_backends(["127.0.0.1:18000"])
+
+    async def run_batch(refused: int) -> list[Trajectory]:
+        ids = await daemon.enqueue([{"q": i} for i in range(4)], train=False)
+        for i in range(4):
+            attempt = await store.dequeue_rollout(worker_id="w")
+            rid, aid = attempt.rollout_id, attempt.attempt.attempt_id
+            if i < refused:
+                await store.add_many_spans([_context_length_error(rid, aid, 6347)])
+            else:
+                calls = _tool_rollout(tok, f"{i} + 1?", str(i + 1), str(i + 1))
+                await store.add_many_spans(_spans(rid, calls, 1.0, aid))
+            await store.update_attempt(rid, aid, status="succeeded")
+        return await daemon.collect(ids, timeout_s=10)
+
+    batch = daemon.train_batch(await run_batch(refused=1), pad_token_id=tok.pad_token_id)
+    assert len(batch) == 6  # three rollouts of two calls each
+    assert (daemon.counters["llm_errors"], daemon.counters["no_triplets"]) == (1, 1)
+    with pytest.raises(EmptyBatchError, match=r"no trainable sample in 4 finished attempts .*'llm_errors': 4"):
+        daemon.train_batch(await run_batch(refused=4), pad_token_id=tok.pad_token_id)

@@ -204,6 +204,9 @@ class TracerTraceToTriplet(TraceToTripletBase):
         stats.triplets = len(pairs)
         self._counted(stats)
         if not pairs:
+            if calls:  # matched, and every one left out: say why rather than "no span matches"
+                log.warning("no triplet: all %d LLM call(s) were left out (%s)", stats.llm_calls, stats)
+                return []
             names = sorted({n.span.name for n in tree.traverse()})
             log.warning(
                 "no span matches llm_call_match=%r; span names seen: %s (%s)", self.llm_call_match, names, stats

@@ -21,7 +21,9 @@ build from the LLM proxy's spans (token ids exactly as vLLM returned them). Per 
 Bad input is skipped and counted in ``counters`` (never padded into a zero-length row):
 ``no_token_ids`` (a triplet without prompt or response ids), ``prompt_too_long`` (a prompt longer
 than ``P``; Agent-lightning truncates it and drops it after the advantages, here it never enters),
-``no_triplets`` (a rollout without any usable LLM call); ``response_truncated`` counts responses cut
+``no_triplets`` (a rollout without any usable LLM call), ``llm_errors`` (LLM calls that failed,
+e.g. vLLM's 400 for a prompt longer than the context: the adapter gives them no triplet, peer
+failure C15); ``response_truncated`` counts responses cut
 to ``R`` (kept, as in Agent-lightning), ``no_reward`` rollouts whose reward was filled with
 ``reward_fillna_value``, ``unmerged_turns`` turns that started a new trajectory sample because their
 prompt did not extend the previous turn's tokens. A batch left with no sample raises
@@ -58,12 +60,15 @@ class Trajectory:
         uid: The task's data id; every rollout of one task shares it (the GRPO group).
         triplets: ``Triplet`` objects (``prompt["token_ids"]``, ``response["token_ids"]``).
         reward: The rollout's final reward; ``None`` is filled with ``reward_fillna_value``.
+        llm_errors: LLM calls of the attempt the adapter left out because they failed (an upstream
+            400 for a prompt longer than the context, ...); counted as ``llm_errors``.
     """
 
     rollout_id: str
     uid: str
     triplets: Sequence[Any]
     reward: float | None
+    llm_errors: int = 0
 
 
 @dataclass(frozen=True)
@@ -141,6 +146,8 @@ def samples_from_trajectory(
     if level not in ("transition", "trajectory"):
         raise ValueError(f"trace_aggregator level must be 'transition' or 'trajectory', not {level!r}")
     counters = counters if counters is not None else Counter()
+    if traj.llm_errors:
+        counters["llm_errors"] += traj.llm_errors
     reward = traj.reward
     if reward is None:
         counters["no_reward"] += 1

@@ -14,7 +14,8 @@ GPU and no verl import until ``train_batch``:
 4. ``train_batch(trajectories)``: ``eventlight.verl.batch.build_batch`` at the configured level.
 
 Counters (``VerlDaemon.counters``) say what was skipped: ``unfinished_rollouts``,
-``failed_rollouts``, ``no_spans`` and the data path's own reasons.
+``failed_rollouts``, ``no_spans`` and the data path's own reasons (``llm_errors``: calls the
+adapter left out because the LLM answered an error, e.g. a 400 for an over-long prompt).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+from eventlight.adapter.stats import AdapterStats
 from eventlight.core.types import EnqueueRolloutRequest, ProxyLLM, Rollout, RolloutConfig
 from eventlight.rewards import find_final_reward
 from eventlight.verl.batch import Trajectory, build_batch
@@ -150,7 +152,9 @@ class VerlDaemon:
         rewards = [t.reward for t in triplets if t.reward is not None]
         reward = rewards[-1] if rewards else find_final_reward(spans)
         uid = (rollout.metadata or {}).get("data_id", rollout.rollout_id)
-        return Trajectory(rollout.rollout_id, str(uid), triplets, None if reward is None else float(reward))
+        stats = getattr(self.adapter, "last_stats", None)  # a user's adapter may not count
+        errors = stats.errors if isinstance(stats, AdapterStats) else 0
+        return Trajectory(rollout.rollout_id, str(uid), triplets, None if reward is None else float(reward), errors)
 
     def train_batch(self, trajectories: Sequence[Trajectory], *, pad_token_id: int) -> Any:
         """The step's ``verl.DataProto`` (``eventlight.verl.batch.build_batch``).
