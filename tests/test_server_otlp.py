@@ -375,3 +375,46 @@ async def test_an_internal_error_is_a_500_status_in_the_requests_encoding(
     else:
         json_format.Parse(r.text, answer)
     assert answer.code == code_pb2.INTERNAL and answer.message.startswith("internal server error (RuntimeError)")
+
+
+def test_an_empty_id_on_a_span_does_not_hide_its_resources() -> None:
+    """An ``agentlightning.rollout_id`` of ``""`` on a span overrode its resource's good one, and the
+    span was rejected as having "no agentlightning.rollout_id in its span or resource attributes" (a
+    reviewer). An empty or unset value on the span is none (0.3.0 too falls back on an unset one):
+    the resource's is used; with none there either, the reason says where the id is empty."""
+    from eventlight.server.otlp_spans import spans_from_request
+
+    request = ExportTraceServiceRequest()
+    rs = request.resource_spans.add()
+    for key, value in (("rollout_id", "ro-1"), ("attempt_id", "at-1"), ("span_sequence_id", "5")):
+        rs.resource.attributes.add(key=f"agentlightning.{key}").value.string_value = value
+    scope = rs.scope_spans.add()
+    for name, key in (
+        ("empty-rollout", "rollout_id"),
+        ("unset-attempt", "attempt_id"),
+        ("empty-seq", "span_sequence_id"),
+    ):
+        _pb_span(scope, name, "ro-1", "at-1")
+        attrs = scope.spans[-1].attributes
+        kv = next((kv for kv in attrs if kv.key == f"agentlightning.{key}"), None) or attrs.add(
+            key=f"agentlightning.{key}"
+        )
+        if name.startswith("unset"):
+            kv.value.Clear()
+        else:
+            kv.value.string_value = ""
+    bare = request.resource_spans.add().scope_spans.add()
+    _pb_span(bare, "empty-nowhere", "", "at-1")
+    spans, rejected, renumbered = spans_from_request(request)
+    assert [(s.name, s.rollout_id, s.attempt_id, s.sequence_id) for s in spans] == [
+        ("empty-rollout", "ro-1", "at-1", 5),
+        ("unset-attempt", "ro-1", "at-1", 5),
+        ("empty-seq", "ro-1", "at-1", 5),
+    ]
+    assert renumbered == []
+    assert [(n.name, n.reason) for n in rejected] == [
+        (
+            "empty-nowhere",
+            "agentlightning.rollout_id is empty in its span attributes and missing from its resource attributes",
+        )
+    ]
