@@ -267,7 +267,7 @@ def test_a_gzip_body_of_several_members_inflates_whole() -> None:
         span = request.resource_spans.add().scope_spans.add().spans.add()
         span.trace_id, span.span_id, span.name = b"\x01" * 16, bytes([n]) * 8, f"s{n}"
         requests.append(gzip.compress(request.SerializeToString()))
-    parsed, _ = parse_request(b"".join(requests), PB["Content-Type"], "gzip", 1 << 20)
+    parsed = parse_request(b"".join(requests), PB["Content-Type"], "gzip", 1 << 20)[0]
     names = [s.name for rs in parsed.resource_spans for ss in rs.scope_spans for s in ss.spans]
     assert names == ["s1", "s2"]
 
@@ -418,3 +418,31 @@ def test_an_empty_id_on_a_span_does_not_hide_its_resources() -> None:
             "agentlightning.rollout_id is empty in its span attributes and missing from its resource attributes",
         )
     ]
+
+
+async def test_a_json_request_of_no_resource_spans_but_other_fields_says_so(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``resourceSpan`` (a typo) answered 200 ``{}`` and stored nothing, without a word (a reviewer).
+    Unknown fields are still ignored (the OTLP spec), but a request holding nothing else is answered
+    with ``partial_success.error_message`` naming them, and logged once per field name."""
+    from eventlight.server import otlp
+
+    monkeypatch.setattr(otlp, "_warned_fields", set())
+    async with agl.InMemoryLightningStore() as store:
+        rid, aid = await _attempt(store)  # type: ignore[arg-type]
+        typo = {"resourceSpan": _json_request(rid, aid)["resourceSpans"], "x" * 10_000: 1}
+        app = create_app(store)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://store") as http:
+            with caplog.at_level("WARNING", logger="eventlight.server.otlp"):
+                answers = [await http.post("/v1/traces", json=typo) for _ in range(3)]
+                fine = await http.post("/v1/traces", json={**_json_request(rid, aid), "extra": 1})
+        assert await store.query_spans(rid) != []  # the good request's span
+    for r in answers:
+        assert r.status_code == 200, r.text
+        message = r.json()["partialSuccess"]["errorMessage"]
+        assert message.startswith("no resourceSpans in the request, so no span was recorded: its field(s) ")
+        assert "'resourceSpan'" in message and "were ignored" in message and len(message) < 300
+    assert fine.status_code == 200 and fine.json() == {}  # an unknown field beside resourceSpans: ignored
+    logged = [r.getMessage() for r in caplog.records if "no resourceSpans" in r.getMessage()]
+    assert len(logged) == 1 and "'resourceSpan'" in logged[0], logged
