@@ -446,3 +446,27 @@ async def test_a_json_request_of_no_resource_spans_but_other_fields_says_so(
     assert fine.status_code == 200 and fine.json() == {}  # an unknown field beside resourceSpans: ignored
     logged = [r.getMessage() for r in caplog.records if "no resourceSpans" in r.getMessage()]
     assert len(logged) == 1 and "'resourceSpan'" in logged[0], logged
+
+
+async def test_an_out_of_range_sequence_id_is_echoed_shortened(store: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """A sequence id the store refuses as out of range (1e300, a 4000-digit string) went whole into
+    ``partial_success`` and the log (a reviewer); it is shown shortened, as other echoed values are.
+    On both backends."""
+    claimed = await store.start_rollout({"q": 1})
+    rid, aid = claimed.rollout_id, claimed.attempt.attempt_id
+    request = ExportTraceServiceRequest()
+    scope = request.resource_spans.add().scope_spans.add()
+    ids = [_pb_span(scope, name, rid, aid) for name in ("double", "digits")]
+    scope.spans[0].attributes.add(key="agentlightning.span_sequence_id").value.double_value = 1e300
+    scope.spans[1].attributes.add(key="agentlightning.span_sequence_id").value.string_value = "9" * 4000
+    app = create_app(store)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://store") as http:
+        with caplog.at_level("WARNING", logger="eventlight.server.otlp"):
+            r = await http.post("/v1/traces", content=request.SerializeToString(), headers=PB)
+    assert r.status_code == 200, r.content
+    answer = ExportTraceServiceResponse.FromString(r.content).partial_success
+    assert answer.rejected_spans == 2 and all(i in answer.error_message for i in ids)
+    assert answer.error_message.count("has an invalid sequence_id 99999") == 1
+    assert answer.error_message.count("has an invalid sequence_id 10000000000") == 1
+    assert len(answer.error_message) < 1000, answer.error_message
+    assert "9" * 100 not in caplog.text and "0" * 100 not in caplog.text and "invalid sequence_id" in caplog.text
