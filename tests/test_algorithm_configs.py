@@ -146,3 +146,46 @@ def test_verl_settings_name_the_key_and_the_value() -> None:
         config = {**base, **{k: {**base.get(k, {}), **v} for k, v in over.items()}}
         with pytest.raises(InvalidInputError, match=re.escape(says)):
             VerlSettings.from_config(config)
+
+
+def _verl(**kwargs: Any) -> Any:
+    from eventlight.algorithm.verl import VERL
+
+    data = {"train_batch_size": 4, "max_prompt_length": 512, "max_response_length": 256}
+    return VERL({"actor_rollout_ref": {"model": {"path": "m"}}, "data": data}, **kwargs)
+
+
+def _made(name: str) -> Any:
+    from eventlight.algorithm.grpo import GRPO
+    from eventlight.algorithm.sft import SFT
+
+    return {
+        "GRPO": GRPO,
+        "SFT": SFT,
+        "APO": lambda **kw: APO(object(), **kw),
+        "VERL": _verl,
+    }[name]
+
+
+CALLABLES = [
+    ("GRPO", "progress"),
+    ("SFT", "progress"),
+    ("APO", "progress"),
+    ("VERL", "progress"),
+    ("VERL", "trainer_cls"),
+    ("VERL", "daemon_cls"),
+]
+
+
+@pytest.mark.parametrize(("algorithm", "field"), CALLABLES, ids=[f"{a}.{f}" for a, f in CALLABLES])
+def test_callbacks_are_checked_to_be_callable(algorithm: str, field: str) -> None:
+    """A ``progress`` callback (or VERL's ``trainer_cls``/``daemon_cls``) that cannot be called was
+    taken, and failed only when called deep in a run (GRPO, SFT and APO log the TypeError at each
+    event and go on) (a reviewer); it is refused at construction, naming the parameter."""
+    make = _made(algorithm)
+    for bad in ({"on": "step"}, "mymodule:progress"):
+        with pytest.raises(InvalidTypeError, match=f"{algorithm}.{field} must be callable or None, got "):
+            make(**{field: bad})
+    made = make(**{field: print})
+    assert getattr(made, field) is print
+    assert getattr(make(**{field: None}), field) is None

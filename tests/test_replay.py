@@ -600,6 +600,42 @@ async def test_an_unknown_resources_id_is_warned_about(caplog: pytest.LogCapture
     assert "no resources snapshot in the log is named rs-typo" in caplog.text
 
 
+async def test_the_python_api_warns_of_a_range_outside_the_log(caplog: pytest.LogCaptureFixture) -> None:
+    """``eventlight.replay`` said nothing of a range outside the log, which ``eventlight replay``
+    warns of (a reviewer); it logs the same lines. An ISO ``since`` on an empty log was warned of
+    nowhere: it says the log is empty."""
+    says: dict[str, list[str]] = {}
+    async with InMemoryLightningStore() as empty:
+        with caplog.at_level("WARNING", logger="eventlight.logreplay.replay"):
+            assert await collect(eventlight.replay(empty, since="2020-01-01")) == []
+        says["empty"] = [r.getMessage() for r in caplog.records]
+    async with InMemoryLightningStore() as store:
+        await workload(store)
+        for name, bounds in {"past": {"since": 10**6}, "before": {"until": "2001-01-01"}, "inside": {}}.items():
+            caplog.clear()
+            with caplog.at_level("WARNING", logger="eventlight.logreplay.replay"):
+                records = await collect(eventlight.replay(store, **bounds))  # type: ignore[arg-type]
+            says[name] = [r.getMessage() for r in caplog.records]
+            assert (records == []) == (name != "inside")
+    assert says["empty"] == ["replay: --since 2020-01-01T00:00:00+00:00 selects nothing: the log is empty"]
+    [past] = says["past"]
+    assert past.startswith("replay: --since 1000000 is past the end of the log: it ends at sequence ")
+    [before] = says["before"]
+    assert before.startswith("replay: --until 2001-01-01T00:00:00+00:00 is before the start of the log: ")
+    assert says["inside"] == []
+
+
+async def test_cli_replay_an_iso_since_on_an_empty_log_says_it_is_empty(namespace: Settings, tmp_path: Path) -> None:
+    """Printed once, as a warning line (not also as a log line)."""
+    async with JetStreamLightningStore(namespace):
+        pass  # the namespace's stream, with nothing in it
+    out = tmp_path / "empty.jsonl"
+    result = cli("replay", "--since", "2020-01-01", "--out", str(out), env=env_of(namespace))
+    assert result.returncode == 0 and out.read_bytes() == b"", result.stderr
+    warnings = [line for line in result.stderr.splitlines() if "warning" in line.lower()]
+    assert warnings == ["warning: --since 2020-01-01T00:00:00+00:00 selects nothing: the log is empty"], result.stderr
+
+
 @pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
 def test_numpy_values_are_written_as_numbers_and_an_object_without_json_form_is_refused(
     tmp_path: Path, suffix: str

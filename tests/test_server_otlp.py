@@ -297,7 +297,7 @@ def test_a_gzip_body_of_several_members_inflates_whole() -> None:
         span = request.resource_spans.add().scope_spans.add().spans.add()
         span.trace_id, span.span_id, span.name = b"\x01" * 16, bytes([n]) * 8, f"s{n}"
         requests.append(gzip.compress(request.SerializeToString()))
-    parsed, _ = parse_request(b"".join(requests), PB["Content-Type"], "gzip", 1 << 20)
+    parsed = parse_request(b"".join(requests), PB["Content-Type"], "gzip", 1 << 20)[0]
     names = [s.name for rs in parsed.resource_spans for ss in rs.scope_spans for s in ss.spans]
     assert names == ["s1", "s2"]
 
@@ -405,3 +405,98 @@ async def test_an_internal_error_is_a_500_status_in_the_requests_encoding(
     else:
         json_format.Parse(r.text, answer)
     assert answer.code == code_pb2.INTERNAL and answer.message.startswith("internal server error (RuntimeError)")
+
+
+def test_an_empty_id_on_a_span_does_not_hide_its_resources() -> None:
+    """An ``agentlightning.rollout_id`` of ``""`` on a span overrode its resource's good one, and the
+    span was rejected as having "no agentlightning.rollout_id in its span or resource attributes" (a
+    reviewer). An empty or unset value on the span is none (0.3.0 too falls back on an unset one):
+    the resource's is used; with none there either, the reason says where the id is empty."""
+    from eventlight.server.otlp_spans import spans_from_request
+
+    request = ExportTraceServiceRequest()
+    rs = request.resource_spans.add()
+    for key, value in (("rollout_id", "ro-1"), ("attempt_id", "at-1"), ("span_sequence_id", "5")):
+        rs.resource.attributes.add(key=f"agentlightning.{key}").value.string_value = value
+    scope = rs.scope_spans.add()
+    for name, key in (
+        ("empty-rollout", "rollout_id"),
+        ("unset-attempt", "attempt_id"),
+        ("empty-seq", "span_sequence_id"),
+    ):
+        _pb_span(scope, name, "ro-1", "at-1")
+        attrs = scope.spans[-1].attributes
+        kv = next((kv for kv in attrs if kv.key == f"agentlightning.{key}"), None) or attrs.add(
+            key=f"agentlightning.{key}"
+        )
+        if name.startswith("unset"):
+            kv.value.Clear()
+        else:
+            kv.value.string_value = ""
+    bare = request.resource_spans.add().scope_spans.add()
+    _pb_span(bare, "empty-nowhere", "", "at-1")
+    spans, rejected, renumbered = spans_from_request(request)
+    assert [(s.name, s.rollout_id, s.attempt_id, s.sequence_id) for s in spans] == [
+        ("empty-rollout", "ro-1", "at-1", 5),
+        ("unset-attempt", "ro-1", "at-1", 5),
+        ("empty-seq", "ro-1", "at-1", 5),
+    ]
+    assert renumbered == []
+    assert [(n.name, n.reason) for n in rejected] == [
+        (
+            "empty-nowhere",
+            "agentlightning.rollout_id is empty in its span attributes and missing from its resource attributes",
+        )
+    ]
+
+
+async def test_a_json_request_of_no_resource_spans_but_other_fields_says_so(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``resourceSpan`` (a typo) answered 200 ``{}`` and stored nothing, without a word (a reviewer).
+    Unknown fields are still ignored (the OTLP spec), but a request holding nothing else is answered
+    with ``partial_success.error_message`` naming them, and logged once per field name."""
+    from eventlight.server import otlp
+
+    monkeypatch.setattr(otlp, "_warned_fields", set())
+    async with agl.InMemoryLightningStore() as store:
+        rid, aid = await _attempt(store)  # type: ignore[arg-type]
+        typo = {"resourceSpan": _json_request(rid, aid)["resourceSpans"], "x" * 10_000: 1}
+        app = create_app(store)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://store") as http:
+            with caplog.at_level("WARNING", logger="eventlight.server.otlp"):
+                answers = [await http.post("/v1/traces", json=typo) for _ in range(3)]
+                fine = await http.post("/v1/traces", json={**_json_request(rid, aid), "extra": 1})
+        assert await store.query_spans(rid) != []  # the good request's span
+    for r in answers:
+        assert r.status_code == 200, r.text
+        message = r.json()["partialSuccess"]["errorMessage"]
+        assert message.startswith("no resourceSpans in the request, so no span was recorded: its field(s) ")
+        assert "'resourceSpan'" in message and "were ignored" in message and len(message) < 300
+    assert fine.status_code == 200 and fine.json() == {}  # an unknown field beside resourceSpans: ignored
+    logged = [r.getMessage() for r in caplog.records if "no resourceSpans" in r.getMessage()]
+    assert len(logged) == 1 and "'resourceSpan'" in logged[0], logged
+
+
+async def test_an_out_of_range_sequence_id_is_echoed_shortened(store: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """A sequence id the store refuses as out of range (1e300, a 4000-digit string) went whole into
+    ``partial_success`` and the log (a reviewer); it is shown shortened, as other echoed values are.
+    On both backends."""
+    claimed = await store.start_rollout({"q": 1})
+    rid, aid = claimed.rollout_id, claimed.attempt.attempt_id
+    request = ExportTraceServiceRequest()
+    scope = request.resource_spans.add().scope_spans.add()
+    ids = [_pb_span(scope, name, rid, aid) for name in ("double", "digits")]
+    scope.spans[0].attributes.add(key="agentlightning.span_sequence_id").value.double_value = 1e300
+    scope.spans[1].attributes.add(key="agentlightning.span_sequence_id").value.string_value = "9" * 4000
+    app = create_app(store)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://store") as http:
+        with caplog.at_level("WARNING", logger="eventlight.server.otlp"):
+            r = await http.post("/v1/traces", content=request.SerializeToString(), headers=PB)
+    assert r.status_code == 200, r.content
+    answer = ExportTraceServiceResponse.FromString(r.content).partial_success
+    assert answer.rejected_spans == 2 and all(i in answer.error_message for i in ids)
+    assert answer.error_message.count("has an invalid sequence_id 99999") == 1
+    assert answer.error_message.count("has an invalid sequence_id 10000000000") == 1
+    assert len(answer.error_message) < 1000, answer.error_message
+    assert "9" * 100 not in caplog.text and "0" * 100 not in caplog.text and "invalid sequence_id" in caplog.text

@@ -18,7 +18,15 @@ from eventlight.store.validate import is_token
 MAX_SEED = 2**32 - 1
 """The largest ``seed`` (torch and numpy take 32-bit seeds; GRPO derives one per generation from it)."""
 
-__all__ = ["MAX_SEED", "check_bool", "check_choice", "check_int", "check_number", "check_version_prefix"]
+__all__ = [
+    "MAX_SEED",
+    "check_bool",
+    "check_callable",
+    "check_choice",
+    "check_int",
+    "check_number",
+    "check_version_prefix",
+]
 
 
 def _shown(value: Any) -> str:
@@ -62,6 +70,17 @@ def check_bool(field: str, value: Any) -> None:
     """
     if not isinstance(value, bool):
         raise InvalidTypeError(f"{field} must be True or False, got {_shown(value)}")
+
+
+def check_callable(field: str, value: Any) -> None:
+    """``value`` is ``None`` or can be called (a function, a class, an object with ``__call__``),
+    so that a callback given by mistake fails here, not at its first call deep in a run.
+
+    Raises:
+        InvalidTypeError: Anything else (a dict, a string, a list of callbacks).
+    """
+    if value is not None and not callable(value):
+        raise InvalidTypeError(f"{field} must be callable or None, got {_shown(value)}")
 
 
 def check_choice(field: str, value: Any, allowed: Sequence[str]) -> None:

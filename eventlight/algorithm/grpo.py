@@ -40,7 +40,14 @@ from pathlib import Path
 from typing import Any
 
 from eventlight.algorithm.base import Algorithm, Dataset
-from eventlight.algorithm.checks import MAX_SEED, check_bool, check_int, check_number, check_version_prefix
+from eventlight.algorithm.checks import (
+    MAX_SEED,
+    check_bool,
+    check_callable,
+    check_int,
+    check_number,
+    check_version_prefix,
+)
 from eventlight.core.errors import EventlightError
 from eventlight.core.types import TERMINAL_ROLLOUT_STATUSES, EnqueueRolloutRequest, ProxyLLM, Rollout
 from eventlight.rewards import find_final_reward
@@ -146,6 +153,9 @@ class GRPO(Algorithm):
             every ``PROGRESS_EVERY_S`` seconds, ``{"event": "rollouts", "step", "finished",
             "total", "elapsed_s"}`` (``finished``: rollouts that ended, as the read model has them;
             ``None`` when it could not be read).
+
+    Raises:
+        InvalidTypeError: ``progress`` is neither callable nor ``None``.
     """
 
     def __init__(
@@ -159,6 +169,7 @@ class GRPO(Algorithm):
         resource_name: str = "main_llm",
         progress: Callable[[dict[str, Any]], None] | None = None,
     ):
+        check_callable("GRPO.progress", progress)
         self.config = config or GRPOConfig()
         self.policy = policy
         self.model_dir = Path(model_dir) if model_dir is not None else None

@@ -45,6 +45,7 @@ from eventlight.algorithm.base import Algorithm, Dataset
 from eventlight.algorithm.checks import (
     MAX_SEED,
     check_bool,
+    check_callable,
     check_choice,
     check_int,
     check_number,
@@ -151,6 +152,10 @@ class SFT(Algorithm):
         callbacks: Extra ``transformers.TrainerCallback`` objects for the trainer.
         progress: Called with ``{"event": "selected", ...}``, ``{"event": "trained", ...}`` and
             ``{"event": "recorded", ...}`` dicts.
+
+    Raises:
+        ValueError: Only one of ``model`` and ``tokenizer`` is given.
+        InvalidTypeError: ``progress`` is neither callable nor ``None``.
     """
 
     def __init__(
@@ -171,6 +176,7 @@ class SFT(Algorithm):
     ):
         if (model is None) != (tokenizer is None):
             raise ValueError("give both model and tokenizer, or neither")
+        check_callable("SFT.progress", progress)
         self.config = config or SFTConfig()
         self.model = model
         self.tokenizer = tokenizer

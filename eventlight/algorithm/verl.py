@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from eventlight.algorithm.base import Algorithm, Dataset
+from eventlight.algorithm.checks import check_callable
 from eventlight.verl.config import VerlSettings
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class VERL(Algorithm):
 
     Raises:
         InvalidInputError: ``config`` is not a valid VERL config (one line naming the key).
+        InvalidTypeError: ``trainer_cls``, ``daemon_cls`` or ``progress`` is neither callable nor ``None``.
     """
 
     def __init__(
@@ -51,6 +53,8 @@ class VERL(Algorithm):
         *,
         progress: Callable[[dict[str, Any]], None] | None = None,
     ):
+        for name, value in (("trainer_cls", trainer_cls), ("daemon_cls", daemon_cls), ("progress", progress)):
+            check_callable(f"VERL.{name}", value)
         self.settings = VerlSettings.from_config(config)
         self.config = dict(config)
         self.trainer_cls = trainer_cls

@@ -86,6 +86,7 @@ async def _replay_to_file(settings: Settings, out: Path, opts: dict[str, Any]) -
     settings = await _nats_settings(settings)
     run.source = settings
     run.log_first_skip = False  # printed below with the others, once
+    run.log_range_outside = False  # printed below as a warning
     # a partial dataset would pass for a whole one: written beside `out`, renamed over it when whole
     with replacing(out) as part, _progress() as bar:
         writer = make_writer(part)

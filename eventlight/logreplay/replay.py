@@ -136,6 +136,9 @@ class Replay(AsyncIterator[dict[str, Any]]):
         self.errors: list[ReplayError] = []
         self.log_first_skip = True
         """Log a warning for the first attempt skipped (``eventlight replay`` prints each itself)."""
+        self.log_range_outside = True
+        """Log a warning for a range outside the log, ``range_outside_log`` (``eventlight replay``
+        prints it itself)."""
         self.stats = ReplayStats()
         self._it: AsyncIterator[dict[str, Any]] | None = None
 
@@ -163,6 +166,8 @@ class Replay(AsyncIterator[dict[str, Any]]):
             async with _open_log(self.source) as log_:
                 fold, ahead = await self._read(log_, pool)
             check_mixed_range(self.filters, fold.position_time(), self.stats.head_seq)
+            for outside in range_outside_log(self.filters, self.stats) if self.log_range_outside else ():
+                log.warning("replay: %s", outside)
             unknown = sorted((self.filters.resources_ids or frozenset()) - fold.resources.keys())
             if unknown:  # most likely a typo: say so rather than write an empty file without a word
                 log.warning("replay: no resources snapshot in the log is named %s (--resources-id)", ", ".join(unknown))
@@ -419,7 +424,10 @@ def replay(
             In the worker processes too.
 
     Returns:
-        A ``Replay``: iterate it for the records; ``errors`` lists the attempts that failed.
+        A ``Replay``: iterate it for the records; ``errors`` lists the attempts that failed. A
+        range that selects nothing whatever the log holds (``range_outside_log``: past its end,
+        before its start, a time on an empty log) is logged at WARNING once the log is read, with
+        the lines ``eventlight replay`` prints.
 
     Raises:
         InvalidInputError: An unknown adapter or reward spec, attempt status or rollout mode, a
@@ -523,10 +531,16 @@ def check_mixed_range(filters: Filters, entry: tuple[int, float] | None, head_se
 def range_outside_log(filters: Filters, stats: ReplayStats) -> list[str]:
     """Why the range selects nothing, whatever the log holds, once it is read: a ``since`` past its
     end (a position after its head, a time after its last event) or an ``until`` before its start (a
-    position before its first entry, a time before its first event). One line each; ``[]`` if
-    neither. ``eventlight replay`` prints them as warnings (it writes an empty file and exits 0).
+    position before its first entry, a time before its first event), or a time bound on a log of no
+    event (``"... selects nothing: the log is empty"``). One line each; ``[]`` if none.
+    ``eventlight replay`` prints them as warnings (it writes an empty file and exits 0);
+    ``eventlight.replay`` logs them at WARNING.
     """
     lo, hi, out = filters.since, filters.until, []
+    no_event = "the log is empty" if not stats.head_seq else "the log holds no event"
+    for flag, bound in (("--since", lo), ("--until", hi)):
+        if bound is not None and bound.time is not None and stats.last_time is None:
+            out.append(f"{flag} {_iso(bound.time)} selects nothing: {no_event}")
     if lo is not None and lo.seq is not None and lo.seq > stats.head_seq:
         out.append(f"--since {lo.seq} is past the end of the log: it ends at sequence {stats.head_seq}")
     if lo is not None and lo.time is not None and stats.last_time is not None and lo.time > stats.last_time:

@@ -5,7 +5,9 @@ their sequence ids, one append on JetStream; ``add_many_spans`` when they carry 
 attempts of one request concurrently. Spans that cannot be taken (no rollout or attempt id, an
 attempt the store does not know, a span the store refuses) are counted and explained in
 ``partial_success`` of a 200 answer, as the OTLP specification asks; the others are recorded (a
-sequence id that is not used, ``otlp_spans``, is said there too, with no span counted rejected). A
+sequence id that is not used, ``otlp_spans``, is said there too, with no span counted rejected; so
+is an OTLP/JSON request that holds no ``resourceSpans`` but fields of other names, a typo such as
+``resourceSpan``: they are ignored, as the specification asks, and the log says so once per name). A
 span id its attempt already has, sent earlier or again within the same request, is recorded once
 and is no rejection (the store drops the copy with Agent-lightning's warning line: an exporter's
 retry is no failure).
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import reprlib
 from collections import defaultdict
 
 from fastapi import APIRouter, Request
@@ -36,6 +39,10 @@ log = logging.getLogger(__name__)
 router = APIRouter()
 
 _MAX_REASONS = 20
+_MAX_WARNED_FIELDS = 100
+_warned_fields: set[str] = set()
+"""Names of ignored OTLP/JSON fields already logged: each is logged once (at most
+``_MAX_WARNED_FIELDS`` of them), so a misconfigured exporter does not flood the log."""
 
 
 async def _record_attempt(store: LightningStore, rollout_id: str, attempt_id: str, spans: list[Span]) -> list[SpanNote]:
@@ -116,6 +123,22 @@ def _message(rejected: list[SpanNote], renumbered: list[SpanNote]) -> str:
     return ". ".join(parts)
 
 
+def _ignored(names: list[str]) -> str:
+    """``partial_success.error_message`` for an OTLP/JSON request of no ``resourceSpans``, only
+    fields of other names (ignored, as the OTLP specification asks); logged once per field name."""
+    short = [reprlib.repr(n) for n in names]  # a name may be megabytes long: kept and shown shortened
+    more = f" and {len(short) - _MAX_REASONS} more" if len(short) > _MAX_REASONS else ""
+    message = (
+        f"no resourceSpans in the request, so no span was recorded: its field(s) {', '.join(short[:_MAX_REASONS])}"
+        f"{more} are not ExportTraceServiceRequest fields and were ignored"
+    )
+    new = [n for n in dict.fromkeys(short) if n not in _warned_fields][: _MAX_WARNED_FIELDS - len(_warned_fields)]
+    if new:
+        _warned_fields.update(new)
+        log.warning("OTLP export: %s (logged once per field name)", message)
+    return message
+
+
 @router.post(
     OTLP_PATH,
     summary="OTLP/HTTP trace export",
@@ -133,7 +156,7 @@ def _message(rejected: list[SpanNote], renumbered: list[SpanNote]) -> str:
 async def export_traces(request: Request) -> Response:
     """Take an ``ExportTraceServiceRequest`` (protobuf or JSON, optionally gzip) and record its spans."""
     try:
-        parsed, kind = parse_request(
+        parsed, kind, ignored = parse_request(
             await request.body(),
             request.headers.get("content-type"),
             request.headers.get("content-encoding"),
@@ -147,4 +170,6 @@ async def export_traces(request: Request) -> Response:
     message = _message(rejected, [n for n in renumbered if n.span_id not in refused])
     if message:
         log.warning("OTLP export: %s", message)
+    if ignored:
+        message = ". ".join(filter(None, (message, _ignored(ignored))))
     return Response(encode_response(kind, len(rejected), message), media_type=kind)

@@ -2,12 +2,14 @@
 
 As Agent-lightning 0.3.0's ``spans_from_proto``: ``agentlightning.rollout_id``,
 ``agentlightning.attempt_id`` and ``agentlightning.span_sequence_id`` are read from the span's
-attributes, else from its resource's; ids are lowercase hex (trace 32, span 16 digits); times are
-seconds; ``AnyValue`` becomes Python (bytes as hex, key-value lists as dicts, arrays as lists). A
-span without a rollout or attempt id is not taken: it is reported with its reason (0.3.0 drops it
-with a log line only). A missing sequence id is allocated by the store; so is one that is no integer
-of 0 or more (negative, fractional as 3.7, a string that is no decimal integer, a boolean), which
-0.3.0 logs and the answer reports (never truncated: 3.7 is not 3; an integral double as 3.0 is 3).
+attributes, else from its resource's; a span's value that is empty (``""`` or unset) is none, so the
+resource's is used (0.3.0 does so for an unset value, but takes ``""`` as the id). Ids are lowercase
+hex (trace 32, span 16 digits); times are seconds; ``AnyValue`` becomes Python (bytes as hex,
+key-value lists as dicts, arrays as lists). A span without a rollout or attempt id is not taken: it
+is reported with its reason, which says where an id is empty (0.3.0 drops it with a log line only).
+A missing sequence id is allocated by the store; so is one that is no integer of 0 or more
+(negative, fractional as 3.7, a string that is no decimal integer, a boolean), which 0.3.0 logs and
+the answer reports (never truncated: 3.7 is not 3; an integral double as 3.0 is 3).
 """
 
 from __future__ import annotations
@@ -67,10 +69,32 @@ def _seconds(ns: int) -> float | None:
     return ns / 1e9 if ns else None
 
 
+def _given(value: Any) -> bool:
+    """Whether an ``agentlightning.*`` attribute holds a value: not unset (``None``) nor ``""``."""
+    return value is not None and value != ""
+
+
 def _id_text(value: Any) -> str | None:
-    if value is None or value == "":
-        return None
-    return str(value)
+    return str(value) if _given(value) else None
+
+
+def _why_missing(keys: list[Keys], span_ids: dict[Keys, Any], resource_attrs: dict[str, Any]) -> str:
+    """Why a span names no rollout or attempt: for each of ``keys``, missing from both attribute
+    sets, or empty where it is given (an empty value on the span does not hide the resource's)."""
+    absent = [k.value for k in keys if k not in span_ids and k.value not in resource_attrs]
+    parts = [f"no {' and '.join(absent)} in its span or resource attributes"] if absent else []
+    for k in keys:
+        if k in span_ids or k.value in resource_attrs:
+            on_span, on_resource = (
+                _state(given, where)
+                for given, where in ((k in span_ids, "span"), (k.value in resource_attrs, "resource"))
+            )
+            parts.append(f"{k.value} is {on_span} and {on_resource}")
+    return "; ".join(parts)
+
+
+def _state(given: bool, where: str) -> str:
+    return f"empty in its {where} attributes" if given else f"missing from its {where} attributes"
 
 
 def _sequence(value: Any) -> tuple[int, str]:
@@ -146,13 +170,14 @@ def spans_from_request(request: ExportTraceServiceRequest) -> tuple[list[Span], 
         for ss in rs.scope_spans:
             for pb in ss.spans:
                 attrs = {k: v.value for k, v in ((kv.key, kv) for kv in pb.attributes)}
-                ids = {k: value_of(attrs[k]) if k in attrs else resource_attrs.get(k) for k in Keys}
+                span_ids = {k: value_of(attrs[k]) for k in Keys if k in attrs}
+                ids = {k: span_ids[k] if _given(span_ids.get(k)) else resource_attrs.get(k) for k in Keys}
                 rollout_id, attempt_id = _id_text(ids[Keys.ROLLOUT_ID]), _id_text(ids[Keys.ATTEMPT_ID])
                 if rollout_id is None or attempt_id is None:
-                    missing = " and ".join(
-                        k.value for k, v in ((Keys.ROLLOUT_ID, rollout_id), (Keys.ATTEMPT_ID, attempt_id)) if v is None
-                    )
-                    reason = f"no {missing} in its span or resource attributes"
+                    missing = [
+                        k for k, v in ((Keys.ROLLOUT_ID, rollout_id), (Keys.ATTEMPT_ID, attempt_id)) if v is None
+                    ]
+                    reason = _why_missing(missing, span_ids, resource_attrs)
                     rejected.append(SpanNote(pb.span_id.hex(), pb.name, reason))
                     continue
                 sequence_id, unused = _sequence(ids[Keys.SPAN_SEQUENCE_ID])

@@ -134,7 +134,15 @@ def _json_ids_to_b64(doc: Any) -> None:
                             link[key] = _hex_to_b64(link[key], f"{where}.links[{j}].{key}")
 
 
-def _parse_json(data: bytes) -> ExportTraceServiceRequest:
+def _ignored_fields(doc: dict[str, Any]) -> list[str]:
+    """The top-level fields of an OTLP/JSON request that holds no ``resourceSpans``: unknown ones,
+    ignored as the spec asks, that likely stand for it (a typo such as ``resourceSpan``)."""
+    if "resourceSpans" in doc or "resource_spans" in doc:
+        return []
+    return list(doc)
+
+
+def _parse_json(data: bytes) -> tuple[ExportTraceServiceRequest, list[str]]:
     try:
         doc = json.loads(data) if data.strip() else {}
     except (ValueError, UnicodeDecodeError) as e:
@@ -147,7 +155,7 @@ def _parse_json(data: bytes) -> ExportTraceServiceRequest:
         json_format.ParseDict(doc, request, ignore_unknown_fields=True)
     except (json_format.ParseError, TypeError, ValueError) as e:
         raise OtlpError(400, f"the body is not an OTLP/JSON ExportTraceServiceRequest: {e}") from None
-    return request
+    return request, _ignored_fields(doc)
 
 
 def _parse_protobuf(data: bytes) -> ExportTraceServiceRequest:
@@ -185,17 +193,22 @@ def check_ids(request: ExportTraceServiceRequest) -> None:
 
 def parse_request(
     raw: bytes, content_type: str | None, content_encoding: str | None, max_bytes: int
-) -> tuple[ExportTraceServiceRequest, str]:
-    """The request and its media type (what the answer is encoded in).
+) -> tuple[ExportTraceServiceRequest, str, list[str]]:
+    """The request, its media type (what the answer is encoded in), and the names of the fields
+    ignored in an OTLP/JSON request that holds no ``resourceSpans`` (``[]`` for one that does, and
+    for protobuf).
+
+    Fields of unknown names are ignored, as the OTLP specification asks (a newer sender may add
+    some); the names are returned for the caller to say so when they are all the request holds.
 
     Raises:
         OtlpError: 415 (type or encoding), 413 (inflates past ``max_bytes``), 400 (does not parse, bad ids).
     """
     kind = media_type(content_type)
     data = _decompress(raw, content_encoding, max_bytes)
-    request = _parse_json(data) if kind == JSON else _parse_protobuf(data)
+    request, ignored = _parse_json(data) if kind == JSON else (_parse_protobuf(data), [])
     check_ids(request)
-    return request, kind
+    return request, kind, ignored
 
 
 def encode_response(kind: str, rejected: int = 0, message: str = "") -> bytes:

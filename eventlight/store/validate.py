@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import reprlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -258,9 +259,10 @@ def _check_json(i: int, span: Span, what: str, value: Any) -> None:
 
 
 def _shown(value: Any) -> str:
-    """``repr(value)``, or what it is when Python will not print it (an int over 4,300 digits)."""
+    """``repr(value)`` shortened (``reprlib``: an int of 1e300 as its first and last digits), or
+    what it is when Python will not print it (an int over 4,300 digits)."""
     try:
-        return repr(value)
+        return reprlib.repr(value)
     except ValueError:
         return f"(an integer of {int(abs(value).bit_length() * 0.30103) + 1} digits)"
 

@@ -13,7 +13,14 @@ from eventlight.algorithm.apo.evaluation import RolloutEvaluation
 from eventlight.algorithm.apo.models import ProgressCallback, T_task, VersionedPromptTemplate
 from eventlight.algorithm.apo.prompts import EVIDENCE_CHAR_BUDGET
 from eventlight.algorithm.base import Dataset, batch_iter_over_dataset
-from eventlight.algorithm.checks import check_bool, check_choice, check_int, check_number, check_version_prefix
+from eventlight.algorithm.checks import (
+    check_bool,
+    check_callable,
+    check_choice,
+    check_int,
+    check_number,
+    check_version_prefix,
+)
 from eventlight.core.errors import InvalidInputError, InvalidTypeError
 from eventlight.core.types import (
     PromptTemplate,
@@ -108,7 +115,8 @@ class APO(TextualGradient, RolloutEvaluation[T_task]):
         InvalidInputError: A size or count below 1 (``beam_rounds`` below 0), a timeout not above
             0, a negative, NaN or infinite temperature, an unknown ``edit_mode``, a ``version_prefix``
             no id may start with; the message names the argument, the value and what it may be.
-        InvalidTypeError: An argument of the wrong type (``beam_width="4"``, ``beam_rounds=2.0``).
+        InvalidTypeError: An argument of the wrong type (``beam_width="4"``, ``beam_rounds=2.0``, a
+            ``progress`` that cannot be called).
             Both are ``ValueError`` s.
     """
 
@@ -153,6 +161,7 @@ class APO(TextualGradient, RolloutEvaluation[T_task]):
             raise InvalidTypeError(f"APO.rollout_config must be a RolloutConfig or None, got {rollout_config!r:.80}")
         if optimizer_max_tokens is not None:
             check_int("APO.optimizer_max_tokens", optimizer_max_tokens, 1)
+        check_callable("APO.progress", progress)
         self.async_openai_client = async_openai_client
         self.gradient_model = gradient_model
         self.apply_edit_model = apply_edit_model
