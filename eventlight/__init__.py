@@ -85,7 +85,7 @@ from eventlight.execution import (
 )
 from eventlight.logging import configure_logger, setup_logging, setup_module_logging
 from eventlight.logreplay import replay
-from eventlight.ops import Services, ensure_services, prepare_services, stop_services
+from eventlight.ops import Services, ensure_services, prepare_services, stop_services, use_services
 from eventlight.rewards import (
     find_final_reward,
     find_reward_spans,
@@ -234,6 +234,7 @@ __all__ = [
     "replay",
     "rollout",
     "stop_services",
+    "use_services",
     # Agent-lightning 0.3.0's other public names and submodules (tests/test_port_names.py)
     "AgentLightningClient",
     "AgentLightningServer",

@@ -4,7 +4,8 @@
 Under the default strategy (``"cs"``, ``ClientServerExecutionStrategy``, role ``"both"``) it:
 
 1. finds or starts NATS and Postgres and applies ``streams/`` and ``migrations/``
-   (``eventlight.ops.prepare_services``; not with ``managed_store`` false or a given store);
+   (``eventlight.ops.use_services``, ``prepare_services`` with ``keep_services``; not with
+   ``managed_store`` false or a given store);
 2. starts ``n_runners`` runner processes (forked from a ``forkserver`` that imported the runner
    once, ``spawn`` without one; ``eventlight.runner_pool``); each opens a write-only
    ``JetStreamLightningStore`` (no Postgres connection) and consumes the rollout queue;
@@ -12,7 +13,9 @@ Under the default strategy (``"cs"``, ``ClientServerExecutionStrategy``, role ``
 4. starts the LLM proxy, if one is given, on that store;
 5. runs the algorithm; when it returns (or fails, or Ctrl+C), stops the runners — first by their
    stop event, then SIGTERM (attempts still in flight are recorded ``failed``), then SIGKILL — and
-   the servers it started itself. Until then a runner process that dies is restarted
+   the servers it started itself, unless someone else still uses them (another run, ``eventlight
+   runner`` or ``serve``: the last of them stops them) or ``eventlight up`` used them meanwhile
+   (they run until ``eventlight down``). Until then a runner process that dies is restarted
    (``eventlight.runner_pool``).
 
 Role ``"algorithm"`` (``AGL_CURRENT_ROLE=algorithm``) skips step 2, role ``"runner"`` does only
@@ -43,7 +46,7 @@ from eventlight.execution import (
     SharedMemoryExecutionStrategy,
     check_n_runners,
 )
-from eventlight.ops import Services, apply_migrations, apply_streams, prepare_services, stop_services
+from eventlight.ops import Services, apply_migrations, apply_streams, prepare_services, use_services
 from eventlight.runner import Hook, LitAgentRunner
 from eventlight.runner_pool import RunnerPool, check_runners_per_process
 from eventlight.settings import Settings
@@ -114,7 +117,11 @@ class Trainer:
         tracer: The runners' tracer (default ``OtelTracer()``).
         hooks: Runner hooks.
         settings: eventlight's: namespace and services (default ``Settings.from_env()``).
-        keep_services: eventlight's: leave servers this trainer started running after ``fit``.
+        keep_services: eventlight's: leave the servers running after ``fit`` until ``eventlight
+            down``, as ``eventlight up`` does. Without it, the embedded servers a run started are
+            stopped at its end, unless another process still uses them (another ``Trainer``,
+            ``eventlight runner``, ``eventlight serve``: the last of them stops them) or
+            ``eventlight up`` used them meanwhile (``eventlight.ops.use_services``).
         runner_log_level: eventlight's: log level inside runner processes.
         check_llm: eventlight's: with an ``llm_proxy``, send one request through it before the first
             rollout and stop the run (``LLMUnavailableError``) when it fails or, later, when most
@@ -301,7 +308,8 @@ class Trainer:
             raise TypeError(f"unsupported execution strategy {type(strategy).__name__}: use 'cs' or 'shm'")
         return strategy
 
-    async def _services(self, strategy: ClientServerExecutionStrategy) -> Services:
+    async def _services(self, strategy: ClientServerExecutionStrategy, run: contextlib.AsyncExitStack) -> Services:
+        """The servers of a ``"cs"`` run; the lease on embedded ones (``use_services``) goes on ``run``."""
         store = self._given_store
         if store is not None and not isinstance(store, JetStreamLightningStore):
             raise ValueError(
@@ -312,8 +320,10 @@ class Trainer:
             if store.pg_dsn is None:
                 raise ValueError("Trainer(store=...) needs a JetStreamLightningStore with a pg_dsn")
             return Services(nats_url=store.nats_url or "", pg_dsn=store.pg_dsn)
-        if strategy.managed_store:
+        if strategy.managed_store and self.keep_services:
             return await prepare_services(self.settings)
+        if strategy.managed_store:
+            return await run.enter_async_context(use_services(self.settings, what="Trainer"))
         if self.settings.nats_url is None or self.settings.pg_dsn is None:
             raise ValueError(
                 "AGL_MANAGED_STORE=0 starts no server: set EVENTLIGHT_NATS_URL and EVENTLIGHT_PG_DSN, "
@@ -332,7 +342,19 @@ class Trainer:
     async def _fit_async(self, agent: LitAgent[Any], algo: Algorithm | None, train: Any, val: Any) -> None:
         strategy = self._cs()
         agent.set_trainer(self)
-        self.services = services = await self._services(strategy)
+        async with contextlib.AsyncExitStack() as run:  # its end stops the servers no one else uses
+            self.services = services = await self._services(strategy, run)
+            await self._run_cs(strategy, services, agent, algo, train, val)
+
+    async def _run_cs(
+        self,
+        strategy: ClientServerExecutionStrategy,
+        services: Services,
+        agent: LitAgent[Any],
+        algo: Algorithm | None,
+        train: Any,
+        val: Any,
+    ) -> None:
         pool = None
         if strategy.role != "algorithm":
             pool = RunnerPool(
@@ -374,9 +396,6 @@ class Trainer:
         finally:
             if pool is not None and pool.alive():
                 await self._stop_runners(pool, strategy.graceful_timeout)
-            if not self.keep_services and services.started:
-                with contextlib.suppress(Exception):
-                    await stop_services(self.settings)
 
     @staticmethod
     async def _stop_runners(pool: RunnerPool, graceful_s: float) -> None:

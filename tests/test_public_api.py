@@ -78,6 +78,7 @@ EXPECTED = {
     "ensure_services",
     "prepare_services",
     "stop_services",
+    "use_services",
     "WrongEventLoopError",
 }
 

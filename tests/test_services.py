@@ -14,6 +14,8 @@ import json
 import logging
 import os
 import shutil
+import signal
+import sys
 import tempfile
 import time
 import uuid
@@ -27,6 +29,7 @@ import nats
 import psutil
 import pytest
 
+import eventlight as agl
 from eventlight import ops as svc
 from eventlight._data import data_dir
 from eventlight.core.errors import ServiceUnavailableError
@@ -405,3 +408,235 @@ async def test_stream_replicas_on_a_single_server_is_a_usage_error(services: tup
         assert "ParseResult" not in str(info.value)
     finally:
         await nc.close()
+
+
+# -- servers a Trainer started, which others use meanwhile -----------------------------------------
+
+
+@agl.rollout
+def _no_agent(task: str, prompt_template: agl.PromptTemplate) -> float:  # the algorithm role runs no runner
+    return 0.0
+
+
+def _trainer(settings: Settings, algorithm: Any) -> agl.Trainer:
+    """A Trainer that runs only ``algorithm`` (role ``"algorithm"``: no runner process)."""
+    return agl.Trainer(algorithm=algorithm, strategy={"type": "cs", "role": "algorithm"}, settings=settings)
+
+
+def _own(root_dir: Path, pg_dsn: str | None) -> Settings:
+    """A namespace on ``root_dir``'s state folder: its embedded NATS, and ``pg_dsn`` (``None``: its
+    embedded Postgres too)."""
+    return Settings(state_dir=root_dir / "state", pg_dsn=pg_dsn, namespace=_ns())
+
+
+async def test_a_lone_trainer_stops_the_servers_it_started(root_dir: Path) -> None:
+    """What the README promises of the demo: nothing of a Trainer's run keeps running after it."""
+    settings = _own(root_dir, None)
+
+    @agl.algo
+    async def nothing(*, store: Any, train_dataset: Any = None, val_dataset: Any = None) -> None:
+        assert await store.query_rollouts() is not None
+
+    trainer = _trainer(settings, nothing)
+    await trainer.fit_async(_no_agent)
+    assert trainer.services is not None and len(trainer.services.started) == 2, trainer.services
+    assert _procs_naming(root_dir) == [] and not (settings.state_dir / "services.json").exists()
+    assert not (settings.state_dir / "stop_when_unused.json").exists()
+    assert list((settings.state_dir / "leases").glob("*")) == []
+
+
+async def test_a_trainer_leaves_the_servers_running_while_another_trainer_uses_them(
+    root_dir: Path, services: tuple[Settings, Any]
+) -> None:
+    """Trainer A started the embedded NATS, Trainer B reused it, and A's run ended first: A stopped
+    every embedded server of the state folder from under B. Now the last of them to end stops it."""
+    first = _own(root_dir, services[1].pg_dsn)
+    second = msgspec.structs.replace(first, namespace=_ns())
+    b_running, b_may_end = asyncio.Event(), asyncio.Event()
+    b_run: list[asyncio.Task[None]] = []
+
+    @agl.algo
+    async def wait_for_the_test(*, store: Any, train_dataset: Any = None, val_dataset: Any = None) -> None:
+        b_running.set()
+        await b_may_end.wait()
+
+    b = _trainer(second, wait_for_the_test)
+
+    @agl.algo
+    async def start_b(*, store: Any, train_dataset: Any = None, val_dataset: Any = None) -> None:
+        b_run.append(asyncio.create_task(b.fit_async(_no_agent)))
+        await asyncio.wait_for(b_running.wait(), 60)
+
+    a = _trainer(first, start_b)
+    try:
+        await a.fit_async(_no_agent)
+        assert a.services is not None and a.services.started == [f"nats-server pid {a.services.nats_pid}"]
+        assert b.services is not None and b.services.started == [] and b.services.nats_url == a.services.nats_url
+        assert await nats_probe(a.services.nats_url) is None, "A stopped the NATS that B still used"
+        assert [p.pid for p in _procs_naming(root_dir)] == [a.services.nats_pid]
+    finally:
+        b_may_end.set()
+        if b_run:
+            await asyncio.wait_for(b_run[0], 60)
+        for settings in (first, second):
+            await svc.drop_namespace(None, first.pg_dsn, settings)  # the streams go with root_dir
+    assert _procs_naming(root_dir) == [], "B, the last to use it, did not stop the NATS A started"
+
+
+async def test_a_trainer_leaves_the_servers_running_when_up_reused_them(
+    root_dir: Path, services: tuple[Settings, Any]
+) -> None:
+    """`eventlight up` during a Trainer's run reused the NATS the Trainer had started and promised
+    it would run until `eventlight down`; the Trainer's end stopped it."""
+    first = _own(root_dir, services[1].pg_dsn)
+    other = msgspec.structs.replace(first, namespace=_ns())
+    up: list[svc.Services] = []
+
+    @agl.algo
+    async def up_meanwhile(*, store: Any, train_dataset: Any = None, val_dataset: Any = None) -> None:
+        up.append(await svc.prepare_services(other))  # what `eventlight up -N <other>` does
+
+    trainer = _trainer(first, up_meanwhile)
+    try:
+        await trainer.fit_async(_no_agent)
+        assert trainer.services is not None and up[0].started == [] and up[0].nats_url == trainer.services.nats_url
+        assert await nats_probe(up[0].nats_url) is None, "the Trainer stopped the NATS `up` reported running"
+        assert svc.read_services(other) == up[0]
+        assert await svc.stop_services(other) == [f"nats-server pid {up[0].nats_pid}"]  # `eventlight down`
+    finally:
+        for settings in (first, other):
+            await svc.drop_namespace(None, first.pg_dsn, settings)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI_USERS = {  # an `eventlight` command that uses the servers while it runs, and its line once it does
+    "serve": (["serve", "--port", "{port}"], b"serving "),
+    "runner": (["runner", "tests.role_program:score_length"], b"1 runner(s) consuming "),
+}
+
+
+async def _start_cli(settings: Settings, command: str) -> asyncio.subprocess.Process:
+    """``eventlight serve`` or ``runner`` on ``settings``' namespace and state folder; returns once it
+    says it runs."""
+    assert settings.pg_dsn is not None
+    args, ready = CLI_USERS[command]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EVENTLIGHT_")}
+    env.update(EVENTLIGHT_STATE_DIR=str(settings.state_dir), EVENTLIGHT_PG_DSN=settings.pg_dsn, PYTHONPATH=str(ROOT))
+    argv = [a.format(port=free_port()) for a in args]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "eventlight.cli", *argv, "-N", settings.namespace, env=env, cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    lines = [await asyncio.wait_for(proc.stdout.readline(), 60)]
+    while lines[-1] and not lines[-1].startswith(ready):
+        lines.append(await asyncio.wait_for(proc.stdout.readline(), 60))
+    assert lines[-1], lines
+    return proc
+
+
+@pytest.mark.parametrize("command", sorted(CLI_USERS))
+async def test_a_trainer_leaves_the_servers_running_while_a_command_uses_them(
+    root_dir: Path, services: tuple[Settings, Any], command: str
+) -> None:
+    """`eventlight serve` or `runner` started during a Trainer's run on the NATS the Trainer started:
+    the Trainer's end stopped it from under them. Now the command, the last to use it, stops it."""
+    settings = _own(root_dir, services[1].pg_dsn)
+    started: list[asyncio.subprocess.Process] = []
+
+    @agl.algo
+    async def start_meanwhile(*, store: Any, train_dataset: Any = None, val_dataset: Any = None) -> None:
+        started.append(await _start_cli(settings, command))
+
+    trainer = _trainer(settings, start_meanwhile)
+    try:
+        await trainer.fit_async(_no_agent)
+        assert trainer.services is not None and trainer.services.nats_pid is not None
+        assert await nats_probe(trainer.services.nats_url) is None, f"the Trainer stopped the NATS `{command}` used"
+        started[0].send_signal(signal.SIGTERM)
+        out, _ = await asyncio.wait_for(started[0].communicate(), 60)
+        assert started[0].returncode == 143
+        assert _gone(trainer.services.nats_pid), f"`{command}`, the last to use it, did not stop the Trainer's NATS"
+        assert f"stopped nats-server pid {trainer.services.nats_pid}: a trainer's run started" in out.decode(), out
+    finally:
+        if started and started[0].returncode is None:
+            started[0].kill()
+            await started[0].wait()
+        await svc.drop_namespace(None, settings.pg_dsn, settings)
+
+
+async def test_a_process_killed_while_it_used_the_servers_does_not_keep_them_running(
+    root_dir: Path, services: tuple[Settings, Any]
+) -> None:
+    """`eventlight serve` used the Trainer's NATS and was killed (-9): the Trainer's end still stops it."""
+    settings = _own(root_dir, services[1].pg_dsn)
+
+    @agl.algo
+    async def serve_then_kill(*, store: Any, train_dataset: Any = None, val_dataset: Any = None) -> None:
+        proc = await _start_cli(settings, "serve")
+        proc.kill()
+        await proc.wait()
+
+    trainer = _trainer(settings, serve_then_kill)
+    try:
+        await trainer.fit_async(_no_agent)
+        assert trainer.services is not None and trainer.services.started
+        assert _procs_naming(root_dir) == []
+    finally:
+        await svc.drop_namespace(None, settings.pg_dsn, settings)
+
+
+USE_THEN_SLEEP = """
+import asyncio, sys
+from eventlight.ops import use_services
+from eventlight.settings import Settings
+
+async def main():
+    settings = Settings(state_dir=sys.argv[1], pg_dsn=sys.argv[2], namespace=sys.argv[3])
+    async with use_services(settings) as services:
+        print(services.nats_pid, flush=True)
+        await asyncio.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+async def test_servers_whose_starter_was_killed_stop_when_the_next_user_ends(
+    root_dir: Path, services: tuple[Settings, Any]
+) -> None:
+    """A run killed (-9) while it used the servers it started leaves them running, and its lease
+    stale: the next run that reuses them stops them at its end, as their starter would have."""
+    settings = _own(root_dir, services[1].pg_dsn)
+    assert settings.pg_dsn is not None
+    starter = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", USE_THEN_SLEEP, str(settings.state_dir), settings.pg_dsn, settings.namespace,
+        stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert starter.stdout is not None
+    nats_pid = int(await asyncio.wait_for(starter.stdout.readline(), 60))
+    starter.kill()
+    await starter.wait()
+    try:
+        async with svc.use_services(settings) as again:
+            assert again.started == [] and again.nats_pid == nats_pid
+        assert _gone(nats_pid) and _procs_naming(root_dir) == []
+        assert list((settings.state_dir / "leases").iterdir()) == []  # the killed run's, stale, is gone
+    finally:
+        await svc.drop_namespace(None, settings.pg_dsn, settings)
+
+
+async def test_down_stops_the_servers_while_they_are_used_and_says_who_used_them(
+    root_dir: Path, services: tuple[Settings, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    settings = _own(root_dir, services[1].pg_dsn)
+    try:
+        with caplog.at_level(logging.WARNING, logger="eventlight.ops.lifecycle"):
+            async with svc.use_services(settings, what="a test") as used:
+                assert await svc.stop_services(settings) == [f"nats-server pid {used.nats_pid}"]  # `eventlight down`
+                assert _gone(used.nats_pid)
+                await svc.prepare_services(settings)  # `eventlight up` again: runs until `down`
+            assert await nats_probe(used.nats_url) is None, "the block's end stopped what `up` started after `down`"
+        said = [r.getMessage() for r in caplog.records]
+        assert said == [f"stopped nats-server pid {used.nats_pid} while pid {os.getpid()} (a test) still used them"]
+    finally:
+        await svc.drop_namespace(None, settings.pg_dsn, settings)

@@ -40,3 +40,35 @@ def _settings(namespace: str | None) -> Settings:
 
 def _run(coro: Coroutine[Any, Any, Any]) -> Any:
     return asyncio.run(coro)
+
+
+async def _lease(settings: Settings, what: str) -> Any:
+    """A lease on the embedded servers for this command (``eventlight.ops.lease_services``), taken
+    before it looks for them; ``None``, with a warning, in a state folder this user cannot write."""
+    from rich.markup import escape
+
+    from eventlight.core.errors import InvalidInputError
+    from eventlight.ops import lease_services
+
+    try:
+        return await lease_services(settings, what)
+    except InvalidInputError as e:
+        err.print(f"warning: {escape(str(e))}: a trainer's run that started the servers may stop them under {what}")
+        return None
+
+
+async def _release(lease: Any) -> None:
+    """Give up a lease on the embedded servers (``eventlight.ops.lease_services``), and say what that
+    stopped: the servers a trainer's run started, when no one else uses them any more."""
+    from rich.markup import escape
+
+    from eventlight.core.errors import EventlightError
+    from eventlight.ops import release_services
+
+    try:
+        stopped = await release_services(lease)
+    except EventlightError as e:
+        err.print(f"warning: could not stop the servers a trainer's run started: {escape(str(e))}; `eventlight down`")
+        return
+    if stopped:
+        console.print(f"stopped {', '.join(stopped)}: a trainer's run started them and no one else uses them")

@@ -19,6 +19,8 @@ from eventlight.cli.common import (
     EXIT_UNAVAILABLE,
     CliError,
     NamespaceOpt,
+    _lease,
+    _release,
     _run,
     _settings,
     console,
@@ -174,9 +176,11 @@ def runner(
     SIGTERM gives attempts in flight 10 s to finish, then records the rest failed (their rollouts
     are requeued or failed by their RolloutConfig); a second Ctrl+C does so at once.
 
-    Servers: uses $EVENTLIGHT_NATS_URL when set, else the embedded NATS `eventlight up` started;
-    never starts or stops one (without it: exit 1, 'run `eventlight up`'), so stopping the runners
-    leaves the servers to the trainer and other runners."""
+    Servers: uses $EVENTLIGHT_NATS_URL when set, else the embedded NATS `eventlight up` or a
+    trainer started; never starts one (without it: exit 1, 'run `eventlight up`'). No trainer's
+    run stops the servers while runners use them, and stopping the runners leaves them to the
+    trainer and other runners: only when it is the last to use the servers a run started does it
+    stop them."""
     from eventlight.net import redact
     from eventlight.runner import LitAgentRunner
     from eventlight.runner.metrics import RunnerMetrics
@@ -190,49 +194,53 @@ def runner(
     processes = -(-n // per_process)
     if metrics_port is not None:
         _check_metrics_ports(metrics_port, processes)
-    nats_url = _run(_runner_nats(settings))
-    template = LitAgentRunner(
-        OtelTracer(instrument=instrument_names),
-        metrics=RunnerMetrics() if metrics_port is not None else None,
-        rollout_config=config,
-    )
-    pool = RunnerPool(
-        the_agent,
-        n,
-        settings,
-        nats_url,
-        runner=template,
-        log_level=settings.log_level,
-        metrics_port=metrics_port,
-        runners_per_process=per_process,
-    )
-    signal.signal(signal.SIGTERM, _raise_terminated)
-    # SIGINT stops the runners even when this process was started with it ignored (a parent that
-    # ignores SIGINT passes that on through exec, and Python then installs no KeyboardInterrupt)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    pool.start()
-    where = f" in {processes} process{'es' if processes > 1 else ''}" if processes != n else ""
-    console.print(
-        f"{n} runner(s){where} consuming {settings.stream_name} on {escape(redact(nats_url))}; Ctrl+C to stop"
-    )
-    if metrics_port is not None:
-        console.print(f"metrics on http://127.0.0.1:{metrics_port}…{metrics_port + processes - 1}/metrics")
+    lease = _run(_lease(settings, "eventlight runner"))  # before finding NATS: no run stops it then
     try:
-        while pool.supervising():
-            time.sleep(0.5)
-    except (KeyboardInterrupt, _Terminated) as e:
-        console.print(
-            f"stopping runners: attempts in flight get {GRACEFUL_STOP_S:.0f} s to finish, then are recorded "
-            "failed (Ctrl+C again: at once)…"
+        nats_url = _run(_runner_nats(settings))
+        template = LitAgentRunner(
+            OtelTracer(instrument=instrument_names),
+            metrics=RunnerMetrics() if metrics_port is not None else None,
+            rollout_config=config,
         )
+        pool = RunnerPool(
+            the_agent,
+            n,
+            settings,
+            nats_url,
+            runner=template,
+            log_level=settings.log_level,
+            metrics_port=metrics_port,
+            runners_per_process=per_process,
+        )
+        signal.signal(signal.SIGTERM, _raise_terminated)
+        # SIGINT stops the runners even when this process was started with it ignored (a parent that
+        # ignores SIGINT passes that on through exec, and Python then installs no KeyboardInterrupt)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        pool.start()
+        where = f" in {processes} process{'es' if processes > 1 else ''}" if processes != n else ""
+        console.print(
+            f"{n} runner(s){where} consuming {settings.stream_name} on {escape(redact(nats_url))}; Ctrl+C to stop"
+        )
+        if metrics_port is not None:
+            console.print(f"metrics on http://127.0.0.1:{metrics_port}…{metrics_port + processes - 1}/metrics")
         try:
-            pool.stop()
-        except (KeyboardInterrupt, _Terminated):
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            pool.stop(graceful_s=0)
-        raise typer.Exit(EXIT_INTERRUPTED if isinstance(e, KeyboardInterrupt) else EXIT_TERMINATED) from None
-    codes = pool.stop()
-    raise CliError(f"runner processes exited (exit codes {codes}); their log is above", EXIT_UNAVAILABLE)
+            while pool.supervising():
+                time.sleep(0.5)
+        except (KeyboardInterrupt, _Terminated) as e:
+            console.print(
+                f"stopping runners: attempts in flight get {GRACEFUL_STOP_S:.0f} s to finish, then are recorded "
+                "failed (Ctrl+C again: at once)…"
+            )
+            try:
+                pool.stop()
+            except (KeyboardInterrupt, _Terminated):
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                pool.stop(graceful_s=0)
+            raise typer.Exit(EXIT_INTERRUPTED if isinstance(e, KeyboardInterrupt) else EXIT_TERMINATED) from None
+        codes = pool.stop()
+        raise CliError(f"runner processes exited (exit codes {codes}); their log is above", EXIT_UNAVAILABLE)
+    finally:
+        _run(_release(lease))
 
 
 def _check_metrics_ports(first: int, processes: int) -> None:

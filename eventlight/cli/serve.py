@@ -14,7 +14,16 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 
-from eventlight.cli.common import EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_UNAVAILABLE, CliError, NamespaceOpt, console
+from eventlight.cli.common import (
+    EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
+    EXIT_UNAVAILABLE,
+    CliError,
+    NamespaceOpt,
+    _lease,
+    _release,
+    console,
+)
 from eventlight.cli.discovery import _need_nats, _need_pg, _no_namespace
 from eventlight.cli.status import _stream_state
 from eventlight.settings import Settings
@@ -51,6 +60,18 @@ async def _open_store(settings: Settings, backend: Backend) -> Any:
 
 
 async def _serve(settings: Settings, backend: Backend, host: str, port: int, token: str | None, max_body: int) -> int:
+    """Serve until SIGTERM, holding a lease on the embedded servers meanwhile (no trainer's run stops
+    them under it; the last to give one up stops the servers a run started)."""
+    lease = await _lease(settings, "eventlight serve") if backend is Backend.jetstream else None
+    try:
+        return await _serve_store(settings, backend, host, port, token, max_body)
+    finally:
+        await _release(lease)
+
+
+async def _serve_store(
+    settings: Settings, backend: Backend, host: str, port: int, token: str | None, max_body: int
+) -> int:
     from eventlight.server.serving import LightningStoreServer
 
     store = await _open_store(settings, backend)
@@ -119,8 +140,10 @@ def serve(
     LightningStoreClient works against it), OTLP/HTTP traces at /v1/traces, OpenAPI at /docs.
 
     Writes through it are events on the namespace's stream like any other. Uses
-    $EVENTLIGHT_NATS_URL / $EVENTLIGHT_PG_DSN, else the servers `eventlight up` started; never
-    starts them. A port that is taken fails at once (exit 1)."""
+    $EVENTLIGHT_NATS_URL / $EVENTLIGHT_PG_DSN, else the servers `eventlight up` or a trainer
+    started; never starts them, and no trainer's run stops them while it serves (when it is the
+    last to use the servers a run started, it stops them as it ends). A port that is taken fails
+    at once (exit 1)."""
     from eventlight.cli.common import _settings
 
     if token is not None:

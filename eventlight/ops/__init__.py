@@ -3,7 +3,9 @@
 ======================  ==========================================================================
 module                  what
 ======================  ==========================================================================
-``lifecycle``           ``ensure_services`` / ``prepare_services`` / ``stop_services`` (``up``/``down``)
+``lifecycle``           ``ensure_services`` / ``prepare_services`` / ``stop_services`` (``up``/``down``),
+                        ``use_services`` (a ``Trainer``'s run), ``lease_services`` / ``release_services``
+``leases``              who uses the embedded servers now, and which ones stop when no one does
 ``discovery``           ``find_nats`` / ``find_pg``: the servers in use, without starting any
 ``state``               the state folder, its lock, ``services.json`` (``Services``, ``read_services``)
 ``nats_server``         the embedded nats-server, and a probe for any NATS URL
@@ -19,7 +21,14 @@ module                  what
 from __future__ import annotations
 
 from eventlight.ops.discovery import Endpoint, find_nats, find_pg
-from eventlight.ops.lifecycle import ensure_services, prepare_services, stop_services
+from eventlight.ops.lifecycle import (
+    ensure_services,
+    lease_services,
+    prepare_services,
+    release_services,
+    stop_services,
+    use_services,
+)
 from eventlight.ops.schema import apply_migrations, drop_namespace
 from eventlight.ops.state import Services, read_services
 from eventlight.ops.streams import apply_streams
@@ -33,7 +42,10 @@ __all__ = [
     "ensure_services",
     "find_nats",
     "find_pg",
+    "lease_services",
     "prepare_services",
     "read_services",
+    "release_services",
     "stop_services",
+    "use_services",
 ]

@@ -1,25 +1,37 @@
-"""Start, reuse and stop the servers eventlight needs (``eventlight up`` / ``down``)."""
+"""Start, reuse and stop the servers eventlight needs (``eventlight up`` / ``down``, a ``Trainer``'s run).
+
+Who stops the embedded servers: ``eventlight down`` (``stop_services``), at once, whoever uses them.
+Otherwise the servers ``use_services`` started (a ``Trainer``'s run) are stopped when the last
+process holding a lease on them gives it up (``eventlight.ops.leases``): that run, another run,
+``eventlight runner`` or ``eventlight serve``. ``eventlight up`` (``prepare_services``,
+``ensure_services``) takes none: the servers it starts or reuses run until ``eventlight down``.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
 
 from eventlight.core.errors import InvalidInputError
 from eventlight.net import redact, redact_configured
+from eventlight.ops.leases import Lease, clear_marks, live_leases, mark, marked, take_lease, unmark
 from eventlight.ops.nats_server import ensure_nats, stop_nats
 from eventlight.ops.pg_pgserver import ensure_pgserver, stop_pgserver
 from eventlight.ops.pg_system import ensure_system_pg, stop_system_pg
 from eventlight.ops.postgres import REFUSED, choose_pg_kind, pg_probe
+from eventlight.ops.procs import pid_running
 from eventlight.ops.schema import apply_migrations
 from eventlight.ops.state import (
     PgServer,
     Services,
+    embedded_pids,
     existing_state_dir,
     read_services,
+    record_at,
     state_dir,
     state_lock,
     write_services_file,
@@ -39,7 +51,9 @@ async def ensure_services(settings: Settings) -> Services:
     (when nothing answers, a warning and the embedded one; when it refuses the role, password or
     database, an error); the embedded one uses the system binaries, else ``pgserver``. Servers
     left running by an earlier call are reused, on the same ports and data. If a later step
-    fails, the servers this call started are stopped again.
+    fails, the servers this call started are stopped again. The embedded servers it starts or
+    reuses run until ``stop_services`` (``eventlight down``), even those a ``use_services`` holder
+    (a ``Trainer``'s run) started.
 
     Args:
         settings: Service URLs and the state folder.
@@ -56,6 +70,7 @@ async def ensure_services(settings: Settings) -> Services:
     async with state_lock(state):
         services = await _start_or_reuse(settings, state)
         _write_record(settings, state, services)
+        unmark(state, set(embedded_pids(services)))
     return services
 
 
@@ -73,12 +88,21 @@ async def _start_or_reuse(settings: Settings, state: Path) -> Services:
     return Services(nats_url, pg.dsn, started, nats_pid, pg.pid, pg.kind)
 
 
-async def _stop_started(state: Path, services: Services) -> None:
-    """Stop the servers ``services.started`` names, and only those (the caller holds the lock)."""
-    if f"nats-server pid {services.nats_pid}" in services.started:
-        await stop_nats(state)
-    if f"postgres pid {services.pg_pid}" in services.started:
-        await (stop_system_pg if services.pg_kind == "system" else stop_pgserver)(state)
+def _started(services: Services) -> dict[str, int]:
+    """The servers ``services.started`` names, by name to pid (as ``leases.marked``)."""
+    pids = {"nats-server": services.nats_pid, "postgres": services.pg_pid}
+    return {name: pid for name, pid in pids.items() if pid is not None and f"{name} pid {pid}" in services.started}
+
+
+async def _stop_these(state: Path, servers: dict[str, int]) -> list[str]:
+    """Stop the embedded servers ``servers`` names (name to pid), and only while they have that pid
+    (the caller holds the lock). Returns what was stopped."""
+    stopped = []
+    if (pid := servers.get("nats-server")) is not None:
+        stopped.append(await stop_nats(state, only_pid=pid))
+    if (pid := servers.get("postgres")) is not None:
+        stopped += [await stop_system_pg(state, only_pid=pid), await stop_pgserver(state, only_pid=pid)]
+    return [s for s in stopped if s]
 
 
 def _write_record(settings: Settings, state: Path, services: Services) -> None:
@@ -118,6 +142,9 @@ async def prepare_services(settings: Settings) -> Services:
     ``services.json`` is written after it, so no other ``up`` (which waits for the lock) and no
     ``status`` or ``runner`` (which read ``services.json``) can have been handed them by then.
 
+    The embedded servers it starts or reuses run until ``stop_services`` (``eventlight down``); a
+    program that should leave nothing running behind it uses ``use_services`` instead.
+
     Args:
         settings: Namespace, service URLs and the state folder.
 
@@ -128,6 +155,12 @@ async def prepare_services(settings: Settings) -> Services:
         ServiceUnavailableError: A server cannot be started or reached.
         InvalidInputError: The configured Postgres refused the role, password or database.
     """
+    services, _ = await _prepare(settings, None)
+    return services
+
+
+async def _prepare(settings: Settings, lease_for: str | None) -> tuple[Services, Lease | None]:
+    """``prepare_services``; with ``lease_for``, also a lease for it, taken under the same lock."""
     state = state_dir(settings)
     async with state_lock(state):
         services = await _start_or_reuse(settings, state)
@@ -135,10 +168,126 @@ async def prepare_services(settings: Settings) -> Services:
             await _apply_namespace(settings, services)
         except BaseException:
             with contextlib.suppress(Exception):  # do not leave half a setup running
-                await _stop_started(state, services)
+                await _stop_these(state, _started(services))
             raise
         _write_record(settings, state, services)
-    return services
+        if lease_for is None:
+            unmark(state, set(embedded_pids(services)))
+            return services, None
+        mark(state, _started(services))
+        return services, take_lease(state, lease_for)
+
+
+@contextlib.asynccontextmanager
+async def use_services(settings: Settings, *, what: str = "use_services") -> AsyncIterator[Services]:
+    """``prepare_services`` for the length of an ``async with`` block, leaving nothing running after it
+    that it started, unless someone else still uses it::
+
+        async with use_services(Settings.from_env(namespace="scratch")) as services:
+            async with JetStreamLightningStore(settings, nats_url=services.nats_url, pg_dsn=services.pg_dsn) as store:
+                ...
+
+    The block holds a lease on the state folder's embedded servers (``eventlight.ops.leases``). At
+    its end, the servers it started are stopped unless another process or block holds a lease (a
+    ``Trainer``'s run, ``eventlight runner``, ``eventlight serve``: the last of them stops them), or
+    ``eventlight up`` / ``prepare_services`` / ``ensure_services`` used them since (they then run
+    until ``eventlight down``). A process that ends without leaving the block (``kill -9``) holds no
+    lease after. What a ``Trainer`` does for its run unless ``keep_services``.
+
+    Args:
+        settings: Namespace, service URLs and the state folder.
+        what: Who holds the lease, for messages (``"Trainer"``).
+
+    Yields:
+        Where the servers are (``started`` lists those this call started).
+
+    Raises:
+        ServiceUnavailableError: A server cannot be started or reached.
+        InvalidInputError: The configured Postgres refused the role, password or database.
+    """
+    services, lease = await _prepare(settings, what)
+    assert lease is not None
+    try:
+        yield services
+    finally:
+        await _release_quietly(lease)
+
+
+async def lease_services(settings: Settings, what: str) -> Lease | None:
+    """Hold a lease on whatever embedded servers the state folder runs; starts none.
+
+    For processes that use the servers ``eventlight up`` or a ``Trainer`` started, for as long as
+    they run (``eventlight runner``, ``eventlight serve``): take it before looking for the servers,
+    and give it up with ``release_services``.
+
+    Args:
+        settings: Gives the state folder.
+        what: Who holds it, for messages (``"eventlight runner"``).
+
+    Returns:
+        The lease; ``None`` when the state folder does not exist (no embedded server runs).
+
+    Raises:
+        ServiceUnavailableError: The state folder's lock was held for more than 120 s.
+        InvalidInputError: This user cannot write the state folder.
+    """
+    state = existing_state_dir(settings)
+    if state is None:
+        return None
+    async with state_lock(state):
+        return take_lease(state, what)
+
+
+async def release_services(lease: Lease | None) -> list[str]:
+    """Give ``lease`` up; then, if no one else holds one, stop the servers lease holders started.
+
+    Args:
+        lease: From ``lease_services`` (``None``: nothing to do); calling it again does nothing.
+
+    Returns:
+        What was stopped, e.g. ``["nats-server pid 123"]``.
+
+    Raises:
+        ServiceUnavailableError: The state folder's lock was held for more than 120 s, or
+            ``pg_ctl stop`` failed. The lease is given up all the same.
+    """
+    if lease is None or lease.closed:
+        return []
+    try:
+        async with state_lock(lease.state):
+            lease.close()
+            return await _stop_unused(lease.state)
+    finally:
+        lease.close()
+
+
+async def _release_quietly(lease: Lease) -> None:
+    """``release_services``, which logs its failure rather than hide the block's own outcome."""
+    try:
+        stopped = await release_services(lease)
+    except Exception as e:
+        _log.warning("could not stop the servers this run started (%s); `eventlight down` stops them", e)
+        return
+    if stopped:
+        _log.info("stopped %s (no one else uses them)", ", ".join(stopped))
+
+
+async def _stop_unused(state: Path) -> list[str]:
+    """Stop the marked servers unless a lease is held (the caller holds the lock)."""
+    servers = marked(state)
+    if not servers:
+        return []
+    holders = live_leases(state)
+    if holders:
+        named = ", ".join(f"{name} pid {pid}" for name, pid in servers.items())
+        _log.info("leaving %s running: %s still use(s) them", named, ", ".join(holders))
+        return []
+    stopped = await _stop_these(state, servers)
+    clear_marks(state)
+    record = record_at(state)
+    if record is not None and not any(pid_running(pid, "") for pid in embedded_pids(record)):
+        (state / "services.json").unlink(missing_ok=True)
+    return stopped
 
 
 async def _apply_namespace(settings: Settings, services: Services) -> None:
@@ -151,10 +300,12 @@ async def _apply_namespace(settings: Settings, services: Services) -> None:
 
 
 async def stop_services(settings: Settings) -> list[str]:
-    """Stop the embedded servers this project started in ``settings.state_dir``.
+    """Stop the embedded servers this project started in ``settings.state_dir`` (``eventlight down``).
 
     Only pids from the state folder's pid files whose command line names that folder are
-    signalled, so a system NATS or Postgres is never touched. Calling it again does nothing.
+    signalled, so a system NATS or Postgres is never touched. Calling it again does nothing. It
+    stops them even while processes hold leases on them (``use_services``, a ``Trainer``'s run,
+    ``eventlight runner``, ``eventlight serve``), with a warning naming those processes.
 
     Args:
         settings: Gives the state folder.
@@ -169,10 +320,15 @@ async def stop_services(settings: Settings) -> list[str]:
     if state is None:
         return []
     async with state_lock(state):
+        holders = live_leases(state)
         stopped = [await stop_nats(state), await stop_system_pg(state), await stop_pgserver(state)]
+        clear_marks(state)
         with contextlib.suppress(FileNotFoundError):
             (state / "services.json").unlink()
-    return [s for s in stopped if s]
+    stopped_names = [s for s in stopped if s]
+    if holders and stopped_names:
+        _log.warning("stopped %s while %s still used them", ", ".join(stopped_names), ", ".join(holders))
+    return stopped_names
 
 
 async def ensure_pg(settings: Settings, state: Path) -> PgServer:

@@ -163,10 +163,12 @@ async def _wait_nats_ready(url: str, pid: int, home: Path) -> None:
     raise ServiceUnavailableError(url, f"nats-server pid {pid} not ready in 10 s ({why}), {state}; log:\n{tail}")
 
 
-async def stop_nats(state: Path) -> str | None:
+async def stop_nats(state: Path, only_pid: int | None = None) -> str | None:
+    """Stop the embedded nats-server (SIGTERM, then SIGKILL after 10 s); with ``only_pid``, only
+    when that is its pid. Returns what was stopped (``"nats-server pid 123"``), ``None`` when nothing."""
     home = state / "nats"
     pid = read_pid(home / "nats.pid")
-    if not pid or not pid_running(pid, str(home / "nats.conf")):
+    if not pid or (only_pid is not None and pid != only_pid) or not pid_running(pid, str(home / "nats.conf")):
         return None
     os.kill(pid, signal.SIGTERM)
     if not await wait_exit(pid, STOP_TIMEOUT_S):

@@ -92,10 +92,15 @@ async def _alter_system(dsn: str) -> bool:
         await conn.close()
 
 
-async def stop_pgserver(state: Path) -> str | None:
-    """Fast shutdown (SIGINT, what ``pg_ctl stop -m fast`` sends) of the pgserver postmaster."""
+async def stop_pgserver(state: Path, only_pid: int | None = None) -> str | None:
+    """Fast shutdown (SIGINT, what ``pg_ctl stop -m fast`` sends) of the pgserver postmaster; with
+    ``only_pid``, only when that is its pid.
+
+    Raises:
+        ServiceUnavailableError: It did not stop in 30 s.
+    """
     running = postmaster(state / "pg-pgserver")
-    if not running:
+    if not running or (only_pid is not None and running[0] != only_pid):
         return None
     os.kill(running[0], signal.SIGINT)
     if not await wait_exit(running[0], 30.0):

@@ -188,10 +188,16 @@ async def wait_pg_ready(dsn: str, log: Path, timeout_s: float = 30.0) -> None:
         await asyncio.sleep(0.1)
 
 
-async def stop_system_pg(state: Path) -> str | None:
+async def stop_system_pg(state: Path, only_pid: int | None = None) -> str | None:
+    """``pg_ctl stop -m fast`` of the embedded postmaster; with ``only_pid``, only when that is its
+    pid. Returns what was stopped (``"postgres pid 123"``), ``None`` when nothing.
+
+    Raises:
+        ServiceUnavailableError: ``pg_ctl stop`` failed.
+    """
     home = state / "pg"
     running = postmaster(home / "data")
-    if not running:
+    if not running or (only_pid is not None and running[0] != only_pid):
         return None
     await _pg_ctl(_pick_bindir(home), home, ["-D", str(home / "data"), "-m", "fast", "-w", "stop"])
     await wait_exit(running[0], STOP_TIMEOUT_S)

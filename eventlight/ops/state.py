@@ -5,7 +5,10 @@ Layout of ``settings.state_dir`` (every path is the project's own; nothing else 
     services.json        URLs/DSNs and pids of what runs, for other processes (``read_services``);
                          mode 600: a configured DSN's password may be in it
     services.lock        held while ``ensure_services`` runs (``prepare_services``: until the
-                         namespace is applied), so two processes do not race
+                         namespace is applied), and while leases are taken, given up or counted,
+                         so two processes do not race
+    leases/, stop_when_unused.json  who uses the servers now, and which ones stop when no one
+                         does (``eventlight.ops.leases``)
     nats/nats.conf       generated config: 127.0.0.1:<port>, JetStream with sync_interval always
     nats/port            the port picked the first time and reused after
     nats/nats.pid        written by nats-server; ``stop_services`` signals only this pid
@@ -97,7 +100,12 @@ def read_services(settings: Settings) -> Services | None:
 def read_record(settings: Settings) -> Services | None:
     """``<state_dir>/services.json`` as written (``started`` empty), whether or not the servers it
     names still run; ``None`` when there is no file or it is unreadable."""
-    path = Path(settings.state_dir) / "services.json"
+    return record_at(Path(settings.state_dir))
+
+
+def record_at(state: Path) -> Services | None:
+    """``read_record`` of the state folder ``state``."""
+    path = state / "services.json"
     try:
         services = msgspec.json.decode(path.read_bytes(), type=Services)
     except (OSError, msgspec.DecodeError, msgspec.ValidationError):

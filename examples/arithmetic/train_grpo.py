@@ -28,7 +28,6 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import eventlight as agl  # noqa: E402
-from eventlight.ops import prepare_services, stop_services  # noqa: E402
 from examples.arithmetic.task import MAX_TOKENS, PROMPT, adder, make_items  # noqa: E402
 
 MAX_FAILED_FRACTION = 0.5
@@ -162,9 +161,9 @@ async def train(args: argparse.Namespace) -> int:
             f"--resume {args.resume}: no checkpoint of that run in {settings.state_dir / 'checkpoints'}"
             f" (runs with one: {', '.join(runs) if runs else 'none'})"
         )
-    services = await prepare_services(settings)  # started here, so leftovers can go before the runners start
-    trainer: agl.Trainer | None = None
-    try:
+    # started here, so leftovers can go before the runners start; the block's end stops what it started
+    # (unless another process, e.g. `eventlight serve`, still uses them: the last of them stops them)
+    async with agl.use_services(settings) as services:
         left = await cancel_leftovers(settings, services.nats_url, services.pg_dsn)
         if left:
             say(f"cancelled {left} rollout(s) an earlier run left queued (interrupted?); this run's runners skip them")
@@ -191,8 +190,7 @@ async def train(args: argparse.Namespace) -> int:
             n_runners=args.n_runners,
             llm_proxy=proxy,
             check_llm=False,  # the backend is the policy the algorithm starts; nothing to check before it
-            settings=settings,
-            keep_services=True,  # the report below queries the projections; stopped in `finally`
+            settings=settings,  # its run leaves the servers to this block, whose report queries the projections
         )
         say(f"loading SmolLM2-135M-Instruct (converted once from the GGUF) and starting {args.n_runners} runners…")
         await trainer.fit_async(adder, train_items, val_dataset=held_out)
@@ -200,9 +198,6 @@ async def train(args: argparse.Namespace) -> int:
         if code == 0 and grpo.policy is not None and grpo.checkpoint_dir is not None:
             grpo.policy.drop_optimizer_state(grpo.checkpoint_dir)  # a finished run keeps its weights only
         return code
-    finally:
-        if services.started or (trainer is not None and trainer.services is not None and trainer.services.started):
-            await stop_services(settings)
 
 
 def report(trainer: agl.Trainer, grpo, run_id: str, wall_s: float) -> int:

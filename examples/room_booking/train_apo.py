@@ -25,7 +25,6 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import eventlight as agl  # noqa: E402
-from eventlight.ops import stop_services  # noqa: E402
 from eventlight.store.jetstream import JetStreamLightningStore  # noqa: E402
 from examples.room_booking.agent import INITIAL_PROMPT, load_tasks, room_booker, split  # noqa: E402
 
@@ -147,7 +146,7 @@ async def train(args: argparse.Namespace) -> int:
     say(f"run {run_id}")
 
     servers: list = []
-    trainer: agl.Trainer | None = None
+    settings = agl.Settings.from_env()
     try:
         servers, base_urls, model, api_key = await start_llms(args)
         proxy = agl.LLMProxy(
@@ -156,45 +155,46 @@ async def train(args: argparse.Namespace) -> int:
                 for u in base_urls
             ]
         )
-        async with AsyncOpenAI(base_url=base_urls[0], api_key=api_key) as optimizer:
-            apo = agl.APO(
-                optimizer,
-                gradient_model=model,
-                apply_edit_model=model,
-                diversity_temperature=0.7,
-                gradient_batch_size=args.gradient_batch_size,
-                val_batch_size=args.val_batch_size,
-                beam_width=args.beam_width,
-                branch_factor=args.branch_factor,
-                beam_rounds=args.rounds,
-                rollout_batch_timeout=900,
-                progress=on_progress,
-                # a 135M model can write one instruction, rarely a whole template with its placeholders
-                edit_mode=args.edit_mode or ("append" if servers else "rewrite"),
-                optimizer_max_tokens=160 if servers else None,
-                version_prefix=f"{run_id}-",
-            )
-            trainer = agl.Trainer(
-                algorithm=apo,
-                n_runners=args.n_runners,
-                initial_resources={
-                    "prompt_template": agl.PromptTemplate(template=INITIAL_PROMPT, engine="f-string"),
-                    "main_llm": proxy.as_resource(model=model, sampling_parameters={"temperature": 0.0}),
-                },
-                adapter=agl.TraceToMessages(),
-                llm_proxy=proxy,
-                keep_services=True,  # the report below reads the projections; stopped in `finally`
-            )
-            say(
-                f"training on {len(train_tasks)} tasks, validating on {len(val)}, "
-                f"with {args.n_runners} runner processes"
-            )
-            await trainer.fit_async(room_booker, train_tasks, val_dataset=val)
-        return await report(trainer, apo, run_id, time.monotonic() - started)
+        # the embedded servers until the report is read; the block's end stops what it started (unless
+        # another process, e.g. `eventlight serve`, still uses them: the last of them stops them)
+        async with agl.use_services(settings):
+            async with AsyncOpenAI(base_url=base_urls[0], api_key=api_key) as optimizer:
+                apo = agl.APO(
+                    optimizer,
+                    gradient_model=model,
+                    apply_edit_model=model,
+                    diversity_temperature=0.7,
+                    gradient_batch_size=args.gradient_batch_size,
+                    val_batch_size=args.val_batch_size,
+                    beam_width=args.beam_width,
+                    branch_factor=args.branch_factor,
+                    beam_rounds=args.rounds,
+                    rollout_batch_timeout=900,
+                    progress=on_progress,
+                    # a 135M model can write one instruction, rarely a whole template with its placeholders
+                    edit_mode=args.edit_mode or ("append" if servers else "rewrite"),
+                    optimizer_max_tokens=160 if servers else None,
+                    version_prefix=f"{run_id}-",
+                )
+                trainer = agl.Trainer(
+                    algorithm=apo,
+                    n_runners=args.n_runners,
+                    initial_resources={
+                        "prompt_template": agl.PromptTemplate(template=INITIAL_PROMPT, engine="f-string"),
+                        "main_llm": proxy.as_resource(model=model, sampling_parameters={"temperature": 0.0}),
+                    },
+                    adapter=agl.TraceToMessages(),
+                    llm_proxy=proxy,
+                    settings=settings,  # its run leaves the servers to the enclosing block, whose report reads them
+                )
+                say(
+                    f"training on {len(train_tasks)} tasks, validating on {len(val)}, "
+                    f"with {args.n_runners} runner processes"
+                )
+                await trainer.fit_async(room_booker, train_tasks, val_dataset=val)
+            return await report(trainer, apo, run_id, time.monotonic() - started)
     finally:
         await asyncio.gather(*(s.stop() for s in servers))
-        if trainer is not None and trainer.services is not None and trainer.services.started:
-            await stop_services(trainer.settings)
 
 
 async def report(trainer: agl.Trainer, apo: agl.APO, run_id: str, wall_s: float) -> int:

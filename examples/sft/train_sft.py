@@ -30,7 +30,6 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import eventlight as agl  # noqa: E402
-from eventlight.ops import stop_services  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -96,8 +95,7 @@ async def train(args: argparse.Namespace) -> int:
         sft = SFT(config, model_dir=model_dir, checkpoint_dir=out, state_dir=settings.state_dir, records=records)
         await sft.run()
         return summary(sft, t0)
-    services = await agl.prepare_services(settings)
-    try:
+    async with agl.use_services(settings) as services:  # its end stops what it started, unless still used
         async with agl.JetStreamLightningStore(settings, nats_url=services.nats_url, pg_dsn=services.pg_dsn) as store:
             records_from_run = await run_records(store, args.run, args.min_reward) if args.run else None
             sft = SFT(
@@ -110,9 +108,6 @@ async def train(args: argparse.Namespace) -> int:
             sft.set_store(store)
             await sft.run()
             return summary(sft, t0)
-    finally:
-        if services.started:
-            await stop_services(settings)
 
 
 async def run_records(store: Any, run: str, min_reward: float) -> list[dict[str, Any]]:

@@ -1,0 +1,166 @@
+"""Leases on a state folder's embedded servers: who uses them now, and which stop when no one does.
+
+Files under ``settings.state_dir`` (the rest: ``eventlight.ops.state``)::
+
+    leases/<pid>-<hex>.json  one per user of the servers for a while (a ``Trainer``'s run,
+                             ``use_services``, ``eventlight runner``, ``eventlight serve``):
+                             ``{"pid": 123, "what": "Trainer"}``, flock'ed by its holder until it
+                             gives the lease up
+    stop_when_unused.json    the servers a lease holder started, e.g. ``{"nats-server": 123}``: the
+                             last holder to give up its lease stops them. ``eventlight up``,
+                             ``ensure_services`` and ``prepare_services`` take the servers they
+                             use off it (they then run until ``eventlight down``)
+
+Why flocks rather than pids: the kernel drops a process's locks when it ends, however it ends
+(``kill -9`` too), so a lease file no one holds a lock on is stale, whatever process its pid names
+by now (pids are reused). Two leases of one process are two open files, whose locks exclude each
+other as two processes' do; a child forked (``os.fork``) while a lease is held shares its lock.
+Every function here runs under the state folder's lock (``state_lock``), so no lease can be taken
+between the check for leases and the stop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import secrets
+from pathlib import Path
+from typing import BinaryIO
+
+import msgspec
+
+from eventlight.core.errors import InvalidInputError
+
+LEASES = "leases"
+MARKS = "stop_when_unused.json"
+
+
+class _Holder(msgspec.Struct, frozen=True):
+    pid: int
+    what: str
+
+
+class Lease:
+    """One hold on a state folder's embedded servers (``take_lease``); ``close`` gives it up.
+
+    Attributes:
+        state: The state folder.
+        path: The lease file.
+    """
+
+    def __init__(self, state: Path, path: Path, file: BinaryIO) -> None:
+        self.state = state
+        self.path = path
+        self._file = file
+
+    @property
+    def closed(self) -> bool:
+        return self._file.closed
+
+    def close(self) -> None:
+        """Remove the lease file and drop its lock; calling it again does nothing."""
+        if self._file.closed:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        self._file.close()
+
+    def __repr__(self) -> str:
+        return f"Lease({str(self.path)!r}{', closed' if self.closed else ''})"
+
+
+def take_lease(state: Path, what: str) -> Lease:
+    """Register this process as a user of ``state``'s servers (the caller holds the state lock).
+
+    Args:
+        state: The state folder.
+        what: Who holds it, for messages (``"Trainer"``, ``"eventlight runner"``).
+
+    Returns:
+        The lease, held until its ``close`` or the end of this process.
+
+    Raises:
+        InvalidInputError: The lease file cannot be created (a state folder this user cannot write).
+    """
+    folder = state / LEASES
+    path = folder / f"{os.getpid()}-{secrets.token_hex(4)}.json"
+    try:
+        folder.mkdir(exist_ok=True)
+        file = open(path, "xb")  # closed by Lease.close
+    except OSError as e:
+        raise InvalidInputError(
+            f"cannot use {state} as the state folder (EVENTLIGHT_STATE_DIR): {e.strerror} ({e.filename})"
+        ) from None
+    try:
+        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: no one else holds it
+        file.write(msgspec.json.encode(_Holder(os.getpid(), what)))
+        file.flush()
+    except BaseException:
+        file.close()
+        path.unlink()
+        raise
+    return Lease(state, path, file)
+
+
+def live_leases(state: Path) -> list[str]:
+    """Who holds a lease on ``state``'s servers, e.g. ``["pid 123 (Trainer)"]``; stale lease files
+    (their process ended) are removed. The caller holds the state lock."""
+    holders = []
+    for path in sorted((state / LEASES).glob("*.json")):
+        try:
+            file = open(path, "rb")
+        except FileNotFoundError:
+            continue
+        with file:
+            try:
+                fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holders.append(_describe(file.read(), path))
+                continue
+            path.unlink(missing_ok=True)  # no process holds it any more
+    return holders
+
+
+def _describe(raw: bytes, path: Path) -> str:
+    try:
+        holder = msgspec.json.decode(raw, type=_Holder)
+    except msgspec.DecodeError:
+        return f"{path.name} (unreadable)"
+    return f"pid {holder.pid} ({holder.what})"
+
+
+def marked(state: Path) -> dict[str, int]:
+    """The servers to stop when no one holds a lease, by name (``"nats-server"``, ``"postgres"``)
+    to pid; empty when there is none or the file is unreadable."""
+    try:
+        return msgspec.json.decode((state / MARKS).read_bytes(), type=dict[str, int])
+    except (OSError, msgspec.DecodeError):
+        return {}
+
+
+def mark(state: Path, servers: dict[str, int]) -> None:
+    """Add ``servers`` (name to pid, as ``marked``) to those stopped when no one holds a lease."""
+    if servers:
+        _write_marks(state, {**marked(state), **servers})
+
+
+def unmark(state: Path, pids: set[int]) -> None:
+    """Take the servers with these pids off ``marked``: they run until ``eventlight down``."""
+    marks = marked(state)
+    if any(pid in pids for pid in marks.values()):
+        _write_marks(state, {name: pid for name, pid in marks.items() if pid not in pids})
+
+
+def _write_marks(state: Path, marks: dict[str, int]) -> None:
+    if not marks:
+        (state / MARKS).unlink(missing_ok=True)
+        return
+    tmp = state / f"{MARKS}.{os.getpid()}"
+    tmp.write_bytes(msgspec.json.encode(marks))
+    tmp.replace(state / MARKS)
+
+
+def clear_marks(state: Path) -> None:
+    """Forget every mark (``eventlight down`` stopped the servers)."""
+    (state / MARKS).unlink(missing_ok=True)
