@@ -259,6 +259,42 @@ async def test_a_failed_up_stops_only_the_servers_it_started(
         await svc.drop_namespace(None, pg_dsn, running)
 
 
+async def test_an_up_interrupted_while_it_starts_postgres_leaves_no_server_running(
+    root_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C while `up` started the embedded Postgres (the first start: initdb, pg_ctl, the wait for
+    it to answer): the NATS it had started was stopped, the Postgres left running, unrecorded."""
+    settings = Settings(state_dir=root_dir / "state", namespace=_ns())
+    real = lifecycle.ensure_pg
+
+    async def interrupted(settings: Settings, state: Path) -> Any:
+        await real(settings, state)  # the postmaster is up: Ctrl-C comes as it is waited for
+        raise asyncio.CancelledError
+
+    monkeypatch.setattr(lifecycle, "ensure_pg", interrupted)
+    with pytest.raises(asyncio.CancelledError):
+        await svc.prepare_services(settings)
+    assert [p.info["cmdline"] for p in _procs_naming(root_dir)] == []
+    assert svc.read_services(settings) is None
+
+
+async def test_a_command_run_for_postgres_is_waited_for_when_cancelled(tmp_path: Path) -> None:
+    """``pg_ctl start`` (or initdb) cancelled by a Ctrl-C went on by itself (the postmaster came up
+    after the clean-up had looked for it), or was killed by the terminal's SIGINT halfway: it runs
+    in a session of its own, and a cancelled call waits for it to end before it gives up."""
+    from eventlight.ops.procs import run
+
+    marker = tmp_path / "done"
+    argv = ["sh", "-c", f"ps -o sid= -p $$ > {tmp_path / 'sid'}; sleep 0.5; touch {marker}"]
+    task = asyncio.ensure_future(run(argv, cwd=tmp_path, timeout_s=10))
+    await asyncio.sleep(0.2)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert marker.exists(), "the command was left running past the cancelled call"
+    assert int((tmp_path / "sid").read_text()) != os.getsid(0)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="only root hands Postgres to the postgres user")
 async def test_state_dir_postgres_cannot_enter(root_dir: Path) -> None:
     if system_bindir() is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from pathlib import Path
@@ -12,7 +13,7 @@ from eventlight.core.errors import InvalidInputError
 from eventlight.net import redact, redact_configured
 from eventlight.ops.nats_server import ensure_nats, stop_nats
 from eventlight.ops.pg_pgserver import ensure_pgserver, stop_pgserver
-from eventlight.ops.pg_system import ensure_system_pg, stop_system_pg
+from eventlight.ops.pg_system import ensure_system_pg, postmaster, stop_system_pg
 from eventlight.ops.postgres import REFUSED, choose_pg_kind, pg_probe
 from eventlight.ops.schema import apply_migrations
 from eventlight.ops.state import (
@@ -39,7 +40,8 @@ async def ensure_services(settings: Settings) -> Services:
     (when nothing answers, a warning and the embedded one; when it refuses the role, password or
     database, an error); the embedded one uses the system binaries, else ``pgserver``. Servers
     left running by an earlier call are reused, on the same ports and data. If a later step
-    fails, the servers this call started are stopped again.
+    fails, the servers this call started are stopped again; so is the embedded Postgres it was
+    starting when it is interrupted (Ctrl-C: ``CancelledError`` or ``KeyboardInterrupt``).
 
     Args:
         settings: Service URLs and the state folder.
@@ -62,15 +64,27 @@ async def ensure_services(settings: Settings) -> Services:
 async def _start_or_reuse(settings: Settings, state: Path) -> Services:
     """``ensure_services`` without the lock, which the caller holds, and without the record."""
     nats_url, nats_pid, nats_started = await ensure_nats(settings, state)
+    pg_ran = embedded_pg_running(state)
     try:
         pg = await ensure_pg(settings, state)
-    except BaseException:
+    except BaseException as e:
+        if not pg_ran and isinstance(e, asyncio.CancelledError | KeyboardInterrupt):
+            # interrupted (Ctrl-C) while it started the embedded Postgres: stop the one it started
+            with contextlib.suppress(Exception):
+                await stop_system_pg(state)
+            with contextlib.suppress(Exception):
+                await stop_pgserver(state)
         if nats_started:
             await stop_nats(state)
         raise
     started = [f"nats-server pid {nats_pid}"] if nats_started else []
     started += [f"postgres pid {pg.pid}"] if pg.started else []
     return Services(nats_url, pg.dsn, started, nats_pid, pg.pid, pg.kind)
+
+
+def embedded_pg_running(state: Path) -> bool:
+    """Whether an embedded Postgres (system binaries or pgserver) runs from ``state``."""
+    return postmaster(state / "pg" / "data") is not None or postmaster(state / "pg-pgserver") is not None
 
 
 async def _stop_started(state: Path, services: Services) -> None:
