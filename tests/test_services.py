@@ -278,6 +278,28 @@ async def test_an_up_interrupted_while_it_starts_postgres_leaves_no_server_runni
     assert svc.read_services(settings) is None
 
 
+async def test_servers_of_an_up_killed_before_it_finished_are_named(
+    root_dir: Path, services: tuple[Settings, Any]
+) -> None:
+    """`up` writes services.json once the namespace is applied: one killed (kill -9) after it started
+    the embedded NATS left it running unrecorded, and `status` and `runner` said no server ran at all."""
+    from tests.test_cli import assert_one_line_error, cli
+
+    settings = Settings(state_dir=root_dir / "state", pg_dsn=services[1].pg_dsn, namespace=_ns())
+    started = await svc.ensure_services(settings)
+    (root_dir / "state" / "services.json").unlink()  # as an up killed before it wrote the record
+    env = {"EVENTLIGHT_STATE_DIR": str(root_dir / "state"), "EVENTLIGHT_NAMESPACE": settings.namespace}
+    assert_one_line_error(
+        cli("status", env=env),
+        1,
+        f"nats-server pid {started.nats_pid} run from it: an `eventlight up` was stopped before it finished",
+        "run `eventlight up` again (it reuses them) or `eventlight down`",
+    )
+    again = await svc.ensure_services(settings)  # what the message says to do
+    assert again.nats_pid == started.nats_pid and again.started == []
+    assert lifecycle.unrecorded_servers(settings) == []
+
+
 async def test_a_command_run_for_postgres_is_waited_for_when_cancelled(tmp_path: Path) -> None:
     """``pg_ctl start`` (or initdb) cancelled by a Ctrl-C went on by itself (the postmaster came up
     after the clean-up had looked for it), or was killed by the terminal's SIGINT halfway: it runs

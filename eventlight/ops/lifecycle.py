@@ -15,6 +15,7 @@ from eventlight.ops.nats_server import ensure_nats, stop_nats
 from eventlight.ops.pg_pgserver import ensure_pgserver, stop_pgserver
 from eventlight.ops.pg_system import ensure_system_pg, postmaster, stop_system_pg
 from eventlight.ops.postgres import REFUSED, choose_pg_kind, pg_probe
+from eventlight.ops.procs import pid_running, read_pid
 from eventlight.ops.schema import apply_migrations
 from eventlight.ops.state import (
     PgServer,
@@ -85,6 +86,28 @@ async def _start_or_reuse(settings: Settings, state: Path) -> Services:
 def embedded_pg_running(state: Path) -> bool:
     """Whether an embedded Postgres (system binaries or pgserver) runs from ``state``."""
     return postmaster(state / "pg" / "data") is not None or postmaster(state / "pg-pgserver") is not None
+
+
+def unrecorded_servers(settings: Settings) -> list[str]:
+    """The embedded servers that run from ``settings.state_dir`` (by their pid files, as ``stop_services``
+    finds them) while ``services.json`` names none that runs: those of an ``up`` killed (``kill -9``,
+    an out-of-memory kill) before it finished, which is when it writes the record.
+
+    Returns:
+        E.g. ``["nats-server pid 123", "postgres pid 456"]``; ``[]`` when none runs or the record
+        names a running one.
+    """
+    state = existing_state_dir(settings)
+    if state is None or read_services(settings) is not None:
+        return []
+    nats_pid = read_pid(state / "nats" / "nats.pid")
+    found = (
+        [f"nats-server pid {nats_pid}"] if nats_pid and pid_running(nats_pid, str(state / "nats" / "nats.conf")) else []
+    )
+    for data in (state / "pg" / "data", state / "pg-pgserver"):
+        if (running := postmaster(data)) is not None:
+            found.append(f"postgres pid {running[0]}")
+    return found
 
 
 async def _stop_started(state: Path, services: Services) -> None:
