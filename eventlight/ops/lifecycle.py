@@ -53,7 +53,7 @@ async def ensure_services(settings: Settings) -> Services:
     Raises:
         ServiceUnavailableError: A configured NATS URL does not answer, or an embedded server
             cannot be found or does not become ready (10 s for NATS, 60 s for Postgres).
-        InvalidInputError: The configured Postgres refused the role, password or database.
+        InvalidInputError: The configured Postgres refused the role, password, database or a DSN setting.
     """
     state = state_dir(settings)
     async with state_lock(state):
@@ -163,7 +163,7 @@ async def prepare_services(settings: Settings) -> Services:
 
     Raises:
         ServiceUnavailableError: A server cannot be started or reached.
-        InvalidInputError: The configured Postgres refused the role, password or database.
+        InvalidInputError: The configured Postgres refused the role, password, database or a DSN setting.
     """
     state = state_dir(settings)
     async with state_lock(state):
@@ -216,8 +216,9 @@ async def ensure_pg(settings: Settings, state: Path) -> PgServer:
     """``settings.pg_dsn`` when it answers; when nothing answers there, a warning and the embedded one.
 
     Raises:
-        InvalidInputError: The configured server answered but refused the role, password or
-            database: the data must not land in another server (the DSN redacted).
+        InvalidInputError: The configured server answered but refused the role, password,
+            database, or a setting the DSN asks for (``options``, ``sslmode``): the data must not
+            land in another server (the DSN redacted).
         ServiceUnavailableError: The embedded server cannot be found or started.
     """
     if settings.pg_dsn:
