@@ -278,6 +278,26 @@ async def test_an_up_interrupted_while_it_starts_postgres_leaves_no_server_runni
     assert svc.read_services(settings) is None
 
 
+async def test_an_up_interrupted_while_nats_becomes_ready_leaves_it_not_running(
+    root_dir: Path, services: tuple[Settings, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C while `up` waited for the nats-server it had just started to answer (seconds, for a big
+    JetStream store recovering) left that server running, unrecorded."""
+    from eventlight.ops import nats_server
+
+    settings = Settings(state_dir=root_dir / "state", pg_dsn=services[1].pg_dsn, namespace=_ns())
+    real = nats_server._wait_nats_ready
+
+    async def interrupted(*args: Any) -> None:
+        await real(*args)
+        raise asyncio.CancelledError
+
+    monkeypatch.setattr(nats_server, "_wait_nats_ready", interrupted)
+    with pytest.raises(asyncio.CancelledError):
+        await svc.prepare_services(settings)
+    assert [p.info["cmdline"] for p in _procs_naming(root_dir)] == []
+
+
 async def test_servers_of_an_up_killed_before_it_finished_are_named(
     root_dir: Path, services: tuple[Settings, Any]
 ) -> None:

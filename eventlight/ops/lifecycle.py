@@ -41,7 +41,7 @@ async def ensure_services(settings: Settings) -> Services:
     (when nothing answers, a warning and the embedded one; when it refuses the role, password or
     database, an error); the embedded one uses the system binaries, else ``pgserver``. Servers
     left running by an earlier call are reused, on the same ports and data. If a later step
-    fails, the servers this call started are stopped again; so is the embedded Postgres it was
+    fails, the servers this call started are stopped again; so is an embedded server it was
     starting when it is interrupted (Ctrl-C: ``CancelledError`` or ``KeyboardInterrupt``).
 
     Args:
@@ -64,7 +64,14 @@ async def ensure_services(settings: Settings) -> Services:
 
 async def _start_or_reuse(settings: Settings, state: Path) -> Services:
     """``ensure_services`` without the lock, which the caller holds, and without the record."""
-    nats_url, nats_pid, nats_started = await ensure_nats(settings, state)
+    nats_ran = embedded_nats_running(state)
+    try:
+        nats_url, nats_pid, nats_started = await ensure_nats(settings, state)
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        if not nats_ran:  # interrupted while the nats-server it started became ready: stop it
+            with contextlib.suppress(Exception):
+                await stop_nats(state)
+        raise
     pg_ran = embedded_pg_running(state)
     try:
         pg = await ensure_pg(settings, state)
@@ -81,6 +88,12 @@ async def _start_or_reuse(settings: Settings, state: Path) -> Services:
     started = [f"nats-server pid {nats_pid}"] if nats_started else []
     started += [f"postgres pid {pg.pid}"] if pg.started else []
     return Services(nats_url, pg.dsn, started, nats_pid, pg.pid, pg.kind)
+
+
+def embedded_nats_running(state: Path) -> bool:
+    """Whether the embedded nats-server runs from ``state`` (its pid file's process, on its config)."""
+    pid = read_pid(state / "nats" / "nats.pid")
+    return pid is not None and pid_running(pid, str(state / "nats" / "nats.conf"))
 
 
 def embedded_pg_running(state: Path) -> bool:
@@ -100,10 +113,7 @@ def unrecorded_servers(settings: Settings) -> list[str]:
     state = existing_state_dir(settings)
     if state is None or read_services(settings) is not None:
         return []
-    nats_pid = read_pid(state / "nats" / "nats.pid")
-    found = (
-        [f"nats-server pid {nats_pid}"] if nats_pid and pid_running(nats_pid, str(state / "nats" / "nats.conf")) else []
-    )
+    found = [f"nats-server pid {read_pid(state / 'nats' / 'nats.pid')}"] if embedded_nats_running(state) else []
     for data in (state / "pg" / "data", state / "pg-pgserver"):
         if (running := postmaster(data)) is not None:
             found.append(f"postgres pid {running[0]}")
