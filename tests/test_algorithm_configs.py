@@ -19,6 +19,15 @@ from eventlight.verl.config import VerlSettings
 
 NAN = math.nan
 
+
+def _ids(rows: list[tuple[str, Any, type[Exception], str]]) -> list[str]:
+    """``field=value``, an integer of thousands of digits by its size (Python will not print it)."""
+    return [
+        f"{f}={v!r:.40}" if not isinstance(v, int) or v.bit_length() < 64 else f"{f}=<{v.bit_length()} bits>"
+        for f, v, _, _ in rows
+    ]
+
+
 GRPO_BAD: list[tuple[str, Any, type[Exception], str]] = [  # field, value, error, what the message says
     ("micro_batch_size", 0, InvalidInputError, "whole number >= 1, got 0"),
     ("micro_batch_size", -2, InvalidInputError, "whole number >= 1, got -2"),
@@ -47,15 +56,17 @@ GRPO_BAD: list[tuple[str, Any, type[Exception], str]] = [  # field, value, error
     ("steps", -1, InvalidInputError, ">= 0, got -1"),
     ("batch_size", 0, InvalidInputError, ">= 1, got 0"),
     ("group_size", 1, InvalidInputError, ">= 2, got 1"),
+    ("lr", 10**400, InvalidInputError, "finite number > 0, got an integer of 1329 bits"),  # was OverflowError
+    ("steps", -(10**5000), InvalidInputError, ">= 0, got a negative integer of 16610 bits"),  # no 5000 digits
 ]
 
 
-@pytest.mark.parametrize(("field", "value", "error", "says"), GRPO_BAD, ids=[f"{f}={v!r}" for f, v, _, _ in GRPO_BAD])
+@pytest.mark.parametrize(("field", "value", "error", "says"), GRPO_BAD, ids=_ids(GRPO_BAD))
 def test_grpo_config_refuses_each_bad_field_by_name(field: str, value: Any, error: type[Exception], says: str) -> None:
     with pytest.raises(error, match=f"GRPOConfig.{field} must .*{re.escape(says)}") as got:
         GRPOConfig(**{field: value})
     assert isinstance(got.value, ValueError)
-    print(f"GRPOConfig({field}={value!r}): {type(got.value).__name__}: {got.value}")
+    print(f"GRPOConfig({field}=...): {type(got.value).__name__}: {got.value}")
 
 
 SFT_BAD: list[tuple[str, Any, type[Exception], str]] = [
@@ -63,6 +74,7 @@ SFT_BAD: list[tuple[str, Any, type[Exception], str]] = [
     ("lr", 0, InvalidInputError, "> 0, got 0"),
     ("min_reward", NAN, InvalidInputError, "finite number, got nan"),
     ("min_reward", "1", InvalidTypeError, "got '1' (str)"),
+    ("min_reward", -(10**400), InvalidInputError, "finite number, got a negative integer of 1329 bits"),
     ("modes", "train", InvalidTypeError, "non-empty tuple of mode names"),
     ("modes", (), InvalidTypeError, "non-empty tuple of mode names"),
     ("keep_checkpoints", 0, InvalidInputError, ">= 1, got 0"),
@@ -75,7 +87,7 @@ SFT_BAD: list[tuple[str, Any, type[Exception], str]] = [
 ]
 
 
-@pytest.mark.parametrize(("field", "value", "error", "says"), SFT_BAD, ids=[f"{f}={v!r}" for f, v, _, _ in SFT_BAD])
+@pytest.mark.parametrize(("field", "value", "error", "says"), SFT_BAD, ids=_ids(SFT_BAD))
 def test_sft_config_refuses_each_bad_field_by_name(field: str, value: Any, error: type[Exception], says: str) -> None:
     with pytest.raises(error, match=f"SFTConfig.{field} must .*{re.escape(says)}"):
         SFTConfig(**{field: value})
@@ -93,9 +105,7 @@ BASELINE_BAD: list[tuple[str, Any, type[Exception], str]] = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("field", "value", "error", "says"), BASELINE_BAD, ids=[f"{f}={v!r}" for f, v, _, _ in BASELINE_BAD]
-)
+@pytest.mark.parametrize(("field", "value", "error", "says"), BASELINE_BAD, ids=_ids(BASELINE_BAD))
 def test_baseline_refuses_each_bad_argument_by_name(field: str, value: Any, error: type[Exception], says: str) -> None:
     """A typo in ``span_verbosity`` used to log every span as ``"keys"`` would, silently."""
     with pytest.raises(error, match=f"Baseline.{field} must .*{re.escape(says)}"):
@@ -117,7 +127,7 @@ APO_BAD: list[tuple[str, Any, type[Exception], str]] = [
 ]
 
 
-@pytest.mark.parametrize(("field", "value", "error", "says"), APO_BAD, ids=[f"{f}={v!r}" for f, v, _, _ in APO_BAD])
+@pytest.mark.parametrize(("field", "value", "error", "says"), APO_BAD, ids=_ids(APO_BAD))
 def test_apo_refuses_each_bad_argument_by_name(field: str, value: Any, error: type[Exception], says: str) -> None:
     with pytest.raises(error, match=f"APO.{field} must .*{re.escape(says)}"):
         APO(object(), **{field: value})
@@ -131,6 +141,28 @@ def test_the_defaults_and_agent_lightnings_documented_settings_pass() -> None:
     Baseline(n_epochs=2, train_split=0.8, span_verbosity="key_values")  # Agent-lightning's docs
     Baseline(span_verbosity="none", polling_interval=0)
     APO(object(), val_batch_size=10, gradient_batch_size=4, beam_width=2, branch_factor=2, beam_rounds=2)
+
+
+def test_numpy_numbers_are_taken_and_kept_as_pythons() -> None:
+    """A sweep over ``np.arange`` / ``np.linspace`` hands ``np.int64`` and ``np.float32`` values: they
+    were refused as "must be a whole number, got np.int64(8) (int64)" (and ``np.True_`` as "must be
+    True or False, got np.True_ (bool)"), though every one worked before the checks. They are taken,
+    and kept as Python's own types (a checkpoint's config is written as JSON)."""
+    np = pytest.importorskip("numpy")
+    grpo = GRPOConfig(batch_size=np.int64(8), lr=np.float32(1e-5), scale_by_std=np.bool_(False), seed=np.uint32(7))
+    assert (grpo.batch_size, grpo.seed, grpo.scale_by_std) == (8, 7, False)
+    assert [type(v) for v in (grpo.batch_size, grpo.lr, grpo.scale_by_std, grpo.seed)] == [int, float, bool, int]
+    assert grpo.lr == pytest.approx(1e-5)
+    sft = SFTConfig(steps=np.int32(3), min_reward=np.float16(0.5), activation_checkpointing=np.bool_(True))
+    assert [type(v) for v in (sft.steps, sft.min_reward, sft.activation_checkpointing)] == [int, float, bool]
+    baseline = Baseline(n_epochs=np.int64(2), train_split=np.float32(0.8), max_queue_length=np.int8(4))
+    assert (type(baseline.n_epochs), type(baseline.train_split), baseline.max_queue_length) == (int, float, 4)
+    apo = APO(object(), beam_width=np.int64(2), rollout_batch_timeout=np.float32(60), optimizer_max_tokens=np.int16(9))
+    assert (type(apo.beam_width), apo.rollout_batch_timeout, type(apo.optimizer_max_tokens)) == (int, 60.0, int)
+    with pytest.raises(InvalidTypeError, match=r"got np.float64\(8.0\) \(numpy.float64\)"):
+        GRPOConfig(batch_size=np.float64(8.0))  # a float is still no whole number
+    with pytest.raises(InvalidInputError, match="GRPOConfig.lr must be a finite number > 0, got nan"):
+        GRPOConfig(lr=np.float32("nan"))
 
 
 def test_verl_settings_name_the_key_and_the_value() -> None:

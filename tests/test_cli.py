@@ -229,6 +229,46 @@ def test_up_refuses_a_configured_postgres_that_refuses_the_role(namespace: Setti
         shutil.rmtree(root, ignore_errors=True)
 
 
+@pytest.mark.parametrize(
+    ("query", "says"),
+    [
+        ("options=-c%20el_no_such%3D1", 'refused the connection (unrecognized configuration parameter "el_no_such")'),
+        ("sslmode=require", "refused the connection (PostgreSQL server at"),
+    ],
+    ids=["an option it refuses", "ssl it does not do"],
+)  # fmt: skip
+def test_up_refuses_a_configured_postgres_that_refuses_the_dsns_settings(
+    namespace: Settings, query: str, says: str
+) -> None:
+    """The server answered, but refused a setting the DSN asks for: an unknown ``options`` setting
+    made `up` (and `status`) fail with "internal error: UndefinedObjectError", and ``sslmode=require``
+    on a server without SSL made `up` warn that the server "did not answer" and put the namespace in
+    the embedded Postgres (exit 0), as a refused role did."""
+    import asyncio
+
+    import asyncpg
+
+    assert namespace.pg_dsn is not None
+    dsn = f"{namespace.pg_dsn}{'&' if '?' in namespace.pg_dsn else '?'}{query}"
+    if query.startswith("sslmode"):
+        try:
+            asyncio.run(asyncio.wait_for(asyncpg.connect(dsn), 5)).terminate()
+            pytest.skip("this Postgres does SSL")
+        except (OSError, asyncpg.PostgresError, TimeoutError):
+            pass
+    root = Path(tempfile.mkdtemp(prefix="el-test-cli-"))
+    root.chmod(0o755)
+    env = {**env_of(namespace), "EVENTLIGHT_PG_DSN": dsn, "EVENTLIGHT_STATE_DIR": str(root / "state")}
+    try:
+        result = cli("up", env=env)
+        assert_one_line_error(result, 2, f"Postgres {says}", "fix the DSN, or unset EVENTLIGHT_PG_DSN")
+        assert not (root / "state" / "pg").exists() and not (root / "state" / "services.json").exists()
+        assert_one_line_error(cli("status", env=env), 1, f"Postgres {says}")
+    finally:
+        cli("down", env=env)
+        shutil.rmtree(root, ignore_errors=True)
+
+
 async def _fill(ns: Settings) -> None:
     async with JetStreamLightningStore(ns, pg_dsn=ns.pg_dsn) as store:
         await store.enqueue_rollout(input={"q": 1})

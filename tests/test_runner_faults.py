@@ -557,7 +557,7 @@ async def test_a_long_nats_outage_is_reminded_at_doubling_intervals(caplog: pyte
     31 minutes (not one a second, as each reconnect attempt was), one line when it is back."""
     now = [0.0]
     events = _Events("nats://127.0.0.1:4222", clock=lambda: now[0])
-    events.nc = types.SimpleNamespace(is_closed=False)  # type: ignore[assignment]
+    events.nc = types.SimpleNamespace(is_closed=False, connected_url=None)  # type: ignore[assignment]
     with caplog.at_level(logging.INFO, logger="eventlight.store.jetstream.connect"):
         await events.error(nats.errors.UnexpectedEOF())
         await events.disconnected()
@@ -575,6 +575,93 @@ async def test_a_long_nats_outage_is_reminded_at_doubling_intervals(caplog: pyte
     assert [m.split(" after ")[1].split(" (")[0] for m in reminders] == ["1 min", "3 min", "7 min", "15 min", "31 min"]
     assert reminders[0].endswith("(60 attempts, the last: [Errno 111] Connection refused); still retrying")
     assert len(lines) == 7 and lines[-1] == ("INFO", "NATS reconnected to nats://127.0.0.1:4222 after 60 min away")
+
+
+def _fake_nats(url: str) -> Any:
+    """What ``_Events`` reads of a nats-py client: whether it is closed, and the server it is on."""
+    from urllib.parse import urlparse
+
+    return types.SimpleNamespace(is_closed=False, connected_url=urlparse(url))
+
+
+async def test_a_flapping_nats_server_is_not_two_lines_a_second(caplog: pytest.LogCaptureFixture) -> None:
+    """A server going down and up every second for an hour was a warning and an info line each time
+    (7,200 lines). The first loss and return are logged; the losses that follow soon after a return
+    are counted into reminders at doubling intervals, and each reminder's return is logged."""
+    now = [0.0]
+    events = _Events("nats://127.0.0.1:4222", clock=lambda: now[0])
+    events.connected(_fake_nats("nats://127.0.0.1:4222"))  # type: ignore[arg-type]
+    with caplog.at_level(logging.DEBUG, logger="eventlight.store.jetstream.connect"):
+        for _ in range(3600):
+            await events.error(nats.errors.UnexpectedEOF())
+            await events.disconnected()
+            now[0] += 0.5
+            await events.reconnected()
+            now[0] += 0.5
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.levelno >= logging.INFO]
+    assert len(lines) == 12, lines
+    assert lines[0][1].startswith("NATS connection to nats://127.0.0.1:4222 lost (nats: unexpected EOF)")
+    assert lines[1] == ("INFO", "NATS reconnected to nats://127.0.0.1:4222 after 0.5 s away")
+    assert lines[2] == (
+        "WARNING",
+        "NATS connection to nats://127.0.0.1:4222 lost again (nats: unexpected EOF); lost 60 times in the last "
+        "1 min, each time less than 1 min after it came back; retrying every 1 s",
+    )
+    reminders = [m for level, m in lines if level == "WARNING"][1:]
+    assert [m.split("lost again")[0] for m in reminders] == ["NATS connection to nats://127.0.0.1:4222 "] * 5
+    assert ["times in the last 2 min" in reminders[1], "times in the last 4 min" in reminders[2]] == [True, True]
+    assert [level for level, _ in lines] == ["WARNING", "INFO"] * 6
+    assert sum(r.levelno == logging.DEBUG for r in caplog.records) == 3600 - 6  # the other returns
+
+
+async def test_a_flap_that_lasts_is_logged_as_a_loss(caplog: pytest.LogCaptureFixture) -> None:
+    """A loss soon after a return is not logged at once; one that lasts ``FLAP_MAX_S`` is, at the
+    attempt that passes it, with how long it has been away."""
+    from eventlight.store.jetstream.connect import FLAP_MAX_S
+
+    now = [0.0]
+    events = _Events("nats://127.0.0.1:4222", clock=lambda: now[0])
+    events.connected(_fake_nats("nats://127.0.0.1:4222"))  # type: ignore[arg-type]
+    with caplog.at_level(logging.INFO, logger="eventlight.store.jetstream.connect"):
+        await events.disconnected()
+        now[0] += 1
+        await events.reconnected()
+        now[0] += 5
+        await events.disconnected()  # 5 s after it came back: a flap, counted
+        assert len(caplog.records) == 2
+        for _ in range(int(FLAP_MAX_S)):
+            now[0] += RECONNECT_WAIT_S
+            await events.error(ConnectionRefusedError(111, "Connection refused"))
+    records = caplog.records
+    assert len(records) == 3 and records[2].levelno == logging.WARNING, [r.getMessage() for r in records]
+    assert (
+        records[2]
+        .getMessage()
+        .startswith(
+            "NATS connection to nats://127.0.0.1:4222 lost 10.0 s ago and not back (10 attempts, the last: [Errno 111] "
+            "Connection refused); lost 1 time in the last 16.0 s"
+        )
+    ), records[2].getMessage()
+
+
+async def test_a_failover_names_the_server_lost_and_the_one_that_took_over(caplog: pytest.LogCaptureFixture) -> None:
+    """With a cluster's URLs the lines named all of them ("lost a,b,c", "reconnected to a,b,c"), not
+    which server went away nor which one the client is on now."""
+    now = [0.0]
+    urls = "nats://10.0.0.1:4222,nats://10.0.0.2:4222,nats://10.0.0.3:4222"
+    events = _Events(urls, clock=lambda: now[0])
+    events.connected(_fake_nats("nats://10.0.0.1:4222"))  # type: ignore[arg-type]
+    with caplog.at_level(logging.INFO, logger="eventlight.store.jetstream.connect"):
+        await events.disconnected()
+        now[0] += 0.3
+        events.nc = _fake_nats("nats://10.0.0.2:4222")  # type: ignore[assignment]
+        await events.reconnected()
+    lost, back = [r.getMessage() for r in caplog.records]
+    assert lost.startswith("NATS connection to nats://10.0.0.1:4222 lost; retrying"), lost
+    assert (
+        back
+        == "NATS reconnected to nats://10.0.0.2:4222 after 0.3 s away (the connection lost was to nats://10.0.0.1:4222)"
+    )
 
 
 async def _retrying(call: Any, timeout_s: float = 30.0) -> Any:

@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -242,6 +243,60 @@ async def test_health_does_not_call_a_busy_postgres_down(namespace: Settings) ->
             store.read_model.server = dsn
         assert "no pooled connection free within 0.25 s, and a new connection failed" in down["postgres"], down
         assert "ConnectionRefusedError" in down["postgres"], down
+        await asyncio.gather(*sleeping)
+    finally:
+        for conn in held:
+            await store.pool.release(conn)
+        await store.close()
+
+
+async def test_concurrent_health_probes_of_a_busy_postgres_open_one_connection(
+    namespace: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the pool saturated, every probe opened a connection of its own: 30 health checks at
+    once (a load balancer's, several monitors', the waiters of a timed-out ``sync``) were 30 new
+    connections to a Postgres already under load, up to "too many clients" for everyone. Probes
+    running together now share one."""
+    from eventlight.store.jetstream.readmodel import waits
+
+    real_connect = waits.pg_errors.connect
+    open_now, peak, opened = 0, 0, 0
+
+    class Counted:
+        """The probe's connection, counted while open."""
+
+        def __init__(self, conn: Any):
+            self.conn = conn
+
+        async def fetchval(self, *args: Any, **kwargs: Any) -> Any:
+            return await self.conn.fetchval(*args, **kwargs)
+
+        async def close(self, **kwargs: Any) -> None:
+            nonlocal open_now
+            open_now -= 1
+            await self.conn.close(**kwargs)
+
+    async def counting_connect(*args: Any, **kwargs: Any) -> Any:
+        nonlocal open_now, peak, opened
+        conn = await real_connect(*args, **kwargs)
+        opened += 1
+        open_now += 1
+        peak = max(peak, open_now)
+        return Counted(conn)
+
+    store = await JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn).start()
+    assert store.pool is not None
+    held = []
+    try:
+        with contextlib.suppress(TimeoutError):
+            while True:
+                held.append(await store.pool.acquire(timeout=0.5))
+        sleeping = [asyncio.create_task(conn.execute("SELECT pg_sleep(3)")) for conn in held]
+        await asyncio.sleep(0.2)
+        monkeypatch.setattr(waits.pg_errors, "connect", counting_connect)
+        answers = await asyncio.gather(*(store.dependencies_down(HEALTH_TIMEOUT_S) for _ in range(30)))
+        assert answers == [{}] * 30
+        assert (peak, open_now) == (1, 0), f"{opened} connections opened, {peak} at once"
         await asyncio.gather(*sleeping)
     finally:
         for conn in held:

@@ -262,6 +262,84 @@ async def test_a_failed_up_stops_only_the_servers_it_started(
         await svc.drop_namespace(None, pg_dsn, running)
 
 
+async def test_an_up_interrupted_while_it_starts_postgres_leaves_no_server_running(
+    root_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C while `up` started the embedded Postgres (the first start: initdb, pg_ctl, the wait for
+    it to answer): the NATS it had started was stopped, the Postgres left running, unrecorded."""
+    settings = Settings(state_dir=root_dir / "state", namespace=_ns())
+    real = lifecycle.ensure_pg
+
+    async def interrupted(settings: Settings, state: Path) -> Any:
+        await real(settings, state)  # the postmaster is up: Ctrl-C comes as it is waited for
+        raise asyncio.CancelledError
+
+    monkeypatch.setattr(lifecycle, "ensure_pg", interrupted)
+    with pytest.raises(asyncio.CancelledError):
+        await svc.prepare_services(settings)
+    assert [p.info["cmdline"] for p in _procs_naming(root_dir)] == []
+    assert svc.read_services(settings) is None
+
+
+async def test_an_up_interrupted_while_nats_becomes_ready_leaves_it_not_running(
+    root_dir: Path, services: tuple[Settings, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C while `up` waited for the nats-server it had just started to answer (seconds, for a big
+    JetStream store recovering) left that server running, unrecorded."""
+    from eventlight.ops import nats_server
+
+    settings = Settings(state_dir=root_dir / "state", pg_dsn=services[1].pg_dsn, namespace=_ns())
+    real = nats_server._wait_nats_ready
+
+    async def interrupted(*args: Any) -> None:
+        await real(*args)
+        raise asyncio.CancelledError
+
+    monkeypatch.setattr(nats_server, "_wait_nats_ready", interrupted)
+    with pytest.raises(asyncio.CancelledError):
+        await svc.prepare_services(settings)
+    assert [p.info["cmdline"] for p in _procs_naming(root_dir)] == []
+
+
+async def test_servers_of_an_up_killed_before_it_finished_are_named(
+    root_dir: Path, services: tuple[Settings, Any]
+) -> None:
+    """`up` writes services.json once the namespace is applied: one killed (kill -9) after it started
+    the embedded NATS left it running unrecorded, and `status` and `runner` said no server ran at all."""
+    from tests.test_cli import assert_one_line_error, cli
+
+    settings = Settings(state_dir=root_dir / "state", pg_dsn=services[1].pg_dsn, namespace=_ns())
+    started = await svc.ensure_services(settings)
+    (root_dir / "state" / "services.json").unlink()  # as an up killed before it wrote the record
+    env = {"EVENTLIGHT_STATE_DIR": str(root_dir / "state"), "EVENTLIGHT_NAMESPACE": settings.namespace}
+    assert_one_line_error(
+        cli("status", env=env),
+        1,
+        f"nats-server pid {started.nats_pid} run from it: an `eventlight up` was stopped before it finished",
+        "run `eventlight up` again (it reuses them) or `eventlight down`",
+    )
+    again = await svc.ensure_services(settings)  # what the message says to do
+    assert again.nats_pid == started.nats_pid and again.started == []
+    assert lifecycle.unrecorded_servers(settings) == []
+
+
+async def test_a_command_run_for_postgres_is_waited_for_when_cancelled(tmp_path: Path) -> None:
+    """``pg_ctl start`` (or initdb) cancelled by a Ctrl-C went on by itself (the postmaster came up
+    after the clean-up had looked for it), or was killed by the terminal's SIGINT halfway: it runs
+    in a session of its own, and a cancelled call waits for it to end before it gives up."""
+    from eventlight.ops.procs import run
+
+    marker = tmp_path / "done"
+    argv = ["sh", "-c", f"ps -o sid= -p $$ > {tmp_path / 'sid'}; sleep 0.5; touch {marker}"]
+    task = asyncio.ensure_future(run(argv, cwd=tmp_path, timeout_s=10))
+    await asyncio.sleep(0.2)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert marker.exists(), "the command was left running past the cancelled call"
+    assert int((tmp_path / "sid").read_text()) != os.getsid(0)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="only root hands Postgres to the postgres user")
 async def test_state_dir_postgres_cannot_enter(root_dir: Path) -> None:
     if system_bindir() is None:

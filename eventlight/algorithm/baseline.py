@@ -77,12 +77,12 @@ class Baseline(FastAlgorithm):
         max_queue_length: int = 4,
         span_verbosity: SpanVerbosity = "keys",
     ):
-        check_int("Baseline.n_epochs", n_epochs, 1)
-        check_number("Baseline.train_split", train_split, 0.0, above=True)
+        n_epochs = check_int("Baseline.n_epochs", n_epochs, 1)
+        train_split = check_number("Baseline.train_split", train_split, 0.0, above=True)
         if not train_split < 1.0:
             raise InvalidInputError(f"Baseline.train_split must be in (0, 1), got {train_split!r}")
-        check_number("Baseline.polling_interval", polling_interval, 0.0)
-        check_int("Baseline.max_queue_length", max_queue_length, 1)
+        polling_interval = check_number("Baseline.polling_interval", polling_interval, 0.0)
+        max_queue_length = check_int("Baseline.max_queue_length", max_queue_length, 1)
         check_choice("Baseline.span_verbosity", span_verbosity, get_args(SpanVerbosity))
         self.n_epochs = n_epochs
         self.train_split = train_split

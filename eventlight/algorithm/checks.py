@@ -2,13 +2,16 @@
 value given and what it may be, instead of a failure deep in torch, or none at all.
 
 A value of the wrong type (a string, a bool for a number, a float for a whole number) raises
-``InvalidTypeError``, one out of range (0, negative, NaN, infinite) ``InvalidInputError``; both are
-``ValueError`` s.
+``InvalidTypeError``, one out of range (0, negative, NaN, infinite, an integer past a float's range
+for a number) ``InvalidInputError``; both are ``ValueError`` s. NumPy's integers, floats and bools
+are taken as Python's (a sweep over ``np.arange`` hands ``np.int64`` s): each check returns the value
+as a Python ``int``, ``float`` or ``bool``, which the caller keeps.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,50 +29,83 @@ __all__ = [
     "check_int",
     "check_number",
     "check_version_prefix",
+    "set_checked",
 ]
 
 
 def _shown(value: Any) -> str:
-    return f"{value!r:.80} ({type(value).__name__})"
+    kind = type(value)
+    name = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
+    return f"{_number(value):.80} ({name})"
 
 
-def check_int(field: str, value: Any, low: int, high: int | None = None) -> None:
-    """``value`` is a whole number (not a bool) of at least ``low`` (and at most ``high``).
+def _number(value: Any) -> str:
+    """``repr(value)``; an integer of more than 64 bits by its size (its digits may be thousands,
+    past what Python turns into text)."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value).bit_length() > 64:
+        return f"{'a negative' if value < 0 else 'an'} integer of {int(value).bit_length()} bits"
+    return repr(value)
+
+
+def _is_numpy_bool(value: Any) -> bool:
+    return type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
+
+
+def check_int(field: str, value: Any, low: int, high: int | None = None) -> int:
+    """``value`` is a whole number (not a bool; a NumPy integer too) of at least ``low`` (and at most ``high``).
+
+    Returns:
+        ``value`` as a Python ``int``.
 
     Raises:
-        InvalidTypeError: Not an ``int``.
+        InvalidTypeError: Not an integer.
         InvalidInputError: Out of range.
     """
     want = f"{field} must be a whole number " + (f">= {low}" if high is None else f"{low} to {high}")
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise InvalidTypeError(f"{want}, got {_shown(value)}")
-    if value < low or (high is not None and value > high):
-        raise InvalidInputError(f"{want}, got {value}")
+    whole = int(value)
+    if whole < low or (high is not None and whole > high):
+        raise InvalidInputError(f"{want}, got {_number(whole)}")
+    return whole
 
 
-def check_number(field: str, value: Any, low: float | None = None, *, above: bool = False) -> None:
-    """``value`` is a finite ``int`` or ``float`` (not a bool), at least ``low`` when given (above
-    it, with ``above``).
+def check_number(field: str, value: Any, low: float | None = None, *, above: bool = False) -> int | float:
+    """``value`` is a finite real number (an ``int``, a ``float``, a NumPy number; not a bool), at
+    least ``low`` when given (above it, with ``above``).
+
+    Returns:
+        ``value`` as a Python ``int`` (an integer) or ``float`` (anything else).
 
     Raises:
         InvalidTypeError: Not a number.
-        InvalidInputError: NaN, infinite, or out of range.
+        InvalidInputError: NaN, infinite, an integer past a float's range (``10**400``), or out of range.
     """
     want = f"{field} must be a finite number" + ("" if low is None else f" {'>' if above else '>='} {low:g}")
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise InvalidTypeError(f"{want}, got {_shown(value)}")
-    if not math.isfinite(value) or (low is not None and (value < low or (above and value == low))):
-        raise InvalidInputError(f"{want}, got {value!r}")
+    number = int(value) if isinstance(value, numbers.Integral) else float(value)
+    try:
+        finite = math.isfinite(number)
+    except OverflowError:  # an int no float can hold: torch and the arithmetic on it would fail later
+        finite = False
+    if not finite or (low is not None and (number < low or (above and number == low))):
+        raise InvalidInputError(f"{want}, got {_number(number)}")
+    return number
 
 
-def check_bool(field: str, value: Any) -> None:
-    """``value`` is ``True`` or ``False``.
+def check_bool(field: str, value: Any) -> bool:
+    """``value`` is ``True`` or ``False`` (NumPy's too).
+
+    Returns:
+        ``value`` as a Python ``bool``.
 
     Raises:
         InvalidTypeError: Anything else (``1``, ``"false"``).
     """
-    if not isinstance(value, bool):
+    if not isinstance(value, bool) and not _is_numpy_bool(value):
         raise InvalidTypeError(f"{field} must be True or False, got {_shown(value)}")
+    return bool(value)
 
 
 def check_callable(field: str, value: Any) -> None:
@@ -105,3 +141,9 @@ def check_version_prefix(field: str, value: Any) -> None:
     if value and not is_token(value):
         want = "letters, digits and '_-:@+=' only, at most 200 (it starts a resources id)"
         raise InvalidInputError(f"{field} must hold {want}, got {value!r:.80}")
+
+
+def set_checked(config: Any, field: str, value: Any) -> None:
+    """Set ``field`` of a frozen dataclass ``config`` (from its ``__post_init__``) to ``value``, as
+    a check returned it (a NumPy integer kept as a Python ``int``)."""
+    object.__setattr__(config, field, value)

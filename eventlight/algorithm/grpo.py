@@ -47,6 +47,7 @@ from eventlight.algorithm.checks import (
     check_int,
     check_number,
     check_version_prefix,
+    set_checked,
 )
 from eventlight.core.errors import EventlightError
 from eventlight.core.types import TERMINAL_ROLLOUT_STATUSES, EnqueueRolloutRequest, ProxyLLM, Rollout
@@ -125,12 +126,12 @@ class GRPOConfig:
             ("max_empty_steps", 1),
             ("keep_checkpoints", 1),
         ):
-            check_int(f"GRPOConfig.{name}", getattr(self, name), low)
-        check_int("GRPOConfig.seed", self.seed, 0, MAX_SEED)
-        check_number("GRPOConfig.temperature", self.temperature, 0.0)
+            set_checked(self, name, check_int(f"GRPOConfig.{name}", getattr(self, name), low))
+        set_checked(self, "seed", check_int("GRPOConfig.seed", self.seed, 0, MAX_SEED))
+        set_checked(self, "temperature", check_number("GRPOConfig.temperature", self.temperature, 0.0))
         for name in ("lr", "clip_eps", "rollout_timeout_s"):
-            check_number(f"GRPOConfig.{name}", getattr(self, name), 0.0, above=True)
-        check_bool("GRPOConfig.scale_by_std", self.scale_by_std)
+            set_checked(self, name, check_number(f"GRPOConfig.{name}", getattr(self, name), 0.0, above=True))
+        set_checked(self, "scale_by_std", check_bool("GRPOConfig.scale_by_std", self.scale_by_std))
         check_version_prefix("GRPOConfig.version_prefix", self.version_prefix)
 
 

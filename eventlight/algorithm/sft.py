@@ -50,6 +50,7 @@ from eventlight.algorithm.checks import (
     check_int,
     check_number,
     check_version_prefix,
+    set_checked,
 )
 from eventlight.algorithm.grpo import TrainingStoppedError
 from eventlight.core.errors import InvalidTypeError
@@ -112,11 +113,11 @@ class SFTConfig:
             ("save_every", 1),
             ("keep_checkpoints", 1),
         ):
-            check_int(f"SFTConfig.{name}", getattr(self, name), low)
-        check_int("SFTConfig.seed", self.seed, 0, MAX_SEED)
-        check_number("SFTConfig.lr", self.lr, 0.0, above=True)
+            set_checked(self, name, check_int(f"SFTConfig.{name}", getattr(self, name), low))
+        set_checked(self, "seed", check_int("SFTConfig.seed", self.seed, 0, MAX_SEED))
+        set_checked(self, "lr", check_number("SFTConfig.lr", self.lr, 0.0, above=True))
         if self.min_reward is not None:
-            check_number("SFTConfig.min_reward", self.min_reward)
+            set_checked(self, "min_reward", check_number("SFTConfig.min_reward", self.min_reward))
         if self.modes is not None and (
             isinstance(self.modes, str)
             or not isinstance(self.modes, tuple | list)
@@ -126,7 +127,11 @@ class SFTConfig:
             want = "None or a non-empty tuple of mode names, e.g. ('train',)"
             raise InvalidTypeError(f"SFTConfig.modes must be {want}, got {self.modes!r:.80}")
         check_choice("SFTConfig.train_on", self.train_on, ("last", "all"))
-        check_bool("SFTConfig.activation_checkpointing", self.activation_checkpointing)
+        set_checked(
+            self,
+            "activation_checkpointing",
+            check_bool("SFTConfig.activation_checkpointing", self.activation_checkpointing),
+        )
         check_version_prefix("SFTConfig.version_prefix", self.version_prefix)
 
 
@@ -239,7 +244,7 @@ class SFT(Algorithm):
     def _counts(self) -> str:
         return ", ".join(f"{k}: {v}" for k, v in sorted(self.counters.items())) or "the store holds no rollout"
 
-    def _keep(self, status: str | None, mode: str | None, reward: float | None) -> bool:
+    def set_checked(self, status: str | None, mode: str | None, reward: float | None) -> bool:
         """Whether a rollout's conversations are selected; a refusal is counted by reason."""
         c = self.config
         reason = None
@@ -261,11 +266,11 @@ class SFT(Algorithm):
         out: list[dict[str, Any]] = []
         for r in rollouts:
             if r.status != "succeeded" or (self.config.modes is not None and r.mode not in self.config.modes):
-                self._keep(r.status, r.mode, None)
+                self.set_checked(r.status, r.mode, None)
                 continue
             spans = list(await store.query_spans(r.rollout_id, attempt_id="latest"))
             reward = find_final_reward(spans)
-            if self._keep(r.status, r.mode, reward):
+            if self.set_checked(r.status, r.mode, reward):
                 out += self._conversations(self.messages_adapter.adapt(spans), r.rollout_id, reward)
         return out
 
@@ -279,7 +284,7 @@ class SFT(Algorithm):
         out: list[dict[str, Any]] = []
         for rec in items:
             reward = rec.get("final_reward")
-            if self._keep(rec.get("status", "succeeded"), rec.get("mode"), reward):
+            if self.set_checked(rec.get("status", "succeeded"), rec.get("mode"), reward):
                 out += self._conversations([rec], str(rec.get("rollout_id", "")), reward)
         return out
 

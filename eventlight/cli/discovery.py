@@ -12,6 +12,15 @@ from eventlight.settings import Settings
 
 
 def _no_servers(settings: Settings, variable: str) -> CliError:
+    from eventlight.ops.lifecycle import unrecorded_servers
+
+    if running := unrecorded_servers(settings):  # an `up` killed before it wrote services.json
+        return CliError(
+            f"no eventlight servers are recorded in the state folder {settings.state_dir}, but "
+            f"{' and '.join(running)} run from it: an `eventlight up` was stopped before it finished; "
+            "run `eventlight up` again (it reuses them) or `eventlight down`",
+            EXIT_UNAVAILABLE,
+        )
     return CliError(
         f"no eventlight servers are running (state folder {settings.state_dir}): "
         f"run `eventlight up`, or set {variable}",

@@ -9,6 +9,7 @@ process holding a lease on them gives it up (``eventlight.ops.leases``): that ru
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -21,9 +22,9 @@ from eventlight.net import redact, redact_configured
 from eventlight.ops.leases import Lease, clear_marks, live_leases, mark, marked, take_lease, unmark
 from eventlight.ops.nats_server import ensure_nats, stop_nats
 from eventlight.ops.pg_pgserver import ensure_pgserver, stop_pgserver
-from eventlight.ops.pg_system import ensure_system_pg, stop_system_pg
+from eventlight.ops.pg_system import ensure_system_pg, postmaster, stop_system_pg
 from eventlight.ops.postgres import REFUSED, choose_pg_kind, pg_probe
-from eventlight.ops.procs import pid_running
+from eventlight.ops.procs import pid_running, read_pid
 from eventlight.ops.schema import apply_migrations
 from eventlight.ops.state import (
     PgServer,
@@ -51,9 +52,10 @@ async def ensure_services(settings: Settings) -> Services:
     (when nothing answers, a warning and the embedded one; when it refuses the role, password or
     database, an error); the embedded one uses the system binaries, else ``pgserver``. Servers
     left running by an earlier call are reused, on the same ports and data. If a later step
-    fails, the servers this call started are stopped again. The embedded servers it starts or
-    reuses run until ``stop_services`` (``eventlight down``), even those a ``use_services`` holder
-    (a ``Trainer``'s run) started.
+    fails, the servers this call started are stopped again; so is an embedded server it was
+    starting when it is interrupted (Ctrl-C: ``CancelledError`` or ``KeyboardInterrupt``). The
+    embedded servers it starts or reuses run until ``stop_services`` (``eventlight down``), even
+    those a ``use_services`` holder (a ``Trainer``'s run) started.
 
     Args:
         settings: Service URLs and the state folder.
@@ -64,7 +66,7 @@ async def ensure_services(settings: Settings) -> Services:
     Raises:
         ServiceUnavailableError: A configured NATS URL does not answer, or an embedded server
             cannot be found or does not become ready (10 s for NATS, 60 s for Postgres).
-        InvalidInputError: The configured Postgres refused the role, password or database.
+        InvalidInputError: The configured Postgres refused the role, password, database or a DSN setting.
     """
     state = state_dir(settings)
     async with state_lock(state):
@@ -76,10 +78,24 @@ async def ensure_services(settings: Settings) -> Services:
 
 async def _start_or_reuse(settings: Settings, state: Path) -> Services:
     """``ensure_services`` without the lock, which the caller holds, and without the record."""
-    nats_url, nats_pid, nats_started = await ensure_nats(settings, state)
+    nats_ran = embedded_nats_running(state)
+    try:
+        nats_url, nats_pid, nats_started = await ensure_nats(settings, state)
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        if not nats_ran:  # interrupted while the nats-server it started became ready: stop it
+            with contextlib.suppress(Exception):
+                await stop_nats(state)
+        raise
+    pg_ran = embedded_pg_running(state)
     try:
         pg = await ensure_pg(settings, state)
-    except BaseException:
+    except BaseException as e:
+        if not pg_ran and isinstance(e, asyncio.CancelledError | KeyboardInterrupt):
+            # interrupted (Ctrl-C) while it started the embedded Postgres: stop the one it started
+            with contextlib.suppress(Exception):
+                await stop_system_pg(state)
+            with contextlib.suppress(Exception):
+                await stop_pgserver(state)
         if nats_started:
             await stop_nats(state)
         raise
@@ -103,6 +119,36 @@ async def _stop_these(state: Path, servers: dict[str, int]) -> list[str]:
     if (pid := servers.get("postgres")) is not None:
         stopped += [await stop_system_pg(state, only_pid=pid), await stop_pgserver(state, only_pid=pid)]
     return [s for s in stopped if s]
+
+
+def embedded_nats_running(state: Path) -> bool:
+    """Whether the embedded nats-server runs from ``state`` (its pid file's process, on its config)."""
+    pid = read_pid(state / "nats" / "nats.pid")
+    return pid is not None and pid_running(pid, str(state / "nats" / "nats.conf"))
+
+
+def embedded_pg_running(state: Path) -> bool:
+    """Whether an embedded Postgres (system binaries or pgserver) runs from ``state``."""
+    return postmaster(state / "pg" / "data") is not None or postmaster(state / "pg-pgserver") is not None
+
+
+def unrecorded_servers(settings: Settings) -> list[str]:
+    """The embedded servers that run from ``settings.state_dir`` (by their pid files, as ``stop_services``
+    finds them) while ``services.json`` names none that runs: those of an ``up`` killed (``kill -9``,
+    an out-of-memory kill) before it finished, which is when it writes the record.
+
+    Returns:
+        E.g. ``["nats-server pid 123", "postgres pid 456"]``; ``[]`` when none runs or the record
+        names a running one.
+    """
+    state = existing_state_dir(settings)
+    if state is None or read_services(settings) is not None:
+        return []
+    found = [f"nats-server pid {read_pid(state / 'nats' / 'nats.pid')}"] if embedded_nats_running(state) else []
+    for data in (state / "pg" / "data", state / "pg-pgserver"):
+        if (running := postmaster(data)) is not None:
+            found.append(f"postgres pid {running[0]}")
+    return found
 
 
 def _write_record(settings: Settings, state: Path, services: Services) -> None:
@@ -153,7 +199,7 @@ async def prepare_services(settings: Settings) -> Services:
 
     Raises:
         ServiceUnavailableError: A server cannot be started or reached.
-        InvalidInputError: The configured Postgres refused the role, password or database.
+        InvalidInputError: The configured Postgres refused the role, password, database or a DSN setting.
     """
     services, _ = await _prepare(settings, None)
     return services
@@ -335,8 +381,9 @@ async def ensure_pg(settings: Settings, state: Path) -> PgServer:
     """``settings.pg_dsn`` when it answers; when nothing answers there, a warning and the embedded one.
 
     Raises:
-        InvalidInputError: The configured server answered but refused the role, password or
-            database: the data must not land in another server (the DSN redacted).
+        InvalidInputError: The configured server answered but refused the role, password,
+            database, or a setting the DSN asks for (``options``, ``sslmode``): the data must not
+            land in another server (the DSN redacted).
         ServiceUnavailableError: The embedded server cannot be found or started.
     """
     if settings.pg_dsn:

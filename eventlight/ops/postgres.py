@@ -9,6 +9,7 @@ import os
 import pwd
 import re
 import shutil
+import ssl
 import subprocess
 import warnings
 from pathlib import Path
@@ -39,11 +40,15 @@ REFUSED = "refused the connection"
 async def pg_probe(dsn: str, timeout_s: float = PG_PROBE_TIMEOUT_S) -> str | None:
     """Connect once and run ``SELECT 1``; return ``None`` on success, else why not, as a phrase:
     ``"did not answer (why)"``, or ``"refused the connection (why)"`` when the server answered
-    but refused the role, password or database (``REFUSALS``)."""
+    but refused the role, password or database (``REFUSALS``), a setting the DSN's ``options``
+    gives (any other error the server sends to a connection that is starting), or the DSN's
+    ``sslmode`` (it rejected SSL, or its certificate failed the check)."""
     try:
         conn = await pg_errors.connect(dsn, timeout_s=timeout_s)
     except ServiceUnavailableError as e:
         return _why_not(e)
+    except asyncpg.PostgresError as e:  # e.g. options=-c no_such_setting=1: it raised out of the probe
+        return f"{REFUSED} ({e})"
     try:
         with pg_errors.pg_errors(dsn, "SELECT 1"):
             await conn.fetchval("SELECT 1")
@@ -56,7 +61,14 @@ async def pg_probe(dsn: str, timeout_s: float = PG_PROBE_TIMEOUT_S) -> str | Non
 
 def _why_not(e: ServiceUnavailableError) -> str:
     cause = e.__cause__ or e
-    return f"{REFUSED if isinstance(cause, REFUSALS) else 'did not answer'} ({cause})"
+    return f"{REFUSED if isinstance(cause, REFUSALS) or _ssl_refused(cause) else 'did not answer'} ({cause})"
+
+
+def _ssl_refused(cause: BaseException) -> bool:
+    """The server answered the DSN's ``sslmode`` with a refusal: it does not do SSL (asyncpg raises a
+    bare ``ConnectionError`` saying so, where nothing listening is its subclass ``ConnectionRefusedError``),
+    or its certificate failed the check."""
+    return isinstance(cause, ssl.SSLError) or (type(cause) is ConnectionError and "SSL" in str(cause))
 
 
 def choose_pg_kind(state: Path) -> str:

@@ -94,12 +94,17 @@ def spawn_daemon(argv: list[str], output: Path) -> int:
 async def run(argv: list[str], cwd: Path, timeout_s: float = PG_CTL_TIMEOUT_S) -> tuple[int, str]:
     """Run a command to completion; output goes through a temp file (pg_ctl may hang pipes).
 
+    The command runs in a session of its own, so a Ctrl-C at the terminal reaches only this process;
+    when the call is cancelled (that Ctrl-C), it still waits for the command to end (within the
+    timeout) before it gives up, so that what the command did (a postmaster ``pg_ctl start`` forked)
+    is there for the caller's clean-up to undo, not left to come up after it.
+
     Returns:
         The exit code and the combined stdout/stderr text.
     """
     with tempfile.TemporaryFile() as out:
         proc = await asyncio.create_subprocess_exec(
-            *argv, cwd=cwd, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out
+            *argv, cwd=cwd, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True
         )
         try:
             rc = await asyncio.wait_for(proc.wait(), timeout_s + 10)
@@ -107,6 +112,10 @@ async def run(argv: list[str], cwd: Path, timeout_s: float = PG_CTL_TIMEOUT_S) -
             proc.kill()
             await proc.wait()
             rc = -1
+        except asyncio.CancelledError:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(proc.wait(), timeout_s + 10)
+            raise
         out.seek(0)
         return rc, out.read().decode(errors="replace")
 

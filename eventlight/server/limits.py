@@ -80,6 +80,7 @@ class BodyLimit:
             if not message.get("more_body", False):
                 break
         whole: Message = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        chunks.clear()  # else the body is held twice while the app runs (each request allowed near the limit)
         sent = False
 
         async def replay() -> Message:

@@ -146,33 +146,22 @@ class APO(TextualGradient, RolloutEvaluation[T_task]):
             if not isinstance(model, str) or not model:
                 error = InvalidInputError if isinstance(model, str) else InvalidTypeError
                 raise error(f"APO.{name} must be a model name, got {model!r:.80}")
-        check_number("APO.diversity_temperature", diversity_temperature, 0.0)
-        for name, size in (
-            ("gradient_batch_size", gradient_batch_size),
-            ("val_batch_size", val_batch_size),
-            ("beam_width", beam_width),
-            ("branch_factor", branch_factor),
-        ):
-            check_int(f"APO.{name}", size, 1)
-        check_int("APO.beam_rounds", beam_rounds, 0)
-        check_number("APO.rollout_batch_timeout", rollout_batch_timeout, 0.0, above=True)
-        check_bool("APO.run_initial_validation", run_initial_validation)
+        self.diversity_temperature = check_number("APO.diversity_temperature", diversity_temperature, 0.0)
+        self.gradient_batch_size = check_int("APO.gradient_batch_size", gradient_batch_size, 1)
+        self.val_batch_size = check_int("APO.val_batch_size", val_batch_size, 1)
+        self.beam_width = check_int("APO.beam_width", beam_width, 1)
+        self.branch_factor = check_int("APO.branch_factor", branch_factor, 1)
+        self.beam_rounds = check_int("APO.beam_rounds", beam_rounds, 0)
+        self.rollout_batch_timeout = check_number("APO.rollout_batch_timeout", rollout_batch_timeout, 0.0, above=True)
+        self.run_initial_validation = check_bool("APO.run_initial_validation", run_initial_validation)
         if rollout_config is not None and not isinstance(rollout_config, RolloutConfig):
             raise InvalidTypeError(f"APO.rollout_config must be a RolloutConfig or None, got {rollout_config!r:.80}")
         if optimizer_max_tokens is not None:
-            check_int("APO.optimizer_max_tokens", optimizer_max_tokens, 1)
+            optimizer_max_tokens = check_int("APO.optimizer_max_tokens", optimizer_max_tokens, 1)
         check_callable("APO.progress", progress)
         self.async_openai_client = async_openai_client
         self.gradient_model = gradient_model
         self.apply_edit_model = apply_edit_model
-        self.diversity_temperature = diversity_temperature
-        self.gradient_batch_size = gradient_batch_size
-        self.val_batch_size = val_batch_size
-        self.beam_width = beam_width
-        self.branch_factor = branch_factor
-        self.beam_rounds = beam_rounds
-        self.rollout_batch_timeout = rollout_batch_timeout
-        self.run_initial_validation = run_initial_validation
         self.rollout_config = rollout_config
         self.progress = progress
         self.edit_mode = edit_mode

@@ -28,17 +28,49 @@ class _Events:
 
     nats-py reports every failed reconnect attempt (one a ``RECONNECT_WAIT_S``) to the error callback:
     while the connection is lost those are counted, not logged, and the reminders name the last one.
+    A connection lost again less than ``REMINDER_FIRST_S`` after it came back (a flapping server, a
+    flaky link) is counted too, not logged each time (two lines a second for a server going down and
+    up every second): the reminders say how often, the return that follows one is logged, and such
+    a loss that lasts ``FLAP_MAX_S`` is logged as a loss after all. Lines name the server itself
+    (``nats://host:port``), so a cluster's failover says which server was lost and which took over.
     """
 
     def __init__(self, url: str, clock: Callable[[], float] = time.monotonic):
         self.url = url
+        self.server = url  # the server connected to, once known (``connected``)
         self.nc: NATS | None = None
         self.clock = clock
         self.cause: Exception | None = None  # what ended the connection
         self.lost_at: float | None = None
+        self.back_at: float | None = None  # when the connection last came back
+        self.quiet = False  # the current loss is a flap, counted but not logged
+        self.flaps = 0  # flaps since flaps_since (the last line that counted them)
+        self.flaps_since = 0.0
         self.attempts = 0
         self.remind_after_s = REMINDER_FIRST_S
         self.remind_at = 0.0
+
+    def connected(self, nc: NATS) -> None:
+        self.nc = nc
+        self.server = self._server_now()
+
+    def _server_now(self) -> str:
+        server = connected_server(self.nc) if self.nc is not None else "NATS"
+        return self.url if server == "NATS" else server
+
+    def _said(self, now: float, *, first: bool = False) -> None:
+        """A line was logged: the flaps are counted afresh, the next reminder is due later."""
+        self.quiet, self.flaps, self.flaps_since = False, 0, now
+        self.remind_after_s = REMINDER_FIRST_S if first else min(self.remind_after_s * 2, REMINDER_MAX_S)
+        self.remind_at = now + self.remind_after_s
+
+    def _flapped(self, now: float) -> str:
+        if not self.flaps:
+            return ""
+        return (
+            f"; lost {self.flaps} time{'s' if self.flaps > 1 else ''} in the last {_duration(now - self.flaps_since)}, "
+            f"each time less than {_duration(REMINDER_FIRST_S)} after it came back"
+        )
 
     async def error(self, e: Exception) -> None:
         if self.lost_at is None and not isinstance(e, _CONNECTION_ENDED):
@@ -48,39 +80,68 @@ class _Events:
             self.cause = e  # the connection ended: the reconnect that follows logs it
             return
         self.attempts += 1
-        if (now := self.clock()) >= self.remind_at:
+        now = self.clock()
+        if self.quiet and now - self.lost_at >= FLAP_MAX_S:  # a flap that became an outage
             log.warning(
-                "NATS at %s still unreachable after %s (%d attempts, the last: %s); still retrying",
-                self.url,
+                "NATS connection to %s lost %s ago and not back (%d attempts, the last: %s)%s; retrying every "
+                "%.0f s until it is back (a reminder after %s, then at doubling intervals)",
+                self.server,
                 _duration(now - self.lost_at),
                 self.attempts,
                 _describe(e),
+                self._flapped(now),
+                RECONNECT_WAIT_S,
+                _duration(REMINDER_FIRST_S),
             )
-            self.remind_after_s = min(self.remind_after_s * 2, REMINDER_MAX_S)
-            self.remind_at = now + self.remind_after_s
+            self._said(now, first=True)
+        elif now >= self.remind_at:
+            log.warning(
+                "NATS at %s still unreachable after %s (%d attempts, the last: %s)%s; still retrying",
+                self.server,
+                _duration(now - self.lost_at),
+                self.attempts,
+                _describe(e),
+                self._flapped(now),
+            )
+            self._said(now)
 
     async def disconnected(self) -> None:
         if self.nc is None or self.nc.is_closed or self.lost_at is not None:
             return
-        self.lost_at = self.clock()
+        now = self.lost_at = self.clock()
         self.attempts = 0
-        self.remind_after_s = REMINDER_FIRST_S
-        self.remind_at = self.lost_at + REMINDER_FIRST_S
         cause = f" ({_describe(self.cause)})" if self.cause is not None else ""
         self.cause = None
+        if self.back_at is not None and now - self.back_at < REMINDER_FIRST_S:  # back for less than that: a flap
+            self.flaps += 1
+            self.quiet = now < self.remind_at
+            if not self.quiet:
+                log.warning(
+                    "NATS connection to %s lost again%s%s; retrying every %.0f s",
+                    self.server,
+                    cause,
+                    self._flapped(now),
+                    RECONNECT_WAIT_S,
+                )
+                self._said(now)
+            return
         log.warning(
             "NATS connection to %s lost%s; retrying every %.0f s until it is back (a reminder after %s, "
             "then at doubling intervals)",
-            self.url,
+            self.server,
             cause,
             RECONNECT_WAIT_S,
             _duration(REMINDER_FIRST_S),
         )
+        self._said(now, first=True)
 
     async def reconnected(self) -> None:
-        away = "" if self.lost_at is None else f" after {_duration(self.clock() - self.lost_at)} away"
-        log.info("NATS reconnected to %s%s", self.url, away)
-        self.lost_at = None
+        now = self.clock()
+        lost, self.server = self.server, self._server_now()
+        away = "" if self.lost_at is None else f" after {_duration(now - self.lost_at)} away"
+        other = "" if lost == self.server else f" (the connection lost was to {lost})"
+        (log.debug if self.quiet else log.info)("NATS reconnected to %s%s%s", self.server, away, other)
+        self.lost_at, self.back_at, self.quiet = None, now, False
 
 
 _CONNECTION_ENDED: tuple[type[Exception], ...] = (OSError, nats.errors.UnexpectedEOF)
@@ -94,6 +155,9 @@ REMINDER_FIRST_S = 60.0
 comes twice as long after the one before, up to ``REMINDER_MAX_S``."""
 
 REMINDER_MAX_S = 3600.0
+
+FLAP_MAX_S = 10.0
+"""Seconds after which a loss that came soon after a return (a flap, not logged) is logged after all."""
 
 
 def _duration(seconds: float) -> str:
@@ -174,7 +238,9 @@ async def connect_nats(
     With ``reconnect`` (the default) the client reconnects for as long as it takes after the server
     goes away (every ``RECONNECT_WAIT_S``), so a store, its projector and a runner resume by themselves;
     it logs one warning when the connection is lost, reminders after ``REMINDER_FIRST_S`` and then at
-    doubling intervals (up to ``REMINDER_MAX_S``), and how long it was away when it is back.
+    doubling intervals (up to ``REMINDER_MAX_S``), and how long it was away when it is back (naming
+    the server lost and the one it is back on); a connection lost again within ``REMINDER_FIRST_S`` of
+    its return is counted into the reminders instead (``_Events``).
 
     Args:
         url: A NATS URL, several separated by commas, or a list of URLs (``server_urls``): the servers
@@ -220,7 +286,7 @@ async def connect_nats(
         )
     except Exception as e:  # nats-py raises several unrelated types for "cannot connect"
         raise ServiceUnavailableError(shown, f"NATS did not accept a connection ({e!r})") from e
-    events.nc = nc
+    events.connected(nc)
     sv = nc.connected_server_version
     if (sv.major, sv.minor) < (2, 11):
         await nc.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from typing import Any
 
@@ -42,6 +43,7 @@ class SqlReadModel(Waits):
         self._hints: set[str] = set()
         self._waiters: list[_Waiter] = []
         self._watch_sub: Any = None
+        self._alone: asyncio.Task[str | None] | None = None  # the probe on a connection of its own
 
     async def start(self) -> None:
         """Follow terminal events (only ever published on a rollout's ``e`` subject: ``enters_queue``)."""

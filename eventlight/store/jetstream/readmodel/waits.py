@@ -83,6 +83,7 @@ class Waits(SqlQueries):
     _changed: Broadcast
     _hints: set[str]
     _waiters: list[_Waiter]
+    _alone: asyncio.Task[str | None] | None
 
     async def _on_rollout_event(self, msg: Any) -> None:
         if terminal_status(msg.data) is not None:  # the rule subscribers share (``store.finish``)
@@ -166,8 +167,9 @@ class Waits(SqlQueries):
         within ``timeout_s`` seconds. It is one from the pool when the pool has one free within
         ``PROBE_POOL_WAIT_S`` (a quarter of ``timeout_s`` at most); else (every pooled connection
         busy, as under load) one opened for the probe alone and closed after it, so a busy Postgres
-        is not called down. A Postgres that answers that it has too many connections is busy, not
-        down. Also what ``/v1/agl/health`` asks (``JetStreamLightningStore.dependencies_down``)."""
+        is not called down; probes that find the pool busy at the same time share that one
+        connection and its answer. A Postgres that answers that it has too many connections is busy,
+        not down. Also what ``/v1/agl/health`` asks (``JetStreamLightningStore.dependencies_down``)."""
         waited_s = min(PROBE_POOL_WAIT_S, timeout_s / 4)
         try:
             conn = await self.pool.acquire(timeout=waited_s)
@@ -184,6 +186,15 @@ class Waits(SqlQueries):
         return None
 
     async def _probe_alone(self, timeout_s: float, waited_s: float) -> str | None:
+        """``_probe_own_connection``, shared by the probes that call it while it runs: each opened a
+        connection of its own, so 30 health checks at once while the pool was saturated were 30 new
+        connections to a Postgres already under load, up to "too many clients" for every process
+        on it. A caller cancelled does not cancel it for the others; it closes its connection itself."""
+        if self._alone is None or self._alone.done():
+            self._alone = asyncio.ensure_future(self._probe_own_connection(timeout_s, waited_s))
+        return await asyncio.shield(self._alone)
+
+    async def _probe_own_connection(self, timeout_s: float, waited_s: float) -> str | None:
         """``postgres_down`` on a connection of its own (``self.server`` is the DSN), opened within
         ``timeout_s`` seconds, after ``waited_s`` seconds for a pooled one."""
         busy = f"no pooled connection free within {waited_s:g} s"
