@@ -70,3 +70,20 @@ def test_trainer_snippet_names_only_what_exists() -> None:
                 calls += 1
     assert calls >= 5  # Trainer, APO, PromptTemplate, LLM, TraceToMessages (+ Settings.from_env)
     assert "openai_client = " in snippet("trainer")  # the snippet says what openai_client is
+
+
+def test_trainer_snippet_names_its_optimizer_models_and_what_must_run() -> None:
+    """The snippet's APO asked its endpoint for Agent-lightning's default ``gpt-5-mini`` (which a
+    local server does not serve), and did not say that anything had to be running (a fresh-user run)."""
+    text = snippet("trainer")
+    [apo] = [
+        node
+        for node in ast.walk(ast.parse(text))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "APO"
+    ]
+    keywords = {k.arg for k in apo.keywords}
+    assert {"gradient_model", "apply_edit_model"} <= keywords
+    url = re.search(r'AsyncOpenAI\(base_url="([^"]+)"', text)
+    assert url, "the snippet's optimizer client names its endpoint"
+    needs = [line for line in text.splitlines() if line.startswith("#") and "Needs" in line]
+    assert needs and url.group(1) in needs[0], "a comment says what must be running, at the client's address"
