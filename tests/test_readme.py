@@ -87,3 +87,22 @@ def test_trainer_snippet_names_its_optimizer_models_and_what_must_run() -> None:
     assert url, "the snippet's optimizer client names its endpoint"
     needs = [line for line in text.splitlines() if line.startswith("#") and "Needs" in line]
     assert needs and url.group(1) in needs[0], "a comment says what must be running, at the client's address"
+
+
+def test_sql_examples_keep_their_placeholders_through_the_shell() -> None:
+    """Each ``eventlight sql`` line of the README, as bash passes it: a query given ``--param``
+    values still holds its ``$1`` (in double quotes bash replaced it with nothing, and the query
+    failed with 'syntax error at or near "ORDER"': a fresh-user run)."""
+    command_line = re.compile(r"^(?:\$ |\.venv/bin/)?eventlight sql (.*)$")  # in code blocks, not the table
+    checked = 0
+    for line in (ROOT / "README.md").read_text().splitlines():
+        if (found := command_line.match(line)) is None:
+            continue
+        command = found.group(1).split("  #")[0]
+        argv = subprocess.run(
+            ["bash", "-c", f"printf '%s\\0' {command}"], capture_output=True, text=True, check=True, timeout=10
+        ).stdout.split("\0")[:-1]
+        if "--param" in argv or "-p" in argv:
+            assert re.search(r"\$[0-9]", argv[0]), f"bash leaves no placeholder in: {line}"
+            checked += 1
+    assert checked >= 2
