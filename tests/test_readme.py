@@ -15,6 +15,7 @@ from typing import Any
 import eventlight as agl
 from eventlight.ops import drop_namespace
 from eventlight.settings import Settings
+from tests.test_replay import workload
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -106,3 +107,26 @@ def test_sql_examples_keep_their_placeholders_through_the_shell() -> None:
             assert re.search(r"\$[0-9]", argv[0]), f"bash leaves no placeholder in: {line}"
             checked += 1
     assert checked >= 2
+
+
+async def test_replay_snippet_finds_the_embedded_servers_as_the_cli_does(
+    namespace: Settings, services: tuple[Settings, Any]
+) -> None:
+    """``agl.replay(agl.Settings.from_env(), ...)`` refused to run without ``$EVENTLIGHT_NATS_URL``
+    while ``eventlight up``'s servers ran, which the CLI found (a fresh-user run)."""
+    base, svc = services
+    async with agl.JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
+        ids = await workload(store)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EVENTLIGHT_")}
+    env["EVENTLIGHT_STATE_DIR"] = str(base.state_dir)  # the servers are found there, as `eventlight up` left them
+    if svc.nats_pid is None:  # the tests were given an external NATS: nothing embedded to find
+        env["EVENTLIGHT_NATS_URL"] = svc.nats_url
+    code = snippet("replay").replace('namespace="my_agent"', f'namespace="{namespace.namespace}"')
+    run = [sys.executable, "-c", code]
+    done = await asyncio.to_thread(subprocess.run, run, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        f"{ids['good']} 0 None",
+        f"{ids['good']} 1 0.9",
+        "0 records from spans named chat …",
+    ]

@@ -762,3 +762,17 @@ async def test_cli_a_bad_range_of_a_position_and_a_time_is_one_line(namespace: S
         result, 2
     )
     assert files_in(tmp_path) == []
+
+
+async def test_replay_from_settings_without_servers_or_stream_says_what_to_run(
+    namespace: Settings, tmp_path: Path
+) -> None:
+    """Without ``nats_url`` the embedded servers are looked for (none here: the state folder is
+    empty); a namespace without a stream is named, with the command that creates it."""
+    with pytest.raises(ServiceUnavailableError, match="no eventlight servers are running .*run `eventlight up`"):
+        await collect(eventlight.replay(Settings(state_dir=tmp_path, namespace="h")))
+    other = msgspec.structs.replace(namespace, namespace="no_such_ns_replay")
+    with pytest.raises(
+        InvalidInputError, match="has no stream EL_NO_SUCH_NS_REPLAY .*`eventlight up -N no_such_ns_replay`"
+    ):
+        await collect(eventlight.replay(other))
