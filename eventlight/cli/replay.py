@@ -87,6 +87,7 @@ async def _replay_to_file(settings: Settings, out: Path, opts: dict[str, Any]) -
     run.source = settings
     run.log_first_skip = False  # printed below with the others, once
     run.log_range_outside = False  # printed below as a warning
+    run.log_unmatched = False  # and so is this
     # a partial dataset would pass for a whole one: written beside `out`, renamed over it when whole
     with replacing(out) as part, _progress() as bar:
         writer = make_writer(part)
@@ -252,7 +253,7 @@ def replay_command(
         "reward": reward,
         "workers": default_workers() if workers is None else workers,
     }
-    from eventlight.logreplay.replay import ReplayWorkerError, range_outside_log
+    from eventlight.logreplay.replay import ReplayWorkerError, range_outside_log, unmatched_warning
 
     try:
         run = _run(_replay_to_file(settings, _writable(out), opts))
@@ -271,6 +272,8 @@ def replay_command(
     s = run.stats
     for outside in range_outside_log(run.filters, s):
         err.print(f"[yellow]warning:[/yellow] {escape(outside)}")
+    if (unmatched := unmatched_warning(run)) is not None:
+        err.print(f"[yellow]warning:[/yellow] {escape(unmatched)}")
     console.print(
         f"{s.records} record(s) from {s.attempts} attempt(s) → {escape(str(out))}  "
         f"[dim]({s.events} events and {s.spans} spans read up to log position {s.head_seq}"

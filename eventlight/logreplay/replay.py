@@ -20,7 +20,7 @@ import asyncio
 import logging
 import math
 import pickle
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
@@ -82,6 +82,8 @@ class ReplayStats(msgspec.Struct):
     """The earliest and latest ``time`` of the events read (seconds since the epoch; ``None``: none)."""
     ahead: int = 0
     """Attempts whose records a worker process made while the log was still read (``workers``)."""
+    unmatched: int = 0
+    """Attempts in which no span matched the ``triplets`` adapter's ``llm_call_match`` (no record)."""
 
 
 Progress = Callable[[ReplayStats], None]
@@ -139,6 +141,11 @@ class Replay(AsyncIterator[dict[str, Any]]):
         self.log_range_outside = True
         """Log a warning for a range outside the log, ``range_outside_log`` (``eventlight replay``
         prints it itself)."""
+        self.log_unmatched = True
+        """Log one warning at the end for the attempts in which no span matched the ``triplets``
+        adapter's ``llm_call_match``, ``unmatched_warning`` (``eventlight replay`` prints it itself)."""
+        self.unmatched_names: Counter[str] = Counter()
+        """Span names of those attempts: in how many of them each was seen."""
         self.stats = ReplayStats()
         self._it: AsyncIterator[dict[str, Any]] | None = None
 
@@ -188,6 +195,9 @@ class Replay(AsyncIterator[dict[str, Any]]):
                         )
                     self.errors.append(err)
                     continue
+                if result.unmatched is not None:
+                    self.stats.unmatched += 1
+                    self.unmatched_names.update(result.unmatched)
                 final = result.final_reward if result.items else None  # an attempt without records has none
                 if self.min_reward is not None and not _at_least(final, self.min_reward):
                     continue
@@ -200,6 +210,8 @@ class Replay(AsyncIterator[dict[str, Any]]):
                     yield record
             if self.on_progress is not None:
                 self.on_progress(self.stats)
+            if self.log_unmatched and (unmatched := unmatched_warning(self)) is not None:
+                log.warning("replay: %s", unmatched)
             finished = True
         finally:
             if pool is not None:
@@ -577,6 +589,30 @@ def check_mixed_range(filters: Filters, entry: tuple[int, float] | None, head_se
         raise InvalidInputError(f"bad range: --since {lo.seq} is later than --until {_iso(hi.time)} ({written})")
     if lo.time is not None and hi.seq is not None and lo.time > position_time:
         raise InvalidInputError(f"bad range: --since {_iso(lo.time)} is later than --until {hi.seq} ({written})")
+
+
+UNMATCHED_NAMES_SHOWN = 20
+"""Span names ``unmatched_warning`` lists; the rest are counted."""
+
+
+def unmatched_warning(run: Replay) -> str | None:
+    """One line for the attempts in which no span matched the ``triplets`` adapter's
+    ``llm_call_match`` (they gave no record), with the span names seen in them and in how many
+    attempts each, most frequent first; ``None`` when there were none. ``eventlight replay`` prints
+    it as a warning; ``eventlight.replay`` logs it at WARNING once the replay ends (the adapter's
+    own warning per attempt is off).
+    """
+    n = run.stats.unmatched
+    if not n:
+        return None
+    pattern = getattr(run.adapter, "llm_call_match", None)
+    ranked = sorted(run.unmatched_names.items(), key=lambda item: (-item[1], item[0]))
+    names = ", ".join(f"{name} ({count})" for name, count in ranked[:UNMATCHED_NAMES_SHOWN])
+    more = f", … ({len(ranked) - UNMATCHED_NAMES_SHOWN} more)" if len(ranked) > UNMATCHED_NAMES_SHOWN else ""
+    return (
+        f"no span matched llm_call_match={pattern!r} in {n} attempt(s), which gave no record; "
+        f"span names seen (attempts): {names or 'none'}{more}"
+    )
 
 
 def range_outside_log(filters: Filters, stats: ReplayStats) -> list[str]:
