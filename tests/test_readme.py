@@ -7,10 +7,13 @@ import asyncio
 import inspect
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 import eventlight as agl
 from eventlight.ops import drop_namespace
@@ -130,3 +133,15 @@ async def test_replay_snippet_finds_the_embedded_servers_as_the_cli_does(
         f"{ids['good']} 1 0.9",
         "0 records from spans named chat …",
     ]
+
+
+def test_the_files_the_readme_examples_write_are_ignored_by_git() -> None:
+    """``eventlight replay --out train.parquet`` and the like, run as written in a checkout, left
+    the datasets as untracked files in its root (a fresh-user run)."""
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    text = (ROOT / "README.md").read_text()
+    outs = sorted(set(re.findall(r"--out ([\w./-]+\.(?:jsonl|parquet))\b", text)))
+    assert {"train.parquet", "sft.jsonl", "genai.jsonl"} <= set(outs)
+    check = subprocess.run(["git", "check-ignore", "--no-index", *outs], cwd=ROOT, capture_output=True, text=True)
+    assert sorted(check.stdout.split()) == outs, check.stderr
