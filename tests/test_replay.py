@@ -591,6 +591,18 @@ async def test_cli_replay_where_every_attempt_fails_exits_1(namespace: Settings,
     assert "error: every one of the 3 selected attempt(s) failed in the adapter or reward function" in result.stderr
 
 
+async def test_cli_log_warnings_read_as_the_commands_own(namespace: Settings, tmp_path: Path) -> None:
+    """``replay --resources-id ro-nope`` printed ``WARNING eventlight.logreplay.replay: …`` where the
+    commands print ``warning: …`` (a fresh-user run)."""
+    async with JetStreamLightningStore(namespace) as store:
+        await workload(store)
+    result = cli("replay", "--resources-id", "ro-nope", "--out", str(tmp_path / "x.jsonl"), env=env_of(namespace))
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if "ro-nope" in line]
+    assert warnings == ["warning: replay: no resources snapshot in the log is named ro-nope (--resources-id)"]
+    assert "WARNING" not in result.stderr, result.stderr
+
+
 async def test_an_unknown_resources_id_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:
     async with InMemoryLightningStore() as store:
         await workload(store)
