@@ -15,9 +15,10 @@ import re
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import httpx
 import pytest
 from llm_stub import ScriptedLLM
-from openai import AsyncOpenAI
+from openai import APIConnectionError, AsyncOpenAI, NotFoundError
 
 from eventlight.adapter import TracerTraceToTriplet, TraceToMessages
 from eventlight.algorithm import (
@@ -32,7 +33,9 @@ from eventlight.algorithm import (
 )
 from eventlight.algorithm.apo import APPLY_EDIT_VARIANTS, EVIDENCE_CHAR_BUDGET, GRADIENT_VARIANTS
 from eventlight.algorithm.baseline import format_span
+from eventlight.core.errors import LLMUnavailableError
 from eventlight.core.types import TERMINAL_ROLLOUT_STATUSES, AttemptedRollout, PromptTemplate, ProxyLLM, Span
+from eventlight.net import free_port
 from eventlight.store.base import LightningStore
 from eventlight.store.memory import InMemoryLightningStore
 
@@ -346,6 +349,81 @@ async def test_apo_survives_a_misbehaving_optimizer(
     # the beam stays [v0], replicated into 2 parents x 2 branches: 4 gradient batches per round
     assert await count_modes(store) == {"train": 16, "val": 4 + 2 * (3 + 4)}
     assert len([c for c in client.calls if c["model"] == "critic"]) == 8
+
+
+async def test_apo_stops_before_any_rollout_when_its_optimizer_takes_no_connection() -> None:
+    """The README's trainer with nothing on its optimizer's port ran 45 s, logged 32 failed
+    critiques and ended as if it had trained (a fresh-user run); it now stops before a rollout."""
+    store = InMemoryLightningStore()
+    url = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
+    client = AsyncOpenAI(base_url=url, api_key="test", max_retries=0)
+    apo = make_apo(client, gradient_model="gpt-5-mini")  # APO's default
+    apo.set_store(store)
+    try:
+        with pytest.raises(LLMUnavailableError) as got:
+            await apo.run(train_dataset=TRAIN, val_dataset=VAL)
+    finally:
+        await client.close()
+    message = str(got.value)
+    assert f"APO's optimizer at {url}/ (models 'gpt-5-mini' and 'editor')" in message, message
+    assert "APIConnectionError" in message and "APO's default gradient_model" in message, message
+    assert "apply_edit_model" in message and "'editor' is" not in message, message
+    assert await store.query_rollouts() == []
+
+
+def _no_connection(model: str, messages: list[dict[str, str]]) -> str:
+    raise APIConnectionError(request=httpx.Request("POST", "http://127.0.0.1:9/v1/chat/completions"))
+
+
+def _unknown_model(model: str, messages: list[dict[str, str]]) -> str:
+    request = httpx.Request("POST", "http://127.0.0.1:9/v1/chat/completions")
+    raise NotFoundError("model not found", response=httpx.Response(404, request=request), body=None)
+
+
+@pytest.mark.parametrize("reply", [_no_connection, _unknown_model], ids=["no-connection", "unknown-model"])
+async def test_apo_stops_at_its_first_optimizer_call_when_that_cannot_succeed(
+    reply: Callable[[str, list[dict[str, str]]], str],
+) -> None:
+    store = InMemoryLightningStore()
+    client = FakeClient(reply)
+    apo = make_apo(client)
+    apo.set_store(store)
+    async with running(FakeRunners(store, by_prompt)):
+        with pytest.raises(LLMUnavailableError) as got:
+            await apo.run(train_dataset=TRAIN, val_dataset=VAL)
+    message = str(got.value)
+    assert "APO's optimizer at the optimizer client FakeClient (model 'critic'): critique call:" in message, message
+    assert type(got.value.__cause__).__name__ in message and "default" not in message, message
+    assert len(client.calls) == 1
+    assert await count_modes(store) == {"val": 4, "train": 2}  # the seed's validation, one gradient batch
+
+
+async def test_apo_stops_when_every_optimizer_call_of_a_round_fails(caplog: pytest.LogCaptureFixture) -> None:
+    """Once the optimizer has answered, a call that cannot reach it skips its child; a round in
+    which every call failed so ends the run."""
+    answered: list[str] = []
+
+    def first_then_gone(model: str, messages: list[dict[str, str]]) -> str:
+        if answered:
+            _no_connection(model, messages)
+        answered.append(model)
+        return "- demand ONLY the room name."
+
+    store = InMemoryLightningStore()
+    apo = make_apo(FakeClient(first_then_gone))
+    apo.set_store(store)
+    async with running(FakeRunners(store, by_prompt)):
+        with caplog.at_level(logging.ERROR, logger="eventlight.algorithm.apo.critic"):
+            with pytest.raises(LLMUnavailableError, match="all 4 optimizer call.s. of round 2 failed"):
+                await apo.run(train_dataset=TRAIN, val_dataset=VAL)
+    # round 1: a critique answered, its rewrite and the 3 other critiques failed and were skipped
+    assert [r.getMessage().split("] ")[1].split(" call")[0] for r in caplog.records][:4] == [
+        "rewrite",
+        "critique",
+        "critique",
+        "critique",
+    ]
+    assert apo.best_version == "v0"
 
 
 async def test_apo_strips_a_code_fence_and_keeps_valid_children() -> None:

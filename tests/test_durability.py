@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
+from eventlight.core.errors import InvalidInputError
 from eventlight.ops.nats_server import embedded_durability, ensure_nats, stop_nats
 from eventlight.settings import DURABILITY, Settings
 
@@ -41,8 +41,13 @@ async def test_embedded_server_runs_the_level_asked_and_refuses_another(tmp_path
         assert embedded_durability(state) == "interval"
         again = await ensure_nats(Settings(state_dir=state, durability="interval"), state)
         assert again == (url, pid, False)  # reused
-        with pytest.raises(ServiceUnavailableError, match="runs at durability interval, not fsync"):
+        with pytest.raises(InvalidInputError) as refused:  # it answers: no "cannot reach" (a fresh-user run)
             await ensure_nats(Settings(state_dir=state, durability="fsync"), state)
+        assert str(refused.value) == (
+            f"the embedded nats-server at {url} (pid {pid}) runs at durability interval, not fsync "
+            "(EVENTLIGHT_DURABILITY): `eventlight down` and start again to change it, "
+            "or set EVENTLIGHT_DURABILITY=interval"
+        )
     finally:
         await stop_nats(state)
     url, pid, started = await ensure_nats(Settings(state_dir=state), state)  # after a stop: the new level

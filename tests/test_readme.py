@@ -7,14 +7,18 @@ import asyncio
 import inspect
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import eventlight as agl
 from eventlight.ops import drop_namespace
 from eventlight.settings import Settings
+from tests.test_replay import workload
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,3 +74,74 @@ def test_trainer_snippet_names_only_what_exists() -> None:
                 calls += 1
     assert calls >= 5  # Trainer, APO, PromptTemplate, LLM, TraceToMessages (+ Settings.from_env)
     assert "openai_client = " in snippet("trainer")  # the snippet says what openai_client is
+
+
+def test_trainer_snippet_names_its_optimizer_models_and_what_must_run() -> None:
+    """The snippet's APO asked its endpoint for Agent-lightning's default ``gpt-5-mini`` (which a
+    local server does not serve), and did not say that anything had to be running (a fresh-user run)."""
+    text = snippet("trainer")
+    [apo] = [
+        node
+        for node in ast.walk(ast.parse(text))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "APO"
+    ]
+    keywords = {k.arg for k in apo.keywords}
+    assert {"gradient_model", "apply_edit_model"} <= keywords
+    url = re.search(r'AsyncOpenAI\(base_url="([^"]+)"', text)
+    assert url, "the snippet's optimizer client names its endpoint"
+    needs = [line for line in text.splitlines() if line.startswith("#") and "Needs" in line]
+    assert needs and url.group(1) in needs[0], "a comment says what must be running, at the client's address"
+
+
+def test_sql_examples_keep_their_placeholders_through_the_shell() -> None:
+    """Each ``eventlight sql`` line of the README, as bash passes it: a query given ``--param``
+    values still holds its ``$1`` (in double quotes bash replaced it with nothing, and the query
+    failed with 'syntax error at or near "ORDER"': a fresh-user run)."""
+    command_line = re.compile(r"^(?:\$ |\.venv/bin/)?eventlight sql (.*)$")  # in code blocks, not the table
+    checked = 0
+    for line in (ROOT / "README.md").read_text().splitlines():
+        if (found := command_line.match(line)) is None:
+            continue
+        command = found.group(1).split("  #")[0]
+        argv = subprocess.run(
+            ["bash", "-c", f"printf '%s\\0' {command}"], capture_output=True, text=True, check=True, timeout=10
+        ).stdout.split("\0")[:-1]
+        if "--param" in argv or "-p" in argv:
+            assert re.search(r"\$[0-9]", argv[0]), f"bash leaves no placeholder in: {line}"
+            checked += 1
+    assert checked >= 2
+
+
+async def test_replay_snippet_finds_the_embedded_servers_as_the_cli_does(
+    namespace: Settings, services: tuple[Settings, Any]
+) -> None:
+    """``agl.replay(agl.Settings.from_env(), ...)`` refused to run without ``$EVENTLIGHT_NATS_URL``
+    while ``eventlight up``'s servers ran, which the CLI found (a fresh-user run)."""
+    base, svc = services
+    async with agl.JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
+        ids = await workload(store)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EVENTLIGHT_")}
+    env["EVENTLIGHT_STATE_DIR"] = str(base.state_dir)  # the servers are found there, as `eventlight up` left them
+    if svc.nats_pid is None:  # the tests were given an external NATS: nothing embedded to find
+        env["EVENTLIGHT_NATS_URL"] = svc.nats_url
+    code = snippet("replay").replace('namespace="my_agent"', f'namespace="{namespace.namespace}"')
+    run = [sys.executable, "-c", code]
+    done = await asyncio.to_thread(subprocess.run, run, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        f"{ids['good']} 0 None",
+        f"{ids['good']} 1 0.9",
+        "0 records from spans named chat …",
+    ]
+
+
+def test_the_files_the_readme_examples_write_are_ignored_by_git() -> None:
+    """``eventlight replay --out train.parquet`` and the like, run as written in a checkout, left
+    the datasets as untracked files in its root (a fresh-user run)."""
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    text = (ROOT / "README.md").read_text()
+    outs = sorted(set(re.findall(r"--out ([\w./-]+\.(?:jsonl|parquet))\b", text)))
+    assert {"train.parquet", "sft.jsonl", "genai.jsonl"} <= set(outs)
+    check = subprocess.run(["git", "check-ignore", "--no-index", *outs], cwd=ROOT, capture_output=True, text=True)
+    assert sorted(check.stdout.split()) == outs, check.stderr

@@ -591,6 +591,18 @@ async def test_cli_replay_where_every_attempt_fails_exits_1(namespace: Settings,
     assert "error: every one of the 3 selected attempt(s) failed in the adapter or reward function" in result.stderr
 
 
+async def test_cli_log_warnings_read_as_the_commands_own(namespace: Settings, tmp_path: Path) -> None:
+    """``replay --resources-id ro-nope`` printed ``WARNING eventlight.logreplay.replay: …`` where the
+    commands print ``warning: …`` (a fresh-user run)."""
+    async with JetStreamLightningStore(namespace) as store:
+        await workload(store)
+    result = cli("replay", "--resources-id", "ro-nope", "--out", str(tmp_path / "x.jsonl"), env=env_of(namespace))
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if "ro-nope" in line]
+    assert warnings == ["warning: replay: no resources snapshot in the log is named ro-nope (--resources-id)"]
+    assert "WARNING" not in result.stderr, result.stderr
+
+
 async def test_an_unknown_resources_id_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:
     async with InMemoryLightningStore() as store:
         await workload(store)
@@ -762,3 +774,17 @@ async def test_cli_a_bad_range_of_a_position_and_a_time_is_one_line(namespace: S
         result, 2
     )
     assert files_in(tmp_path) == []
+
+
+async def test_replay_from_settings_without_servers_or_stream_says_what_to_run(
+    namespace: Settings, tmp_path: Path
+) -> None:
+    """Without ``nats_url`` the embedded servers are looked for (none here: the state folder is
+    empty); a namespace without a stream is named, with the command that creates it."""
+    with pytest.raises(ServiceUnavailableError, match="no eventlight servers are running .*run `eventlight up`"):
+        await collect(eventlight.replay(Settings(state_dir=tmp_path, namespace="h")))
+    other = msgspec.structs.replace(namespace, namespace="no_such_ns_replay")
+    with pytest.raises(
+        InvalidInputError, match="has no stream EL_NO_SUCH_NS_REPLAY .*`eventlight up -N no_such_ns_replay`"
+    ):
+        await collect(eventlight.replay(other))

@@ -8,6 +8,7 @@ attempt of one rollout, train and val rollouts, and an adapter that raises on so
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import signal
 import sys
@@ -245,3 +246,30 @@ async def test_ctrl_c_while_the_workers_start_is_one_line(namespace: Settings, t
     assert seen, "no forkserver was seen"
     assert only_error(result, 130).startswith("error: interrupted: nothing was written to"), result.stderr
     assert not out.exists()
+
+
+async def test_a_pattern_that_matches_no_span_is_told_once_with_its_count(
+    namespace: Settings, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``--llm-call-match '^chat '`` on spans named otherwise printed the adapter's warning once per
+    attempt (178 lines on the demo's data), from the workers too; now one line at the end, with the
+    count of attempts and the span names seen."""
+    async with JetStreamLightningStore(namespace) as store:
+        await workload(store)
+    attempts = ROLLOUTS + 1  # one rollout was retried
+    names = f"openai.chat.completion ({attempts}), agentlightning.annotation ({ROLLOUTS - 1})"
+    told = f"no span matched llm_call_match='^chat ' in {attempts} attempt(s), which gave no record; "
+    for workers in ("1", "2"):
+        out = tmp_path / f"none-{workers}.jsonl"
+        args = ("replay", "--llm-call-match", "^chat ", "-j", workers, "--out", str(out))
+        result = cli(*args, env=env_of(namespace))
+        assert result.returncode == 0, result.stderr
+        lines = [line for line in result.stderr.splitlines() if "llm_call_match" in line]
+        assert lines == [f"warning: {told}span names seen (attempts): {names}"], result.stderr
+    with caplog.at_level(logging.WARNING, logger="eventlight"):
+        run = eventlight.replay(namespace, llm_call_match=r"^chat ")
+        assert await collect(run) == []
+    assert [r.getMessage() for r in caplog.records if "llm_call_match" in r.getMessage()] == [
+        f"replay: {told}span names seen (attempts): {names}"
+    ]
+    assert run.stats.unmatched == attempts and run.unmatched_names["openai.chat.completion"] == attempts

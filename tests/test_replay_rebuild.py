@@ -17,6 +17,7 @@ from eventlight.core.errors import InvalidInputError
 from eventlight.logreplay import rebuild as rebuild_module
 from eventlight.logreplay.rebuild import RebuildReport, rebuild, table_sums
 from eventlight.logreplay.transfer import ImportReport, export_log, import_log, read_export
+from eventlight.net import free_port
 from eventlight.ops import Services
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
@@ -139,6 +140,27 @@ def test_cli_export_and_import(namespace: Settings, services: tuple[Settings, Se
     assert result.returncode == 0 and "0 entries" in result.stdout, result.stderr
     result = cli("import", str(out), env=env)
     assert result.returncode == 0 and "0 entries appended, 0 already present" in result.stdout, result.stderr
+
+
+async def test_cli_import_leaves_a_namespace_sql_reads(
+    namespace: Settings, services: tuple[Settings, Services], tmp_path: Path
+) -> None:
+    """After ``eventlight import``, ``eventlight sql`` counted 0 rollouts: nothing had projected the
+    namespace (a fresh-user run). The import now projects it up to the head before it returns."""
+    async with JetStreamLightningStore(namespace) as store:  # no Postgres: nothing projects the source either
+        ids = await workload(store)
+    out = tmp_path / "log.jsonl"
+    assert cli("export", "--out", str(out), env=env_of(namespace)).returncode == 0
+    async with fresh_namespace(services) as other:
+        no_pg = {**env_of(other), "EVENTLIGHT_PG_DSN": f"postgresql://postgres@127.0.0.1:{free_port()}/postgres"}
+        result = cli("import", str(out), env=no_pg)  # appended; the read models wait for Postgres
+        assert result.returncode == 0 and "18 entries appended" in result.stdout, result.stderr
+        assert "warning: the read models were not brought up to date: cannot reach" in result.stderr
+        result = cli("import", str(out), env=env_of(other))  # nothing to append: what is there is projected
+        assert result.returncode == 0 and "0 entries appended" in result.stdout, result.stderr
+        count = cli("sql", "SELECT rollout_id FROM v_rollouts ORDER BY 1", "-f", "csv", env=env_of(other))
+        assert count.stdout.split() == ["rollout_id", *sorted(ids.values())], count.stderr
+        assert "read models projected up to log position 18" in result.stdout, result.stdout
 
 
 @pytest.mark.parametrize(

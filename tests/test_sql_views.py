@@ -69,6 +69,22 @@ def test_params_are_bound_never_pasted(namespace: Settings) -> None:
     assert_one_line_error(cli("sql", "SELECT $1::int", env=env), 2, "1 placeholder(s)", "0 --param")
 
 
+def test_a_placeholder_the_shell_expanded_is_named_as_the_likely_cause(namespace: Settings) -> None:
+    """The README's queries with ``$1`` in double quotes reached eventlight without it (bash expands
+    it to nothing): the error was a bare 'syntax error at or near "ORDER"' (a fresh-user run)."""
+    env, hint = env_of(namespace), "did the shell expand $1? quote the query with single quotes"
+    expanded = "SELECT name FROM v_spans WHERE rollout_id =  ORDER BY sequence_id"  # "… = $1 ORDER …" after bash
+    error = assert_one_line_error(cli("sql", expanded, "-p", "ro-x", env=env), 2, 'syntax error at or near "ORDER"')
+    assert f"the query has no $1 placeholder but 1 --param given: {hint}" in error
+    error = assert_one_line_error(  # "… = '$1'" after bash: valid SQL without a placeholder
+        cli("sql", "SELECT count(*) FROM v_rollouts WHERE mode = ''", "-p", "train", env=env), 2, "0 placeholder(s)"
+    )
+    assert error.count("placeholder") == 1 and hint in error
+    error = assert_one_line_error(cli("sql", "SELECT $1 ORDR BY 1", "-p", "x", env=env), 2, "syntax error")
+    assert "shell" not in error  # a syntax error of its own, with its placeholder
+    assert "shell" not in assert_one_line_error(cli("sql", "SELECT 1 ORDR BY 1", env=env), 2, "syntax error")
+
+
 def test_params_of_other_types_are_read_as_postgres_reads_a_literal(namespace: Settings) -> None:
     # timestamptz, date, interval and arrays: asyncpg would refuse a str for each
     [row] = rows(

@@ -14,6 +14,7 @@ from eventlight.adapter.attrs import (
     RESPONSE_ID_KEYS,
     RESPONSE_TOKEN_KEYS,
     TOKEN_IDS_INCOMPLETE,
+    VIRTUAL_ROOT_ID,
     Heads,
     _first_ids,
     _first_str,
@@ -138,7 +139,16 @@ class TracerTraceToTriplet(TraceToTripletBase):
         _skip_empty_token_spans: Drop calls lacking prompt or response token ids.
 
     Output order is DFS pre-order with children in input order (not time order).
+
+    Attributes:
+        last_unmatched: The span names of the latest ``adapt`` call's spans when none matched
+            ``llm_call_match`` (sorted), else ``None``.
+        warn_unmatched: Log a warning for each ``adapt`` call whose spans none matched (default);
+            ``eventlight.replay`` turns it off and tells once for the whole replay.
     """
+
+    last_unmatched: tuple[str, ...] | None = None
+    warn_unmatched: bool = True
 
     def __init__(
         self,
@@ -178,6 +188,7 @@ class TracerTraceToTriplet(TraceToTripletBase):
             count the others.
         """
         stats = AdapterStats()
+        self.last_unmatched = None
         if not source:
             self._counted(stats)
             return []
@@ -207,10 +218,14 @@ class TracerTraceToTriplet(TraceToTripletBase):
             if calls:  # matched, and every one left out: say why rather than "no span matches"
                 log.warning("no triplet: all %d LLM call(s) were left out (%s)", stats.llm_calls, stats)
                 return []
-            names = sorted({n.span.name for n in tree.traverse()})
-            log.warning(
-                "no span matches llm_call_match=%r; span names seen: %s (%s)", self.llm_call_match, names, stats
-            )
+            self.last_unmatched = tuple(sorted({n.span.name for n in tree.traverse() if n.id != VIRTUAL_ROOT_ID}))
+            if self.warn_unmatched:
+                log.warning(
+                    "no span matches llm_call_match=%r; span names seen: %s (%s)",
+                    self.llm_call_match,
+                    list(self.last_unmatched),
+                    stats,
+                )
             return []
         rewards = tree.match_rewards(self.reward_match, [n for n, _ in pairs])
         for node, triplet in pairs:

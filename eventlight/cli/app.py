@@ -78,11 +78,27 @@ def _register_replay() -> None:
 _register_replay()
 
 
+class _LogLines(logging.Formatter):
+    """The CLI's log lines: a warning as the commands print their own (``warning: …``), any other
+    record with its level and logger (``INFO eventlight.ops.schema: …``)."""
+
+    def __init__(self) -> None:
+        super().__init__("%(levelname)s %(name)s: %(message)s")
+        self._warning = logging.Formatter("warning: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        if record.levelno == logging.WARNING:
+            return self._warning.format(record)
+        return super().format(record)
+
+
 def main() -> None:
     """Console entry point."""
     level = os.environ.get("EVENTLIGHT_LOG_LEVEL", "INFO").upper()
     if level not in logging.getLevelNamesMapping():
         err.print(f"[yellow]warning:[/yellow] EVENTLIGHT_LOG_LEVEL={escape(level)!r} is not a log level; using INFO")
         level = "INFO"
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(_LogLines())
+    logging.basicConfig(level=level, handlers=[handler])
     app()

@@ -13,10 +13,10 @@ from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
-from rich.progress import Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from eventlight.cli.common import EXIT_INTERRUPTED, CliError, NamespaceOpt, _run, _settings, console, err
-from eventlight.cli.discovery import _need_nats, _no_namespace
+from eventlight.cli.discovery import _connect_pg, _need_nats, _need_pg, _no_namespace
 from eventlight.cli.status import _stream_state
 from eventlight.core.types import ROLLOUT_MODES
 from eventlight.logreplay.parallel import MAX_WORKERS
@@ -87,6 +87,7 @@ async def _replay_to_file(settings: Settings, out: Path, opts: dict[str, Any]) -
     run.source = settings
     run.log_first_skip = False  # printed below with the others, once
     run.log_range_outside = False  # printed below as a warning
+    run.log_unmatched = False  # and so is this
     # a partial dataset would pass for a whole one: written beside `out`, renamed over it when whole
     with replacing(out) as part, _progress() as bar:
         writer = make_writer(part)
@@ -252,7 +253,7 @@ def replay_command(
         "reward": reward,
         "workers": default_workers() if workers is None else workers,
     }
-    from eventlight.logreplay.replay import ReplayWorkerError, range_outside_log
+    from eventlight.logreplay.replay import ReplayWorkerError, range_outside_log, unmatched_warning
 
     try:
         run = _run(_replay_to_file(settings, _writable(out), opts))
@@ -271,6 +272,8 @@ def replay_command(
     s = run.stats
     for outside in range_outside_log(run.filters, s):
         err.print(f"[yellow]warning:[/yellow] {escape(outside)}")
+    if (unmatched := unmatched_warning(run)) is not None:
+        err.print(f"[yellow]warning:[/yellow] {escape(unmatched)}")
     console.print(
         f"{s.records} record(s) from {s.attempts} attempt(s) → {escape(str(out))}  "
         f"[dim]({s.events} events and {s.spans} spans read up to log position {s.head_seq}"
@@ -333,7 +336,12 @@ def import_command(
     as is a slice that leaves a gap after what the namespace holds of a rollout (an export with
     --since records each rollout's entry before the slice).
 
-    Servers: uses $EVENTLIGHT_NATS_URL when set, else the embedded NATS; never starts one."""
+    The namespace must exist (`eventlight up -N NAMESPACE`). Before it returns, the import projects
+    the namespace's log into its read models up to the head, showing progress, so `eventlight sql`
+    sees what it appended.
+
+    Servers: uses $EVENTLIGHT_NATS_URL and $EVENTLIGHT_PG_DSN when set, else the embedded servers;
+    never starts one."""
     from eventlight.logreplay.transfer import import_log
 
     if file.is_dir():
@@ -348,6 +356,46 @@ def import_command(
             f"[yellow]skipped:[/yellow] {len(report.skipped)} entries that are not eventlight events "
             f"(log positions {_positions(report.skipped)})"
         )
+    _run(_project(settings))
+
+
+async def _project(settings: Settings) -> None:
+    """Project the namespace up to its log's head (``logreplay.catchup``), with a progress bar;
+    a warning, not an error, when the read models cannot be brought up to date (the import is done:
+    they catch up when a store with Postgres next opens the namespace)."""
+    from eventlight.core.errors import EventlightError
+    from eventlight.logreplay.catchup import STALLED_S, catch_up
+
+    try:
+        found = await _need_pg(settings)
+        await (await _connect_pg(settings, found)).close()  # the schema exists, migrated to this version
+        with _catch_up_progress() as bar:
+            task = bar.add_task("projecting", total=None, done=0, head=0)
+            checkpoint, head = await catch_up(
+                settings, found.url, on_progress=lambda done, head: bar.update(task, done=done, head=head, total=head)
+            )
+    except (EventlightError, CliError) as e:
+        err.print(f"[yellow]warning:[/yellow] the read models were not brought up to date: {escape(str(e))}")
+        return
+    if checkpoint < head:
+        err.print(
+            f"[yellow]warning:[/yellow] the read models are {head - checkpoint} events behind the log "
+            f"(projected up to {checkpoint} of {head}, no progress for {STALLED_S:.0f} s): "
+            "they catch up while a trainer, `eventlight serve` or another store with Postgres has the namespace open"
+        )
+        return
+    console.print(f"read models projected up to log position {head}: `eventlight sql` sees the import")
+
+
+def _catch_up_progress() -> Progress:
+    return Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.fields[done]:>10,} of {task.fields[head]:,} log positions"),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+    )
 
 
 def _positions(seqs: list[int]) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any
@@ -38,6 +39,19 @@ def _utf8(text: str, what: str) -> None:
         raise CliError(f"{what} is not valid UTF-8 (byte {bad!r} at position {e.start})") from None
 
 
+_PLACEHOLDER = re.compile(r"\$[0-9]")
+
+
+def _shell_hint(query: str, params: Sequence[str], *, counted: bool = False) -> str:
+    """A hint for a query given ``--param`` values but holding no ``$1``, ``$2``, …: in double
+    quotes, a shell replaces ``$1`` with its own (empty) argument before eventlight sees the query.
+    ``counted``: the message already says how many placeholders and values there are."""
+    if not params or _PLACEHOLDER.search(query):
+        return ""
+    what = "" if counted else f"the query has no $1 placeholder but {len(params)} --param given: "
+    return f" ({what}did the shell expand $1? quote the query with single quotes)"
+
+
 STREAM_ROWS = 1000
 """Rows a fetch brings, and a write prints, when ``--format csv|json`` streams a result."""
 
@@ -56,7 +70,10 @@ async def _query(
     time, each batch handed to ``sink(columns, rows)`` (then once more with none at the end), and
     the rows returned are ``[]``: a result larger than memory streams. The timeout then bounds each
     fetch (Postgres' ``statement_timeout`` counts per execute)."""
+    import asyncpg
+
     from eventlight.cli_output import Column
+    from eventlight.core.errors import InvalidInputError
     from eventlight.sql_params import bind_on
     from eventlight.sql_reader import connect_reader
     from eventlight.store.jetstream.pg_errors import sql_error_detail
@@ -70,7 +87,10 @@ async def _query(
     try:
         async with conn.transaction(readonly=True):
             stmt = await conn.prepare(query)
-            values = await bind_on(conn, params, stmt.get_parameters())
+            try:
+                values = await bind_on(conn, params, stmt.get_parameters())
+            except InvalidInputError as e:
+                raise CliError(f"{e}{_shell_hint(query, params, counted=True)}") from e
             cols = [Column(a.name, a.type.name) for a in stmt.get_attributes()]
             if sink is not None and cols:
                 batch: list[Any] = []
@@ -93,7 +113,8 @@ async def _query(
         detail = sql_error_detail(e, timeout_s)
         if detail is None:
             raise
-        raise CliError(f"SQL error: {detail}") from e
+        hint = _shell_hint(query, params) if isinstance(e, asyncpg.PostgresSyntaxError) else ""
+        raise CliError(f"SQL error: {detail}{hint}") from e
     finally:
         await conn.close()
     if sink is not None:  # a result without columns (SELECT FROM t): its rows, read whole

@@ -120,10 +120,13 @@ def resolve_adapter(adapter: str | AdapterFn, llm_call_match: str | None = None)
         raise InvalidInputError(f"adapter: {_not_callable(adapter)}")
     from eventlight.adapter import LlmProxyTraceToTriplet, TracerTraceToTriplet, TraceToMessages
 
-    if adapter == "triplets" and llm_call_match is not None:
-        return TracerTraceToTriplet(llm_call_match=llm_call_match)
+    if adapter == "triplets":  # attempts with no LLM call are told once, by the replay (``Adapted.unmatched``)
+        triplets = (
+            TracerTraceToTriplet() if llm_call_match is None else TracerTraceToTriplet(llm_call_match=llm_call_match)
+        )
+        triplets.warn_unmatched = False
+        return triplets
     builtin: dict[str, Callable[[], AdapterFn]] = {
-        "triplets": TracerTraceToTriplet,
         "messages": TraceToMessages,
         "proxy-triplets": LlmProxyTraceToTriplet,
     }
@@ -295,6 +298,9 @@ class Adapted(msgspec.Struct, frozen=True):
     items: list[dict[str, Any]]
     final_reward: float | None
     log_positions: list[int]
+    unmatched: tuple[str, ...] | None = None
+    """The attempt's span names when none matched the adapter's ``llm_call_match`` (an adapter
+    ``resolve_adapter`` built, which does not warn itself), else ``None``."""
 
 
 def adapt_batches(batches: Sequence[tuple[int, bytes]], adapter: AdapterFn, reward_fn: RewardFn | None) -> Adapted:
@@ -312,6 +318,7 @@ def adapt_batches(batches: Sequence[tuple[int, bytes]], adapter: AdapterFn, rewa
     else:
         final = find_final_reward(spans)
     items = list(_items(adapter(spans)))
+    unmatched = getattr(adapter, "last_unmatched", None) if getattr(adapter, "warn_unmatched", True) is False else None
     out: list[dict[str, Any]] = []
     for i, item in enumerate(items):
         fields = item_fields(item)
@@ -325,7 +332,7 @@ def adapt_batches(batches: Sequence[tuple[int, bytes]], adapter: AdapterFn, rewa
         elif "reward" not in fields and not isinstance(item, Triplet):
             fields["reward"] = final
         out.append(fields)
-    return Adapted(out, final, positions)
+    return Adapted(out, final, positions, unmatched)
 
 
 def records_from(selected: Selected, adapted: Adapted) -> list[dict[str, Any]]:

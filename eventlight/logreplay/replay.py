@@ -20,7 +20,7 @@ import asyncio
 import logging
 import math
 import pickle
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from eventlight.core.errors import EventlightError, InvalidInputError
+from eventlight.core.errors import EventlightError, InvalidInputError, ServiceUnavailableError
 from eventlight.core.types import ATTEMPT_STATUSES, ROLLOUT_MODES
 from eventlight.logreplay.parallel import (
     AHEAD,
@@ -82,6 +82,8 @@ class ReplayStats(msgspec.Struct):
     """The earliest and latest ``time`` of the events read (seconds since the epoch; ``None``: none)."""
     ahead: int = 0
     """Attempts whose records a worker process made while the log was still read (``workers``)."""
+    unmatched: int = 0
+    """Attempts in which no span matched the ``triplets`` adapter's ``llm_call_match`` (no record)."""
 
 
 Progress = Callable[[ReplayStats], None]
@@ -139,6 +141,11 @@ class Replay(AsyncIterator[dict[str, Any]]):
         self.log_range_outside = True
         """Log a warning for a range outside the log, ``range_outside_log`` (``eventlight replay``
         prints it itself)."""
+        self.log_unmatched = True
+        """Log one warning at the end for the attempts in which no span matched the ``triplets``
+        adapter's ``llm_call_match``, ``unmatched_warning`` (``eventlight replay`` prints it itself)."""
+        self.unmatched_names: Counter[str] = Counter()
+        """Span names of those attempts: in how many of them each was seen."""
         self.stats = ReplayStats()
         self._it: AsyncIterator[dict[str, Any]] | None = None
 
@@ -188,6 +195,9 @@ class Replay(AsyncIterator[dict[str, Any]]):
                         )
                     self.errors.append(err)
                     continue
+                if result.unmatched is not None:
+                    self.stats.unmatched += 1
+                    self.unmatched_names.update(result.unmatched)
                 final = result.final_reward if result.items else None  # an attempt without records has none
                 if self.min_reward is not None and not _at_least(final, self.min_reward):
                     continue
@@ -200,6 +210,8 @@ class Replay(AsyncIterator[dict[str, Any]]):
                     yield record
             if self.on_progress is not None:
                 self.on_progress(self.stats)
+            if self.log_unmatched and (unmatched := unmatched_warning(self)) is not None:
+                log.warning("replay: %s", unmatched)
             finished = True
         finally:
             if pool is not None:
@@ -350,9 +362,52 @@ def _at_least(final: float | None, threshold: float) -> bool:
     return final is not None and final >= threshold
 
 
+async def nats_url_of(settings: Settings) -> str:
+    """``settings.nats_url``, else the NATS of the embedded servers ``eventlight up`` or a trainer left
+    running under ``settings.state_dir``, found as ``eventlight replay`` finds it (``find_nats``:
+    nothing is started).
+
+    Raises:
+        ServiceUnavailableError: No URL is set and no embedded server runs, or the server found
+            does not answer.
+    """
+    if settings.nats_url:
+        return settings.nats_url
+    from eventlight.ops.discovery import find_nats
+
+    found = await find_nats(settings)
+    if found is None:
+        raise ServiceUnavailableError(
+            "NATS",
+            f"settings.nats_url (EVENTLIGHT_NATS_URL) is not set and no eventlight servers are running "
+            f"(state folder {settings.state_dir}): run `eventlight up`, or set EVENTLIGHT_NATS_URL",
+        )
+    return found.url
+
+
+async def _need_stream(nc: Any, url: str, settings: Settings) -> None:
+    """Refuse a namespace without a stream on the server (a typo, or ``eventlight up -N`` not run).
+
+    Raises:
+        InvalidInputError: It has none.
+        ServiceUnavailableError: NATS did not answer.
+    """
+    from eventlight.net import redact
+    from eventlight.store.jetstream.nats_errors import JsNotFoundError, nats_errors
+
+    with nats_errors(redact(url), "stream info"):
+        try:
+            await nc.jetstream().stream_info(settings.stream_name)
+        except JsNotFoundError:
+            raise InvalidInputError(
+                f"namespace {settings.namespace!r} has no stream {settings.stream_name} on {redact(url)}: "
+                f"run `eventlight up -N {settings.namespace}`, or check the namespace"
+            ) from None
+
+
 class _open_log:  # noqa: N801 - used as a context manager
-    """The event log of a source: a ``Settings`` (connects to its NATS, closes after), an event log,
-    or a started store (its log)."""
+    """The event log of a source: a ``Settings`` (connects to its NATS, ``nats_url_of``, and closes
+    after), an event log, or a started store (its log)."""
 
     def __init__(self, source: Any):
         self.source = source
@@ -363,9 +418,13 @@ class _open_log:  # noqa: N801 - used as a context manager
             from eventlight.store.jetstream.connect import connect_nats
             from eventlight.store.jetstream.log import JetStreamEventLog
 
-            if self.source.nats_url is None:
-                raise InvalidInputError("replay needs a NATS URL (settings.nats_url or EVENTLIGHT_NATS_URL)")
-            self.nc = await connect_nats(self.source.nats_url, auth=self.source.nats_auth, name="eventlight-replay")
+            url = await nats_url_of(self.source)
+            self.nc = await connect_nats(url, auth=self.source.nats_auth, name="eventlight-replay")
+            try:
+                await _need_stream(self.nc, url, self.source)
+            except BaseException:
+                await self.nc.close()
+                raise
             return JetStreamEventLog(self.nc, self.source, clock=None)  # type: ignore[return-value]
         log_ = getattr(self.source, "log", self.source)
         if not hasattr(log_, "scan"):
@@ -397,7 +456,9 @@ def replay(
     """Replay stored traces into records, as an async iterator (``eventlight replay`` from Python).
 
     Args:
-        source: ``Settings`` (the namespace's stream on ``settings.nats_url``), a started store
+        source: ``Settings`` (the namespace's stream on ``settings.nats_url``, else on the
+            embedded servers ``eventlight up`` or a trainer left running under
+            ``settings.state_dir``, as ``eventlight replay`` finds them), a started store
             (``InMemoryLightningStore``, ``JetStreamLightningStore``) or its event log.
         adapter: ``"triplets"`` (``TracerTraceToTriplet``), ``"messages"`` (``TraceToMessages``),
             ``"proxy-triplets"`` (``LlmProxyTraceToTriplet``), ``"module:callable"``, or a callable
@@ -431,11 +492,13 @@ def replay(
 
     Raises:
         InvalidInputError: An unknown adapter or reward spec, attempt status or rollout mode, a
-            range whose start is after its end (when iterating, for a position and a time:
-            ``check_mixed_range``), a ``min_reward`` that is not a finite number,
+            namespace without a stream (when iterating), a range whose start is after its end
+            (when iterating, for a position and a time: ``check_mixed_range``), a ``min_reward``
+            that is not a finite number,
             ``workers`` not a whole number from 1 to ``MAX_WORKERS``, or an ``llm_call_match`` that
             is no regex or given with another adapter than ``"triplets"``.
-        ServiceUnavailableError: NATS cannot be reached (when iterating).
+        ServiceUnavailableError: NATS cannot be reached, or (``Settings`` without ``nats_url``) no
+            embedded server runs (when iterating).
     """
     lo, hi = as_bound(since), as_bound(until)
     check_range(lo, hi)
@@ -526,6 +589,30 @@ def check_mixed_range(filters: Filters, entry: tuple[int, float] | None, head_se
         raise InvalidInputError(f"bad range: --since {lo.seq} is later than --until {_iso(hi.time)} ({written})")
     if lo.time is not None and hi.seq is not None and lo.time > position_time:
         raise InvalidInputError(f"bad range: --since {_iso(lo.time)} is later than --until {hi.seq} ({written})")
+
+
+UNMATCHED_NAMES_SHOWN = 20
+"""Span names ``unmatched_warning`` lists; the rest are counted."""
+
+
+def unmatched_warning(run: Replay) -> str | None:
+    """One line for the attempts in which no span matched the ``triplets`` adapter's
+    ``llm_call_match`` (they gave no record), with the span names seen in them and in how many
+    attempts each, most frequent first; ``None`` when there were none. ``eventlight replay`` prints
+    it as a warning; ``eventlight.replay`` logs it at WARNING once the replay ends (the adapter's
+    own warning per attempt is off).
+    """
+    n = run.stats.unmatched
+    if not n:
+        return None
+    pattern = getattr(run.adapter, "llm_call_match", None)
+    ranked = sorted(run.unmatched_names.items(), key=lambda item: (-item[1], item[0]))
+    names = ", ".join(f"{name} ({count})" for name, count in ranked[:UNMATCHED_NAMES_SHOWN])
+    more = f", … ({len(ranked) - UNMATCHED_NAMES_SHOWN} more)" if len(ranked) > UNMATCHED_NAMES_SHOWN else ""
+    return (
+        f"no span matched llm_call_match={pattern!r} in {n} attempt(s), which gave no record; "
+        f"span names seen (attempts): {names or 'none'}{more}"
+    )
 
 
 def range_outside_log(filters: Filters, stats: ReplayStats) -> list[str]:

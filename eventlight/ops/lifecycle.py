@@ -66,7 +66,8 @@ async def ensure_services(settings: Settings) -> Services:
     Raises:
         ServiceUnavailableError: A configured NATS URL does not answer, or an embedded server
             cannot be found or does not become ready (10 s for NATS, 60 s for Postgres).
-        InvalidInputError: The configured Postgres refused the role, password, database or a DSN setting.
+        InvalidInputError: The configured Postgres refused the role, password, database or a DSN
+            setting; the embedded NATS runs at another durability level than ``settings.durability``.
     """
     state = state_dir(settings)
     async with state_lock(state):

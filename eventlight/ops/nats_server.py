@@ -62,9 +62,9 @@ async def ensure_nats(settings: Settings, state: Path) -> tuple[str, int | None,
     """Return (url, pid or None, started by this call).
 
     Raises:
-        ServiceUnavailableError: The configured URL does not answer, or the embedded server cannot
-            start or runs at another durability level than ``settings.durability``.
-        InvalidInputError: ``durability="replicated"`` without a configured cluster URL.
+        ServiceUnavailableError: The configured URL does not answer, or the embedded server cannot start.
+        InvalidInputError: ``durability="replicated"`` without a configured cluster URL, or the
+            embedded server runs at another durability level than ``settings.durability``.
     """
     if settings.nats_url:
         why = await nats_probe(settings.nats_url, auth=settings.nats_auth)
@@ -85,10 +85,10 @@ async def ensure_nats(settings: Settings, state: Path) -> tuple[str, int | None,
         await _wait_nats_ready(url, pid, home)
         running = embedded_durability(state)
         if running is not None and running != settings.durability:
-            raise ServiceUnavailableError(
-                url,
-                f"the embedded nats-server runs at durability {running}, not {settings.durability}; "
-                "`eventlight down` and start again to change it",
+            raise InvalidInputError(
+                f"the embedded nats-server at {url} (pid {pid}) runs at durability {running}, not "
+                f"{settings.durability} (EVENTLIGHT_DURABILITY): `eventlight down` and start again to change it, "
+                f"or set EVENTLIGHT_DURABILITY={running}"
             )
         return url, pid, False
     return await _start_nats(home, settings.durability)

@@ -1,10 +1,27 @@
-"""The textual gradient: critique a prompt with the optimizer LLM, then rewrite it (mixed into ``APO``)."""
+"""The textual gradient: critique a prompt with the optimizer LLM, then rewrite it (mixed into ``APO``).
+
+An optimizer that cannot be used at all stops the run with ``LLMUnavailableError`` naming its
+endpoint and model, instead of a run that logs one failure per child and ends with nothing:
+
+* before the first rollout, when the endpoint takes no connection (``check_optimizer``: one
+  ``GET /models``, no tokens spent; any answer, an error status included, passes);
+* at the first optimizer call of a run that fails as unusable (``unusable``: no connection or no
+  answer in time, the key refused with 401 or 403, the model unknown with 404), since nothing of
+  this endpoint has answered yet;
+* at the end of a round in which every optimizer call failed as unusable.
+
+Any other failure (an error status, an empty answer, an exception of a look-alike client) is
+logged and its child skipped, as before.
+"""
 
 from __future__ import annotations
 
 import logging
 import random
 from typing import Any, Literal
+
+import httpx
+import openai
 
 from eventlight.algorithm.apo.models import ChatMessages, RolloutResultForAPO, VersionedPromptTemplate
 from eventlight.algorithm.apo.prompts import (
@@ -15,8 +32,29 @@ from eventlight.algorithm.apo.prompts import (
     _edit_append,
     _truncate,
 )
+from eventlight.core.errors import LLMUnavailableError
 
 log = logging.getLogger(__name__)
+
+DEFAULT_GRADIENT_MODEL = "gpt-5-mini"
+DEFAULT_APPLY_EDIT_MODEL = "gpt-4.1-mini"
+"""Agent-lightning's defaults: OpenAI's model names, which a local endpoint does not serve."""
+CHECK_TIMEOUT_S = 10.0
+"""Seconds ``check_optimizer`` waits for each try of ``GET /models``."""
+UNUSABLE_STATUS = (401, 403, 404)
+"""HTTP statuses that say an optimizer call cannot succeed: the key refused, the model unknown."""
+
+
+def no_connection(e: BaseException) -> bool:
+    """The endpoint took no connection or gave no answer in time (the OpenAI SDK's
+    ``APIConnectionError``, ``APITimeoutError``; httpx's transport errors; ``OSError``s of a socket)."""
+    return isinstance(e, openai.APIConnectionError | httpx.TransportError | ConnectionError | TimeoutError)
+
+
+def unusable(e: BaseException) -> bool:
+    """An optimizer call's error says no call can succeed: ``no_connection``, or an answer with
+    status 401 or 403 (the key) or 404 (the model, or the path, does not exist there)."""
+    return no_connection(e) or getattr(e, "status_code", None) in UNUSABLE_STATUS
 
 
 class TextualGradient:
@@ -31,23 +69,106 @@ class TextualGradient:
     optimizer_max_tokens: int | None
     evidence_char_budget: int
     _rng: random.Random
+    _answered = False
+    """Some optimizer call of this run got an answer."""
+    _calls: tuple[int, int] = (0, 0)
+    """Optimizer calls of the current round, and how many of them failed as ``unusable``."""
 
     # -- the optimizer LLM --------------------------------------------------------------------
+
+    def optimizer_endpoint(self) -> str:
+        """Where the optimizer calls go: the client's ``base_url``, else its type."""
+        client = self.async_openai_client
+        base_url = getattr(client, "base_url", None)
+        return str(base_url) if base_url is not None else f"the optimizer client {type(client).__name__}"
+
+    def _unavailable(self, detail: str, models: list[str]) -> LLMUnavailableError:
+        defaults = [
+            f"{m!r} is APO's default {name} (Agent-lightning's)"
+            for m, name, default in (
+                (self.gradient_model, "gradient_model", DEFAULT_GRADIENT_MODEL),
+                (self.apply_edit_model, "apply_edit_model", DEFAULT_APPLY_EDIT_MODEL),
+            )
+            if m == default and m in models
+        ]
+        hint = (
+            f" ({'; '.join(defaults)}: name a model your endpoint serves with APO(gradient_model=..., "
+            "apply_edit_model=...))"
+            if defaults
+            else ""
+        )
+        distinct = list(dict.fromkeys(models))
+        named = ("model " if len(distinct) == 1 else "models ") + " and ".join(map(repr, distinct))
+        return LLMUnavailableError(
+            f"APO's optimizer at {self.optimizer_endpoint()} ({named})",
+            f"{detail.rstrip('.')}{hint}; the run was stopped",
+        )
+
+    async def check_optimizer(self) -> None:
+        """Check that the optimizer's endpoint takes a connection, before any rollout: one
+        ``GET /models`` (``CHECK_TIMEOUT_S`` a try) when the client has ``models.list`` (an
+        ``openai.AsyncOpenAI`` does; a look-alike without it is not checked). Any answer passes,
+        an error status too (an endpoint without ``/models``, a key that may not list models).
+
+        Raises:
+            LLMUnavailableError: No connection, or no answer in time; it names the endpoint and models.
+        """
+        client = self.async_openai_client
+        if not callable(getattr(getattr(client, "models", None), "list", None)):
+            return
+        with_options = getattr(client, "with_options", None)
+        if callable(with_options):
+            client = with_options(timeout=CHECK_TIMEOUT_S)
+        try:
+            await client.models.list()
+        except Exception as e:
+            if no_connection(e):
+                raise self._unavailable(
+                    f"GET /models: {type(e).__name__}: {e}", [self.gradient_model, self.apply_edit_model]
+                ) from e
+            log.debug("APO's optimizer check: GET /models answered %s: %s (so it is up)", type(e).__name__, e)
+
+    def _new_round(self) -> None:
+        self._calls = (0, 0)
+
+    def _check_round(self, round_no: int) -> None:
+        """Stop the run when every optimizer call of the round failed as ``unusable``.
+
+        Raises:
+            LLMUnavailableError: They did (and there was at least one).
+        """
+        calls, failed = self._calls
+        if calls and failed == calls:
+            raise self._unavailable(
+                f"all {calls} optimizer call(s) of round {round_no} failed (see the errors logged above)",
+                [self.gradient_model, self.apply_edit_model],
+            )
 
     async def _chat(
         self, model: str, messages: ChatMessages, what: str, prefix: str, max_tokens: int | None = None
     ) -> str | None:
-        """One optimizer call; ``None`` (logged) when it raises or returns nothing."""
+        """One optimizer call; ``None`` (logged) when it raises or returns nothing.
+
+        Raises:
+            LLMUnavailableError: The call failed as ``unusable`` and no optimizer call of this run
+                has answered yet.
+        """
         limit = max_tokens if max_tokens is not None else self.optimizer_max_tokens
         extra: dict[str, Any] = {"max_tokens": limit} if limit is not None else {}
+        calls, failed = self._calls
         try:
             response = await self.async_openai_client.chat.completions.create(
                 model=model, messages=messages, temperature=self.diversity_temperature, **extra
             )
             content: str | None = response.choices[0].message.content
-        except Exception as e:  # the optimizer LLM must not end the run (difference f)
+        except Exception as e:  # a misbehaving optimizer LLM does not end the run (difference f)
+            self._calls = (calls + 1, failed + unusable(e))
+            if unusable(e) and not self._answered:  # an absent one does: nothing of it has answered
+                raise self._unavailable(f"{what} call: {type(e).__name__}: {e}", [model]) from e
             log.error("%s %s call to %s failed: %s: %s", prefix, what, model, type(e).__name__, e)
             return None
+        self._answered = True
+        self._calls = (calls + 1, failed)
         if not content or not content.strip():
             log.error("%s %s call to %s returned no text", prefix, what, model)
             return None

@@ -8,7 +8,7 @@ import random
 from typing import Any, Literal
 
 from eventlight.algorithm.apo.checks import _clean_edit, _field_names, _format_error, _prefix
-from eventlight.algorithm.apo.critic import TextualGradient
+from eventlight.algorithm.apo.critic import DEFAULT_APPLY_EDIT_MODEL, DEFAULT_GRADIENT_MODEL, TextualGradient
 from eventlight.algorithm.apo.evaluation import RolloutEvaluation
 from eventlight.algorithm.apo.models import ProgressCallback, T_task, VersionedPromptTemplate
 from eventlight.algorithm.apo.prompts import EVIDENCE_CHAR_BUDGET
@@ -78,7 +78,13 @@ class APO(TextualGradient, RolloutEvaluation[T_task]):
         finished rollouts).
     (f) The run never fails because the optimizer LLM misbehaves: a critique or rewrite that
         raises or comes back empty is logged and that child skipped (Agent-lightning keeps the
-        parent's text as a duplicate child when the critique fails). A child that is empty or
+        parent's text as a duplicate child when the critique fails). An optimizer that cannot be
+        used at all stops the run with ``LLMUnavailableError`` naming its endpoint and model
+        (Agent-lightning logs each failure and goes on): one whose endpoint takes no connection,
+        checked before the first rollout (``check_optimizer``: ``GET /models``); a first
+        optimizer call of the run that gets no connection, no answer in time, 401, 403 or 404
+        (an unknown model, such as the default ``gpt-5-mini`` on a local server); and a round in
+        which every optimizer call failed so. A child that is empty or
         identical to its parent is skipped. A child that is not a valid ``str.format`` template for
         the seed's placeholders, or that drops one of its parent's placeholders (the rewrite
         prompts forbid it; the task would lose its input), falls back to the parent, i.e. is
@@ -96,8 +102,9 @@ class APO(TextualGradient, RolloutEvaluation[T_task]):
     Args:
         async_openai_client: An ``openai.AsyncOpenAI`` (or anything with an async
             ``chat.completions.create(model=, messages=, temperature=)``) used for both calls.
-        gradient_model: Model for critiques.
-        apply_edit_model: Model for rewrites.
+        gradient_model: Model for critiques (default Agent-lightning's, an OpenAI model name:
+            name your endpoint's model).
+        apply_edit_model: Model for rewrites (default Agent-lightning's, as ``gradient_model``).
         diversity_temperature: ``temperature`` of both optimizer calls.
         gradient_batch_size: Training tasks rolled out per child, and runs shown to the critic.
         val_batch_size: Size of each round's validation mini-batch.
@@ -124,8 +131,8 @@ class APO(TextualGradient, RolloutEvaluation[T_task]):
         self,
         async_openai_client: Any,
         *,
-        gradient_model: str = "gpt-5-mini",
-        apply_edit_model: str = "gpt-4.1-mini",
+        gradient_model: str = DEFAULT_GRADIENT_MODEL,
+        apply_edit_model: str = DEFAULT_APPLY_EDIT_MODEL,
         diversity_temperature: float = 1.0,
         gradient_batch_size: int = 4,
         val_batch_size: int = 16,
@@ -213,6 +220,8 @@ class APO(TextualGradient, RolloutEvaluation[T_task]):
         Raises:
             ValueError: A dataset is missing or empty, the adapter is not ``TraceToMessages``, the
                 store is unset, or there is no seed ``PromptTemplate``.
+            LLMUnavailableError: The optimizer cannot be used at all (difference (f)); the message
+                names its endpoint and model.
         """
         if not train_dataset or not val_dataset:
             raise ValueError("APO needs a non-empty train_dataset and val_dataset")
@@ -220,6 +229,7 @@ class APO(TextualGradient, RolloutEvaluation[T_task]):
         self.get_store()
         name, seed = self.get_seed_prompt_template()
         self._start(seed)
+        await self.check_optimizer()
         grad_iter = batch_iter_over_dataset(train_dataset, self.gradient_batch_size, self._rng)
         val_iter = batch_iter_over_dataset(val_dataset, self.val_batch_size, self._rng)
         val_all = [val_dataset[i] for i in range(len(val_dataset))]
@@ -241,6 +251,7 @@ class APO(TextualGradient, RolloutEvaluation[T_task]):
         self.best_score = -math.inf
         self.seed_score = None
         self.history = []
+        self._answered = False
         names = _field_names(seed.template) if seed.engine == "f-string" else None
         valid = names is not None and _format_error(seed.template, names) is None
         self._seed_names = names if valid else None
@@ -260,6 +271,7 @@ class APO(TextualGradient, RolloutEvaluation[T_task]):
         self, round_no: int, beam: list[VersionedPromptTemplate], name: str, grad_iter: Any
     ) -> list[VersionedPromptTemplate]:
         children: list[VersionedPromptTemplate] = []
+        self._new_round()
         for beam_no, parent in enumerate(self._sample_parents(beam), 1):
             for branch_no in range(1, self.branch_factor + 1):
                 prefix = _prefix(round_no, beam_no, branch_no, parent.version)
@@ -268,6 +280,7 @@ class APO(TextualGradient, RolloutEvaluation[T_task]):
                 child = self._accept_child(round_no, parent, text, prefix)
                 if child is not None:
                     children.append(child)
+        self._check_round(round_no)
         return children
 
     def _accept_child(
