@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -55,10 +56,36 @@ async def test_the_demo_cancels_what_an_interrupted_run_left_queued(namespace: S
     assert await cancel_leftovers(namespace, namespace.nats_url or "", namespace.pg_dsn or "") == 0
 
 
-def test_the_demo_refuses_a_count_of_zero() -> None:
-    """``--n-runners 0`` ran one runner without a word (a fresh-user run)."""
+@pytest.mark.parametrize("option", ["--n-runners", "--steps"])
+def test_the_demo_refuses_a_count_of_zero(option: str) -> None:
+    """``--n-runners 0`` ran one runner without a word; ``--steps 0`` evaluated for 37 s, then ended
+    with "error: run … did not train" (fresh-user runs)."""
     done = subprocess.run(
-        [sys.executable, str(DEMO), "--n-runners", "0"], capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, str(DEMO), option, "0"], capture_output=True, text=True, timeout=120, check=False
     )
     assert done.returncode == 2, done.stdout + done.stderr
-    assert "--n-runners: must be at least 1, got 0" in done.stderr and "Traceback" not in done.stderr
+    assert f"{option}: must be at least 1, got 0" in done.stderr and "Traceback" not in done.stderr
+    assert done.stdout == ""
+
+
+def test_an_interrupted_demo_says_how_to_continue_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl+C ended the demo with a bare "interrupted": the line now gives the command that resumes
+    the run from its last checkpoint, with the options it ran with (as README.md writes it)."""
+    from examples.arithmetic.train_grpo import interrupted
+    from examples.demo import _make_demo
+
+    monkeypatch.setenv("EVENTLIGHT_STATE_DIR", str(tmp_path))
+    run = "run-20261207-101010-ab12"
+    assert interrupted(run, ["--steps", "2"], _make_demo) == (
+        f"interrupted: run {run} stopped before its first checkpoint; nothing to resume"
+    )
+    step = tmp_path / "checkpoints" / run / "step-00001"
+    step.mkdir(parents=True)
+    (step / "state.json").write_text(json.dumps({"step": 1, "version": f"{run}-step1"}))
+    (step.parent / "LATEST").write_text(step.name)
+    assert interrupted(run, ["--steps", "2", "--lr", "2e-5"], _make_demo) == (
+        f'interrupted: run {run} stopped at checkpoint step1; to continue it: make demo ARGS="--steps 2 --lr 2e-5 '
+        f'--resume {run}"'
+    )
+    again = interrupted(run, ["--resume", run, "--steps", "4"], lambda options: " ".join(options))
+    assert again.endswith(f"to continue it: --steps 4 --resume {run}")

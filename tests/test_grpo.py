@@ -373,6 +373,7 @@ def test_the_grpo_demo_refuses_to_resume_a_run_it_has_no_checkpoint_of(services)
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "--resume run-nope: no checkpoint of that run" in errors[0], done.stderr
     assert "held-out reward" not in done.stdout and "Traceback" not in done.stderr
+    assert "run-nope" not in done.stdout, "the run was announced before it was refused"
 
 
 def test_the_demo_says_when_training_undid_its_gain() -> None:
