@@ -89,3 +89,37 @@ def test_an_interrupted_demo_says_how_to_continue_it(tmp_path: Path, monkeypatch
     )
     again = interrupted(run, ["--resume", run, "--steps", "4"], lambda options: " ".join(options))
     assert again.endswith(f"to continue it: --steps 4 --resume {run}")
+
+
+async def test_the_demo_report_leaves_failed_rollouts_out_of_the_mean(namespace: Settings) -> None:
+    """After ``--resume``, a checkpoint's rows held the interrupted run's failed rollouts as reward 0
+    (``reward_by_resources``: missing = 0): 62 rollouts, mean 0.128, where the 41 with a reward
+    averaged 0.194. The report's mean is over the rollouts with a reward; it counts failed ones apart
+    and leaves cancelled ones (never run) out."""
+    from examples.arithmetic.train_grpo import report_sql
+    from tests.test_replay import reward_span
+    from tests.test_sql_views import rows
+
+    run = "run-20261207-101010-ab12"
+    async with agl.JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
+        for step in (0, 1):
+            await store.update_resources(f"{run}-step{step}", {"p": agl.PromptTemplate(template="{x}")})
+        plan = [("step0", "val", 0.5, "succeeded"), ("step1", "train", 0.25, "succeeded")]
+        plan += [("step1", "train", 0.75, "succeeded"), ("step1", "train", None, "failed")]
+        plan += [("step1", "train", None, "")]  # cancelled in the queue
+        for version, mode, reward, status in plan:
+            made = await store.enqueue_rollout({"x": 1}, mode=mode, resources_id=f"{run}-{version}")
+            if not status:  # left in the queue, then cancelled
+                await store.update_rollout(made.rollout_id, status="cancelled")
+                continue
+            claimed = await store.dequeue_rollout(worker_id="w")
+            assert claimed is not None and claimed.rollout_id == made.rollout_id
+            if reward is not None:
+                await store.add_span(reward_span(made.rollout_id, claimed.attempt.attempt_id, 1, reward, 1.0))
+            await store.update_attempt(made.rollout_id, claimed.attempt.attempt_id, status=status)
+        await store.sync_all(timeout_s=10)
+    got = rows(report_sql(run), ns=namespace)
+    assert got == [
+        {"checkpoint": f"{run}-step0", "mode": "val", "rewarded": 1, "mean_reward": "0.500", "failed": 0},
+        {"checkpoint": f"{run}-step1", "mode": "train", "rewarded": 2, "mean_reward": "0.500", "failed": 1},
+    ]

@@ -39,11 +39,14 @@ MAX_FAILED_FRACTION = 0.5
 
 
 def report_sql(run_id: str) -> str:
-    """Mean reward per checkpoint of this run only."""
+    """Per checkpoint of this run only: the rollouts that finished with a reward and their mean
+    reward, and apart, how many failed (an interrupted run's attempts cut short, before a
+    ``--resume``). Not ``reward_by_resources``, whose mean counts a rollout without a reward as 0."""
     return (
-        "SELECT resources_id AS checkpoint, mode, rollouts, round(mean_reward::numeric, 3) AS mean_reward "
-        f"FROM reward_by_resources WHERE resources_id LIKE '{run_id}-%' "
-        "ORDER BY length(resources_id), resources_id, mode"
+        "SELECT resources_id AS checkpoint, mode, count(final_reward) AS rewarded, "
+        "round(avg(final_reward)::numeric, 3) AS mean_reward, count(*) FILTER (WHERE status = 'failed') AS failed "
+        f"FROM v_rollouts WHERE resources_id LIKE '{run_id}-%' "
+        "GROUP BY resources_id, mode ORDER BY length(resources_id), resources_id, mode"
     )
 
 
