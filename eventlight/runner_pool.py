@@ -488,6 +488,8 @@ class RunnerPool:
         self._started_at = [0.0] * len(self.procs)
         self._lock = threading.Lock()
         self._stopping = False
+        self._stop_lock = threading.Lock()  # one stop at a time; a later one returns the first one's codes
+        self._exit_codes: list[int | None] | None = None
         self._supervisor: threading.Thread | None = None
 
     def _process(self, index: int) -> BaseProcess:
@@ -603,15 +605,45 @@ class RunnerPool:
             reason = f"runner process {p.pid} exited with code {_exit_code(p.exitcode)} while the attempt ran"
             abandon_attempts(settings, nats_url, held, reason)
 
+    @property
+    def stopping(self) -> bool:
+        """Whether ``stop`` has been called (it may still wait for the processes)."""
+        return self._stopping
+
+    @property
+    def stopped(self) -> bool:
+        """Whether ``stop`` has stopped the processes."""
+        return self._exit_codes is not None
+
+    def hurry(self) -> None:
+        """Cut the grace of a ``stop`` under way short: SIGTERM now, so the processes record their
+        attempts in flight ``failed`` (``SIGTERM_REASON``) at once. Nothing before ``stop`` or after
+        it ended; safe from a signal handler (a second Ctrl+C) while ``stop`` runs in another thread."""
+        if not self._stopping or self._exit_codes is not None or self.cancel_now.is_set():
+            return
+        log.warning("stopping the runners now: their attempts in flight are recorded failed")
+        self.cancel_now.set()
+        for p in list(self.procs):
+            if p.pid is not None and p.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGTERM)
+
     def stop(self, graceful_s: float | None = None) -> list[int | None]:
         """Stop the processes: stop event, then SIGTERM after ``graceful_s`` (default: the pool's;
         attempts still in flight are recorded ``failed``), then SIGKILL. No process is restarted
         from the call on; attempts that a process did not record (it was killed) are recorded
-        ``failed`` here.
+        ``failed`` here. ``hurry`` (from another thread) ends the grace at once. Idempotent: a later
+        call (or one from another thread meanwhile) waits for the first to end and returns its codes.
 
         Returns:
             Their exit codes (``0`` after a stop event or SIGTERM).
         """
+        with self._stop_lock:
+            if self._exit_codes is None:
+                self._exit_codes = self._stop(graceful_s)
+            return list(self._exit_codes)
+
+    def _stop(self, graceful_s: float | None) -> list[int | None]:
         with self._lock:
             self._stopping = True
             procs = [(i, p) for i, p in enumerate(self.procs) if p.pid is not None]

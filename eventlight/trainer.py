@@ -11,12 +11,16 @@ Under the default strategy (``"cs"``, ``ClientServerExecutionStrategy``, role ``
    ``JetStreamLightningStore`` (no Postgres connection) and consumes the rollout queue;
 3. opens the algorithm's store, which runs the projector and the watchdog in this process;
 4. starts the LLM proxy, if one is given, on that store;
-5. runs the algorithm; when it returns (or fails, or Ctrl+C), stops the runners — first by their
-   stop event, then SIGTERM (attempts still in flight are recorded ``failed``), then SIGKILL — and
-   the servers it started itself, unless someone else still uses them (another run, ``eventlight
-   runner`` or ``serve``: the last of them stops them) or ``eventlight up`` used them meanwhile
-   (they run until ``eventlight down``). Until then a runner process that dies is restarted
-   (``eventlight.runner_pool``).
+5. runs the algorithm; when it returns (or fails) stops the runners — first by their stop event,
+   then SIGTERM (attempts still in flight are recorded ``failed``), then SIGKILL — then the LLM
+   proxy (the runners' agents call it: they stop first); on Ctrl+C (the run cancelled) it stops
+   the runners before the algorithm, which goes on serving its model meanwhile
+   (``trainer_guards.stop_runners_first``), so an attempt cut short is recorded with the stop's
+   reason, not with its agent's connection error (Ctrl+C again: at once,
+   ``trainer_guards.ctrl_c_again_hurries``). Last, the servers it started itself, unless someone
+   else still uses them (another run, ``eventlight runner`` or ``serve``: the last of them stops
+   them) or ``eventlight up`` used them meanwhile (they run until ``eventlight down``). Until then
+   a runner process that dies is restarted (``eventlight.runner_pool``).
 
 Role ``"algorithm"`` (``AGL_CURRENT_ROLE=algorithm``) skips step 2, role ``"runner"`` does only
 steps 1–2 and waits; ``"shm"`` runs runner threads on one store in this process instead
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import time
@@ -57,8 +62,10 @@ from eventlight.store.validate import check_rollout_config
 from eventlight.tracer import OtelTracer, Tracer
 from eventlight.trainer_guards import (
     cancel_left_in_queue,
+    ctrl_c_again_hurries,
     refuse_running_loop,
     refuse_unguarded_main,
+    stop_runners_first,
     stop_when_llm_fails,
     stop_when_runners_gone,
 )
@@ -369,6 +376,18 @@ class Trainer:
                 graceful_s=strategy.graceful_timeout,
             )
             pool.start()
+        with ctrl_c_again_hurries(pool):
+            await self._serve_or_train(strategy, services, algo, train, val, pool)
+
+    async def _serve_or_train(
+        self,
+        strategy: ClientServerExecutionStrategy,
+        services: Services,
+        algo: Algorithm | None,
+        train: Any,
+        val: Any,
+        pool: RunnerPool | None,
+    ) -> None:
         try:
             if strategy.role == "runner":
                 assert pool is not None
@@ -389,16 +408,26 @@ class Trainer:
                     raise
                 finally:
                     if pool is not None:
-                        await self._stop_runners(pool, strategy.graceful_timeout)
+                        await self._stop_runners(pool)
                     # leave complete read models behind: project what the runners wrote last
                     with contextlib.suppress(Exception):
                         await store.sync_all(timeout_s=30)
         finally:
-            if pool is not None and pool.alive():
-                await self._stop_runners(pool, strategy.graceful_timeout)
+            if pool is not None:
+                await self._stop_runners(pool)
 
-    @staticmethod
-    async def _stop_runners(pool: RunnerPool, graceful_s: float) -> None:
+    async def _stop_runners(self, pool: RunnerPool, *, cancelled: bool = False) -> None:
+        """Stop ``pool`` with the strategy's ``graceful_timeout`` (nothing when it is stopped);
+        ``cancelled``: the run was cancelled (Ctrl+C), which a warning line says."""
+        if pool.stopped:
+            return
+        graceful_s = self._cs().graceful_timeout
+        if cancelled:
+            log.warning(
+                "the run was cancelled (Ctrl+C?): stopping its %d runner(s) first; attempts in flight get "
+                "%.0f s to finish, then are recorded failed (Ctrl+C again: at once)",
+                pool.n_runners, graceful_s,
+            )  # fmt: skip
         codes = await asyncio.to_thread(pool.stop, graceful_s)
         bad = [c for c in codes if c not in (0, None, -signal.SIGTERM)]
         if bad:
@@ -429,6 +458,7 @@ class Trainer:
             proxy.set_store(store)
             algo.set_llm_proxy(proxy)
             await proxy.start()
+        pool = runners if isinstance(runners, RunnerPool) else None
         try:
             if proxy is not None and self.check_llm:
                 await proxy.check()
@@ -436,9 +466,13 @@ class Trainer:
             if algo.is_async():
                 watched = proxy if self.check_llm else None
                 run = stop_when_llm_fails(algo.run(train_dataset=train, val_dataset=val), watched)
-                await stop_when_runners_gone(run, store, runners, self.runner)
+                guarded = stop_when_runners_gone(run, store, runners, self.runner)
+                on_cancel = None if pool is None else functools.partial(self._stop_runners, pool, cancelled=True)
+                await stop_runners_first(guarded, on_cancel)
             else:
                 algo.run(train_dataset=train, val_dataset=val)
         finally:
+            if pool is not None:  # their agents call the proxy: they stop before it
+                await self._stop_runners(pool)
             if proxy is not None:
                 await proxy.stop()

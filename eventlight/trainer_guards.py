@@ -1,6 +1,9 @@
 """What stops a training run early: its runners gone while rollouts wait (``NoRunnersError``), or
 most calls through its LLM proxy failing (``LLMUnavailableError``). ``Trainer`` wraps the
-algorithm's run in both, for its runner processes (``"cs"``) and its runner threads (``"shm"``).
+algorithm's run in both, for its runner processes (``"cs"``) and its runner threads (``"shm"``);
+when the run is cancelled (Ctrl+C), ``stop_runners_first`` stops its runner processes before the
+algorithm, whose servers their agents call, and ``ctrl_c_again_hurries`` makes a second Ctrl+C cut
+their grace short rather than break into the event loop.
 Before it starts runner processes, ``refuse_unguarded_main`` stops a run that each of them would
 start again; ``refuse_running_loop`` stops a ``fit`` called on a running event loop."""
 
@@ -10,9 +13,11 @@ import ast
 import asyncio
 import contextlib
 import logging
+import signal
 import sys
+import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -30,8 +35,10 @@ __all__ = [
     "RUNNERS_CHECK_S",
     "RUNNER_THREADS_CHECK_S",
     "cancel_left_in_queue",
+    "ctrl_c_again_hurries",
     "refuse_running_loop",
     "refuse_unguarded_main",
+    "stop_runners_first",
     "stop_when_llm_fails",
     "stop_when_runners_gone",
 ]
@@ -150,6 +157,68 @@ async def stop_when_llm_fails(run: Coroutine[Any, Any, Any], proxy: LLMProxy | N
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+async def stop_runners_first(run: Coroutine[Any, Any, Any], stop_runners: Callable[[], Awaitable[None]] | None) -> None:
+    """Await ``run``; when the caller is cancelled (Ctrl+C), await ``stop_runners()`` before
+    cancelling ``run``, which goes on meanwhile.
+
+    The runners' agents call what the run serves: the LLM proxy and, for ``GRPO``, the policy server
+    its run starts and stops. Cancelled together, those stopped first, the agents' calls in flight
+    failed, and their attempts were recorded failed with the agents' connection errors (and 500s),
+    as if the model had failed. Stopped first, the runners give their attempts in flight the grace
+    while the model still answers, and record the rest with the stop's reason
+    (``eventlight.runner_pool.SIGTERM_REASON``). ``stop_runners`` ``None``: ``run`` alone.
+
+    Raises:
+        asyncio.CancelledError: After ``stop_runners()`` and ``run``'s own cancellation ended.
+    """
+    if stop_runners is None:
+        await run
+        return
+    task = asyncio.ensure_future(run)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        if not task.done():  # cancelled from outside, not by the run itself
+            await stop_runners()
+        raise
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+@contextlib.contextmanager
+def ctrl_c_again_hurries(pool: RunnerPool | None) -> Iterator[None]:
+    """While the block runs: a Ctrl+C (SIGINT) once ``pool`` is stopping calls ``pool.hurry()`` (its
+    attempts in flight are recorded failed at once) instead of the handler in place; before that,
+    that handler acts (``asyncio.run``'s cancels the run, whose stop then begins with the runners).
+
+    ``asyncio.run`` raises ``KeyboardInterrupt`` into its event loop on a second Ctrl+C, and its
+    shutdown then cut every task short, each printing a traceback (thousands of lines of them in
+    ``make demo``). Only on the main thread, and only over a handler set from Python (not over a
+    SIGINT ignored); the handler in place is restored at the end.
+    """
+    previous = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    if pool is None or not callable(previous):
+        yield
+        return
+    the_previous: Callable[[int, FrameType | None], Any] = previous
+
+    def on_sigint(signum: int, frame: FrameType | None) -> None:
+        if pool.stopping:
+            pool.hurry()
+        else:
+            the_previous(signum, frame)
+
+    signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGINT) is on_sigint:
+            signal.signal(signal.SIGINT, previous)
 
 
 async def cancel_left_in_queue(store: Any, since: float, *, limit_s: float = 15.0) -> int:

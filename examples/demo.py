@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import logging
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -32,11 +33,20 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=os.environ.get("EVENTLIGHT_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s"
     )
+    demo_args = demo.parse_args(rest)
     try:
-        return asyncio.run(demo.main(demo.parse_args(rest)))
+        return asyncio.run(demo.main(demo_args))
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        if args.algorithm == "grpo":  # the command that continues it from its last checkpoint
+            print(demo.interrupted(demo_args.run_id, rest, _make_demo), file=sys.stderr)
+        else:
+            print("interrupted", file=sys.stderr)
         return 130
+
+
+def _make_demo(options: list[str]) -> str:
+    """``make demo ARGS="<options>"``, as README.md writes it."""
+    return f'make demo ARGS="{shlex.join(options)}"'
 
 
 if __name__ == "__main__":

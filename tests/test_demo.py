@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -55,10 +56,70 @@ async def test_the_demo_cancels_what_an_interrupted_run_left_queued(namespace: S
     assert await cancel_leftovers(namespace, namespace.nats_url or "", namespace.pg_dsn or "") == 0
 
 
-def test_the_demo_refuses_a_count_of_zero() -> None:
-    """``--n-runners 0`` ran one runner without a word (a fresh-user run)."""
+@pytest.mark.parametrize("option", ["--n-runners", "--steps"])
+def test_the_demo_refuses_a_count_of_zero(option: str) -> None:
+    """``--n-runners 0`` ran one runner without a word; ``--steps 0`` evaluated for 37 s, then ended
+    with "error: run … did not train" (fresh-user runs)."""
     done = subprocess.run(
-        [sys.executable, str(DEMO), "--n-runners", "0"], capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, str(DEMO), option, "0"], capture_output=True, text=True, timeout=120, check=False
     )
     assert done.returncode == 2, done.stdout + done.stderr
-    assert "--n-runners: must be at least 1, got 0" in done.stderr and "Traceback" not in done.stderr
+    assert f"{option}: must be at least 1, got 0" in done.stderr and "Traceback" not in done.stderr
+    assert done.stdout == ""
+
+
+def test_an_interrupted_demo_says_how_to_continue_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl+C ended the demo with a bare "interrupted": the line now gives the command that resumes
+    the run from its last checkpoint, with the options it ran with (as README.md writes it)."""
+    from examples.arithmetic.train_grpo import interrupted
+    from examples.demo import _make_demo
+
+    monkeypatch.setenv("EVENTLIGHT_STATE_DIR", str(tmp_path))
+    run = "run-20261207-101010-ab12"
+    assert interrupted(run, ["--steps", "2"], _make_demo) == (
+        f"interrupted: run {run} stopped before its first checkpoint; nothing to resume"
+    )
+    step = tmp_path / "checkpoints" / run / "step-00001"
+    step.mkdir(parents=True)
+    (step / "state.json").write_text(json.dumps({"step": 1, "version": f"{run}-step1"}))
+    (step.parent / "LATEST").write_text(step.name)
+    assert interrupted(run, ["--steps", "2", "--lr", "2e-5"], _make_demo) == (
+        f'interrupted: run {run} stopped at checkpoint step1; to continue it: make demo ARGS="--steps 2 --lr 2e-5 '
+        f'--resume {run}"'
+    )
+    again = interrupted(run, ["--resume", run, "--steps", "4"], lambda options: " ".join(options))
+    assert again.endswith(f"to continue it: --steps 4 --resume {run}")
+
+
+async def test_the_demo_report_leaves_failed_rollouts_out_of_the_mean(namespace: Settings) -> None:
+    """After ``--resume``, a checkpoint's rows held the interrupted run's failed rollouts as reward 0
+    (``reward_by_resources``: missing = 0): 62 rollouts, mean 0.128, where the 41 with a reward
+    averaged 0.194. The report's mean is over the rollouts with a reward; it counts failed ones apart
+    and leaves cancelled ones (never run) out."""
+    from examples.arithmetic.train_grpo import report_sql
+    from tests.test_replay import reward_span
+    from tests.test_sql_views import rows
+
+    run = "run-20261207-101010-ab12"
+    async with agl.JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
+        for step in (0, 1):
+            await store.update_resources(f"{run}-step{step}", {"p": agl.PromptTemplate(template="{x}")})
+        plan = [("step0", "val", 0.5, "succeeded"), ("step1", "train", 0.25, "succeeded")]
+        plan += [("step1", "train", 0.75, "succeeded"), ("step1", "train", None, "failed")]
+        plan += [("step1", "train", None, "")]  # cancelled in the queue
+        for version, mode, reward, status in plan:
+            made = await store.enqueue_rollout({"x": 1}, mode=mode, resources_id=f"{run}-{version}")
+            if not status:  # left in the queue, then cancelled
+                await store.update_rollout(made.rollout_id, status="cancelled")
+                continue
+            claimed = await store.dequeue_rollout(worker_id="w")
+            assert claimed is not None and claimed.rollout_id == made.rollout_id
+            if reward is not None:
+                await store.add_span(reward_span(made.rollout_id, claimed.attempt.attempt_id, 1, reward, 1.0))
+            await store.update_attempt(made.rollout_id, claimed.attempt.attempt_id, status=status)
+        await store.sync_all(timeout_s=10)
+    got = rows(report_sql(run), ns=namespace)
+    assert got == [
+        {"checkpoint": f"{run}-step0", "mode": "val", "rewarded": 1, "mean_reward": "0.500", "failed": 0},
+        {"checkpoint": f"{run}-step1", "mode": "train", "rewarded": 2, "mean_reward": "0.500", "failed": 1},
+    ]

@@ -132,6 +132,43 @@ async def test_proxy_spans_hold_exactly_the_policy_tokens(namespace: agl.Setting
     assert batch.input_ids[0, n_p:].tolist() == response_ids
 
 
+async def test_a_policy_server_stopped_under_a_request_answers_it_at_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Ctrl+C in ``make demo``: GRPO stopped its policy server while calls waited for a generation;
+    they hung until the event loop closed, and uvicorn printed "Exception in ASGI application" with a
+    traceback for each (16 in a fresh user's run). They now answer 503 as the server stops."""
+    import threading
+
+    import httpx
+
+    policy = tiny_policy()
+    generating, release = threading.Event(), threading.Event()
+
+    def generate(*args, **kwargs):  # a generation that takes until the test lets it end
+        generating.set()
+        release.wait(30)
+        raise RuntimeError("released")
+
+    policy.generate = generate
+    server = PolicyServer(policy, max_context_tokens=64)
+    await server.start()
+    try:
+        async with httpx.AsyncClient(base_url=server.endpoint, timeout=30) as client:
+            body = {"model": "p", "messages": [{"role": "user", "content": "2 + 3?"}], "max_tokens": 4}
+            calls = [asyncio.create_task(client.post("/chat/completions", json=body)) for _ in range(2)]
+            assert await asyncio.to_thread(generating.wait, 30)
+            t0 = asyncio.get_running_loop().time()
+            await server.stop()
+            answers = await asyncio.wait_for(asyncio.gather(*calls), 5)
+            stop_s = asyncio.get_running_loop().time() - t0
+    finally:
+        release.set()
+        await server.stop()
+    assert [a.status_code for a in answers] == [503, 503]
+    assert answers[0].json()["error"]["code"] == "server_stopping"
+    assert stop_s < 3, stop_s
+    assert "Exception in ASGI application" not in caplog.text
+
+
 # -- one real optimizer step --------------------------------------------------------------------
 
 
@@ -336,6 +373,7 @@ def test_the_grpo_demo_refuses_to_resume_a_run_it_has_no_checkpoint_of(services)
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "--resume run-nope: no checkpoint of that run" in errors[0], done.stderr
     assert "held-out reward" not in done.stdout and "Traceback" not in done.stderr
+    assert "run-nope" not in done.stdout, "the run was announced before it was refused"
 
 
 def test_the_demo_says_when_training_undid_its_gain() -> None:

@@ -332,6 +332,37 @@ async def test_runner_pool_stop_fails_in_flight_attempts_and_requeues_by_config(
     assert attempts[0].metadata[STATUS_REASON] == SIGTERM_REASON  # it said nothing before
 
 
+async def test_hurry_cuts_the_grace_of_a_pool_stop_short(namespace: Settings) -> None:
+    """A second Ctrl+C while a trainer's runners stop (``Trainer``: ``ctrl_c_again_hurries``): the
+    attempts in flight are recorded failed at once, not after the grace; a later stop returns the
+    same exit codes without stopping anything again."""
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
+        await store.add_resources(RESOURCES)
+        made = await store.enqueue_rollout({"sleep_s": 600})
+        pool = RunnerPool(fault_agents.slow, 1, namespace, namespace.nats_url or "")
+        pool.hurry()  # before any stop: nothing
+        pool.start()
+        stopping = None
+        try:
+            await _until_running(store, [made.rollout_id])
+            assert not pool.cancel_now.is_set()
+            t0 = time.monotonic()
+            stopping = asyncio.ensure_future(asyncio.to_thread(pool.stop, 60))
+            while not pool.stopping:  # noqa: ASYNC110
+                await asyncio.sleep(0.02)
+            pool.hurry()
+            codes = await asyncio.wait_for(stopping, 30)
+            stop_s = time.monotonic() - t0
+        finally:
+            if stopping is None:
+                pool.stop(0)
+        [got] = await _settled(store, [made.rollout_id])
+        attempts = await store.query_attempts(made.rollout_id)
+    assert codes == [0] and pool.stopped and pool.stop() == codes
+    assert stop_s < 15, stop_s
+    assert [(a.status, a.metadata.get(STATUS_REASON)) for a in attempts] == [("failed", SIGTERM_REASON)], got
+
+
 async def test_kill_9_of_a_runner_process_fails_its_attempt_and_the_rollout_is_retried(namespace: Settings) -> None:
     """kill -9 of one of two runner processes mid-rollout: the pool records the attempt that process
     ran ``failed``, saying so (the default RolloutConfig has no timeout: it stayed ``preparing`` for

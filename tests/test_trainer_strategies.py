@@ -21,6 +21,8 @@ import pytest
 
 import eventlight as agl
 from eventlight.core.errors import InvalidInputError, InvalidTypeError, WrongEventLoopError
+from eventlight.core.types import STATUS_REASON
+from eventlight.runner_pool import SIGTERM_REASON
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.trainer_strategies import resolve_strategy
@@ -406,6 +408,102 @@ async def test_a_run_cancelled_from_outside_stops_its_algorithm_with_it() -> Non
     stopped = len(ticks)
     await asyncio.sleep(0.1)
     assert len(ticks) == stopped  # nothing ran after the cancel
+
+
+@agl.rollout
+async def asks_the_llm(task: dict, llm: agl.LLM) -> float:
+    """One chat completion through the LLM resource (the trainer's proxy), without retries."""
+    import openai
+
+    async with openai.AsyncOpenAI(base_url=llm.endpoint, api_key="x", max_retries=0) as client:
+        await client.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": task["q"]}])
+    return 1.0
+
+
+class ServesItsModel(agl.Algorithm):
+    """As ``GRPO``: the model its rollouts call is a server that its ``run`` starts and stops (behind
+    the trainer's LLM proxy); it answers after ``delay_s``."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self.delay_s = delay_s
+        self.llm: Any = None
+
+    async def run(self, train_dataset: Any = None, val_dataset: Any = None) -> None:
+        from llm_stub import Reply, ScriptedLLM
+
+        self.llm = ScriptedLLM(Reply(content="4", delay_s=self.delay_s))
+        async with self.llm as url:
+            proxy = self.get_llm_proxy()
+            litellm_params = {"model": "openai/m", "api_base": url, "api_key": "x"}
+            proxy.update_model_list([{"model_name": "m", "litellm_params": litellm_params}])
+            store = self.get_store()
+            await store.update_resources("r1", {"llm": proxy.as_resource(model="m")})
+            made = await store.enqueue_many_rollouts(
+                [agl.EnqueueRolloutRequest(input=t, resources_id="r1") for t in train_dataset]
+            )
+            await store.wait_for_rollouts(rollout_ids=[r.rollout_id for r in made], timeout=600)
+
+
+async def test_a_cancelled_run_stops_its_runners_before_the_model_they_call(
+    namespace: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Ctrl+C in ``make demo`` (a fresh user): the algorithm's policy server and the LLM proxy stopped
+    first, so the agents' calls in flight failed and their attempts were recorded failed with
+    ``APIConnectionError`` / ``InternalServerError: Error code: 500``, as if the model had failed (and
+    uvicorn printed a traceback for each call it cut). The runners now stop first, while the model
+    still answers: attempts in flight get the grace, then are recorded with the stop's reason."""
+    algorithm = ServesItsModel(delay_s=30)
+    trainer = agl.Trainer(
+        algorithm=algorithm,
+        strategy={"type": "cs", "n_runners": 1, "graceful_timeout": 1.0},
+        llm_proxy=agl.LLMProxy(),
+        check_llm=False,
+        settings=namespace,
+    )
+    run = asyncio.create_task(trainer.fit_async(asks_the_llm, [{"q": "2 + 2?"}]))
+    deadline = time.monotonic() + 60
+    while algorithm.llm is None or not algorithm.llm.requests:  # the agent's call reached the model
+        assert time.monotonic() < deadline and not run.done(), run
+        await asyncio.sleep(0.1)
+    with caplog.at_level(logging.WARNING, logger="eventlight.trainer"):
+        run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run
+    async with JetStreamLightningStore(namespace, nats_url=namespace.nats_url, pg_dsn=namespace.pg_dsn) as store:
+        await store.sync_all(timeout_s=10)
+        [rollout] = await store.query_rollouts()
+        attempts = await store.query_attempts(rollout.rollout_id)
+    assert [(a.status, a.metadata.get(STATUS_REASON)) for a in attempts] == [("failed", SIGTERM_REASON)]
+    assert any("stopping its 1 runner(s) first" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_ctrl_c_again_while_the_runners_stop_hurries_them_instead_of_breaking_into_the_loop() -> None:
+    """A second Ctrl+C in ``make demo`` while the runners stopped: ``asyncio.run`` raised
+    ``KeyboardInterrupt`` into its event loop, whose shutdown printed ~3,000 lines of tracebacks. The
+    first Ctrl+C still goes to the handler in place (``asyncio.run``'s cancels the run); once the pool
+    stops, another one cuts the runners' grace short instead."""
+    import signal
+    import types
+
+    from eventlight.trainer_guards import ctrl_c_again_hurries
+
+    seen: list[str] = []
+    pool: Any = types.SimpleNamespace(stopping=False, hurry=lambda: seen.append("hurry"))
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: seen.append("previous"))
+    try:
+        mine = signal.getsignal(signal.SIGINT)
+        with ctrl_c_again_hurries(pool):
+            signal.raise_signal(signal.SIGINT)
+            pool.stopping = True
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is mine  # restored
+        with ctrl_c_again_hurries(None):  # no runner processes: nothing changes
+            assert signal.getsignal(signal.SIGINT) is mine
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert seen == ["previous", "hurry", "hurry"]
 
 
 @agl.rollout

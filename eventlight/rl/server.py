@@ -10,7 +10,8 @@ requests that arrive while a batch is generating form the next one. ``model`` in
 version of the weights that produced it (``set_version``).
 
 Errors: a prompt longer than ``max_context_tokens`` (with ``max_tokens``) answers 400
-``context_length_exceeded``; a request without messages answers 400.
+``context_length_exceeded``; a request without messages answers 400; a request still waiting for
+its generation when the server stops answers 503 ``server_stopping`` at once.
 """
 
 from __future__ import annotations
@@ -43,15 +44,23 @@ class _Job:
     future: asyncio.Future[Generation] = field(repr=False)
 
 
+class _Stopping(Exception):
+    """The server stopped before a request's generation was done."""
+
+
 class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:  # type: ignore[override]
         yield  # the host process owns SIGINT/SIGTERM
 
 
-def _error(status: int, message: str, code: str) -> JSONResponse:
+_SHUTDOWN_TIMEOUT_S = 5
+"""Seconds ``stop`` leaves requests in flight (e.g. reading a body) before uvicorn cancels them."""
+
+
+def _error(status: int, message: str, code: str, kind: str = "invalid_request_error") -> JSONResponse:
     return JSONResponse(
-        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}},
+        {"error": {"message": message, "type": kind, "param": None, "code": code}},
         status_code=status,
     )
 
@@ -86,6 +95,7 @@ class PolicyServer:
         self._queue: asyncio.Queue[_Job] | None = None
         self._server: _Server | None = None
         self._tasks: list[asyncio.Task[Any]] = []
+        self._waiting: set[asyncio.Future[Generation]] = set()  # requests' generations not done yet
         self.port = 0
         self.app = self._build_app()
 
@@ -104,7 +114,15 @@ class PolicyServer:
             s.bind((self.host, 0))
             self.port = s.getsockname()[1]
         self._queue = asyncio.Queue()
-        config = uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning", lifespan="off")
+        config = uvicorn.Config(
+            self.app,
+            host=self.host,
+            port=self.port,
+            log_config=None,  # the host process configures logging
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=_SHUTDOWN_TIMEOUT_S,
+        )
         self._server = _Server(config)
         self._tasks = [
             asyncio.create_task(self._server.serve(), name="policy-server"),
@@ -122,12 +140,16 @@ class PolicyServer:
         return self.endpoint
 
     async def stop(self) -> None:
-        """Stop serving; idempotent."""
+        """Stop serving; idempotent. Requests still waiting for their generation answer 503 at once
+        (they hung until the event loop closed, and uvicorn printed a traceback for each)."""
         if self._server is not None:
             self._server.should_exit = True
         for task in self._tasks:
             if task.get_name() == "policy-batcher":
                 task.cancel()
+        for future in self._waiting:
+            if not future.done():
+                future.set_exception(_Stopping("the policy server stopped before this request's generation"))
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.wait_for(task, 10)
@@ -221,11 +243,16 @@ class PolicyServer:
         assert self._queue is not None, "start() the server first"
         version = self.version
         future: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
+        self._waiting.add(future)
         await self._queue.put(_Job(prompt_ids, (round(temperature, 6), round(top_p, 6), max_new), future))
         try:
             gen = await future
+        except _Stopping as exc:
+            return _error(503, str(exc), "server_stopping", "server_error")
         except Exception as exc:
             return _error(500, f"generation failed: {exc}", "generation_failed")
+        finally:
+            self._waiting.discard(future)
         return JSONResponse(self._completion(body, version, prompt_ids, gen))
 
     def _completion(self, body: dict[str, Any], version: str, prompt_ids: list[int], gen: Generation) -> dict[str, Any]:

@@ -8,20 +8,25 @@ token ids it produced), trains on the spans, and records each checkpoint as a re
     python examples/arithmetic/train_grpo.py [--steps 8] [--seed 0] [--n-runners 8] [--resume RUN_ID]
 
 It prints the held-out reward as it changes, then before/after, the checkpoint versions, the
-rollouts and spans recorded, and reward by checkpoint from the SQL views.
+rollouts and spans recorded, and reward by checkpoint from the SQL views. Ctrl+C stops the runners
+first (attempts in flight get 10 s, then are recorded failed with the stop's reason), then the
+model, and ends with the command that continues the run from its last checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import os
 import resource
 import secrets
+import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,12 +39,35 @@ MAX_FAILED_FRACTION = 0.5
 
 
 def report_sql(run_id: str) -> str:
-    """Mean reward per checkpoint of this run only."""
+    """Per checkpoint of this run only: the rollouts that finished with a reward and their mean
+    reward, and apart, how many failed (an interrupted run's attempts cut short, before a
+    ``--resume``). Not ``reward_by_resources``, whose mean counts a rollout without a reward as 0."""
     return (
-        "SELECT resources_id AS checkpoint, mode, rollouts, round(mean_reward::numeric, 3) AS mean_reward "
-        f"FROM reward_by_resources WHERE resources_id LIKE '{run_id}-%' "
-        "ORDER BY length(resources_id), resources_id, mode"
+        "SELECT resources_id AS checkpoint, mode, count(final_reward) AS rewarded, "
+        "round(avg(final_reward)::numeric, 3) AS mean_reward, count(*) FILTER (WHERE status = 'failed') AS failed "
+        f"FROM v_rollouts WHERE resources_id LIKE '{run_id}-%' "
+        "GROUP BY resources_id, mode ORDER BY length(resources_id), resources_id, mode"
     )
+
+
+def new_run_id() -> str:
+    """``run-YYYYMMDD-HHMMSS-xxxx``: the prefix of this run's checkpoint versions."""
+    return f"run-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+
+
+def interrupted(run_id: str, argv: list[str], command: Callable[[list[str]], str]) -> str:
+    """The line an interrupted run ends with: the command that continues it from its last checkpoint
+    (``command`` of the run's options ``argv`` with ``--resume <run_id>`` in place of any
+    ``--resume``), or that it stopped before its first one."""
+    from eventlight.rl.policy import latest_checkpoint
+
+    last = latest_checkpoint(agl.Settings.from_env().state_dir / "checkpoints" / run_id)
+    if last is None:
+        return f"interrupted: run {run_id} stopped before its first checkpoint; nothing to resume"
+    step = json.loads((last / "state.json").read_text())["step"]
+    options = [a for i, a in enumerate(argv) if a != "--resume" and (i == 0 or argv[i - 1] != "--resume")]
+    options = [a for a in options if not a.startswith("--resume=")] + ["--resume", run_id]
+    return f"interrupted: run {run_id} stopped at checkpoint step{step}; to continue it: {command(options)}"
 
 
 async def cancel_leftovers(settings: agl.Settings, nats_url: str, pg_dsn: str) -> int:
@@ -72,7 +100,7 @@ def _at_least_one(text: str) -> int:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=8, help="GRPO steps (default 8)")
+    p.add_argument("--steps", type=_at_least_one, default=8, help="GRPO steps (default 8)")
     p.add_argument("--batch-size", type=_at_least_one, default=4, help="tasks per step (default 4)")
     p.add_argument("--group-size", type=_at_least_one, default=8, help="samples per task (default 8)")
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature of training rollouts")
@@ -84,7 +112,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-items", type=int, default=0, help="evaluate on the first N held-out items (0 = all)")
     p.add_argument("--model-dir", help="start from this transformers model folder (default: SmolLM2 from the GGUF)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.run_id = args.resume or new_run_id()  # known before the run starts: an interrupt names it
+    return args
 
 
 def say(text: str) -> None:
@@ -149,11 +179,7 @@ async def train(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     started = time.monotonic()
-    run_id = args.resume or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
-    train_items, held_out = make_items()
-    if args.eval_items:
-        held_out = held_out[:: max(1, len(held_out) // args.eval_items)][: args.eval_items]
-    say(f"run {run_id}: GRPO on {len(train_items)} sums, {len(held_out)} held out; prompt fixed: {PROMPT!r}")
+    run_id = args.run_id
     settings = agl.Settings.from_env()
     if args.resume and latest_checkpoint(settings.state_dir / "checkpoints" / args.resume) is None:
         runs = sorted(d.name for d in (settings.state_dir / "checkpoints").glob("run-*") if latest_checkpoint(d))
@@ -161,6 +187,10 @@ async def train(args: argparse.Namespace) -> int:
             f"--resume {args.resume}: no checkpoint of that run in {settings.state_dir / 'checkpoints'}"
             f" (runs with one: {', '.join(runs) if runs else 'none'})"
         )
+    train_items, held_out = make_items()
+    if args.eval_items:
+        held_out = held_out[:: max(1, len(held_out) // args.eval_items)][: args.eval_items]
+    say(f"run {run_id}: GRPO on {len(train_items)} sums, {len(held_out)} held out; prompt fixed: {PROMPT!r}")
     # started here, so leftovers can go before the runners start; the block's end stops what it started
     # (unless another process, e.g. `eventlight serve`, still uses them: the last of them stops them)
     async with agl.use_services(settings) as services:
@@ -249,8 +279,10 @@ if __name__ == "__main__":
     logging.basicConfig(
         level=os.environ.get("EVENTLIGHT_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s"
     )
+    args = parse_args()
     try:
-        raise SystemExit(asyncio.run(main(parse_args())))
+        raise SystemExit(asyncio.run(main(args)))
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        here = ["python", "examples/arithmetic/train_grpo.py"]
+        print(interrupted(args.run_id, sys.argv[1:], lambda options: shlex.join(here + options)), file=sys.stderr)
         raise SystemExit(130) from None
