@@ -12,6 +12,7 @@ module       what
 ``rebuild``  the whole log into a fresh schema, compared with the live one, swapped in on request
 ``transfer`` a slice of the log to a file and back into another namespace, without duplicates
 ``catchup``  the read models projected up to the log's head (after an import)
+``servers``  the NATS and Postgres a ``Settings`` names, else the embedded ones, as the commands find them
 ===========  ===================================================================================
 
 The commands (``eventlight replay``, ``export``, ``import``) live in ``eventlight.cli.replay``.
