@@ -58,6 +58,8 @@ def test_the_sql_row_names_the_views_help_names_and_migration_008_defines() -> N
     assert {v for v in documented if v.startswith("v_")} <= set(VIEW.findall(text))
     assert set(VIEW.findall(text)) | documented <= set(VIEW.findall(readme))
     assert "008_documented_views.sql" in readme
+    assert "--catch-up" in options_of(text)
+    assert {o for o in options_of(text) if f"[{o}" not in readme} == set()  # every option of sql
 
 
 def test_replay_mode_help_and_its_error_name_the_same_modes(tmp_path: Path) -> None:

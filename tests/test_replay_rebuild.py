@@ -13,8 +13,9 @@ import asyncpg
 import pytest
 
 import eventlight
-from eventlight.core.errors import InvalidInputError
+from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
 from eventlight.logreplay import rebuild as rebuild_module
+from eventlight.logreplay.catchup import catch_up
 from eventlight.logreplay.rebuild import RebuildReport, rebuild, table_sums
 from eventlight.logreplay.transfer import ImportReport, export_log, import_log, read_export
 from eventlight.net import free_port
@@ -131,6 +132,44 @@ async def test_export_then_import_twice_appends_once(
         a = [r async for r in eventlight.replay(namespace, adapter="messages")]
         b = [r async for r in eventlight.replay(other, adapter="messages")]
         assert a == b and len(a) == 6
+
+
+async def test_export_import_catch_up_and_rebuild_find_the_embedded_servers_as_replay_does(
+    namespace: Settings, services: tuple[Settings, Services], tmp_path: Path
+) -> None:
+    """``export_log``, ``import_log``, ``catch_up`` and ``rebuild`` asserted ``settings.nats_url``
+    (an ``AssertionError``, or ``None`` passed on) where ``replay`` finds the servers ``eventlight up``
+    left running; with none running they say to run it, as ``replay`` does."""
+    base, svc = services
+    if svc.nats_pid is None and svc.pg_pid is None:
+        pytest.skip("both servers are external here: nothing embedded is recorded to be found")
+    async with JetStreamLightningStore(namespace) as store:  # no Postgres: nothing projects
+        await workload(store)
+        total = await test_rebuild.last_seq(store)
+    found = Settings(state_dir=base.state_dir, namespace=namespace.namespace)  # no URL, no DSN
+    out = tmp_path / "log.jsonl"
+    assert (await export_log(found, out, 0, None)).entries == total
+    none = Settings(state_dir=tmp_path / "no_servers", namespace=namespace.namespace)
+    says = r"is not set and no eventlight servers are running \(state folder .*no_servers\): run `eventlight up`"
+    calls = (
+        lambda: export_log(none, tmp_path / "x.jsonl", 0, None),
+        lambda: import_log(none, out),
+        lambda: catch_up(none),
+        lambda: rebuild(none),
+    )
+    for call in calls:
+        with pytest.raises(ServiceUnavailableError, match=says):
+            await call()
+    assert not (tmp_path / "x.jsonl").exists()
+    typo = Settings(state_dir=base.state_dir, namespace="no_such_ns_transfer")
+    with pytest.raises(InvalidInputError, match="has no stream .*`eventlight up -N no_such_ns_transfer`"):
+        await export_log(typo, tmp_path / "x.jsonl", 0, None)
+    assert await catch_up(found) == (total, total)
+    assert (await rebuild(found)).same
+    await _drop(str(svc.pg_dsn), f"{namespace.pg_schema}_rebuild")
+    async with fresh_namespace(services) as other:
+        target = Settings(state_dir=base.state_dir, namespace=other.namespace)
+        assert await import_log(target, out) == ImportReport(appended=total)
 
 
 def test_cli_export_and_import(namespace: Settings, services: tuple[Settings, Services], tmp_path: Path) -> None:

@@ -77,6 +77,39 @@ async def test_status_shows_projector_lag(namespace: Settings) -> None:
     assert lag == head - projected >= 2
 
 
+async def test_sql_says_when_the_read_models_are_behind_the_log_and_catch_up_projects_them(
+    namespace: Settings,
+) -> None:
+    """A script that wrote through a store and closed left ``status`` at "projection at event 0 of
+    N", and ``sql`` answered from the empty read models without a word. It now warns, by how many
+    events, and ``--catch-up`` projects up to the head first; with NATS down the query still runs."""
+    async with JetStreamLightningStore(namespace) as writer:  # a runner's store: nothing projects
+        for i in range(2):
+            await writer.enqueue_rollout({"i": i})
+    query = ("sql", "SELECT count(*) AS n FROM rollouts", "-f", "csv")
+    behind = cli(*query, env=env_of(namespace))
+    assert behind.returncode == 0 and behind.stdout.split() == ["n", "0"], behind.stderr
+    found = re.fullmatch(
+        r"warning: the read models are (\d+) events behind the log \(projected up to event 0 of (\d+)\), "
+        r"so this result may be stale: `eventlight sql --catch-up` projects up to the head first .*\n",
+        behind.stderr,
+    )
+    assert found and found[1] == found[2] and int(found[1]) >= 2, behind.stderr
+    caught = cli(*query, "--catch-up", env=env_of(namespace))
+    assert caught.returncode == 0 and caught.stdout.split() == ["n", "2"], caught.stderr
+    assert "warning" not in caught.stderr, caught.stderr
+    again = cli(*query, env=env_of(namespace))  # caught up: not a word
+    assert again.returncode == 0 and again.stdout.split() == ["n", "2"] and again.stderr == "", again.stderr
+    nats_down = {**env_of(namespace), "EVENTLIGHT_NATS_URL": f"nats://127.0.0.1:{free_port()}"}
+    down = cli(*query, env=nats_down)
+    assert down.returncode == 0 and down.stdout.split() == ["n", "2"], down.stderr
+    unknown = r"warning: whether the read models are behind the log is unknown: cannot reach .*\n"
+    assert re.fullmatch(unknown, down.stderr), down.stderr
+    no_nats = {**env_of(namespace), "EVENTLIGHT_NATS_URL": ""}  # nothing configured nor recorded: no check
+    quiet = cli(*query, env={**no_nats, "EVENTLIGHT_STATE_DIR": str(namespace.state_dir / "none")})
+    assert quiet.returncode == 0 and quiet.stdout.split() == ["n", "2"] and quiet.stderr == "", quiet.stderr
+
+
 async def test_with_only_the_embedded_postgres_down_runner_starts_and_status_names_it(
     namespace: Settings, services: tuple[Settings, Services], tmp_path: Path
 ) -> None:

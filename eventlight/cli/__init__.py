@@ -16,7 +16,8 @@ answer (or the runners died), 2 a wrong argument (option, agent spec, namespace,
 
 Modules: ``app`` (the typer app and ``main``), ``common`` (exit codes, consoles, ``CliError``),
 ``errors`` (one-line errors), ``discovery`` (finding the servers), and one per command group:
-``servers`` (up, down), ``sql``, ``status``, ``runner``, ``replay`` (replay, export, import).
+``servers`` (up, down), ``sql``, ``status``, ``runner``, ``replay`` (replay, export, import);
+``projection`` (the read models against the log: ``sql``'s lag warning, projecting up to the head).
 """
 
 from eventlight.cli.app import app, main

@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress, TextColumn, TimeElapsedColumn
 
 from eventlight.cli.common import EXIT_INTERRUPTED, CliError, NamespaceOpt, _run, _settings, console, err
 from eventlight.cli.discovery import _connect_pg, _need_nats, _need_pg, _no_namespace
@@ -360,42 +360,21 @@ def import_command(
 
 
 async def _project(settings: Settings) -> None:
-    """Project the namespace up to its log's head (``logreplay.catchup``), with a progress bar;
-    a warning, not an error, when the read models cannot be brought up to date (the import is done:
+    """Project the namespace up to its log's head (``cli.projection``), with a progress bar; a
+    warning, not an error, when the read models cannot be brought up to date (the import is done:
     they catch up when a store with Postgres next opens the namespace)."""
+    from eventlight.cli.projection import project_to_head
     from eventlight.core.errors import EventlightError
-    from eventlight.logreplay.catchup import STALLED_S, catch_up
 
     try:
         found = await _need_pg(settings)
         await (await _connect_pg(settings, found)).close()  # the schema exists, migrated to this version
-        with _catch_up_progress() as bar:
-            task = bar.add_task("projecting", total=None, done=0, head=0)
-            checkpoint, head = await catch_up(
-                settings, found.url, on_progress=lambda done, head: bar.update(task, done=done, head=head, total=head)
-            )
     except (EventlightError, CliError) as e:
         err.print(f"[yellow]warning:[/yellow] the read models were not brought up to date: {escape(str(e))}")
         return
-    if checkpoint < head:
-        err.print(
-            f"[yellow]warning:[/yellow] the read models are {head - checkpoint} events behind the log "
-            f"(projected up to {checkpoint} of {head}, no progress for {STALLED_S:.0f} s): "
-            "they catch up while a trainer, `eventlight serve` or another store with Postgres has the namespace open"
-        )
-        return
-    console.print(f"read models projected up to log position {head}: `eventlight sql` sees the import")
-
-
-def _catch_up_progress() -> Progress:
-    return Progress(
-        TextColumn("[progress.description]{task.description}"),
-        BarColumn(),
-        TextColumn("{task.fields[done]:>10,} of {task.fields[head]:,} log positions"),
-        TimeElapsedColumn(),
-        console=err,
-        transient=True,
-    )
+    head = await project_to_head(settings, found.url)
+    if head is not None:
+        console.print(f"read models projected up to log position {head}: `eventlight sql` sees the import")
 
 
 def _positions(seqs: list[int]) -> str:

@@ -62,9 +62,14 @@ async def _query(
     timeout_s: float,
     params: Sequence[str] = (),
     sink: Callable[[list[Any], Sequence[Any]], None] | None = None,
+    catch_up: bool = False,
 ) -> tuple[list[Any], list[Any]]:
     """Run ``query`` as the namespace's read-only role ``<schema>_reader`` (``eventlight.sql_reader``),
     with ``params`` bound to ``$1``, ``$2``, … (``eventlight.sql_params``).
+
+    First, with ``catch_up``, the read models are projected up to the log's head
+    (``cli.projection.project_to_head``); without it, a warning says when they are behind it
+    (``warn_if_behind``). Neither keeps the query from running.
 
     With ``sink``, a statement that returns rows is read through a cursor, ``STREAM_ROWS`` at a
     time, each batch handed to ``sink(columns, rows)`` (then once more with none at the end), and
@@ -72,6 +77,7 @@ async def _query(
     fetch (Postgres' ``statement_timeout`` counts per execute)."""
     import asyncpg
 
+    from eventlight.cli.projection import project_to_head, warn_if_behind
     from eventlight.cli_output import Column
     from eventlight.core.errors import InvalidInputError
     from eventlight.sql_params import bind_on
@@ -81,6 +87,10 @@ async def _query(
     found = await _need_pg(settings)
     owner = await _connect_pg(settings, found)  # brings the schema up to date
     try:
+        if catch_up:
+            await project_to_head(settings, found.url)
+        else:
+            await warn_if_behind(settings, owner)
         conn = await connect_reader(owner, found.url, settings.pg_schema, timeout_s=timeout_s)
     finally:
         await owner.close()
@@ -144,6 +154,14 @@ def sql(
         list[str] | None,
         typer.Option("--param", "-p", help="A value for $1, $2, … in order (repeatable); bound, never pasted in."),
     ] = None,
+    catch_up: Annotated[
+        bool,
+        typer.Option(
+            "--catch-up",
+            help="First project the log into the read models up to its head (needs NATS; progress on stderr),"
+            " so that the result is not behind the log.",
+        ),
+    ] = False,
     namespace: NamespaceOpt = None,
 ) -> None:
     """Run one SQL statement over the projections and print the result.
@@ -161,8 +179,14 @@ def sql(
     csv and json stream: rows are printed as they are fetched, 1,000 at a time, so a result
     larger than memory goes through (the timeout then bounds each fetch); table reads it whole.
 
+    The read models advance only while something projects the namespace (a trainer, `eventlight
+    serve`, a store opened with Postgres): when they are behind the log, a warning on stderr says
+    by how many events; --catch-up projects them up to the log's head before the query.
+
     Servers: uses $EVENTLIGHT_PG_DSN when set, else the embedded Postgres `eventlight up` started;
-    never starts or stops one (without it: exit 1, 'run `eventlight up`')."""
+    never starts or stops one (without it: exit 1, 'run `eventlight up`'). NATS
+    ($EVENTLIGHT_NATS_URL, else the embedded one) is asked only for the log's head, and for
+    --catch-up; without it the query still runs."""
     from eventlight.cli_output import FORMATS, ResultLines, result_table
 
     if output_format not in FORMATS:
@@ -178,9 +202,9 @@ def sql(
             sys.stdout.writelines(lines[0].rows(rows))
             sys.stdout.flush()
 
-        _run(_query(_settings(namespace), query, timeout_s, param or (), sink=write))
+        _run(_query(_settings(namespace), query, timeout_s, param or (), sink=write, catch_up=catch_up))
         return
-    cols, rows = _run(_query(_settings(namespace), query, timeout_s, param or ()))
+    cols, rows = _run(_query(_settings(namespace), query, timeout_s, param or (), catch_up=catch_up))
     if cols:
         console.print(result_table(cols, rows, console.width))
     console.print(f"{len(rows)} row(s)")

@@ -11,7 +11,8 @@ module       what
 ``files``    an output file written beside its target and renamed over it once whole
 ``rebuild``  the whole log into a fresh schema, compared with the live one, swapped in on request
 ``transfer`` a slice of the log to a file and back into another namespace, without duplicates
-``catchup``  the read models projected up to the log's head (after an import)
+``catchup``  the read models projected up to the log's head (after an import, ``sql --catch-up``)
+``servers``  the NATS and Postgres a ``Settings`` names, else the embedded ones, as the commands find them
 ===========  ===================================================================================
 
 The commands (``eventlight replay``, ``export``, ``import``) live in ``eventlight.cli.replay``.

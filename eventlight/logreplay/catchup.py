@@ -10,7 +10,7 @@ not run meanwhile: it projects, it does not time attempts out.
 
 Example::
 
-    checkpoint, head = await catch_up(settings, pg_dsn, on_progress=lambda done, head: ...)
+    checkpoint, head = await catch_up(settings, on_progress=lambda done, head: ...)
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ NO_WATCHDOG_S = 3600.0
 
 async def catch_up(
     settings: Settings,
-    pg_dsn: str,
+    pg_dsn: str | None = None,
     *,
     on_progress: Callable[[int, int], None] | None = None,
     stalled_s: float = STALLED_S,
@@ -39,8 +39,11 @@ async def catch_up(
     """Project the namespace's log until the read models have reached its head as it is now.
 
     Args:
-        settings: The namespace, with ``nats_url`` set.
-        pg_dsn: The Postgres holding the namespace's schema (made and migrated by ``eventlight up -N``).
+        settings: The namespace, on ``settings.nats_url``, else on the embedded servers under
+            ``settings.state_dir`` (``eventlight.logreplay.servers``: as the commands find them;
+            none is started).
+        pg_dsn: The Postgres holding the namespace's schema (made and migrated by ``eventlight up -N``);
+            default ``settings.pg_dsn``, else the embedded one.
         on_progress: Called with ``(checkpoint, head)`` (log positions) as the projection advances.
         stalled_s: Give up after this many seconds without progress.
 
@@ -49,22 +52,24 @@ async def catch_up(
         is below the head only when it stalled for ``stalled_s`` seconds.
 
     Raises:
-        ServiceUnavailableError: NATS or Postgres cannot be reached.
-        InvalidInputError: The namespace has no tables in Postgres, or is recorded with another
-            projector partition count.
+        ServiceUnavailableError: NATS or Postgres cannot be reached, or one is not set and no
+            embedded server runs.
+        InvalidInputError: The namespace has no stream, or no tables in Postgres, or is recorded
+            with another projector partition count.
     """
+    from eventlight.logreplay.servers import nats_url_of, pg_dsn_of, stream_info
     from eventlight.store.jetstream import JetStreamLightningStore
-    from eventlight.store.jetstream.nats_errors import nats_errors
     from eventlight.store.jetstream.pg_errors import pg_errors
 
-    store = JetStreamLightningStore(settings, pg_dsn=pg_dsn, watchdog_interval_s=NO_WATCHDOG_S)
+    url = await nats_url_of(settings)
+    dsn = await pg_dsn_of(settings, pg_dsn)
+    store = JetStreamLightningStore(settings, nats_url=url, pg_dsn=dsn, watchdog_interval_s=NO_WATCHDOG_S)
     async with store:
-        assert store.log is not None and store.pool is not None
-        with nats_errors(store.log.server, "stream info"):
-            head = int((await store.log.js.stream_info(store.log.stream)).state.last_seq)
+        assert store.nc is not None and store.pool is not None
+        head = int((await stream_info(store.nc, url, settings)).state.last_seq)
         checkpoint, moved = -1, time.monotonic()
         while True:
-            with pg_errors(pg_dsn, "read the projection's checkpoint"):
+            with pg_errors(dsn, "read the projection's checkpoint"):
                 now = int(await store.pool.fetchval("SELECT min(last_seq) FROM projector_checkpoint") or 0)
             if now != checkpoint:
                 checkpoint, moved = now, time.monotonic()

@@ -77,28 +77,37 @@ async def table_sums(conn: Any, schema: str) -> dict[str, tuple[int, str]]:
     return out
 
 
-async def rebuild(settings: Settings, pg_dsn: str, *, swap: bool = False) -> RebuildReport:
+async def rebuild(settings: Settings, pg_dsn: str | None = None, *, swap: bool = False) -> RebuildReport:
     """Rebuild the namespace's read models from its log into ``<schema>_rebuild`` and compare.
 
     Args:
-        settings: The namespace, with ``nats_url`` set.
-        pg_dsn: The Postgres holding the live schema.
+        settings: The namespace, on ``settings.nats_url``, else on the embedded servers under
+            ``settings.state_dir`` (``eventlight.logreplay.servers``: as the commands find them;
+            none is started).
+        pg_dsn: The Postgres holding the live schema; default ``settings.pg_dsn``, else the
+            embedded one.
         swap: Put the rebuilt schema in place of the live one afterwards.
 
     Raises:
         InvalidInputError: ``swap`` while a projector of the namespace runs, or another rebuild of
-            the namespace is running.
-        ServiceUnavailableError: NATS or Postgres cannot be reached.
+            the namespace is running, or the namespace has no stream.
+        ServiceUnavailableError: NATS or Postgres cannot be reached, or one is not set and no
+            embedded server runs.
     """
+    from eventlight.logreplay.servers import log_of, pg_dsn_of
+
+    dsn = await pg_dsn_of(settings, pg_dsn)
+    async with log_of(settings, "eventlight-rebuild", time.time) as log_:  # the stream exists: then Postgres
+        return await _rebuild(log_, settings.pg_schema, dsn, swap)
+
+
+async def _rebuild(log_: Any, live: str, pg_dsn: str, swap: bool) -> RebuildReport:
+    """``rebuild`` from the namespace's event log ``log_``, of the live schema ``live``."""
     from eventlight.ops import apply_migrations
     from eventlight.store.jetstream import pg, pg_errors
-    from eventlight.store.jetstream.connect import connect_nats
-    from eventlight.store.jetstream.log import JetStreamEventLog
     from eventlight.store.jetstream.projector import Projector
 
-    live = settings.pg_schema
     fresh = f"{live}_rebuild"
-    assert settings.nats_url is not None
     conn = await pg_errors.connect(pg_dsn)
     try:
         if not await conn.fetchval("SELECT pg_try_advisory_lock(hashtext($1), hashtext($2))", _REBUILD_LOCK, live):
@@ -107,15 +116,12 @@ async def rebuild(settings: Settings, pg_dsn: str, *, swap: bool = False) -> Reb
             )
         await conn.execute(f"DROP SCHEMA IF EXISTS {_q(fresh)} CASCADE")  # an earlier rebuild left behind
         await apply_migrations(pg_dsn, fresh)
-        nc = await connect_nats(settings.nats_url, auth=settings.nats_auth, name="eventlight-rebuild")
         pool = await pg.create_pool(pg_dsn, fresh)
         t0 = time.perf_counter()
         try:
-            log_ = JetStreamEventLog(nc, settings, time.time)
             rebuilt_at = await Projector(log_, pool, watchdog_interval_s=NO_WATCHDOG_S).rebuild()
         finally:
             await pool.close()
-            await nc.close()
         seconds = time.perf_counter() - t0
         live_at = int(await conn.fetchval(f"SELECT min(last_seq) FROM {_q(live)}.projector_checkpoint") or 0)
         a, b = await table_sums(conn, live), await table_sums(conn, fresh)

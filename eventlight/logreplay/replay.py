@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import pickle
@@ -29,7 +30,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from eventlight.core.errors import EventlightError, InvalidInputError, ServiceUnavailableError
+from eventlight.core.errors import EventlightError, InvalidInputError
 from eventlight.core.types import ATTEMPT_STATUSES, ROLLOUT_MODES
 from eventlight.logreplay.parallel import (
     AHEAD,
@@ -362,70 +363,19 @@ def _at_least(final: float | None, threshold: float) -> bool:
     return final is not None and final >= threshold
 
 
-async def nats_url_of(settings: Settings) -> str:
-    """``settings.nats_url``, else the NATS of the embedded servers ``eventlight up`` or a trainer left
-    running under ``settings.state_dir``, found as ``eventlight replay`` finds it (``find_nats``:
-    nothing is started).
-
-    Raises:
-        ServiceUnavailableError: No URL is set and no embedded server runs, or the server found
-            does not answer.
-    """
-    if settings.nats_url:
-        return settings.nats_url
-    from eventlight.ops.discovery import find_nats
-
-    found = await find_nats(settings)
-    if found is None:
-        raise ServiceUnavailableError(
-            "NATS",
-            f"settings.nats_url (EVENTLIGHT_NATS_URL) is not set and no eventlight servers are running "
-            f"(state folder {settings.state_dir}): run `eventlight up`, or set EVENTLIGHT_NATS_URL",
-        )
-    return found.url
-
-
-async def _need_stream(nc: Any, url: str, settings: Settings) -> None:
-    """Refuse a namespace without a stream on the server (a typo, or ``eventlight up -N`` not run).
-
-    Raises:
-        InvalidInputError: It has none.
-        ServiceUnavailableError: NATS did not answer.
-    """
-    from eventlight.net import redact
-    from eventlight.store.jetstream.nats_errors import JsNotFoundError, nats_errors
-
-    with nats_errors(redact(url), "stream info"):
-        try:
-            await nc.jetstream().stream_info(settings.stream_name)
-        except JsNotFoundError:
-            raise InvalidInputError(
-                f"namespace {settings.namespace!r} has no stream {settings.stream_name} on {redact(url)}: "
-                f"run `eventlight up -N {settings.namespace}`, or check the namespace"
-            ) from None
-
-
 class _open_log:  # noqa: N801 - used as a context manager
-    """The event log of a source: a ``Settings`` (connects to its NATS, ``nats_url_of``, and closes
+    """The event log of a source: a ``Settings`` (its own NATS connection, ``servers.log_of``, closed
     after), an event log, or a started store (its log)."""
 
     def __init__(self, source: Any):
         self.source = source
-        self.nc: Any = None
+        self.exits = contextlib.AsyncExitStack()
 
     async def __aenter__(self) -> EventLog:
         if isinstance(self.source, Settings):
-            from eventlight.store.jetstream.connect import connect_nats
-            from eventlight.store.jetstream.log import JetStreamEventLog
+            from eventlight.logreplay.servers import log_of
 
-            url = await nats_url_of(self.source)
-            self.nc = await connect_nats(url, auth=self.source.nats_auth, name="eventlight-replay")
-            try:
-                await _need_stream(self.nc, url, self.source)
-            except BaseException:
-                await self.nc.close()
-                raise
-            return JetStreamEventLog(self.nc, self.source, clock=None)  # type: ignore[return-value]
+            return await self.exits.enter_async_context(log_of(self.source, "eventlight-replay"))  # type: ignore[no-any-return]
         log_ = getattr(self.source, "log", self.source)
         if not hasattr(log_, "scan"):
             raise InvalidInputError(
@@ -434,8 +384,7 @@ class _open_log:  # noqa: N801 - used as a context manager
         return log_  # type: ignore[no-any-return]
 
     async def __aexit__(self, *exc: object) -> None:
-        if self.nc is not None:
-            await self.nc.close()
+        await self.exits.aclose()
 
 
 def replay(

@@ -110,25 +110,30 @@ async def export_log(settings: Settings, out: Path, since: int, until: int | Non
 
     Every entry is written as stored; those that are not eventlight events are counted too.
 
+    Args:
+        settings: The namespace, on ``settings.nats_url``, else on the embedded servers under
+            ``settings.state_dir`` (``eventlight.logreplay.servers``: as ``eventlight export``
+            finds them; none is started).
+        out: The file to write (JSON lines).
+        since, until: Log positions: entries after ``since`` up to ``until``.
+
     Returns:
         The entries written, the first and last positions, and the positions of non-events.
 
     Raises:
         ServiceUnavailableError: NATS cannot be reached or fails midway (``out`` is then left as
-            it was: the file is written beside it and renamed over it once whole).
+            it was: the file is written beside it and renamed over it once whole), or no URL is
+            set and no embedded server runs.
+        InvalidInputError: The namespace has no stream.
         OSError: ``out``'s folder cannot be written.
     """
     from eventlight.logreplay.files import replacing
-    from eventlight.store.jetstream.connect import connect_nats
-    from eventlight.store.jetstream.log import JetStreamEventLog
+    from eventlight.logreplay.servers import log_of
 
-    assert settings.nats_url is not None
-    nc = await connect_nats(settings.nats_url, auth=settings.nats_auth, name="eventlight-export")
     n, first, last = 0, 0, 0
     non_events: list[int] = []
     aggregates: set[str] = set()  # the rollout aggregates of the slice
-    try:
-        log_ = JetStreamEventLog(nc, settings, None)
+    async with log_of(settings, "eventlight-export") as log_:
         head = await log_.head_seq()
         until = head if until is None else min(until, head)
         header = {"eventlight_export": FORMAT, "namespace": settings.namespace, "since": since, "until": until}
@@ -149,8 +154,6 @@ async def export_log(settings: Settings, out: Path, since: int, until: int | Non
             before = await _before(log_, sorted(aggregates), since) if aggregates else {}
             trailer: dict[str, Any] = {ENTRIES: n, BEFORE: before} if before else {ENTRIES: n}
             f.write(_enc.encode(trailer) + b"\n")  # last: a file without it was cut short
-    finally:
-        await nc.close()
     return ExportReport(n, first, last, non_events)
 
 
@@ -306,7 +309,8 @@ async def import_log(settings: Settings, path: Path, *, skip_non_events: bool = 
     """Append an export file's entries to the namespace's log, skipping those it holds.
 
     Args:
-        settings: The target namespace, with ``nats_url`` set.
+        settings: The target namespace, on ``settings.nats_url``, else on the embedded servers
+            under ``settings.state_dir`` (as ``export_log`` finds them).
         path: A file ``eventlight export`` wrote.
         skip_non_events: Leave out (and count) entries that are not eventlight events instead of
             refusing the file.
@@ -314,20 +318,17 @@ async def import_log(settings: Settings, path: Path, *, skip_non_events: bool = 
     Raises:
         InvalidInputError: Not an export file, an entry that is not an event on its subject, or
             entries of a rollout that would not fold to the source's history in the namespace
-            (``_refuse_out_of_order``); nothing is appended then.
-        ServiceUnavailableError: NATS cannot be reached or refused an append.
+            (``_refuse_out_of_order``); nothing is appended then. The namespace has no stream.
+        ServiceUnavailableError: NATS cannot be reached or refused an append, or no URL is set
+            and no embedded server runs.
     """
-    from eventlight.store.jetstream.connect import connect_nats
-    from eventlight.store.jetstream.log import JetStreamEventLog
+    from eventlight.logreplay.servers import log_of
     from eventlight.store.jetstream.nats_errors import nats_errors
 
     header, entries, left_out = read_export(path, skip_non_events=skip_non_events)
     source = str(header.get("namespace", ""))
     report = ImportReport(skipped=[e.seq for e in left_out])
-    assert settings.nats_url is not None
-    nc = await connect_nats(settings.nats_url, auth=settings.nats_auth, name="eventlight-import")
-    try:
-        log_ = JetStreamEventLog(nc, settings, None)
+    async with log_of(settings, "eventlight-import") as log_:
         todo = await _plan(log_, path, entries, header)
         report.present = len(entries) - len(todo)
         for e, data, digest in todo:
@@ -339,8 +340,6 @@ async def import_log(settings: Settings, path: Path, *, skip_non_events: bool = 
                 report.present += 1
             else:
                 report.appended += 1
-    finally:
-        await nc.close()
     return report
 
 

@@ -1,0 +1,112 @@
+"""The read models against the log, for ``eventlight sql`` and ``eventlight import``.
+
+``warn_if_behind``: one ``warning:`` line when the namespace's projection is behind its log (one
+stream-info request and the checkpoint row; nothing printed when it is caught up).
+``project_to_head``: bring the read models up to the log's head, with a progress bar
+(``eventlight.logreplay.catchup``), as ``eventlight import`` and ``eventlight sql --catch-up`` do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from rich.markup import escape
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from eventlight.cli.common import CliError, err
+from eventlight.settings import Settings
+
+LAG_CHECK_S = 3.0
+"""Seconds ``warn_if_behind`` waits for NATS before it says the lag is unknown (the query runs anyway)."""
+
+WHAT_PROJECTS = "a trainer, `eventlight serve` or another store with Postgres"
+"""What projects a namespace while it has it open."""
+
+
+async def log_head(settings: Settings) -> int | None:
+    """The namespace's last log position (its stream's last sequence), found as ``status`` finds NATS.
+
+    Returns:
+        ``None`` when no NATS is configured or recorded, or the namespace has no stream.
+
+    Raises:
+        ServiceUnavailableError: The configured or recorded server does not answer.
+        InvalidInputError: ``EVENTLIGHT_NATS_URL`` names no server.
+    """
+    from eventlight.cli.status import _stream_state
+    from eventlight.ops.discovery import find_nats
+
+    found = await find_nats(settings)
+    if found is None:
+        return None
+    state = await _stream_state(found.url, settings)
+    return None if state is None else state[1]
+
+
+async def warn_if_behind(settings: Settings, conn: Any) -> None:
+    """Print one warning when the projection (``projector_checkpoint``, read on ``conn``, a
+    connection to the namespace's schema) is behind the log's head, saying by how many events and
+    what brings it up to date; or, when NATS does not answer, that the lag is unknown. Never raises
+    for the check: a query needs only Postgres. The head is read first, so a projector running
+    meanwhile is not counted behind."""
+    import asyncpg
+
+    from eventlight.core.errors import EventlightError
+
+    try:
+        head = await asyncio.wait_for(log_head(settings), LAG_CHECK_S)
+        if head is None:
+            return
+        projected = int(await conn.fetchval("SELECT min(last_seq) FROM projector_checkpoint") or 0)
+    except (EventlightError, OSError, TimeoutError, asyncpg.PostgresError) as e:
+        why = str(e) or f"NATS did not answer within {LAG_CHECK_S:g} s"
+        err.print(f"[yellow]warning:[/yellow] whether the read models are behind the log is unknown: {escape(why)}")
+        return
+    if projected < head:
+        err.print(
+            f"[yellow]warning:[/yellow] the read models are {head - projected} events behind the log (projected "
+            f"up to event {projected} of {head}), so this result may be stale: `eventlight sql --catch-up` "
+            f"projects up to the head first (they also catch up while {WHAT_PROJECTS} has the namespace open)"
+        )
+
+
+async def project_to_head(settings: Settings, pg_dsn: str) -> int | None:
+    """Project the namespace up to its log's head (``logreplay.catchup``) with a progress bar on
+    stderr.
+
+    Returns:
+        The head reached; ``None`` when the read models could not be brought up to date, which is
+        told in one warning line, not raised (what uses them still runs, on what is projected).
+    """
+    from eventlight.core.errors import EventlightError
+    from eventlight.logreplay.catchup import STALLED_S, catch_up
+
+    try:
+        with _progress() as bar:
+            task = bar.add_task("projecting", total=None, done=0, head=0)
+            checkpoint, head = await catch_up(
+                settings, pg_dsn, on_progress=lambda done, head: bar.update(task, done=done, head=head, total=head)
+            )
+    except (EventlightError, CliError) as e:
+        err.print(f"[yellow]warning:[/yellow] the read models were not brought up to date: {escape(str(e))}")
+        return None
+    if checkpoint < head:
+        err.print(
+            f"[yellow]warning:[/yellow] the read models are {head - checkpoint} events behind the log "
+            f"(projected up to {checkpoint} of {head}, no progress for {STALLED_S:.0f} s): "
+            f"they catch up while {WHAT_PROJECTS} has the namespace open"
+        )
+        return None
+    return head
+
+
+def _progress() -> Progress:
+    return Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.fields[done]:>10,} of {task.fields[head]:,} log positions"),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+    )
