@@ -228,7 +228,12 @@ async def test_kill9_of_a_projector_process_rebalances_without_loss(namespace: S
         try:
             await until_held(dsn, schema, 4, [2, 2])
             work = asyncio.create_task(fault_workload(writer, ledger, n=300, spans=10, limit_s=90))
-            await asyncio.sleep(1.0)  # mid-run: batches are being applied
+            # mid-run: a fifth of the workload's 1,500 events written, batches being applied (a fixed
+            # sleep let a fast or a slow machine finish the workload before the kill)
+            t0 = time.monotonic()
+            while await stream_last_seq(writer) < 300:
+                assert not work.done() and time.monotonic() - t0 < 60, "the workload stopped early"
+                await asyncio.sleep(0.01)
             procs[0].send_signal(signal.SIGKILL)
             procs[0].wait(10)
             at_kill = await stream_last_seq(writer)
