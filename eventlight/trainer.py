@@ -444,6 +444,12 @@ class Trainer:
         if bad:
             log.warning("runner processes exited with codes %s", codes)
 
+    async def _on_cancel(self, algo: Algorithm, runners: RunnerPool | RunnerThreads) -> None:
+        """The run was cancelled: the algorithm starts nothing new (``Algorithm.request_stop``; ``GRPO``:
+        no update) while its runners stop, before it is cancelled."""
+        algo.request_stop()
+        await self._stop_runners(runners, cancelled=True)
+
     @staticmethod
     def _say_runners_stop_first(cancelled: bool, n: int, graceful_s: float) -> None:
         if cancelled:
@@ -486,7 +492,7 @@ class Trainer:
                 watched = proxy if self.check_llm else None
                 run = stop_when_llm_fails(algo.run(train_dataset=train, val_dataset=val), watched)
                 guarded = stop_when_runners_gone(run, store, runners, self.runner)
-                on_cancel = None if runners is None else functools.partial(self._stop_runners, runners, cancelled=True)
+                on_cancel = None if runners is None else functools.partial(self._on_cancel, algo, runners)
                 await stop_runners_first(guarded, on_cancel)
             else:
                 algo.run(train_dataset=train, val_dataset=val)

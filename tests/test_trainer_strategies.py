@@ -428,6 +428,7 @@ class ServesItsModel(agl.Algorithm):
         super().__init__()
         self.delay_s = delay_s
         self.llm: Any = None
+        self.stop_asked_at_end: bool | None = None
 
     async def run(self, train_dataset: Any = None, val_dataset: Any = None) -> None:
         from llm_stub import Reply, ScriptedLLM
@@ -442,7 +443,10 @@ class ServesItsModel(agl.Algorithm):
             made = await store.enqueue_many_rollouts(
                 [agl.EnqueueRolloutRequest(input=t, resources_id="r1") for t in train_dataset]
             )
-            await store.wait_for_rollouts(rollout_ids=[r.rollout_id for r in made], timeout=600)
+            try:
+                await store.wait_for_rollouts(rollout_ids=[r.rollout_id for r in made], timeout=600)
+            finally:  # cancelled, or its rollouts ended (recorded failed by the runners' stop)
+                self.stop_asked_at_end = self.stop_requested
 
 
 async def test_a_cancelled_run_stops_its_runners_before_the_model_they_call(
@@ -476,6 +480,7 @@ async def test_a_cancelled_run_stops_its_runners_before_the_model_they_call(
         attempts = await store.query_attempts(rollout.rollout_id)
     assert [(a.status, a.metadata.get(STATUS_REASON)) for a in attempts] == [("failed", SIGTERM_REASON)]
     assert any("stopping its 1 runner(s) first" in r.getMessage() for r in caplog.records), caplog.text
+    assert algorithm.stop_asked_at_end  # asked before its end: it could start nothing new meanwhile
 
 
 def test_ctrl_c_on_a_shm_run_stops_its_runner_threads_before_the_model_they_call(
@@ -521,6 +526,7 @@ def test_ctrl_c_on_a_shm_run_stops_its_runner_threads_before_the_model_they_call
     assert [(a.status, a.metadata.get(STATUS_REASON)) for a in attempts] == [("failed", THREAD_STOP_REASON)]
     assert [r.status for r in asyncio.run(store.query_rollouts(status_in=["cancelled"]))] == ["cancelled"]
     assert any("stopping its 1 runner(s) first" in r.getMessage() for r in caplog.records), caplog.text
+    assert algorithm.stop_asked_at_end
     ours = [r for r in caplog.records if r.name.startswith("eventlight") and r.levelno >= logging.ERROR]
     assert not ours, caplog.text  # no "stopping the run: ... runner threads have stopped" either
 
