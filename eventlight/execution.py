@@ -118,8 +118,12 @@ class SharedMemoryExecutionStrategy(ExecutionStrategy):
         n_runners: Runner threads (a whole number >= 1).
         main_thread: Validated as in 0.3.0 (``"runner"`` needs ``n_runners == 1``); eventlight runs
             the algorithm on the main thread either way.
-        join_timeout: Seconds to wait for each runner thread after the stop.
-        graceful_delay, poll_interval: Accepted; runners stop within one poll of the stop event.
+        join_timeout: Seconds to wait for the runner threads to end once their attempts in flight
+            were cancelled.
+        graceful_delay: Seconds the attempts in flight get to finish once the runner threads are
+            stopped (they take no new rollout) before they are cancelled and recorded ``failed``,
+            as 0.3.0 cancels its bundles then (default 5).
+        poll_interval: Accepted; runners stop within one poll of the stop event.
         managed_store: Wrap the store in ``LightningStoreThreaded`` (default ``AGL_MANAGED_STORE``,
             else true); false shares the given store across threads as it is.
 

@@ -24,8 +24,9 @@ Under the default strategy (``"cs"``, ``ClientServerExecutionStrategy``, role ``
 
 Role ``"algorithm"`` (``AGL_CURRENT_ROLE=algorithm``) skips step 2, role ``"runner"`` does only
 steps 1–2 and waits; ``"shm"`` runs runner threads on one store in this process instead
-(``eventlight.trainer_strategies``). ``dev`` is ``fit`` with a ``FastAlgorithm`` (``Baseline`` by
-default), as in 0.3.0.
+(``eventlight.trainer_strategies``), stopped in the same order: before the LLM proxy, and on Ctrl+C
+before the algorithm (their attempts in flight get ``graceful_delay``). ``dev`` is ``fit`` with a
+``FastAlgorithm`` (``Baseline`` by default), as in 0.3.0.
 """
 
 from __future__ import annotations
@@ -284,7 +285,7 @@ class Trainer:
         agent.set_trainer(self)
         store = shared_store(strategy, self.store)
         threads = RunnerThreads(strategy.n_runners, self.runner, agent, self.hooks, store)
-        algorithm = self._run_algorithm(store, train, val, algo, threads) if algo is not None else None
+        algorithm = self._run_beside_threads(store, train, val, algo, threads) if algo is not None else None
         started = time.time()
         try:
             run_shared_memory(strategy, threads, algorithm)
@@ -296,6 +297,14 @@ class Trainer:
         finally:
             if store is not self.store:  # the wrapper (and its loop's thread) lasts one run
                 run_event_loop(store.close())
+
+    async def _run_beside_threads(
+        self, store: Any, train: Any, val: Any, algo: Algorithm, threads: RunnerThreads
+    ) -> None:
+        """``"shm"``'s algorithm: ``_run_algorithm``, with a second Ctrl+C while the threads stop
+        cutting their grace short (``ctrl_c_again_hurries``; inside the event loop, over its handler)."""
+        with ctrl_c_again_hurries(threads):
+            await self._run_algorithm(store, train, val, algo, threads)
 
     async def fit_async(self, agent: LitAgent[Any], train_dataset: Any = None, *, val_dataset: Any = None) -> None:
         """``fit`` for callers that already run an event loop (strategy ``"cs"`` only).
@@ -416,22 +425,39 @@ class Trainer:
             if pool is not None:
                 await self._stop_runners(pool)
 
-    async def _stop_runners(self, pool: RunnerPool, *, cancelled: bool = False) -> None:
-        """Stop ``pool`` with the strategy's ``graceful_timeout`` (nothing when it is stopped);
-        ``cancelled``: the run was cancelled (Ctrl+C), which a warning line says."""
-        if pool.stopped:
+    async def _stop_runners(self, runners: RunnerPool | RunnerThreads, *, cancelled: bool = False) -> None:
+        """Stop ``runners`` (nothing when they are stopped): processes with the strategy's
+        ``graceful_timeout``, threads with its ``graceful_delay`` and ``join_timeout``; ``cancelled``:
+        the run was cancelled (Ctrl+C), which a warning line says."""
+        if runners.stopped:
+            return
+        if isinstance(runners, RunnerThreads):
+            strategy = self.strategy
+            assert isinstance(strategy, SharedMemoryExecutionStrategy)
+            self._say_runners_stop_first(cancelled, len(runners.threads), strategy.graceful_delay)
+            await asyncio.to_thread(runners.stop, strategy.graceful_delay, strategy.join_timeout)
             return
         graceful_s = self._cs().graceful_timeout
+        self._say_runners_stop_first(cancelled, runners.n_runners, graceful_s)
+        codes = await asyncio.to_thread(runners.stop, graceful_s)
+        bad = [c for c in codes if c not in (0, None, -signal.SIGTERM)]
+        if bad:
+            log.warning("runner processes exited with codes %s", codes)
+
+    async def _on_cancel(self, algo: Algorithm, runners: RunnerPool | RunnerThreads) -> None:
+        """The run was cancelled: the algorithm starts nothing new (``Algorithm.request_stop``; ``GRPO``:
+        no update) while its runners stop, before it is cancelled."""
+        algo.request_stop()
+        await self._stop_runners(runners, cancelled=True)
+
+    @staticmethod
+    def _say_runners_stop_first(cancelled: bool, n: int, graceful_s: float) -> None:
         if cancelled:
             log.warning(
                 "the run was cancelled (Ctrl+C?): stopping its %d runner(s) first; attempts in flight get "
                 "%.0f s to finish, then are recorded failed (Ctrl+C again: at once)",
-                pool.n_runners, graceful_s,
+                n, graceful_s,
             )  # fmt: skip
-        codes = await asyncio.to_thread(pool.stop, graceful_s)
-        bad = [c for c in codes if c not in (0, None, -signal.SIGTERM)]
-        if bad:
-            log.warning("runner processes exited with codes %s", codes)
 
     async def _run_algorithm(
         self,
@@ -458,7 +484,6 @@ class Trainer:
             proxy.set_store(store)
             algo.set_llm_proxy(proxy)
             await proxy.start()
-        pool = runners if isinstance(runners, RunnerPool) else None
         try:
             if proxy is not None and self.check_llm:
                 await proxy.check()
@@ -467,12 +492,12 @@ class Trainer:
                 watched = proxy if self.check_llm else None
                 run = stop_when_llm_fails(algo.run(train_dataset=train, val_dataset=val), watched)
                 guarded = stop_when_runners_gone(run, store, runners, self.runner)
-                on_cancel = None if pool is None else functools.partial(self._stop_runners, pool, cancelled=True)
+                on_cancel = None if runners is None else functools.partial(self._on_cancel, algo, runners)
                 await stop_runners_first(guarded, on_cancel)
             else:
                 algo.run(train_dataset=train, val_dataset=val)
         finally:
-            if pool is not None:  # their agents call the proxy: they stop before it
-                await self._stop_runners(pool)
+            if runners is not None:  # their agents call the proxy: they stop before it
+                await self._stop_runners(runners)
             if proxy is not None:
                 await proxy.stop()

@@ -1,8 +1,8 @@
 """What stops a training run early: its runners gone while rollouts wait (``NoRunnersError``), or
 most calls through its LLM proxy failing (``LLMUnavailableError``). ``Trainer`` wraps the
 algorithm's run in both, for its runner processes (``"cs"``) and its runner threads (``"shm"``);
-when the run is cancelled (Ctrl+C), ``stop_runners_first`` stops its runner processes before the
-algorithm, whose servers their agents call, and ``ctrl_c_again_hurries`` makes a second Ctrl+C cut
+when the run is cancelled (Ctrl+C), ``stop_runners_first`` stops its runner processes or threads
+before the algorithm, whose servers their agents call, and ``ctrl_c_again_hurries`` makes a second Ctrl+C cut
 their grace short rather than break into the event loop.
 Before it starts runner processes, ``refuse_unguarded_main`` stops a run that each of them would
 start again; ``refuse_running_loop`` stops a ``fit`` called on a running event loop."""
@@ -87,14 +87,14 @@ async def _pool_gone(store: Any, pool: RunnerPool, live_s: float) -> str:
     await asyncio.sleep(live_s)
     while True:
         message = await waiting_without_workers(store, live_s=live_s)
-        if message is not None and pool.alive() < len(pool.procs):
+        if message is not None and pool.alive() < len(pool.procs) and not pool.stopping:  # not stopped on purpose
             return f"{message} ({pool.alive()} of {len(pool.procs)} runner processes up, {pool.restarts} restarts)"
         await asyncio.sleep(RUNNERS_CHECK_S)
 
 
 async def _threads_gone(store: Any, threads: RunnerThreads) -> str:
     while True:
-        if threads.alive() == 0:
+        if threads.alive() == 0 and not threads.stopping:  # not stopped on purpose (Ctrl+C)
             waiting = (await store.query_rollouts(status_in=list(QUEUED_STATUSES), limit=1)).total
             if waiting > 0:
                 now = time.time()
@@ -168,7 +168,8 @@ async def stop_runners_first(run: Coroutine[Any, Any, Any], stop_runners: Callab
     failed, and their attempts were recorded failed with the agents' connection errors (and 500s),
     as if the model had failed. Stopped first, the runners give their attempts in flight the grace
     while the model still answers, and record the rest with the stop's reason
-    (``eventlight.runner_pool.SIGTERM_REASON``). ``stop_runners`` ``None``: ``run`` alone.
+    (``eventlight.runner_pool.SIGTERM_REASON``; ``"shm"``'s threads:
+    ``eventlight.trainer_strategies.THREAD_STOP_REASON``). ``stop_runners`` ``None``: ``run`` alone.
 
     Raises:
         asyncio.CancelledError: After ``stop_runners()`` and ``run``'s own cancellation ended.
@@ -191,10 +192,11 @@ async def stop_runners_first(run: Coroutine[Any, Any, Any], stop_runners: Callab
 
 
 @contextlib.contextmanager
-def ctrl_c_again_hurries(pool: RunnerPool | None) -> Iterator[None]:
-    """While the block runs: a Ctrl+C (SIGINT) once ``pool`` is stopping calls ``pool.hurry()`` (its
-    attempts in flight are recorded failed at once) instead of the handler in place; before that,
-    that handler acts (``asyncio.run``'s cancels the run, whose stop then begins with the runners).
+def ctrl_c_again_hurries(pool: RunnerPool | RunnerThreads | None) -> Iterator[None]:
+    """While the block runs: a Ctrl+C (SIGINT) once ``pool`` (runner processes or ``"shm"``'s
+    threads) is stopping calls ``pool.hurry()`` (its attempts in flight are recorded failed at once)
+    instead of the handler in place; before that, that handler acts (``asyncio.run``'s cancels the
+    run, whose stop then begins with the runners).
 
     ``asyncio.run`` raises ``KeyboardInterrupt`` into its event loop on a second Ctrl+C, and its
     shutdown then cut every task short, each printing a traceback (thousands of lines of them in

@@ -12,6 +12,8 @@
   ``EVENTLIGHT_NAMESPACE``), on one machine or several;
 * ``SharedMemoryExecutionStrategy``: ``run_shared_memory`` runs the algorithm on this thread and
   ``n_runners`` runner threads (``RunnerThreads``), each with its own event loop, on one store.
+  Stopped, they take no new rollout, their attempts in flight get ``graceful_delay`` seconds (as in
+  0.3.0), then are cancelled and recorded ``failed`` (``THREAD_STOP_REASON``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import copy
 import logging
 import signal
 import threading
+import time
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
@@ -42,6 +45,7 @@ from eventlight.tracer import OtelTracer
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "THREAD_STOP_REASON",
     "RunnerThreads",
     "resolve_strategy",
     "run_event_loop",
@@ -52,6 +56,9 @@ __all__ = [
 ]
 
 POOL_CHECK_S = 0.5
+THREAD_STOP_REASON = "the runner thread stopped (its run ended) while the attempt ran"
+"""The ``eventlight.status_reason`` of an attempt a ``"shm"`` runner thread was still running at the
+end of its stop's grace (``RunnerThreads.stop``)."""
 
 
 def resolve_strategy(spec: Any, *, n_runners: int, port: int | None = None) -> ExecutionStrategy:
@@ -175,16 +182,28 @@ class RunnerThreads:
             for i in range(n)
         ]
         self.worker_ids = frozenset(worker_name(i) for i in range(n))
+        self._running: dict[int, tuple[LitAgentRunner, asyncio.AbstractEventLoop, asyncio.Task[Any]]] = {}
+        self._hurried = threading.Event()  # hurry(): the grace of a stop under way ends now
+        self._stop_lock = threading.Lock()  # one stop at a time; a later one finds it done
+        self._stopped = False
 
     def _run(self, agent: LitAgent[Any], hooks: Sequence[Hook], store: Any, index: int) -> None:
         runner = _runner_copy(self.template, index)
 
         async def main() -> None:
-            with runner.run_context(agent=agent, store=store, hooks=hooks, worker_id=index):
-                await runner.iter(event=self.stop_event)
+            task = asyncio.current_task()
+            assert task is not None
+            self._running[index] = (runner, asyncio.get_running_loop(), task)
+            try:
+                with runner.run_context(agent=agent, store=store, hooks=hooks, worker_id=index):
+                    await runner.iter(event=self.stop_event)
+            finally:
+                self._running.pop(index, None)
 
         try:
             run_event_loop(main())
+        except asyncio.CancelledError:  # cut by stop(): the runner recorded its attempt failed
+            pass
         except Exception:
             log.exception("runner thread %d failed", index)
 
@@ -197,18 +216,61 @@ class RunnerThreads:
         """Threads still running (one that stopped, at its ``max_rollouts`` or on an error, is gone for good)."""
         return sum(t.is_alive() for t in self.threads)
 
+    @property
+    def stopping(self) -> bool:
+        """Whether ``stop`` has been called (it may still wait for the threads)."""
+        return self.stop_event.is_set()
+
+    @property
+    def stopped(self) -> bool:
+        """Whether ``stop`` has ended."""
+        return self._stopped
+
     def join(self) -> None:
         """Wait until every thread stopped on its own."""
         for t in self.threads:
             t.join()
 
-    def stop(self, join_timeout_s: float) -> None:
-        """Tell the threads to stop and wait up to ``join_timeout_s`` for each."""
+    def hurry(self) -> None:
+        """End the grace of a ``stop`` under way now: the attempts in flight are cancelled and recorded
+        ``failed`` at once. Nothing before ``stop`` or after it; safe from a signal handler (a second
+        Ctrl+C) while ``stop`` runs in another thread."""
+        if self.stopping and not self._stopped and not self._hurried.is_set():
+            log.warning("stopping the runner threads now: their attempts in flight are recorded failed")
+            self._hurried.set()
+
+    def stop(self, graceful_s: float, join_timeout_s: float) -> None:
+        """Stop the threads: no new rollout from now on; the attempts in flight get ``graceful_s``
+        seconds to finish (``hurry`` ends that at once), then those still running are cancelled and
+        recorded ``failed`` (``THREAD_STOP_REASON``); then wait up to ``join_timeout_s`` in all for
+        the threads to end (a warning names one that does not: an agent blocking its event loop).
+        Idempotent: a later call (or one from another thread meanwhile) waits for the first to end."""
+        with self._stop_lock:
+            if not self._stopped:
+                self._stop(graceful_s, join_timeout_s)
+                self._stopped = True
+
+    def _stop(self, graceful_s: float, join_timeout_s: float) -> None:
         self.stop_event.set()
+        deadline = time.monotonic() + graceful_s
+        while self.alive() and time.monotonic() < deadline:
+            if self._hurried.wait(min(0.05, max(0.0, deadline - time.monotonic()))):
+                break
+        running = [(i, *self._running[i]) for i in sorted(self._running) if self.threads[i].is_alive()]
+        if running:
+            log.info(
+                "runner thread(s) %s still ran an attempt %.0f s after the stop: recording it failed",
+                ", ".join(str(i) for i, *_ in running), graceful_s,
+            )  # fmt: skip
+        for _, runner, loop, task in running:
+            runner.cancel_reason = THREAD_STOP_REASON
+            with contextlib.suppress(RuntimeError):  # its loop closed meanwhile: the thread ended
+                loop.call_soon_threadsafe(task.cancel)
+        deadline = time.monotonic() + join_timeout_s
         for t in self.threads:
-            t.join(timeout=join_timeout_s)
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
             if t.is_alive():
-                log.warning("runner thread %s still running %.0f s after the stop", t.name, join_timeout_s)
+                log.warning("runner thread %s still running %.0f s after its stop", t.name, graceful_s + join_timeout_s)
 
 
 def run_shared_memory(
@@ -218,7 +280,8 @@ def run_shared_memory(
 
     ``algorithm`` is a coroutine function's call on the store the threads share (``None``: the
     runners work until each finished ``max_rollouts``, or Ctrl+C). When it ends, or fails, the
-    threads are stopped and joined (``strategy.join_timeout`` each).
+    threads are stopped (``RunnerThreads.stop``: ``strategy.graceful_delay``, then
+    ``strategy.join_timeout``) unless ``algorithm`` stopped them already.
     """
     threads.start()
     try:
@@ -229,7 +292,7 @@ def run_shared_memory(
     finally:
         if algorithm is not None:
             algorithm.close()  # never awaited if the loop failed to start: no warning
-        threads.stop(strategy.join_timeout)
+        threads.stop(strategy.graceful_delay, strategy.join_timeout)
 
 
 def shared_store(strategy: SharedMemoryExecutionStrategy, store: Any) -> Any:

@@ -238,6 +238,48 @@ async def test_empty_steps_are_counted_then_stop_the_run(monkeypatch) -> None:
     assert all(torch.equal(v, weights[k]) for k, v in grpo.policy.model.state_dict().items())
 
 
+async def test_a_run_asked_to_stop_starts_no_update_from_the_rollouts_it_waited_for(monkeypatch) -> None:
+    """Ctrl+C: the trainer stops its runners first while GRPO goes on serving their model; when the
+    step's rollouts all ended meanwhile (finished in the grace, or recorded failed by the stop),
+    GRPO started the update, on its own thread, which the cancel that came next could not stop: the
+    process took up to one update longer to exit, and wrote a checkpoint from cut rollouts. Asked to
+    stop (``request_stop``), it returns before the update instead."""
+    grpo = GRPO(GRPOConfig(steps=3, batch_size=2, group_size=2, eval_every=1), policy=tiny_policy())
+    grpo.set_store(agl.InMemoryLightningStore())
+    published: list[int] = []
+    updates: list[int] = []
+    evaluations: list[int] = []
+
+    async def publish(step: int) -> str:
+        published.append(step)
+        return grpo.version(step)
+
+    async def enqueue(tasks, val, version):
+        return [f"{version}-{i}" for i in range(len(tasks) * 2)], [f"{version}-val"]
+
+    async def wait(ids, step):  # the run was cancelled while its rollouts ran: the trainer asks it to stop
+        grpo.request_stop()
+        return {i: Rollout(rollout_id=i, input={}, start_time=0.0, status="succeeded") for i in ids}
+
+    async def train(step, *args, **kwargs):
+        updates.append(step)
+        return True
+
+    async def report_eval(step, *args):
+        evaluations.append(step)
+
+    monkeypatch.setattr(grpo, "_publish", publish)
+    monkeypatch.setattr(grpo, "_enqueue", enqueue)
+    monkeypatch.setattr(grpo, "_wait", wait)
+    monkeypatch.setattr(grpo, "_train", train)
+    monkeypatch.setattr(grpo, "_report_eval", report_eval)
+    await asyncio.wait_for(grpo._loop([{"q": "1"}, {"q": "2"}], [{"q": "v"}], 0), 10)
+    assert updates == [] and published == [0]  # no update, no next step
+    assert evaluations == []  # nor an evaluation of rollouts the stop may have cut
+    grpo.set_trainer(agl.Trainer())  # the next run starts afresh
+    assert not grpo.stop_requested
+
+
 async def test_a_long_wait_for_rollouts_reports_progress(monkeypatch) -> None:
     """The demo printed nothing for 7 minutes while its first step's rollouts ran (a fresh user took
     it for hung): while a step waits, a ``rollouts`` event says how many have finished."""

@@ -716,6 +716,60 @@ async def test_stop_cutting_a_call_short_records_it_as_an_error_span(monkeypatch
         assert span.attributes["gen_ai.prompt.0.content"] == "hi"
 
 
+async def test_stop_under_calls_in_flight_answers_each_503_without_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The proxy stopped under calls still waiting for their model (runners on other machines, a
+    trainer of role ``algorithm``, ``proxy.stop()`` called directly): uvicorn cancelled each after its
+    grace, logged "Exception in ASGI application" with a traceback per call and answered a plain-text
+    500. Each now answers 503 with OpenAI's error object (the Anthropic route: Anthropic's), one
+    warning line says how many were cut, and each call's span is still recorded as cancelled."""
+    import eventlight.llm_proxy.server as server_module
+
+    monkeypatch.setattr(server_module, "_SHUTDOWN_TIMEOUT_S", 1.0)
+    store = InMemoryLightningStore()
+    arrived: list[str] = []
+
+    def script(messages: list[dict[str, Any]], request: dict[str, Any]) -> Reply:
+        arrived.append(last_user(messages))
+        return Reply(content="late", delay_s=20)
+
+    n = 4
+    async with ScriptedLLM(responses=script) as url:
+        proxy = LLMProxy(model_list=model_list(url), store=store)
+        await proxy.start()
+        rollout = await store.start_rollout(input={})
+        base = proxy.as_resource().get_base_url(rollout.rollout_id, rollout.attempt.attempt_id)
+        body = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+        try:
+            async with httpx.AsyncClient(timeout=30) as http:
+                calls = [asyncio.create_task(http.post(f"{base}/chat/completions", json=body)) for _ in range(n)]
+                calls.append(asyncio.create_task(http.post(f"{base}/messages", json=body)))
+                while len(arrived) < n + 1:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+                t0 = asyncio.get_running_loop().time()
+                with caplog.at_level(logging.INFO):
+                    await proxy.stop()
+                    answers = await asyncio.wait_for(asyncio.gather(*calls), 10)
+                    stop_s = asyncio.get_running_loop().time() - t0
+                    logged = list(caplog.records)  # the stub's own stop, later, cuts its sleeping handlers
+        finally:
+            await proxy.stop()
+    assert [a.status_code for a in answers] == [503] * (n + 1)
+    error = answers[0].json()["error"]
+    assert error["type"] == "server_stopping" and "stopped" in error["message"], error
+    assert answers[-1].json()["type"] == "error"  # the Anthropic route answers in Anthropic's shape
+    assert stop_s < 5, stop_s  # the grace, not uvicorn's own timeout on top
+    lines = [f"{r.levelname} {r.name}: {r.getMessage()}" for r in logged]
+    assert not [r for r in logged if r.exc_info or r.levelno >= logging.ERROR], lines
+    cut = [line for line in lines if "503" in line]
+    assert len(cut) == 1 and f"{n + 1} call(s)" in cut[0], lines
+    spans = await spans_of(store, rollout.rollout_id)
+    assert len(spans) == n + 1
+    assert all(s.status.status_code == "ERROR" and s.attributes["error.type"] == "Cancelled" for s in spans)
+    assert all(s.attributes["http.status_code"] == 503 for s in spans)
+
+
 async def test_lifecycle_stop_is_idempotent_and_restart_keeps_the_port() -> None:
     store = InMemoryLightningStore()
     async with ScriptedLLM(responses="hi") as url:

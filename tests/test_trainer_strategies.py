@@ -428,6 +428,7 @@ class ServesItsModel(agl.Algorithm):
         super().__init__()
         self.delay_s = delay_s
         self.llm: Any = None
+        self.stop_asked_at_end: bool | None = None
 
     async def run(self, train_dataset: Any = None, val_dataset: Any = None) -> None:
         from llm_stub import Reply, ScriptedLLM
@@ -442,7 +443,10 @@ class ServesItsModel(agl.Algorithm):
             made = await store.enqueue_many_rollouts(
                 [agl.EnqueueRolloutRequest(input=t, resources_id="r1") for t in train_dataset]
             )
-            await store.wait_for_rollouts(rollout_ids=[r.rollout_id for r in made], timeout=600)
+            try:
+                await store.wait_for_rollouts(rollout_ids=[r.rollout_id for r in made], timeout=600)
+            finally:  # cancelled, or its rollouts ended (recorded failed by the runners' stop)
+                self.stop_asked_at_end = self.stop_requested
 
 
 async def test_a_cancelled_run_stops_its_runners_before_the_model_they_call(
@@ -476,6 +480,117 @@ async def test_a_cancelled_run_stops_its_runners_before_the_model_they_call(
         attempts = await store.query_attempts(rollout.rollout_id)
     assert [(a.status, a.metadata.get(STATUS_REASON)) for a in attempts] == [("failed", SIGTERM_REASON)]
     assert any("stopping its 1 runner(s) first" in r.getMessage() for r in caplog.records), caplog.text
+    assert algorithm.stop_asked_at_end  # asked before its end: it could start nothing new meanwhile
+
+
+def test_ctrl_c_on_a_shm_run_stops_its_runner_threads_before_the_model_they_call(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``"shm"``: on Ctrl+C the algorithm (whose server the agent calls) and the LLM proxy stopped
+    at once, and the runner threads only after the event loop had ended, so the agent's call in
+    flight failed and its attempt was recorded with the agent's error (``InternalServerError``), as
+    if the model had failed. The threads now stop first, as the runner processes of ``"cs"`` do:
+    their attempts get ``graceful_delay`` while the model still answers, then are recorded failed
+    with the stop's reason."""
+    import os
+    import signal
+
+    from eventlight.trainer_strategies import THREAD_STOP_REASON
+
+    store = agl.InMemoryLightningStore()
+    algorithm = ServesItsModel(delay_s=30)
+    trainer = agl.Trainer(
+        algorithm=algorithm,
+        strategy={"type": "shm", "n_runners": 1, "main_thread": "algorithm", "graceful_delay": 1.0},
+        llm_proxy=agl.LLMProxy(),
+        check_llm=False,
+        store=store,
+    )
+
+    def ctrl_c_once_the_call_reached_the_model() -> None:
+        deadline = time.monotonic() + 60
+        while (algorithm.llm is None or not algorithm.llm.requests) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # asyncio.run's handler goes over it
+    interrupter = threading.Thread(target=ctrl_c_once_the_call_reached_the_model, daemon=True)
+    interrupter.start()
+    t0 = time.monotonic()
+    with caplog.at_level(logging.INFO), pytest.raises(KeyboardInterrupt):
+        trainer.fit(asks_the_llm, [{"q": "2 + 2?"}, {"q": "3 + 3?"}])  # one runs, one waits
+    interrupter.join(5)
+    assert time.monotonic() - t0 < 25  # the grace, not the model's 30 s
+    [claimed] = asyncio.run(store.query_rollouts(status_in=["failed", "requeuing"]))
+    attempts = asyncio.run(store.query_attempts(claimed.rollout_id))
+    assert [(a.status, a.metadata.get(STATUS_REASON)) for a in attempts] == [("failed", THREAD_STOP_REASON)]
+    assert [r.status for r in asyncio.run(store.query_rollouts(status_in=["cancelled"]))] == ["cancelled"]
+    assert any("stopping its 1 runner(s) first" in r.getMessage() for r in caplog.records), caplog.text
+    assert algorithm.stop_asked_at_end
+    ours = [r for r in caplog.records if r.name.startswith("eventlight") and r.levelno >= logging.ERROR]
+    assert not ours, caplog.text  # no "stopping the run: ... runner threads have stopped" either
+
+
+async def test_runners_stopped_on_purpose_are_not_gone() -> None:
+    """The runner threads or processes a cancelled run stops first (rollouts still queued) are not
+    "gone": the guard would raise ``NoRunnersError`` into the run while its cancel waits for them."""
+    import types
+
+    from eventlight.trainer_guards import _pool_gone, _threads_gone
+
+    store = agl.InMemoryLightningStore()
+    await store.enqueue_rollout(input="waits")
+    threads: Any = types.SimpleNamespace(
+        alive=lambda: 0, stopping=True, worker_ids=frozenset(), threads=[None], template=agl.LitAgentRunner()
+    )
+    pool: Any = types.SimpleNamespace(alive=lambda: 0, procs=[None], restarts=0, stopping=True)
+    for gone in (_threads_gone(store, threads), _pool_gone(store, pool, 0.01)):
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(gone, 1.5)
+    threads.stopping = pool.stopping = False  # stopped on their own (max_rollouts, an error, dead): gone
+    assert "1 rollout(s) wait" in await asyncio.wait_for(_threads_gone(store, threads), 5)
+    assert "0 of 1 runner processes up" in await asyncio.wait_for(_pool_gone(store, pool, 0.01), 5)
+
+
+@agl.rollout
+async def sleeps_long(task: str, prompt_template: agl.PromptTemplate) -> float:
+    await asyncio.sleep(60)
+    return 1.0
+
+
+def test_hurry_cuts_the_grace_of_a_runner_threads_stop_short() -> None:
+    """A second Ctrl+C while ``"shm"``'s threads stop (``ctrl_c_again_hurries``) ends their grace at
+    once: the attempt in flight is recorded failed with the stop's reason, and ``stop`` is idempotent."""
+    from eventlight.store.threaded import LightningStoreThreaded
+    from eventlight.trainer_strategies import THREAD_STOP_REASON, RunnerThreads
+
+    store = LightningStoreThreaded(agl.InMemoryLightningStore())  # as "shm" shares it
+    runner = agl.LitAgentRunner(agl.OtelTracer(), poll_interval=0.05, heartbeat_interval=0)
+    threads = RunnerThreads(1, runner, sleeps_long, [], store)
+    threads.hurry()  # before the stop: nothing
+    asyncio.run(store.add_resources({"prompt_template": PROMPT}))
+    rollout = asyncio.run(store.enqueue_rollout(input="t"))
+    threads.start()
+    try:
+        deadline = time.monotonic() + 30
+        while asyncio.run(store.query_rollouts(status_in=["preparing", "running"])).total == 0:
+            assert time.monotonic() < deadline and threads.alive()
+            time.sleep(0.05)
+        stopping = threading.Thread(target=threads.stop, args=(60, 10))
+        t0 = time.monotonic()
+        stopping.start()
+        while not threads.stopping:
+            time.sleep(0.01)
+        threads.hurry()
+        stopping.join(30)
+        assert not stopping.is_alive() and threads.stopped and not threads.alive()
+        assert time.monotonic() - t0 < 15
+        threads.stop(60, 10)  # stopped already: at once
+        attempts = asyncio.run(store.query_attempts(rollout.rollout_id))
+    finally:
+        threads.stop(0, 10)
+        asyncio.run(store.close())
+    assert [(a.status, a.metadata.get(STATUS_REASON)) for a in attempts] == [("failed", THREAD_STOP_REASON)]
 
 
 def test_ctrl_c_again_while_the_runners_stop_hurries_them_instead_of_breaking_into_the_loop() -> None:

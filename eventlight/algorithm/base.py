@@ -55,6 +55,7 @@ class Algorithm:
     _adapter: Adapter[Any, Any] | None = None
     _llm_proxy: Any = None
     _initial_resources: NamedResources | None = None
+    _stop_requested: bool = False
 
     def run(self, train_dataset: Dataset[Any] | None = None, val_dataset: Dataset[Any] | None = None) -> Any:
         """Run the algorithm to completion; may be ``async def`` in subclasses. Returns nothing.
@@ -74,8 +75,26 @@ class Algorithm:
     # -- collaborators ---------------------------------------------------------------------
 
     def set_trainer(self, trainer: Any) -> None:
-        """Remember the trainer (weakly)."""
+        """Remember the trainer (weakly) for the run about to start; a stop requested during an
+        earlier run (``request_stop``) is forgotten."""
         self._trainer_ref = weakref.ref(trainer)
+        self._stop_requested = False
+
+    def request_stop(self) -> None:
+        """Ask ``run`` to stop at its next safe point, before it is cancelled.
+
+        ``Trainer`` calls it when its run is cancelled (Ctrl+C), before it gives its runners their
+        grace (``run`` goes on meanwhile: it serves what their agents call) and then cancels ``run``.
+        An algorithm that reads ``stop_requested`` starts nothing new meanwhile (``GRPO``: no update
+        from rollouts the stop cut short); one that does not is cancelled as before. eventlight's;
+        Agent-lightning has no such call.
+        """
+        self._stop_requested = True
+
+    @property
+    def stop_requested(self) -> bool:
+        """Whether ``request_stop`` was called since the run started."""
+        return self._stop_requested
 
     def get_trainer(self) -> Any:
         """The trainer.

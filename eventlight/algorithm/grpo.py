@@ -14,6 +14,11 @@ Each step, for the weights of version ``<prefix>step<k>``:
 4. one optimizer step runs in a worker thread (the event loop keeps serving the proxy), the
    checkpoint ``k+1`` is written, and the loop starts again with it.
 
+A cancelled run (Ctrl+C) first stops its runners while this one goes on (``Trainer``); asked to stop
+(``Algorithm.request_stop``), it starts no new step, evaluation or update meanwhile: an update that
+no cancel can stop (it runs in a thread) kept the process up to one step longer, from rollouts the
+stop may have cut short.
+
 So every rollout names the weights that produced it, and ``reward_by_resources`` shows reward per
 checkpoint. A restarted run with the same ``checkpoint_dir`` resumes after its last checkpoint.
 
@@ -241,6 +246,8 @@ class GRPO(Algorithm):
         c = self.config
         empty = 0
         for step in range(start, c.steps + 1):
+            if self._stopping(step, "rollouts"):
+                return
             version = await self._publish(step)
             evaluate = bool(val) and c.eval_every > 0 and (step % c.eval_every == 0 or step == c.steps or step == start)
             tasks = self._sample(train, step) if step < c.steps else []
@@ -248,6 +255,8 @@ class GRPO(Algorithm):
             async with self._subscribed():  # before the enqueue: every rollout's triplets reach us
                 train_ids, val_ids = await self._enqueue(tasks, val if evaluate else [], version)
                 finished = await self._wait(train_ids + val_ids, step)
+            if self._stopping(step, "evaluation and update"):  # its rollouts may have been cut short
+                return
             rollout_s = time.monotonic() - t0
             if val_ids:
                 await self._report_eval(step, version, [finished[r] for r in val_ids if r in finished])
@@ -262,6 +271,14 @@ class GRPO(Algorithm):
                     f"GRPO stopped after {empty} steps in a row with nothing to train on "
                     f"(skipped so far: {dict(self.counters)})"
                 )
+
+    def _stopping(self, step: int, what: str) -> bool:
+        """Whether the trainer asked the run to stop (``request_stop``: it was cancelled, and its
+        runners get their grace before the cancel reaches this run); then step ``step``'s ``what``
+        is not started, and one line says so."""
+        if self.stop_requested:
+            log.info("GRPO stops before step %d's %s: the run was cancelled", step, what)
+        return self.stop_requested
 
     def _sample(self, train: list[Any], step: int) -> list[Any]:
         rng = random.Random(f"{self.config.seed}-{step}")

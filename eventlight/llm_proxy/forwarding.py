@@ -54,6 +54,8 @@ class Forwarding:
     _router: Router | None
     _num_retries: int
     _pending: set[asyncio.Task[Any]]
+    _forwarding: set[asyncio.Task[Any]]
+    _cut: bool
 
     def _build_router(self) -> Router | None:
         return build_router(self._model_list, self._return_token_ids, self._request_timeout_s)
@@ -103,6 +105,28 @@ class Forwarding:
         normalize(completion)  # token ids where vLLM puts them, whichever placement the backend used
         hidden = getattr(resp, "_hidden_params", None) or {}
         return completion, hidden.get("custom_llm_provider")
+
+    async def _forward_unless_cut(self, body: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+        """``_forward`` in a task of its own, which ``_cut_forwards`` cancels when the proxy stops.
+
+        Raises:
+            asyncio.CancelledError: The call was cut (or its request cancelled).
+            Exception: As ``_forward``.
+        """
+        task = asyncio.ensure_future(self._forward(body))
+        self._forwarding.add(task)
+        try:
+            return await task
+        finally:
+            self._forwarding.discard(task)
+
+    def _cut_forwards(self) -> int:
+        """Cancel every call still waiting for its backend, and refuse new ones; returns how many were cut."""
+        self._cut = True
+        waiting = [t for t in self._forwarding if not t.done()]
+        for task in waiting:
+            task.cancel()
+        return len(waiting)
 
     # -- spans ----------------------------------------------------------------------------
 

@@ -33,6 +33,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+STOPPING = "the call was cancelled before the upstream answered (the LLM proxy stopped)"
+"""The message of a call cut by ``LLMProxy.stop``: its 503 answer's and its span's ``error.message``."""
+STOPPING_TYPE = "server_stopping"
+"""The ``type`` of that 503's OpenAI error object."""
+
 
 def _refuse_constant(name: str) -> Any:
     """``json.loads``' hook for ``NaN`` / ``Infinity`` / ``-Infinity``, which JSON does not have."""
@@ -235,6 +240,8 @@ class ChatRoutes(Forwarding):
             nothing forwarded or recorded), the store failing (503), or the upstream's error (its
             status; recorded as a span with status ``ERROR``).
         """
+        if self._cut:  # stop() is cutting the calls in flight: this one would be cut next
+            return CallError(503, STOPPING_TYPE, STOPPING)
         start_time = time.time()
         store = self._store if rollout_id is not None else None
         sequence_id = 0
@@ -266,14 +273,16 @@ class ChatRoutes(Forwarding):
             )
 
         try:
-            completion, provider = await self._forward(body)
+            completion, provider = await self._forward_unless_cut(body)
             system = provider or system
         except asyncio.CancelledError:  # stop() ran out of patience: the sequence id is spent, record why
             if store is not None and rollout_id is not None and attempt_id is not None:
-                message = "the call was cancelled before the upstream answered (the LLM proxy stopped)"
-                cancelled = {"type": "Cancelled", "status_code": 503, "message": message}
+                cancelled = {"type": "Cancelled", "status_code": 503, "message": STOPPING}
                 self._record_soon(store, span_of(rollout_id, attempt_id, None, cancelled))  # stop() waits for it
-            raise
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # the request itself was cancelled, not only its call
+                raise
+            return CallError(503, STOPPING_TYPE, STOPPING)
         except Exception as exc:
             status, err_type, message = upstream_error(exc)
             error = {"type": err_type, "status_code": status, "message": message}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import socket
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -19,7 +20,7 @@ from eventlight.credentials import check_bearer_token
 from eventlight.llm_health import LLMCallHealth
 from eventlight.llm_proxy.forwarding import _SPAN_WAIT_S
 from eventlight.llm_proxy.metrics import ProxyMetrics
-from eventlight.llm_proxy.routes import ChatRoutes
+from eventlight.llm_proxy.routes import STOPPING_TYPE, ChatRoutes
 from eventlight.llm_proxy.upstream import (
     check_model_list,
     check_models,
@@ -37,6 +38,9 @@ _STARTUP_TIMEOUT_S = 30.0
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 """32 MiB: a long conversation with a few images fits (a stored span holds at most 8 MiB of it)."""
 _SHUTDOWN_TIMEOUT_S = 5.0
+"""Seconds ``stop`` gives the calls in flight before it cuts those still waiting for their backend."""
+_AFTER_CUT_S = 5.0
+"""Seconds after the cut for the cut calls to answer 503, and the rest to end, before uvicorn cancels them."""
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -123,6 +127,8 @@ class LLMProxy(ChatRoutes):
         self._server: _EmbeddedServer | None = None
         self._serve_task: asyncio.Task[None] | None = None
         self._pending: set[asyncio.Task[Any]] = set()
+        self._forwarding: set[asyncio.Task[Any]] = set()  # calls waiting for their backend (stop() cuts them)
+        self._cut = False
         self._warned_unrouted = False
         self._warned_no_store = False
         self.health = health if health is not None else LLMCallHealth()
@@ -264,6 +270,7 @@ class LLMProxy(ChatRoutes):
         if self._store is None:
             log.warning("LLMProxy starts without a store: calls are forwarded but no span is recorded")
         self._router = self._build_router()
+        self._cut = False
         sock = tcp_listener(self._host)  # Nagle off on every accepted connection
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -276,7 +283,7 @@ class LLMProxy(ChatRoutes):
             log_config=None,
             access_log=False,
             lifespan="off",
-            timeout_graceful_shutdown=int(_SHUTDOWN_TIMEOUT_S),
+            timeout_graceful_shutdown=math.ceil(_SHUTDOWN_TIMEOUT_S + _AFTER_CUT_S),  # after stop()'s own cut
         )
         server = _EmbeddedServer(config)
         task = asyncio.create_task(server.serve(sockets=[sock]), name=f"eventlight-llm-proxy:{self._port}")
@@ -297,23 +304,32 @@ class LLMProxy(ChatRoutes):
     async def stop(self) -> None:
         """Stop serving and wait for spans still being published; idempotent.
 
-        Requests in flight get up to 5 s to finish before their connections are dropped; a routed
-        call cut short that way is recorded as a span with status ``ERROR`` (``error.type``
-        ``Cancelled``, ``http.status_code`` 503).
+        Calls in flight get up to 5 s to finish. Then those still waiting for their backend are cut:
+        each answers 503 with OpenAI's error object (``type`` ``server_stopping``; Anthropic's on
+        the Messages route), a routed one is recorded as a span with status ``ERROR``
+        (``error.type`` ``Cancelled``, ``http.status_code`` 503), and one warning says how many
+        there were. A request still unanswered 5 s later has its connection dropped.
         """
         server, task = self._server, self._serve_task
         self._server, self._serve_task = None, None
         if server is not None and task is not None:
             server.should_exit = True
-            try:
-                await asyncio.wait_for(asyncio.shield(task), _SHUTDOWN_TIMEOUT_S + 2)
-            except TimeoutError:
+            done, _ = await asyncio.wait({task}, timeout=_SHUTDOWN_TIMEOUT_S)
+            if not done:
+                cut = self._cut_forwards()
+                if cut:
+                    log.warning(
+                        "LLMProxy stops: %d call(s) still waiting for their model after %.0f s answer 503 (%s)",
+                        cut, _SHUTDOWN_TIMEOUT_S, STOPPING_TYPE,
+                    )  # fmt: skip
+                done, _ = await asyncio.wait({task}, timeout=_AFTER_CUT_S + 2)
+            if not done:
                 server.force_exit = True
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
-            except Exception:  # the server crashed earlier; nothing left to stop
-                log.exception("LLMProxy server task ended with an error")
+            elif not task.cancelled() and task.exception() is not None:  # it crashed earlier: nothing to stop
+                log.error("LLMProxy server task ended with an error", exc_info=task.exception())
         if self._pending:
             await asyncio.wait(list(self._pending), timeout=_SPAN_WAIT_S)
         self._router = None
