@@ -106,3 +106,26 @@ def test_public_names_are_pinned() -> None:
 def test_every_public_name_resolves() -> None:
     for name in agl.__all__:
         assert getattr(agl, name) is not None, name
+
+
+#: Packages a runner process must not load by importing eventlight: each costs every runner process
+#: memory and start-up time (the OpenAI SDK and httpx, whose CLI pulls rich and click, were about
+#: 30 MB and 0.4 s a process when an APO module imported them at the top), and a user of only the
+#: store or the runner need not have them working.
+HEAVY = ("openai", "httpx", "rich", "click", "litellm", "fastapi", "uvicorn", "torch", "transformers", "pyarrow")
+
+
+def test_importing_eventlight_and_its_runner_loads_no_heavy_package() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys; import eventlight, eventlight.runner, eventlight.tracer, eventlight.store.jetstream; "
+        f"print(' '.join(m for m in {HEAVY!r} if m in sys.modules))"
+    )
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.split() == [], f"importing eventlight loaded {out.stdout.strip()}"

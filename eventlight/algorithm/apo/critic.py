@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import logging
 import random
+import sys
 from typing import Any, Literal
-
-import httpx
-import openai
 
 from eventlight.algorithm.apo.models import ChatMessages, RolloutResultForAPO, VersionedPromptTemplate
 from eventlight.algorithm.apo.prompts import (
@@ -48,7 +46,14 @@ UNUSABLE_STATUS = (401, 403, 404)
 def no_connection(e: BaseException) -> bool:
     """The endpoint took no connection or gave no answer in time (the OpenAI SDK's
     ``APIConnectionError``, ``APITimeoutError``; httpx's transport errors; ``OSError``s of a socket)."""
-    return isinstance(e, openai.APIConnectionError | httpx.TransportError | ConnectionError | TimeoutError)
+    if isinstance(e, ConnectionError | TimeoutError):
+        return True
+    # The SDKs are loaded by whoever raised their errors. Not imported here: every process that
+    # imports eventlight (each runner) would pay for them, about 30 MB and 0.4 s.
+    openai, httpx = sys.modules.get("openai"), sys.modules.get("httpx")
+    return (openai is not None and isinstance(e, openai.APIConnectionError)) or (
+        httpx is not None and isinstance(e, httpx.TransportError)
+    )
 
 
 def unusable(e: BaseException) -> bool:
