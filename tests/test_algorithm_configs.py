@@ -5,8 +5,10 @@ failure deep in torch (or none). Needs neither torch nor a store.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -124,6 +126,9 @@ APO_BAD: list[tuple[str, Any, type[Exception], str]] = [
     ("gradient_model", "", InvalidInputError, "a model name, got ''"),
     ("apply_edit_model", None, InvalidTypeError, "a model name, got None"),
     ("rollout_config", {"max_attempts": 2}, InvalidTypeError, "a RolloutConfig or None"),
+    ("_poml_trace", "yes", InvalidTypeError, "True or False, got 'yes' (str)"),
+    ("gradient_prompt_files", "critique.txt", InvalidTypeError, "a list of paths or None, got 'critique.txt'"),
+    ("apply_edit_prompt_files", [3], InvalidTypeError, "hold paths (str or Path), got 3 (int)"),
 ]
 
 
@@ -141,6 +146,71 @@ def test_the_defaults_and_agent_lightnings_documented_settings_pass() -> None:
     Baseline(n_epochs=2, train_split=0.8, span_verbosity="key_values")  # Agent-lightning's docs
     Baseline(span_verbosity="none", polling_interval=0)
     APO(object(), val_batch_size=10, gradient_batch_size=4, beam_width=2, branch_factor=2, beam_rounds=2)
+
+
+def test_agent_lightnings_documented_apo_call_constructs(caplog: pytest.LogCaptureFixture) -> None:
+    """The full constructor call of Agent-lightning's APO docs (``algorithm-zoo/apo``) raised
+    ``TypeError: unexpected keyword argument 'gradient_prompt_files'``; it constructs, and
+    ``_poml_trace=True`` (no POML renderer here) logs one line saying it has no effect."""
+    apo = APO(
+        object(),
+        gradient_model="gpt-5-mini",
+        apply_edit_model="gpt-4.1-mini",
+        diversity_temperature=1.0,
+        gradient_batch_size=4,
+        val_batch_size=16,
+        beam_width=4,
+        branch_factor=4,
+        beam_rounds=3,
+        rollout_batch_timeout=3600.0,
+        run_initial_validation=True,
+        gradient_prompt_files=None,
+        apply_edit_prompt_files=None,
+        _poml_trace=False,
+    )
+    assert len(apo.gradient_variants) == 3 and len(apo.apply_edit_variants) == 2  # the built-ins
+    assert not [r for r in caplog.records if "_poml_trace" in r.getMessage()]
+    with caplog.at_level(logging.INFO, logger="eventlight.algorithm.apo.search"):
+        APO(object(), _poml_trace=True)
+    assert [(r.levelname, r.getMessage()) for r in caplog.records if "_poml_trace" in r.getMessage()] == [
+        ("INFO", "APO(_poml_trace=True) has no effect: eventlight renders its optimizer prompts without POML")
+    ]
+
+
+PROMPT_FILE_BAD: list[tuple[str, str | None, str]] = [  # file name, content (None: not written), what it says
+    ("critique.poml", "<poml><p>{{ prompt_template }}</p></poml>", "is a POML file; eventlight renders"),
+    ("missing.txt", None, "cannot be read: FileNotFoundError"),
+    ("empty.txt", " \n\t\n", "is empty"),
+    ("unknown.txt", "Fix {prompt_template} for {task}", "unknown placeholder {task}; known: {prompt_template}"),
+    ("positional.txt", "Fix {}", "uses the unknown placeholder {}"),
+    ("attribute.txt", "Fix {prompt_template.upper}", "uses the unknown placeholder {prompt_template.upper}"),
+    ("brace.txt", 'Reply as {"critique": 1} for {prompt_template}', 'uses the unknown placeholder {"critique"}'),
+    ("unclosed.txt", "Fix {prompt_template", "is not a str.format template (expected '}' before end of string)"),
+    ("spec.txt", "Fix {prompt_template:d}", "cannot be filled by str.format: ValueError"),
+    ("latin1.txt", "Caf\xe9 {prompt_template}", "cannot be read: UnicodeDecodeError"),
+]
+
+
+@pytest.mark.parametrize("field", ["gradient_prompt_files", "apply_edit_prompt_files"])
+@pytest.mark.parametrize(("name", "content", "says"), PROMPT_FILE_BAD, ids=[r[0] for r in PROMPT_FILE_BAD])
+def test_apo_refuses_each_bad_prompt_file_naming_it(
+    tmp_path: Path, field: str, name: str, content: str | None, says: str
+) -> None:
+    good = tmp_path / "good.txt"
+    good.write_text("Fix {prompt_template}", encoding="utf-8")
+    bad = tmp_path / name
+    if content is not None:
+        bad.write_bytes(content.encode("latin-1" if name == "latin1.txt" else "utf-8"))
+    with pytest.raises(InvalidInputError, match=f"APO.{field}: {re.escape(repr(str(bad)))} .*{re.escape(says)}"):
+        APO(object(), **{field: [good, bad]})
+
+
+def test_a_directory_and_a_critique_placeholder_in_a_rewrite_file_are_refused(tmp_path: Path) -> None:
+    (tmp_path / "edit.txt").write_text("{prompt_template} / {experiments}", encoding="utf-8")
+    with pytest.raises(InvalidInputError, match=r"unknown placeholder \{experiments\}; known: \{prompt_template\}, "):
+        APO(object(), apply_edit_prompt_files=[tmp_path / "edit.txt"])
+    with pytest.raises(InvalidInputError, match="cannot be read: IsADirectoryError"):
+        APO(object(), gradient_prompt_files=[tmp_path])
 
 
 def test_numpy_numbers_are_taken_and_kept_as_pythons() -> None:

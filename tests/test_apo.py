@@ -28,6 +28,7 @@ from eventlight.algorithm import (
     FastAlgorithm,
     FunctionalAlgorithm,
     RolloutResultForAPO,
+    VersionedPromptTemplate,
     algo,
     batch_iter_over_dataset,
 )
@@ -546,6 +547,68 @@ def test_rewrite_prompts_have_system_and_user_messages(variant: Any) -> None:
     assert [m["role"] for m in rendered] == ["system", "user"]
     assert "Room for {task}" in rendered[1]["content"] and "- be terse" in rendered[1]["content"]
     assert parent_template(rendered) == "Room for {task}"
+
+
+CRITIQUE_FILE = """MY CRITIC. Template:
+{prompt_template}
+Runs with messages:
+{experiments}
+Runs with spans (at most {max_spans} a run, {max_chars} chars each):
+{runs}
+Reply as JSON: {{"critique": "..."}}"""
+EDIT_FILE = "MY EDITOR.\n\n# Prompt Template\n\n{prompt_template}\n\n# Critique\n\n{critique}"
+
+
+async def test_apo_sends_the_prompts_of_its_prompt_files(tmp_path: Any) -> None:
+    """``gradient_prompt_files`` / ``apply_edit_prompt_files`` (Agent-lightning's documented
+    arguments) were refused with a TypeError; their templates now replace the built-in variants,
+    each rendered as one user message with every placeholder filled."""
+    (tmp_path / "critic.txt").write_text(CRITIQUE_FILE, encoding="utf-8")
+    (tmp_path / "edit.md").write_text(EDIT_FILE, encoding="utf-8")
+    store = InMemoryLightningStore()
+    client = FakeClient(scripted)
+    apo = make_apo(
+        client,
+        gradient_prompt_files=[str(tmp_path / "critic.txt")],
+        apply_edit_prompt_files=(tmp_path / "edit.md",),
+    )
+    apo.set_store(store)
+    async with running(FakeRunners(store, by_prompt)):
+        await asyncio.wait_for(apo.run(train_dataset=TRAIN, val_dataset=VAL), 60)
+    assert "ONLY" in apo.get_best_prompt().template  # the run still optimizes
+
+    critiques = [c["messages"] for c in client.calls if c["model"] == "critic"]
+    edits = [c["messages"] for c in client.calls if c["model"] == "editor"]
+    assert len(critiques) == len(edits) == 8
+    assert all([m["role"] for m in msgs] == ["user"] for msgs in critiques + edits)  # no built-in system prompt
+    for msgs in critiques:
+        text = msgs[0]["content"]
+        assert text.startswith("MY CRITIC. Template:\n")
+        assert "## Experiment 1" in text and "## Sample Run #1 Diagnostics" in text and "Room Orion" in text
+        assert "(at most 4 a run, " in text and text.endswith('Reply as JSON: {"critique": "..."}')
+    assert SEED in critiques[0][0]["content"]
+    for msgs in edits:
+        text = msgs[0]["content"]
+        assert text.startswith("MY EDITOR.\n\n# Prompt Template\n\n")
+        assert text.endswith("# Critique\n\n- The answer format is loose: demand ONLY the room name.")
+
+
+async def test_prompt_files_are_picked_at_random_per_call(tmp_path: Any) -> None:
+    """As the built-in variants: one file drawn uniformly per critique call."""
+    paths = []
+    for name in ("a", "b", "c"):
+        paths.append(tmp_path / f"{name}.txt")
+        paths[-1].write_text(name.upper() + " {prompt_template}", encoding="utf-8")
+    client = FakeClient(lambda model, messages: "critique")
+    apo = APO(client, gradient_batch_size=1, gradient_prompt_files=paths)
+    run = RolloutResultForAPO(status="succeeded", final_reward=1.0, spans=[], messages=[])
+    parent = VersionedPromptTemplate(version="v0", prompt_template=PromptTemplate(template="T", engine="f-string"))
+    for _ in range(60):
+        assert await apo.compute_textual_gradient(parent, [run]) == "critique"
+    assert {c["messages"][0]["content"] for c in client.calls} == {"A T", "B T", "C T"}  # 3 * (2/3)**60: ~1e-10
+    assert apo.apply_edit_variants == APPLY_EDIT_VARIANTS  # the other kind keeps the built-ins
+    assert APO(client, gradient_prompt_files=[]).gradient_variants == GRADIENT_VARIANTS
+    assert APO(client, apply_edit_prompt_files=None).apply_edit_variants == APPLY_EDIT_VARIANTS
 
 
 # ------------------------------------------------------------------------------------------

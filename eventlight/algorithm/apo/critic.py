@@ -26,6 +26,8 @@ from eventlight.algorithm.apo.prompts import (
     APPLY_EDIT_VARIANTS,
     GRADIENT_VARIANTS,
     MAX_CRITIQUE_CHARS,
+    ApplyEditVariant,
+    GradientVariant,
     _appended,
     _edit_append,
     _truncate,
@@ -73,6 +75,10 @@ class TextualGradient:
     edit_mode: Literal["rewrite", "append"]
     optimizer_max_tokens: int | None
     evidence_char_budget: int
+    gradient_variants: tuple[GradientVariant, ...] = GRADIENT_VARIANTS
+    """Critique prompts, one picked uniformly at random per call (``gradient_prompt_files`` replace them)."""
+    apply_edit_variants: tuple[ApplyEditVariant, ...] = APPLY_EDIT_VARIANTS
+    """Rewrite prompts, one picked uniformly at random per call (``apply_edit_prompt_files`` replace them)."""
     _rng: random.Random
     _answered = False
     """Some optimizer call of this run got an answer."""
@@ -207,7 +213,7 @@ class TextualGradient:
             )
         else:
             sampled = self._rng.sample(rollout_results, self.gradient_batch_size)
-        variant = self._rng.choice(GRADIENT_VARIANTS)
+        variant = self._rng.choice(self.gradient_variants)
         messages = variant(current_prompt.prompt_template.template, sampled, self.evidence_char_budget)
         return await self._chat(self.gradient_model, messages, "critique", prefix or "")
 
@@ -232,6 +238,6 @@ class TextualGradient:
             messages = _edit_append(template, _truncate(critique, MAX_CRITIQUE_CHARS))
             sentence = await self._chat(self.apply_edit_model, messages, "rewrite", prefix or "", max_tokens=48)
             return _appended(template, sentence)
-        variant = self._rng.choice(APPLY_EDIT_VARIANTS)
+        variant = self._rng.choice(self.apply_edit_variants)
         messages = variant(template, _truncate(critique, MAX_CRITIQUE_CHARS))
         return await self._chat(self.apply_edit_model, messages, "rewrite", prefix or "")

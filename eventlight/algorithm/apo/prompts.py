@@ -160,9 +160,11 @@ def _pick_spans(spans: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return preferred[-MAX_SPANS_PER_RUN:]
 
 
-def _gradient_01(template: str, runs: Sequence[RolloutResultForAPO], budget_chars: int) -> ChatMessages:
+def experiments_text(runs: Sequence[RolloutResultForAPO], budget_chars: int) -> str:
+    """Variant 01's evidence: one ``## Experiment k`` block per run (status, final reward, the
+    run's chat messages as JSON), within ``budget_chars`` in all (see ``EVIDENCE_CHAR_BUDGET``)."""
     limit = _item_limit(budget_chars, len(runs))
-    experiments = "\n\n".join(
+    return "\n\n".join(
         _GRADIENT_01_EXPERIMENT.format(
             index=i,
             status=r["status"],
@@ -171,15 +173,11 @@ def _gradient_01(template: str, runs: Sequence[RolloutResultForAPO], budget_char
         )
         for i, r in enumerate(runs, 1)
     )
-    return [
-        {
-            "role": "user",
-            "content": _GRADIENT_01_USER.format(prompt_template=template, experiments=experiments),
-        }
-    ]
 
 
-def _gradient_02(template: str, runs: Sequence[RolloutResultForAPO], budget_chars: int) -> ChatMessages:
+def span_runs_text(runs: Sequence[RolloutResultForAPO], budget_chars: int) -> tuple[str, int]:
+    """Variant 02's evidence: one ``## Sample Run #k Diagnostics`` block per run (status, final
+    reward, at most ``MAX_SPANS_PER_RUN`` spans as JSON), and the characters kept of each span."""
     limit = _item_limit(budget_chars, len(runs) * MAX_SPANS_PER_RUN)
     blocks = "\n\n".join(
         _GRADIENT_02_RUN.format(
@@ -190,6 +188,21 @@ def _gradient_02(template: str, runs: Sequence[RolloutResultForAPO], budget_char
         )
         for i, r in enumerate(runs, 1)
     )
+    return blocks, limit
+
+
+def _gradient_01(template: str, runs: Sequence[RolloutResultForAPO], budget_chars: int) -> ChatMessages:
+    experiments = experiments_text(runs, budget_chars)
+    return [
+        {
+            "role": "user",
+            "content": _GRADIENT_01_USER.format(prompt_template=template, experiments=experiments),
+        }
+    ]
+
+
+def _gradient_02(template: str, runs: Sequence[RolloutResultForAPO], budget_chars: int) -> ChatMessages:
+    blocks, limit = span_runs_text(runs, budget_chars)
     content = _GRADIENT_02_USER.format(
         prompt_template=template, runs=blocks, max_spans=MAX_SPANS_PER_RUN, max_chars=limit
     )
@@ -248,9 +261,10 @@ def _appended(template: str, sentence: str | None) -> str | None:
     return f"{template.rstrip()}\n{line}" if line else None
 
 
-GRADIENT_VARIANTS: tuple[Callable[[str, Sequence[RolloutResultForAPO], int], ChatMessages], ...] = (
-    _gradient_01,
-    _gradient_02,
-    _gradient_03,
-)
-APPLY_EDIT_VARIANTS: tuple[Callable[[str, str], ChatMessages], ...] = (_edit_01, _edit_02)
+GradientVariant = Callable[[str, Sequence[RolloutResultForAPO], int], ChatMessages]
+"""``(template, sampled runs, evidence_char_budget) -> messages`` of one critique call."""
+ApplyEditVariant = Callable[[str, str], ChatMessages]
+"""``(template, critique) -> messages`` of one rewrite call."""
+
+GRADIENT_VARIANTS: tuple[GradientVariant, ...] = (_gradient_01, _gradient_02, _gradient_03)
+APPLY_EDIT_VARIANTS: tuple[ApplyEditVariant, ...] = (_edit_01, _edit_02)

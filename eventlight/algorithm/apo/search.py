@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from eventlight.algorithm.apo.checks import _clean_edit, _field_names, _format_error, _prefix
 from eventlight.algorithm.apo.critic import DEFAULT_APPLY_EDIT_MODEL, DEFAULT_GRADIENT_MODEL, TextualGradient
 from eventlight.algorithm.apo.evaluation import RolloutEvaluation
 from eventlight.algorithm.apo.models import ProgressCallback, T_task, VersionedPromptTemplate
-from eventlight.algorithm.apo.prompts import EVIDENCE_CHAR_BUDGET
+from eventlight.algorithm.apo.prompt_files import apply_edit_files, gradient_files
+from eventlight.algorithm.apo.prompts import APPLY_EDIT_VARIANTS, EVIDENCE_CHAR_BUDGET, GRADIENT_VARIANTS
 from eventlight.algorithm.base import Dataset, batch_iter_over_dataset
 from eventlight.algorithm.checks import (
     check_bool,
@@ -57,6 +60,9 @@ class APO(TextualGradient, RolloutEvaluation[T_task]):
         ``evidence_char_budget`` (default ``EVIDENCE_CHAR_BUDGET`` = 4,000 characters; each share
         between 200 and ``MAX_CHARS_PER_ITEM`` = 1,500); the critique given to the rewrite call is
         cut to ``MAX_CRITIQUE_CHARS``. Raise the attribute ``evidence_char_budget`` for larger models.
+        ``gradient_prompt_files`` / ``apply_edit_prompt_files`` are therefore plain-text templates
+        of one user message filled with ``str.format``, not POML (see Args); ``_poml_trace`` has
+        no effect.
     (b) The published resources are ALL initial resources with the tuned template replaced, so an
         agent that also needs its LLM (e.g. a ``ProxyLLM``) still gets it. They are published with
         ``store.update_resources(version, ...)``; the resources id is the version ("v0", "v1", ...),
@@ -117,13 +123,29 @@ class APO(TextualGradient, RolloutEvaluation[T_task]):
         progress: Callback for progress events, see (d).
         version_prefix: Put before every version (and so resources id), e.g. a run id ``"run-0412-"``;
             letters, digits and ``_-:@+=`` only (resources ids are subject tokens).
+        gradient_prompt_files: Paths (``str`` or ``Path``) of critique prompts that replace the
+            three built-in variants; one is picked uniformly at random per critique call, as the
+            built-ins are. ``None`` or ``[]``: the built-ins. Each file is a UTF-8 plain-text
+            template of ONE user message (no system message) for ``str.format``, read once here,
+            using any of ``{prompt_template}`` (the template critiqued), ``{experiments}`` (per
+            sampled run: status, final reward, chat messages as JSON), ``{runs}`` (per sampled
+            run: status, final reward, at most ``{max_spans}`` spans as JSON, each cut to
+            ``{max_chars}`` characters), ``{max_spans}`` and ``{max_chars}``; a literal brace is
+            written ``{{`` or ``}}``. Agent-lightning's ``.poml`` files are refused: convert them.
+        apply_edit_prompt_files: Paths of rewrite prompts that replace the two built-in variants,
+            as ``gradient_prompt_files``, using ``{prompt_template}`` and ``{critique}``. Not used
+            with ``edit_mode="append"``.
+        _poml_trace: Agent-lightning's POML debug trace; eventlight has no POML renderer, so
+            ``True`` only logs (INFO) that it has no effect.
 
     Raises:
         InvalidInputError: A size or count below 1 (``beam_rounds`` below 0), a timeout not above
             0, a negative, NaN or infinite temperature, an unknown ``edit_mode``, a ``version_prefix``
             no id may start with; the message names the argument, the value and what it may be.
+            A prompt file that is ``.poml``, missing, unreadable, not UTF-8, empty, or uses an
+            unknown placeholder (or one ``str.format`` cannot fill); the message names the file.
         InvalidTypeError: An argument of the wrong type (``beam_width="4"``, ``beam_rounds=2.0``, a
-            ``progress`` that cannot be called).
+            ``progress`` that cannot be called, a single path instead of a list of paths).
             Both are ``ValueError`` s.
     """
 
@@ -146,6 +168,9 @@ class APO(TextualGradient, RolloutEvaluation[T_task]):
         edit_mode: Literal["rewrite", "append"] = "rewrite",
         optimizer_max_tokens: int | None = None,
         version_prefix: str = "",
+        gradient_prompt_files: Sequence[str | os.PathLike[str]] | None = None,
+        apply_edit_prompt_files: Sequence[str | os.PathLike[str]] | None = None,
+        _poml_trace: bool = False,
     ):
         check_version_prefix("APO.version_prefix", version_prefix)
         check_choice("APO.edit_mode", edit_mode, ("rewrite", "append"))
@@ -166,6 +191,12 @@ class APO(TextualGradient, RolloutEvaluation[T_task]):
         if optimizer_max_tokens is not None:
             optimizer_max_tokens = check_int("APO.optimizer_max_tokens", optimizer_max_tokens, 1)
         check_callable("APO.progress", progress)
+        if check_bool("APO._poml_trace", _poml_trace):
+            log.info("APO(_poml_trace=True) has no effect: eventlight renders its optimizer prompts without POML")
+        self.gradient_variants = gradient_files("APO.gradient_prompt_files", gradient_prompt_files) or GRADIENT_VARIANTS
+        self.apply_edit_variants = (
+            apply_edit_files("APO.apply_edit_prompt_files", apply_edit_prompt_files) or APPLY_EDIT_VARIANTS
+        )
         self.async_openai_client = async_openai_client
         self.gradient_model = gradient_model
         self.apply_edit_model = apply_edit_model
