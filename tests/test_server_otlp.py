@@ -13,6 +13,8 @@ from typing import Any
 
 import httpx
 import pytest
+from google.protobuf import json_format
+from google.rpc.status_pb2 import Status
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
@@ -500,3 +502,106 @@ async def test_an_out_of_range_sequence_id_is_echoed_shortened(store: Any, caplo
     assert answer.error_message.count("has an invalid sequence_id 10000000000") == 1
     assert len(answer.error_message) < 1000, answer.error_message
     assert "9" * 100 not in caplog.text and "0" * 100 not in caplog.text and "invalid sequence_id" in caplog.text
+
+
+def _status_of(r: httpx.Response) -> Status:
+    """The ``google.rpc.Status`` of an error answer, read in the encoding its Content-Type names."""
+    if r.headers["content-type"] == "application/json":
+        return json_format.Parse(r.text, Status())
+    assert r.headers["content-type"] == PB["Content-Type"], r.headers
+    return Status.FromString(r.content)
+
+
+@pytest.mark.parametrize(
+    ("content_type", "status", "answer"),
+    [
+        ("application/json; charset=utf-8", 200, "application/json"),
+        ("Application/JSON;charset=UTF-8", 200, "application/json"),
+        ("application/x-protobuf", 200, PB["Content-Type"]),
+        ("application/jsonx", 415, PB["Content-Type"]),
+        ("text/plain; note=json", 415, PB["Content-Type"]),
+        ("application/x-ndjson", 415, PB["Content-Type"]),
+    ],
+)
+async def test_the_answer_is_encoded_by_the_requests_media_type_not_by_a_word_in_it(
+    content_type: str, status: int, answer: str
+) -> None:
+    """A Content-Type holding "json" anywhere (``application/jsonx``, ``text/plain; note=json``) got
+    its 415 as JSON (a reviewer); the media type is read before its parameters, and an unsupported
+    one is answered in protobuf, OTLP/HTTP's default encoding."""
+    body = b"{}" if "json" in content_type.split(";")[0].lower() else b""
+    async with agl.InMemoryLightningStore() as store:
+        app = create_app(store)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://store") as http:
+            r = await http.post("/v1/traces", content=body, headers={"Content-Type": content_type})
+    assert (r.status_code, r.headers["content-type"]) == (status, answer), r.content
+    if status == 415:
+        message = _status_of(r).message
+        assert f"Content-Type {content_type.split(';')[0].lower()} is not supported" in message, message
+
+
+async def test_a_protobuf_request_of_unknown_fields_only_says_so(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A protobuf body of only unknown fields (another message sent to this path) parsed to an empty
+    request and was answered 200 without a word; as OTLP/JSON's request of no ``resourceSpans``, its
+    answer's ``partial_success`` names the field numbers ignored, and the log says so once."""
+    from eventlight.server import otlp
+
+    monkeypatch.setattr(otlp, "_warned_fields", set())
+    unknown = b"\x10\x01" + b"\x2a\x03abc" + b"\x10\x02"  # field 2 (varint) twice, field 5 (bytes)
+    async with agl.InMemoryLightningStore() as store:
+        rid, aid = await _attempt(store)  # type: ignore[arg-type]
+        good = parse_request(json.dumps(_json_request(rid, aid)).encode(), "application/json", None, 1 << 20)[0]
+        app = create_app(store)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://store") as http:
+            with caplog.at_level("WARNING", logger="eventlight.server.otlp"):
+                answers = [await http.post("/v1/traces", content=unknown, headers=PB) for _ in range(2)]
+                fine = await http.post("/v1/traces", content=good.SerializeToString() + b"\x10\x01", headers=PB)
+                empty = await http.post("/v1/traces", content=b"", headers=PB)
+        assert [s.name for s in await store.query_spans(rid)] == ["json.span"]
+    for r in answers:
+        assert r.status_code == 200, r.content
+        partial = ExportTraceServiceResponse.FromString(r.content).partial_success
+        assert partial.rejected_spans == 0
+        assert partial.error_message == (
+            "no resourceSpans in the request, so no span was recorded: its field(s) #2, #5 are not "
+            "ExportTraceServiceRequest fields and were ignored"
+        )
+    for r in (fine, empty):  # an unknown field beside resource_spans, and an empty request: nothing to say
+        assert r.status_code == 200 and not ExportTraceServiceResponse.FromString(r.content).HasField("partial_success")
+    logged = [r.getMessage() for r in caplog.records if "no resourceSpans" in r.getMessage()]
+    assert len(logged) == 1 and "#2, #5" in logged[0], logged
+
+
+BROWSER_ACCEPT = "text/html,application/xhtml+xml,application/xml;q=0.9,image/avif,image/webp,*/*;q=0.8"
+
+
+@pytest.mark.parametrize(
+    ("headers", "answer"),
+    [
+        ({"Accept": BROWSER_ACCEPT}, "application/json"),
+        ({"Accept": "application/json"}, "application/json"),
+        ({"Accept": "application/x-protobuf;q=0.5, application/json"}, "application/json"),
+        ({"Accept": "application/x-protobuf, application/json;q=0.5"}, PB["Content-Type"]),
+        ({"Accept": "application/*;q=0.9, text/html;q=0.1"}, PB["Content-Type"]),
+        ({"Accept": "text/html;q=bad, */*"}, PB["Content-Type"]),  # an ill-formed q: that range skipped
+        ({"Accept": "*/*"}, PB["Content-Type"]),
+        ({}, PB["Content-Type"]),
+        ({**PB, "Accept": BROWSER_ACCEPT}, PB["Content-Type"]),  # a protobuf client's request: protobuf
+    ],
+    ids=["browser", "json", "json-preferred", "protobuf-preferred", "wildcard-type", "bad-q", "any", "none", "pb"],
+)
+async def test_a_browsers_get_of_the_otlp_path_is_answered_in_json(headers: dict[str, str], answer: str) -> None:
+    """A browser's ``GET /v1/traces`` got its 405 as protobuf bytes it shows as garbage; a request
+    of no Content-Type whose Accept prefers JSON or HTML is answered in JSON, still with ``Allow``."""
+    from google.rpc import code_pb2
+
+    async with agl.InMemoryLightningStore() as store:
+        app = create_app(store)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://store") as http:
+            http.headers.pop("Accept")  # httpx's default */*: the "none" case sends no Accept at all
+            r = await http.get("/v1/traces", headers=headers)
+    assert (r.status_code, r.headers["content-type"], r.headers["allow"]) == (405, answer, "POST"), r.headers
+    status = _status_of(r)
+    assert status.code == code_pb2.UNIMPLEMENTED and "/v1/traces does not accept GET" in status.message

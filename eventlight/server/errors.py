@@ -78,9 +78,11 @@ def error_response(
     status: int, detail: str, error_type: str, *, retryable: bool = False, scope: Scope | None = None
 ) -> Response:
     """A JSON ``ErrorBody`` answer; to a request (``scope``) for OTLP's ``/v1/traces``, a
-    ``google.rpc.Status`` of ``detail`` in the request's encoding (protobuf or JSON, OTLP/HTTP)."""
+    ``google.rpc.Status`` of ``detail`` in the request's encoding (protobuf or JSON, OTLP/HTTP; for
+    a request of no Content-Type, as its Accept header prefers: ``otlp_wire.answer_kind``)."""
     if scope is not None and scope.get("path") == OTLP_PATH:
-        kind = answer_kind(Headers(scope=scope).get("content-type"))
+        headers = Headers(scope=scope)
+        kind = answer_kind(headers.get("content-type"), headers.get("accept"))
         return Response(encode_status(kind, status, one_line(detail)), status_code=status, media_type=kind)
     body = ErrorBody(detail=one_line(detail), error_type=error_type, retryable=retryable)
     return Response(msgspec.json.encode(body), status_code=status, media_type="application/json")

@@ -6,8 +6,9 @@ attempts of one request concurrently. Spans that cannot be taken (no rollout or 
 attempt the store does not know, a span the store refuses) are counted and explained in
 ``partial_success`` of a 200 answer, as the OTLP specification asks; the others are recorded (a
 sequence id that is not used, ``otlp_spans``, is said there too, with no span counted rejected; so
-is an OTLP/JSON request that holds no ``resourceSpans`` but fields of other names, a typo such as
-``resourceSpan``: they are ignored, as the specification asks, and the log says so once per name). A
+is a request that holds no ``resourceSpans`` but fields of other names, a typo such as
+``resourceSpan``, or of other numbers in protobuf: they are ignored, as the specification asks, and
+the log says so once per field). A
 span id its attempt already has, sent earlier or again within the same request, is recorded once
 and is no rejection (the store drops the copy with Agent-lightning's warning line: an exporter's
 retry is no failure).
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import reprlib
 from collections import defaultdict
 
 from fastapi import APIRouter, Request
@@ -41,7 +41,7 @@ router = APIRouter()
 _MAX_REASONS = 20
 _MAX_WARNED_FIELDS = 100
 _warned_fields: set[str] = set()
-"""Names of ignored OTLP/JSON fields already logged: each is logged once (at most
+"""Ignored fields already logged (OTLP/JSON names quoted, protobuf numbers ``#2``): each is logged once (at most
 ``_MAX_WARNED_FIELDS`` of them), so a misconfigured exporter does not flood the log."""
 
 
@@ -124,15 +124,15 @@ def _message(rejected: list[SpanNote], renumbered: list[SpanNote]) -> str:
 
 
 def _ignored(names: list[str]) -> str:
-    """``partial_success.error_message`` for an OTLP/JSON request of no ``resourceSpans``, only
-    fields of other names (ignored, as the OTLP specification asks); logged once per field name."""
-    short = [reprlib.repr(n) for n in names]  # a name may be megabytes long: kept and shown shortened
-    more = f" and {len(short) - _MAX_REASONS} more" if len(short) > _MAX_REASONS else ""
+    """``partial_success.error_message`` for a request of no ``resourceSpans``, only fields of other
+    names (OTLP/JSON, quoted and shortened) or numbers (protobuf, ``#2``), ignored as the OTLP
+    specification asks; logged once per field."""
+    more = f" and {len(names) - _MAX_REASONS} more" if len(names) > _MAX_REASONS else ""
     message = (
-        f"no resourceSpans in the request, so no span was recorded: its field(s) {', '.join(short[:_MAX_REASONS])}"
+        f"no resourceSpans in the request, so no span was recorded: its field(s) {', '.join(names[:_MAX_REASONS])}"
         f"{more} are not ExportTraceServiceRequest fields and were ignored"
     )
-    new = [n for n in dict.fromkeys(short) if n not in _warned_fields][: _MAX_WARNED_FIELDS - len(_warned_fields)]
+    new = [n for n in dict.fromkeys(names) if n not in _warned_fields][: _MAX_WARNED_FIELDS - len(_warned_fields)]
     if new:
         _warned_fields.update(new)
         log.warning("OTLP export: %s (logged once per field name)", message)

@@ -3,12 +3,15 @@
 Follows the OTLP/HTTP specification (opentelemetry.io/docs/specs/otlp, "OTLP/HTTP"):
 
 * ``Content-Type: application/x-protobuf`` (binary protobuf) or ``application/json`` (OTLP/JSON:
-  lowerCamelCase keys, ``traceId``/``spanId``/``parentSpanId`` as hex, not base64); any other
-  type is 415;
+  lowerCamelCase keys, ``traceId``/``spanId``/``parentSpanId`` as hex, not base64), parameters
+  such as ``charset`` aside; any other type (``application/jsonx``, ``text/plain; note=json``) is
+  415;
 * ``Content-Encoding: gzip`` (or none / ``identity``); any other is 415;
 * the answer has the request's content type; an error's body is a ``google.rpc.Status`` (protobuf,
   or its JSON mapping for a JSON request; ``answer_kind``), the bearer token's 401, the body
-  ceiling's 413 and a 5xx included (``eventlight.server.errors.error_response``);
+  ceiling's 413 and a 5xx included (``eventlight.server.errors.error_response``); a request of no
+  Content-Type (a browser's ``GET``) is answered in JSON when its ``Accept`` prefers JSON or HTML
+  to protobuf, else in protobuf;
 * a body that does not parse, and span or trace ids of the wrong length (or all zeros, which the
   spec calls invalid), are 400 for the whole request: the client must not retry it.
 """
@@ -18,11 +21,14 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import re
+import reprlib
 import zlib
 from typing import Any
 
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
+from google.protobuf.unknown_fields import UnknownFieldSet
 from google.rpc import code_pb2
 from google.rpc.status_pb2 import Status
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
@@ -45,13 +51,20 @@ class OtlpError(Exception):
         self.status = status
 
 
+def _type_of(value: str) -> str:
+    """The ``type/subtype`` of a media type or an ``Accept`` media range, lowercased: what comes
+    before its first parameter (RFC 9110 8.3.1: ``type "/" subtype *( OWS ";" OWS parameter )``;
+    a token holds no ``;``)."""
+    return value.split(";", 1)[0].strip().lower()
+
+
 def media_type(content_type: str | None) -> str:
     """``application/x-protobuf`` or ``application/json`` (parameters dropped).
 
     Raises:
         OtlpError: 415 for any other type.
     """
-    kind = (content_type or "").split(";", 1)[0].strip().lower()
+    kind = _type_of(content_type or "")
     if kind in (PROTOBUF, JSON):
         return kind
     shown = kind or "none"
@@ -136,10 +149,20 @@ def _json_ids_to_b64(doc: Any) -> None:
 
 def _ignored_fields(doc: dict[str, Any]) -> list[str]:
     """The top-level fields of an OTLP/JSON request that holds no ``resourceSpans``: unknown ones,
-    ignored as the spec asks, that likely stand for it (a typo such as ``resourceSpan``)."""
+    ignored as the spec asks, that likely stand for it (a typo such as ``resourceSpan``), each
+    quoted and shortened (a name may be megabytes long)."""
     if "resourceSpans" in doc or "resource_spans" in doc:
         return []
-    return list(doc)
+    return [reprlib.repr(name) for name in doc]
+
+
+def _ignored_numbers(request: ExportTraceServiceRequest) -> list[str]:
+    """The top-level fields of a protobuf request that holds no ``resource_spans``: unknown field
+    numbers (``#2``), ignored as the spec asks, that likely stand for it (a message of another
+    type, or of a newer version, sent to this path)."""
+    if request.resource_spans:
+        return []
+    return [f"#{number}" for number in dict.fromkeys(field.field_number for field in UnknownFieldSet(request))]
 
 
 def _parse_json(data: bytes) -> tuple[ExportTraceServiceRequest, list[str]]:
@@ -194,19 +217,23 @@ def check_ids(request: ExportTraceServiceRequest) -> None:
 def parse_request(
     raw: bytes, content_type: str | None, content_encoding: str | None, max_bytes: int
 ) -> tuple[ExportTraceServiceRequest, str, list[str]]:
-    """The request, its media type (what the answer is encoded in), and the names of the fields
-    ignored in an OTLP/JSON request that holds no ``resourceSpans`` (``[]`` for one that does, and
-    for protobuf).
+    """The request, its media type (what the answer is encoded in), and the fields ignored in a
+    request that holds no ``resourceSpans`` (``[]`` for one that does): OTLP/JSON names, quoted
+    (``'resourceSpan'``), or protobuf field numbers (``#2``).
 
-    Fields of unknown names are ignored, as the OTLP specification asks (a newer sender may add
-    some); the names are returned for the caller to say so when they are all the request holds.
+    Fields of unknown names or numbers are ignored, as the OTLP specification asks (a newer sender
+    may add some); they are returned for the caller to say so when they are all the request holds.
 
     Raises:
         OtlpError: 415 (type or encoding), 413 (inflates past ``max_bytes``), 400 (does not parse, bad ids).
     """
     kind = media_type(content_type)
     data = _decompress(raw, content_encoding, max_bytes)
-    request, ignored = _parse_json(data) if kind == JSON else (_parse_protobuf(data), [])
+    if kind == JSON:
+        request, ignored = _parse_json(data)
+    else:
+        request = _parse_protobuf(data)
+        ignored = _ignored_numbers(request)
     check_ids(request)
     return request, kind, ignored
 
@@ -240,11 +267,44 @@ _GRPC_CODES = {
 them; 413 as gRPC's own "message larger than max"). OTLP clients read only the HTTP status."""
 
 
-def answer_kind(content_type: str | None) -> str:
+_QVALUE = re.compile(r"0(\.\d{0,3})?|1(\.0{0,3})?")
+"""A ``qvalue`` (RFC 9110 12.4.2)."""
+
+
+def _weight(media_range: str) -> float | None:
+    """The ``q`` parameter of one ``Accept`` media range (1 when it has none), ``None`` when ill-formed."""
+    for param in media_range.split(";")[1:]:
+        name, _, value = param.partition("=")
+        if name.strip().lower() == "q":
+            return float(value.strip()) if _QVALUE.fullmatch(value.strip()) else None
+    return 1.0
+
+
+def _quality(accept: str, media: str) -> float:
+    """The ``q`` an ``Accept`` header gives ``media``: that of the most specific range matching it
+    (``media`` itself, then ``type/*``, then ``*/*``; RFC 9110 12.5.1), 0 when none does. A range
+    of an ill-formed ``q`` is skipped."""
+    specificity = {media: 3, media.split("/", 1)[0] + "/*": 2, "*/*": 1}
+    best, quality = 0, 0.0
+    for media_range in accept.split(","):
+        rank, weight = specificity.get(_type_of(media_range), 0), _weight(media_range)
+        if rank > best and weight is not None:
+            best, quality = rank, weight
+    return quality
+
+
+def answer_kind(content_type: str | None, accept: str | None = None) -> str:
     """The media type an answer to a request with ``content_type`` is encoded in: ``application/json``
-    when the type names JSON, else ``application/x-protobuf`` (OTLP/HTTP's default encoding; also for
-    a missing or unsupported type, which is answered 415)."""
-    return JSON if "json" in (content_type or "").lower() else PROTOBUF
+    when that is the request's media type (parameters such as ``charset`` aside), else
+    ``application/x-protobuf`` (OTLP/HTTP's default encoding; also for an unsupported type, which is
+    answered 415). A request of no Content-Type, a browser's ``GET`` say, is answered in JSON when
+    ``accept`` (its Accept header) prefers ``application/json`` or ``text/html`` to
+    ``application/x-protobuf``, else in protobuf."""
+    if content_type and content_type.strip():
+        return JSON if _type_of(content_type) == JSON else PROTOBUF
+    if accept and max(_quality(accept, JSON), _quality(accept, "text/html")) > _quality(accept, PROTOBUF):
+        return JSON
+    return PROTOBUF
 
 
 def encode_status(kind: str, status: int, message: str) -> bytes:
