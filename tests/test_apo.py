@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import json
 import logging
 import re
 from collections.abc import AsyncIterator, Callable
@@ -427,6 +428,100 @@ async def test_apo_stops_when_every_optimizer_call_of_a_round_fails(caplog: pyte
     assert apo.best_version == "v0"
 
 
+def _optimizer(answer: Callable[[dict[str, Any]], httpx.Response], max_retries: int) -> AsyncOpenAI:
+    """A real OpenAI client whose ``POST /chat/completions`` gets ``answer(body)`` (``GET /models``: 200)."""
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/models"):
+            return httpx.Response(200, json={"object": "list", "data": []})
+        return answer(json.loads(request.content))
+
+    http = httpx.AsyncClient(transport=httpx.MockTransport(handle))
+    return AsyncOpenAI(base_url="http://optimizer.test/v1", api_key="test", max_retries=max_retries, http_client=http)
+
+
+def _bad_gateway(body: dict[str, Any]) -> httpx.Response:
+    error = {"error": {"message": "upstream connect error", "type": "proxy_error"}}
+    return httpx.Response(502, json=error, headers={"retry-after-ms": "1"})  # the SDK's retry waits 1 ms
+
+
+def _completion(body: dict[str, Any]) -> httpx.Response:
+    message = {"role": "assistant", "content": scripted(body["model"], body["messages"])}
+    choice = {"index": 0, "message": message, "finish_reason": "stop"}
+    return httpx.Response(
+        200,
+        json={"id": "c", "object": "chat.completion", "created": 0, "model": body["model"], "choices": [choice]},
+    )
+
+
+async def test_apo_stops_when_its_optimizer_answers_5xx_a_whole_round() -> None:
+    """A proxy whose backend is down answers 502 to every call. A 5xx was no "unusable" failure, so
+    such a run went on to its end, one logged failure per child; a round of nothing but 5xx answers
+    (each after the SDK's own retries) now stops it, naming the status, the endpoint and the model."""
+    tries: list[str] = []
+
+    def bad_gateway(body: dict[str, Any]) -> httpx.Response:
+        tries.append(body["model"])
+        return _bad_gateway(body)
+
+    store = InMemoryLightningStore()
+    client = _optimizer(bad_gateway, max_retries=1)
+    apo = make_apo(client)
+    apo.set_store(store)
+    try:
+        async with running(FakeRunners(store, by_prompt)):
+            with pytest.raises(LLMUnavailableError) as got:
+                await apo.run(train_dataset=TRAIN, val_dataset=VAL)
+    finally:
+        await client.close()
+    message = str(got.value)
+    assert "APO's optimizer at http://optimizer.test/v1/ (models 'critic' and 'editor')" in message, message
+    assert (
+        "all 4 optimizer call(s) of round 1 failed, the last: critique call to 'critic': HTTP 502, "
+        "InternalServerError: Error code: 502" in message
+    ), message
+    assert tries == ["critic"] * 4 * 2  # 4 critiques (no rewrite follows a failed one), each tried twice
+    assert await count_modes(store) == {"val": 4, "train": 8}  # the seed's validation, round 1's batches
+
+
+async def test_one_5xx_of_the_optimizer_stops_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    """A 5xx may pass: one at the run's very first optimizer call, the next answered, skips a child only."""
+    answered: list[str] = []
+
+    def once_bad(body: dict[str, Any]) -> httpx.Response:
+        answered.append(body["model"])
+        return _bad_gateway(body) if len(answered) == 1 else _completion(body)
+
+    store = InMemoryLightningStore()
+    client = _optimizer(once_bad, max_retries=0)
+    apo = make_apo(client)
+    apo.set_store(store)
+    try:
+        async with running(FakeRunners(store, by_prompt)):
+            with caplog.at_level(logging.ERROR, logger="eventlight.algorithm.apo.critic"):
+                await apo.run(train_dataset=TRAIN, val_dataset=VAL)
+    finally:
+        await client.close()
+    assert "ONLY" in apo.get_best_prompt().template and apo.best_score == pytest.approx(1.0)
+    failed = [r.getMessage() for r in caplog.records]
+    assert len(failed) == 1 and "critique call to critic failed: InternalServerError: Error code: 502" in failed[0]
+    assert len(answered) == 8 + 7  # 8 critiques, 7 rewrites: the first critique's child was skipped
+
+
+async def test_a_short_gradient_batch_is_warned_once_per_round(caplog: pytest.LogCaptureFixture) -> None:
+    """A train set smaller than ``gradient_batch_size`` makes every batch short: the warning came once
+    per child (4 a round here); it comes once per round."""
+    store = InMemoryLightningStore()
+    apo = make_apo(FakeClient(scripted))  # gradient_batch_size=2; 2 rounds of 2 parents x 2 children
+    apo.set_store(store)
+    async with running(FakeRunners(store, by_prompt)):
+        with caplog.at_level(logging.WARNING, logger="eventlight.algorithm.apo.critic"):
+            await apo.run(train_dataset=TRAIN[:1], val_dataset=VAL)
+    warned = [r.getMessage() for r in caplog.records if "for a gradient batch" in r.getMessage()]
+    assert [w.split(" | ")[0] for w in warned] == ["[Round 01", "[Round 02"], warned
+    assert all(w.endswith("] only 1 results for a gradient batch of 2 (warned once per round)") for w in warned)
+
+
 async def test_apo_strips_a_code_fence_and_keeps_valid_children() -> None:
     def fenced(model: str, messages: list[dict[str, str]]) -> str:
         return "critique" if model == "critic" else "```text\nAnswer ONLY with a room for {task}\n```"
@@ -598,14 +693,15 @@ async def test_prompt_files_are_picked_at_random_per_call(tmp_path: Any) -> None
     paths = []
     for name in ("a", "b", "c"):
         paths.append(tmp_path / f"{name}.txt")
-        paths[-1].write_text(name.upper() + " {prompt_template}", encoding="utf-8")
+        paths[-1].write_text(name.upper() + " {prompt_template}\n{experiments}", encoding="utf-8")
     client = FakeClient(lambda model, messages: "critique")
     apo = APO(client, gradient_batch_size=1, gradient_prompt_files=paths)
     run = RolloutResultForAPO(status="succeeded", final_reward=1.0, spans=[], messages=[])
     parent = VersionedPromptTemplate(version="v0", prompt_template=PromptTemplate(template="T", engine="f-string"))
     for _ in range(60):
         assert await apo.compute_textual_gradient(parent, [run]) == "critique"
-    assert {c["messages"][0]["content"] for c in client.calls} == {"A T", "B T", "C T"}  # 3 * (2/3)**60: ~1e-10
+    firsts = {c["messages"][0]["content"].split("\n")[0] for c in client.calls}
+    assert firsts == {"A T", "B T", "C T"}  # 3 * (2/3)**60: ~1e-10
     assert apo.apply_edit_variants == APPLY_EDIT_VARIANTS  # the other kind keeps the built-ins
     assert APO(client, gradient_prompt_files=[]).gradient_variants == GRADIENT_VARIANTS
     assert APO(client, apply_edit_prompt_files=None).apply_edit_variants == APPLY_EDIT_VARIANTS

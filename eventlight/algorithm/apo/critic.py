@@ -8,10 +8,14 @@ endpoint and model, instead of a run that logs one failure per child and ends wi
 * at the first optimizer call of a run that fails as unusable (``unusable``: no connection or no
   answer in time, the key refused with 401 or 403, the model unknown with 404), since nothing of
   this endpoint has answered yet;
-* at the end of a round in which every optimizer call failed as unusable.
+* at the end of a round in which every optimizer call failed as unusable or with a 5xx status
+  (``server_error``: a proxy whose backend is down answers 502 to every call; each such answer
+  came after the client's own retries, the OpenAI SDK's two by default), the message naming the
+  last failure's status.
 
-Any other failure (an error status, an empty answer, an exception of a look-alike client) is
-logged and its child skipped, as before.
+A 5xx does not stop the run at its first call: it may pass (the next call answers). Any other
+failure (a 4xx status other than those above, an empty answer, an exception of a look-alike
+client) is logged and its child skipped, as before.
 """
 
 from __future__ import annotations
@@ -58,6 +62,13 @@ def no_connection(e: BaseException) -> bool:
     )
 
 
+def server_error(e: BaseException) -> int | None:
+    """The status of an optimizer call's error that is an answer of status 500 to 599 (the OpenAI
+    SDK's ``InternalServerError``, or any error with such an ``int`` ``status_code``), else ``None``."""
+    status = getattr(e, "status_code", None)
+    return status if isinstance(status, int) and 500 <= status <= 599 else None
+
+
 def unusable(e: BaseException) -> bool:
     """An optimizer call's error says no call can succeed: ``no_connection``, or an answer with
     status 401 or 403 (the key) or 404 (the model, or the path, does not exist there)."""
@@ -83,7 +94,11 @@ class TextualGradient:
     _answered = False
     """Some optimizer call of this run got an answer."""
     _calls: tuple[int, int] = (0, 0)
-    """Optimizer calls of the current round, and how many of them failed as ``unusable``."""
+    """Optimizer calls of the current round, and how many of them failed as ``unusable`` or ``server_error``."""
+    _last_failure = ""
+    """The latest such failure of the round: call, status when there is one, error type and message."""
+    _short_batch_warned = False
+    """A gradient batch of the current round had fewer results than ``gradient_batch_size``, and it was logged."""
 
     # -- the optimizer LLM --------------------------------------------------------------------
 
@@ -141,17 +156,20 @@ class TextualGradient:
 
     def _new_round(self) -> None:
         self._calls = (0, 0)
+        self._last_failure = ""
+        self._short_batch_warned = False
 
     def _check_round(self, round_no: int) -> None:
-        """Stop the run when every optimizer call of the round failed as ``unusable``.
+        """Stop the run when every optimizer call of the round failed as ``unusable`` or with a 5xx.
 
         Raises:
-            LLMUnavailableError: They did (and there was at least one).
+            LLMUnavailableError: They did (and there was at least one); it names the last failure.
         """
         calls, failed = self._calls
         if calls and failed == calls:
             raise self._unavailable(
-                f"all {calls} optimizer call(s) of round {round_no} failed (see the errors logged above)",
+                f"all {calls} optimizer call(s) of round {round_no} failed, the last: {self._last_failure} "
+                "(see the errors logged above)",
                 [self.gradient_model, self.apply_edit_model],
             )
 
@@ -173,7 +191,12 @@ class TextualGradient:
             )
             content: str | None = response.choices[0].message.content
         except Exception as e:  # a misbehaving optimizer LLM does not end the run (difference f)
-            self._calls = (calls + 1, failed + unusable(e))
+            status = server_error(e)
+            down = unusable(e) or status is not None
+            self._calls = (calls + 1, failed + down)
+            if down:
+                shown = f"HTTP {status}, " if status is not None else ""
+                self._last_failure = f"{what} call to {model!r}: {shown}{type(e).__name__}: {e}"
             if unusable(e) and not self._answered:  # an absent one does: nothing of it has answered
                 raise self._unavailable(f"{what} call: {type(e).__name__}: {e}", [model]) from e
             log.error("%s %s call to %s failed: %s: %s", prefix, what, model, type(e).__name__, e)
@@ -194,8 +217,9 @@ class TextualGradient:
     ) -> str | None:
         """Ask the critic why ``current_prompt`` scored as it did (a random critique variant).
 
-        Shows ``gradient_batch_size`` randomly sampled results (all of them, with a warning, when
-        fewer are available).
+        Shows ``gradient_batch_size`` randomly sampled results (all of them when fewer are
+        available, with a warning once per round: a train set smaller than the batch makes every
+        batch of every round short).
 
         Returns:
             The critique, or ``None`` when there are no results or the call failed.
@@ -205,12 +229,14 @@ class TextualGradient:
             return None
         sampled = rollout_results
         if len(rollout_results) < self.gradient_batch_size:
-            log.warning(
-                "%s only %d results for a gradient batch of %d",
+            log.log(
+                logging.DEBUG if self._short_batch_warned else logging.WARNING,
+                "%s only %d results for a gradient batch of %d (warned once per round)",
                 prefix or "",
                 len(rollout_results),
                 self.gradient_batch_size,
             )
+            self._short_batch_warned = True
         else:
             sampled = self._rng.sample(rollout_results, self.gradient_batch_size)
         variant = self._rng.choice(self.gradient_variants)

@@ -90,7 +90,9 @@ class APO(TextualGradient, RolloutEvaluation[T_task]):
         checked before the first rollout (``check_optimizer``: ``GET /models``); a first
         optimizer call of the run that gets no connection, no answer in time, 401, 403 or 404
         (an unknown model, such as the default ``gpt-5-mini`` on a local server); and a round in
-        which every optimizer call failed so. A child that is empty or
+        which every optimizer call failed so or with a 5xx status (after the client's own retries:
+        a proxy whose backend is down; one 5xx that a later answer follows stops nothing), the
+        message naming the last failure's status. A child that is empty or
         identical to its parent is skipped. A child that is not a valid ``str.format`` template for
         the seed's placeholders, or that drops one of its parent's placeholders (the rewrite
         prompts forbid it; the task would lose its input), falls back to the parent, i.e. is
