@@ -197,12 +197,36 @@ def test_apo_refuses_each_bad_prompt_file_naming_it(
     tmp_path: Path, field: str, name: str, content: str | None, says: str
 ) -> None:
     good = tmp_path / "good.txt"
-    good.write_text("Fix {prompt_template}", encoding="utf-8")
+    evidence = "by {critique}" if field == "apply_edit_prompt_files" else "for {runs}"
+    good.write_text("Fix {prompt_template} " + evidence, encoding="utf-8")
     bad = tmp_path / name
     if content is not None:
         bad.write_bytes(content.encode("latin-1" if name == "latin1.txt" else "utf-8"))
     with pytest.raises(InvalidInputError, match=f"APO.{field}: {re.escape(repr(str(bad)))} .*{re.escape(says)}"):
         APO(object(), **{field: [good, bad]})
+
+
+MISSING_PLACEHOLDER = [  # field, file text, the placeholder it says is missing
+    ("gradient_prompt_files", "Critique this prompt given {experiments}", "{prompt_template}"),
+    ("gradient_prompt_files", "Critique {prompt_template} ({max_spans} spans a run)", "{experiments} or {runs}"),
+    ("apply_edit_prompt_files", "Rewrite {prompt_template} to be clearer", "{critique}"),
+    ("apply_edit_prompt_files", "Apply this critique: {critique}", "{prompt_template}"),
+    ("apply_edit_prompt_files", "Rewrite the prompt; no placeholder at all", "{prompt_template}"),
+]
+
+
+@pytest.mark.parametrize(("field", "text", "missing"), MISSING_PLACEHOLDER)
+def test_apo_refuses_a_prompt_file_missing_a_placeholder_every_built_in_uses(
+    tmp_path: Path, field: str, text: str, missing: str
+) -> None:
+    """A critique file that never shows the template or the runs, or a rewrite file that never shows
+    the template or the critique, was taken, and the optimizer LLM worked blind; it is refused when
+    ``APO`` is made, naming the file and the placeholder."""
+    path = tmp_path / "prompt.txt"
+    path.write_text(text, encoding="utf-8")
+    says = f"APO.{field}: {str(path)!r} never uses {missing}: every built-in variant does"
+    with pytest.raises(ValueError, match=re.escape(says)):
+        APO(object(), **{field: [path]})
 
 
 def test_a_directory_and_a_critique_placeholder_in_a_rewrite_file_are_refused(tmp_path: Path) -> None:

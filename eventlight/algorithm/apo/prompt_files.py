@@ -10,8 +10,10 @@ placeholders are those of the built-in variants:
   ``{experiments}`` (variant 01's evidence: per run its status, final reward and chat messages as
   JSON), ``{runs}`` (variant 02's evidence: per run its status, final reward and at most
   ``{max_spans}`` spans as JSON, each cut to ``{max_chars}`` characters), ``{max_spans}``,
-  ``{max_chars}``;
-* rewrite (apply-edit) files: ``{prompt_template}`` and ``{critique}``.
+  ``{max_chars}``; a file must use ``{prompt_template}`` and ``{experiments}`` or ``{runs}``, as
+  every built-in variant shows the template and the runs;
+* rewrite (apply-edit) files: ``{prompt_template}`` and ``{critique}``, both required, as in every
+  built-in variant.
 
 Each evidence placeholder gets the whole ``evidence_char_budget``. Files are read and checked once,
 when ``APO`` is made.
@@ -34,6 +36,15 @@ GRADIENT_PLACEHOLDERS = ("prompt_template", "experiments", "runs", "max_spans", 
 """Placeholders a critique file may use."""
 APPLY_EDIT_PLACEHOLDERS = ("prompt_template", "critique")
 """Placeholders a rewrite file may use."""
+GRADIENT_REQUIRED = (("prompt_template",), ("experiments", "runs"))
+"""Placeholders a critique file must use: one of each group (the critic sees the template and the runs)."""
+APPLY_EDIT_REQUIRED = (("prompt_template",), ("critique",))
+"""Placeholders a rewrite file must use (the editor sees the template and the critique)."""
+_SHOWS = {
+    "prompt_template": "the template to improve",
+    "experiments": "the runs",
+    "critique": "the critique",
+}
 _NUMBERS = frozenset({"max_spans", "max_chars"})
 
 
@@ -78,7 +89,8 @@ def gradient_files(field_name: str, paths: Any) -> tuple[GradientFile, ...]:
         InvalidInputError: See ``load``.
         InvalidTypeError: See ``load``.
     """
-    return tuple(GradientFile(f.path, f.text, f.names) for f in load(field_name, paths, GRADIENT_PLACEHOLDERS))
+    files = load(field_name, paths, GRADIENT_PLACEHOLDERS, GRADIENT_REQUIRED)
+    return tuple(GradientFile(f.path, f.text, f.names) for f in files)
 
 
 def apply_edit_files(field_name: str, paths: Any) -> tuple[ApplyEditFile, ...]:
@@ -88,18 +100,23 @@ def apply_edit_files(field_name: str, paths: Any) -> tuple[ApplyEditFile, ...]:
         InvalidInputError: See ``load``.
         InvalidTypeError: See ``load``.
     """
-    return tuple(ApplyEditFile(f.path, f.text, f.names) for f in load(field_name, paths, APPLY_EDIT_PLACEHOLDERS))
+    files = load(field_name, paths, APPLY_EDIT_PLACEHOLDERS, APPLY_EDIT_REQUIRED)
+    return tuple(ApplyEditFile(f.path, f.text, f.names) for f in files)
 
 
-def load(field_name: str, paths: Any, placeholders: tuple[str, ...]) -> list[PromptFile]:
-    """Read and check each of ``paths`` (a list or tuple of ``str`` or ``os.PathLike``, or ``None``).
+def load(
+    field_name: str, paths: Any, placeholders: tuple[str, ...], required: tuple[tuple[str, ...], ...] = ()
+) -> list[PromptFile]:
+    """Read and check each of ``paths`` (a list or tuple of ``str`` or ``os.PathLike``, or ``None``):
+    each may use ``placeholders`` and must use one of each group of ``required``.
 
     Raises:
         InvalidTypeError: ``paths`` is not a list or tuple (a single path included), or holds
             something that is no path.
         InvalidInputError: A ``.poml`` file; a file that does not exist, cannot be read or is not
-            UTF-8; an empty one; one with an unknown placeholder or that ``str.format`` cannot fill.
-            The message names the argument and the file.
+            UTF-8; an empty one; one with an unknown placeholder, that ``str.format`` cannot fill,
+            or that misses a required one. The message names the argument, the file and, for a
+            placeholder, which.
     """
     if paths is None:
         return []
@@ -108,10 +125,12 @@ def load(field_name: str, paths: Any, placeholders: tuple[str, ...]) -> list[Pro
             f"{field_name} must be a list of paths or None, got {paths!r:.80} ({type(paths).__name__})"
             + ("; put a single path in a list" if isinstance(paths, str | os.PathLike) else "")
         )
-    return [_load_one(field_name, path, placeholders) for path in paths]
+    return [_load_one(field_name, path, placeholders, required) for path in paths]
 
 
-def _load_one(field_name: str, path: Any, placeholders: tuple[str, ...]) -> PromptFile:
+def _load_one(
+    field_name: str, path: Any, placeholders: tuple[str, ...], required: tuple[tuple[str, ...], ...]
+) -> PromptFile:
     if not isinstance(path, str | os.PathLike) or not str(path):
         raise InvalidTypeError(f"{field_name} must hold paths (str or Path), got {path!r:.80} ({type(path).__name__})")
     path = Path(path)
@@ -129,7 +148,15 @@ def _load_one(field_name: str, path: Any, placeholders: tuple[str, ...]) -> Prom
         raise InvalidInputError(f"{where} cannot be read: {type(e).__name__}: {e}") from e
     if not text.strip():
         raise InvalidInputError(f"{where} is empty; it must be a user-message template using {known}")
-    return PromptFile(path, text, _check_placeholders(where, text, placeholders, known))
+    names = _check_placeholders(where, text, placeholders, known)
+    for group in required:
+        if names.isdisjoint(group):
+            missing = " or ".join(f"{{{name}}}" for name in group)
+            raise InvalidInputError(
+                f"{where} never uses {missing}: every built-in variant does, to show the optimizer LLM "
+                f"{_SHOWS[group[0]]} (the placeholders a file may use: {known})"
+            )
+    return PromptFile(path, text, names)
 
 
 def _check_placeholders(where: str, text: str, placeholders: tuple[str, ...], known: str) -> frozenset[str]:

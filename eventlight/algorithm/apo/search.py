@@ -132,11 +132,13 @@ class APO(TextualGradient, RolloutEvaluation[T_task]):
             using any of ``{prompt_template}`` (the template critiqued), ``{experiments}`` (per
             sampled run: status, final reward, chat messages as JSON), ``{runs}`` (per sampled
             run: status, final reward, at most ``{max_spans}`` spans as JSON, each cut to
-            ``{max_chars}`` characters), ``{max_spans}`` and ``{max_chars}``; a literal brace is
-            written ``{{`` or ``}}``. Agent-lightning's ``.poml`` files are refused: convert them.
+            ``{max_chars}`` characters), ``{max_spans}`` and ``{max_chars}``, and at least
+            ``{prompt_template}`` and one of ``{experiments}`` and ``{runs}`` (as every built-in
+            variant); a literal brace is written ``{{`` or ``}}``. Agent-lightning's ``.poml`` files
+            are refused: convert them.
         apply_edit_prompt_files: Paths of rewrite prompts that replace the two built-in variants,
-            as ``gradient_prompt_files``, using ``{prompt_template}`` and ``{critique}``. Not used
-            with ``edit_mode="append"``.
+            as ``gradient_prompt_files``, using both ``{prompt_template}`` and ``{critique}``. Not
+            used with ``edit_mode="append"``.
         _poml_trace: Agent-lightning's POML debug trace; eventlight has no POML renderer, so
             ``True`` only logs (INFO) that it has no effect.
 
@@ -144,8 +146,9 @@ class APO(TextualGradient, RolloutEvaluation[T_task]):
         InvalidInputError: A size or count below 1 (``beam_rounds`` below 0), a timeout not above
             0, a negative, NaN or infinite temperature, an unknown ``edit_mode``, a ``version_prefix``
             no id may start with; the message names the argument, the value and what it may be.
-            A prompt file that is ``.poml``, missing, unreadable, not UTF-8, empty, or uses an
-            unknown placeholder (or one ``str.format`` cannot fill); the message names the file.
+            A prompt file that is ``.poml``, missing, unreadable, not UTF-8, empty, uses an
+            unknown placeholder (or one ``str.format`` cannot fill) or misses a required one; the
+            message names the file (and the placeholder).
         InvalidTypeError: An argument of the wrong type (``beam_width="4"``, ``beam_rounds=2.0``, a
             ``progress`` that cannot be called, a single path instead of a list of paths).
             Both are ``ValueError`` s.
