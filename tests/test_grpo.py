@@ -351,6 +351,67 @@ async def test_a_nan_reward_or_a_foreign_token_id_skips_its_rollout_not_the_step
     assert math.isfinite(grpo.steps[-1]["train_reward"])
 
 
+async def test_failed_rollouts_are_left_out_of_the_advantages_and_counted_in_the_step() -> None:
+    """peer_failures C16 (GRPO's side): a step where some rollouts failed (and one recorded no
+    reward) trains on the others only: a failed rollout's spans are never read (its partial
+    trajectory carries a reward), neither it nor the rollout without a reward takes part in its
+    group's mean, and the step's ``skipped`` counts them beside ``GRPO.counters``."""
+    store = agl.InMemoryLightningStore()
+    grpo = GRPO(GRPOConfig(steps=1, batch_size=2, group_size=4), policy=tiny_policy(lr=1e-2))
+    grpo.set_store(store)
+    plan = [  # (group, status, reward of its triplet: None = no reward recorded)
+        (0, "failed", 1.0),
+        (0, "succeeded", 1.0),
+        (0, "succeeded", 0.0),
+        (0, "succeeded", 0.25),
+        (1, "succeeded", 1.0),
+        (1, "failed", 1.0),
+        (1, "succeeded", None),
+        (1, "succeeded", 0.0),
+    ]
+    triplets: dict[str, list[Triplet]] = {}
+    finished, rewards = [], {}
+    for k, (group, status, reward) in enumerate(plan):
+        rollout = await store.enqueue_rollout(input={}, mode="train", metadata={"group": group})
+        rid = rollout.rollout_id
+        response = {"token_ids": [12 + k, 1]}
+        triplets[rid] = [Triplet(prompt={"token_ids": [4, 10]}, response=response, reward=reward)]
+        finished.append(Rollout(rollout_id=rid, input={}, start_time=0.0, status=status, metadata=rollout.metadata))
+        if status == "succeeded" and reward is not None:
+            rewards[rid] = (group, reward)
+    read: list[str] = []
+
+    class ByRollout:
+        def adapt(self, spans):
+            return triplets[spans[0].rollout_id]
+
+    async def query_spans(rollout_id, attempt_id=None):
+        read.append(rollout_id)
+        return [agl.Span.from_attributes(attributes={}, rollout_id=rollout_id, attempt_id="a", name="llm")]
+
+    trained: list[Sample] = []
+    train_step = grpo.policy.train_step
+
+    def spy(samples, **kwargs):
+        trained.extend(samples)
+        return train_step(samples, **kwargs)
+
+    grpo.set_adapter(ByRollout())
+    store.query_spans = query_spans  # type: ignore[method-assign]
+    grpo.policy.train_step = spy
+    assert await grpo._train(0, "step0", finished, 0.0)
+    failed = {r.rollout_id for r in finished if r.status == "failed"}
+    assert failed and not failed & set(read)
+    ids = list(rewards)
+    expected = group_advantages([rewards[i][1] for i in ids], [rewards[i][0] for i in ids])
+    assert {s.rollout_id: s.advantage for s in trained} == pytest.approx(dict(zip(ids, expected, strict=True)))
+    step = grpo.steps[-1]
+    assert step["skipped"] == {"failed_rollouts": 2, "no_reward": 1}
+    assert step["sequences"] == 5 and step["rollouts"] == 8
+    assert step["train_reward"] == pytest.approx(sum(w for _, w in rewards.values()) / 5)
+    assert grpo.counters["failed_rollouts"] == 2 and grpo.counters["no_reward"] == 1
+
+
 @pytest.mark.e2e
 async def test_each_checkpoint_is_a_resources_version_and_a_run_resumes(namespace: agl.Settings, tmp_path) -> None:
     train = [{"q": f"{a} + {b}?"} for a in range(3) for b in range(3)]

@@ -3,18 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import re
 import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import nats.errors
 import pytest
+from faults import Ledger, check_log_and_read_model, stream_last_seq, workload
 
+from eventlight.core.errors import ServiceUnavailableError
 from eventlight.core.events import rollout_id_of
 from eventlight.core.types import RolloutConfig, Span
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.store.jetstream.projector import Projector
+
+PROJECTOR_LOGGER = "eventlight.store.jetstream.projector"
 
 
 async def counts(store: JetStreamLightningStore) -> tuple[int, int, int]:
@@ -298,3 +307,162 @@ async def test_the_projector_plans_its_writes_once(namespace: Settings) -> None:
                 await store.pool.release(conn)
     generic, custom = (sum(p[i] for p in plans) for i in range(2))
     assert generic >= 8 and custom == 0, f"span inserts: {generic} generic plans, {custom} custom plans"
+
+
+# -- failures of the servers under the projector ----------------------------------------------
+
+
+def _as_role(dsn: str, role: str, password: str) -> str:
+    """``dsn`` with another user and password (same host, port, database and options)."""
+    parts = urlsplit(dsn)
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{role}:{password}@{host}"))
+
+
+@contextlib.asynccontextmanager
+async def _role_of(settings: Settings, password: str) -> AsyncIterator[str]:
+    """A login role (not a superuser: Postgres exempts those from connection limits) that may read
+    and write the namespace's tables, dropped afterwards; yields its name."""
+    assert settings.pg_dsn is not None
+    role, schema = f"c25_{settings.namespace}", settings.pg_schema
+    admin = await asyncpg.connect(settings.pg_dsn)
+    try:
+        await admin.execute(f"CREATE ROLE \"{role}\" LOGIN PASSWORD '{password}'")
+        await admin.execute(f'GRANT USAGE ON SCHEMA "{schema}" TO "{role}"')
+        await admin.execute(f'GRANT ALL ON ALL TABLES IN SCHEMA "{schema}" TO "{role}"')
+        await admin.execute(f'GRANT ALL ON ALL SEQUENCES IN SCHEMA "{schema}" TO "{role}"')
+        yield role
+    finally:
+        await admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = $1 AND pid <> pg_backend_pid()",
+            role,
+        )
+        await admin.execute(f'DROP OWNED BY "{role}"')
+        await admin.execute(f'DROP ROLE IF EXISTS "{role}"')
+        await admin.close()
+
+
+async def test_postgres_out_of_connection_slots_is_named_waited_out_and_loses_nothing(
+    namespace: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """peer_failures C25: Postgres says "too many connections" because other clients hold every
+    slot (here the role's ``CONNECTION LIMIT``, which Postgres enforces as it does
+    ``max_connections``). The store's connections are cut while two other clients fill the limit:
+    runners' writes go on (NATS only); a read and a store opened meanwhile fail with
+    ``ServiceUnavailableError`` naming the cause. One slot frees: the projector leads again but
+    cannot open a connection to write with; two: it catches up. Meanwhile it retries at growing
+    intervals, one warning line a try, instead of crashing or spinning (before, a batch it could
+    not write logged a traceback every second), and the read model ends with every event once
+    (it equals a rebuild of the log)."""
+    assert namespace.pg_dsn is not None
+    admin = await asyncpg.connect(namespace.pg_dsn)
+    others: list[asyncpg.Connection] = []
+    ledger = Ledger()
+    caplog.set_level(logging.INFO, logger="eventlight")
+    password = "c25-not-shown"
+
+    def projector_lines(part: str = "") -> list[logging.LogRecord]:
+        return [r for r in caplog.records if r.name.startswith(PROJECTOR_LOGGER) and part in r.getMessage()]
+
+    def refused(part: str) -> list[str]:
+        return [r.getMessage() for r in projector_lines(part) if "too many connections" in r.getMessage()]
+
+    async def until(predicate: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + 30
+        while not predicate():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.05)
+
+    try:
+        async with _role_of(namespace, password) as role:
+            dsn = _as_role(namespace.pg_dsn, role, password)
+            async with (
+                JetStreamLightningStore(namespace) as runner,  # a runner's store: NATS only
+                JetStreamLightningStore(namespace, pg_dsn=dsn, pool_size=2) as store,
+            ):
+                await workload(runner, ledger, n=4, spans=3)
+                await store.sync_all(timeout_s=15)
+                others = [await asyncpg.connect(dsn) for _ in range(2)]  # other processes' pools
+                await admin.execute(f'ALTER ROLE "{role}" CONNECTION LIMIT 2')  # they hold every slot
+                with pytest.raises(asyncpg.TooManyConnectionsError):  # what Postgres says now
+                    await asyncpg.connect(dsn)
+                await admin.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = $1 AND pid <> ALL($2)",
+                    role,
+                    [c.get_server_pid() for c in others],
+                )  # the store's connections are gone (a Postgres restart, a proxy's idle timeout)
+                await workload(runner, ledger, n=6, spans=3)  # the runners go on meanwhile
+                last = await stream_last_seq(runner)
+                with pytest.raises(ServiceUnavailableError, match="too many connections") as read:
+                    await store.sync(last, timeout_s=1.5)
+                with pytest.raises(ServiceUnavailableError, match="too many connections") as opened:
+                    await JetStreamLightningStore(namespace, pg_dsn=dsn).start()
+                await until(lambda: len(refused("projector of")) >= 2, "the projector did not try twice to lead")
+                await others.pop().close()  # one slot frees: the lock's connection, none to write with
+                await until(store.projector.leader.is_set, "the projector did not lead again")
+                await until(lambda: len(projector_lines("projector batch")) >= 2, "no batch was tried twice")
+                await others.pop().close()
+                await store.sync(last, timeout_s=30)
+                verdict = await check_log_and_read_model(runner, namespace, ledger)
+    finally:
+        for conn in others:
+            await conn.close()
+        await admin.close()
+    assert (verdict.lost, verdict.doubled, verdict.stuck) == (0, 0, 0)
+    assert len(ledger.finished) == 10 and verdict.spans == 10 * 2 * 3
+    assert read.value.server == "Postgres" and password not in str(opened.value)
+    assert not [r for r in projector_lines() if r.levelno >= logging.ERROR or r.exc_info], "a retry logged a traceback"
+    for part in ("projector of", "batch"):  # competing for the lead, writing a batch
+        tries = refused(part)
+        delays = [float(m.group(1)) for line in tries if (m := re.search(r"retrying (?:it )?in ([\d.]+) s", line))]
+        assert len(delays) == len(tries) >= 1 and delays == sorted(delays), tries  # growing intervals
+
+
+@pytest.mark.parametrize("failure", ["server_down", "timeout_mid_fetch"])
+async def test_a_failed_fetch_is_read_again_from_the_checkpoint(
+    namespace: Settings, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, failure: str
+) -> None:
+    """peer_failures C18 on the projector's side: its pull from JetStream fails once, either before
+    anything came (``server_down``: the connection closed under the request) or after the server
+    had delivered a batch that never reached the projector (``timeout_mid_fetch``: the batch is
+    lost in the client, a gap in the consumer's delivery sequence shows it). The projector says so
+    in one warning line, reads again from its checkpoint, and the read model ends with every event
+    once (it equals a rebuild of the log)."""
+    subscribe = Projector._subscribe
+    injected: dict[str, int] = {}
+
+    async def failing_subscribe(self: Projector, after_seq: int) -> Any:
+        psub = await subscribe(self, after_seq)
+        fetch = psub.fetch
+
+        async def failing_fetch(batch: int = 1, timeout: float | None = 5, heartbeat: Any = None) -> Any:
+            if injected:  # it failed once already
+                return await fetch(batch, timeout, heartbeat)
+            if failure == "server_down":
+                injected["dropped"] = 0
+                raise nats.errors.ConnectionClosedError
+            msgs = await fetch(batch, timeout, heartbeat)
+            if msgs:
+                injected["dropped"] = len(msgs)
+                raise nats.errors.TimeoutError
+            return msgs
+
+        psub.fetch = failing_fetch
+        return psub
+
+    monkeypatch.setattr(Projector, "_subscribe", failing_subscribe)
+    caplog.set_level(logging.INFO, logger="eventlight")
+    ledger = Ledger()
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
+        await workload(store, ledger, n=8, spans=3)
+        await store.enqueue_rollout("after")  # an event after the lost batch, whenever it came
+        await store.sync_all(timeout_s=30)
+        verdict = await check_log_and_read_model(store, namespace, ledger)
+        rollouts = await store.query_rollouts()
+    assert "dropped" in injected and (failure == "server_down") == (injected["dropped"] == 0)
+    assert (verdict.lost, verdict.doubled, verdict.stuck) == (0, 0, 0)
+    assert len(rollouts) == len({r.rollout_id for r in rollouts}) == 9 and verdict.spans == 8 * 2 * 3
+    lines = [r for r in caplog.records if r.name.startswith(PROJECTOR_LOGGER) and r.levelno >= logging.WARNING]
+    assert len(lines) == 1 and not lines[0].exc_info, [r.getMessage() for r in lines]
+    expected = "ConnectionClosedError" if failure == "server_down" else "delivery 1 expected"
+    assert expected in lines[0].getMessage() and "reading again from" in lines[0].getMessage()

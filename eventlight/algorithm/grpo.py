@@ -25,7 +25,8 @@ checkpoint. A restarted run with the same ``checkpoint_dir`` resumes after its l
 Bad input is skipped and counted in ``GRPO.counters``: failed or unfinished rollouts, rollouts
 without a reward or with a NaN or infinite one (``non_finite_reward``; it would blank its whole
 group's advantages), triplets without token ids, longer than ``max_seq_len`` or with a token id the
-model has no embedding for (``token_id_out_of_range``), groups whose rewards are all equal; a step
+model has no embedding for (``token_id_out_of_range``), groups whose rewards are all equal; a step's
+record counts what it skipped (unfinished rollouts aside) in its ``skipped``. A step
 left with nothing to learn from makes no optimizer step, and ``max_empty_steps`` such steps in a row
 stop the run with ``TrainingStoppedError``.
 """
@@ -155,7 +156,9 @@ class GRPO(Algorithm):
             "mean_reward", "n", "by_split"}``, ``{"event": "step", "step", "version", "train_reward",
             "loss", "grad_norm", "step_s", "rollout_s", "held_out", "sequences", "tokens", "skipped"}``
             (``rollout_s``: seconds until the step's rollouts finished, its ``held_out`` evaluation
-            rollouts included), ``{"event": "resume", "step"}``, and while a step's rollouts run,
+            rollouts included; ``skipped``: what gave the step no sample, by reason, e.g.
+            ``{"failed_rollouts": 2, "no_reward": 1, "zero_advantage": 2}``),
+            ``{"event": "resume", "step"}``, and while a step's rollouts run,
             every ``PROGRESS_EVERY_S`` seconds, ``{"event": "rollouts", "step", "finished",
             "total", "elapsed_s"}`` (``finished``: rollouts that ended, as the read model has them;
             ``None`` when it could not be read).
@@ -385,12 +388,13 @@ class GRPO(Algorithm):
         self.counters["unfinished_rollouts"] += len(set(rollout_ids) - set(finished))
         return finished
 
-    async def _outcome(self, rollout: Rollout) -> tuple[float | None, list[Any]]:
+    async def _outcome(self, rollout: Rollout, skipped: Counter[str]) -> tuple[float | None, list[Any]]:
         """The rollout's reward and triplets (``None`` reward when it failed or recorded none): from
-        the subscription's record, else read back (``query_spans``) and adapted."""
+        the subscription's record, else read back (``query_spans``) and adapted. A failed rollout's
+        spans are never read; why a rollout gives no reward is counted in ``skipped``."""
         record = self._records.pop(rollout.rollout_id, None)
         if rollout.status != "succeeded":
-            self.counters["failed_rollouts"] += 1
+            skipped["failed_rollouts"] += 1
             return None, []
         if record is not None:
             spans, triplets = record.spans, list(record.data)
@@ -404,21 +408,23 @@ class GRPO(Algorithm):
             log.warning(
                 "GRPO: rollout %s has a reward of %r; left out like one without a reward", rollout.rollout_id, reward
             )
-            self.counters["non_finite_reward"] += 1
+            skipped["non_finite_reward"] += 1
             reward = None
         elif reward is None:
-            self.counters["no_reward"] += 1
+            skipped["no_reward"] += 1
         return reward, triplets
 
     async def _report_eval(self, step: int, version: str, rollouts: list[Rollout]) -> None:
         by_split: dict[str, list[float]] = {}
         scores: list[float] = []
+        skipped: Counter[str] = Counter()
         for r in rollouts:
-            reward, _ = await self._outcome(r)
+            reward, _ = await self._outcome(r, skipped)
             value = 0.0 if reward is None else float(reward)
             scores.append(value)
             split = r.input.get("split", "val") if isinstance(r.input, dict) else "val"
             by_split.setdefault(str(split), []).append(value)
+        self.counters.update(skipped)
         event = {
             "event": "eval",
             "step": step,
@@ -435,20 +441,22 @@ class GRPO(Algorithm):
     ) -> bool:
         """Build the step's samples and run the optimizer; ``False`` when there was nothing to learn.
         ``rollout_s``: seconds until the step's rollouts finished, ``held_out`` evaluation rollouts
-        included (they run beside the training ones)."""
+        included (they run beside the training ones). Rollouts without a usable reward (failed, none
+        recorded, not finite) or without triplets are left out of the groups' advantages and
+        counted in the step's ``skipped``, with the triplets and groups that gave no sample."""
         from eventlight.rl.batch import samples_from_triplets
         from eventlight.rl.grpo_math import group_advantages
 
         outcomes = []
+        skipped: Counter[str] = Counter()
         for r in rollouts:
-            reward, triplets = await self._outcome(r)
+            reward, triplets = await self._outcome(r, skipped)
             if reward is not None and triplets:
                 outcomes.append((r, float(reward), triplets))
             elif reward is not None:
-                self.counters["no_token_ids"] += 1
+                skipped["no_token_ids"] += 1
         groups = [(r.metadata or {}).get("group", r.rollout_id) for r, _, _ in outcomes]
         advantages = group_advantages([w for _, w, _ in outcomes], groups, scale_by_std=self.config.scale_by_std)
-        skipped: Counter[str] = Counter()
         vocab_size = self._vocab_size()
         samples = []
         for (r, _, triplets), adv in zip(outcomes, advantages, strict=True):

@@ -15,7 +15,16 @@ from eventlight.store.futures import cancels, raise_if_cancelled
 from eventlight.store.jetstream.definitions import consumer_config
 from eventlight.store.jetstream.nats_errors import NO_MESSAGES
 from eventlight.store.jetstream.projector.batch import BatchWriter
-from eventlight.store.jetstream.projector.common import BATCH, NOT_THE_EVENTS, READ_ERRORS, RETRY_S, Deposed, _Gap
+from eventlight.store.jetstream.projector.common import (
+    BATCH,
+    NOT_THE_EVENTS,
+    READ_ERRORS,
+    RETRY_MAX_S,
+    RETRY_S,
+    TRANSIENT,
+    Deposed,
+    _Gap,
+)
 from eventlight.store.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -106,7 +115,10 @@ class Consumer(BatchWriter):
         """Apply one fetched batch, retrying *this* batch until it is done (or the projector stops
         or is deposed): the checkpoint moves only past what was applied. An event that cannot be
         projected on its own is dead-lettered (``_apply_isolating``); a failure of the servers
-        (``TRANSIENT``) is retried every second."""
+        (``TRANSIENT``: Postgres refusing connections, "too many clients", a lost connection) is
+        retried after ``RETRY_S`` seconds, then at doubling intervals up to ``RETRY_MAX_S``, one
+        warning line a try (anything else also logs its traceback)."""
+        delay = RETRY_S
         while not self._stopping:
             try:
                 try:
@@ -118,11 +130,16 @@ class Consumer(BatchWriter):
                 return
             except Deposed:
                 raise
-            except Exception:
-                log.exception("projector batch (stream sequences %s) failed; retrying it in 1 s", _seq_range(msgs))
+            except Exception as e:
+                what = "projector batch (stream sequences %s) failed: %r; retrying it in %.1f s"
+                if isinstance(e, TRANSIENT):
+                    log.warning(what, _seq_range(msgs), e, delay)
+                else:
+                    log.exception(what, _seq_range(msgs), e, delay)
                 if self._lock_lost.is_set():
                     raise Deposed("the advisory-lock connection to Postgres was lost") from None
-                await asyncio.sleep(1)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RETRY_MAX_S)
 
     async def _apply_isolating(self, msgs: list[Any]) -> None:
         """Apply a batch one message at a time; a message that fails on its own with anything but a
