@@ -466,3 +466,46 @@ async def test_a_failed_fetch_is_read_again_from_the_checkpoint(
     assert len(lines) == 1 and not lines[0].exc_info, [r.getMessage() for r in lines]
     expected = "ConnectionClosedError" if failure == "server_down" else "delivery 1 expected"
     assert expected in lines[0].getMessage() and "reading again from" in lines[0].getMessage()
+
+
+async def test_the_leaders_retry_waits_as_long_as_its_warning_says(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A leader that fails in a row waits 0.5, 1, 2, 4, 5, 5 s, and each warning names the wait
+    that follows it (it used to name half of it)."""
+    from types import SimpleNamespace
+
+    from eventlight.store.jetstream.projector import leader
+
+    p = Projector.__new__(Projector)
+    p._stopping = False
+    p.term = 0
+    p.last_error = None
+    p._decided = asyncio.Event()
+    p.log = SimpleNamespace(settings=SimpleNamespace(namespace="el_retry"))  # type: ignore[assignment]
+    tries = 0
+
+    async def lead() -> None:
+        nonlocal tries
+        tries += 1
+        if tries > 6:
+            p._stopping = True
+            return
+        raise ConnectionRefusedError("postgres is down")
+
+    async def step_down() -> None:
+        return None
+
+    waits: list[float] = []
+
+    async def sleep(s: float) -> None:
+        waits.append(s)
+
+    monkeypatch.setattr(p, "_lead", lead)
+    monkeypatch.setattr(p, "_step_down", step_down)
+    monkeypatch.setattr(leader.asyncio, "sleep", sleep)
+    with caplog.at_level(logging.WARNING, logger=leader.__name__):
+        await p._run()
+    said = [float(m) for m in re.findall(r"retrying in ([\d.]+) s", caplog.text)]
+    assert waits == [0.5, 1.0, 2.0, 4.0, 5.0, 5.0]
+    assert said == waits

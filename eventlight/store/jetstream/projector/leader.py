@@ -137,21 +137,23 @@ class Projector(Consumer):
 
     async def _run(self) -> None:
         """Lead, and when leadership ends (lock lost, deposed, a server failure) compete again."""
-        delay = RETRY_S
+        failures = 0  # in a row: the wait after the n-th is RETRY_S * 2**(n-1), at most RETRY_MAX_S
         base = cancels()
         while not self._stopping:
             raise_if_cancelled(base)  # one a wait_for swallowed (3.11): stop, as asyncio.run's exit asks
+            delay = RETRY_S
             try:
                 await self._lead()
-                delay = RETRY_S
+                failures = 0
             except Deposed as e:
                 log.warning("projector of %s stopped leading (term %d): %s", self.log.settings.namespace, self.term, e)
                 self.last_error = e
-                delay = RETRY_S
+                failures = 0
             except Exception as e:  # Postgres or NATS down: wait and compete again
+                delay = min(RETRY_S * 2**failures, RETRY_MAX_S)
+                failures += 1
                 log.warning("projector of %s: %r; retrying in %.1f s", self.log.settings.namespace, e, delay)
                 self.last_error = e
-                delay = min(delay * 2, RETRY_MAX_S)
             finally:
                 self._decided.set()
                 await self._step_down()
