@@ -7,6 +7,7 @@ Skipped without the ``rl`` extra (torch, transformers).
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from collections import Counter
 
@@ -164,9 +165,73 @@ async def test_a_policy_server_stopped_under_a_request_answers_it_at_once(caplog
         release.set()
         await server.stop()
     assert [a.status_code for a in answers] == [503, 503]
-    assert answers[0].json()["error"]["code"] == "server_stopping"
+    assert answers[0].json()["error"]["type"] == "server_stopping"
     assert stop_s < 3, stop_s
     assert "Exception in ASGI application" not in caplog.text
+
+
+async def test_the_policy_servers_errors_are_openai_error_objects_shaped_as_the_proxys(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The policy server answered its 503 ``{"type": "server_error", "code": "server_stopping"}``
+    where the LLM proxy answers ``{"type": "server_stopping", "code": 503}``; an unknown route got
+    FastAPI's ``{"detail": "Not Found"}``, and a ``max_tokens`` that is no number or a body that is
+    no object a plain-text 500 with a traceback in the log. Each is now OpenAI's error object, as
+    the proxy's, read here with the OpenAI SDK."""
+    import threading
+
+    import openai
+
+    from eventlight.llm_proxy.routes import STOPPING, STOPPING_TYPE
+    from eventlight.llm_proxy.upstream import CallError
+
+    policy = tiny_policy()
+    release = threading.Event()
+
+    def generate(*args, **kwargs):  # a generation that takes until the server stops
+        release.wait(30)
+        raise RuntimeError("released")
+
+    policy.generate = generate
+    server = PolicyServer(policy, max_context_tokens=64)
+    await server.start()
+    client = openai.AsyncOpenAI(base_url=server.endpoint, api_key="dummy", max_retries=0, timeout=30)
+    hi = [{"role": "user", "content": "2 + 3?"}]
+    errors: dict[str, openai.APIStatusError] = {}
+    try:
+        for name, call in {
+            "max_tokens": client.chat.completions.create(model="p", messages=hi, max_tokens="four"),  # type: ignore[arg-type]
+            "context": client.chat.completions.create(model="p", messages=hi, max_tokens=60),
+            "no messages": client.chat.completions.create(model="p", messages=[]),
+            "route": client.models.retrieve("p"),
+            "list body": client.post("/chat/completions", body=[1], cast_to=object),
+        }.items():
+            with pytest.raises(openai.APIStatusError) as raised:
+                await call
+            errors[name] = raised.value
+        waiting = asyncio.create_task(client.chat.completions.create(model="p", messages=hi, max_tokens=4))
+        while not server._waiting:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+        await server.stop()
+        with pytest.raises(openai.APIStatusError) as raised:
+            await waiting
+        errors["stopping"] = raised.value
+    finally:
+        release.set()
+        await server.stop()
+        await client.close()
+    statuses = {name: e.status_code for name, e in errors.items()}
+    assert statuses == {"max_tokens": 400, "context": 400, "no messages": 400, "route": 404, "list body": 400,
+                        "stopping": 503}, statuses  # fmt: skip
+    for e in errors.values():  # the proxy's shape: the four keys, a one-line message
+        assert isinstance(e.body, dict) and set(e.body) == {"message", "type", "param", "code"}, e.body
+    proxys = json.loads(CallError(503, STOPPING_TYPE, STOPPING).openai_response().body)["error"]
+    stopping = errors["stopping"].body
+    assert isinstance(stopping, dict) and (stopping["type"], stopping["code"]) == (proxys["type"], proxys["code"])
+    assert (errors["max_tokens"].param, errors["max_tokens"].type) == ("max_tokens", "invalid_request_error")
+    assert errors["context"].code == "context_length_exceeded" and errors["context"].param == "messages"
+    assert errors["route"].type == "not_found_error"
+    assert "Traceback" not in caplog.text and "Exception in ASGI application" not in caplog.text
 
 
 # -- one real optimizer step --------------------------------------------------------------------

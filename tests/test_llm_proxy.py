@@ -1080,3 +1080,113 @@ def test_the_body_limit_defaults_to_32_mib_and_refuses_nonsense() -> None:
     for bad in (0, -1, 1.5, "1MB", True):
         with pytest.raises(ValueError, match="max_body_bytes"):
             LLMProxy(port=12345, max_body_bytes=bad)
+
+
+async def _start_body(proxy: LLMProxy, path: str, length: int, first: bytes) -> tuple[asyncio.StreamReader, Any]:
+    """Open a raw connection and send a POST's head (``Content-Length: length``) and ``first`` bytes of its body."""
+    reader, writer = await asyncio.open_connection(proxy.host, proxy.port)
+    head = f"POST {path} HTTP/1.1\r\nHost: {proxy.host}\r\nContent-Type: application/json\r\nContent-Length: {length}"
+    writer.write(head.encode() + b"\r\n\r\n" + first)
+    await writer.drain()
+    return reader, writer
+
+
+async def _read_answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], Any]:
+    """The status, headers (lower-cased names) and JSON body of the answer on a raw connection (15 s at most)."""
+    status_line = await asyncio.wait_for(reader.readline(), 15)
+    head = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 15)).decode()
+    headers = {k.lower(): v for k, v in (line.split(": ", 1) for line in head.split("\r\n") if ": " in line)}
+    return int(status_line.split()[1]), headers, json.loads(await reader.readexactly(int(headers["content-length"])))
+
+
+async def _until(condition: Any, what: str) -> None:
+    """Wait for ``condition()`` (the proxy's side of a raw connection), failing after 15 s."""
+    for _ in range(1500):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"never: {what}")
+
+
+async def test_bodies_held_at_once_are_capped_and_a_stalled_body_times_out() -> None:
+    """Nothing capped the request bodies the proxy held at once (N clients each sending a body just
+    under ``max_body_bytes`` held N times it), and a client that sent its headers and then stalled
+    held its call for ever. Now a call that would take the bytes held past ``max_buffered_bytes``
+    gets 503 ``server_busy`` with ``Retry-After`` (which the OpenAI SDK honours), and a body without
+    a byte for ``body_timeout_s`` gets 408 ``request_timeout`` and its connection closed; both in
+    OpenAI's error object, nothing forwarded or recorded."""
+    limit = 64 * 1024
+    store = InMemoryLightningStore()
+    stub = ScriptedLLM(responses="x")
+    limits = {"max_body_bytes": limit, "max_buffered_bytes": limit + 1000, "body_timeout_s": 0.5}
+    async with stub as url, running_proxy(url, store, **limits) as proxy:
+        rollout = await store.start_rollout(input={})
+        path = f"/rollout/{rollout.rollout_id}/attempt/{rollout.attempt.attempt_id}/v1/chat/completions"
+        reader, writer = await _start_body(proxy, path, limit - 100, b'{"model": "')
+        try:
+            await _until(lambda: proxy._body_reads.held_bytes == limit - 100, "the stalled body counted whole")
+            client = openai.AsyncOpenAI(base_url=proxy.endpoint, api_key="dummy", max_retries=0)
+            with pytest.raises(openai.InternalServerError) as busy:
+                await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "y" * 2000}])
+            await client.close()
+            assert busy.value.status_code == 503 and busy.value.response.headers["retry-after"] == "1"
+            assert busy.value.type == "server_busy" and "the LLM proxy's max_buffered_bytes" in busy.value.message
+            status, headers, body = await _read_answer(reader)  # the stalled one, after body_timeout_s
+            assert await asyncio.wait_for(reader.read(), 15) == b""  # and its connection closed
+        finally:
+            writer.close()
+    assert status == 408 and headers["connection"] == "close", (status, headers, body)
+    assert body["error"]["type"] == "request_timeout" and body["error"]["code"] == 408, body
+    assert "came for 0.5 s (11 of 65436 bytes read)" in body["error"]["message"], body
+    assert "the LLM proxy's body_timeout_s" in body["error"]["message"], body
+    assert proxy._body_reads.held_bytes == 0
+    assert stub.requests == [] and proxy.health.calls == 0
+    assert await spans_of(store, rollout.rollout_id) == []
+
+
+def test_the_body_limits_default_and_refuse_nonsense() -> None:
+    proxy = LLMProxy(port=12345)
+    assert (proxy._max_buffered_bytes, proxy._body_timeout_s) == (256 * 1024 * 1024, 30.0)
+    assert LLMProxy(port=12345, max_body_bytes=128 * 1024 * 1024)._max_buffered_bytes == 512 * 1024 * 1024
+    with pytest.raises(ValueError, match="max_buffered_bytes"):
+        LLMProxy(port=12345, max_body_bytes=1000, max_buffered_bytes=999)
+    for bad in (0, -1.0, float("nan"), "30"):
+        with pytest.raises(ValueError, match="body_timeout_s"):
+            LLMProxy(port=12345, body_timeout_s=bad)
+
+
+async def test_stop_answers_a_call_still_sending_its_body_503_without_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The proxy stopped while a call was still sending its body: nothing answered it until
+    uvicorn's shutdown timeout cancelled it, with "Exception in ASGI application" and a traceback.
+    Now it answers 503 ``server_stopping`` when ``stop()`` cuts the calls in flight, and a call
+    arriving once ``stop()`` began answers the same at once."""
+    import eventlight.llm_proxy.server as server_module
+
+    monkeypatch.setattr(server_module, "_SHUTDOWN_TIMEOUT_S", 1.0)
+    store = InMemoryLightningStore()
+    async with ScriptedLLM(responses="x") as url:
+        proxy = LLMProxy(model_list=model_list(url), store=store)
+        await proxy.start()
+        reader, writer = await _start_body(proxy, "/v1/chat/completions", 1000, b'{"model": "')
+        try:
+            await _until(lambda: proxy._body_reads.reading == 1, "the body read in progress")
+            with caplog.at_level(logging.INFO):
+                await proxy.stop()
+                status, _, body = await _read_answer(reader)
+                logged = list(caplog.records)
+        finally:
+            writer.close()
+            await proxy.stop()
+        late = LLMProxy(model_list=model_list(url), store=store)
+        late._body_reads.stop()  # as stop() does first: a call arriving now
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=late.app), base_url="http://proxy") as http:
+            r = await http.post("/v1/chat/completions", json={"model": MODEL, "messages": []})
+    assert status == 503 and body["error"]["type"] == "server_stopping", body
+    assert "stopped while the request body was still arriving (11 of 1000 bytes read)" in body["error"]["message"]
+    lines = [f"{r.levelname} {r.name}: {r.getMessage()}" for r in logged]
+    assert not [r for r in logged if r.exc_info or r.levelno >= logging.ERROR], lines
+    assert "Traceback" not in capfd.readouterr().err
+    assert r.status_code == 503 and r.json()["error"]["type"] == "server_stopping", r.text
+    assert "takes no new requests" in r.json()["error"]["message"]

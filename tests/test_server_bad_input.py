@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import json
 import logging
 import re
 from collections.abc import AsyncIterator
@@ -576,3 +577,110 @@ async def test_openapi_describes_every_route_and_binds_loopback_by_default() -> 
     enqueue = spec["paths"]["/v1/agl/queues/rollouts/enqueue"]["post"]
     ref = enqueue["requestBody"]["content"]["application/json"]["schema"]["$ref"]
     assert ref.rsplit("/", 1)[-1] in spec["components"]["schemas"]
+
+
+# -- bodies held at once, bodies that stall ----------------------------------------------------------
+
+
+async def _start_body(port: int, path: str, length: int, first: bytes) -> tuple[asyncio.StreamReader, Any]:
+    """Open a raw connection and send a POST's head (``Content-Length: length``) and ``first`` bytes of its body."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
+    )
+    writer.write(head.encode() + first)
+    await writer.drain()
+    return reader, writer
+
+
+async def _read_answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    """The status, headers (lower-cased names) and body of the answer on a raw connection (15 s at most)."""
+    status_line = await asyncio.wait_for(reader.readline(), 15)
+    head = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 15)).decode()
+    headers = {k.lower(): v for k, v in (line.split(": ", 1) for line in head.split("\r\n") if ": " in line)}
+    return int(status_line.split()[1]), headers, await reader.readexactly(int(headers["content-length"]))
+
+
+async def _until(condition: Any, what: str) -> None:
+    """Wait for ``condition()`` (the server's side of a raw connection), failing after 15 s."""
+    for _ in range(1500):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"never: {what}")
+
+
+async def test_bodies_held_at_once_are_capped_with_503_and_retry_after() -> None:
+    """Nothing capped the request bodies held at once: N clients each sending a body just under the
+    limit made the server hold N times the limit. Now a body that would take the bytes held past
+    ``max_buffered_bytes`` gets 503 with ``Retry-After`` (the store's error shape, OTLP's ``Status``
+    on ``/v1/traces``), and the bytes are given back once a body is answered."""
+    limit = 64 * 1024
+    async with agl.InMemoryLightningStore() as store:
+        server = agl.LightningStoreServer(
+            store, port=free_port(), max_body_bytes=limit, max_buffered_bytes=limit + 1000
+        )
+        async with server, httpx.AsyncClient(base_url=server.endpoint) as client:
+            reads = server.app.state.body_reads
+            reader, writer = await _start_body(server.port, "/v1/agl/queues/rollouts/enqueue", limit - 100, b"[")
+            await _until(lambda: reads.held_bytes == limit - 100, "the stalled body counted whole")
+            second = b"[" + b" " * 2000 + b"]"
+            r = await client.post("/v1/agl/queues/rollouts/enqueue", content=second, headers=JSON)
+            assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+            assert r.json()["error_type"] == "ServiceUnavailableError" and r.json()["retryable"] is True
+            assert f"limit of {limit + 1000} bytes held at once" in r.json()["detail"], r.text
+            r = await client.post("/v1/traces", content=b"\x00" * 2000, headers=PB)
+            assert r.status_code == 503 and _status(r, PB["Content-Type"]).code == code_pb2.UNAVAILABLE
+            writer.close()  # the client goes away: its bytes are given back
+            await _until(lambda: reads.held_bytes == 0, "the bytes given back")
+            r = await client.post("/v1/agl/queues/rollouts/enqueue", content=second, headers=JSON)
+            assert r.status_code != 503, r.text  # taken (and answered for what it says)
+    with pytest.raises(ValueError, match="max_buffered_bytes"):
+        agl.LightningStoreServer(store, max_body_bytes=limit, max_buffered_bytes=limit - 1)
+
+
+async def test_a_body_that_stalls_gets_408_and_its_connection_closed() -> None:
+    """uvicorn has no body-read timeout: a client that sent its headers and a few bytes of its body,
+    then nothing, held its request for ever (here: no answer within 15 s). Now ``body_timeout_s``
+    without a byte answers 408 in the store's error shape and closes the connection."""
+    async with agl.InMemoryLightningStore() as store:
+        server = agl.LightningStoreServer(store, port=free_port(), body_timeout_s=0.2)
+        async with server:
+            reader, writer = await _start_body(server.port, "/v1/agl/queues/rollouts/enqueue", 1000, b"[{")
+            try:
+                status, headers, body = await _read_answer(reader)
+                assert await asyncio.wait_for(reader.read(), 15) == b""  # closed by the server
+            finally:
+                writer.close()
+            assert server.app.state.body_reads.held_bytes == 0
+    assert status == 408 and headers["connection"] == "close", (status, headers, body)
+    answer = json.loads(body)
+    assert answer["error_type"] == "RequestTimeout" and answer["retryable"] is True, answer
+    assert "no byte of the request body came for 0.2 s (2 of 1000 bytes read)" in answer["detail"], answer
+
+
+async def test_stop_answers_a_request_still_sending_its_body_503_without_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``eventlight serve`` stopped (SIGTERM) while a client was still sending a body: nothing
+    answered it until uvicorn's shutdown timeout cancelled it with "Exception in ASGI application"
+    and a traceback. Now it answers 503 ``ServiceUnavailableError`` (retryable) before that."""
+    import eventlight.server.serving as serving
+
+    monkeypatch.setattr(serving, "_CUT_READS_AFTER_S", 0.5)
+    async with agl.InMemoryLightningStore() as store:
+        server = agl.LightningStoreServer(store, port=free_port())
+        await server.start()
+        reader, writer = await _start_body(server.port, "/v1/agl/queues/rollouts/enqueue", 1000, b"[{")
+        try:
+            await _until(lambda: server.app.state.body_reads.reading == 1, "the body read in progress")
+            with caplog.at_level(logging.INFO):
+                await server.stop()
+                status, _, body = await _read_answer(reader)
+        finally:
+            writer.close()
+            await server.stop()
+    answer = json.loads(body)
+    assert status == 503 and answer["error_type"] == "ServiceUnavailableError" and answer["retryable"], answer
+    assert "stopped while the request body was still arriving (2 of 1000 bytes read)" in answer["detail"], answer
+    assert "Exception in ASGI application" not in caplog.text and "Traceback" not in caplog.text

@@ -59,19 +59,22 @@ async def _open_store(settings: Settings, backend: Backend) -> Any:
     return await JetStreamLightningStore(settings, nats_url=nats.url, pg_dsn=pg.url).start()
 
 
-async def _serve(settings: Settings, backend: Backend, host: str, port: int, token: str | None, max_body: int) -> int:
+async def _serve(
+    settings: Settings, backend: Backend, host: str, port: int, token: str | None, limits: dict[str, Any]
+) -> int:
     """Serve until SIGTERM, holding a lease on the embedded servers meanwhile (no trainer's run stops
     them under it; the last to give one up stops the servers a run started)."""
     lease = await _lease(settings, "eventlight serve") if backend is Backend.jetstream else None
     try:
-        return await _serve_store(settings, backend, host, port, token, max_body)
+        return await _serve_store(settings, backend, host, port, token, limits)
     finally:
         await _release(lease)
 
 
 async def _serve_store(
-    settings: Settings, backend: Backend, host: str, port: int, token: str | None, max_body: int
+    settings: Settings, backend: Backend, host: str, port: int, token: str | None, limits: dict[str, Any]
 ) -> int:
+    """Serve ``backend`` until SIGTERM; ``limits``: ``LightningStoreServer``'s body limits by name."""
     from eventlight.server.serving import LightningStoreServer
 
     store = await _open_store(settings, backend)
@@ -83,7 +86,7 @@ async def _serve_store(
         "namespace": settings.namespace,
         "store": type(store).__name__,
     }
-    server = LightningStoreServer(store, host, port, token=token, max_body_bytes=max_body, identity=identity)
+    server = LightningStoreServer(store, host, port, token=token, identity=identity, **limits)
     stop = asyncio.Event()
     code = 0
 
@@ -134,6 +137,17 @@ def serve(
         Backend, typer.Option(help="jetstream: the namespace on NATS + Postgres; memory: a store in this process.")
     ] = Backend.jetstream,
     max_body_bytes: Annotated[int, typer.Option(min=1, help="Largest request body (413 above).")] = 16 * 1024 * 1024,
+    max_buffered_bytes: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Most request-body bytes held by all requests at once (503 with Retry-After above); "
+            "default 256 MiB, or 4 x --max-body-bytes when larger.",
+        ),
+    ] = None,
+    body_timeout_s: Annotated[
+        float, typer.Option(min=0.001, help="Seconds a request body may go without a byte arriving (408 after).")
+    ] = 30.0,
     namespace: NamespaceOpt = None,
 ) -> None:
     """Serve the namespace's store over HTTP: Agent-lightning 0.3.0's /v1/agl routes (its
@@ -159,8 +173,17 @@ def serve(
     settings = _settings(namespace)
     _check_port(host, port)
     token = token or settings.server_token
+    limits = {
+        "max_body_bytes": max_body_bytes,
+        "max_buffered_bytes": max_buffered_bytes,
+        "body_timeout_s": body_timeout_s,
+    }
+    if max_buffered_bytes is not None and max_buffered_bytes < max_body_bytes:
+        raise CliError(
+            f"--max-buffered-bytes ({max_buffered_bytes}) must be at least --max-body-bytes ({max_body_bytes})"
+        )
     try:
-        code = asyncio.run(_serve(settings, backend, host, port, token, max_body_bytes))
+        code = asyncio.run(_serve(settings, backend, host, port, token, limits))
     except KeyboardInterrupt:
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except OSError as e:  # the port was taken between the check and the start

@@ -19,14 +19,15 @@ from eventlight.llm_proxy.span_attributes import make_span
 from eventlight.llm_proxy.sse import aiter_chunks, chat_completion_to_sse
 from eventlight.llm_proxy.upstream import (
     CHECK_HEADER,
+    STOPPING_TYPE,
     CallError,
     error_response,
-    refuse_too_large,
+    refuse_body,
     refuse_unauthorized,
     upstream_error,
 )
 from eventlight.server.auth import BearerAuth
-from eventlight.server.limits import BodyLimit
+from eventlight.server.limits import BodyLimit, BodyReads
 
 if TYPE_CHECKING:
     from eventlight.store.base import LightningStore
@@ -35,8 +36,6 @@ log = logging.getLogger(__name__)
 
 STOPPING = "the call was cancelled before the upstream answered (the LLM proxy stopped)"
 """The message of a call cut by ``LLMProxy.stop``: its 503 answer's and its span's ``error.message``."""
-STOPPING_TYPE = "server_stopping"
-"""The ``type`` of that 503's OpenAI error object."""
 
 
 def _refuse_constant(name: str) -> Any:
@@ -54,6 +53,9 @@ class ChatRoutes(Forwarding):
     metrics: ProxyMetrics
     _token: str | None
     _max_body_bytes: int
+    _max_buffered_bytes: int | None
+    _body_timeout_s: float | None
+    _body_reads: BodyReads
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="eventlight LLM proxy", docs_url=None, redoc_url=None, openapi_url=None)
@@ -65,7 +67,14 @@ class ChatRoutes(Forwarding):
 
         app.add_exception_handler(Exception, internal_error)
         # Inside BearerAuth: a request without the token gets its 401 whatever its size.
-        app.add_middleware(BodyLimit, max_body_bytes=self._max_body_bytes, refuse=refuse_too_large)
+        app.add_middleware(
+            BodyLimit,
+            max_body_bytes=self._max_body_bytes,
+            max_buffered_bytes=self._max_buffered_bytes,
+            body_timeout_s=self._body_timeout_s,
+            refuse=refuse_body,
+            reads=self._body_reads,
+        )
         if self._token:  # every route, /health and /metrics included
             hint = "the LLM proxy asks for a token: use it as the OpenAI or Anthropic client's api_key"
             app.add_middleware(

@@ -20,12 +20,10 @@ from eventlight.credentials import check_bearer_token
 from eventlight.llm_health import LLMCallHealth
 from eventlight.llm_proxy.forwarding import _SPAN_WAIT_S
 from eventlight.llm_proxy.metrics import ProxyMetrics
-from eventlight.llm_proxy.routes import STOPPING_TYPE, ChatRoutes
-from eventlight.llm_proxy.upstream import (
-    check_model_list,
-    check_models,
-)
+from eventlight.llm_proxy.routes import ChatRoutes
+from eventlight.llm_proxy.upstream import STOPPING_TYPE, check_model_list, check_models
 from eventlight.net import free_port, tcp_listener
+from eventlight.server.limits import DEFAULT_BODY_TIMEOUT_S, BodyReads, check_body_limits, max_buffered_bytes_for
 from eventlight.settings import proxy_token_from_env
 
 if TYPE_CHECKING:
@@ -90,9 +88,16 @@ class LLMProxy(ChatRoutes):
             counted while it arrives (``eventlight.server.limits.BodyLimit``, as ``eventlight serve``):
             a ``Content-Length`` above it is refused before a byte is read, a chunked body as soon as
             it passes it, so a huge body is never buffered whole. Nothing is forwarded or recorded.
+        max_buffered_bytes: The most request-body bytes held by all calls at once, counted from a
+            body's first byte (its whole ``Content-Length``) until the call is answered; a call that
+            would pass it gets 503 with ``Retry-After: 1`` (``type`` ``server_busy``; the OpenAI SDK
+            retries it). Default: 256 MiB, or 4 × ``max_body_bytes`` when larger.
+        body_timeout_s: Seconds a request body may go without a byte arriving; then 408 (``type``
+            ``request_timeout``) and the connection is closed (default 30; ``None``: no timeout).
 
     Raises:
-        ValueError: A ``model_list`` entry is malformed, ``num_retries < 0``, or ``max_body_bytes < 1``.
+        ValueError: A ``model_list`` entry is malformed, ``num_retries < 0``, ``max_body_bytes < 1``,
+            ``max_buffered_bytes < max_body_bytes``, or ``body_timeout_s`` is not a positive number.
         InvalidInputError: ``$EVENTLIGHT_PROXY_TOKEN_FILE`` cannot be read or is empty, or the token
             holds a space or a character outside visible ASCII (no client could send it).
     """
@@ -110,12 +115,16 @@ class LLMProxy(ChatRoutes):
         health: LLMCallHealth | None = None,
         token: str | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        max_buffered_bytes: int | None = None,
+        body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S,
     ):
         if num_retries < 0:
             raise ValueError(f"num_retries must be >= 0, got {num_retries}")
-        if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
-            raise ValueError(f"max_body_bytes must be a whole number of bytes >= 1, got {max_body_bytes!r}")
+        check_body_limits(max_body_bytes, max_buffered_bytes, body_timeout_s)
         self._max_body_bytes = max_body_bytes
+        self._max_buffered_bytes = max_buffered_bytes or max_buffered_bytes_for(max_body_bytes)
+        self._body_timeout_s = body_timeout_s
+        self._body_reads = BodyReads()  # the body limit's state: stop() refuses new calls, then cuts reads
         self._host = host or "127.0.0.1"
         self._port = int(port) if port is not None else free_port(self._host)
         self._model_list = check_model_list(model_list or [])
@@ -271,6 +280,7 @@ class LLMProxy(ChatRoutes):
             log.warning("LLMProxy starts without a store: calls are forwarded but no span is recorded")
         self._router = self._build_router()
         self._cut = False
+        self._body_reads.reopen()
         sock = tcp_listener(self._host)  # Nagle off on every accepted connection
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -304,18 +314,22 @@ class LLMProxy(ChatRoutes):
     async def stop(self) -> None:
         """Stop serving and wait for spans still being published; idempotent.
 
-        Calls in flight get up to 5 s to finish. Then those still waiting for their backend are cut:
-        each answers 503 with OpenAI's error object (``type`` ``server_stopping``; Anthropic's on
-        the Messages route), a routed one is recorded as a span with status ``ERROR``
+        A call arriving from now on answers 503 with OpenAI's error object (``type``
+        ``server_stopping``) at once. Calls in flight get up to 5 s to finish. Then those still
+        sending their request body, or still waiting for their backend, are cut: each answers 503
+        ``server_stopping`` (Anthropic's error object on the Messages route once its body is in), a
+        routed one waiting for its backend is recorded as a span with status ``ERROR``
         (``error.type`` ``Cancelled``, ``http.status_code`` 503), and one warning says how many
-        there were. A request still unanswered 5 s later has its connection dropped.
+        waited for their backend. A request still unanswered 5 s later has its connection dropped.
         """
         server, task = self._server, self._serve_task
         self._server, self._serve_task = None, None
         if server is not None and task is not None:
             server.should_exit = True
+            self._body_reads.stop()
             done, _ = await asyncio.wait({task}, timeout=_SHUTDOWN_TIMEOUT_S)
             if not done:
+                self._body_reads.cut()
                 cut = self._cut_forwards()
                 if cut:
                     log.warning(

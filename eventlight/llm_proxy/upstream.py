@@ -17,6 +17,8 @@ from litellm.router import Router
 from starlette.types import Scope
 
 from eventlight.core.errors import LLMUnavailableError
+from eventlight.server.limits import REFUSAL_STATUS, RefusalReason
+from eventlight.server.openai_errors import SERVER_STOPPING, openai_error
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +35,9 @@ def error_message(response: httpx.Response) -> str:
     return " ".join(str(message).split())[:300]
 
 
-def error_response(status: int, message: str, err_type: str, *, param: Any = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
-    return JSONResponse(body, status_code=status)
+def error_response(status: int, message: str, err_type: str, *, param: str | None = None) -> JSONResponse:
+    """OpenAI's error object with ``code`` = ``status`` (``eventlight.server.openai_errors``)."""
+    return openai_error(status, message, err_type, param=param)
 
 
 @dataclass(frozen=True)
@@ -63,14 +65,27 @@ class CallError:
 def refuse_unauthorized(message: str, scope: Scope) -> JSONResponse:
     """The proxy's 401: OpenAI's own error object for a missing or wrong key (``BearerAuth``'s ``refuse``;
     the same on every route, so ``scope`` is not read)."""
-    body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}
-    return JSONResponse(body, status_code=401)
+    return openai_error(401, message, "invalid_request_error", code="invalid_api_key")
 
 
-def refuse_too_large(message: str, scope: Scope) -> JSONResponse:
-    """The proxy's 413 for a request body over ``max_body_bytes`` (``BodyLimit``'s ``refuse``), as an OpenAI
-    error (the same on every route, so ``scope`` is not read)."""
-    return error_response(413, f"{message} (the LLM proxy's max_body_bytes)", "invalid_request_error")
+STOPPING_TYPE = SERVER_STOPPING
+"""The ``type`` of the OpenAI error object of a call the stopping proxy did not take or cut (503)."""
+
+_BODY_REFUSALS: dict[RefusalReason, tuple[str, str]] = {
+    "too_large": ("invalid_request_error", " (the LLM proxy's max_body_bytes)"),
+    "busy": ("server_busy", " (the LLM proxy's max_buffered_bytes)"),
+    "timeout": ("request_timeout", " (the LLM proxy's body_timeout_s)"),
+    "stopping": (STOPPING_TYPE, ""),
+}
+
+
+def refuse_body(reason: RefusalReason, message: str, scope: Scope) -> JSONResponse:
+    """The proxy's answer to a request body ``BodyLimit`` refuses (its ``refuse``), as OpenAI's error
+    object on every route (``scope`` is not read): 413 ``invalid_request_error`` over ``max_body_bytes``,
+    503 ``server_busy`` over ``max_buffered_bytes``, 408 ``request_timeout`` past ``body_timeout_s``,
+    503 ``server_stopping`` while the proxy stops."""
+    err_type, setting = _BODY_REFUSALS[reason]
+    return error_response(REFUSAL_STATUS[reason], f"{message}{setting}", err_type)
 
 
 def upstream_error(exc: BaseException) -> tuple[int, str, str]:

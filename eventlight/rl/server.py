@@ -9,15 +9,22 @@ Concurrent requests with the same sampling settings are generated as one left-pa
 requests that arrive while a batch is generating form the next one. ``model`` in an answer is the
 version of the weights that produced it (``set_version``).
 
-Errors: a prompt longer than ``max_context_tokens`` (with ``max_tokens``) answers 400
-``context_length_exceeded``; a request without messages answers 400; a request still waiting for
-its generation when the server stops answers 503 ``server_stopping`` at once.
+Errors come back in OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``, as
+the LLM proxy answers them (``eventlight.server.openai_errors``): a prompt longer than
+``max_context_tokens`` (with ``max_tokens``) answers 400 ``invalid_request_error`` with ``code``
+``context_length_exceeded`` (OpenAI's); a body that is not a JSON object, without messages, or with
+a sampling field of the wrong type (``max_tokens``, ``temperature``, ``top_p``) answers 400
+``invalid_request_error`` naming it in ``param``; a request still waiting for its generation when
+the server stops answers 503 ``server_stopping`` at once, as the proxy's own; a failed generation
+500 ``internal_error``; an unknown route 404, a wrong method 405, and any other failure 500, never a
+traceback.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import socket
 import time
@@ -29,8 +36,10 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eventlight.rl.policy import Generation, Policy
+from eventlight.server.openai_errors import SERVER_STOPPING, openai_error
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +67,49 @@ _SHUTDOWN_TIMEOUT_S = 5
 """Seconds ``stop`` leaves requests in flight (e.g. reading a body) before uvicorn cancels them."""
 
 
-def _error(status: int, message: str, code: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(
-        {"error": {"message": message, "type": kind, "param": None, "code": code}},
-        status_code=status,
-    )
+class _BadRequest(Exception):
+    """A request the server cannot take: 400 ``invalid_request_error``, naming the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+    def response(self) -> JSONResponse:
+        return openai_error(400, str(self), "invalid_request_error", param=self.param, code=self.code)
+
+
+def _sampling_value(body: dict[str, Any], names: tuple[str, ...], default: float, *, whole: bool) -> float:
+    """The first of ``names`` that ``body`` sets (``None`` counts as unset), else ``default``.
+
+    Raises:
+        _BadRequest: It is not a whole number >= 1 (``whole``) or a number >= 0.
+    """
+    name = next((n for n in names if body.get(n) is not None), None)
+    if name is None:
+        return default
+    value = body[name]
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if whole and not (number and isinstance(value, int) and value >= 1):
+        raise _BadRequest(f"'{name}' must be a whole number >= 1, got {json.dumps(value)[:80]}", name)
+    if not whole and not (number and value >= 0):
+        raise _BadRequest(f"'{name}' must be a number >= 0, got {json.dumps(value)[:80]}", name)
+    return float(value)
+
+
+async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code == 404:
+        message, err_type = f"no route {request.method} {request.url.path}", "not_found_error"
+    elif exc.status_code == 405:
+        message, err_type = f"{request.url.path} does not accept {request.method}", "invalid_request_error"
+    else:
+        message, err_type = str(exc.detail), "invalid_request_error"
+    return openai_error(exc.status_code, message, err_type)
+
+
+async def _on_internal_error(request: Request, exc: Exception) -> JSONResponse:
+    log.error("policy server failed on %s", request.url.path, exc_info=exc)
+    return openai_error(500, f"policy server internal error: {type(exc).__name__}: {exc}", "internal_error")
 
 
 class PolicyServer:
@@ -202,15 +249,22 @@ class PolicyServer:
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="eventlight policy server")
+        app.add_exception_handler(StarletteHTTPException, _on_http_error)
+        app.add_exception_handler(Exception, _on_internal_error)
 
         @app.post("/v1/chat/completions")
         @app.post("/chat/completions")
         async def chat(request: Request) -> JSONResponse:
             try:
                 body = await request.json()
-            except ValueError:
-                return _error(400, "the body is not JSON", "invalid_json")
-            return await self._chat(body)
+            except ValueError as exc:
+                return _BadRequest(f"the body is not JSON: {exc}").response()
+            try:
+                if not isinstance(body, dict):
+                    raise _BadRequest(f"the body must be a JSON object, got {type(body).__name__}")
+                return await self._chat(body)
+            except _BadRequest as exc:
+                return exc.response()
 
         @app.get("/v1/models")
         async def models() -> dict[str, Any]:
@@ -223,21 +277,27 @@ class PolicyServer:
         return app
 
     async def _chat(self, body: dict[str, Any]) -> JSONResponse:
+        """Generate for one chat completion request.
+
+        Raises:
+            _BadRequest: The request cannot be taken (answered 400).
+        """
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
-            return _error(400, "messages must be a non-empty list", "invalid_messages")
-        max_new = int(body.get("max_tokens") or body.get("max_completion_tokens") or self.default_max_tokens)
-        temperature = float(body["temperature"] if body.get("temperature") is not None else 1.0)
-        top_p = float(body["top_p"] if body.get("top_p") is not None else 1.0)
+            raise _BadRequest("messages must be a non-empty list", "messages")
+        max_tokens = ("max_tokens", "max_completion_tokens")
+        max_new = int(_sampling_value(body, max_tokens, self.default_max_tokens, whole=True))
+        temperature = _sampling_value(body, ("temperature",), 1.0, whole=False)
+        top_p = _sampling_value(body, ("top_p",), 1.0, whole=False)
         try:
             prompt_ids = await asyncio.to_thread(self.policy.chat_prompt_ids, messages)
         except Exception as exc:  # a malformed message the chat template rejects
-            return _error(400, f"cannot apply the chat template: {exc}", "invalid_messages")
+            raise _BadRequest(f"cannot apply the chat template: {exc}", "messages") from None
         if len(prompt_ids) + max_new > self.max_context_tokens:
-            return _error(
-                400,
+            raise _BadRequest(
                 f"This model's maximum context length is {self.max_context_tokens} tokens; the prompt has "
                 f"{len(prompt_ids)} and max_tokens is {max_new}",
+                "messages",
                 "context_length_exceeded",
             )
         assert self._queue is not None, "start() the server first"
@@ -248,9 +308,9 @@ class PolicyServer:
         try:
             gen = await future
         except _Stopping as exc:
-            return _error(503, str(exc), "server_stopping", "server_error")
+            return openai_error(503, str(exc), SERVER_STOPPING)
         except Exception as exc:
-            return _error(500, f"generation failed: {exc}", "generation_failed")
+            return openai_error(500, f"generation failed: {type(exc).__name__}: {exc}", "internal_error")
         finally:
             self._waiting.discard(future)
         return JSONResponse(self._completion(body, version, prompt_ids, gen))

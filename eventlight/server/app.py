@@ -20,7 +20,13 @@ from eventlight.server import dashboard, metrics, otlp
 from eventlight.server.auth import BearerAuth
 from eventlight.server.codec import openapi_components
 from eventlight.server.errors import install_error_handlers
-from eventlight.server.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
+from eventlight.server.limits import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    BodyLimit,
+    BodyReads,
+    check_body_limits,
+)
 from eventlight.server.openapi import document_errors
 from eventlight.server.routes import agl_router
 from eventlight.store.base import LightningStore
@@ -43,6 +49,8 @@ def create_app(
     identity: dict[str, Any] | None = None,
     token: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_buffered_bytes: int | None = None,
+    body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S,
 ) -> FastAPI:
     """The ASGI app serving ``store``.
 
@@ -51,8 +59,17 @@ def create_app(
         identity: What ``/v1/agl/health`` names besides ``"status": "ok"`` (instance, namespace, ...).
         token: When set, every request must send ``Authorization: Bearer <token>`` (else 401).
         max_body_bytes: Larger request bodies (and OTLP bodies that inflate past it) get 413.
+        max_buffered_bytes: The most request-body bytes held by all requests at once (counted until
+            each is answered); a request that would pass it gets 503 with ``Retry-After: 1``
+            (``retryable``). Default: 256 MiB, or 4 × ``max_body_bytes`` when larger.
+        body_timeout_s: Seconds a request body may go without a byte arriving; then 408 and the
+            connection is closed (``None``: no timeout).
+
+    ``app.state.body_reads`` is the body limit's ``BodyReads`` (the bytes held, the reads in progress).
 
     Raises:
+        ValueError: ``max_body_bytes`` / ``max_buffered_bytes`` / ``body_timeout_s`` out of range
+            (``eventlight.server.limits.BodyLimit``).
         InvalidInputError: ``token`` is empty or blank (an unset variable in ``--token "$TOKEN"``
             would otherwise serve the store to anyone; ``None`` is "no token", said explicitly), or
             holds a space or a character outside ASCII (a token file's stray space).
@@ -64,6 +81,7 @@ def create_app(
         )
     if token is not None:
         check_bearer_token(token, "the server token")
+    check_body_limits(max_body_bytes, max_buffered_bytes, body_timeout_s)  # BodyLimit is built at the first request
     app = FastAPI(
         title="eventlight store server",
         version=_version(),
@@ -78,7 +96,14 @@ def create_app(
     app.include_router(metrics.router)
     app.include_router(dashboard.router)
     install_error_handlers(app)
-    app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes)
+    app.state.body_reads = BodyReads()
+    app.add_middleware(
+        BodyLimit,
+        max_body_bytes=max_body_bytes,
+        max_buffered_bytes=max_buffered_bytes,
+        body_timeout_s=body_timeout_s,
+        reads=app.state.body_reads,
+    )
     if token:
         app.add_middleware(BearerAuth, token=token)
 

@@ -1,43 +1,172 @@
-"""A ceiling on request bodies: larger ones get 413 before any route sees them.
+"""Limits on request bodies, checked before any route sees one.
 
-An ASGI middleware that reads the body (up to ``max_body_bytes``) and hands it on whole: a
-``Content-Length`` above the ceiling is refused at once, a chunked body as soon as it passes it.
-``eventlight serve`` and the LLM proxy both use it; each says how its 413 body looks. (Starlette's
-own ``RequestBodyLimitMiddleware`` answers a ``Content-Length`` over its limit with a plain-text
-413 whatever the application sends, which no OpenAI client can read.)
+An ASGI middleware that reads the body and hands it on whole, refusing:
+
+* a body over ``max_body_bytes`` (413): a ``Content-Length`` above it at once, a chunked body as
+  soon as it passes it;
+* a body that would take the bytes held by all requests at once past ``max_buffered_bytes`` (503
+  with ``Retry-After``): a body counts from its first byte (its whole ``Content-Length`` when it
+  declares one) until the app has answered it, so N clients each sending a body just under the
+  limit cannot make the server hold N times the limit;
+* a body whose next bytes do not come within ``body_timeout_s`` (408, and the connection closed):
+  uvicorn has no such timeout, so a client that sent its headers and then stalled held its
+  request (and the bytes it had sent) for ever;
+* any request once the server stops (503): see ``BodyReads.stop`` and ``BodyReads.cut``.
+
+``eventlight serve`` and the LLM proxy both use it; each says how its answers look (``refuse``).
+(Starlette's own ``RequestBodyLimitMiddleware`` answers a ``Content-Length`` over its limit with a
+plain-text 413 whatever the application sends, which no OpenAI client can read.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from typing import Literal
 
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from eventlight.server.errors import error_response
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "BodyLimit"]
+__all__ = [
+    "DEFAULT_BODY_TIMEOUT_S",
+    "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_MAX_BUFFERED_BYTES",
+    "REFUSAL_STATUS",
+    "BodyLimit",
+    "BodyReads",
+    "RefusalReason",
+    "max_buffered_bytes_for",
+]
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 """16 MiB: a large OTLP batch fits (collectors send a few MiB at most by default)."""
 
+DEFAULT_MAX_BUFFERED_BYTES = 256 * 1024 * 1024
+"""256 MiB: the least default of ``max_buffered_bytes`` (``max_buffered_bytes_for``). Request
+bodies are a few KiB to a few MiB (chat calls, OTLP batches of tens of spans), so thousands fit at
+once; it only binds when many clients send bodies near the per-body limit together, and it keeps
+what they make the process hold within a budget that fits beside a trainer on any machine."""
 
-def _store_refusal(detail: str, scope: Scope) -> Response:
-    return error_response(413, detail, "PayloadTooLarge", scope=scope)
+DEFAULT_BODY_TIMEOUT_S = 30.0
+"""Seconds a request body may go without a byte arriving (408 after): a client on a working network
+sends its body in well under a second; 30 s leaves room for a slow link or a paused process."""
+
+RefusalReason = Literal["too_large", "busy", "timeout", "stopping"]
+"""Why ``BodyLimit`` refuses a request: over ``max_body_bytes``, over ``max_buffered_bytes``, no
+byte within ``body_timeout_s``, the server stops."""
+
+REFUSAL_STATUS: dict[RefusalReason, int] = {"too_large": 413, "busy": 503, "timeout": 408, "stopping": 503}
+"""The HTTP status of each ``RefusalReason``."""
+
+_RETRY_AFTER_S = 1
+"""``Retry-After`` of a 503 for bodies held: one body answered frees its bytes (the OpenAI SDK waits this long)."""
+
+
+def max_buffered_bytes_for(max_body_bytes: int) -> int:
+    """The default ``max_buffered_bytes``: 256 MiB, or 4 bodies of ``max_body_bytes`` when larger
+    (a few bodies at the limit are always taken at once)."""
+    return max(DEFAULT_MAX_BUFFERED_BYTES, 4 * max_body_bytes)
+
+
+_STORE_ERROR_TYPES: dict[RefusalReason, str] = {
+    "too_large": "PayloadTooLarge",
+    "busy": "ServiceUnavailableError",
+    "timeout": "RequestTimeout",
+    "stopping": "ServiceUnavailableError",
+}
+
+
+def _store_refusal(reason: RefusalReason, detail: str, scope: Scope) -> Response:
+    retryable = reason != "too_large"
+    return error_response(REFUSAL_STATUS[reason], detail, _STORE_ERROR_TYPES[reason], retryable=retryable, scope=scope)
+
+
+class BodyReads:
+    """What one server's ``BodyLimit`` shares across its requests: the body bytes held, the reads in
+    progress, and whether the server stops. Its owner calls ``stop`` / ``cut`` as it shuts down."""
+
+    def __init__(self) -> None:
+        self.held_bytes = 0
+        """Bytes of request bodies held now: read or declared, until the app has answered."""
+        self.stopping = False
+        """Set by ``stop``: every request from then on answers 503 (``"stopping"``)."""
+        self.cut_off = False
+        """Set by ``cut``: bodies still arriving answer 503 (``"stopping"``)."""
+        self._reads: set[asyncio.Timeout] = set()
+
+    @property
+    def reading(self) -> int:
+        """Requests whose body is still arriving."""
+        return len(self._reads)
+
+    def hold(self, extra: int, limit: int) -> bool:
+        """Count ``extra`` more bytes held, unless that takes ``held_bytes`` past ``limit`` (then ``False``)."""
+        if extra > 0 and self.held_bytes + extra > limit:
+            return False
+        self.held_bytes += max(extra, 0)
+        return True
+
+    @contextlib.contextmanager
+    def reading_under(self, deadline: asyncio.Timeout) -> Iterator[None]:
+        """Count a body read in progress, whose ``deadline`` (entered) ``cut`` brings forward to now."""
+        self._reads.add(deadline)
+        try:
+            yield
+        finally:
+            self._reads.discard(deadline)
+
+    def stop(self) -> None:
+        """Answer every request arriving from now on 503 (the server shuts down); reads in progress go on."""
+        self.stopping = True
+
+    def cut(self) -> None:
+        """``stop``, and answer every request whose body is still arriving 503 now (on the event loop
+        serving them), before uvicorn's shutdown cancels it with a traceback."""
+        self.stop()
+        self.cut_off = True
+        for deadline in self._reads:
+            deadline.reschedule(asyncio.get_running_loop().time())
+
+    def reopen(self) -> None:
+        """Take requests again (a server started after ``stop``)."""
+        self.stopping = self.cut_off = False
+
+
+class _Intake:
+    """One request's body as it arrives: its chunks, and the bytes it counts in ``BodyReads.held_bytes``
+    (its ``Content-Length`` from the start, else what came)."""
+
+    def __init__(self, declared: int | None):
+        self.declared = declared
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.held = declared or 0
 
 
 class BodyLimit:
-    """Refuse request bodies over ``max_body_bytes`` with 413 (an ASGI middleware around ``app``).
+    """Refuse request bodies that are too large, too many at once, or too slow (an ASGI middleware).
 
     Args:
         app: The application to guard.
-        max_body_bytes: The largest body taken, in bytes.
-        refuse: Builds the 413 response from its one-line message and the request's scope; default:
-            the store server's error answer (``ErrorBody``, or OTLP's ``Status`` on ``/v1/traces``;
-            the LLM proxy answers OpenAI's error object).
+        max_body_bytes: The largest body taken, in bytes (413 above).
+        max_buffered_bytes: The most body bytes held by all requests at once (503 with
+            ``Retry-After: 1`` for a body that would pass it); default ``max_buffered_bytes_for``.
+        body_timeout_s: Seconds a body may go without a byte arriving (408, the connection closed);
+            ``None``: no timeout.
+        refuse: Builds the answer from its reason, its one-line message and the request's scope;
+            it must use ``REFUSAL_STATUS[reason]``. Default: the store server's error answer
+            (``ErrorBody``, or OTLP's ``Status`` on ``/v1/traces``; the LLM proxy answers OpenAI's
+            error object).
+        reads: The state shared across requests, for the owner to ``stop`` / ``cut`` and to read;
+            default: a new one.
 
     Raises:
-        ValueError: ``max_body_bytes`` is not positive.
+        ValueError: ``max_body_bytes`` is not positive, ``max_buffered_bytes`` is below it (no body
+            at the limit could be taken), or ``body_timeout_s`` is not a positive number.
     """
 
     def __init__(
@@ -45,40 +174,110 @@ class BodyLimit:
         app: ASGIApp,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         *,
-        refuse: Callable[[str, Scope], Response] = _store_refusal,
+        max_buffered_bytes: int | None = None,
+        body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S,
+        refuse: Callable[[RefusalReason, str, Scope], Response] = _store_refusal,
+        reads: BodyReads | None = None,
     ):
-        if max_body_bytes <= 0:
-            raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
+        check_body_limits(max_body_bytes, max_buffered_bytes, body_timeout_s)
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.max_buffered_bytes = max_buffered_bytes or max_buffered_bytes_for(max_body_bytes)
+        self.body_timeout_s = body_timeout_s
+        self.reads = reads if reads is not None else BodyReads()
         self._refuse = refuse
-
-    def _too_large(self, size: str, scope: Scope) -> Response:
-        return self._refuse(f"request body of {size} is over the server's limit of {self.max_body_bytes} bytes", scope)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            await self._too_large(f"{int(length)} bytes", scope)(scope, receive, send)
+        if self.reads.stopping:
+            await self._answer("stopping", "the server is stopping and takes no new requests", scope, receive, send)
             return
-        chunks: list[bytes] = []
-        size = 0
+        header = dict(scope["headers"]).get(b"content-length")
+        length = int(header) if header is not None and header.isdigit() else None
+        if length is not None and length > self.max_body_bytes:
+            message = f"request body of {length} bytes is over the server's limit of {self.max_body_bytes} bytes"
+            await self._answer("too_large", message, scope, receive, send)
+            return
+        if length and not self.reads.hold(length, self.max_buffered_bytes):
+            await self._answer("busy", self._busy(length), scope, receive, send)
+            return
+        intake = _Intake(length)
+        try:
+            outcome = await self._read(receive, intake)
+            if outcome is None:  # the client went away
+                return
+            if isinstance(outcome, tuple):
+                intake.chunks.clear()
+                await self._answer(*outcome, scope, receive, send)
+                return
+            await self._serve(intake.chunks, scope, receive, send)
+        finally:
+            self.reads.held_bytes -= intake.held
+
+    async def _read(self, receive: Receive, intake: _Intake) -> Literal["whole"] | tuple[RefusalReason, str] | None:
+        """Gather the body into ``intake``: ``"whole"``, the refusal to answer, or ``None`` (the client left)."""
+        try:
+            async with asyncio.timeout(self._deadline()) as deadline:
+                with self.reads.reading_under(deadline):
+                    return await self._gather(receive, deadline, intake)
+        except TimeoutError:
+            return self._stalled(intake)
+
+    async def _gather(
+        self, receive: Receive, deadline: asyncio.Timeout, intake: _Intake
+    ) -> Literal["whole"] | tuple[RefusalReason, str] | None:
         while True:
             message = await receive()
-            if message["type"] != "http.request":  # the client went away
-                return
+            if message["type"] != "http.request":
+                return None
             chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                too_large = self._too_large(f"more than {self.max_body_bytes} bytes (sent in chunks)", scope)
-                await too_large(scope, receive, send)
-                return
-            chunks.append(chunk)
+            intake.size += len(chunk)
+            if intake.size > self.max_body_bytes:
+                return "too_large", (
+                    f"request body of more than {self.max_body_bytes} bytes (sent in chunks) is over the"
+                    f" server's limit of {self.max_body_bytes} bytes"
+                )
+            if intake.size > intake.held:
+                if not self.reads.hold(intake.size - intake.held, self.max_buffered_bytes):
+                    return "busy", self._busy(intake.size)
+                intake.held = intake.size
+            intake.chunks.append(chunk)
             if not message.get("more_body", False):
-                break
+                return "whole"
+            deadline.reschedule(self._deadline())
+
+    def _deadline(self) -> float | None:
+        now = asyncio.get_running_loop().time()
+        if self.reads.cut_off:  # a chunk that came as the server cut the reads must not put the cut off
+            return now
+        return None if self.body_timeout_s is None else now + self.body_timeout_s
+
+    def _busy(self, size: int) -> str:
+        return (
+            f"request bodies in progress hold {self.reads.held_bytes} bytes; this one ({size} bytes) would pass"
+            f" the server's limit of {self.max_buffered_bytes} bytes held at once: retry shortly"
+        )
+
+    def _stalled(self, intake: _Intake) -> tuple[RefusalReason, str]:
+        read = f"{intake.size} of {intake.declared}" if intake.declared is not None else f"{intake.size}"
+        if self.reads.cut_off:
+            return "stopping", f"the server stopped while the request body was still arriving ({read} bytes read)"
+        return "timeout", (
+            f"no byte of the request body came for {self.body_timeout_s:g} s ({read} bytes read): the"
+            " server's body timeout"
+        )
+
+    async def _answer(self, reason: RefusalReason, message: str, scope: Scope, receive: Receive, send: Send) -> None:
+        response = self._refuse(reason, message, scope)
+        if reason == "busy":
+            response.headers["Retry-After"] = str(_RETRY_AFTER_S)
+        elif reason == "timeout":  # the client stalled mid-body: the connection cannot carry another request
+            response.headers["Connection"] = "close"
+        await response(scope, receive, send)
+
+    async def _serve(self, chunks: list[bytes], scope: Scope, receive: Receive, send: Send) -> None:
         whole: Message = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
         chunks.clear()  # else the body is held twice while the app runs (each request allowed near the limit)
         sent = False
@@ -91,3 +290,28 @@ class BodyLimit:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+def check_body_limits(max_body_bytes: int, max_buffered_bytes: int | None, body_timeout_s: float | None) -> None:
+    """Check the three limits ``BodyLimit`` takes (its ``Raises:``), with messages naming each.
+
+    Raises:
+        ValueError: One is not a positive number, or ``max_buffered_bytes < max_body_bytes``.
+    """
+    for name, value in (("max_body_bytes", max_body_bytes), ("max_buffered_bytes", max_buffered_bytes)):
+        if value is None and name == "max_buffered_bytes":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a whole number of bytes >= 1, got {value!r}")
+    if max_buffered_bytes is not None and max_buffered_bytes < max_body_bytes:
+        raise ValueError(
+            f"max_buffered_bytes ({max_buffered_bytes}) must be at least max_body_bytes ({max_body_bytes}):"
+            " else no body at the limit could be taken"
+        )
+    if body_timeout_s is not None and (
+        isinstance(body_timeout_s, bool)
+        or not isinstance(body_timeout_s, (int, float))
+        or not math.isfinite(body_timeout_s)
+        or body_timeout_s <= 0
+    ):
+        raise ValueError(f"body_timeout_s must be a number of seconds > 0 (or None), got {body_timeout_s!r}")

@@ -256,6 +256,7 @@ _GRPC_CODES = {
     401: code_pb2.UNAUTHENTICATED,
     404: code_pb2.NOT_FOUND,
     405: code_pb2.UNIMPLEMENTED,
+    408: code_pb2.DEADLINE_EXCEEDED,
     409: code_pb2.ABORTED,
     413: code_pb2.RESOURCE_EXHAUSTED,
     415: code_pb2.INVALID_ARGUMENT,

@@ -21,7 +21,7 @@ import uvicorn
 
 from eventlight.net import tcp_listener
 from eventlight.server.app import create_app
-from eventlight.server.limits import DEFAULT_MAX_BODY_BYTES
+from eventlight.server.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from eventlight.store.base import LightningStore, LightningStoreCapabilities
 
 __all__ = ["DEFAULT_PORT", "LightningStoreServer", "PortInUseError"]
@@ -32,6 +32,9 @@ DEFAULT_PORT = 4747
 """Agent-lightning's default (``agl store --port 4747``)."""
 _STARTUP_TIMEOUT_S = 30.0
 _SHUTDOWN_TIMEOUT_S = 5.0
+"""Seconds ``stop`` gives requests in flight before uvicorn cancels them."""
+_CUT_READS_AFTER_S = 4.0
+"""Seconds into ``stop`` when requests still sending their body answer 503 (before uvicorn's cancel)."""
 
 
 class PortInUseError(OSError):
@@ -74,6 +77,9 @@ class LightningStoreServer:
         port: TCP port; default 4747 (0.3.0's).
         token: When set, every request must send ``Authorization: Bearer <token>``.
         max_body_bytes: Ceiling of a request body (413 above it).
+        max_buffered_bytes: Ceiling of the request-body bytes held at once (503 with ``Retry-After``
+            above it); default 256 MiB, or 4 × ``max_body_bytes`` when larger.
+        body_timeout_s: Seconds a request body may go without a byte arriving (408 after; ``None``: no timeout).
         identity: What ``/v1/agl/health`` names (default: the store's class).
 
     Use as ``async with LightningStoreServer(store, port=...) as server:`` or ``start()``/``stop()``.
@@ -87,12 +93,21 @@ class LightningStoreServer:
         *,
         token: str | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        max_buffered_bytes: int | None = None,
+        body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S,
         identity: dict[str, Any] | None = None,
     ):
         self.store = store
         self.host = host or "127.0.0.1"
         self.port = DEFAULT_PORT if port is None else int(port)
-        self.app = create_app(store, identity=identity, token=token, max_body_bytes=max_body_bytes)
+        self.app = create_app(
+            store,
+            identity=identity,
+            token=token,
+            max_body_bytes=max_body_bytes,
+            max_buffered_bytes=max_buffered_bytes,
+            body_timeout_s=body_timeout_s,
+        )
         self._server: _EmbeddedServer | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -128,11 +143,16 @@ class LightningStoreServer:
             return
         sock = bind(self.host, self.port)
         config = uvicorn.Config(
-            self.app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=5
+            self.app,
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=int(_SHUTDOWN_TIMEOUT_S),
         )
         server = _EmbeddedServer(config)
         task = asyncio.create_task(server.serve(sockets=[sock]), name=f"eventlight-serve:{self.port}")
         self._server, self._task = server, task
+        self.app.state.body_reads.reopen()
         deadline = time.monotonic() + _STARTUP_TIMEOUT_S
         while not server.started:
             if task.done():
@@ -155,19 +175,30 @@ class LightningStoreServer:
             await self.stop()
 
     async def stop(self) -> None:
-        """Stop serving (requests in flight get 5 s); idempotent. The store stays open."""
+        """Stop serving; idempotent. The store stays open.
+
+        A request arriving from now on answers 503 (``ServiceUnavailableError``, retryable); requests
+        in flight get 5 s, and those still sending their body after 4 s answer the same 503 (not
+        uvicorn's cancel with a traceback a second later).
+        """
         server, task = self._server, self._task
         self._server, self._task = None, None
         if server is None or task is None:
             return
         server.should_exit = True
-        try:
-            await asyncio.wait_for(asyncio.shield(task), _SHUTDOWN_TIMEOUT_S + 2)
-        except TimeoutError:
-            server.force_exit = True
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        reads = self.app.state.body_reads
+        reads.stop()
+        done, _ = await asyncio.wait({task}, timeout=_CUT_READS_AFTER_S)
+        if not done:
+            reads.cut()
+            done, _ = await asyncio.wait({task}, timeout=_SHUTDOWN_TIMEOUT_S + 2 - _CUT_READS_AFTER_S)
+        if done:
+            task.result()  # the server's own failure, raised here as before
+            return
+        server.force_exit = True
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
 
     async def __aenter__(self) -> LightningStoreServer:
         await self.start()
