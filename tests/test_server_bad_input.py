@@ -684,3 +684,16 @@ async def test_stop_answers_a_request_still_sending_its_body_503_without_a_trace
     assert status == 503 and answer["error_type"] == "ServiceUnavailableError" and answer["retryable"], answer
     assert "stopped while the request body was still arriving (2 of 1000 bytes read)" in answer["detail"], answer
     assert "Exception in ASGI application" not in caplog.text and "Traceback" not in caplog.text
+
+
+def test_a_408_still_there_after_the_retries_is_a_service_unavailable_error() -> None:
+    """``BodyLimit``'s 408 (``RequestTimeout``, no eventlight error class of that name) reaches a
+    ``LightningStoreClient`` caller as the retryable ``ServiceUnavailableError``, not a bare
+    ``EventlightError``."""
+    from eventlight.core.errors import ServiceUnavailableError
+    from eventlight.server.transport import _error
+
+    body = b'{"detail": "no body byte for 30 s", "error_type": "RequestTimeout", "retryable": true}'
+    error = _error(408, body, "POST /v1/agl/rollouts", "http://127.0.0.1:1")
+    assert isinstance(error, ServiceUnavailableError), type(error)
+    assert "no body byte for 30 s" in str(error)

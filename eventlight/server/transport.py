@@ -36,6 +36,7 @@ _BY_STATUS: dict[int, type[E.EventlightError]] = {
     400: E.InvalidInputError,
     401: E.AuthenticationError,
     404: E.NotFoundError,
+    408: E.ServiceUnavailableError,  # the server gave up waiting for the body: a transient, retried first
     409: E.InvalidTransitionError,
     413: E.InvalidInputError,
     422: E.InvalidTypeError,
