@@ -273,8 +273,9 @@ async def test_polling_wait_for_rollouts_reads_rows_only_when_one_has_finished(
 
 async def test_the_projector_plans_its_writes_once(namespace: Settings) -> None:
     """The pool plans each read for its parameters (``force_custom_plan``); the projector's writes
-    go by primary key and use one generic plan (``batch.GENERIC_PLANS``). Before, every span row of
-    every batch was planned again (13 % of Postgres's CPU in the bench's sleep-0 scenarios)."""
+    go by primary key and use one generic plan (``batch.GENERIC_PLANS``). Before, every row of every
+    batch was planned again (13 % of Postgres's CPU in the bench's sleep-0 scenarios, when span rows
+    still went one by one; they go by ``COPY`` now): here, the attempts' upserts."""
     async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn, pool_size=2) as store:
         for i in range(8):  # several batches, each with a few span rows
             r = await store.enqueue_rollout(i)
@@ -297,7 +298,7 @@ async def test_the_projector_plans_its_writes_once(namespace: Settings) -> None:
                 try:
                     row = await conn.fetchrow(
                         "SELECT coalesce(sum(generic_plans), 0), coalesce(sum(custom_plans), 0)"
-                        " FROM pg_prepared_statements WHERE statement LIKE '%INSERT INTO spans%'"
+                        " FROM pg_prepared_statements WHERE statement LIKE '%INSERT INTO attempts%'"
                     )
                 except asyncpg.UndefinedColumnError:
                     pytest.skip("pg_prepared_statements counts plans from PostgreSQL 14")
@@ -306,7 +307,7 @@ async def test_the_projector_plans_its_writes_once(namespace: Settings) -> None:
             for conn in held:
                 await store.pool.release(conn)
     generic, custom = (sum(p[i] for p in plans) for i in range(2))
-    assert generic >= 8 and custom == 0, f"span inserts: {generic} generic plans, {custom} custom plans"
+    assert generic >= 8 and custom == 0, f"attempt upserts: {generic} generic plans, {custom} custom plans"
 
 
 # -- failures of the servers under the projector ----------------------------------------------
@@ -509,3 +510,69 @@ async def test_the_leaders_retry_waits_as_long_as_its_warning_says(
     said = [float(m) for m in re.findall(r"retrying in ([\d.]+) s", caplog.text)]
     assert waits == [0.5, 1.0, 2.0, 4.0, 5.0, 5.0]
     assert said == waits
+
+
+async def _whole_stream(store: JetStreamLightningStore) -> list[Any]:
+    """Every message of the namespace from the start of the stream, as a redelivery would bring them."""
+    sub = await store.log.js.pull_subscribe(f"{store.log.prefix}.>", stream=store.log.stream)
+    msgs: list[Any] = []
+    while True:
+        try:
+            msgs.extend(await sub.fetch(100, timeout=0.5))
+        except (TimeoutError, nats.errors.TimeoutError):  # nats-py raises either, depending on timing
+            break
+    await sub.unsubscribe()
+    return msgs
+
+
+async def test_spans_already_projected_are_copied_once_with_the_checkpoint(
+    namespace: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The projector writes a batch's spans with ``COPY`` (``BatchWriter._write_spans``). A batch
+    that holds spans already in the read model (the same spans published again, as a runner that
+    retried a publish might, redelivered with the messages the checkpoint has passed) and a new span
+    published twice adds each span once, keeps its first copy, moves the checkpoint to the batch's
+    last sequence, and dead-letters nothing."""
+    copies: list[str] = []
+    copy = asyncpg.Connection.copy_records_to_table
+
+    async def counting_copy(self: asyncpg.Connection, table_name: str, **kwargs: Any) -> Any:
+        copies.append(table_name)
+        return await copy(self, table_name, **kwargs)
+
+    monkeypatch.setattr(asyncpg.Connection, "copy_records_to_table", counting_copy)
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn, run_projector=False) as store:
+        r = await store.start_rollout("x")
+        rid, aid = r.rollout_id, r.attempt.attempt_id
+        subject = f"{store.log.prefix}.s.{rid}.{aid}"
+
+        def make(name: str, k: int) -> Span:
+            return Span.from_attributes(attributes={"k": k}, rollout_id=rid, attempt_id=aid, name=name)
+
+        await store.add_spans_numbered(rid, aid, [make("first", k) for k in range(3)])
+        projector = Projector(store.log, store.pool)
+        await projector._become_leader()
+        try:
+            first = await _whole_stream(store)
+            await projector.apply(first)
+            assert copies == ["spans"]  # a batch of new spans goes by COPY
+
+            [spans_msg] = [m for m in first if m.subject == subject]
+            await store.log.js.publish(subject, spans_msg.data.replace(b'"name":"first"', b'"name":"again"'))
+            [new] = await store.add_spans_numbered(rid, aid, [make("new", 3)])
+            [new_msg] = [m for m in await _whole_stream(store) if b'"name":"new"' in m.data]
+            await store.log.js.publish(subject, new_msg.data.replace(b'"name":"new"', b'"name":"new again"'))
+            batch = await _whole_stream(store)  # the first batch again, then the copies and the new span
+            await projector.apply(batch)
+
+            async with store.pool.acquire() as conn:
+                rows = await conn.fetch("SELECT span_id, name, stream_seq FROM spans ORDER BY sequence_id")
+                checkpoint = await conn.fetchval("SELECT last_seq FROM projector_checkpoint WHERE id = 0")
+            assert [row["name"] for row in rows] == ["first", "first", "first", "new"]
+            assert len({row["span_id"] for row in rows}) == 4 and rows[-1]["span_id"] == new.span_id
+            assert rows[0]["stream_seq"] == spans_msg.metadata.sequence.stream
+            assert checkpoint == projector.checkpoint == batch[-1].metadata.sequence.stream
+            assert projector.dead_letters == 0 and copies == ["spans", "spans"]
+            assert (await store.statistics())["total_spans"] == 4
+        finally:
+            await projector.close()

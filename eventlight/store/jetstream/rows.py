@@ -167,6 +167,27 @@ ON CONFLICT (rollout_id, attempt_id) DO UPDATE SET
   last_heartbeat_time = EXCLUDED.last_heartbeat_time, metadata = EXCLUDED.metadata
 """
 
+SPAN_COLUMNS = (
+    "rollout_id",
+    "attempt_id",
+    "span_id",
+    "sequence_id",
+    "trace_id",
+    "parent_id",
+    "name",
+    "status",
+    "attributes",
+    "events",
+    "links",
+    "start_time",
+    "end_time",
+    "context",
+    "parent",
+    "resource",
+    "stream_seq",
+)
+"""The ``spans`` columns of a ``span_row``, in its order (the projector's ``COPY``)."""
+
 INSERT_SPAN = """
 INSERT INTO spans (rollout_id, attempt_id, span_id, sequence_id, trace_id, parent_id, name, status, attributes,
                    events, links, start_time, end_time, context, parent, resource, stream_seq)

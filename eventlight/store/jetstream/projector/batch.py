@@ -33,6 +33,7 @@ from eventlight.store.jetstream.projector.partition import partition_of
 from eventlight.store.jetstream.projector.workers import Item, WorkerChanges, WorkerFold, worker_ids_of
 from eventlight.store.jetstream.rows import (
     INSERT_SPAN,
+    SPAN_COLUMNS,
     UPSERT_ATTEMPT,
     UPSERT_RESOURCES,
     UPSERT_ROLLOUT,
@@ -285,7 +286,7 @@ class BatchWriter:
 
     async def _write(self, conn: asyncpg.Connection, b: Changes) -> None:
         if b.spans:
-            await conn.executemany(INSERT_SPAN, [span_row(s, seq) for s, seq in b.spans])
+            await self._write_spans(conn, [span_row(s, seq) for s, seq in b.spans])
         if b.rollouts:
             attempts = [a for s in b.rollouts.values() for a in s.attempts]
             await conn.executemany(UPSERT_ATTEMPT, [attempt_row(a) for a in attempts])
@@ -299,3 +300,20 @@ class BatchWriter:
         if b.workers:
             rows = [worker_row(w, b.worker_created_seq.get(wid)) for wid, w in b.workers.items()]
             await conn.executemany(UPSERT_WORKER, rows)
+
+    async def _write_spans(self, conn: asyncpg.Connection, rows: list[tuple[Any, ...]]) -> None:
+        """Insert the batch's span rows (``span_row``s) with one ``COPY``, in a savepoint of the
+        batch's transaction. A span already in the read model (published again, or twice in the
+        batch) makes the copy fail on the primary key; the savepoint is rolled back and the rows go
+        row by row with ``ON CONFLICT DO NOTHING`` instead, so the first copy of a span stays, as
+        the in-memory backend keeps it. Either way the rows commit with the checkpoint.
+
+        Raises:
+            asyncpg.PostgresError: Postgres refused a row for another reason (the caller isolates it).
+        """
+        try:
+            async with conn.transaction():  # a savepoint: a failed copy leaves the batch's transaction usable
+                await conn.copy_records_to_table("spans", records=rows, columns=SPAN_COLUMNS)
+        except asyncpg.UniqueViolationError:
+            log.debug("projector: %d span rows meet rows already projected; inserting them one by one", len(rows))
+            await conn.executemany(INSERT_SPAN, rows)
