@@ -26,6 +26,15 @@ ATTEMPT_ORDER = (
 )
 """The sequence number of a span's attempt: ``query_spans`` over several attempts sorts by it first."""
 
+LATEST_ATTEMPT = (
+    "(SELECT ROW(" + ", ".join("a." + col.strip() for col in pg.ATTEMPT_COLS.split(",")) + ") FROM attempts a"
+    " WHERE a.rollout_id = rollouts.rollout_id AND a.attempt_id = rollouts.latest_attempt_id)"
+)
+"""A rollout's latest attempt as one record column (``ATTEMPT_COLS``, ``NULL`` when it has none):
+``query_rollouts`` reads rollouts and their latest attempts in one round trip."""
+
+ROLLOUT_WITH_LATEST_COLS = f"{pg.ROLLOUT_COLS}, {LATEST_ATTEMPT}"
+
 
 class SqlQueries:
     """The queries over the projector's tables, each on one pooled connection."""
@@ -39,15 +48,6 @@ class SqlQueries:
         with pg_errors(self.server, "read-model query"):
             async with self.pool.acquire() as conn:
                 yield conn
-
-    async def _attempt_map(self, conn: asyncpg.Connection, rollouts: list[Rollout]) -> dict[str, Attempt]:
-        ids = [r.rollout_id for r in rollouts]
-        rows = await conn.fetch(
-            f"SELECT {pg.ATTEMPT_COLS} FROM attempts a WHERE (a.rollout_id, a.attempt_id) IN "
-            "(SELECT rollout_id, latest_attempt_id FROM rollouts WHERE rollout_id = ANY($1::text[]))",
-            ids,
-        )
-        return {row[0]: pg.attempt_from_row(row) for row in rows}
 
     async def query_rollouts(
         self,
@@ -76,7 +76,7 @@ class SqlQueries:
             if rollout_id_in is None and rollout_id_contains is None:
                 # all rollouts, or a status filter: the total comes from the trigger-kept counts
                 # (migrations/002), so a page costs the same on 10^2 or 10^6 rollouts
-                rows = await pg.fetch_rows(conn, "rollouts", pg.ROLLOUT_COLS, w, filter_logic, tail)
+                rows = await pg.fetch_rows(conn, "rollouts", ROLLOUT_WITH_LATEST_COLS, w, filter_logic, tail)
                 total = await conn.fetchval(
                     "SELECT coalesce(sum(n), 0) FROM rollout_status_counts"
                     + ("" if status_in is None else " WHERE status = ANY($1::text[])"),
@@ -85,11 +85,10 @@ class SqlQueries:
                 total = int(total)
             else:
                 rows, total = await pg.fetch_page(
-                    conn, "rollouts", pg.ROLLOUT_COLS, w, filter_logic, tail, n, limit, offset
+                    conn, "rollouts", ROLLOUT_WITH_LATEST_COLS, w, filter_logic, tail, n, limit, offset
                 )
-            items = [pg.rollout_from_row(r) for r in rows]
-            attempts = await self._attempt_map(conn, items)
-        return pg.paginated([pg.attach(r, attempts.get(r.rollout_id)) for r in items], limit, offset, total)
+        items = [pg.attach(pg.rollout_from_row(r), None if r[9] is None else pg.attempt_from_row(r[9])) for r in rows]
+        return pg.paginated(items, limit, offset, total)
 
     async def get_rollout_by_id(self, rollout_id: str) -> Rollout | None:
         page = await self.query_rollouts(rollout_id_in=[rollout_id])
