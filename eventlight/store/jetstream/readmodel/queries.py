@@ -34,6 +34,13 @@ LATEST_ATTEMPT = (
 ``query_rollouts`` reads rollouts and their latest attempts in one round trip."""
 
 ROLLOUT_WITH_LATEST_COLS = f"{pg.ROLLOUT_COLS}, {LATEST_ATTEMPT}"
+LATEST_ATTEMPT_AT = len(pg.ROLLOUT_COLS.split(","))
+"""The index of the latest-attempt record in a row of ``ROLLOUT_WITH_LATEST_COLS``."""
+
+
+def _latest_attempt(row: asyncpg.Record) -> Attempt | None:
+    record = row[LATEST_ATTEMPT_AT]
+    return None if record is None else pg.attempt_from_row(record)
 
 
 class SqlQueries:
@@ -87,7 +94,7 @@ class SqlQueries:
                 rows, total = await pg.fetch_page(
                     conn, "rollouts", ROLLOUT_WITH_LATEST_COLS, w, filter_logic, tail, n, limit, offset
                 )
-        items = [pg.attach(pg.rollout_from_row(r), None if r[9] is None else pg.attempt_from_row(r[9])) for r in rows]
+        items = [pg.attach(pg.rollout_from_row(r), _latest_attempt(r)) for r in rows]
         return pg.paginated(items, limit, offset, total)
 
     async def get_rollout_by_id(self, rollout_id: str) -> Rollout | None:
