@@ -31,10 +31,10 @@ def _ids(rows: list[tuple[str, Any, type[Exception], str]]) -> list[str]:
 
 
 GRPO_BAD: list[tuple[str, Any, type[Exception], str]] = [  # field, value, error, what the message says
-    ("micro_batch_size", 0, InvalidInputError, "whole number >= 1, got 0"),
-    ("micro_batch_size", -2, InvalidInputError, "whole number >= 1, got -2"),
+    ("micro_batch_size", 0, InvalidInputError, "whole number 1 to 2147483647, got 0"),
+    ("micro_batch_size", -2, InvalidInputError, "whole number 1 to 2147483647, got -2"),
     ("micro_batch_size", 8.0, InvalidTypeError, "got 8.0 (float)"),
-    ("max_seq_len", 0, InvalidInputError, "whole number >= 2, got 0"),
+    ("max_seq_len", 0, InvalidInputError, "whole number 2 to 2147483647, got 0"),
     ("max_seq_len", "512", InvalidTypeError, "got '512' (str)"),
     ("lr", 0.0, InvalidInputError, "finite number > 0, got 0.0"),
     ("lr", -1e-5, InvalidInputError, "finite number > 0, got -1e-05"),
@@ -43,23 +43,39 @@ GRPO_BAD: list[tuple[str, Any, type[Exception], str]] = [  # field, value, error
     ("clip_eps", 0, InvalidInputError, "finite number > 0, got 0"),
     ("temperature", -0.5, InvalidInputError, "finite number >= 0, got -0.5"),
     ("temperature", math.inf, InvalidInputError, "got inf"),
-    ("max_new_tokens", 0, InvalidInputError, ">= 1, got 0"),
-    ("eval_every", -1, InvalidInputError, ">= 0, got -1"),
+    ("max_new_tokens", 0, InvalidInputError, "1 to 511 (below max_seq_len 512: the policy server refuses"),
+    ("eval_every", -1, InvalidInputError, "0 to 2147483647, got -1"),
     ("rollout_timeout_s", NAN, InvalidInputError, "got nan"),
     ("rollout_timeout_s", 0, InvalidInputError, "> 0, got 0"),
-    ("max_empty_steps", 0, InvalidInputError, ">= 1, got 0"),
-    ("keep_checkpoints", 0, InvalidInputError, ">= 1, got 0"),
+    ("max_empty_steps", 0, InvalidInputError, "1 to 2147483647, got 0"),
+    ("keep_checkpoints", 0, InvalidInputError, "1 to 2147483647, got 0"),
     ("keep_checkpoints", True, InvalidTypeError, "got True (bool)"),
     ("seed", -1, InvalidInputError, "0 to 4294967295, got -1"),
     ("seed", 2**40, InvalidInputError, "0 to 4294967295"),
     ("scale_by_std", "no", InvalidTypeError, "True or False, got 'no' (str)"),
     ("version_prefix", "run 1.", InvalidInputError, "letters, digits"),
     ("version_prefix", None, InvalidTypeError, "a string, got None (NoneType)"),
-    ("steps", -1, InvalidInputError, ">= 0, got -1"),
-    ("batch_size", 0, InvalidInputError, ">= 1, got 0"),
-    ("group_size", 1, InvalidInputError, ">= 2, got 1"),
+    ("steps", -1, InvalidInputError, "0 to 2147483647, got -1"),
+    ("batch_size", 0, InvalidInputError, "1 to 2147483647, got 0"),
+    ("group_size", 1, InvalidInputError, "2 to 2147483647, got 1"),
     ("lr", 10**400, InvalidInputError, "finite number > 0, got an integer of 1329 bits"),  # was OverflowError
-    ("steps", -(10**5000), InvalidInputError, ">= 0, got a negative integer of 16610 bits"),  # no 5000 digits
+    (
+        "steps",
+        -(10**5000),
+        InvalidInputError,
+        "0 to 2147483647, got a negative integer of 16610 bits",
+    ),  # no 5000 digits
+    # upper bounds: a count or a token count past a 32-bit int (10**30 failed inside torch)
+    ("max_new_tokens", 10**30, InvalidInputError, "1 to 511 (below max_seq_len 512: the policy server refuses"),
+    ("max_new_tokens", 512, InvalidInputError, "1 to 511 (below max_seq_len 512: the policy server refuses"),
+    ("max_seq_len", 2**31, InvalidInputError, "2 to 2147483647, got 2147483648"),
+    ("steps", 10**30, InvalidInputError, "0 to 2147483647, got an integer of 100 bits"),
+    ("batch_size", 2**31, InvalidInputError, "1 to 2147483647, got 2147483648"),
+    ("group_size", 2**63, InvalidInputError, "2 to 2147483647, got 9223372036854775808"),
+    ("micro_batch_size", 10**30, InvalidInputError, "1 to 2147483647"),
+    ("eval_every", 2**31, InvalidInputError, "0 to 2147483647"),
+    ("max_empty_steps", 2**31, InvalidInputError, "1 to 2147483647"),
+    ("keep_checkpoints", 10**30, InvalidInputError, "1 to 2147483647"),
 ]
 
 
@@ -79,13 +95,18 @@ SFT_BAD: list[tuple[str, Any, type[Exception], str]] = [
     ("min_reward", -(10**400), InvalidInputError, "finite number, got a negative integer of 1329 bits"),
     ("modes", "train", InvalidTypeError, "non-empty tuple of mode names"),
     ("modes", (), InvalidTypeError, "non-empty tuple of mode names"),
-    ("keep_checkpoints", 0, InvalidInputError, ">= 1, got 0"),
+    ("keep_checkpoints", 0, InvalidInputError, "1 to 2147483647, got 0"),
     ("seed", -3, InvalidInputError, "0 to 4294967295, got -3"),
     ("steps", 2.5, InvalidTypeError, "got 2.5 (float)"),
-    ("max_seq_len", 1, InvalidInputError, ">= 2, got 1"),
+    ("max_seq_len", 1, InvalidInputError, "2 to 2147483647, got 1"),
     ("train_on", "every", InvalidInputError, "one of 'last', 'all', got 'every'"),
     ("activation_checkpointing", 1, InvalidTypeError, "True or False, got 1 (int)"),
     ("version_prefix", "a*", InvalidInputError, "letters, digits"),
+    ("steps", 10**30, InvalidInputError, "1 to 2147483647, got an integer of 100 bits"),
+    ("batch_size", 2**31, InvalidInputError, "1 to 2147483647"),
+    ("max_seq_len", 10**30, InvalidInputError, "2 to 2147483647"),
+    ("save_every", 2**31, InvalidInputError, "1 to 2147483647"),
+    ("keep_checkpoints", 2**31, InvalidInputError, "1 to 2147483647"),
 ]
 
 
@@ -102,8 +123,10 @@ BASELINE_BAD: list[tuple[str, Any, type[Exception], str]] = [
     ("train_split", 1.0, InvalidInputError, "in (0, 1), got 1.0"),
     ("train_split", "0.8", InvalidTypeError, "got '0.8' (str)"),
     ("n_epochs", 1.5, InvalidTypeError, "got 1.5 (float)"),
-    ("max_queue_length", 0, InvalidInputError, ">= 1, got 0"),
+    ("max_queue_length", 0, InvalidInputError, "1 to 2147483647, got 0"),
     ("polling_interval", -5.0, InvalidInputError, ">= 0, got -5.0"),
+    ("n_epochs", 10**30, InvalidInputError, "1 to 2147483647, got an integer of 100 bits"),
+    ("max_queue_length", 2**31, InvalidInputError, "1 to 2147483647, got 2147483648"),
 ]
 
 
@@ -120,8 +143,8 @@ APO_BAD: list[tuple[str, Any, type[Exception], str]] = [
     ("diversity_temperature", NAN, InvalidInputError, "got nan"),
     ("beam_width", "4", InvalidTypeError, "got '4' (str)"),
     ("beam_rounds", 2.0, InvalidTypeError, "got 2.0 (float)"),
-    ("val_batch_size", 0, InvalidInputError, ">= 1, got 0"),
-    ("optimizer_max_tokens", 0, InvalidInputError, ">= 1, got 0"),
+    ("val_batch_size", 0, InvalidInputError, "1 to 2147483647, got 0"),
+    ("optimizer_max_tokens", 0, InvalidInputError, "1 to 2147483647, got 0"),
     ("run_initial_validation", "yes", InvalidTypeError, "True or False"),
     ("gradient_model", "", InvalidInputError, "a model name, got ''"),
     ("apply_edit_model", None, InvalidTypeError, "a model name, got None"),
@@ -129,6 +152,12 @@ APO_BAD: list[tuple[str, Any, type[Exception], str]] = [
     ("_poml_trace", "yes", InvalidTypeError, "True or False, got 'yes' (str)"),
     ("gradient_prompt_files", "critique.txt", InvalidTypeError, "a list of paths or None, got 'critique.txt'"),
     ("apply_edit_prompt_files", [3], InvalidTypeError, "hold paths (str or Path), got 3 (int)"),
+    ("optimizer_max_tokens", 10**30, InvalidInputError, "1 to 2147483647, got an integer of 100 bits"),
+    ("gradient_batch_size", 2**31, InvalidInputError, "1 to 2147483647"),
+    ("val_batch_size", 2**31, InvalidInputError, "1 to 2147483647"),
+    ("beam_width", 2**31, InvalidInputError, "1 to 2147483647"),
+    ("branch_factor", 2**31, InvalidInputError, "1 to 2147483647"),
+    ("beam_rounds", 10**30, InvalidInputError, "0 to 2147483647"),
 ]
 
 
@@ -146,6 +175,9 @@ def test_the_defaults_and_agent_lightnings_documented_settings_pass() -> None:
     Baseline(n_epochs=2, train_split=0.8, span_verbosity="key_values")  # Agent-lightning's docs
     Baseline(span_verbosity="none", polling_interval=0)
     APO(object(), val_batch_size=10, gradient_batch_size=4, beam_width=2, branch_factor=2, beam_rounds=2)
+    GRPOConfig(max_new_tokens=511, max_seq_len=512)  # the bounds themselves pass
+    GRPOConfig(steps=2**31 - 1, max_seq_len=2**31 - 1, max_new_tokens=2**31 - 2)
+    SFTConfig(steps=2**31 - 1, max_seq_len=2**31 - 1)
 
 
 def test_agent_lightnings_documented_apo_call_constructs(caplog: pytest.LogCaptureFixture) -> None:

@@ -269,6 +269,54 @@ def test_up_refuses_a_configured_postgres_that_refuses_the_dsns_settings(
         shutil.rmtree(root, ignore_errors=True)
 
 
+def test_up_probes_a_configured_postgres_before_it_starts_nats(namespace: Settings, tmp_path: Path) -> None:
+    """`up` with the embedded NATS and a DSN the server refuses started nats-server, then probed the
+    DSN and stopped NATS again: it now probes first and starts nothing."""
+    assert namespace.pg_dsn is not None
+    url = urllib.parse.urlsplit(namespace.pg_dsn)
+    dsn = urllib.parse.urlunsplit(url._replace(netloc=f"eventlight_no_such_role@{url.hostname}:{url.port}"))
+    state = tmp_path / "state"
+    env = {**env_of(namespace), "EVENTLIGHT_NATS_URL": "", "EVENTLIGHT_PG_DSN": dsn, "EVENTLIGHT_STATE_DIR": str(state)}
+    try:
+        result = cli("up", env=env)
+        assert_one_line_error(result, 2, "Postgres refused the connection", "fix the DSN")
+        assert not (state / "nats").exists(), "nats-server was started"
+    finally:
+        cli("down", env=env)
+
+
+@pytest.mark.parametrize("where", ["sslrootcert", "PGSSLROOTCERT", "home"])
+def test_up_refuses_verify_full_without_a_root_certificate(namespace: Settings, tmp_path: Path, where: str) -> None:
+    """``sslmode=verify-full`` with no root certificate (asyncpg refuses it before it connects) read
+    "did not answer", and `up` put the namespace in the embedded Postgres: now a refused
+    configuration, exit 2, naming the DSN (password hidden) and the missing certificate."""
+    assert namespace.pg_dsn is not None
+    url = urllib.parse.urlsplit(namespace.pg_dsn)
+    missing = tmp_path / "no-root.crt"
+    query = "sslmode=verify-full" + (f"&sslrootcert={missing}" if where == "sslrootcert" else "")
+    netloc = f"postgres:s3cret@{url.hostname}:{url.port}"
+    dsn = urllib.parse.urlunsplit(url._replace(netloc=netloc, query=query))
+    state = tmp_path / "state"
+    env = {**env_of(namespace), "EVENTLIGHT_NATS_URL": "", "EVENTLIGHT_PG_DSN": dsn}
+    env |= {"EVENTLIGHT_STATE_DIR": str(state), "HOME": str(tmp_path), "PGSSLROOTCERT": ""}
+    if where == "PGSSLROOTCERT":
+        env["PGSSLROOTCERT"] = str(missing)
+    names = str(tmp_path / ".postgresql" / "root.crt") if where == "home" else str(missing)
+    try:
+        line = assert_one_line_error(
+            cli("up", env=env),
+            2,
+            f"EVENTLIGHT_PG_DSN postgresql://postgres:***@{url.hostname}:{url.port}",
+            "Postgres cannot be used with this DSN (",
+            names,
+            "fix the DSN",
+        )
+        assert "s3cret" not in line
+        assert not (state / "nats").exists() and not (state / "pg").exists()
+    finally:
+        cli("down", env=env)
+
+
 async def _fill(ns: Settings) -> None:
     async with JetStreamLightningStore(ns, pg_dsn=ns.pg_dsn) as store:
         await store.enqueue_rollout(input={"q": 1})

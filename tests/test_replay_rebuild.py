@@ -197,6 +197,8 @@ async def test_cli_import_leaves_a_namespace_sql_reads(
         assert "warning: the read models were not brought up to date: cannot reach" in result.stderr
         result = cli("import", str(out), env=env_of(other))  # nothing to append: what is there is projected
         assert result.returncode == 0 and "0 entries appended" in result.stdout, result.stderr
+        # stdout: the summary alone; no progress without a terminal, no projector INFO line, no empty line
+        assert result.stderr == "" and len(result.stdout.splitlines()) == 2, (result.stdout, result.stderr)
         count = cli("sql", "SELECT rollout_id FROM v_rollouts ORDER BY 1", "-f", "csv", env=env_of(other))
         assert count.stdout.split() == ["rollout_id", *sorted(ids.values())], count.stderr
         assert "read models projected up to log position 18" in result.stdout, result.stdout

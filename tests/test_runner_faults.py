@@ -88,20 +88,52 @@ async def test_dequeue_and_status_faults_are_one_line_each_and_the_runner_goes_o
     await store.add_resources(RESOURCES)
     made = [await store.enqueue_rollout({"q": i}) for i in range(2)]
     runner = agl.LitAgentRunner(agl.OtelTracer(), max_rollouts=2, poll_interval=0.01, heartbeat_interval=0)
-    with caplog.at_level(logging.WARNING, logger="eventlight.runner"):
+    with caplog.at_level(logging.DEBUG, logger="eventlight.runner"):
         with runner.run_context(agent=fault_agents.quick, store=store):
             assert await asyncio.wait_for(runner.iter(), 20) == 2
             dequeue_faults.append(nats_down)  # a fault after a success starts from 0.1 s again
             runner.max_rollouts = 1
             await store.enqueue_rollout({"q": 2})
             assert await asyncio.wait_for(runner.iter(), 20) == 1
-    failed = [r.getMessage() for r in caplog.records if "dequeue failed" in r.getMessage()]
-    delays = [float(re.search(r"again in ([\d.]+) s", m).group(1)) for m in failed]  # type: ignore[union-attr]
+    failed = [r for r in caplog.records if "dequeue failed" in r.getMessage()]
+    delays = [float(re.search(r"again in ([\d.]+) s", r.getMessage()).group(1)) for r in failed]  # type: ignore[union-attr]
     assert delays == [0.1, 0.2, 0.4, 0.8, 0.1], failed
-    assert all("\n" not in m for m in failed)
+    # one warning per outage (the retryable faults in a row), and one for the malformed message
+    assert [r.levelname for r in failed] == ["WARNING", "DEBUG", "WARNING", "DEBUG", "WARNING"], failed
+    assert all("\n" not in r.getMessage() for r in failed)
     assert sum("could not record status succeeded" in r.getMessage() for r in caplog.records) == 1
     got = [await store.get_rollout_by_id(r.rollout_id) for r in made]
     assert [r.status for r in got] == ["succeeded", "succeeded"]  # the first one recorded late
+
+
+async def test_a_nats_outage_is_one_dequeue_warning_and_an_orderly_shutdown_none(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A runner warned for each failed dequeue of an outage: the server's 409 Server Shutdown to the
+    pull in flight, then the pull that timed out just after the reconnect. Now the 409 of a server
+    stopping in order is an INFO line, and the failures in a row one warning; the next outage warns again."""
+    server = "nats://127.0.0.1:1"
+    shutdown = ServiceUnavailableError(server, "pull answered 409 Server Shutdown", shutting_down=True)
+    faults: list[Exception] = [
+        shutdown,
+        ServiceUnavailableError(server, "pull from the runners queue failed: TimeoutError()"),
+        nats.errors.TimeoutError(),
+    ]
+    store = FlakyStore(faults, [])
+    await store.add_resources(RESOURCES)
+    await store.enqueue_rollout({"q": 1})
+    runner = agl.LitAgentRunner(agl.OtelTracer(), max_rollouts=1, poll_interval=0.01, heartbeat_interval=0)
+    with caplog.at_level(logging.DEBUG, logger="eventlight.runner"):
+        with runner.run_context(agent=fault_agents.quick, store=store):
+            assert await asyncio.wait_for(runner.iter(), 20) == 1
+            faults.append(shutdown)  # the next outage, after a success
+            faults.append(nats.errors.TimeoutError())
+            await store.enqueue_rollout({"q": 2})
+            assert await asyncio.wait_for(runner.iter(), 20) == 1
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if "dequeue" in r.getMessage()]
+    assert [level for level, _ in lines] == ["INFO", "WARNING", "DEBUG", "INFO", "INFO", "WARNING", "INFO"], lines
+    assert "409" in lines[0][1] and "409" not in lines[1][1], lines
+    assert lines[3][1].endswith("dequeue works again (after 3 failed tries)"), lines
 
 
 async def test_a_malformed_queue_message_does_not_stop_the_runner(
@@ -578,8 +610,9 @@ async def test_a_nats_outage_is_one_warning_not_one_a_second(own_nats: Settings)
     lost = [line for line in warnings if "eventlight.store.jetstream.connect" in line]
     assert len(lost) == 1 and f"NATS connection to {settings.nats_url} lost" in lost[0], err
     assert "retrying every 1 s until it is back" in lost[0], err
-    # besides it, at most the runner's dequeue the shutdown answered and the one left pending meanwhile
-    assert len(warnings) <= 3, err
+    # besides it, at most one dequeue warning (the pull left pending meanwhile), none for the server's
+    # 409 Server Shutdown to the pull in flight when it stopped in order
+    assert len(warnings) <= 2 and not any("409" in line for line in warnings), err
     assert re.search(rf"INFO .*NATS reconnected to {settings.nats_url} after \d+\.\d s away", err), err
 
 

@@ -270,8 +270,8 @@ async def test_an_up_interrupted_while_it_starts_postgres_leaves_no_server_runni
     settings = Settings(state_dir=root_dir / "state", namespace=_ns())
     real = lifecycle.ensure_pg
 
-    async def interrupted(settings: Settings, state: Path) -> Any:
-        await real(settings, state)  # the postmaster is up: Ctrl-C comes as it is waited for
+    async def interrupted(state: Path) -> Any:
+        await real(state)  # the postmaster is up: Ctrl-C comes as it is waited for
         raise asyncio.CancelledError
 
     monkeypatch.setattr(lifecycle, "ensure_pg", interrupted)

@@ -75,6 +75,35 @@ async def test_status_shows_projector_lag(namespace: Settings) -> None:
     assert found, out
     projected, head, lag = map(int, found.groups())
     assert lag == head - projected >= 2
+    # the line points to the fix, as `sql`'s warning does
+    fix = r"^projection .*lag \d+ events: `eventlight sql --catch-up` projects up to the head"
+    assert re.search(fix, out, re.M), out
+
+
+async def test_status_lists_the_live_lease_holders_not_stale_files(namespace: Settings, tmp_path: Path) -> None:
+    """`status` did not say who held the embedded servers: it lists each live lease (pid, what, since
+    when) from ``<state>/leases``; a file no process holds a lock on (its holder was killed) is not."""
+    from eventlight.ops.lifecycle import lease_services, release_services
+
+    state = tmp_path / "state"
+    state.mkdir()
+    at_start = Settings(state_dir=state, namespace=namespace.namespace)
+    runner = await lease_services(at_start, "eventlight runner")
+    trainer = await lease_services(at_start, "Trainer")
+    stale = state / "leases" / "999999-dead.json"
+    stale.write_bytes(msgspec.json.encode({"pid": 999999, "what": "eventlight serve", "since": time.time()}))
+    try:
+        env = {**env_of(namespace), "EVENTLIGHT_STATE_DIR": str(state)}
+        out = await asyncio.to_thread(lambda: cli("status", env=env).stdout)
+    finally:
+        await release_services(trainer)
+        await release_services(runner)
+    assert re.search(r"^leases\s+2 process\(es\) use the embedded servers$", out, re.M), out
+    rows = re.findall(
+        rf"^\s*{os.getpid()}\s+(.+?)\s+(\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d UTC) \((\d+) s ago\)$", out, re.M
+    )
+    assert [r[0] for r in rows] == ["`eventlight runner`", "a trainer's run"], out  # oldest first
+    assert not re.search(r"^\s*999999 ", out, re.M) and "`eventlight serve`" not in out, out
 
 
 async def test_sql_says_when_the_read_models_are_behind_the_log_and_catch_up_projects_them(
@@ -96,8 +125,9 @@ async def test_sql_says_when_the_read_models_are_behind_the_log_and_catch_up_pro
     )
     assert found and found[1] == found[2] and int(found[1]) >= 2, behind.stderr
     caught = cli(*query, "--catch-up", env=env_of(namespace))
-    assert caught.returncode == 0 and caught.stdout.split() == ["n", "2"], caught.stderr
-    assert "warning" not in caught.stderr, caught.stderr
+    # stdout is the result alone; without a terminal no progress, and not the projector's INFO line
+    assert caught.returncode == 0 and caught.stdout == "n\n2\n", (caught.stdout, caught.stderr)
+    assert caught.stderr == "", caught.stderr
     again = cli(*query, env=env_of(namespace))  # caught up: not a word
     assert again.returncode == 0 and again.stdout.split() == ["n", "2"] and again.stderr == "", again.stderr
     nats_down = {**env_of(namespace), "EVENTLIGHT_NATS_URL": f"nats://127.0.0.1:{free_port()}"}

@@ -14,7 +14,7 @@ import logging
 from typing import Any, Literal, get_args
 
 from eventlight.algorithm.base import Dataset, FastAlgorithm
-from eventlight.algorithm.checks import check_choice, check_int, check_number
+from eventlight.algorithm.checks import MAX_COUNT, check_choice, check_int, check_number
 from eventlight.core.errors import InvalidInputError
 from eventlight.core.types import Rollout, Span
 
@@ -77,12 +77,12 @@ class Baseline(FastAlgorithm):
         max_queue_length: int = 4,
         span_verbosity: SpanVerbosity = "keys",
     ):
-        n_epochs = check_int("Baseline.n_epochs", n_epochs, 1)
+        n_epochs = check_int("Baseline.n_epochs", n_epochs, 1, MAX_COUNT)
         train_split = check_number("Baseline.train_split", train_split, 0.0, above=True)
         if not train_split < 1.0:
             raise InvalidInputError(f"Baseline.train_split must be in (0, 1), got {train_split!r}")
         polling_interval = check_number("Baseline.polling_interval", polling_interval, 0.0)
-        max_queue_length = check_int("Baseline.max_queue_length", max_queue_length, 1)
+        max_queue_length = check_int("Baseline.max_queue_length", max_queue_length, 1, MAX_COUNT)
         check_choice("Baseline.span_verbosity", span_verbosity, get_args(SpanVerbosity))
         self.n_epochs = n_epochs
         self.train_split = train_split

@@ -3,9 +3,10 @@ value given and what it may be, instead of a failure deep in torch, or none at a
 
 A value of the wrong type (a string, a bool for a number, a float for a whole number) raises
 ``InvalidTypeError``, one out of range (0, negative, NaN, infinite, an integer past a float's range
-for a number) ``InvalidInputError``; both are ``ValueError`` s. NumPy's integers, floats and bools
-are taken as Python's (a sweep over ``np.arange`` hands ``np.int64`` s): each check returns the value
-as a Python ``int``, ``float`` or ``bool``, which the caller keeps.
+for a number, a whole number past ``MAX_COUNT`` / ``MAX_TOKENS``) ``InvalidInputError``; both are
+``ValueError`` s. NumPy's integers, floats and bools are taken as Python's (a sweep over
+``np.arange`` hands ``np.int64`` s): each check returns the value as a Python ``int``, ``float`` or
+``bool``, which the caller keeps.
 """
 
 from __future__ import annotations
@@ -21,8 +22,21 @@ from eventlight.store.validate import is_token
 MAX_SEED = 2**32 - 1
 """The largest ``seed`` (torch and numpy take 32-bit seeds; GRPO derives one per generation from it)."""
 
+MAX_COUNT = 2**31 - 1
+"""The largest step, epoch, batch, group, beam, queue or checkpoint count: the largest signed 32-bit
+integer. Each is a number of optimizer steps, rollouts, requests or files, where anything near it is
+a typo, and the libraries they reach (torch, numpy, the Trainer of transformers/TRL: ``max_steps``,
+batch sizes) hold them in 32- or 64-bit integers: a larger one failed, if at all, deep inside them."""
+
+MAX_TOKENS = 2**31 - 1
+"""The largest token count (``max_new_tokens``, ``max_seq_len``, ``optimizer_max_tokens``): the
+largest signed 32-bit integer, as llama.cpp's ``n_ctx`` / ``n_predict`` (``int32_t``) take them,
+and far past any model's context (``max_new_tokens=10**30`` failed inside torch)."""
+
 __all__ = [
+    "MAX_COUNT",
     "MAX_SEED",
+    "MAX_TOKENS",
     "check_bool",
     "check_callable",
     "check_choice",
@@ -51,8 +65,15 @@ def _is_numpy_bool(value: Any) -> bool:
     return type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
 
 
-def check_int(field: str, value: Any, low: int, high: int | None = None) -> int:
+def check_int(field: str, value: Any, low: int, high: int | None = None, *, why: str = "") -> int:
     """``value`` is a whole number (not a bool; a NumPy integer too) of at least ``low`` (and at most ``high``).
+
+    Args:
+        field: Named in the error (``"GRPOConfig.steps"``).
+        value: What was given.
+        low: The smallest allowed.
+        high: The largest allowed (``None``: no bound).
+        why: Put after the range in the error, e.g. ``" (below max_seq_len 512)"``.
 
     Returns:
         ``value`` as a Python ``int``.
@@ -61,7 +82,7 @@ def check_int(field: str, value: Any, low: int, high: int | None = None) -> int:
         InvalidTypeError: Not an integer.
         InvalidInputError: Out of range.
     """
-    want = f"{field} must be a whole number " + (f">= {low}" if high is None else f"{low} to {high}")
+    want = f"{field} must be a whole number " + (f">= {low}" if high is None else f"{low} to {high}") + why
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise InvalidTypeError(f"{want}, got {_shown(value)}")
     whole = int(value)

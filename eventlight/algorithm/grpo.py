@@ -47,7 +47,9 @@ from typing import Any
 
 from eventlight.algorithm.base import Algorithm, Dataset
 from eventlight.algorithm.checks import (
+    MAX_COUNT,
     MAX_SEED,
+    MAX_TOKENS,
     check_bool,
     check_callable,
     check_int,
@@ -82,7 +84,8 @@ class GRPOConfig:
         group_size: Rollouts per task (GRPO's group).
         temperature: Sampling temperature of training rollouts (held-out ones are the agent's
             choice; the example samples them greedily).
-        max_new_tokens: Completion limit the resources advertise (``sampling_parameters``).
+        max_new_tokens: Completion limit the resources advertise (``sampling_parameters``); below
+            ``max_seq_len``, which the policy server holds prompt + completion to.
         lr: AdamW learning rate (full fine-tuning).
         clip_eps: PPO ratio clip.
         scale_by_std: Divide advantages by the group's std (GRPO) or not (Dr. GRPO).
@@ -119,20 +122,27 @@ class GRPOConfig:
 
         Raises:
             InvalidTypeError: A field of the wrong type (``lr="2e-5"``, ``micro_batch_size=8.0``).
-            InvalidInputError: A value out of range (0, negative, NaN), named with its range.
+            InvalidInputError: A value out of range (0, negative, NaN, past ``MAX_COUNT`` or
+                ``MAX_TOKENS``; ``max_new_tokens`` not below ``max_seq_len``), named with its range.
         """
-        for name, low in (
-            ("steps", 0),
-            ("batch_size", 1),
-            ("group_size", 2),
-            ("max_new_tokens", 1),
-            ("eval_every", 0),
-            ("max_seq_len", 2),
-            ("micro_batch_size", 1),
-            ("max_empty_steps", 1),
-            ("keep_checkpoints", 1),
+        for name, low, high in (
+            ("steps", 0, MAX_COUNT),
+            ("batch_size", 1, MAX_COUNT),
+            ("group_size", 2, MAX_COUNT),
+            ("eval_every", 0, MAX_COUNT),
+            ("max_seq_len", 2, MAX_TOKENS),
+            ("micro_batch_size", 1, MAX_COUNT),
+            ("max_empty_steps", 1, MAX_COUNT),
+            ("keep_checkpoints", 1, MAX_COUNT),
         ):
-            set_checked(self, name, check_int(f"GRPOConfig.{name}", getattr(self, name), low))
+            set_checked(self, name, check_int(f"GRPOConfig.{name}", getattr(self, name), low, high))
+        # the policy server answers 400 to a prompt (1 token at least) plus max_tokens past max_seq_len
+        why = f" (below max_seq_len {self.max_seq_len}: the policy server refuses a prompt plus max_tokens past it)"
+        set_checked(
+            self,
+            "max_new_tokens",
+            check_int("GRPOConfig.max_new_tokens", self.max_new_tokens, 1, self.max_seq_len - 1, why=why),
+        )
         set_checked(self, "seed", check_int("GRPOConfig.seed", self.seed, 0, MAX_SEED))
         set_checked(self, "temperature", check_number("GRPOConfig.temperature", self.temperature, 0.0))
         for name in ("lr", "clip_eps", "rollout_timeout_s"):

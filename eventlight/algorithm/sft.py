@@ -43,7 +43,9 @@ from eventlight.adapter import TraceToMessages
 from eventlight.adapter.base import Adapter
 from eventlight.algorithm.base import Algorithm, Dataset
 from eventlight.algorithm.checks import (
+    MAX_COUNT,
     MAX_SEED,
+    MAX_TOKENS,
     check_bool,
     check_callable,
     check_choice,
@@ -103,17 +105,18 @@ class SFTConfig:
 
         Raises:
             InvalidTypeError: A field of the wrong type (``lr="2e-5"``, ``modes="train"``).
-            InvalidInputError: A value out of range (0, negative, NaN) or an unknown ``train_on``,
+            InvalidInputError: A value out of range (0, negative, NaN, past ``MAX_COUNT`` or
+                ``MAX_TOKENS``) or an unknown ``train_on``,
                 named with what it may be.
         """
-        for name, low in (
-            ("steps", 1),
-            ("batch_size", 1),
-            ("max_seq_len", 2),
-            ("save_every", 1),
-            ("keep_checkpoints", 1),
+        for name, low, high in (
+            ("steps", 1, MAX_COUNT),
+            ("batch_size", 1, MAX_COUNT),
+            ("max_seq_len", 2, MAX_TOKENS),
+            ("save_every", 1, MAX_COUNT),
+            ("keep_checkpoints", 1, MAX_COUNT),
         ):
-            set_checked(self, name, check_int(f"SFTConfig.{name}", getattr(self, name), low))
+            set_checked(self, name, check_int(f"SFTConfig.{name}", getattr(self, name), low, high))
         set_checked(self, "seed", check_int("SFTConfig.seed", self.seed, 0, MAX_SEED))
         set_checked(self, "lr", check_number("SFTConfig.lr", self.lr, 0.0, above=True))
         if self.min_reward is not None:

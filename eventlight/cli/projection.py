@@ -2,13 +2,20 @@
 
 ``warn_if_behind``: one ``warning:`` line when the namespace's projection is behind its log (one
 stream-info request and the checkpoint row; nothing printed when it is caught up).
-``project_to_head``: bring the read models up to the log's head, with a progress bar
-(``eventlight.logreplay.catchup``), as ``eventlight import`` and ``eventlight sql --catch-up`` do.
+``project_to_head``: bring the read models up to the log's head (``eventlight.logreplay.catchup``),
+as ``eventlight import`` and ``eventlight sql --catch-up`` do, with a progress bar on stderr when it
+is a terminal. Their stdout carries only their result: the projector's own INFO lines (which
+partition it leads) are not logged meanwhile unless ``EVENTLIGHT_LOG_LEVEL`` asks for them, and
+without a terminal nothing is shown of the progress (rich's bar left an empty line there).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from rich.markup import escape
@@ -72,8 +79,8 @@ async def warn_if_behind(settings: Settings, conn: Any) -> None:
 
 
 async def project_to_head(settings: Settings, pg_dsn: str) -> int | None:
-    """Project the namespace up to its log's head (``logreplay.catchup``) with a progress bar on
-    stderr.
+    """Project the namespace up to its log's head (``logreplay.catchup``), with a progress bar on
+    stderr when it is a terminal.
 
     Returns:
         The head reached; ``None`` when the read models could not be brought up to date, which is
@@ -83,11 +90,8 @@ async def project_to_head(settings: Settings, pg_dsn: str) -> int | None:
     from eventlight.logreplay.catchup import STALLED_S, catch_up
 
     try:
-        with _progress() as bar:
-            task = bar.add_task("projecting", total=None, done=0, head=0)
-            checkpoint, head = await catch_up(
-                settings, pg_dsn, on_progress=lambda done, head: bar.update(task, done=done, head=head, total=head)
-            )
+        with _quiet_projector(), _progress_bar() as on_progress:
+            checkpoint, head = await catch_up(settings, pg_dsn, on_progress=on_progress)
     except (EventlightError, CliError) as e:
         err.print(f"[yellow]warning:[/yellow] the read models were not brought up to date: {escape(str(e))}")
         return None
@@ -99,6 +103,38 @@ async def project_to_head(settings: Settings, pg_dsn: str) -> int | None:
         )
         return None
     return head
+
+
+PROJECTOR_LOGGER = "eventlight.store.jetstream.projector"
+"""The projector's loggers: INFO lines of its lifecycle, which a catch-up does not show by default."""
+
+
+@contextlib.contextmanager
+def _quiet_projector() -> Iterator[None]:
+    """Log only the projector's warnings and errors meanwhile, unless ``EVENTLIGHT_LOG_LEVEL`` is set
+    (the CLI's default INFO would print which partition the catch-up's projector leads)."""
+    if os.environ.get("EVENTLIGHT_LOG_LEVEL"):
+        yield
+        return
+    logger = logging.getLogger(PROJECTOR_LOGGER)
+    level = logger.level
+    logger.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _progress_bar() -> Iterator[Callable[[int, int], None] | None]:
+    """A ``catch_up`` progress callback drawing a transient bar on stderr; ``None`` (nothing shown)
+    when stderr is not a terminal."""
+    if not err.is_terminal:
+        yield None
+        return
+    with _progress() as bar:
+        task = bar.add_task("projecting", total=None, done=0, head=0)
+        yield lambda done, head: bar.update(task, done=done, head=head, total=head)
 
 
 def _progress() -> Progress:

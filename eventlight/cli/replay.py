@@ -337,8 +337,8 @@ def import_command(
     --since records each rollout's entry before the slice).
 
     The namespace must exist (`eventlight up -N NAMESPACE`). Before it returns, the import projects
-    the namespace's log into its read models up to the head, showing progress, so `eventlight sql`
-    sees what it appended.
+    the namespace's log into its read models up to the head (progress on stderr when it is a
+    terminal; stdout carries only the summary), so `eventlight sql` sees what it appended.
 
     Servers: uses $EVENTLIGHT_NATS_URL and $EVENTLIGHT_PG_DSN when set, else the embedded servers;
     never starts one."""
@@ -360,8 +360,8 @@ def import_command(
 
 
 async def _project(settings: Settings) -> None:
-    """Project the namespace up to its log's head (``cli.projection``), with a progress bar; a
-    warning, not an error, when the read models cannot be brought up to date (the import is done:
+    """Project the namespace up to its log's head (``cli.projection``), with a progress bar on a
+    terminal; a warning, not an error, when the read models cannot be brought up to date (the import is done:
     they catch up when a store with Postgres next opens the namespace)."""
     from eventlight.cli.projection import project_to_head
     from eventlight.core.errors import EventlightError

@@ -158,7 +158,8 @@ def sql(
         bool,
         typer.Option(
             "--catch-up",
-            help="First project the log into the read models up to its head (needs NATS; progress on stderr),"
+            help="First project the log into the read models up to its head (needs NATS; progress on stderr"
+            " when it is a terminal),"
             " so that the result is not behind the log.",
         ),
     ] = False,

@@ -1,5 +1,9 @@
 """``eventlight status``: the servers, the stream, the projection, the queue and the workers of a namespace.
 
+The processes that hold a lease on the state folder's embedded servers (``eventlight.ops.leases``:
+a trainer's run, ``eventlight runner``, ``eventlight serve``) are listed with their pid and since
+when; a lease file whose process ended (no lock held) is not.
+
 Workers are listed by the age of their last heartbeat, live ones first (alive: a heartbeat within
 ``LIVE_HEARTBEAT_S``, ``eventlight.store.liveness``); when rollouts wait and no worker is alive, a
 ``warning`` line says so.
@@ -111,9 +115,11 @@ def _projection_line(stream: tuple[int, int] | None, projected: int | None, nats
         return f"at event {projected or 0} (the stream's last event is unknown while NATS is down)"
     if stream is None or projected is None or projected >= stream[1]:
         return "up to date (lag 0 events)"
+    from eventlight.cli.projection import WHAT_PROJECTS
+
     return (
-        f"at event {projected} of {stream[1]} (lag {stream[1] - projected} events: the tables below advance only "
-        "while a trainer or another store opened with pg_dsn projects)"
+        f"at event {projected} of {stream[1]} (lag {stream[1] - projected} events: `eventlight sql --catch-up` "
+        f"projects up to the head; the tables below also catch up while {WHAT_PROJECTS} has the namespace open)"
     )
 
 
@@ -209,6 +215,7 @@ def _print_services(settings: Settings, s: dict[str, Any]) -> None:
     console.print(f"durability {_durability_line(settings, nats_origin)}")
     if "embedded" in (nats_origin, pg_origin):
         console.print(f"state      {escape(str(settings.state_dir))}")
+    _print_leases(settings, embedded="embedded" in (nats_origin, pg_origin))
     stream = f"{s['stream'][0]} events" if s["stream"] is not None else "missing"
     if nats_down is not None:
         stream = "unknown: NATS is down"
@@ -216,6 +223,41 @@ def _print_services(settings: Settings, s: dict[str, Any]) -> None:
         f"namespace  {settings.namespace}  [dim]stream {settings.stream_name} ({stream}), "
         f"schema {settings.pg_schema}[/dim]"
     )
+
+
+LEASE_HOLDERS = {
+    "Trainer": "a trainer's run",
+    "eventlight runner": "`eventlight runner`",
+    "eventlight serve": "`eventlight serve`",
+    "use_services": "a program's use_services block",
+}
+"""How the ``what`` of a lease file reads in ``status``; another is shown as it is."""
+
+
+def _print_leases(settings: Settings, *, embedded: bool) -> None:
+    """The live lease holders on the state folder's servers (``leases.lease_holders``); ``none``
+    when embedded servers are in use and no one holds one, nothing when neither."""
+    from eventlight.ops.leases import lease_holders
+    from eventlight.ops.state import existing_state_dir
+
+    state = existing_state_dir(settings)
+    holders = lease_holders(state) if state is not None else []
+    if not holders:
+        if embedded:
+            console.print("leases     none [dim](no process holds a lease on the embedded servers)[/dim]")
+        return
+    console.print(f"leases     {len(holders)} process(es) use the embedded servers")
+    console.print(_leases_table(holders, time.time()))
+
+
+def _leases_table(holders: list[Any], now: float) -> Table:
+    from eventlight.cli_output import age
+
+    table = Table("pid", "holder", "since", box=None, pad_edge=False, header_style="dim")
+    for h in holders:
+        since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(h.since))
+        table.add_row(str(h.pid), escape(LEASE_HOLDERS.get(h.what, h.what)), f"{since} ({age(now - h.since)})")
+    return table
 
 
 def _print_from_postgres(s: dict[str, Any]) -> None:

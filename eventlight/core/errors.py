@@ -116,15 +116,18 @@ class ServiceUnavailableError(EventlightError):
     Attributes:
         server: The URL or DSN (without password) that failed.
         detail: What went wrong, without the server (``"nothing answers at host:4222 (...)"``).
+        shutting_down: The server said it is going away (an orderly shutdown: NATS's ``409 Server
+            Shutdown`` answer to a pending pull); the outage it begins is told by what follows.
     """
 
     retryable = True
 
-    def __init__(self, server: str, detail: str):
+    def __init__(self, server: str, detail: str, *, shutting_down: bool = False):
         server = redact(server)
         super().__init__(f"cannot reach {server}: {detail}")
         self.server = server
         self.detail = detail
+        self.shutting_down = shutting_down
 
 
 class LLMUnavailableError(ServiceUnavailableError):

@@ -4,8 +4,8 @@ Files under ``settings.state_dir`` (the rest: ``eventlight.ops.state``)::
 
     leases/<pid>-<hex>.json  one per user of the servers for a while (a ``Trainer``'s run,
                              ``use_services``, ``eventlight runner``, ``eventlight serve``):
-                             ``{"pid": 123, "what": "Trainer"}``, flock'ed by its holder until it
-                             gives the lease up
+                             ``{"pid": 123, "what": "Trainer", "since": 1765100000.0}`` (``since``:
+                             Unix time it was taken), flock'ed by its holder until it gives the lease up
     stop_when_unused.json    the servers a lease holder started, e.g. ``{"nats-server": 123}``: the
                              last holder to give up its lease stops them. ``eventlight up``,
                              ``ensure_services`` and ``prepare_services`` take the servers they
@@ -15,8 +15,9 @@ Why flocks rather than pids: the kernel drops a process's locks when it ends, ho
 (``kill -9`` too), so a lease file no one holds a lock on is stale, whatever process its pid names
 by now (pids are reused). Two leases of one process are two open files, whose locks exclude each
 other as two processes' do; a child forked (``os.fork``) while a lease is held shares its lock.
-Every function here runs under the state folder's lock (``state_lock``), so no lease can be taken
-between the check for leases and the stop.
+Every function here but ``lease_holders`` runs under the state folder's lock (``state_lock``), so
+no lease can be taken between the check for leases and the stop; ``lease_holders`` (for ``eventlight
+status``) reads without it and removes nothing.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import contextlib
 import fcntl
 import os
 import secrets
+import time
 from pathlib import Path
 from typing import BinaryIO
 
@@ -36,9 +38,19 @@ LEASES = "leases"
 MARKS = "stop_when_unused.json"
 
 
-class _Holder(msgspec.Struct, frozen=True):
+class LeaseHolder(msgspec.Struct, frozen=True):
+    """What a lease file says of its holder.
+
+    Attributes:
+        pid: The holder's process id.
+        what: Who it is (``"Trainer"``: a trainer's run; ``"eventlight runner"``, ``"eventlight serve"``,
+            ``"use_services"``, or what a program passed).
+        since: When it took the lease, Unix time in seconds; ``None`` in a file an older version wrote.
+    """
+
     pid: int
     what: str
+    since: float | None = None
 
 
 class Lease:
@@ -94,7 +106,7 @@ def take_lease(state: Path, what: str) -> Lease:
         ) from None
     try:
         fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: no one else holds it
-        file.write(msgspec.json.encode(_Holder(os.getpid(), what)))
+        file.write(msgspec.json.encode(LeaseHolder(os.getpid(), what, time.time())))
         file.flush()
     except BaseException:
         file.close()
@@ -122,9 +134,48 @@ def live_leases(state: Path) -> list[str]:
     return holders
 
 
+def lease_holders(state: Path) -> list[LeaseHolder]:
+    """The live lease holders of ``state``'s servers, oldest first, for ``eventlight status``: the
+    lease files a process holds a lock on; stale ones (their process ended) and unreadable ones are
+    left out, and nothing is removed. Needs no state lock.
+
+    A file still empty is skipped (``take_lease`` writes its holder after it has locked it), so a
+    lease being taken is never locked here in its holder's way. Each other one is locked shared for
+    an instant to see whether its holder still holds it.
+
+    Returns:
+        One ``LeaseHolder`` per live lease (``since`` filled in from the file's time when the file
+        lacks it); ``[]`` when there is none or no ``leases`` folder.
+    """
+    holders = []
+    for path in (state / LEASES).glob("*.json"):
+        try:
+            file = open(path, "rb")
+        except OSError:
+            continue
+        with file:
+            raw = file.read()
+            if raw and _locked(file):
+                with contextlib.suppress(msgspec.DecodeError):
+                    holder = msgspec.json.decode(raw, type=LeaseHolder)
+                    since = holder.since if holder.since is not None else os.fstat(file.fileno()).st_mtime
+                    holders.append(msgspec.structs.replace(holder, since=since))
+    return sorted(holders, key=lambda h: (h.since or 0.0, h.pid))
+
+
+def _locked(file: BinaryIO) -> bool:
+    """Whether another open file holds an exclusive lock on ``file``'s lease (its holder lives)."""
+    try:
+        fcntl.flock(file, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    fcntl.flock(file, fcntl.LOCK_UN)
+    return False
+
+
 def _describe(raw: bytes, path: Path) -> str:
     try:
-        holder = msgspec.json.decode(raw, type=_Holder)
+        holder = msgspec.json.decode(raw, type=LeaseHolder)
     except msgspec.DecodeError:
         return f"{path.name} (unreadable)"
     return f"pid {holder.pid} ({holder.what})"

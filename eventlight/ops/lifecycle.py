@@ -23,7 +23,7 @@ from eventlight.ops.leases import Lease, clear_marks, live_leases, mark, marked,
 from eventlight.ops.nats_server import ensure_nats, stop_nats
 from eventlight.ops.pg_pgserver import ensure_pgserver, stop_pgserver
 from eventlight.ops.pg_system import ensure_system_pg, postmaster, stop_system_pg
-from eventlight.ops.postgres import REFUSED, choose_pg_kind, pg_probe
+from eventlight.ops.postgres import REFUSED, UNUSABLE, choose_pg_kind, pg_probe
 from eventlight.ops.procs import pid_running, read_pid
 from eventlight.ops.schema import apply_migrations
 from eventlight.ops.state import (
@@ -50,12 +50,13 @@ async def ensure_services(settings: Settings) -> Services:
     NATS: ``settings.nats_url`` must answer within 2 s; without it nats-server from the venv
     runs under ``<state_dir>/nats``. Postgres: ``settings.pg_dsn`` when it answers within 3 s
     (when nothing answers, a warning and the embedded one; when it refuses the role, password or
-    database, an error); the embedded one uses the system binaries, else ``pgserver``. Servers
-    left running by an earlier call are reused, on the same ports and data. If a later step
-    fails, the servers this call started are stopped again; so is an embedded server it was
-    starting when it is interrupted (Ctrl-C: ``CancelledError`` or ``KeyboardInterrupt``). The
-    embedded servers it starts or reuses run until ``stop_services`` (``eventlight down``), even
-    those a ``use_services`` holder (a ``Trainer``'s run) started.
+    database, or the DSN cannot be used as it is, an error, before NATS is started); the embedded
+    one uses the system binaries, else ``pgserver``. Servers left running by an earlier call are
+    reused, on the same ports and data. If a later step fails, the servers this call started are
+    stopped again; so is an embedded server it was starting when it is interrupted (Ctrl-C:
+    ``CancelledError`` or ``KeyboardInterrupt``). The embedded servers it starts or reuses run
+    until ``stop_services`` (``eventlight down``), even those a ``use_services`` holder (a
+    ``Trainer``'s run) started.
 
     Args:
         settings: Service URLs and the state folder.
@@ -67,7 +68,8 @@ async def ensure_services(settings: Settings) -> Services:
         ServiceUnavailableError: A configured NATS URL does not answer, or an embedded server
             cannot be found or does not become ready (10 s for NATS, 60 s for Postgres).
         InvalidInputError: The configured Postgres refused the role, password, database or a DSN
-            setting; the embedded NATS runs at another durability level than ``settings.durability``.
+            setting, or the DSN cannot be used (``sslmode=verify-full`` without a root certificate):
+            no server is started then; the embedded NATS runs at another durability level than ``settings.durability``.
     """
     state = state_dir(settings)
     async with state_lock(state):
@@ -78,7 +80,9 @@ async def ensure_services(settings: Settings) -> Services:
 
 
 async def _start_or_reuse(settings: Settings, state: Path) -> Services:
-    """``ensure_services`` without the lock, which the caller holds, and without the record."""
+    """``ensure_services`` without the lock, which the caller holds, and without the record. A
+    configured Postgres is probed first, so a DSN it refuses starts no server (``configured_pg``)."""
+    configured = await configured_pg(settings, state)
     nats_ran = embedded_nats_running(state)
     try:
         nats_url, nats_pid, nats_started = await ensure_nats(settings, state)
@@ -89,7 +93,7 @@ async def _start_or_reuse(settings: Settings, state: Path) -> Services:
         raise
     pg_ran = embedded_pg_running(state)
     try:
-        pg = await ensure_pg(settings, state)
+        pg = configured if configured is not None else await ensure_pg(state)
     except BaseException as e:
         if not pg_ran and isinstance(e, asyncio.CancelledError | KeyboardInterrupt):
             # interrupted (Ctrl-C) while it started the embedded Postgres: stop the one it started
@@ -378,33 +382,39 @@ async def stop_services(settings: Settings) -> list[str]:
     return stopped_names
 
 
-async def ensure_pg(settings: Settings, state: Path) -> PgServer:
-    """``settings.pg_dsn`` when it answers; when nothing answers there, a warning and the embedded one.
+async def configured_pg(settings: Settings, state: Path) -> PgServer | None:
+    """``settings.pg_dsn`` when it answers; ``None`` when none is set, or when nothing answers there
+    (with a warning: the embedded one is used).
 
     Raises:
         InvalidInputError: The configured server answered but refused the role, password,
-            database, or a setting the DSN asks for (``options``, ``sslmode``): the data must not
-            land in another server (the DSN redacted).
+            database, or a setting the DSN asks for (``options``, ``sslmode``), or the DSN cannot be
+            used as it is (``sslmode=verify-full`` and no root certificate): the data must not land
+            in another server (the DSN redacted).
+    """
+    if not settings.pg_dsn:
+        return None
+    why = await pg_probe(settings.pg_dsn)
+    if why is None:
+        return PgServer(settings.pg_dsn, None, "external", False)
+    if why.startswith((REFUSED, UNUSABLE)):
+        raise InvalidInputError(
+            redact_configured(
+                settings.pg_dsn,
+                f"EVENTLIGHT_PG_DSN {settings.pg_dsn}: Postgres {why}; fix the DSN, "
+                "or unset EVENTLIGHT_PG_DSN to use the embedded Postgres",
+            )
+        )
+    _log.warning("EVENTLIGHT_PG_DSN %s %s; using the embedded Postgres in %s", redact(settings.pg_dsn), why, state)
+    return None
+
+
+async def ensure_pg(state: Path) -> PgServer:
+    """The embedded Postgres of ``state``, started or reused: system binaries, else ``pgserver``.
+
+    Raises:
         ServiceUnavailableError: The embedded server cannot be found or started.
     """
-    if settings.pg_dsn:
-        why = await pg_probe(settings.pg_dsn)
-        if why is None:
-            return PgServer(settings.pg_dsn, None, "external", False)
-        if why.startswith(REFUSED):
-            raise InvalidInputError(
-                redact_configured(
-                    settings.pg_dsn,
-                    f"EVENTLIGHT_PG_DSN {settings.pg_dsn}: Postgres {why}; fix the DSN, "
-                    "or unset EVENTLIGHT_PG_DSN to use the embedded Postgres",
-                )
-            )
-        _log.warning(
-            "EVENTLIGHT_PG_DSN %s %s; using the embedded Postgres in %s",
-            redact(settings.pg_dsn),
-            why,
-            state,
-        )
     kind = choose_pg_kind(state)
     if kind == "system":
         return await ensure_system_pg(state)

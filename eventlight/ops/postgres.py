@@ -11,6 +11,7 @@ import re
 import shutil
 import ssl
 import subprocess
+import urllib.parse
 import warnings
 from pathlib import Path
 from typing import Any
@@ -36,17 +37,31 @@ REFUSALS = (
 REFUSED = "refused the connection"
 """How ``pg_probe``'s answer begins when the server raised one of ``REFUSALS``."""
 
+UNUSABLE = "cannot be used with this DSN"
+"""How ``pg_probe``'s answer begins when asyncpg refused the DSN's settings before connecting (a
+root certificate ``sslmode=verify-full`` needs that does not exist)."""
+
+_SSL_FILES = {
+    "sslrootcert": "PGSSLROOTCERT",
+    "sslcert": "PGSSLCERT",
+    "sslkey": "PGSSLKEY",
+    "sslcrl": "PGSSLCRL",
+}
+"""The DSN parameters naming a file asyncpg reads before it connects, with their environment variables."""
+
 
 async def pg_probe(dsn: str, timeout_s: float = PG_PROBE_TIMEOUT_S) -> str | None:
     """Connect once and run ``SELECT 1``; return ``None`` on success, else why not, as a phrase:
     ``"did not answer (why)"``, or ``"refused the connection (why)"`` when the server answered
     but refused the role, password or database (``REFUSALS``), a setting the DSN's ``options``
     gives (any other error the server sends to a connection that is starting), or the DSN's
-    ``sslmode`` (it rejected SSL, or its certificate failed the check)."""
+    ``sslmode`` (it rejected SSL, or its certificate failed the check); or ``"cannot be used with
+    this DSN (why)"`` when asyncpg refused the DSN's settings before connecting (``sslmode=verify-full``
+    and no root certificate: none in ``sslrootcert``, ``$PGSSLROOTCERT`` or ``~/.postgresql/root.crt``)."""
     try:
         conn = await pg_errors.connect(dsn, timeout_s=timeout_s)
     except ServiceUnavailableError as e:
-        return _why_not(e)
+        return _why_not(e, dsn)
     except asyncpg.PostgresError as e:  # e.g. options=-c no_such_setting=1: it raised out of the probe
         return f"{REFUSED} ({e})"
     try:
@@ -54,13 +69,15 @@ async def pg_probe(dsn: str, timeout_s: float = PG_PROBE_TIMEOUT_S) -> str | Non
             await conn.fetchval("SELECT 1")
         return None
     except ServiceUnavailableError as e:
-        return _why_not(e)
+        return _why_not(e, dsn)
     finally:
         await conn.close()
 
 
-def _why_not(e: ServiceUnavailableError) -> str:
+def _why_not(e: ServiceUnavailableError, dsn: str) -> str:
     cause = e.__cause__ or e
+    if _before_connecting(cause):
+        return f"{UNUSABLE} ({_config_error(cause, dsn)})"
     return f"{REFUSED if isinstance(cause, REFUSALS) or _ssl_refused(cause) else 'did not answer'} ({cause})"
 
 
@@ -69,6 +86,42 @@ def _ssl_refused(cause: BaseException) -> bool:
     bare ``ConnectionError`` saying so, where nothing listening is its subclass ``ConnectionRefusedError``),
     or its certificate failed the check."""
     return isinstance(cause, ssl.SSLError) or (type(cause) is ConnectionError and "SSL" in str(cause))
+
+
+def _before_connecting(cause: BaseException) -> bool:
+    """asyncpg raised ``cause`` while it read the DSN's settings, before any connection: a setting
+    that cannot work, not a server that does not answer (a missing root certificate raises a bare
+    ``FileNotFoundError`` there, as a missing unix socket does when connecting)."""
+    if isinstance(cause, asyncpg.ClientConfigurationError):
+        return True
+    tb = cause.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "_parse_connect_dsn_and_args":
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _config_error(cause: BaseException, dsn: str) -> str:
+    """The first line of ``cause``; a ``FileNotFoundError`` without a file name (``ssl``'s) gets the
+    SSL files the DSN or the environment names that do not exist."""
+    text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    if isinstance(cause, FileNotFoundError) and cause.filename is None:
+        missing = [f"{name} {path}" for name, path in _ssl_files(dsn) if not Path(path).expanduser().exists()]
+        if missing:
+            return f"{', '.join(missing)}: no such file"
+    return text
+
+
+def _ssl_files(dsn: str) -> list[tuple[str, str]]:
+    """The SSL files the DSN's query names, else their environment variables (``_SSL_FILES``)."""
+    query = urllib.parse.parse_qs(urllib.parse.urlsplit(dsn).query)
+    named = []
+    for param, var in _SSL_FILES.items():
+        path = query.get(param, [os.environ.get(var, "")])[0]
+        if path:
+            named.append((param, path))
+    return named
 
 
 def choose_pg_kind(state: Path) -> str:

@@ -26,8 +26,10 @@ Differences from 0.3.0, each deliberate:
       means the runner stopped beating, and ``timeout_seconds`` bounds a slow agent;
     * a failed dequeue (a NATS error during a claim, a malformed queue message, a timeout) is one
       log line and a retry after a capped backoff (``Backoff``: 0.1 s doubling to 5 s), never the
-      end of the loop; a status the store could not record is retried before the next dequeue, so
-      a NATS blip does not leave the attempt ``running``;
+      end of the loop; failures in a row (an outage) make one warning, the rest DEBUG lines, and
+      NATS's ``409 Server Shutdown`` (the server stopping in order) an INFO line
+      (``DequeueOutage``); a status the store could not record is retried before the next
+      dequeue, so a NATS blip does not leave the attempt ``running``;
     * worker ids are unique across processes and machines: ``Worker-<index>@<host>-<pid>-<tag>``
       (``worker_name``); ``worker_id`` stays the index the Trainer passes, as in Agent-lightning;
     * with ``proxy_token`` set, every ``ProxyLLM`` handed to the agent carries it as ``api_key``
@@ -75,7 +77,7 @@ from eventlight.runner.policy import (
     apply_rollout_config,
     with_proxy_key,
 )
-from eventlight.runner.retry import Backoff, _describe, _retryable
+from eventlight.runner.retry import Backoff, DequeueOutage, _describe, _retryable
 from eventlight.settings import proxy_token_from_env
 from eventlight.store.base import LightningStore
 from eventlight.tracer import OtelTracer, Tracer
@@ -215,6 +217,7 @@ class LitAgentRunner:
         store = self.get_store()
         count = 0
         backoff = Backoff()
+        outage = DequeueOutage(self.get_worker_id())
         self.cancel_reason = None
         heartbeat = asyncio.create_task(self._heartbeat_loop()) if self.heartbeat_interval > 0 else None
         try:
@@ -226,10 +229,11 @@ class LitAgentRunner:
                     if self.metrics is not None:
                         self.metrics.dequeue_failures.inc()
                     delay = backoff.next()
-                    log.warning("[%s] dequeue failed, again in %.1f s: %s", self.get_worker_id(), delay, _describe(e))
+                    outage.failed(e, delay)
                     await asyncio.sleep(delay)
                     continue
                 backoff.reset()
+                outage.over()
                 if claimed is None:
                     continue
                 await self._step_impl(claimed)

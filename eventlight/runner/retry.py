@@ -1,10 +1,15 @@
-"""Retrying failed store calls: ``Backoff``, and which errors are worth a retry."""
+"""Retrying failed store calls: ``Backoff``, which errors are worth a retry, and ``DequeueOutage``
+(one warning for failed dequeues in a row)."""
 
 from __future__ import annotations
 
+import logging
+
 import nats.errors
 
-from eventlight.core.errors import EventlightError
+from eventlight.core.errors import EventlightError, ServiceUnavailableError
+
+log = logging.getLogger(__name__)
 
 
 class Backoff:
@@ -46,3 +51,42 @@ def _retryable(e: BaseException) -> bool:
     if isinstance(e, EventlightError):
         return e.retryable
     return isinstance(e, (nats.errors.Error, OSError, TimeoutError))
+
+
+class DequeueOutage:
+    """The dequeue failures of one runner in a row (an outage), logged as one warning.
+
+    The first failure worth a retry (``_retryable``: NATS unreachable, a timeout) is a warning, the
+    ones after it until a dequeue succeeds are DEBUG lines, and the end of the outage is one INFO
+    line. A failure that is no outage (a malformed queue message) is a warning each time; the
+    server's notice that it stops in order (``ServiceUnavailableError.shutting_down``: NATS's
+    ``409 Server Shutdown`` to the pull in flight) is an INFO line, as the outage it begins gets
+    its warning from the failure that follows, if any (and from the connection's own lines).
+
+    Args:
+        worker_id: Named in each line (``[Worker-0@host-123-ab12] dequeue failed ...``).
+    """
+
+    def __init__(self, worker_id: str):
+        self.worker_id = worker_id
+        self.warned = False
+        self.failures = 0
+
+    def failed(self, e: Exception, delay_s: float) -> None:
+        """Log one failed dequeue, retried after ``delay_s`` seconds."""
+        self.failures += 1
+        if isinstance(e, ServiceUnavailableError) and e.shutting_down:
+            level = logging.INFO
+        elif not _retryable(e):
+            level = logging.WARNING
+        elif self.warned:
+            level = logging.DEBUG
+        else:
+            level, self.warned = logging.WARNING, True
+        log.log(level, "[%s] dequeue failed, again in %.1f s: %s", self.worker_id, delay_s, _describe(e))
+
+    def over(self) -> None:
+        """A dequeue succeeded: the outage, if any, is over."""
+        if self.warned:
+            log.info("[%s] dequeue works again (after %d failed tries)", self.worker_id, self.failures)
+        self.warned, self.failures = False, 0

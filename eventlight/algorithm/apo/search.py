@@ -17,6 +17,8 @@ from eventlight.algorithm.apo.prompt_files import apply_edit_files, gradient_fil
 from eventlight.algorithm.apo.prompts import APPLY_EDIT_VARIANTS, EVIDENCE_CHAR_BUDGET, GRADIENT_VARIANTS
 from eventlight.algorithm.base import Dataset, batch_iter_over_dataset
 from eventlight.algorithm.checks import (
+    MAX_COUNT,
+    MAX_TOKENS,
     check_bool,
     check_callable,
     check_choice,
@@ -184,17 +186,17 @@ class APO(TextualGradient, RolloutEvaluation[T_task]):
                 error = InvalidInputError if isinstance(model, str) else InvalidTypeError
                 raise error(f"APO.{name} must be a model name, got {model!r:.80}")
         self.diversity_temperature = check_number("APO.diversity_temperature", diversity_temperature, 0.0)
-        self.gradient_batch_size = check_int("APO.gradient_batch_size", gradient_batch_size, 1)
-        self.val_batch_size = check_int("APO.val_batch_size", val_batch_size, 1)
-        self.beam_width = check_int("APO.beam_width", beam_width, 1)
-        self.branch_factor = check_int("APO.branch_factor", branch_factor, 1)
-        self.beam_rounds = check_int("APO.beam_rounds", beam_rounds, 0)
+        self.gradient_batch_size = check_int("APO.gradient_batch_size", gradient_batch_size, 1, MAX_COUNT)
+        self.val_batch_size = check_int("APO.val_batch_size", val_batch_size, 1, MAX_COUNT)
+        self.beam_width = check_int("APO.beam_width", beam_width, 1, MAX_COUNT)
+        self.branch_factor = check_int("APO.branch_factor", branch_factor, 1, MAX_COUNT)
+        self.beam_rounds = check_int("APO.beam_rounds", beam_rounds, 0, MAX_COUNT)
         self.rollout_batch_timeout = check_number("APO.rollout_batch_timeout", rollout_batch_timeout, 0.0, above=True)
         self.run_initial_validation = check_bool("APO.run_initial_validation", run_initial_validation)
         if rollout_config is not None and not isinstance(rollout_config, RolloutConfig):
             raise InvalidTypeError(f"APO.rollout_config must be a RolloutConfig or None, got {rollout_config!r:.80}")
         if optimizer_max_tokens is not None:
-            optimizer_max_tokens = check_int("APO.optimizer_max_tokens", optimizer_max_tokens, 1)
+            optimizer_max_tokens = check_int("APO.optimizer_max_tokens", optimizer_max_tokens, 1, MAX_TOKENS)
         check_callable("APO.progress", progress)
         if check_bool("APO._poml_trace", _poml_trace):
             log.info("APO(_poml_trace=True) has no effect: eventlight renders its optimizer prompts without POML")

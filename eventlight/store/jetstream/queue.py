@@ -184,7 +184,8 @@ class RunnersQueue:
 
         Raises:
             ServiceUnavailableError: No answer in ``timeout_s`` seconds, a transport error, or
-                another status (409: the consumer is gone or has too many waiting requests).
+                another status (409: the consumer is gone or has too many waiting requests; ``409
+                Server Shutdown``, the server stopping in order, with ``shutting_down`` set).
         """
         timeout_s = NO_WAIT_ANSWER_S if timeout_s is None else timeout_s
         nc = self.log.nc
@@ -219,8 +220,11 @@ class RunnersQueue:
         if status in ("404", "408"):
             return None
         if status is not None:
+            shutdown = status == "409" and (msg.headers or {}).get("Description") == "Server Shutdown"
             raise ServiceUnavailableError(
-                self.log.server(), f"pull from the runners queue answered {status} {msg.headers}"
+                self.log.server(),
+                f"pull from the runners queue answered {status} {msg.headers}",
+                shutting_down=shutdown,
             )
         return msg
 
