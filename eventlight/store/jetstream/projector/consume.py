@@ -79,7 +79,11 @@ class Consumer(BatchWriter):
             except (Deposed, asyncio.CancelledError):
                 raise
             except READ_ERRORS as e:
-                log.warning("projector: reading the stream failed (%r); reading again from the checkpoint", e)
+                log.warning(
+                    "projector: reading the stream failed (%s: %s); reading again from the checkpoint",
+                    type(e).__name__,
+                    e,
+                )
                 await asyncio.sleep(RETRY_S)
             finally:
                 with contextlib.suppress(Exception):
