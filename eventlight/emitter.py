@@ -184,8 +184,17 @@ def emit_reward(
     else:
         if not isinstance(reward, numbers.Real):
             raise TypeError(f"Reward must be a number, got: {type(reward).__name__}")
-        dims = [{"name": "primary", "value": _finite(float(reward), "primary")}]
+        value = _finite(float(reward), "primary")
+        if not attributes:  # what emit_annotation would flatten this to, without its walk
+            flat = {_PRIMARY_NAME: "primary", _PRIMARY_VALUE: value}
+            status = TraceStatus(status_code="OK")
+            return _tracer(propagate, "annotation").create_span(AGL_ANNOTATION, attributes=flat, status=status)
+        dims = [{"name": "primary", "value": value}]
     return emit_annotation({AGL_REWARD: dims, **(attributes or {})}, propagate=propagate)
+
+
+_PRIMARY_NAME = f"{AGL_REWARD}.0.name"
+_PRIMARY_VALUE = f"{AGL_REWARD}.0.value"
 
 
 def _finite(value: float, name: str) -> float:

@@ -119,3 +119,32 @@ async def test_the_resources_read_leaves_with_the_claim(namespace: Settings) -> 
         sent = stats["out_msgs"]
         assert await store.claimed_resources(plain) == found
         assert stats["out_msgs"] == sent + 1  # without it, a read of its own
+
+
+async def test_the_queue_ack_leaves_with_the_next_pull(namespace: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A runner's finish acknowledges its queue entry, and its next dequeue's pull goes out in the
+    same write (one write a rollout fewer); an ack still in flight when the store closes is sent."""
+    async with JetStreamLightningStore(namespace) as store:
+        for i in range(3):
+            await store.enqueue_rollout({"i": i})
+        first = await store.dequeue_rollout(worker_id="w", wait_s=1.0)
+        assert first is not None and store.nc is not None
+        transport = store.nc._transport  # nats-py 2.16's writer: one call per write to the socket
+        real = transport.writelines
+        writes: list[bytes] = []
+
+        def recording(payload: list[bytes]) -> None:
+            writes.append(b"".join(bytes(p) for p in payload))
+            real(payload)
+
+        monkeypatch.setattr(transport, "writelines", recording)
+        await store.update_attempt(first.rollout_id, first.attempt.attempt_id, status="succeeded")
+        second = await store.dequeue_rollout(worker_id="w", wait_s=1.0)
+        assert second is not None
+        acks = [w for w in writes if b"$JS.ACK." in w]
+        assert len(acks) == 1 and b"$JS.API.CONSUMER.MSG.NEXT." in acks[0], writes
+        await store.update_attempt(second.rollout_id, second.attempt.attempt_id, status="succeeded")
+    async with JetStreamLightningStore(namespace) as other:
+        assert other.log is not None
+        info = await other.log.js.consumer_info(other.log.stream, "runners")
+        assert info.num_ack_pending == 0 and info.num_pending == 1  # both acknowledged; the third waits

@@ -184,6 +184,22 @@ def test_emitters_need_an_active_tracer_unless_not_propagated() -> None:
         agl.emit_reward({"a": 1.0}, propagate=False)
 
 
+async def test_a_scalar_reward_records_what_its_annotation_would() -> None:
+    """``emit_reward(x)`` (no attributes) builds its span's attributes itself, without
+    ``emit_annotation``'s walk: the span is the one ``emit_annotation`` records for the same reward."""
+    annotation = {"agentlightning.reward": [{"name": "primary", "value": 0.25}]}
+    fast, slow = agl.emit_reward(0.25, propagate=False), agl.emit_annotation(annotation, propagate=False)
+    assert (fast.name, fast.status, fast.attributes) == (slow.name, slow.status, slow.attributes)
+    assert list(fast.attributes) == list(slow.attributes)  # the same keys, in the same order
+    tracer = agl.OtelTracer()
+    tracer.init_worker(0, None)
+    async with tracer.trace_context():
+        recorded = [agl.emit_reward(0.25), agl.emit_annotation(annotation)]
+    assert recorded[0].status == recorded[1].status and recorded[0].attributes == recorded[1].attributes
+    with pytest.raises(ValueError, match="finite"):
+        agl.emit_reward(float("inf"), propagate=False)
+
+
 def test_rollout_decorator_checks_the_signature() -> None:
     with pytest.raises(NotImplementedError, match="does not match"):
 

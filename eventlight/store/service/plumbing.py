@@ -82,6 +82,11 @@ def store_call(fn: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Coroutine
     return call
 
 
+async def _ack(item: Queued) -> None:
+    with contextlib.suppress(Exception):  # if the connection is gone, the entry comes back after the ack wait
+        await item.ack()
+
+
 class StorePlumbing(LightningStore):
     """The ports, the command loop and span writer over them, read-your-writes, ``close``; the
     helpers every part of ``EventStore`` shares (resources resolution, releasing a claim)."""
@@ -328,10 +333,19 @@ class StorePlumbing(LightningStore):
         self._claim_reads.clear()
 
     async def _release(self, rollout_id: str, attempt_id: str) -> None:
+        """Drop what this store holds for a finished attempt; acknowledge its queue entry.
+
+        The acknowledgement is sent from a task of its own, which starts at the event loop's next
+        turn: a runner's next ``dequeue_rollout`` has made its pull by then, and on JetStream both
+        leave in one write (one write a rollout fewer; ``close`` waits for it). While the store
+        closes, it is sent before this returns."""
         read = self._claim_reads.pop((rollout_id, attempt_id), None)
         if read is not None:
             read.cancel()
         item = self._held.pop((rollout_id, attempt_id), None)
-        if item is not None:
-            with contextlib.suppress(Exception):
-                await item.ack()
+        if item is None:
+            return
+        if self._draining:
+            await _ack(item)
+        else:
+            self._in_background(_ack(item))
