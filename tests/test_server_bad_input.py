@@ -699,6 +699,40 @@ def test_a_408_still_there_after_the_retries_is_a_service_unavailable_error() ->
     assert "no body byte for 30 s" in str(error)
 
 
+async def test_stop_cutting_reads_meets_a_body_timeout_that_just_fired() -> None:
+    """``BodyReads.cut`` (``stop`` after 4 s) brought each read's deadline forward with
+    ``Timeout.reschedule``; a read whose own body timeout had fired in the same turn of the event
+    loop (its deadline expiring, its task not yet resumed) made that raise ``RuntimeError`` out of
+    ``stop``, and the server was neither cut nor cancelled. Now an expiring read is left to end."""
+    from eventlight.server.limits import BodyReads
+
+    reads = BodyReads()
+    loop = asyncio.get_running_loop()
+    errors: list[BaseException] = []
+
+    async def read() -> str:
+        try:
+            async with asyncio.timeout_at(loop.time()) as deadline:  # due: it fires at the loop's next turn
+                with reads.reading_under(deadline):
+                    await asyncio.sleep(60)
+        except TimeoutError:
+            return "timed out"
+        return "read"
+
+    def cut() -> None:
+        try:
+            reads.cut()
+        except RuntimeError as e:
+            errors.append(e)
+
+    reader = asyncio.create_task(read())
+    await asyncio.sleep(0)  # the read is under way, its timeout queued to fire
+    assert reads.reading == 1
+    loop.call_soon(cut)  # right after the timeout fires, before the read's task resumes
+    assert await reader == "timed out"
+    assert errors == [] and reads.cut_off and reads.reading == 0
+
+
 async def test_a_request_that_sends_no_byte_of_its_body_gets_408() -> None:
     """The body timeout's first deadline was given to ``asyncio.timeout`` (a delay) as a time of the
     event loop's clock, so it fell hours away (the clock's reading, seconds since boot, plus 30 s):

@@ -129,7 +129,8 @@ class BodyReads:
         self.stop()
         self.cut_off = True
         for deadline in self._reads:
-            deadline.reschedule(asyncio.get_running_loop().time())
+            if not deadline.expired():  # one whose body timeout fired this turn ends as a 408 (reschedule would raise)
+                deadline.reschedule(asyncio.get_running_loop().time())
 
     def reopen(self) -> None:
         """Take requests again (a server started after ``stop``)."""
