@@ -513,6 +513,46 @@ async def test_the_leaders_retry_waits_as_long_as_its_warning_says(
     assert said == waits
 
 
+async def test_a_leader_failing_for_hours_keeps_retrying(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The leader's wait was ``RETRY_S * 2**failures`` with ``failures`` counting every failure in a
+    row: at the 1025th (some 85 minutes of Postgres down, 5 s a try) the float overflowed, the
+    ``OverflowError`` left ``_run`` and the projector stopped for good, Postgres back or not."""
+    from types import SimpleNamespace
+
+    from eventlight.store.jetstream.projector import leader
+
+    p = Projector.__new__(Projector)
+    p._stopping = False
+    p.term = 0
+    p.last_error = None
+    p._decided = asyncio.Event()
+    p.log = SimpleNamespace(settings=SimpleNamespace(namespace="el_retry"))  # type: ignore[assignment]
+    tries = 0
+
+    async def lead() -> None:
+        nonlocal tries
+        tries += 1
+        if tries > 1100:
+            p._stopping = True
+            return
+        raise ConnectionRefusedError("postgres is down")
+
+    async def step_down() -> None:
+        return None
+
+    waits: list[float] = []
+
+    async def sleep(s: float) -> None:
+        waits.append(s)
+
+    monkeypatch.setattr(p, "_lead", lead)
+    monkeypatch.setattr(p, "_step_down", step_down)
+    monkeypatch.setattr(leader.asyncio, "sleep", sleep)
+    monkeypatch.setattr(logging.getLogger(leader.__name__), "disabled", True)  # 1100 warnings
+    await p._run()
+    assert tries == 1101 and len(waits) == 1100 and set(waits[4:]) == {5.0}
+
+
 async def _whole_stream(store: JetStreamLightningStore) -> list[Any]:
     """Every message of the namespace from the start of the stream, as a redelivery would bring them."""
     sub = await store.log.js.pull_subscribe(f"{store.log.prefix}.>", stream=store.log.stream)

@@ -697,3 +697,55 @@ def test_a_408_still_there_after_the_retries_is_a_service_unavailable_error() ->
     error = _error(408, body, "POST /v1/agl/rollouts", "http://127.0.0.1:1")
     assert isinstance(error, ServiceUnavailableError), type(error)
     assert "no body byte for 30 s" in str(error)
+
+
+async def test_stop_cutting_reads_meets_a_body_timeout_that_just_fired() -> None:
+    """``BodyReads.cut`` (``stop`` after 4 s) brought each read's deadline forward with
+    ``Timeout.reschedule``; a read whose own body timeout had fired in the same turn of the event
+    loop (its deadline expiring, its task not yet resumed) made that raise ``RuntimeError`` out of
+    ``stop``, and the server was neither cut nor cancelled. Now an expiring read is left to end."""
+    from eventlight.server.limits import BodyReads
+
+    reads = BodyReads()
+    loop = asyncio.get_running_loop()
+    errors: list[BaseException] = []
+
+    async def read() -> str:
+        try:
+            async with asyncio.timeout_at(loop.time()) as deadline:  # due: it fires at the loop's next turn
+                with reads.reading_under(deadline):
+                    await asyncio.sleep(60)
+        except TimeoutError:
+            return "timed out"
+        return "read"
+
+    def cut() -> None:
+        try:
+            reads.cut()
+        except RuntimeError as e:
+            errors.append(e)
+
+    reader = asyncio.create_task(read())
+    await asyncio.sleep(0)  # the read is under way, its timeout queued to fire
+    assert reads.reading == 1
+    loop.call_soon(cut)  # right after the timeout fires, before the read's task resumes
+    assert await reader == "timed out"
+    assert errors == [] and reads.cut_off and reads.reading == 0
+
+
+async def test_a_request_that_sends_no_byte_of_its_body_gets_408() -> None:
+    """The body timeout's first deadline was given to ``asyncio.timeout`` (a delay) as a time of the
+    event loop's clock, so it fell hours away (the clock's reading, seconds since boot, plus 30 s):
+    a client that sent its head (``Content-Length: 1000``) and then no byte at all was never timed
+    out, and its 1000 bytes stayed held against ``max_buffered_bytes``."""
+    async with agl.InMemoryLightningStore() as store:
+        server = agl.LightningStoreServer(store, port=free_port(), body_timeout_s=0.2)
+        async with server:
+            reader, writer = await _start_body(server.port, "/v1/agl/queues/rollouts/enqueue", 1000, b"")
+            try:
+                status, headers, body = await _read_answer(reader)
+            finally:
+                writer.close()
+            await _until(lambda: server.app.state.body_reads.held_bytes == 0, "the bytes given back")
+    assert status == 408 and headers["connection"] == "close", (status, headers, body)
+    assert "no byte of the request body came for 0.2 s (0 of 1000 bytes read)" in json.loads(body)["detail"]

@@ -129,7 +129,8 @@ class BodyReads:
         self.stop()
         self.cut_off = True
         for deadline in self._reads:
-            deadline.reschedule(asyncio.get_running_loop().time())
+            if not deadline.expired():  # one whose body timeout fired this turn ends as a 408 (reschedule would raise)
+                deadline.reschedule(asyncio.get_running_loop().time())
 
     def reopen(self) -> None:
         """Take requests again (a server started after ``stop``)."""
@@ -219,7 +220,7 @@ class BodyLimit:
     async def _read(self, receive: Receive, intake: _Intake) -> Literal["whole"] | tuple[RefusalReason, str] | None:
         """Gather the body into ``intake``: ``"whole"``, the refusal to answer, or ``None`` (the client left)."""
         try:
-            async with asyncio.timeout(self._deadline()) as deadline:
+            async with asyncio.timeout_at(self._deadline()) as deadline:  # a time of the loop's clock, not a delay
                 with self.reads.reading_under(deadline):
                     return await self._gather(receive, deadline, intake)
         except TimeoutError:

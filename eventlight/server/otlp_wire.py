@@ -28,7 +28,6 @@ from typing import Any
 
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
-from google.protobuf.unknown_fields import UnknownFieldSet
 from google.rpc import code_pb2
 from google.rpc.status_pb2 import Status
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
@@ -156,13 +155,59 @@ def _ignored_fields(doc: dict[str, Any]) -> list[str]:
     return [reprlib.repr(name) for name in doc]
 
 
-def _ignored_numbers(request: ExportTraceServiceRequest) -> list[str]:
+_MAX_SCANNED_FIELDS = 10_000
+"""Top-level fields of a protobuf request of no ``resource_spans`` read for their numbers
+(``_ignored_numbers``). A 16 MiB body holds millions of two-byte fields: protobuf's
+``UnknownFieldSet`` made an object of each, seconds of the event loop's time and hundreds of MiB."""
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    """The base-128 varint at ``data[pos:]`` and the position after it (``data`` parsed already)."""
+    value = shift = 0
+    while True:
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
+def _skip_field(data: bytes, pos: int, key: int) -> int:
+    """The position after the value of the field of ``key`` (number and wire type) at ``pos``."""
+    wire_type = key & 7
+    if wire_type == 0:
+        return _varint(data, pos)[1]
+    if wire_type == 1:
+        return pos + 8
+    if wire_type == 2:
+        size, pos = _varint(data, pos)
+        return pos + size
+    if wire_type == 5:
+        return pos + 4
+    while True:  # 3: a group, up to its end-group key (4) of the same number
+        inner, pos = _varint(data, pos)
+        if inner == (key & ~7) | 4:
+            return pos
+        pos = _skip_field(data, pos, inner)
+
+
+def _ignored_numbers(request: ExportTraceServiceRequest, data: bytes) -> list[str]:
     """The top-level fields of a protobuf request that holds no ``resource_spans``: unknown field
     numbers (``#2``), ignored as the spec asks, that likely stand for it (a message of another
-    type, or of a newer version, sent to this path)."""
+    type, or of a newer version, sent to this path). Read from ``data`` (the request's bytes, which
+    parsed: every field of it is unknown), the first ``_MAX_SCANNED_FIELDS`` fields at most."""
     if request.resource_spans:
         return []
-    return [f"#{number}" for number in dict.fromkeys(field.field_number for field in UnknownFieldSet(request))]
+    numbers: dict[str, None] = {}
+    pos = 0
+    for _ in range(_MAX_SCANNED_FIELDS):
+        if pos >= len(data):
+            break
+        key, pos = _varint(data, pos)
+        numbers[f"#{key >> 3}"] = None
+        pos = _skip_field(data, pos, key)
+    return list(numbers)
 
 
 def _parse_json(data: bytes) -> tuple[ExportTraceServiceRequest, list[str]]:
@@ -233,7 +278,7 @@ def parse_request(
         request, ignored = _parse_json(data)
     else:
         request = _parse_protobuf(data)
-        ignored = _ignored_numbers(request)
+        ignored = _ignored_numbers(request, data)
     check_ids(request)
     return request, kind, ignored
 

@@ -150,7 +150,7 @@ class Projector(Consumer):
                 self.last_error = e
                 failures = 0
             except Exception as e:  # Postgres or NATS down: wait and compete again
-                delay = min(RETRY_S * 2**failures, RETRY_MAX_S)
+                delay = min(RETRY_S * 2 ** min(failures, 16), RETRY_MAX_S)  # 2.0**1024 overflows a float
                 failures += 1
                 log.warning("projector of %s: %r; retrying in %.1f s", self.log.settings.namespace, e, delay)
                 self.last_error = e
