@@ -234,6 +234,43 @@ async def test_the_policy_servers_errors_are_openai_error_objects_shaped_as_the_
     assert "Traceback" not in caplog.text and "Exception in ASGI application" not in caplog.text
 
 
+async def test_the_policy_server_refuses_bodies_too_large_or_stalled_in_openai_error_objects() -> None:
+    """The policy server had no body limit: any body was read whole, however large, and a client
+    that sent its headers and then stalled held its request for ever. Now ``BodyLimit`` stands in
+    front of it as in front of the LLM proxy: 413 over ``max_body_bytes``, 408 (and the connection
+    closed) for a body that stalls, each OpenAI's error object, read here with the OpenAI SDK."""
+    import openai
+
+    limit = 4096
+    server = PolicyServer(tiny_policy(), max_context_tokens=64, max_body_bytes=limit, body_timeout_s=0.2)
+    await server.start()
+    client = openai.AsyncOpenAI(base_url=server.endpoint, api_key="dummy", max_retries=0, timeout=30)
+    try:
+        with pytest.raises(openai.APIStatusError) as raised:
+            big = [{"role": "user", "content": "x" * (2 * limit)}]
+            await client.chat.completions.create(model="p", messages=big, max_tokens=4)
+        reader, writer = await asyncio.open_connection(server.host, server.port)
+        head = "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        writer.write(f"{head}Content-Length: 1000\r\n\r\n".encode() + b'{"messages": [')  # then nothing
+        try:
+            stalled = await asyncio.wait_for(reader.read(), 15)  # the answer, then the server closes
+        finally:
+            writer.close()
+    finally:
+        await server.stop()
+        await client.close()
+    too_large = raised.value
+    assert too_large.status_code == 413 and too_large.type == "invalid_request_error", too_large.body
+    assert isinstance(too_large.body, dict) and set(too_large.body) == {"message", "type", "param", "code"}
+    assert f"over the server's limit of {limit} bytes (the policy server's max_body_bytes)" in too_large.message
+    head, _, body = stalled.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 ") and b"connection: close" in head.lower(), stalled
+    error = json.loads(body)["error"]
+    assert (error["type"], error["code"]) == ("request_timeout", 408), error
+    assert "no byte of the request body came for 0.2 s (14 of 1000 bytes read)" in error["message"], error
+    assert server.body_reads.held_bytes == 0
+
+
 # -- one real optimizer step --------------------------------------------------------------------
 
 

@@ -10,6 +10,7 @@ import fractions
 import functools
 import pickle
 import threading
+import time
 from typing import Any
 
 import opentelemetry.trace
@@ -170,6 +171,31 @@ async def test_iter_consumes_the_queue_until_stopped() -> None:
     assert {r.status for r in finished} == {"succeeded"}
     worker = await store.get_worker_by_id(runner.get_worker_id())
     assert worker.status == "idle" and worker.last_heartbeat_time is not None and worker.heartbeat_stats
+
+
+async def test_a_runner_that_stops_says_so_in_its_last_heartbeat(store: Any) -> None:
+    """A stopped runner's worker was alive for ``LIVE_HEARTBEAT_S`` (30 s) after it exited: only its
+    last heartbeat's age told. Its last heartbeat now carries ``STOPPED_AT`` (in the stats, which
+    ``update_worker`` replaces; Agent-lightning's worker statuses have no stopped one and the status
+    is left as the store derived it), on either backend."""
+    from eventlight.store.liveness import is_alive, stopped_at
+
+    runner = agl.LitAgentRunner(agl.OtelTracer(), poll_interval=0.05, heartbeat_interval=0.05)
+    stop = asyncio.Event()
+    with runner.run_context(agent=returning_agent, store=store):
+        task = asyncio.create_task(runner.iter(event=stop))
+        while (await store.get_worker_by_id(runner.get_worker_id())) is None:  # noqa: ASYNC110
+            await asyncio.sleep(0.02)
+        worker = await store.get_worker_by_id(runner.get_worker_id())
+        assert stopped_at(worker) is None and is_alive(worker, time.time())  # running
+        stop.set()
+        assert await asyncio.wait_for(task, 10) == 0
+    if hasattr(store, "sync_all"):
+        await store.sync_all()
+    worker = await store.get_worker_by_id(runner.get_worker_id())
+    assert worker is not None and worker.heartbeat_stats is not None
+    assert stopped_at(worker) is not None and not is_alive(worker, time.time()), worker.heartbeat_stats
+    assert worker.status == "idle" and "process_rss_mb" in worker.heartbeat_stats  # still a snapshot
 
 
 def test_emitters_need_an_active_tracer_unless_not_propagated() -> None:

@@ -639,6 +639,48 @@ async def test_bodies_held_at_once_are_capped_with_503_and_retry_after() -> None
         agl.LightningStoreServer(store, max_body_bytes=limit, max_buffered_bytes=limit - 1)
 
 
+async def test_an_otlp_gzip_body_counts_its_inflated_copy_with_the_bodies_held(monkeypatch: pytest.MonkeyPatch) -> None:
+    """OTLP inflated a gzip body into a copy of up to ``max_body_bytes`` that the cap on the body
+    bytes held at once did not count: clients each sending a small gzip body that inflates near the
+    limit made the server hold that many copies. The inflated bytes now count against
+    ``max_buffered_bytes`` until the request is answered: 503 with ``Retry-After`` when they would
+    pass it, and given back either way."""
+    import eventlight.server.otlp as otlp_route
+
+    limit = 64 * 1024
+    inflated = b'{"resourceSpans": []}' + b" " * (limit - 1000)  # OTLP/JSON padded with whitespace
+    body = gzip.compress(inflated)
+    headers = {**JSON, "Content-Encoding": "gzip"}
+    held_in_ingest: list[int] = []
+    real_ingest = otlp_route.ingest
+
+    async def ingest(store: Any, spans: Any) -> Any:
+        held_in_ingest.append(reads.held_bytes)
+        return await real_ingest(store, spans)
+
+    monkeypatch.setattr(otlp_route, "ingest", ingest)
+    async with agl.InMemoryLightningStore() as store:
+        server = agl.LightningStoreServer(
+            store, port=free_port(), max_body_bytes=limit, max_buffered_bytes=limit + 1000
+        )
+        async with server, httpx.AsyncClient(base_url=server.endpoint) as client:
+            reads = server.app.state.body_reads
+            r = await client.post("/v1/traces", content=body, headers=headers)
+            assert r.status_code == 200, r.content
+            assert held_in_ingest == [len(body) + len(inflated)]  # the body and its inflated copy
+            assert reads.held_bytes == 0
+            reader, writer = await _start_body(server.port, "/v1/agl/queues/rollouts/enqueue", limit - 100, b"[")
+            await _until(lambda: reads.held_bytes == limit - 100, "the stalled body counted whole")
+            r = await client.post("/v1/traces", content=body, headers=headers)  # its body fits, its copy not
+            assert r.status_code == 503 and r.headers["retry-after"] == "1", r.content
+            answer = _status(r, JSON["Content-Type"])
+            assert answer.code == code_pb2.UNAVAILABLE and "max_buffered_bytes" in answer.message, answer
+            assert reads.held_bytes == limit - 100  # what it inflated before the refusal given back
+            writer.close()
+            await _until(lambda: reads.held_bytes == 0, "the bytes given back")
+    assert len(held_in_ingest) == 1
+
+
 async def test_a_body_that_stalls_gets_408_and_its_connection_closed() -> None:
     """uvicorn has no body-read timeout: a client that sent its headers and a few bytes of its body,
     then nothing, held its request for ever (here: no answer within 15 s). Now ``body_timeout_s``

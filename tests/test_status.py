@@ -18,7 +18,14 @@ from eventlight.net import free_port
 from eventlight.ops import Services
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
-from eventlight.store.liveness import LIVE_HEARTBEAT_S, is_alive, no_live_worker, waiting_without_workers
+from eventlight.store.liveness import (
+    LIVE_HEARTBEAT_S,
+    STOPPED_AT,
+    is_alive,
+    no_live_worker,
+    stopped_at,
+    waiting_without_workers,
+)
 from tests.test_cli import ENV_VARS, ROOT, assert_one_line_error, cli, env_of
 
 
@@ -33,6 +40,47 @@ def test_liveness_is_the_age_of_the_last_heartbeat() -> None:
     message = no_live_worker(3, [old, never], now)
     assert message is not None and "3 rollout(s) wait" in message and "2 known, none" in message
     assert "none has ever" in (no_live_worker(1, [], now) or "")
+    # a runner that stopped in an orderly way says so in its last heartbeat: not alive at once
+    stopped = Worker(worker_id="d", last_heartbeat_time=now, heartbeat_stats={"cpu": 1, STOPPED_AT: now})
+    assert stopped_at(stopped) == now and not is_alive(stopped, now) and stopped_at(fresh) is None
+    assert "(1 known: 1 stopped, the others sent no heartbeat in the last 30 s)" in (
+        no_live_worker(2, [stopped], now) or ""
+    )
+    restarted = Worker(worker_id="d", last_heartbeat_time=now, heartbeat_stats={"cpu": 1})  # beats again
+    foreign = Worker(worker_id="e", last_heartbeat_time=now, heartbeat_stats={STOPPED_AT: "soon"})
+    assert is_alive(restarted, now) and is_alive(foreign, now) and stopped_at(foreign) is None
+
+
+async def test_status_shows_a_stopped_runner_stopped_at_once(namespace: Settings) -> None:
+    """A finished trainer's or a stopped runner's workers showed alive in ``eventlight status`` for
+    up to 30 s after they exited (alive was a heartbeat's age alone). A runner that stops in an
+    orderly way says so in its last heartbeat, and ``status`` shows it stopped at once; one killed
+    (no such heartbeat) still ages out, as ``Worker-gone`` here."""
+    import eventlight as agl
+
+    @agl.rollout
+    def agent(task: dict, llm: agl.LLM) -> float:  # never called: the queue stays empty
+        return 0.0
+
+    long_ago = time.time() - 600
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn, clock=lambda: long_ago) as store:
+        await store.update_worker("Worker-gone", {"cpu": 0.1})  # its last heartbeat: 10 min ago
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
+        await store.update_worker("Worker-live", {"cpu": 0.1})
+        runner = agl.LitAgentRunner(agl.OtelTracer(), poll_interval=0.05, heartbeat_interval=0.05)
+        stop = asyncio.Event()
+        with runner.run_context(agent=agent, store=store):
+            task = asyncio.create_task(runner.iter(event=stop))
+            while (await store.get_worker_by_id(runner.get_worker_id())) is None:  # noqa: ASYNC110
+                await asyncio.sleep(0.02)
+            stop.set()
+            await asyncio.wait_for(task, 10)
+        await store.sync_all()
+    out = cli("status", env={**env_of(namespace), "COLUMNS": "200"}).stdout
+    assert re.search(r"^workers\s+1 live \(a heartbeat in the last 30 s\), 1 stopped, 1 silent$", out, re.M), out
+    assert re.search(rf"{re.escape(runner.get_worker_id())}\s+stopped\s+idle\s+\d+ s ago", out), out
+    assert re.search(r"Worker-live\s+yes\s", out) and re.search(r"Worker-gone\s+no\s", out), out
+    assert out.index("Worker-live") < out.index(runner.get_worker_id()), out  # live ones first
 
 
 async def test_status_shows_queue_depth_and_live_workers(namespace: Settings) -> None:

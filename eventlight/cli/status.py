@@ -5,8 +5,9 @@ a trainer's run, ``eventlight runner``, ``eventlight serve``) are listed with th
 when; a lease file whose process ended (no lock held) is not.
 
 Workers are listed by the age of their last heartbeat, live ones first (alive: a heartbeat within
-``LIVE_HEARTBEAT_S``, ``eventlight.store.liveness``); when rollouts wait and no worker is alive, a
-``warning`` line says so.
+``LIVE_HEARTBEAT_S``, ``eventlight.store.liveness``); a runner that stopped in an orderly way (its
+last heartbeat says so, ``liveness.stopped_at``) shows ``stopped`` at once; when rollouts wait and no
+worker is alive, a ``warning`` line says so.
 """
 
 from __future__ import annotations
@@ -96,13 +97,18 @@ async def _status_without_nats(settings: Settings, nats_down: Exception) -> dict
 
 async def _from_pg(settings: Settings, pg: Any) -> dict[str, Any]:
     """The projector's checkpoint (``projected``), rollouts ``by_status``, ``workers`` and ``spans``."""
+    from eventlight.store.liveness import STOPPED_AT
+
     conn = await _connect_pg(settings, pg)
     try:
         projected = await conn.fetchval("SELECT min(last_seq) FROM projector_checkpoint")
         by_status = await conn.fetch("SELECT status, count(*) FROM rollouts GROUP BY status ORDER BY status")
         workers = await conn.fetch(
-            "SELECT worker_id, status, last_heartbeat_time, current_rollout_id FROM workers "
-            "ORDER BY last_heartbeat_time DESC NULLS LAST, worker_id"
+            "SELECT worker_id, status, last_heartbeat_time, current_rollout_id, "
+            "CASE WHEN jsonb_typeof(heartbeat_stats->$1::text) = 'number' "
+            "THEN (heartbeat_stats->>$1::text)::float8 END AS stopped_at FROM workers "
+            "ORDER BY last_heartbeat_time DESC NULLS LAST, worker_id",
+            STOPPED_AT,
         )
         spans = await conn.fetchval("SELECT count(*) FROM spans")
     finally:
@@ -133,29 +139,44 @@ def _queue_line(by_status: dict[str, int]) -> str:
 
 def _as_workers(rows: list[Any]) -> list[Any]:
     from eventlight.core.types import Worker
+    from eventlight.store.liveness import STOPPED_AT
 
-    return [Worker(worker_id=r["worker_id"], last_heartbeat_time=r["last_heartbeat_time"]) for r in rows]
+    return [
+        Worker(
+            worker_id=r["worker_id"],
+            last_heartbeat_time=r["last_heartbeat_time"],
+            heartbeat_stats=None if r["stopped_at"] is None else {STOPPED_AT: r["stopped_at"]},
+        )
+        for r in rows
+    ]
 
 
 def _workers_line(rows: list[Any], now: float) -> str:
-    from eventlight.store.liveness import LIVE_HEARTBEAT_S, is_alive
+    from eventlight.store.liveness import LIVE_HEARTBEAT_S, is_alive, stopped_at
 
     if not rows:
         return "none"
-    live = sum(is_alive(w, now) for w in _as_workers(rows))
-    return f"{live} live (a heartbeat in the last {LIVE_HEARTBEAT_S:.0f} s), {len(rows) - live} silent"
+    workers = _as_workers(rows)
+    live = sum(is_alive(w, now) for w in workers)
+    stopped = sum(stopped_at(w) is not None for w in workers)
+    said = f", {stopped} stopped" if stopped else ""
+    return f"{live} live (a heartbeat in the last {LIVE_HEARTBEAT_S:.0f} s){said}, {len(rows) - live - stopped} silent"
 
 
 def _workers_table(rows: list[Any], now: float) -> Table:
     from eventlight.cli_output import age
-    from eventlight.store.liveness import is_alive
+    from eventlight.store.liveness import is_alive, stopped_at
 
     table = Table(
         "worker", "alive", "status", "last heartbeat", "rollout", box=None, pad_edge=False, header_style="dim"
     )
-    for r, w in zip(rows, _as_workers(rows), strict=True):
+    listed = sorted(zip(rows, _as_workers(rows), strict=True), key=lambda rw: not is_alive(rw[1], now))  # stable
+    for r, w in listed:
         beat = age(now - r["last_heartbeat_time"]) if r["last_heartbeat_time"] is not None else "never"
-        alive = "yes" if is_alive(w, now) else "[yellow]no[/yellow]"
+        if is_alive(w, now):
+            alive = "yes"
+        else:
+            alive = "[dim]stopped[/dim]" if stopped_at(w) is not None else "[yellow]no[/yellow]"
         table.add_row(escape(r["worker_id"]), alive, r["status"], beat, escape(r["current_rollout_id"] or ""))
     return table
 
@@ -175,8 +196,9 @@ def status(namespace: NamespaceOpt = None) -> None:
     """Show the services, projector lag, queue depth, rollouts by status, spans and workers.
 
     Services: where each server is and whether it is embedded or external; workers: alive or not
-    (a heartbeat in the last 30 s), status, last heartbeat and current rollout, live ones first;
-    a warning when rollouts wait and no worker is alive.
+    (a heartbeat in the last 30 s; ``stopped`` once a runner stopped in an orderly way), status,
+    last heartbeat and current rollout, live ones first; a warning when rollouts wait and no worker
+    is alive.
 
     Servers: uses $EVENTLIGHT_NATS_URL / $EVENTLIGHT_PG_DSN when set, else the embedded servers
     `eventlight up` started; never starts or stops any (without them: exit 1, 'run `eventlight up`').

@@ -17,8 +17,7 @@ from litellm.router import Router
 from starlette.types import Scope
 
 from eventlight.core.errors import LLMUnavailableError
-from eventlight.server.limits import REFUSAL_STATUS, RefusalReason
-from eventlight.server.openai_errors import SERVER_STOPPING, openai_error
+from eventlight.server.openai_errors import SERVER_STOPPING, body_refusal, openai_error
 
 log = logging.getLogger(__name__)
 
@@ -71,21 +70,11 @@ def refuse_unauthorized(message: str, scope: Scope) -> JSONResponse:
 STOPPING_TYPE = SERVER_STOPPING
 """The ``type`` of the OpenAI error object of a call the stopping proxy did not take or cut (503)."""
 
-_BODY_REFUSALS: dict[RefusalReason, tuple[str, str]] = {
-    "too_large": ("invalid_request_error", " (the LLM proxy's max_body_bytes)"),
-    "busy": ("server_busy", " (the LLM proxy's max_buffered_bytes)"),
-    "timeout": ("request_timeout", " (the LLM proxy's body_timeout_s)"),
-    "stopping": (STOPPING_TYPE, ""),
-}
-
-
-def refuse_body(reason: RefusalReason, message: str, scope: Scope) -> JSONResponse:
-    """The proxy's answer to a request body ``BodyLimit`` refuses (its ``refuse``), as OpenAI's error
-    object on every route (``scope`` is not read): 413 ``invalid_request_error`` over ``max_body_bytes``,
-    503 ``server_busy`` over ``max_buffered_bytes``, 408 ``request_timeout`` past ``body_timeout_s``,
-    503 ``server_stopping`` while the proxy stops."""
-    err_type, setting = _BODY_REFUSALS[reason]
-    return error_response(REFUSAL_STATUS[reason], f"{message}{setting}", err_type)
+refuse_body = body_refusal("the LLM proxy")
+"""The proxy's answer to a request body ``BodyLimit`` refuses (its ``refuse``), as OpenAI's error
+object on every route: 413 ``invalid_request_error`` over ``max_body_bytes``, 503 ``server_busy``
+over ``max_buffered_bytes``, 408 ``request_timeout`` past ``body_timeout_s``, 503
+``server_stopping`` while the proxy stops (``openai_errors.body_refusal``)."""
 
 
 def upstream_error(exc: BaseException) -> tuple[int, str, str]:

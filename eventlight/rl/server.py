@@ -17,7 +17,11 @@ a sampling field of the wrong type (``max_tokens``, ``temperature``, ``top_p``) 
 ``invalid_request_error`` naming it in ``param``; a request still waiting for its generation when
 the server stops answers 503 ``server_stopping`` at once, as the proxy's own; a failed generation
 500 ``internal_error``; an unknown route 404, a wrong method 405, and any other failure 500, never a
-traceback.
+traceback. Request bodies pass ``eventlight.server.limits.BodyLimit`` first, as the proxy's and
+``eventlight serve``'s do: one over ``max_body_bytes`` answers 413 ``invalid_request_error``, one that
+would take the bytes held by all requests past ``max_buffered_bytes`` 503 ``server_busy`` (with
+``Retry-After``), one that goes ``body_timeout_s`` without a byte 408 ``request_timeout`` (and the
+connection is closed), and one still arriving when the server stops 503 ``server_stopping``.
 """
 
 from __future__ import annotations
@@ -39,7 +43,15 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eventlight.rl.policy import Generation, Policy
-from eventlight.server.openai_errors import SERVER_STOPPING, openai_error
+from eventlight.server.limits import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    BodyLimit,
+    BodyReads,
+    check_body_limits,
+    max_buffered_bytes_for,
+)
+from eventlight.server.openai_errors import SERVER_STOPPING, body_refusal, openai_error
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +133,16 @@ class PolicyServer:
         max_context_tokens: Longest prompt + ``max_tokens`` accepted (default: the model's context).
         max_batch: Most requests generated together.
         default_max_tokens: ``max_tokens`` when a request gives none.
+        max_body_bytes: Largest request body, in bytes (413 above; default 16 MiB, far more than a
+            chat request of any context the policy holds).
+        max_buffered_bytes: The most request-body bytes held by all requests at once (503 with
+            ``Retry-After: 1`` above); default 256 MiB, or 4 × ``max_body_bytes`` when larger.
+        body_timeout_s: Seconds a request body may go without a byte arriving (408 after, the
+            connection closed; default 30); ``None``: no timeout.
+
+    Raises:
+        ValueError: ``max_body_bytes < 1``, ``max_buffered_bytes < max_body_bytes``, or
+            ``body_timeout_s`` is not a positive number.
     """
 
     def __init__(
@@ -131,7 +153,16 @@ class PolicyServer:
         max_context_tokens: int | None = None,
         max_batch: int = 32,
         default_max_tokens: int = 32,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        max_buffered_bytes: int | None = None,
+        body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S,
     ):
+        check_body_limits(max_body_bytes, max_buffered_bytes, body_timeout_s)
+        self.max_body_bytes = max_body_bytes
+        self.max_buffered_bytes = max_buffered_bytes or max_buffered_bytes_for(max_body_bytes)
+        self.body_timeout_s = body_timeout_s
+        self.body_reads = BodyReads()
+        """The body limit's state (the bytes held, the reads in progress); ``stop`` cuts the reads."""
         self.policy = policy
         self.host = host
         self.max_context_tokens = max_context_tokens or policy.max_context
@@ -161,6 +192,7 @@ class PolicyServer:
             s.bind((self.host, 0))
             self.port = s.getsockname()[1]
         self._queue = asyncio.Queue()
+        self.body_reads.reopen()
         config = uvicorn.Config(
             self.app,
             host=self.host,
@@ -187,10 +219,12 @@ class PolicyServer:
         return self.endpoint
 
     async def stop(self) -> None:
-        """Stop serving; idempotent. Requests still waiting for their generation answer 503 at once
-        (they hung until the event loop closed, and uvicorn printed a traceback for each)."""
+        """Stop serving; idempotent. Requests still waiting for their generation, or still sending
+        their body, answer 503 at once (they hung until the event loop closed, and uvicorn printed a
+        traceback for each)."""
         if self._server is not None:
             self._server.should_exit = True
+            self.body_reads.cut()
         for task in self._tasks:
             if task.get_name() == "policy-batcher":
                 task.cancel()
@@ -251,6 +285,14 @@ class PolicyServer:
         app = FastAPI(title="eventlight policy server")
         app.add_exception_handler(StarletteHTTPException, _on_http_error)
         app.add_exception_handler(Exception, _on_internal_error)
+        app.add_middleware(
+            BodyLimit,
+            max_body_bytes=self.max_body_bytes,
+            max_buffered_bytes=self.max_buffered_bytes,
+            body_timeout_s=self.body_timeout_s,
+            refuse=body_refusal("the policy server"),
+            reads=self.body_reads,
+        )
 
         @app.post("/v1/chat/completions")
         @app.post("/chat/completions")

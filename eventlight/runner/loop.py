@@ -23,7 +23,10 @@ Differences from 0.3.0, each deliberate:
       message in progress; when the attempt's rollout has ``unresponsive_seconds``, each also
       stamps the attempt's ``last_heartbeat_time`` (0.3.0 counts spans only), so an agent that is
       busy without spans (a long LLM call) is not taken for a dead runner: ``unresponsive`` then
-      means the runner stopped beating, and ``timeout_seconds`` bounds a slow agent;
+      means the runner stopped beating, and ``timeout_seconds`` bounds a slow agent; when ``iter``
+      ends (returns, raises or is cancelled) a last heartbeat's stats carry ``STOPPED_AT``
+      (``eventlight.store.liveness``), so ``eventlight status`` shows the worker stopped at once
+      instead of alive until its heartbeat ages out;
     * a failed dequeue (a NATS error during a claim, a malformed queue message, a timeout) is one
       log line and a retry after a capped backoff (``Backoff``: 0.1 s doubling to 5 s), never the
       end of the loop; failures in a row (an outage) make one warning, the rest DEBUG lines, and
@@ -80,6 +83,7 @@ from eventlight.runner.policy import (
 from eventlight.runner.retry import Backoff, DequeueOutage, _describe, _retryable
 from eventlight.settings import proxy_token_from_env
 from eventlight.store.base import LightningStore
+from eventlight.store.liveness import STOPPED_AT
 from eventlight.tracer import OtelTracer, Tracer
 
 log = logging.getLogger(__name__)
@@ -87,6 +91,8 @@ log = logging.getLogger(__name__)
 _REASON_CHARS = 500
 CANCELLED = "the runner was cancelled (CancelledError) while the attempt ran"
 """The ``eventlight.status_reason`` of an attempt cancelled without a ``cancel_reason``."""
+_STOP_BEAT_TIMEOUT_S = 5.0
+"""Seconds the last heartbeat (the one saying the runner stopped) may take before the runner stops without it."""
 
 
 class LitAgentRunner:
@@ -245,6 +251,7 @@ class LitAgentRunner:
                 heartbeat.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await heartbeat
+                await self._say_stopped(store)
         log.info("[%s] finished: %d rollouts", self.get_worker_id(), count)
         return count
 
@@ -307,6 +314,14 @@ class LitAgentRunner:
             except Exception as e:
                 log.warning("[%s] heartbeat failed: %s", self.get_worker_id(), e)
             await asyncio.sleep(self.heartbeat_interval)
+
+    async def _say_stopped(self, store: LightningStore) -> None:
+        """The last heartbeat: its stats say when this runner stopped (``STOPPED_AT``); a failure is logged."""
+        try:
+            async with asyncio.timeout(_STOP_BEAT_TIMEOUT_S):
+                await store.update_worker(self.get_worker_id(), {**system_snapshot(), STOPPED_AT: time.time()})
+        except Exception as e:
+            log.warning("[%s] could not record that it stopped (it ages out instead): %s", self.get_worker_id(), e)
 
     async def step(self, input: Any, *, resources: dict[str, Any] | None = None, mode: str | None = None) -> Any:
         """Run one rollout of ``input`` right away (``start_rollout``, no queue); exceptions propagate."""

@@ -26,6 +26,7 @@ from eventlight.server.limits import (
     BodyLimit,
     BodyReads,
     check_body_limits,
+    max_buffered_bytes_for,
 )
 from eventlight.server.openapi import document_errors
 from eventlight.server.routes import agl_router
@@ -60,12 +61,14 @@ def create_app(
         token: When set, every request must send ``Authorization: Bearer <token>`` (else 401).
         max_body_bytes: Larger request bodies (and OTLP bodies that inflate past it) get 413.
         max_buffered_bytes: The most request-body bytes held by all requests at once (counted until
-            each is answered); a request that would pass it gets 503 with ``Retry-After: 1``
-            (``retryable``). Default: 256 MiB, or 4 × ``max_body_bytes`` when larger.
+            each is answered; an OTLP gzip body's inflated copy too); a request that would pass it
+            gets 503 with ``Retry-After: 1`` (``retryable``). Default: 256 MiB, or 4 ×
+            ``max_body_bytes`` when larger.
         body_timeout_s: Seconds a request body may go without a byte arriving; then 408 and the
             connection is closed (``None``: no timeout).
 
-    ``app.state.body_reads`` is the body limit's ``BodyReads`` (the bytes held, the reads in progress).
+    ``app.state.body_reads`` is the body limit's ``BodyReads`` (the bytes held, the reads in progress),
+    ``app.state.max_buffered_bytes`` its cap.
 
     Raises:
         ValueError: ``max_body_bytes`` / ``max_buffered_bytes`` / ``body_timeout_s`` out of range
@@ -91,6 +94,7 @@ def create_app(
     app.state.store = store
     app.state.identity = dict(identity or {"store": type(store).__name__})
     app.state.max_body_bytes = max_body_bytes
+    app.state.max_buffered_bytes = max_buffered_bytes or max_buffered_bytes_for(max_body_bytes)
     app.include_router(agl_router())
     app.include_router(otlp.router)
     app.include_router(metrics.router)
@@ -100,7 +104,7 @@ def create_app(
     app.add_middleware(
         BodyLimit,
         max_body_bytes=max_body_bytes,
-        max_buffered_bytes=max_buffered_bytes,
+        max_buffered_bytes=app.state.max_buffered_bytes,
         body_timeout_s=body_timeout_s,
         reads=app.state.body_reads,
     )

@@ -13,6 +13,9 @@ An ASGI middleware that reads the body and hands it on whole, refusing:
   request (and the bytes it had sent) for ever;
 * any request once the server stops (503): see ``BodyReads.stop`` and ``BodyReads.cut``.
 
+A route that holds more than its body while it answers (OTLP's inflated copy of a gzip body) counts
+those bytes against the same ``max_buffered_bytes`` with ``BodyReads.holding``.
+
 ``eventlight serve`` and the LLM proxy both use it; each says how its answers look (``refuse``).
 (Starlette's own ``RequestBodyLimitMiddleware`` answers a ``Content-Length`` over its limit with a
 plain-text 413 whatever the application sends, which no OpenAI client can read.)
@@ -36,6 +39,7 @@ __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
     "DEFAULT_MAX_BUFFERED_BYTES",
     "REFUSAL_STATUS",
+    "RETRY_AFTER_S",
     "BodyLimit",
     "BodyReads",
     "RefusalReason",
@@ -62,7 +66,7 @@ byte within ``body_timeout_s``, the server stops."""
 REFUSAL_STATUS: dict[RefusalReason, int] = {"too_large": 413, "busy": 503, "timeout": 408, "stopping": 503}
 """The HTTP status of each ``RefusalReason``."""
 
-_RETRY_AFTER_S = 1
+RETRY_AFTER_S = 1
 """``Retry-After`` of a 503 for bodies held: one body answered frees its bytes (the OpenAI SDK waits this long)."""
 
 
@@ -109,6 +113,33 @@ class BodyReads:
             return False
         self.held_bytes += max(extra, 0)
         return True
+
+    @contextlib.contextmanager
+    def holding(self, limit: int) -> Iterator[Callable[[int], bool]]:
+        """Count bytes a route holds besides its body (an inflated copy of it) in ``held_bytes``
+        until the block ends.
+
+        Args:
+            limit: The server's ``max_buffered_bytes``.
+
+        Yields:
+            ``take(n)``: counts ``n`` more bytes and returns ``True``, or returns ``False`` (counting
+            nothing) when they would take ``held_bytes`` past ``limit``; the caller then refuses the
+            request (503 with ``Retry-After: RETRY_AFTER_S``).
+        """
+        taken = 0
+
+        def take(extra: int) -> bool:
+            nonlocal taken
+            if not self.hold(extra, limit):
+                return False
+            taken += max(extra, 0)
+            return True
+
+        try:
+            yield take
+        finally:
+            self.held_bytes -= taken
 
     @contextlib.contextmanager
     def reading_under(self, deadline: asyncio.Timeout) -> Iterator[None]:
@@ -273,7 +304,7 @@ class BodyLimit:
     async def _answer(self, reason: RefusalReason, message: str, scope: Scope, receive: Receive, send: Send) -> None:
         response = self._refuse(reason, message, scope)
         if reason == "busy":
-            response.headers["Retry-After"] = str(_RETRY_AFTER_S)
+            response.headers["Retry-After"] = str(RETRY_AFTER_S)
         elif reason == "timeout":  # the client stalled mid-body: the connection cannot carry another request
             response.headers["Connection"] = "close"
         await response(scope, receive, send)

@@ -4,15 +4,22 @@
 API sends it (the OpenAI SDK raises it as ``APIStatusError`` with ``.type``, ``.param``, ``.code``).
 ``code`` is OpenAI's own string where OpenAI has one (``invalid_api_key``,
 ``context_length_exceeded``), else the HTTP status (as vLLM answers).
+
+``body_refusal`` is ``BodyLimit``'s ``refuse`` for these servers: a request body it refuses is
+answered in the same object.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi.responses import JSONResponse
+from starlette.types import Scope
 
-__all__ = ["SERVER_STOPPING", "openai_error"]
+from eventlight.server.limits import REFUSAL_STATUS, RefusalReason
+
+__all__ = ["SERVER_STOPPING", "body_refusal", "openai_error"]
 
 SERVER_STOPPING = "server_stopping"
 """The ``type`` of a 503 for a call the server did not take or finish because it stops (the LLM
@@ -38,3 +45,29 @@ def openai_error(
         "code": status if code is None else code,
     }
     return JSONResponse({"error": error}, status_code=status)
+
+
+_BODY_REFUSALS: dict[RefusalReason, tuple[str, str]] = {
+    "too_large": ("invalid_request_error", "max_body_bytes"),
+    "busy": ("server_busy", "max_buffered_bytes"),
+    "timeout": ("request_timeout", "body_timeout_s"),
+    "stopping": (SERVER_STOPPING, ""),
+}
+
+
+def body_refusal(server: str) -> Callable[[RefusalReason, str, Scope], JSONResponse]:
+    """``BodyLimit``'s ``refuse`` for the OpenAI-compatible server ``server`` names (``"the LLM proxy"``).
+
+    Each refusal is OpenAI's error object on every route (``scope`` is not read), its message ending
+    with the setting at fault (``"... (the LLM proxy's max_body_bytes)"``): 413
+    ``invalid_request_error`` over ``max_body_bytes``, 503 ``server_busy`` over
+    ``max_buffered_bytes``, 408 ``request_timeout`` past ``body_timeout_s``, 503 ``server_stopping``
+    while the server stops.
+    """
+
+    def refuse(reason: RefusalReason, message: str, scope: Scope) -> JSONResponse:
+        err_type, setting = _BODY_REFUSALS[reason]
+        said = f"{message} ({server}'s {setting})" if setting else message
+        return openai_error(REFUSAL_STATUS[reason], said, err_type)
+
+    return refuse

@@ -27,6 +27,7 @@ from starlette.responses import Response
 from eventlight.core.errors import ConcurrencyError, InvalidInputError, NotFoundError
 from eventlight.core.types import Span
 from eventlight.server.errors import error_response
+from eventlight.server.limits import RETRY_AFTER_S
 from eventlight.server.otlp_spans import SpanNote, spans_from_request
 from eventlight.server.otlp_wire import OTLP_PATH, PROTOBUF, OtlpError, encode_response, parse_request
 from eventlight.server.routes.common import store_of
@@ -154,18 +155,25 @@ def _ignored(names: list[str]) -> str:
     },
 )
 async def export_traces(request: Request) -> Response:
-    """Take an ``ExportTraceServiceRequest`` (protobuf or JSON, optionally gzip) and record its spans."""
-    try:
-        parsed, kind, ignored = parse_request(
-            await request.body(),
-            request.headers.get("content-type"),
-            request.headers.get("content-encoding"),
-            request.app.state.max_body_bytes,
-        )
-    except OtlpError as e:  # a Status in the request's encoding, as every error of this route
-        return error_response(e.status, str(e), type(e).__name__, scope=request.scope)
-    spans, rejected, renumbered = spans_from_request(parsed)
-    rejected += await ingest(store_of(request), spans)
+    """Take an ``ExportTraceServiceRequest`` (protobuf or JSON, optionally gzip) and record its spans.
+
+    A gzip body's inflated copy counts with the request bodies held at once (``BodyReads.holding``)
+    until the request is answered: 503 with ``Retry-After`` when it would pass ``max_buffered_bytes``.
+    """
+    state = request.app.state
+    with state.body_reads.holding(state.max_buffered_bytes) as hold:
+        try:
+            parsed, kind, ignored = parse_request(
+                await request.body(),
+                request.headers.get("content-type"),
+                request.headers.get("content-encoding"),
+                state.max_body_bytes,
+                hold,
+            )
+        except OtlpError as e:  # a Status in the request's encoding, as every error of this route
+            return _refusal(e, request)
+        spans, rejected, renumbered = spans_from_request(parsed)
+        rejected += await ingest(store_of(request), spans)
     refused = {r.span_id for r in rejected}
     message = _message(rejected, [n for n in renumbered if n.span_id not in refused])
     if message:
@@ -173,3 +181,10 @@ async def export_traces(request: Request) -> Response:
     if ignored:
         message = ". ".join(filter(None, (message, _ignored(ignored))))
     return Response(encode_response(kind, len(rejected), message), media_type=kind)
+
+
+def _refusal(e: OtlpError, request: Request) -> Response:
+    response = error_response(e.status, str(e), type(e).__name__, retryable=e.status == 503, scope=request.scope)
+    if e.status == 503:  # the bytes held at once: one request answered frees its bytes
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return response

@@ -6,7 +6,8 @@ Follows the OTLP/HTTP specification (opentelemetry.io/docs/specs/otlp, "OTLP/HTT
   lowerCamelCase keys, ``traceId``/``spanId``/``parentSpanId`` as hex, not base64), parameters
   such as ``charset`` aside; any other type (``application/jsonx``, ``text/plain; note=json``) is
   415;
-* ``Content-Encoding: gzip`` (or none / ``identity``); any other is 415;
+* ``Content-Encoding: gzip`` (or none / ``identity``); any other is 415; a gzip body inflating past
+  the body limit is 413, and its inflated bytes count with the body bytes held at once (``hold``);
 * the answer has the request's content type; an error's body is a ``google.rpc.Status`` (protobuf,
   or its JSON mapping for a JSON request; ``answer_kind``), the bearer token's 401, the body
   ceiling's 413 and a 5xx included (``eventlight.server.errors.error_response``); a request of no
@@ -24,6 +25,7 @@ import json
 import re
 import reprlib
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 from google.protobuf import json_format
@@ -43,7 +45,8 @@ JSON = "application/json"
 
 
 class OtlpError(Exception):
-    """A request refused whole: ``status`` (400, 413 or 415) and a one-line message."""
+    """A request refused whole: ``status`` (400, 413, 415, or 503 when the server holds too many
+    bytes to inflate it now) and a one-line message."""
 
     def __init__(self, status: int, message: str):
         super().__init__(message)
@@ -70,29 +73,55 @@ def media_type(content_type: str | None) -> str:
     raise OtlpError(415, f"Content-Type {shown} is not supported: send {PROTOBUF} or {JSON} (OTLP/HTTP)")
 
 
-def _decompress(raw: bytes, encoding: str | None, max_bytes: int) -> bytes:
+_INFLATE_STEP_BYTES = 1 << 20
+"""Bytes of a gzip body fed to the inflater at a time, and the most it inflates at a time: each
+step's output is counted (``hold``) before it is kept."""
+
+
+def _decompress(raw: bytes, encoding: str | None, max_bytes: int, hold: Callable[[int], bool]) -> bytes | bytearray:
     """The inflated body; a gzip body of several members (RFC 1952 allows it; ``cat a.gz b.gz``)
-    inflates to all of them, and trailing bytes that are no gzip member are an error, not ignored."""
+    inflates to all of them, and trailing bytes that are no gzip member are an error, not ignored.
+    The inflated bytes are counted with ``hold`` as they come, a step at a time."""
     coding = (encoding or "identity").strip().lower()
     if coding == "identity":
         return raw
     if coding != "gzip":
         raise OtlpError(415, f"Content-Encoding {coding} is not supported: send gzip or none")
     out = bytearray()
-    rest = raw
+    rest = memoryview(raw)
     while True:
-        inflater = zlib.decompressobj(wbits=31)
+        rest = _inflate_member(rest, out, max_bytes, hold)
+        if not rest or (rest[0] == 0 and not rest.tobytes().strip(b"\0")):  # gzip ignores zeros padding the end
+            return out
+
+
+def _inflate_member(data: memoryview, out: bytearray, max_bytes: int, hold: Callable[[int], bool]) -> memoryview:
+    """Inflate the gzip member ``data`` starts with onto ``out``; returns what follows it."""
+    inflater = zlib.decompressobj(wbits=31)
+    pos = 0
+    pending: bytes | memoryview = b""
+    while not inflater.eof:
+        if not pending:
+            pending = data[pos : pos + _INFLATE_STEP_BYTES]
+            pos += len(pending)
+        fed = len(pending)
         try:
-            out += inflater.decompress(rest, max_bytes + 1 - len(out))
+            piece = inflater.decompress(pending, min(_INFLATE_STEP_BYTES, max_bytes + 1 - len(out)))
         except zlib.error as e:
             raise OtlpError(400, f"the body is not valid gzip: {e}") from None
-        if len(out) > max_bytes:
-            raise OtlpError(413, f"the body inflates to more than the server's limit of {max_bytes} bytes")
-        if not inflater.eof:
+        pending = inflater.unconsumed_tail
+        if not piece and not fed:
             raise OtlpError(400, "the gzip body is truncated")
-        rest = inflater.unused_data
-        if not rest.strip(b"\0"):  # the last member (gzip itself ignores zeros padding the end)
-            return bytes(out)
+        if len(out) + len(piece) > max_bytes:
+            raise OtlpError(413, f"the body inflates to more than the server's limit of {max_bytes} bytes")
+        if not hold(len(piece)):
+            raise OtlpError(
+                503,
+                f"the body inflates to more than the server can hold beside the other requests' bodies now"
+                f" ({len(out) + len(piece)} bytes inflated so far; its max_buffered_bytes): retry shortly",
+            )
+        out += piece
+    return data[pos - len(pending) - len(inflater.unused_data) :]
 
 
 def _hex_to_b64(value: Any, where: str) -> Any:
@@ -210,7 +239,7 @@ def _ignored_numbers(request: ExportTraceServiceRequest, data: bytes) -> list[st
     return list(numbers)
 
 
-def _parse_json(data: bytes) -> tuple[ExportTraceServiceRequest, list[str]]:
+def _parse_json(data: bytes | bytearray) -> tuple[ExportTraceServiceRequest, list[str]]:
     try:
         doc = json.loads(data) if data.strip() else {}
     except (ValueError, UnicodeDecodeError) as e:
@@ -226,7 +255,7 @@ def _parse_json(data: bytes) -> tuple[ExportTraceServiceRequest, list[str]]:
     return request, _ignored_fields(doc)
 
 
-def _parse_protobuf(data: bytes) -> ExportTraceServiceRequest:
+def _parse_protobuf(data: bytes | bytearray) -> ExportTraceServiceRequest:
     request = ExportTraceServiceRequest()
     try:
         request.ParseFromString(data)
@@ -260,7 +289,11 @@ def check_ids(request: ExportTraceServiceRequest) -> None:
 
 
 def parse_request(
-    raw: bytes, content_type: str | None, content_encoding: str | None, max_bytes: int
+    raw: bytes,
+    content_type: str | None,
+    content_encoding: str | None,
+    max_bytes: int,
+    hold: Callable[[int], bool] = lambda size_bytes: True,
 ) -> tuple[ExportTraceServiceRequest, str, list[str]]:
     """The request, its media type (what the answer is encoded in), and the fields ignored in a
     request that holds no ``resourceSpans`` (``[]`` for one that does): OTLP/JSON names, quoted
@@ -269,11 +302,15 @@ def parse_request(
     Fields of unknown names or numbers are ignored, as the OTLP specification asks (a newer sender
     may add some); they are returned for the caller to say so when they are all the request holds.
 
+    ``hold(size_bytes)`` is called with each step of a gzip body's inflated bytes (at most 1 MiB)
+    before it is kept; ``False`` refuses the request (the server's ``BodyReads.holding``).
+
     Raises:
-        OtlpError: 415 (type or encoding), 413 (inflates past ``max_bytes``), 400 (does not parse, bad ids).
+        OtlpError: 415 (type or encoding), 413 (inflates past ``max_bytes``), 503 (``hold`` refused
+            the inflated bytes), 400 (does not parse, bad ids).
     """
     kind = media_type(content_type)
-    data = _decompress(raw, content_encoding, max_bytes)
+    data = _decompress(raw, content_encoding, max_bytes, hold)
     if kind == JSON:
         request, ignored = _parse_json(data)
     else:

@@ -29,7 +29,7 @@ from eventlight.core.types import ROLLOUT_STATUSES
 from eventlight.server.codec import json_response
 from eventlight.server.overview import overview, reward_by_resources
 from eventlight.server.routes.common import store_of
-from eventlight.store.liveness import LIVE_HEARTBEAT_S, is_alive
+from eventlight.store.liveness import LIVE_HEARTBEAT_S, is_alive, stopped_at
 
 __all__ = ["router"]
 
@@ -59,6 +59,7 @@ async def summary(request: Request) -> Response:
             "worker_id": w.worker_id,
             "status": w.status,
             "alive": is_alive(w, now),
+            "stopped": stopped_at(w) is not None,
             "heartbeat_age_s": None if w.last_heartbeat_time is None else max(0.0, now - w.last_heartbeat_time),
             "current_rollout_id": w.current_rollout_id,
         }
