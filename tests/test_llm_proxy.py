@@ -1122,9 +1122,10 @@ async def test_bodies_held_at_once_are_capped_and_a_stalled_body_times_out() -> 
     async with stub as url, running_proxy(url, store, **limits) as proxy:
         rollout = await store.start_rollout(input={})
         path = f"/rollout/{rollout.rollout_id}/attempt/{rollout.attempt.attempt_id}/v1/chat/completions"
-        reader, writer = await _start_body(proxy, path, limit - 100, b'{"model": "')
+        sent = b'{"model": "' + b"m" * (limit - 112)  # all but the last 101 bytes, then it stalls
+        reader, writer = await _start_body(proxy, path, limit - 100, sent)
         try:
-            await _until(lambda: proxy._body_reads.held_bytes == limit - 100, "the stalled body counted whole")
+            await _until(lambda: proxy._body_reads.held_bytes == len(sent), "the stalled body's bytes counted")
             client = openai.AsyncOpenAI(base_url=proxy.endpoint, api_key="dummy", max_retries=0)
             with pytest.raises(openai.InternalServerError) as busy:
                 await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "y" * 2000}])
@@ -1137,7 +1138,7 @@ async def test_bodies_held_at_once_are_capped_and_a_stalled_body_times_out() -> 
             writer.close()
     assert status == 408 and headers["connection"] == "close", (status, headers, body)
     assert body["error"]["type"] == "request_timeout" and body["error"]["code"] == 408, body
-    assert "came for 0.5 s (11 of 65436 bytes read)" in body["error"]["message"], body
+    assert f"came for 0.5 s ({len(sent)} of 65436 bytes read)" in body["error"]["message"], body
     assert "the LLM proxy's body_timeout_s" in body["error"]["message"], body
     assert proxy._body_reads.held_bytes == 0
     assert stub.requests == [] and proxy.health.calls == 0

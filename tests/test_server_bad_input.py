@@ -622,8 +622,9 @@ async def test_bodies_held_at_once_are_capped_with_503_and_retry_after() -> None
         )
         async with server, httpx.AsyncClient(base_url=server.endpoint) as client:
             reads = server.app.state.body_reads
-            reader, writer = await _start_body(server.port, "/v1/agl/queues/rollouts/enqueue", limit - 100, b"[")
-            await _until(lambda: reads.held_bytes == limit - 100, "the stalled body counted whole")
+            sent = b"[" + b" " * (limit - 102)  # all but the last 99 bytes, then it stalls
+            reader, writer = await _start_body(server.port, "/v1/agl/queues/rollouts/enqueue", limit - 100, sent)
+            await _until(lambda: reads.held_bytes == len(sent), "the stalled body's bytes counted")
             second = b"[" + b" " * 2000 + b"]"
             r = await client.post("/v1/agl/queues/rollouts/enqueue", content=second, headers=JSON)
             assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
@@ -669,13 +670,14 @@ async def test_an_otlp_gzip_body_counts_its_inflated_copy_with_the_bodies_held(m
             assert r.status_code == 200, r.content
             assert held_in_ingest == [len(body) + len(inflated)]  # the body and its inflated copy
             assert reads.held_bytes == 0
-            reader, writer = await _start_body(server.port, "/v1/agl/queues/rollouts/enqueue", limit - 100, b"[")
-            await _until(lambda: reads.held_bytes == limit - 100, "the stalled body counted whole")
+            sent = b"[" + b" " * (limit - 102)
+            reader, writer = await _start_body(server.port, "/v1/agl/queues/rollouts/enqueue", limit - 100, sent)
+            await _until(lambda: reads.held_bytes == len(sent), "the stalled body's bytes counted")
             r = await client.post("/v1/traces", content=body, headers=headers)  # its body fits, its copy not
             assert r.status_code == 503 and r.headers["retry-after"] == "1", r.content
             answer = _status(r, JSON["Content-Type"])
             assert answer.code == code_pb2.UNAVAILABLE and "max_buffered_bytes" in answer.message, answer
-            assert reads.held_bytes == limit - 100  # what it inflated before the refusal given back
+            assert reads.held_bytes == len(sent)  # what it inflated before the refusal given back
             writer.close()
             await _until(lambda: reads.held_bytes == 0, "the bytes given back")
     assert len(held_in_ingest) == 1
@@ -791,3 +793,30 @@ async def test_a_request_that_sends_no_byte_of_its_body_gets_408() -> None:
             await _until(lambda: server.app.state.body_reads.held_bytes == 0, "the bytes given back")
     assert status == 408 and headers["connection"] == "close", (status, headers, body)
     assert "no byte of the request body came for 0.2 s (0 of 1000 bytes read)" in json.loads(body)["detail"]
+
+
+async def test_slow_clients_declaring_large_bodies_do_not_lock_out_the_others() -> None:
+    """A body counted its whole declared ``Content-Length`` from its first byte, while the timeout
+    asks only one byte per ``body_timeout_s``: ``max_buffered_bytes / max_body_bytes`` clients
+    declaring bodies at the limit and sending a byte now and then got every other body request 503.
+    Only the bytes that came are held now: a small request goes through beside them."""
+    limit = 4096
+    async with agl.InMemoryLightningStore() as store:
+        server = agl.LightningStoreServer(
+            store, port=free_port(), max_body_bytes=limit, max_buffered_bytes=2 * limit, body_timeout_s=30
+        )
+        async with server, httpx.AsyncClient(base_url=server.endpoint) as client:
+            reads = server.app.state.body_reads
+            slow = [await _start_body(server.port, "/v1/agl/queues/rollouts/enqueue", limit, b"[") for _ in range(2)]
+            try:
+                await _until(lambda: reads.reading == 2, "the slow bodies read")
+                for _, writer in slow:  # a byte each, well inside the body timeout
+                    writer.write(b" ")
+                    await writer.drain()
+                await _until(lambda: reads.held_bytes == 4, "their bytes counted as they came")
+                r = await client.post("/v1/agl/queues/rollouts/enqueue", content=b"[]", headers=JSON)
+                assert r.status_code != 503 and "held at once" not in r.text, r.text  # taken, answered for what it says
+            finally:
+                for _, writer in slow:
+                    writer.close()
+            await _until(lambda: reads.held_bytes == 0, "the bytes given back")

@@ -5,9 +5,10 @@ An ASGI middleware that reads the body and hands it on whole, refusing:
 * a body over ``max_body_bytes`` (413): a ``Content-Length`` above it at once, a chunked body as
   soon as it passes it;
 * a body that would take the bytes held by all requests at once past ``max_buffered_bytes`` (503
-  with ``Retry-After``): a body counts from its first byte (its whole ``Content-Length`` when it
-  declares one) until the app has answered it, so N clients each sending a body just under the
-  limit cannot make the server hold N times the limit;
+  with ``Retry-After``): a body counts the bytes that came, as they come, until the app has answered
+  it, so N clients each sending a body just under the limit cannot make the server hold N times the
+  limit (a declared ``Content-Length`` is not counted ahead: clients that declare large bodies and
+  send them a byte at a time would hold the whole cap while holding nothing);
 * a body whose next bytes do not come within ``body_timeout_s`` (408, and the connection closed):
   uvicorn has no such timeout, so a client that sent its headers and then stalled held its
   request (and the bytes it had sent) for ever;
@@ -95,7 +96,7 @@ class BodyReads:
 
     def __init__(self) -> None:
         self.held_bytes = 0
-        """Bytes of request bodies held now: read or declared, until the app has answered."""
+        """Bytes of request bodies held now: those read so far, until the app has answered."""
         self.stopping = False
         """Set by ``stop``: every request from then on answers 503 (``"stopping"``)."""
         self.cut_off = False
@@ -170,13 +171,13 @@ class BodyReads:
 
 class _Intake:
     """One request's body as it arrives: its chunks, and the bytes it counts in ``BodyReads.held_bytes``
-    (its ``Content-Length`` from the start, else what came)."""
+    (those that came)."""
 
     def __init__(self, declared: int | None):
         self.declared = declared
         self.chunks: list[bytes] = []
         self.size = 0
-        self.held = declared or 0
+        self.held = 0
 
 
 class BodyLimit:
@@ -231,9 +232,6 @@ class BodyLimit:
         if length is not None and length > self.max_body_bytes:
             message = f"request body of {length} bytes is over the server's limit of {self.max_body_bytes} bytes"
             await self._answer("too_large", message, scope, receive, send)
-            return
-        if length and not self.reads.hold(length, self.max_buffered_bytes):
-            await self._answer("busy", self._busy(length), scope, receive, send)
             return
         intake = _Intake(length)
         try:
