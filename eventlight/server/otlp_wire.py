@@ -190,7 +190,7 @@ _MAX_SCANNED_FIELDS = 10_000
 ``UnknownFieldSet`` made an object of each, seconds of the event loop's time and hundreds of MiB."""
 
 
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
+def _varint(data: bytes | bytearray, pos: int) -> tuple[int, int]:
     """The base-128 varint at ``data[pos:]`` and the position after it (``data`` parsed already)."""
     value = shift = 0
     while True:
@@ -202,7 +202,7 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def _skip_field(data: bytes, pos: int, key: int) -> int:
+def _skip_field(data: bytes | bytearray, pos: int, key: int) -> int:
     """The position after the value of the field of ``key`` (number and wire type) at ``pos``."""
     wire_type = key & 7
     if wire_type == 0:
@@ -221,7 +221,7 @@ def _skip_field(data: bytes, pos: int, key: int) -> int:
         pos = _skip_field(data, pos, inner)
 
 
-def _ignored_numbers(request: ExportTraceServiceRequest, data: bytes) -> list[str]:
+def _ignored_numbers(request: ExportTraceServiceRequest, data: bytes | bytearray) -> list[str]:
     """The top-level fields of a protobuf request that holds no ``resource_spans``: unknown field
     numbers (``#2``), ignored as the spec asks, that likely stand for it (a message of another
     type, or of a newer version, sent to this path). Read from ``data`` (the request's bytes, which
