@@ -11,6 +11,7 @@ Read models are mutable structs (a caller may edit its copy); events (``eventlig
 from __future__ import annotations
 
 import json
+import os
 import time
 import uuid
 from typing import Any, Literal
@@ -51,10 +52,14 @@ class ModelDump:
 
 
 def generate_id(prefix: str, length: int) -> str:
-    """Return ``prefix`` followed by ``length`` random hex characters (at most 32)."""
+    """Return ``prefix`` followed by ``length`` random hex characters (at most 32).
+
+    From ``os.urandom``, as ``uuid.uuid4`` is, without building a ``UUID`` (a quarter of its CPU;
+    every store command makes one or two ids).
+    """
     if length <= 0:
         raise ValueError(f"id length must be positive, got {length}")
-    return prefix + uuid.uuid4().hex[:length]
+    return prefix + os.urandom(16).hex()[:length]
 
 
 def now() -> float:

@@ -8,7 +8,6 @@ them into the state it returns. The cache is a hint: a stale entry costs one rel
 
 from __future__ import annotations
 
-import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -19,6 +18,7 @@ from eventlight.core.commands import Command, CreateRollout, RolloutState
 from eventlight.core.errors import ConcurrencyError, EventlightError
 from eventlight.core.events import RolloutEvent
 from eventlight.core.evolve import evolve, spans_arrived
+from eventlight.core.types import generate_id
 from eventlight.store.ports import EventLog, SpanHead, StaleStateError
 
 MAX_APPEND_TRIES = 16
@@ -115,7 +115,7 @@ class CommandLoop:
             StaleStateError: The log refused the fence (the caller decides again).
         """
         events = decider.decide(None, command, self.clock())
-        version = await self.log.append(command.rollout_id, events, 0, uuid.uuid4().hex, resources_seq=resources_seq)
+        version = await self.log.append(command.rollout_id, events, 0, generate_id("", 32), resources_seq=resources_seq)
         state: RolloutState | None = None
         for event in events:
             state = evolve(state, event)
@@ -146,7 +146,7 @@ class CommandLoop:
             InvalidTransitionError / AttemptNotFoundError / InvalidInputError: From the decider, on
                 the log's current state.
         """
-        command_id = uuid.uuid4().hex
+        command_id = generate_id("", 32)
         found = hint or self._states.get(rollout_id)
         loaded = False
         for attempt in range(max_tries):

@@ -37,3 +37,40 @@ def raise_if_cancelled(since: int) -> None:
     task = asyncio.current_task()
     if task is not None and task.cancelling() > since:
         raise asyncio.CancelledError
+
+
+async def wait_done(
+    work: asyncio.Future[Any], timeout: float | None = None, *, wake: set[asyncio.Future[None]] | None = None
+) -> bool:
+    """Wait until ``work`` is done or ``timeout`` seconds (``None``: no limit) have passed, without
+    cancelling it; whether it is done. ``asyncio.wait([work], timeout=)`` for one future at about a
+    third of its CPU (no sets, no callbacks on a copy), on the path of every dequeue.
+
+    With ``wake``, the wait's own future is in that set while it waits: whoever sets a result on it
+    (a store beginning to close) ends the wait early.
+
+    Raises:
+        asyncio.CancelledError: The caller was cancelled (``work`` goes on).
+    """
+    if work.done():
+        return True
+    loop = asyncio.get_running_loop()
+    waiter: asyncio.Future[None] = loop.create_future()
+
+    def wake_up(_: object = None) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    work.add_done_callback(wake_up)
+    timer = loop.call_later(timeout, wake_up) if timeout is not None else None
+    if wake is not None:
+        wake.add(waiter)
+    try:
+        await waiter
+    finally:
+        work.remove_done_callback(wake_up)
+        if timer is not None:
+            timer.cancel()
+        if wake is not None:
+            wake.discard(waiter)
+    return work.done()

@@ -45,6 +45,7 @@ import msgspec
 
 from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
 from eventlight.core.events import AnyEvent, ResourcesPut, encode_event
+from eventlight.core.types import generate_id
 from eventlight.store.futures import mark_seen
 from eventlight.store.jetstream.layout import rollout_filter, subject_for
 from eventlight.store.jetstream.nats_errors import WRONG_LAST_SEQUENCE, nats_errors
@@ -156,7 +157,7 @@ class AtomicAppender:
                     f"the event for {subject} is {len(data):,} bytes, over the NATS server's max_payload of "
                     f"{limit:,} bytes: store large inputs elsewhere and pass a reference, or split span batches"
                 )
-            headers = {"Nats-Msg-Id": f"{command_id}:{i}" if command_id else uuid.uuid4().hex}
+            headers = {"Nats-Msg-Id": f"{command_id}:{i}" if command_id else generate_id("", 32)}
             if i == 0 and expected is not None:
                 key = subject.split(".")[3]
                 headers["Nats-Expected-Last-Subject-Sequence"] = str(expected)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -28,7 +27,7 @@ from eventlight.core.commands import RolloutState
 from eventlight.core.errors import EventlightError, InvalidInputError, RolloutNotFoundError, RolloutRetiredError
 from eventlight.core.events import AnyEvent, ResourcesPut, RolloutEvent, decode_event, encode_event
 from eventlight.core.evolve import evolve, spans_arrived
-from eventlight.core.types import ResourcesUpdate, Span
+from eventlight.core.types import ResourcesUpdate, Span, generate_id
 from eventlight.settings import Settings
 from eventlight.store.jetstream.appender import AtomicAppender
 from eventlight.store.jetstream.archive import RetiredLedger, scan_log
@@ -141,7 +140,7 @@ class JetStreamEventLog:
             ServiceUnavailableError: NATS did not answer.
         """
         subject = subject_for(self.prefix, event)
-        headers: dict[str, str] = {"Nats-Msg-Id": msg_id or uuid.uuid4().hex}
+        headers: dict[str, str] = {"Nats-Msg-Id": msg_id or generate_id("", 32)}
         if expected_subject_seq is not None:
             headers["Nats-Expected-Last-Subject-Sequence"] = str(expected_subject_seq)
         data = encode_event(event)

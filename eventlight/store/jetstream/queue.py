@@ -21,7 +21,7 @@ import nats.errors
 from eventlight.core.commands import RolloutState
 from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
 from eventlight.core.events import RolloutCreated, decode_event
-from eventlight.store.futures import mark_seen
+from eventlight.store.futures import mark_seen, wait_done
 from eventlight.store.jetstream.definitions import consumer_config
 from eventlight.store.jetstream.layout import rollout_of_subject
 from eventlight.store.jetstream.nats_errors import TRANSPORT_ERRORS, nats_errors
@@ -197,8 +197,7 @@ class RunnersQueue:
             # a child task, so cancelling it at the wrong moment would drop a delivered entry.
             answer = asyncio.ensure_future(inbox.next_msg(timeout=timeout_s))
             if probe_full:
-                done, _ = await asyncio.wait([answer], timeout=FULL_PROBE_S)
-                if not done and await self._at_max_ack_pending():
+                if not await wait_done(answer, FULL_PROBE_S) and await self._at_max_ack_pending():
                     self._settle_later(inbox, answer)
                     return None
             msg = await asyncio.shield(answer)

@@ -20,7 +20,7 @@ from eventlight.core.errors import (
 from eventlight.core.types import ResourcesUpdate
 from eventlight.store.base import LightningStore
 from eventlight.store.command_loop import MAX_APPEND_TRIES, CommandLoop
-from eventlight.store.futures import cancels, mark_seen
+from eventlight.store.futures import cancels, mark_seen, wait_done
 from eventlight.store.ports import EventLog, Queued, ReadModel, StaleStateError
 from eventlight.store.spans import SpanWriter
 from eventlight.store.validate import (
@@ -190,16 +190,11 @@ class StorePlumbing(LightningStore):
         if self._draining:
             self._drop(task)
             return False, None
-        closing = asyncio.get_running_loop().create_future()
-        self._close_waiters.add(closing)
         try:
-            await asyncio.wait([task, closing], return_when=asyncio.FIRST_COMPLETED)
+            await wait_done(task, wake=self._close_waiters)
         except asyncio.CancelledError:
             self._drop(task)
             raise
-        finally:
-            self._close_waiters.discard(closing)
-            closing.cancel()
         if task.done():
             return True, task.result()
         self._drop(task)

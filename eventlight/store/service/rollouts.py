@@ -69,26 +69,25 @@ class RolloutCommands(StorePlumbing):
         config: RolloutConfig | None = None,
         metadata: dict[str, Any] | None = None,
     ) -> Rollout:
-        self._create_command(input, mode, None, config, metadata)  # bad input fails before any read
-        state = await self._create_rollout(
-            lambda res: self._create_command(input, mode, res, config, metadata), resources_id
-        )
+        cmd = self._create_command(input, mode, None, config, metadata)  # bad input fails before any read
+        state = await self._create_rollout(lambda res: msgspec.structs.replace(cmd, resources_id=res), resources_id)
         return state.rollout
 
     @store_call
     async def enqueue_many_rollouts(self, rollouts: Sequence[EnqueueRolloutRequest]) -> list[Rollout]:
         """``enqueue_rollout`` for each request, concurrently (their events may share one atomic
         batch); results in request order. Every request is checked before any is sent."""
-        for r in rollouts:
-            self._create_command(r.input, r.mode, None, r.config, r.metadata)
+        cmds = [self._create_command(r.input, r.mode, None, r.config, r.metadata) for r in rollouts]
         for r in rollouts:  # an unknown explicit id fails the call before anything is appended
             if r.resources_id is not None:
                 await self._resolve_resources(r.resources_id)
 
-        def builder(r: EnqueueRolloutRequest) -> Callable[[str | None], c.CreateRollout]:
-            return lambda res: self._create_command(r.input, r.mode, res, r.config, r.metadata)
+        def builder(cmd: c.CreateRollout) -> Callable[[str | None], c.CreateRollout]:
+            return lambda res: msgspec.structs.replace(cmd, resources_id=res)
 
-        states = await asyncio.gather(*(self._create_rollout(builder(r), r.resources_id) for r in rollouts))
+        states = await asyncio.gather(
+            *(self._create_rollout(builder(cmd), r.resources_id) for cmd, r in zip(cmds, rollouts, strict=True))
+        )
         return [s.rollout for s in states]
 
     @store_call
