@@ -166,6 +166,7 @@ class Projector(Consumer):
 
     async def _lead(self) -> None:
         """Take the lock and a new term, then project and watch until one of them ends."""
+        base = cancels()
         await self._become_leader()
         tasks = [
             _spawn(self._project(), "eventlight-projection", quiet=True),
@@ -179,8 +180,8 @@ class Projector(Consumer):
             for t in done:
                 if not t.cancelled() and t.exception() is not None:
                     raise t.exception()  # type: ignore[misc]
-        finally:
-            self._set_leader(False)
+        finally:  # cancelled but not closed: ``asyncio.run`` ends, no read model to tell
+            self._set_leader(False, tell=self._stopping or cancels() <= base)
             for t in tasks:
                 t.cancel()
             await asyncio.wait(tasks, timeout=5)
@@ -219,15 +220,15 @@ class Projector(Consumer):
             with contextlib.suppress(Exception):
                 conn.terminate()
 
-    def _set_leader(self, leads: bool) -> None:
-        """Set or clear ``leader``, and say so (``on_leadership``) when that changes it."""
+    def _set_leader(self, leads: bool, *, tell: bool = True) -> None:
+        """Set or clear ``leader``, and say so (``on_leadership``, if ``tell``) when that changes it."""
         if leads == self.leader.is_set():
             return
         if leads:
             self.leader.set()
         else:
             self.leader.clear()
-        if self.on_leadership is not None:
+        if tell and self.on_leadership is not None:
             self.on_leadership()
 
     async def _become_leader(self) -> None:
