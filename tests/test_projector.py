@@ -639,3 +639,40 @@ async def test_spans_already_projected_are_copied_once_with_the_checkpoint(
             assert (await store.statistics())["total_spans"] == 4
         finally:
             await projector.close()
+
+
+async def test_a_batch_opens_and_fences_its_transaction_in_one_round_trip(
+    namespace: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch with spans costs three statements besides its writes (issue 17): ``BEGIN``, the plan
+    setting and the fenced checkpoint update in one; the spans' savepoint; ``COMMIT``. It was six
+    (``BEGIN``, ``SET LOCAL``, the update, ``SAVEPOINT``, ``RELEASE``, ``COMMIT``), each a round trip
+    of the algorithm's process. The rows and the checkpoint still commit together."""
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn, run_projector=False) as store:
+        r = await store.start_rollout("x")
+        rid, aid = r.rollout_id, r.attempt.attempt_id
+        spans = [Span.from_attributes(attributes={"k": k}, rollout_id=rid, attempt_id=aid) for k in range(3)]
+        await store.add_spans_numbered(rid, aid, spans)
+        projector = Projector(store.log, store.pool)
+        await projector._become_leader()
+        try:
+            msgs = await _whole_stream(store)
+            statements: list[str] = []
+            execute = asyncpg.Connection.execute
+
+            async def counting(self: asyncpg.Connection, query: str, *args: Any, **kwargs: Any) -> Any:
+                statements.append(query)
+                return await execute(self, query, *args, **kwargs)
+
+            monkeypatch.setattr(asyncpg.Connection, "execute", counting)
+            await projector.apply(msgs)
+            monkeypatch.undo()
+            assert len(statements) == 3, statements
+            assert statements[0].startswith("BEGIN;") and "projector_checkpoint" in statements[0]
+            assert statements[-1] == "COMMIT"
+            async with store.pool.acquire() as conn:
+                checkpoint = await conn.fetchval("SELECT last_seq FROM projector_checkpoint WHERE id = 0")
+                rows = await conn.fetchval("SELECT count(*) FROM spans")
+            assert checkpoint == projector.checkpoint == msgs[-1].metadata.sequence.stream and rows == 3
+        finally:
+            await projector.close()
