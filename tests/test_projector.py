@@ -237,6 +237,69 @@ async def test_a_store_with_a_standby_projector_wakes_waiters_promptly(namespace
         assert done.status == "succeeded" and time.monotonic() - t0 < 1.5  # not the 2 s fallback
 
 
+async def _eventually(predicate: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.02)
+
+
+async def test_only_a_store_that_does_not_lead_follows_terminal_events(namespace: Settings) -> None:
+    """The leader's own commits wake its waiters: its process receives no terminal events (issue 17);
+    the standby's follows them, and stops when it takes the lead."""
+    async with (
+        JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as leader,
+        JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as standby,
+    ):
+        assert leader.projector.leader.is_set() and not standby.projector.leader.is_set()
+        await _eventually(lambda: leader.read_model._watch_sub is None, "the leader still follows terminal events")
+        assert standby.read_model._watch_sub is not None
+        await leader.projector.close()
+        await _eventually(standby.projector.leader.is_set, "the standby did not take the lead")
+        await _eventually(lambda: standby.read_model._watch_sub is None, "the new leader still follows them")
+        await _eventually(lambda: leader.read_model._watch_sub is not None, "the old leader does not follow them")
+
+
+@pytest.mark.parametrize("finish", ["after the subscription is back", "before it is back"])
+async def test_a_waiter_wakes_when_the_lead_moves_to_another_process_mid_wait(
+    namespace: Settings, monkeypatch: pytest.MonkeyPatch, finish: str
+) -> None:
+    """A ``wait_for_rollouts`` that began while its process led wakes on its rollout's terminal
+    event after the lead moved to another process: the read model follows the stream again, and a
+    terminal event published before it did is read once the new leader has projected it. The
+    fallback read (``READ_AGAIN_S``) is put out of reach, so only those wake the waiter."""
+    from eventlight.store.jetstream.readmodel import waits
+
+    monkeypatch.setattr(waits, "READ_AGAIN_S", 3600.0)
+    async with (
+        JetStreamLightningStore(namespace) as runner,
+        JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as first,
+        JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as second,
+    ):
+        assert first.projector.leader.is_set() and not second.projector.leader.is_set()
+        r = await first.enqueue_rollout("moved")
+        d = await runner.dequeue_rollout(worker_id="w")
+        await first.sync(timeout_s=10)
+        waiter = asyncio.create_task(first.wait_for_rollouts(rollout_ids=[r.rollout_id], timeout=None))
+        await _eventually(lambda: len(first.read_model._waiters) == 1, "the waiter did not start")
+        await asyncio.sleep(0.05)  # it waits for its projector's commits
+        if finish == "before it is back":  # published while the read model follows nothing
+            subscribe = first.read_model._subscribe
+
+            async def late_subscribe() -> None:
+                await runner.update_attempt(r.rollout_id, d.attempt.attempt_id, status="succeeded")
+                await subscribe()
+
+            monkeypatch.setattr(first.read_model, "_subscribe", late_subscribe)
+        await first.projector.close()  # the lead moves to the second store's projector
+        await _eventually(second.projector.leader.is_set, "the second store did not take the lead")
+        if finish == "after the subscription is back":
+            await _eventually(lambda: not first.read_model._followers, "the read model did not catch up")
+            await runner.update_attempt(r.rollout_id, d.attempt.attempt_id, status="succeeded")
+        [done] = await asyncio.wait_for(waiter, 20)  # a waiter nothing wakes waits an hour
+        assert done.status == "succeeded"
+
+
 async def test_polling_wait_for_rollouts_reads_rows_only_when_one_has_finished(
     namespace: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -615,5 +678,42 @@ async def test_spans_already_projected_are_copied_once_with_the_checkpoint(
             assert checkpoint == projector.checkpoint == batch[-1].metadata.sequence.stream
             assert projector.dead_letters == 0 and copies == ["spans", "spans"]
             assert (await store.statistics())["total_spans"] == 4
+        finally:
+            await projector.close()
+
+
+async def test_a_batch_opens_and_fences_its_transaction_in_one_round_trip(
+    namespace: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch with spans costs three statements besides its writes (issue 17): ``BEGIN``, the plan
+    setting and the fenced checkpoint update in one; the spans' savepoint; ``COMMIT``. It was six
+    (``BEGIN``, ``SET LOCAL``, the update, ``SAVEPOINT``, ``RELEASE``, ``COMMIT``), each a round trip
+    of the algorithm's process. The rows and the checkpoint still commit together."""
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn, run_projector=False) as store:
+        r = await store.start_rollout("x")
+        rid, aid = r.rollout_id, r.attempt.attempt_id
+        spans = [Span.from_attributes(attributes={"k": k}, rollout_id=rid, attempt_id=aid) for k in range(3)]
+        await store.add_spans_numbered(rid, aid, spans)
+        projector = Projector(store.log, store.pool)
+        await projector._become_leader()
+        try:
+            msgs = await _whole_stream(store)
+            statements: list[str] = []
+            execute = asyncpg.Connection.execute
+
+            async def counting(self: asyncpg.Connection, query: str, *args: Any, **kwargs: Any) -> Any:
+                statements.append(query)
+                return await execute(self, query, *args, **kwargs)
+
+            monkeypatch.setattr(asyncpg.Connection, "execute", counting)
+            await projector.apply(msgs)
+            monkeypatch.undo()
+            assert len(statements) == 3, statements
+            assert statements[0].startswith("BEGIN;") and "projector_checkpoint" in statements[0]
+            assert statements[-1] == "COMMIT"
+            async with store.pool.acquire() as conn:
+                checkpoint = await conn.fetchval("SELECT last_seq FROM projector_checkpoint WHERE id = 0")
+                rows = await conn.fetchval("SELECT count(*) FROM spans")
+            assert checkpoint == projector.checkpoint == msgs[-1].metadata.sequence.stream and rows == 3
         finally:
             await projector.close()

@@ -109,7 +109,9 @@ class JetStreamLightningStore(EventStore):
             await self.log.learn_replicas()
             if self.pg_dsn is not None:
                 self.pool = await self._open_pool(self.pg_dsn)
-                self.read_model = SqlReadModel(self.pool, self.nc, self.log.prefix, None, server=self.pg_dsn)
+                self.read_model = SqlReadModel(
+                    self.pool, self.nc, self.log.prefix, None, server=self.pg_dsn, head_seq=self.log.head_seq
+                )
                 await self.read_model.start()
             if self.run_projector:
                 assert self.pool is not None and self.read_model is not None
@@ -132,7 +134,12 @@ class JetStreamLightningStore(EventStore):
             InvalidInputError: The namespace is recorded with another partition count.
         """
         n = self.settings.projector_partitions
-        kw = {"watchdog_interval_s": self.watchdog_interval_s, "on_commit": reads._on_commit, "clock": self._clock}
+        kw = {
+            "watchdog_interval_s": self.watchdog_interval_s,
+            "on_commit": reads._on_commit,
+            "on_leadership": reads._on_leadership,
+            "clock": self._clock,
+        }
         if n == 1:
             async with pool.acquire() as conn:
                 await record_partitions(conn, 1)
@@ -206,10 +213,10 @@ class JetStreamLightningStore(EventStore):
         self._cancel_claim_reads()
         for task in self._background:  # what outlived the settle's wait stops with the connections
             task.cancel()
+        if self.read_model is not None:  # first: the projector stepping down need not subscribe it again
+            await self.read_model.close()
         if self.projector is not None:
             await self.projector.close()
-        if self.read_model is not None:
-            await self.read_model.close()
         if self.log is not None:
             await self.log.close()
         self._closed = True

@@ -59,7 +59,7 @@ class ProjectorGroup:
             than the store's own use (a lock connection and a batch's per partition, one to list
             the live processes).
         partitions: The namespace's partition count (``Settings.projector_partitions``, > 1).
-        watchdog_interval_s, on_commit, clock: As for ``Projector`` (each partition's watchdog
+        watchdog_interval_s, on_commit, on_leadership, clock: As for ``Projector`` (each partition's watchdog
             watches that partition's rollouts).
     """
 
@@ -71,6 +71,7 @@ class ProjectorGroup:
         *,
         watchdog_interval_s: float = 1.0,
         on_commit: Callable[[int, set[str]], None] | None = None,
+        on_leadership: Callable[[], None] | None = None,
         clock: Callable[[], float] = wall_clock,
     ):
         self.pool = pool
@@ -82,6 +83,7 @@ class ProjectorGroup:
                 pool,
                 watchdog_interval_s=watchdog_interval_s,
                 on_commit=on_commit,
+                on_leadership=on_leadership,
                 clock=clock,
                 partition=p,
                 partitions=partitions,

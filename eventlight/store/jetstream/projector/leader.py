@@ -68,6 +68,8 @@ class Projector(Consumer):
         watchdog_interval_s: Seconds between watchdog ticks.
         on_commit: Called after each commit with ``(last_seq, ids of the rollouts that are in a
             terminal status after it)``; ``wait_for_rollouts`` re-reads only when one of its ids is there.
+        on_leadership: Called (no arguments, on the event loop) each time ``leader`` is set or
+            cleared; the read model follows terminal events on the stream only while it is clear.
         clock: Wall-clock seconds, for the watchdog.
         partition: The partition of rollouts this projector projects (``projector.partition``), of
             ``partitions`` (the namespace's recorded count; 1: the whole namespace).
@@ -82,6 +84,7 @@ class Projector(Consumer):
         *,
         watchdog_interval_s: float = 1.0,
         on_commit: Callable[[int, set[str]], None] | None = None,
+        on_leadership: Callable[[], None] | None = None,
         clock: Callable[[], float] = wall_clock,
         partition: int = 0,
         partitions: int = 1,
@@ -94,6 +97,7 @@ class Projector(Consumer):
         self.worker_fold = WorkerFold() if partitions > 1 and partition == 0 else None
         self.pool = pool
         self.on_commit = on_commit
+        self.on_leadership = on_leadership
         self.checkpoint = 0
         self.term = 0
         self.states: dict[str, RolloutState] = {}
@@ -162,6 +166,7 @@ class Projector(Consumer):
 
     async def _lead(self) -> None:
         """Take the lock and a new term, then project and watch until one of them ends."""
+        base = cancels()
         await self._become_leader()
         tasks = [
             _spawn(self._project(), "eventlight-projection", quiet=True),
@@ -175,8 +180,8 @@ class Projector(Consumer):
             for t in done:
                 if not t.cancelled() and t.exception() is not None:
                     raise t.exception()  # type: ignore[misc]
-        finally:
-            self.leader.clear()
+        finally:  # cancelled but not closed: ``asyncio.run`` ends, no read model to tell
+            self._set_leader(False, tell=self._stopping or cancels() <= base)
             for t in tasks:
                 t.cancel()
             await asyncio.wait(tasks, timeout=5)
@@ -200,7 +205,7 @@ class Projector(Consumer):
 
     async def _step_down(self) -> None:
         """Stop leading and give the lock connection back (it unlocks, or it is already gone)."""
-        self.leader.clear()
+        self._set_leader(False)
         conn, self._lock_conn = self._lock_conn, None
         if conn is None:
             return
@@ -214,6 +219,17 @@ class Projector(Consumer):
             log.debug("projector: giving the lock connection back: %r", e)
             with contextlib.suppress(Exception):
                 conn.terminate()
+
+    def _set_leader(self, leads: bool, *, tell: bool = True) -> None:
+        """Set or clear ``leader``, and say so (``on_leadership``, if ``tell``) when that changes it."""
+        if leads == self.leader.is_set():
+            return
+        if leads:
+            self.leader.set()
+        else:
+            self.leader.clear()
+        if tell and self.on_leadership is not None:
+            self.on_leadership()
 
     async def _become_leader(self) -> None:
         """Hold the advisory lock, take the next term and read what the watchdog must watch."""
@@ -240,7 +256,7 @@ class Projector(Consumer):
             if self.worker_fold is not None:
                 await self.worker_fold.start_term(conn)
         self.terms_led += 1
-        self.leader.set()
+        self._set_leader(True)
         self._decided.set()
         log.info(
             "projector of %s leads partition %d/%d (term %d) from stream sequence %d, %d rollouts in flight",

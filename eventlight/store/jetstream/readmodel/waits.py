@@ -27,6 +27,8 @@ SYNC_TIMEOUT_S = 30.0
 POLL_MIN_S = 0.005  # a waiter reading another process's checkpoint: first pause, doubled up to
 POLL_MAX_S = 0.05
 MAX_HINTS = 100_000
+READ_AGAIN_S = 2.0
+"""A ``wait_for_rollouts`` reads Postgres at least this often, whatever woke it or not (a fallback)."""
 PROBE_POOL_WAIT_S = 0.25
 """How long ``postgres_down`` waits for a free pooled connection before it opens one of its own."""
 
@@ -217,9 +219,9 @@ class Waits(SqlQueries):
         """The rollouts among ``rollout_ids`` in a terminal status, once all are or ``timeout`` passes.
 
         Reads Postgres once at the start (one query while none is finished), then only when this
-        process's projector commits a terminal status for one of them (or every 2 s), so a caller
-        polling with short timeouts costs one query per call; with the projector elsewhere it
-        follows the stream's terminal events (see the class docstring).
+        process's projector commits a terminal status for one of them (or every ``READ_AGAIN_S``), so
+        a caller polling with short timeouts costs one query per call; with the projector elsewhere
+        it follows the stream's terminal events (``SqlReadModel``).
 
         Raises:
             RolloutNotFoundError: An id is unknown.
@@ -237,10 +239,10 @@ class Waits(SqlQueries):
                 self._hints.difference_update(by_id)
                 local = self.projector is not None and self.projector.leader.is_set()
                 if local:  # this process projects: its commits say when one of ours has finished (2 s: a fallback)
-                    step = 2.0
+                    step = READ_AGAIN_S
                     ready: Any = lambda: waiter.dirty  # noqa: E731
                 else:  # a terminal event seen on the stream is being projected elsewhere: poll until it is
-                    step = 0.02 if self._hints.intersection(waiter.ids) else 2.0
+                    step = 0.02 if self._hints.intersection(waiter.ids) else READ_AGAIN_S
                     ready = None
                 remaining = None if deadline is None else deadline - time.monotonic()
                 wait = step if remaining is None else max(0.0, min(step, remaining))
