@@ -81,14 +81,27 @@ def redact_unparsed(url: str, what: str, error: BaseException) -> str:
     With ``user:password@`` in it, ``redact`` masks the password; so it does when the port is a number
     (out of range). Otherwise the password cannot be told from the rest: ``nats://user:secret`` (the
     host forgotten) reads as host ``user`` and port ``secret``, and the parser's error quotes that
-    port; so the address and every quoted value of the error are masked.
+    port; so the address and every quoted value of the error are masked. A port that is not a
+    number is said so (``its port 'x' is not a number``), not in the parser's Python words
+    (``invalid literal for int() with base 10``).
     """
     authority = url.split("://", 1)[-1].split("/", 1)[0]
+    ports = [host.rpartition(":")[2] for host in authority.rpartition("@")[2].split(",")]
+    quoted = _NOT_A_NUMBER.search(str(error))  # the parsers' own words: a Python message to a user
+    bad_port = quoted is not None and quoted[1] in ports
     if "@" in authority or authority.rpartition(":")[2].isdigit():
-        return f"{redact(url)} is not {what}: {redact(str(error))}"
+        why = f"its port {redact(quoted[1])!r} is not a number" if bad_port and quoted else redact(str(error))
+        return f"{redact(url)} is not {what}: {why}"
     scheme = url.split("://", 1)[0] + "://" if "://" in url else ""
-    why = re.sub(r"'[^']*'|\"[^\"]*\"", "'***'", str(error))
+    why = "its port is not a number" if bad_port else re.sub(r"'[^']*'|\"[^\"]*\"", "'***'", str(error))
     return f"{scheme}*** is not {what}: {why} (the address is not shown: it may hold a password)"
+
+
+# asyncpg: "invalid literal for int() with base 10: 'x'";
+# urllib (NATS URLs): "Port could not be cast to integer value as 'x'"
+_NOT_A_NUMBER = re.compile(
+    r"(?:invalid literal for int\(\) with base 10:|Port could not be cast to integer value as) '(.*)'"
+)
 
 
 _CREDS_RE = re.compile(r"(?<![\w+.-])([a-zA-Z][\w+.-]*://)([^/\s,]*)@")

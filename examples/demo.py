@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _make_demo(options: list[str]) -> str:
-    """``make demo ARGS="<options>"``, as README.md writes it."""
-    return f'make demo ARGS="{shlex.join(options)}"'
+    """``make demo ARGS="<options>"`` (``make demo`` without options), as README.md writes it."""
+    return f'make demo ARGS="{shlex.join(options)}"' if options else "make demo"
 
 
 if __name__ == "__main__":

@@ -157,6 +157,19 @@ DOWN: dict[str, Case] = {
         2,
         "must be a postgresql://",
     ),
+    # said in Python's words: "invalid literal for int() with base 10: 'notaport'" (fresh-user run)
+    "EVENTLIGHT_PG_DSN port not a number": (
+        ("sql", "SELECT 1"),
+        {"EVENTLIGHT_PG_DSN": "postgresql://u:pw@127.0.0.1:notaport/db"},
+        2,
+        "postgresql://u:***@127.0.0.1:notaport/db is not a Postgres DSN: its port 'notaport' is not a number",
+    ),
+    "EVENTLIGHT_PG_DSN port not a number, no user": (  # the port may be a password: not shown
+        ("sql", "SELECT 1"),
+        {"EVENTLIGHT_PG_DSN": "postgresql://127.0.0.1:notaport/db"},
+        2,
+        "postgresql://*** is not a Postgres DSN: its port is not a number (the address is not shown",
+    ),
     "EVENTLIGHT_STREAM_REPLICAS=x": (("status",), {"EVENTLIGHT_STREAM_REPLICAS": "x"}, 2, "must be a whole number"),
     # the host forgotten: the password reads as a port, which the parser's error quoted
     "EVENTLIGHT_NATS_URL nats://user:secret": (

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from demo_runs import run_script
 
@@ -56,6 +59,82 @@ async def test_the_demo_cancels_what_an_interrupted_run_left_queued(namespace: S
     assert await cancel_leftovers(namespace, namespace.nats_url or "", namespace.pg_dsn or "") == 0
 
 
+async def test_a_second_demo_leaves_the_queue_of_a_live_run_alone(namespace: Settings, tmp_path: Path) -> None:
+    """A second ``make demo`` in the namespace of one that ran cancelled every queued rollout of the
+    running one (as leftovers), even when it then failed: the first evaluated on 8 of its 73 held-out
+    items and exited 0 (fresh-user run). Now the second stops with one line naming the live run and
+    its pid, and cancels nothing; once that run has ended, its leftovers are cancelled, with who
+    cancelled them and why in their metadata."""
+    from examples.arithmetic.train_grpo import cancel_leftovers
+
+    settings = msgspec.structs.replace(namespace, state_dir=tmp_path)
+    live = "run-20261207-101010-ab12"
+    async with agl.JetStreamLightningStore(settings, pg_dsn=settings.pg_dsn) as store:
+        await store.update_resources(f"{live}-step0", {"p": agl.PromptTemplate(template="{x}")})
+        queued = [await store.enqueue_rollout({"x": i}, resources_id=f"{live}-step0") for i in range(3)]
+    env = {
+        **os.environ,
+        "EVENTLIGHT_NATS_URL": settings.nats_url or "",
+        "EVENTLIGHT_PG_DSN": settings.pg_dsn or "",
+        "EVENTLIGHT_NAMESPACE": settings.namespace,
+        "EVENTLIGHT_STATE_DIR": str(tmp_path),
+    }
+    (tmp_path / "model").mkdir()  # a model it cannot load: a second demo that went on fails soon after
+    (tmp_path / "model" / "config.json").write_text("{}")
+    second = [sys.executable, str(DEMO), "--n-runners", "1", "--steps", "1", "--model-dir", str(tmp_path / "model")]
+    lease = f"demo run {live} in namespace {settings.namespace}"  # what a demo's lease says (DEMO_LEASE)
+    async with agl.use_services(settings, what=lease):
+        done = await asyncio.to_thread(
+            subprocess.run, second, env=env, capture_output=True, text=True, timeout=240, check=False
+        )
+    assert done.returncode == 1, done.stdout + done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"demo run {live} (pid {os.getpid()}) is running" in errors[0], done.stderr
+    assert "EVENTLIGHT_NAMESPACE=" in errors[0] and "Traceback" not in done.stderr
+    async with agl.JetStreamLightningStore(settings, pg_dsn=settings.pg_dsn) as store:
+        await store.sync_all()
+        assert {r.rollout_id: r.status for r in await store.query_rollouts()} == {
+            r.rollout_id: "queuing" for r in queued
+        }
+    # the run has ended (its lease is given up): its queue is a leftover now
+    assert await cancel_leftovers(settings, settings.nats_url or "", settings.pg_dsn or "", "run-new-cd34") == 3
+    async with agl.JetStreamLightningStore(settings, pg_dsn=settings.pg_dsn) as store:
+        await store.sync_all()
+        cancelled = await store.query_rollouts(status_in=["cancelled"])
+    assert len(cancelled) == 3
+    assert all("cancelled by demo run run-new-cd34" in r.metadata["cancelled_by"]["reason"] for r in cancelled)
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        ["--lr", "-1", "--lr must be a finite number > 0, got -1"],
+        ["--group-size", "1", "--group-size must be a whole number 2 to"],
+        ["--eval-every", "-1", "--eval-every must be a whole number 0 to"],
+        ["--threads", "-1", "--threads: must be 0 or more, got -1"],
+        ["--eval-items", "-3", "--eval-items: must be 0 or more, got -3"],
+        ["--model-dir", "no-such-folder", "--model-dir: no model at no-such-folder"],
+    ],
+)
+def test_the_demo_checks_every_option_before_it_starts_anything(option: list[str], tmp_path: Path) -> None:
+    """``make demo ARGS="--lr -1"`` started the servers and cancelled the namespace's queued rollouts
+    before GRPOConfig refused the lr: every option is checked first, as ``--steps 0`` is. The
+    servers named here do not answer, so a demo that started anything would fail otherwise."""
+    env = {
+        **os.environ,
+        "EVENTLIGHT_STATE_DIR": str(tmp_path),
+        "EVENTLIGHT_NATS_URL": f"nats://127.0.0.1:{closed_port()}",
+        "EVENTLIGHT_PG_DSN": f"postgresql://postgres@127.0.0.1:{closed_port()}/postgres",
+    }
+    *args, says = option
+    done = subprocess.run(
+        [sys.executable, str(DEMO), *args], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert says in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert done.stdout == "" and list(tmp_path.iterdir()) == []  # nothing started, no lease taken
+
+
 @pytest.mark.parametrize("option", ["--n-runners", "--steps"])
 def test_the_demo_refuses_a_count_of_zero(option: str) -> None:
     """``--n-runners 0`` ran one runner without a word; ``--steps 0`` evaluated for 37 s, then ended
@@ -77,8 +156,10 @@ def test_an_interrupted_demo_says_how_to_continue_it(tmp_path: Path, monkeypatch
     monkeypatch.setenv("EVENTLIGHT_STATE_DIR", str(tmp_path))
     run = "run-20261207-101010-ab12"
     assert interrupted(run, ["--steps", "2"], _make_demo) == (
-        f"interrupted: run {run} stopped before its first checkpoint; nothing to resume"
+        f"interrupted: run {run} stopped before its first checkpoint; nothing to resume: "
+        'run `make demo ARGS="--steps 2"` again to start over'
     )
+    assert interrupted(run, [], _make_demo).endswith("nothing to resume: run `make demo` again to start over")
     step = tmp_path / "checkpoints" / run / "step-00001"
     step.mkdir(parents=True)
     (step / "state.json").write_text(json.dumps({"step": 1, "version": f"{run}-step1"}))
@@ -123,3 +204,38 @@ async def test_the_demo_report_leaves_failed_rollouts_out_of_the_mean(namespace:
         {"checkpoint": f"{run}-step0", "mode": "val", "rewarded": 1, "mean_reward": "0.500", "failed": 0},
         {"checkpoint": f"{run}-step1", "mode": "train", "rewarded": 2, "mean_reward": "0.500", "failed": 1},
     ]
+
+
+def test_a_partial_held_out_evaluation_is_no_result(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    """A demo whose held-out rollouts were cancelled under it (a second demo in its namespace)
+    evaluated step 0 on 8 of 73 items, then printed ``nan`` for a split, concluded "peaked at …; a
+    lower --lr keeps the gain", and exited 0. Now each partial evaluation is a warning, its reward
+    says how few items it had (``no result`` for a split it lacks), no conclusion is drawn, and the
+    run exits 1."""
+    from types import SimpleNamespace
+
+    import examples.arithmetic.train_grpo as demo
+
+    def no_cli(*args: Any, **kwargs: Any) -> Any:
+        raise OSError("not in this test")
+
+    monkeypatch.setattr(demo.subprocess, "run", no_cli)
+    run = "run-20261207-101010-ab12"
+    evals = [
+        {"version": f"{run}-step0", "n": 8, "asked": 73, "mean_reward": 0.25, "by_split": {"2-digit": 0.25}},
+        {"version": f"{run}-step4", "n": 73, "asked": 73, "mean_reward": 0.643, "by_split": {"1-digit": 0.6}},
+        {"version": f"{run}-step8", "n": 73, "asked": 73, "mean_reward": 0.3, "by_split": {"1-digit": 0.3}},
+    ]
+    counters = {"rollouts_enqueued": 100, "failed_rollouts": 0, "unfinished_rollouts": 10, "spans_read": 9}
+    grpo = SimpleNamespace(
+        evals=evals, counters=counters, steps=[], versions=[f"{run}-step8"], checkpoint_dir=None, policy=None
+    )
+    for event in evals:
+        demo.on_progress({"event": "eval", "step": 0, **event})
+    code = demo.report(None, grpo, run, 1.0)  # type: ignore[arg-type]
+    out, err = capsys.readouterr()
+    assert code == 1 and f"error: run {run}: 1 of its 3 held-out evaluations got fewer results" in err
+    assert out.count(f"warning: the held-out evaluation at {run}-step0 got 8 of 73 results") == 2  # as it ran; summary
+    assert f"held-out reward, {run}-step0" in out and "0.250 (only 8 of 73 items)" in out
+    assert "1-digit              no result -> 0.300" in out and "2-digit              0.250 -> no result" in out
+    assert "nan" not in out and "peaked" not in out

@@ -276,3 +276,26 @@ async def test_with_only_nats_down_status_shows_what_postgres_holds_and_names_na
     dead_pg = f"postgresql://postgres@127.0.0.1:{free_port()}/postgres"
     both = cli("status", env={**env_of(namespace), "EVENTLIGHT_NATS_URL": dead, "EVENTLIGHT_PG_DSN": dead_pg})
     assert_one_line_error(both, 1, f"EVENTLIGHT_NATS_URL {dead}", "; and cannot reach EVENTLIGHT_PG_DSN")
+
+
+def test_status_says_an_external_server_came_from_the_record_of_up_when_its_variable_is_unset(
+    namespace: Settings, services: tuple[Settings, Services], tmp_path: Path
+) -> None:
+    """After ``EVENTLIGHT_PG_DSN=... eventlight up`` and ``unset EVENTLIGHT_PG_DSN``, `status` said
+    "external, from EVENTLIGHT_PG_DSN" (fresh-user run): it comes from services.json, which `up`
+    wrote, and says so; with the variable set, it is the variable's."""
+    _, svc = services
+    alive = os.getpid()  # an embedded server that still runs, as services.json counts one
+    env = {"EVENTLIGHT_STATE_DIR": str(tmp_path), "EVENTLIGHT_NAMESPACE": namespace.namespace}
+    external_pg = Services(nats_url=svc.nats_url, pg_dsn=svc.pg_dsn, nats_pid=svc.nats_pid or alive)
+    (tmp_path / "services.json").write_bytes(msgspec.json.encode(external_pg))
+    out = cli("status", env=env).stdout
+    then = r"external, recorded by `eventlight up` \(EVENTLIGHT_PG_DSN then\)$"
+    assert re.search(rf"^Postgres\s+postgresql://\S+\s+{then}", out, re.M), out
+    out = cli("status", env={**env, "EVENTLIGHT_PG_DSN": svc.pg_dsn}).stdout
+    assert re.search(r"^Postgres\s+postgresql://\S+\s+external, from EVENTLIGHT_PG_DSN$", out, re.M), out
+    external_nats = Services(nats_url=svc.nats_url, pg_dsn=svc.pg_dsn, pg_pid=alive, pg_kind="system")
+    (tmp_path / "services.json").write_bytes(msgspec.json.encode(external_nats))
+    out = cli("status", env=env).stdout
+    then = r"external, recorded by `eventlight up` \(EVENTLIGHT_NATS_URL then\)$"
+    assert re.search(rf"^NATS\s+nats://\S+\s+{then}", out, re.M), out

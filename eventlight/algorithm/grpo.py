@@ -163,8 +163,11 @@ class GRPO(Algorithm):
         state_dir: Holds the converted base model (``<state_dir>/models``).
         resource_name: Name of the LLM resource the agent reads.
         progress: Called with one dict per event: ``{"event": "eval", "step", "version",
-            "mean_reward", "n", "by_split"}``, ``{"event": "step", "step", "version", "train_reward",
-            "loss", "grad_norm", "step_s", "rollout_s", "held_out", "sequences", "tokens", "skipped"}``
+            "mean_reward", "n", "asked", "by_split"}`` (``n``: held-out rollouts that finished, of
+            the ``asked`` ones enqueued; fewer when some were cancelled or timed out, and then a
+            warning is logged; ``mean_reward`` NaN when none finished), ``{"event": "step", "step",
+            "version", "train_reward", "loss", "grad_norm", "step_s", "rollout_s", "held_out", "sequences",
+            "tokens", "skipped"}``
             (``rollout_s``: seconds until the step's rollouts finished, its ``held_out`` evaluation
             rollouts included; ``skipped``: what gave the step no sample, by reason, e.g.
             ``{"failed_rollouts": 2, "no_reward": 1, "zero_advantage": 2}``),
@@ -272,7 +275,7 @@ class GRPO(Algorithm):
                 return
             rollout_s = time.monotonic() - t0
             if val_ids:
-                await self._report_eval(step, version, [finished[r] for r in val_ids if r in finished])
+                await self._report_eval(step, version, [finished[r] for r in val_ids if r in finished], len(val_ids))
             if step == c.steps:
                 break
             trained = await self._train(
@@ -424,11 +427,13 @@ class GRPO(Algorithm):
             skipped["no_reward"] += 1
         return reward, triplets
 
-    async def _report_eval(self, step: int, version: str, rollouts: list[Rollout]) -> None:
+    async def _report_eval(self, step: int, version: str, rollouts: list[Rollout], asked: int) -> None:
         by_split: dict[str, list[float]] = {}
         scores: list[float] = []
         skipped: Counter[str] = Counter()
         for r in rollouts:
+            if r.status == "cancelled":  # never ran (a queued one cancelled): no result, not a 0
+                continue
             reward, _ = await self._outcome(r, skipped)
             value = 0.0 if reward is None else float(reward)
             scores.append(value)
@@ -440,9 +445,18 @@ class GRPO(Algorithm):
             "step": step,
             "version": version,
             "n": len(scores),
+            "asked": asked,
             "mean_reward": sum(scores) / len(scores) if scores else float("nan"),
             "by_split": {k: sum(v) / len(v) for k, v in sorted(by_split.items())},
         }
+        if len(scores) < asked:
+            log.warning(
+                "GRPO: the held-out evaluation of %s got %d of %d results (the others were cancelled or "
+                "did not finish in time): its reward is not comparable to a full one",
+                version,
+                len(scores),
+                asked,
+            )
         self.evals.append(event)
         self._emit(event)
 

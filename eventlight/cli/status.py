@@ -32,6 +32,8 @@ def _describe(name: str, found: Any) -> str:
     if found.origin == "embedded":
         where = f"embedded, {name} pid {found.pid}" + (f" ({found.kind})" if found.kind != "embedded" else "")
         return f"{escape(redact(found.url))}  [dim]{escape(where)}[/dim]"
+    if found.recorded:  # the variable is unset now: `up` recorded the server it named then
+        return f"{escape(redact(found.url))}  [dim]external, recorded by `eventlight up` ({found.origin} then)[/dim]"
     return f"{escape(redact(found.url))}  [dim]external, from {found.origin}[/dim]"
 
 

@@ -21,12 +21,15 @@ class Endpoint(msgspec.Struct, frozen=True):
         origin: ``"EVENTLIGHT_NATS_URL"`` / ``"EVENTLIGHT_PG_DSN"`` when configured, else ``"embedded"``.
         pid: Pid of the embedded server, ``None`` when external.
         kind: ``"external"``, ``"embedded"`` (NATS), ``"system"`` or ``"pgserver"`` (Postgres).
+        recorded: Found in ``services.json`` (what ``eventlight up`` used), not in the settings: an
+            external one's ``origin`` is then the variable that configured it then, unset now.
     """
 
     url: str
     origin: str
     pid: int | None = None
     kind: str = "external"
+    recorded: bool = False
 
 
 async def find_nats(settings: Settings) -> Endpoint | None:
@@ -48,7 +51,7 @@ async def find_nats(settings: Settings) -> Endpoint | None:
     elif (recorded := _recorded(settings)) is not None:
         embedded = recorded.nats_pid is not None
         origin, kind = ("embedded", "embedded") if embedded else ("EVENTLIGHT_NATS_URL", "external")
-        found = _still_running(Endpoint(recorded.nats_url, origin, recorded.nats_pid, kind), "nats-server")
+        found = _still_running(Endpoint(recorded.nats_url, origin, recorded.nats_pid, kind, True), "nats-server")
     else:
         return None
     why = await nats_probe(found.url, auth=settings.nats_auth)
@@ -78,7 +81,7 @@ async def find_pg(settings: Settings) -> Endpoint | None:
         found = Endpoint(settings.pg_dsn, "EVENTLIGHT_PG_DSN")
     elif (recorded := _recorded(settings)) is not None:
         origin = "embedded" if recorded.pg_pid is not None else "EVENTLIGHT_PG_DSN"
-        found = _still_running(Endpoint(recorded.pg_dsn, origin, recorded.pg_pid, recorded.pg_kind), "postgres")
+        found = _still_running(Endpoint(recorded.pg_dsn, origin, recorded.pg_pid, recorded.pg_kind, True), "postgres")
     else:
         return None
     why = await pg_probe(found.url)

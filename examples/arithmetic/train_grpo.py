@@ -20,6 +20,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import resource
 import secrets
 import shlex
@@ -28,12 +29,17 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import eventlight as agl  # noqa: E402
 from examples.arithmetic.task import MAX_TOKENS, PROMPT, adder, make_items  # noqa: E402
+
+if TYPE_CHECKING:
+    from eventlight.algorithm.grpo import GRPOConfig
+    from eventlight.ops.leases import LeaseHolder
 
 MAX_FAILED_FRACTION = 0.5
 
@@ -58,32 +64,79 @@ def new_run_id() -> str:
 def interrupted(run_id: str, argv: list[str], command: Callable[[list[str]], str]) -> str:
     """The line an interrupted run ends with: the command that continues it from its last checkpoint
     (``command`` of the run's options ``argv`` with ``--resume <run_id>`` in place of any
-    ``--resume``), or that it stopped before its first one."""
+    ``--resume``), or that it stopped before its first one and ``command`` of those options without
+    ``--resume`` starts over."""
     from eventlight.rl.policy import latest_checkpoint
 
     last = latest_checkpoint(agl.Settings.from_env().state_dir / "checkpoints" / run_id)
-    if last is None:
-        return f"interrupted: run {run_id} stopped before its first checkpoint; nothing to resume"
-    step = json.loads((last / "state.json").read_text())["step"]
     options = [a for i, a in enumerate(argv) if a != "--resume" and (i == 0 or argv[i - 1] != "--resume")]
-    options = [a for a in options if not a.startswith("--resume=")] + ["--resume", run_id]
-    return f"interrupted: run {run_id} stopped at checkpoint step{step}; to continue it: {command(options)}"
+    options = [a for a in options if not a.startswith("--resume=")]
+    if last is None:
+        return (
+            f"interrupted: run {run_id} stopped before its first checkpoint; nothing to resume: "
+            f"run `{command(options)}` again to start over"
+        )
+    step = json.loads((last / "state.json").read_text())["step"]
+    return (
+        f"interrupted: run {run_id} stopped at checkpoint step{step}; to continue it: "
+        f"{command([*options, '--resume', run_id])}"
+    )
 
 
-async def cancel_leftovers(settings: agl.Settings, nats_url: str, pg_dsn: str) -> int:
+DEMO_LEASE = "demo run {run_id} in namespace {namespace}"
+_DEMO_LEASE = re.compile(r"demo run (?P<run_id>\S+) in namespace (?P<namespace>\S+)")
+
+
+class RunInProgressError(agl.EventlightError):
+    """Another demo runs in this namespace now: starting this one would take its queue."""
+
+
+def live_demo(settings: agl.Settings, run_id: str) -> LeaseHolder | None:
+    """The oldest other demo that runs in ``settings.namespace`` now, from the leases on the state
+    folder's servers (each demo holds one named ``DEMO_LEASE``; a lease of a process that ended is
+    not live, however it ended); ``None`` when there is none. ``run_id``: this run, left out."""
+    from eventlight.ops.leases import lease_holders
+
+    for holder in lease_holders(settings.state_dir):
+        found = _DEMO_LEASE.fullmatch(holder.what)
+        if found and found["namespace"] == settings.namespace and found["run_id"] != run_id:
+            return holder
+    return None
+
+
+def refuse_if_live(settings: agl.Settings, run_id: str) -> None:
+    """Raise ``RunInProgressError`` (one line: the live run, its pid, what to do) when another demo
+    runs in this namespace; its queued rollouts are its own, not leftovers to cancel."""
+    holder = live_demo(settings, run_id)
+    if holder is None:
+        return
+    found = _DEMO_LEASE.fullmatch(holder.what)
+    assert found is not None
+    raise RunInProgressError(
+        f"demo run {found['run_id']} (pid {holder.pid}) is running in namespace {settings.namespace!r} now; "
+        "a second demo there would take its queued rollouts: wait for it to end, or run this one in "
+        "another namespace (EVENTLIGHT_NAMESPACE=demo2 make demo)"
+    )
+
+
+async def cancel_leftovers(settings: agl.Settings, nats_url: str, pg_dsn: str, run_id: str = "") -> int:
     """Cancel the rollouts an earlier run of this demo left queued in the namespace (it was
     interrupted, or killed); returns how many. Their resources id starts with ``run-``; without
     this, this run's runners would take them first and fail them (their policy is not served).
+    Each keeps its metadata, with ``cancelled_by`` added: who cancelled it and why (``run_id``:
+    this run, named there).
 
-    A second demo running at the same time in the same namespace would lose its queue too: give
-    each its own (``EVENTLIGHT_NAMESPACE``).
+    Call it only once ``refuse_if_live`` found no other demo running in the namespace: a live
+    run's queue is not a leftover.
     """
+    why = f"left queued by an earlier demo run that is no longer running; cancelled by demo run {run_id or '?'}"
     async with agl.JetStreamLightningStore(settings, nats_url=nats_url, pg_dsn=pg_dsn) as store:
         await store.sync_all(timeout_s=60)  # the read model up to the end of the log
         queued = await store.query_rollouts(status_in=["queuing", "requeuing"])
         stale = [r for r in queued if (r.resources_id or "").startswith("run-")]
         for rollout in stale:
-            await store.update_rollout(rollout.rollout_id, status="cancelled")
+            metadata = {**(rollout.metadata or {}), "cancelled_by": {"pid": os.getpid(), "reason": why}}
+            await store.update_rollout(rollout.rollout_id, status="cancelled", metadata=metadata)
     return len(stale)
 
 
@@ -113,8 +166,57 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-dir", help="start from this transformers model folder (default: SmolLM2 from the GGUF)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     args = p.parse_args(argv)
+    for option in ("eval_items", "threads"):
+        if getattr(args, option) < 0:
+            p.error(f"argument --{option.replace('_', '-')}: must be 0 or more, got {getattr(args, option)}")
+    if args.model_dir is not None and not (Path(args.model_dir) / "config.json").is_file():
+        p.error(f"argument --model-dir: no model at {args.model_dir} (a folder with config.json and model.safetensors)")
     args.run_id = args.resume or new_run_id()  # known before the run starts: an interrupt names it
+    try:  # every option checked here, before a server starts or the store is touched
+        args.config = grpo_config(args)
+    except agl.InvalidInputError as e:
+        p.error(str(e))
     return args
+
+
+_OPTIONS = {
+    "steps": "--steps",
+    "batch_size": "--batch-size",
+    "group_size": "--group-size",
+    "lr": "--lr",
+    "temperature": "--temperature",
+    "eval_every": "--eval-every",
+    "seed": "--seed",
+    "version_prefix": "--resume (its RUN_ID + '-')",
+}
+
+
+def grpo_config(args: argparse.Namespace) -> GRPOConfig:
+    """The run's ``GRPOConfig`` from its options (``parse_args``'s).
+
+    Raises:
+        InvalidInputError: An option GRPOConfig refuses, named as the option (``--lr must be a
+            finite number > 0, got -1``).
+    """
+    from eventlight.algorithm.grpo import GRPOConfig
+
+    try:
+        return GRPOConfig(
+            steps=args.steps,
+            batch_size=args.batch_size,
+            group_size=args.group_size,
+            lr=args.lr,
+            temperature=args.temperature,
+            eval_every=args.eval_every,
+            max_new_tokens=MAX_TOKENS,
+            seed=args.seed,
+            version_prefix=f"{args.run_id}-",
+        )
+    except agl.InvalidInputError as e:
+        message = str(e)
+        for field, option in _OPTIONS.items():
+            message = re.sub(rf"\bGRPOConfig\.{field}\b", option, message)
+        raise agl.InvalidInputError(message) from None
 
 
 def say(text: str) -> None:
@@ -125,9 +227,32 @@ def _fmt(x: float) -> str:
     return "  n/a" if x is None or math.isnan(x) else f"{x:.3f}"
 
 
+def partial(event: dict) -> bool:
+    """Whether a held-out evaluation (GRPO's ``eval`` event) got fewer results than it asked for."""
+    return "asked" in event and event["n"] < event["asked"]
+
+
+def _reward(event: dict) -> str:
+    """An evaluation's mean reward, ``no result`` when it has none, and how few items it had."""
+    mean = event["mean_reward"]
+    shown = "no result" if event["n"] == 0 or mean is None or math.isnan(mean) else f"{mean:.3f}"
+    return f"{shown} (only {event['n']} of {event['asked']} items)" if partial(event) else shown
+
+
+def _partial_warning(event: dict) -> str:
+    return (
+        f"warning: the held-out evaluation at {event['version']} got {event['n']} of {event['asked']} results "
+        "(the others were cancelled or did not finish: was another demo running in this namespace?); "
+        "its reward is not comparable"
+    )
+
+
 def fell_back(evals: list[dict], margin: float = 0.05) -> str | None:
     """A note when the last held-out reward is more than ``margin`` below the best one: training
-    undid a gain, which the summary must not present as the result."""
+    undid a gain, which the summary must not present as the result. ``None`` too when an evaluation
+    got fewer results than it asked for (``partial``): rewards over other items are no comparison."""
+    if any(partial(e) for e in evals):
+        return None
     best, last = max(evals, key=lambda e: e["mean_reward"]), evals[-1]
     if last["mean_reward"] >= best["mean_reward"] - margin:
         return None
@@ -140,8 +265,10 @@ def fell_back(evals: list[dict], margin: float = 0.05) -> str | None:
 def on_progress(event: dict) -> None:
     kind = event.get("event")
     if kind == "eval":
+        if partial(event):
+            say(_partial_warning(event))
         splits = ", ".join(f"{k} {v:.3f}" for k, v in event["by_split"].items())
-        say(f"held-out reward {event['mean_reward']:.3f} at {event['version']} ({event['n']} items: {splits})")
+        say(f"held-out reward {_reward(event)} at {event['version']} ({event['n']} items: {splits or 'none'})")
     elif kind == "step":
         skipped = sum(event.get("skipped", {}).values())
         say(
@@ -172,7 +299,7 @@ async def train(args: argparse.Namespace) -> int:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from eventlight.algorithm.grpo import GRPO, GRPOConfig
+    from eventlight.algorithm.grpo import GRPO
     from eventlight.rl.policy import latest_checkpoint
 
     hf_logging.disable_progress_bar()  # no "Loading weights" / "Writing model shards" bars between the lines
@@ -193,22 +320,15 @@ async def train(args: argparse.Namespace) -> int:
     say(f"run {run_id}: GRPO on {len(train_items)} sums, {len(held_out)} held out; prompt fixed: {PROMPT!r}")
     # started here, so leftovers can go before the runners start; the block's end stops what it started
     # (unless another process, e.g. `eventlight serve`, still uses them: the last of them stops them)
-    async with agl.use_services(settings) as services:
-        left = await cancel_leftovers(settings, services.nats_url, services.pg_dsn)
+    # the lease names this run and namespace: a second demo there finds this one live (refuse_if_live)
+    lease = DEMO_LEASE.format(run_id=run_id, namespace=settings.namespace)
+    async with agl.use_services(settings, what=lease) as services:
+        refuse_if_live(settings, run_id)  # after taking ours: of two starting at once, neither cancels
+        left = await cancel_leftovers(settings, services.nats_url, services.pg_dsn, run_id)
         if left:
             say(f"cancelled {left} rollout(s) an earlier run left queued (interrupted?); this run's runners skip them")
         grpo = GRPO(
-            GRPOConfig(
-                steps=args.steps,
-                batch_size=args.batch_size,
-                group_size=args.group_size,
-                lr=args.lr,
-                temperature=args.temperature,
-                eval_every=args.eval_every,
-                max_new_tokens=MAX_TOKENS,
-                seed=args.seed,
-                version_prefix=f"{run_id}-",
-            ),
+            args.config,
             model_dir=args.model_dir,
             checkpoint_dir=settings.state_dir / "checkpoints" / run_id,
             state_dir=settings.state_dir,
@@ -243,10 +363,14 @@ def report(trainer: agl.Trainer, grpo, run_id: str, wall_s: float) -> int:
     print()
     print("=" * 78)
     print("eventlight demo: GRPO teaches SmolLM2-135M-Instruct to add (prompt fixed, weights trained)")
-    print(f"  held-out reward, {first['version']:<28}: {first['mean_reward']:.3f}")
-    print(f"  held-out reward, {last['version']:<28}: {last['mean_reward']:.3f}")
-    for split in last["by_split"]:
-        print(f"    {split:<20} {first['by_split'].get(split, float('nan')):.3f} -> {last['by_split'][split]:.3f}")
+    print(f"  held-out reward, {first['version']:<28}: {_reward(first)}")
+    print(f"  held-out reward, {last['version']:<28}: {_reward(last)}")
+    for split in sorted({*first["by_split"], *last["by_split"]}):
+        before, after = (_split(e, split) for e in (first, last))
+        print(f"    {split:<20} {before} -> {after}")
+    incomplete = [e for e in grpo.evals if partial(e)]
+    for event in incomplete:
+        print(f"  {_partial_warning(event)}")
     if (note := fell_back(grpo.evals)) is not None:
         print(f"  note: {note}")
     print(f"  checkpoints (resources versions): {', '.join(v.removeprefix(run_id + '-') for v in grpo.versions)}")
@@ -270,7 +394,19 @@ def report(trainer: agl.Trainer, grpo, run_id: str, wall_s: float) -> int:
     print(f'    .venv/bin/eventlight sql "{query}"')
     print("    .venv/bin/eventlight down")
     print("=" * 78)
+    if incomplete:
+        print(
+            f"error: run {run_id}: {len(incomplete)} of its {len(grpo.evals)} held-out evaluations got fewer results "
+            "than they asked for; the held-out rewards above are no result",
+            file=sys.stderr,
+        )
+        return 1
     return 0
+
+
+def _split(event: dict, split: str) -> str:
+    value = event["by_split"].get(split)
+    return "no result" if value is None or math.isnan(value) else f"{value:.3f}"
 
 
 if __name__ == "__main__":
