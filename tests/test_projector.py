@@ -717,3 +717,57 @@ async def test_a_batch_opens_and_fences_its_transaction_in_one_round_trip(
             assert checkpoint == projector.checkpoint == msgs[-1].metadata.sequence.stream and rows == 3
         finally:
             await projector.close()
+
+
+async def test_a_batch_cancelled_in_its_first_round_trip_gives_no_connection_back_in_a_transaction(
+    namespace: Settings, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A batch cancelled (its projector closing) while its first statement (``BEGIN; SET LOCAL ...;
+    UPDATE projector_checkpoint ...``) is in flight: asyncpg learns of the ``BEGIN`` only from its
+    answer, so the batch's roll-back saw no transaction and gave the connection back with one open
+    on the server; the pool's reset rolled it back with "Resetting connection with an active
+    transaction" through the event loop's exception handler (an ERROR line). The cut query is
+    cancelled on the server (not left running on a closed connection), nothing of the batch is
+    committed, and the batch applies in full afterwards."""
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn, run_projector=False) as store:
+        r = await store.start_rollout("x")
+        rid, aid = r.rollout_id, r.attempt.attempt_id
+        await store.add_spans_numbered(
+            rid, aid, [Span.from_attributes(attributes={"k": 1}, rollout_id=rid, attempt_id=aid)]
+        )
+        projector = Projector(store.log, store.pool)
+        await projector._become_leader()
+        try:
+            msgs = await _whole_stream(store)
+            sent = asyncio.Event()
+            execute = asyncpg.Connection.execute
+
+            async def slow_begin(self: asyncpg.Connection, query: str, *args: Any, **kwargs: Any) -> Any:
+                if query.startswith("BEGIN;"):  # the batch's first round trip, held on the server
+                    query = query.replace("BEGIN;", "BEGIN; SELECT pg_sleep(30) AS cut_batch;", 1)
+                    sent.set()
+                return await execute(self, query, *args, **kwargs)
+
+            monkeypatch.setattr(asyncpg.Connection, "execute", slow_begin)
+            caplog.set_level(logging.ERROR, logger="asyncio")
+            batch = asyncio.create_task(projector.apply(msgs))
+            await asyncio.wait_for(sent.wait(), 10)
+            batch.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await batch
+            monkeypatch.undo()
+            assert not [m for m in caplog.messages if "active transaction" in m], caplog.messages
+            async with store.pool.acquire() as conn:
+                assert await conn.fetchval("SELECT count(*) FROM spans") == 0
+                running = await conn.fetchval(  # the cut query was cancelled on the server, not left running
+                    "SELECT count(*) FROM pg_stat_activity WHERE state = 'active' AND query LIKE '%AS cut_batch%'"
+                    " AND pid <> pg_backend_pid()"
+                )
+                assert running == 0
+            await projector.apply(msgs)
+            async with store.pool.acquire() as conn:
+                checkpoint = await conn.fetchval("SELECT last_seq FROM projector_checkpoint WHERE id = 0")
+                assert await conn.fetchval("SELECT count(*) FROM spans") == 1
+            assert checkpoint == projector.checkpoint == msgs[-1].metadata.sequence.stream
+        finally:
+            await projector.close()

@@ -150,8 +150,8 @@ class BatchWriter:
                 if malformed:
                     await self._dead_letter(conn, malformed)
                 status = await conn.execute("COMMIT")
-            except BaseException:
-                await _roll_back(conn)
+            except BaseException as e:
+                await _roll_back(conn, cut=not isinstance(e, Exception))
                 raise
             if status != "COMMIT":  # Postgres answers ROLLBACK to the COMMIT of a failed transaction
                 raise RuntimeError(f"the batch's transaction did not commit ({status})")
@@ -325,14 +325,22 @@ class BatchWriter:
             await conn.executemany(INSERT_SPAN, rows)
 
 
-async def _roll_back(conn: asyncpg.Connection) -> None:
+async def _roll_back(conn: asyncpg.Connection, *, cut: bool = False) -> None:
     """End a batch's failed transaction, if one is open (the caller raises what failed it). A
-    connection that cannot (a query cut off by a cancellation is still running on it) is closed,
-    and the pool opens another: none goes back to the pool in a transaction."""
-    if conn.is_closed() or not conn.is_in_transaction():
+    connection that cannot roll back is closed, and the pool opens another: none goes back to the
+    pool in a transaction.
+
+    ``cut``: a cancellation (a ``BaseException`` that is not an ``Exception``) ended the batch,
+    perhaps inside a query. ``ROLLBACK`` is then sent whatever ``is_in_transaction()`` says: the
+    cut query may be the one that opens the transaction (``_advance``), which asyncpg learns of
+    only from its answer. asyncpg sends it once the server has cancelled the cut query (closing
+    the connection instead would leave that query running on the server, and a cut ``UPDATE``
+    holding its rows). Given back as it was, the pool's reset rolled it back, reported as
+    "Resetting connection with an active transaction" through the event loop's exception handler."""
+    if conn.is_closed() or (not cut and not conn.is_in_transaction()):
         return
     try:
-        await conn.execute("ROLLBACK")
+        await conn.execute("ROLLBACK")  # with none open: a warning from the server, no error
     except Exception as e:
         log.debug("projector: closing a connection that could not roll a batch back: %r", e)
         conn.terminate()
