@@ -80,6 +80,10 @@ print("both work")
 
 
 def _run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+    """``cmd``'s outcome; without ``PYTHONPATH`` unless ``env`` is given (a checkout on it, with the
+    ``eventlight.egg-info`` a wheel build leaves there, made pip in the new venv take eventlight as
+    installed already and skip it)."""
+    kwargs.setdefault("env", {k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     return subprocess.run(cmd, capture_output=True, text=True, **kwargs)  # type: ignore[call-overload,no-any-return]
 
 
