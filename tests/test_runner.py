@@ -688,3 +688,42 @@ async def test_a_runner_cancelled_from_inside_records_why_on_its_attempt(store: 
             await task
     [done] = await store.wait_for_rollouts(rollout_ids=[r.rollout_id], timeout=10)
     assert done.status == "failed" and done.attempt.metadata[STATUS_REASON] == CANCELLED
+
+
+@pytest.mark.parametrize("when", ["closing", "closed"])
+async def test_a_runner_stopping_after_its_store_closed_does_not_warn(
+    runner_store: Any, backend: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, when: str
+) -> None:
+    """A runner that stops while its store closes, or after it closed, skips its last heartbeat
+    (nobody to tell) at DEBUG, with no "could not record that it stopped" warning; the store says
+    so by ``closing``. (The in-memory store takes calls again once closed: its heartbeat is sent.)"""
+    import logging
+
+    @agl.rollout
+    def agent(task: dict, prompt_template: agl.PromptTemplate) -> float:
+        return 1.0
+
+    held, drain = asyncio.Event(), runner_store._drain_calls
+
+    async def held_drain() -> None:  # the close stays in its drain until the runner has stopped
+        await drain()
+        await held.wait()
+
+    monkeypatch.setattr(runner_store, "_drain_calls", held_drain)
+    assert not runner_store.closing
+    closing = asyncio.create_task(runner_store.close())
+    await asyncio.sleep(0)
+    if when == "closed":
+        held.set()
+        await closing
+    refused = runner_store.closing
+    stop = asyncio.Event()
+    stop.set()  # the runner claims nothing: it only stops
+    runner = agl.LitAgentRunner(agl.OtelTracer(), heartbeat_interval=0.5)
+    with caplog.at_level(logging.DEBUG), runner.run_context(agent=agent, store=runner_store, worker_id=0):
+        assert await runner.iter(event=stop) == 0
+    held.set()
+    await closing
+    assert [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.WARNING] == []
+    skipped = any("not recording that it stopped" in rec.getMessage() for rec in caplog.records)
+    assert refused == skipped and refused == (when == "closing" or backend == "jetstream")

@@ -316,7 +316,11 @@ class LitAgentRunner:
             await asyncio.sleep(self.heartbeat_interval)
 
     async def _say_stopped(self, store: LightningStore) -> None:
-        """The last heartbeat: its stats say when this runner stopped (``STOPPED_AT``); a failure is logged."""
+        """The last heartbeat: its stats say when this runner stopped (``STOPPED_AT``); a failure is
+        logged. A store that is closing or closed (``closing``) has no one to tell: skipped."""
+        if store.closing:
+            log.debug("[%s] its store is closed: not recording that it stopped", self.get_worker_id())
+            return
         try:
             async with asyncio.timeout(_STOP_BEAT_TIMEOUT_S):
                 await store.update_worker(self.get_worker_id(), {**system_snapshot(), STOPPED_AT: time.time()})

@@ -75,6 +75,12 @@ class LightningStore(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} does not serve OTLP traces (capabilities['otlp_traces'])")
 
+    @property
+    def closing(self) -> bool:
+        """Whether ``close`` has begun (or is done): the store refuses calls from then on. ``False``
+        for a store that does not say (``LightningStore``'s default)."""
+        return False
+
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections; idempotent."""
 

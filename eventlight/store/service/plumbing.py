@@ -125,6 +125,12 @@ class StorePlumbing(LightningStore):
         self._commands = CommandLoop(log, self._clock, self._wrote)
         self._span_writer = SpanWriter(log, self._commands, self._wrote)
 
+    @property
+    def closing(self) -> bool:
+        """Whether ``close`` has begun (or is done): calls from outside the store are refused with
+        ``InvalidInputError`` ("this store is closing", "this store is closed")."""
+        return self._closed or self._draining
+
     def _check_open(self) -> None:
         if self._closed:
             raise InvalidInputError(
