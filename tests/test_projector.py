@@ -300,6 +300,82 @@ async def test_a_waiter_wakes_when_the_lead_moves_to_another_process_mid_wait(
         assert done.status == "succeeded"
 
 
+async def test_a_failed_resubscription_is_tried_again(
+    namespace: Settings, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """When the lead moves away and subscribing to terminal events again fails (NATS down at that
+    moment), the read model tries again, with one warning, until it succeeds: a waiter on a rollout
+    another process finishes meanwhile still wakes. The fallback read (``READ_AGAIN_S``) is put out
+    of reach, so only the subscription (and its catch-up) can wake it."""
+    from eventlight.store.jetstream.readmodel import waits
+
+    monkeypatch.setattr(waits, "READ_AGAIN_S", 3600.0)
+    async with (
+        JetStreamLightningStore(namespace) as runner,
+        JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as first,
+        JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as second,
+    ):
+        assert first.projector.leader.is_set() and not second.projector.leader.is_set()
+        r = await first.enqueue_rollout("resubscribed")
+        d = await runner.dequeue_rollout(worker_id="w")
+        await first.sync(timeout_s=10)
+        waiter = asyncio.create_task(first.wait_for_rollouts(rollout_ids=[r.rollout_id], timeout=None))
+        await _eventually(lambda: len(first.read_model._waiters) == 1, "the waiter did not start")
+        subscribe, failures = (
+            first.read_model._subscribe,
+            [ServiceUnavailableError("nats", "subscribing to terminal events failed (injected)")] * 2,
+        )
+        failed = asyncio.Event()
+
+        async def failing_subscribe() -> None:
+            if failures:
+                failed.set()
+                raise failures.pop()
+            await subscribe()
+
+        monkeypatch.setattr(first.read_model, "_subscribe", failing_subscribe)
+        with caplog.at_level(logging.DEBUG, logger="eventlight.store.jetstream.readmodel.model"):
+            await first.projector.close()  # the lead moves to the second store's projector
+            await asyncio.wait_for(failed.wait(), 20)
+            await runner.update_attempt(r.rollout_id, d.attempt.attempt_id, status="succeeded")  # nothing follows
+            [done] = await asyncio.wait_for(waiter, 20)  # a waiter nothing wakes waits an hour
+        assert done.status == "succeeded" and not failures and first.read_model._watch_sub is not None
+        warned = [
+            rec for rec in caplog.records if rec.name.endswith("readmodel.model") and rec.levelno >= logging.WARNING
+        ]
+        assert len(warned) == 1, [rec.getMessage() for rec in warned]
+
+
+@pytest.mark.parametrize("end", ["this process leads again", "the store closes"])
+async def test_a_failing_resubscription_stops_being_tried(
+    namespace: Settings, monkeypatch: pytest.MonkeyPatch, end: str
+) -> None:
+    """A re-subscription that keeps failing is tried until this process leads again (its own
+    commits wake waiters then) or the store closes: no follower is left behind."""
+    async with (
+        JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as first,
+        JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as second,
+    ):
+        assert first.projector.leader.is_set() and not second.projector.leader.is_set()
+        reads, tries = first.read_model, asyncio.Semaphore(0)
+
+        async def failing_subscribe() -> None:
+            tries.release()
+            raise ServiceUnavailableError("nats", "subscribing to terminal events failed (injected)")
+
+        monkeypatch.setattr(reads, "_subscribe", failing_subscribe)
+        await first.projector.close()  # the lead moves to the second store's projector
+        for _ in range(2):  # tried, and tried again
+            await asyncio.wait_for(tries.acquire(), 20)
+        assert reads._followers
+        if end == "this process leads again":
+            monkeypatch.setattr(reads, "_leads", lambda: True)
+        else:
+            await first.close()
+        await _eventually(lambda: not reads._followers, f"still trying after {end}")
+        assert reads._watch_sub is None
+
+
 async def test_polling_wait_for_rollouts_reads_rows_only_when_one_has_finished(
     namespace: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:

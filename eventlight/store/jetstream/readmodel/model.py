@@ -23,6 +23,12 @@ CATCH_UP_STEP_S = 0.25
 """After a re-subscription, how long each read of the checkpoint waits at most before asking again
 whether this process leads once more."""
 
+RESUBSCRIBE_FIRST_S = 0.5
+RESUBSCRIBE_MAX_S = 5.0
+"""A re-subscription to terminal events that failed is tried again after ``RESUBSCRIBE_FIRST_S``,
+the delay doubling up to ``RESUBSCRIBE_MAX_S`` seconds, until it succeeds, this process leads again
+or the read model closes."""
+
 
 class SqlReadModel(Waits):
     """Queries over one namespace's Postgres schema.
@@ -65,6 +71,7 @@ class SqlReadModel(Waits):
         self._following = asyncio.Lock()  # one change of the subscription at a time
         self._followers: set[asyncio.Task[None]] = set()
         self._closed = False
+        self._resubscribe_failing = False  # warned of a failed re-subscription; quiet until one succeeds
         self._alone: asyncio.Task[str | None] | None = None  # the probe on a connection of its own
 
     async def start(self) -> None:
@@ -122,25 +129,49 @@ class SqlReadModel(Waits):
         (what the previous leader committed), then waits for this projector's commits. Losing it:
         the subscription is back (flushed) before waiters read again; a terminal event published
         before that is at or below the stream's head read after it, so waiters read once more when
-        the projection (another process's) reaches that head.
+        the projection (another process's) reaches that head. A subscription that fails (NATS down)
+        is tried again (``RESUBSCRIBE_FIRST_S`` doubling up to ``RESUBSCRIBE_MAX_S``; one warning,
+        then quiet until it succeeds) until it succeeds, this process leads again or the read model
+        closes; meanwhile waiters read every 2 s.
         """
-        head = 0
-        try:
-            async with self._following:
-                if self._leads():
+        delay = RESUBSCRIBE_FIRST_S
+        while True:
+            head = 0
+            try:
+                async with self._following:
+                    if self._closed:
+                        return
+                    if self._leads():
+                        if self._watch_sub is not None:
+                            await self._unsubscribe()
+                        self._wake_all()
+                        return
                     if self._watch_sub is not None:
-                        await self._unsubscribe()
+                        return
+                    await self._subscribe()
+                    if self._resubscribe_failing:
+                        self._resubscribe_failing = False
+                        log.info("read model: following terminal events again")
                     self._wake_all()
+                    if self._head_seq is not None:  # also for waiters that start before the projection is there
+                        head = await self._head_seq()
+            except Exception as e:
+                if self._watch_sub is not None:  # subscribed, then the flush or the head failed
+                    log.warning("read model: after following terminal events again: %r; waiters read every 2 s", e)
                     return
-                if self._watch_sub is not None:
-                    return
-                await self._subscribe()
-                self._wake_all()
-                if self._head_seq is not None:  # also for waiters that start before the projection is there
-                    head = await self._head_seq()
-        except Exception as e:  # NATS failing: waiters still read every 2 s
-            log.warning("read model: following terminal events after a change of leadership failed: %r", e)
-            return
+                if not self._resubscribe_failing:
+                    self._resubscribe_failing = True
+                    log.warning(
+                        "read model: following terminal events after a change of leadership failed: %r; "
+                        "trying again (quietly) while waiters read every 2 s",
+                        e,
+                    )
+                else:
+                    log.debug("read model: following terminal events failed again: %r; next try in %.1f s", e, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RESUBSCRIBE_MAX_S)
+                continue
+            break
         if head:
             await self._catch_up(head)
 
