@@ -318,7 +318,7 @@ class LitAgentRunner:
     async def _say_stopped(self, store: LightningStore) -> None:
         """The last heartbeat: its stats say when this runner stopped (``STOPPED_AT``); a failure is
         logged. A store that is closing or closed (``closing``) has no one to tell: skipped."""
-        if store.closing:
+        if getattr(store, "closing", False):  # a store of another make may not say
             log.debug("[%s] its store is closed: not recording that it stopped", self.get_worker_id())
             return
         try:
