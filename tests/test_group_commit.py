@@ -312,3 +312,26 @@ async def test_a_batch_whose_ack_fails_answers_every_command(
     monkeypatch.undo()
     assert isinstance(await log.append("after", _created("after"), 0, uuid.uuid4().hex), int)
     assert log.appender._writer is None and not log.appender._pending
+
+
+async def test_at_durability_interval_concurrent_commands_go_as_plain_publishes(namespace: Settings) -> None:
+    """At ``interval`` a plain publish costs no fsync and an atomic batch still costs 3 and ~3 ms to
+    commit (nats-server 2.15.1), so the appender never batches there: the same 60 concurrent
+    creates that share batches at ``fsync`` (the test above) all go as plain publishes."""
+    settings = msgspec.structs.replace(namespace, durability="interval")
+    nc = await connect_nats(settings.nats_url or "")
+    seen = _Seen()
+    sub = await nc.subscribe(f"{settings.subject_prefix}.>", cb=seen.cb)
+    try:
+        log = _small_batches(JetStreamEventLog(nc, settings, lambda: NOW))
+        rids = [f"iv-{i}" for i in range(60)]
+        versions = await _append_all(log, [(rid, _created(rid), 0) for rid in rids])
+        assert all(isinstance(v, int) for v in versions) and len(set(versions)) == len(rids), versions
+        for rid, version in zip(rids, versions, strict=True):
+            assert (await log.load(rid))[1] == version
+        await _settle(nc)
+        assert seen.batches() == {}, "an atomic batch was sent at durability interval"
+        assert log.appender.stats.plain_publishes == len(rids)
+    finally:
+        await sub.unsubscribe()
+        await nc.close()
