@@ -188,13 +188,14 @@ SPAN_COLUMNS = (
 )
 """The ``spans`` columns of a ``span_row``, in its order (the projector's ``COPY``)."""
 
-INSERT_SPAN = """
-INSERT INTO spans (rollout_id, attempt_id, span_id, sequence_id, trace_id, parent_id, name, status, attributes,
-                   events, links, start_time, end_time, context, parent, resource, stream_seq)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8::jsonb, $9::jsonb, $10::jsonb, $11::jsonb, $12, $13, $14::jsonb,
-        $15::jsonb, $16::jsonb, $17)
-ON CONFLICT (rollout_id, attempt_id, span_id) DO NOTHING
-"""
+_SPAN_JSONB = {"status", "attributes", "events", "links", "context", "parent", "resource"}
+
+INSERT_SPAN = (
+    f"INSERT INTO spans ({', '.join(SPAN_COLUMNS)}) VALUES ("
+    + ", ".join(f"${i}::jsonb" if col in _SPAN_JSONB else f"${i}" for i, col in enumerate(SPAN_COLUMNS, 1))
+    + ") ON CONFLICT (rollout_id, attempt_id, span_id) DO NOTHING"
+)
+"""A ``span_row`` when its span may be projected already (the ``COPY``'s fallback): the columns of ``SPAN_COLUMNS``."""
 
 UPSERT_RESOURCES = """
 INSERT INTO resources (resources_id, create_time, update_time, version, resources, created_seq, last_seq)
