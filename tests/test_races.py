@@ -561,3 +561,86 @@ async def test_a_claim_past_its_ack_wait_is_redelivered_but_never_claimed_twice(
         assert await _delivered(store) == 3  # the healthy rollout's entry, delivered once
         [done] = await store.wait_for_rollouts(rollout_ids=[healthy.rollout_id], timeout=10)
         assert done.status == "succeeded" and len(await store.query_attempts(healthy.rollout_id)) == 1
+
+
+def _reward(rollout_id: str, attempt_id: str, seq: int, value: float) -> Span:
+    return Span.from_attributes(
+        attributes={"agentlightning.reward.0.name": "primary", "agentlightning.reward.0.value": value},
+        rollout_id=rollout_id,
+        attempt_id=attempt_id,
+        sequence_id=seq,
+        name="agentlightning.annotation",
+        start_time=float(seq),
+        end_time=float(seq),
+    )
+
+
+async def _heartbeat(store: JetStreamLightningStore, worker_id: str, rollout_id: str, attempt_id: str) -> None:
+    """What a runner's heartbeat does: its worker (keeping its queue entry in progress) and its attempt."""
+    await store.update_worker(worker_id, {"at": time.time()})
+    await store.update_attempt(rollout_id, attempt_id, last_heartbeat_time=time.time())
+
+
+async def _heartbeats(store: JetStreamLightningStore, worker_id: str, rollout_id: str, attempt_id: str) -> None:
+    while True:
+        await _heartbeat(store, worker_id, rollout_id, attempt_id)
+        await asyncio.sleep(0.2)
+
+
+async def test_a_vanished_holders_redelivered_entry_is_claimed_once_and_its_late_messages_count_for_nothing(
+    namespace: Settings, tmp_path: Any
+) -> None:
+    """peer_failures C03, C20 (a runner that vanished): runner A claims a rollout, records a
+    partial reward and goes silent. The watchdog marks its attempt ``unresponsive`` and requeues
+    the rollout; A's queue entry comes back too (ack wait 1 s). B claims attempt 2 from one of the
+    two entries (and heartbeats), C gets nothing from the other. Then A comes back: a late span and
+    heartbeat, and, after B succeeded, its success. The rollout ends once, from B: two attempts,
+    the latest spans B's, and the algorithm's ``collect`` gives B's reward, not A's."""
+    await _short_ack_wait(namespace, tmp_path, 1)
+    config = RolloutConfig(unresponsive_seconds=2.0, max_attempts=3, retry_condition=["unresponsive"])
+    async with (
+        JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn, watchdog_interval_s=0.2) as store,
+        JetStreamLightningStore(namespace) as a,
+        JetStreamLightningStore(namespace) as b,
+        JetStreamLightningStore(namespace) as c,
+        store.subscribe_triplets() as sub,
+    ):
+        r = await store.enqueue_rollout({"q": 1}, config=config)
+        rid = r.rollout_id
+        first = await a.dequeue_rollout(worker_id="a")
+        assert first is not None
+        a1 = first.attempt.attempt_id
+        await a.add_span(_reward(rid, a1, 1, 0.1))  # then A vanishes: no heartbeat, no ack
+        while (await store.get_rollout_by_id(rid)).status != "requeuing":  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+        assert await _delivered(store) == 1
+        second = await b.dequeue_rollout(worker_id="b", wait_s=5)
+        assert second is not None and (second.rollout_id, second.attempt.sequence_id) == (rid, 2)
+        b2 = second.attempt.attempt_id
+        beating = asyncio.create_task(_heartbeats(b, "b", rid, b2))
+        try:
+            assert await c.dequeue_rollout(worker_id="c", wait_s=2) is None
+            assert await _delivered(store) >= 3  # A's entry was handed out again, and the requeue's
+            await a.add_span(_reward(rid, a1, 2, 0.2))  # A is back: a late span and heartbeat
+            await _heartbeat(a, "a", rid, a1)
+            await b.add_span(_reward(rid, b2, 1, 0.9))
+            await b.update_attempt(rid, b2, status="succeeded")
+        finally:
+            beating.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beating
+        [done] = await store.wait_for_rollouts(rollout_ids=[rid], timeout=10)
+        assert (done.status, done.attempt.attempt_id) == ("succeeded", b2)
+        [record] = await sub.collect([rid], timeout_s=10)
+        assert (record.attempt_id, record.final_reward) == (b2, 0.9)
+
+        await a.update_attempt(rid, a1, status="succeeded")  # A's late result: moves nothing
+        await store.sync_all(timeout_s=10)
+        after = await store.get_rollout_by_id(rid)
+        assert (after.status, after.attempt.attempt_id, after.end_time) == ("succeeded", b2, done.end_time)
+        assert [x.attempt_id for x in await store.query_attempts(rid)] == [a1, b2]
+        latest = await store.query_spans(rid, attempt_id="latest")
+        assert [(s.attempt_id, s.attributes["agentlightning.reward.0.value"]) for s in latest] == [(b2, 0.9)]
+        assert await sub.next_record(timeout_s=1) is None  # no second result for the rollout
+        assert await c.dequeue_rollout(worker_id="c", wait_s=2) is None  # and nothing left to claim
+        assert (await store.query_rollouts()).total == 1

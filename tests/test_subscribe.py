@@ -89,6 +89,34 @@ async def test_a_retried_rollout_is_collected_at_its_last_attempt(store: Any) ->
     assert last.data == ["agentlightning.annotation"]
 
 
+async def test_a_superseded_attempt_still_live_when_its_rollout_ends_is_never_collected_for_it(store: Any) -> None:
+    """peer_failures C03, C16 (b): runner A's attempt goes silent (``unresponsive``) and is retried;
+    A's late span revives it while B's attempt 2 runs. When B succeeds, both attempts are done at
+    that one log position (A's never finished); ``collect`` hands the algorithm attempt 2's
+    record, with B's reward, never A's partial trace with A's reward."""
+    config = RolloutConfig(max_attempts=3, retry_condition=["unresponsive"])
+    async with store.subscribe(names) as sub:
+        r = await store.enqueue_rollout({"task": "vanished"}, config=config)
+        a = await store.dequeue_rollout(worker_id="a")
+        await store.add_span(reward_span(r.rollout_id, a.attempt.attempt_id, 1, 0.1, 1.0))
+        await store.update_attempt(r.rollout_id, a.attempt.attempt_id, status="unresponsive")  # as the watchdog
+        b = await store.dequeue_rollout(worker_id="b")
+        assert (b.rollout_id, b.attempt.sequence_id) == (r.rollout_id, 2)
+        await store.add_span(reward_span(r.rollout_id, a.attempt.attempt_id, 2, 0.2, 2.0))  # A, late
+        await store.add_span(reward_span(r.rollout_id, b.attempt.attempt_id, 1, 0.9, 3.0))
+        await store.update_attempt(r.rollout_id, b.attempt.attempt_id, status="succeeded")
+        (got,) = await sub.collect([r.rollout_id], timeout_s=20)
+        assert (got.attempt_id, got.status, got.final_reward) == (b.attempt.attempt_id, "succeeded", 0.9)
+        assert got.rollout.status == "succeeded"
+    async with store.subscribe(names, since=0) as sub:  # each attempt once, A's as it was when the rollout ended
+        records = [await sub.next_record(timeout_s=20) for _ in range(2)]
+        assert await sub.next_record(timeout_s=0.3) is None
+    assert [(x.attempt_id, x.latest, x.final_reward) for x in records if x is not None] == [
+        (a.attempt.attempt_id, False, 0.2),
+        (b.attempt.attempt_id, True, 0.9),
+    ]
+
+
 async def test_since_reads_what_finished_before(store: Any) -> None:
     first = await finish_one(store)
     async with store.subscribe(names) as sub:

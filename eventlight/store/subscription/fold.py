@@ -86,7 +86,8 @@ class FollowFold:
             batches = await self.log.span_entries(rid, attempt.attempt_id, d.seq)
             key = (rid, attempt.attempt_id)
             pos = started.get(key, self.started.get(key))
-            record, errs = adapt(after.rollout, attempt, batches, self.adapter, d.seq, pos, d.redelivered)
+            latest = after.latest is not None and after.latest.attempt_id == attempt.attempt_id
+            record, errs = adapt(after.rollout, attempt, latest, batches, self.adapter, d.seq, pos, d.redelivered)
             out.append(record)
             errors += errs
         self._commit(rid, after, started, d.seq)

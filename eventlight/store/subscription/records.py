@@ -39,10 +39,14 @@ class FinishedAttempt(msgspec.Struct, frozen=True, kw_only=True):
     """An attempt that has finished, with the adapter's output for it.
 
     Attributes:
-        rollout: The rollout as the log had it at ``position`` (``rollout.status`` terminal: its
-            last attempt; otherwise a retry may follow).
+        rollout: The rollout as the log had it at ``position`` (``rollout.status`` terminal and
+            ``latest``: its last attempt; otherwise a retry may follow).
         attempt: The attempt at ``position`` (``status`` ``succeeded``, ``failed``, ``timeout``, or,
             when the rollout ended first, ``unresponsive``/``running``).
+        latest: Whether ``attempt`` was its rollout's latest at ``position`` (the one its status
+            follows). ``False``: an earlier attempt, superseded by a retry (its runner went silent,
+            say), that finished late or was still live when its rollout ended; its spans are not
+            the rollout's result (peer failures C03, C16).
         data: The adapter's output for the attempt's spans: triplets (``TracerTraceToTriplet``),
             conversations (``TraceToMessages``), ...; ``[]`` when there were no spans or it failed.
         spans: The attempt's spans in the log before ``position``, ordered by ``sequence_id``.
@@ -63,6 +67,7 @@ class FinishedAttempt(msgspec.Struct, frozen=True, kw_only=True):
     spans: list[Span]
     final_reward: float | None
     position: int
+    latest: bool
     started_position: int | None
     span_positions: list[int]
     redelivered: bool = False
@@ -98,6 +103,7 @@ class SubscriptionError(msgspec.Struct, frozen=True):
 def adapt(
     rollout: Rollout,
     attempt: Attempt,
+    latest: bool,
     batches: list[tuple[int, bytes]],
     adapter: AdapterFn,
     position: int,
@@ -133,6 +139,7 @@ def adapt(
         spans=spans,
         final_reward=final,
         position=position,
+        latest=latest,
         started_position=started,
         span_positions=positions,
         redelivered=redelivered,

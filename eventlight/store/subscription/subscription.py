@@ -187,8 +187,9 @@ class Subscription:
 
     async def collect(self, rollout_ids: Iterable[str], timeout_s: float | None) -> list[FinishedAttempt]:
         """The last attempt of each rollout in ``rollout_ids`` once the rollout is terminal, in
-        ``rollout_ids`` order; those not terminal within ``timeout_s`` seconds are left out (as
-        ``wait_for_rollouts`` leaves them). Records of other rollouts met meanwhile are kept for a
+        ``rollout_ids`` order (never an attempt a retry superseded, ``FinishedAttempt.latest``);
+        those not terminal within ``timeout_s`` seconds are left out (as ``wait_for_rollouts``
+        leaves them). Records of other rollouts met meanwhile are kept for a
         later ``collect`` (up to ``MAX_STASH``).
 
         Raises:
@@ -243,7 +244,9 @@ class Subscription:
 
 
 def _terminal(record: FinishedAttempt) -> bool:
-    return record.rollout.status in TERMINAL_ROLLOUT_STATUSES
+    """Whether ``record`` is its rollout's result: the rollout ended and this is its latest attempt
+    (an attempt it superseded, done at the same event, comes first and is not)."""
+    return record.latest and record.rollout.status in TERMINAL_ROLLOUT_STATUSES
 
 
 def subscription_filters(
