@@ -219,3 +219,19 @@ def test_output_fingerprints_agree_across_conventions() -> None:
     assert output_fingerprint(proxy_attrs) == output_fingerprint(current) == output_fingerprint(openinference)
     assert output_fingerprint(proxy_attrs) == ("", ("call_1",))
     assert output_fingerprint({}) is None and output_fingerprint({"gen_ai.output.messages": "{bad"}) is None
+
+
+def test_c08_structured_output_through_the_proxy_gives_one_triplet_with_its_ids() -> None:
+    """peer_failures C08: LangChain's ``with_structured_output`` leaves a ``chat_model.llm`` span
+    with an empty prompt and no token ids (0.3.0 made no triplet of it: reward ``None``); the same
+    call through the LLM proxy gives exactly one triplet, with the proxy's token ids and the reward."""
+    spans = [
+        span("root", "agent.session", None, 0.0, 10.0, 1),
+        span("chat", "chat_model.llm", "root", 1.0, 2.0, 2, **{"gen_ai.request.model": "m", "gen_ai.prompt": "[]"}),
+        proxy("px", 1.2, 1.8, 3, "chatcmpl-so", '{"answer": 4}', (6, 3)),
+        reward("r", 11.0, 4, 1.0),
+    ]
+    adapter = TracerTraceToTriplet()
+    (triplet,) = adapter.adapt(spans)
+    assert triplet.prompt["token_ids"] == [1, 2, 3, 4, 5, 6] and triplet.response["token_ids"] == [100, 101, 102]
+    assert triplet.reward == 1.0 and triplet.metadata["response_id"] == "chatcmpl-so"

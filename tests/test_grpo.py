@@ -136,7 +136,7 @@ async def test_proxy_spans_hold_exactly_the_policy_tokens(namespace: agl.Setting
 async def test_a_policy_server_stopped_under_a_request_answers_it_at_once(caplog: pytest.LogCaptureFixture) -> None:
     """Ctrl+C in ``make demo``: GRPO stopped its policy server while calls waited for a generation;
     they hung until the event loop closed, and uvicorn printed "Exception in ASGI application" with a
-    traceback for each (16 in a fresh user's run). They now answer 503 as the server stops."""
+    traceback for each (16 in a fresh user's run). They now answer 503 as the server stops. (peer_failures C06)"""
     import threading
 
     import httpx

@@ -723,7 +723,7 @@ async def test_stop_under_calls_in_flight_answers_each_503_without_a_traceback(
     trainer of role ``algorithm``, ``proxy.stop()`` called directly): uvicorn cancelled each after its
     grace, logged "Exception in ASGI application" with a traceback per call and answered a plain-text
     500. Each now answers 503 with OpenAI's error object (the Anthropic route: Anthropic's), one
-    warning line says how many were cut, and each call's span is still recorded as cancelled."""
+    warning line says how many were cut, and each call's span is still recorded as cancelled. (peer_failures C06)"""
     import eventlight.llm_proxy.server as server_module
 
     monkeypatch.setattr(server_module, "_SHUTDOWN_TIMEOUT_S", 1.0)

@@ -145,3 +145,25 @@ def test_the_files_the_readme_examples_write_are_ignored_by_git() -> None:
     assert {"train.parquet", "sft.jsonl", "genai.jsonl"} <= set(outs)
     check = subprocess.run(["git", "check-ignore", "--no-index", *outs], cwd=ROOT, capture_output=True, text=True)
     assert sorted(check.stdout.split()) == outs, check.stderr
+
+
+def test_the_peer_failure_table_names_tests_that_exist_and_carry_their_case() -> None:
+    """docs/porting.md's table of peer failures: every ``file::test`` it names is a test function
+    of that file whose docstring says ``peer_failures`` and names the row's case (``C03``)."""
+    text = (ROOT / "docs" / "porting.md").read_text()
+    table = text[text.index("## Failures Agent-lightning's users hit") :]
+    rows = [line for line in table.splitlines() if re.match(r"\| C\d\d ", line)]
+    assert len(rows) >= 17
+    for row in rows:
+        case, cell = row.split(" | ")[0][2:5], row.split(" | ")[1]
+        file = None
+        for named in re.findall(r"`([^`]+::[^`]+)`", cell):
+            head, test = named.split("::")
+            file = head or file
+            assert file is not None, row
+            tree = ast.parse((ROOT / "tests" / file).read_text())
+            functions = (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
+            found = [n for n in functions if n.name == test]
+            assert found, f"{case}: tests/{file} has no {test}"
+            doc = ast.get_docstring(found[0]) or ""
+            assert "peer_failures" in doc and case in doc, f"{case}: {file}::{test} does not say it tests {case}"

@@ -708,7 +708,7 @@ async def test_stop_answers_a_request_still_sending_its_body_503_without_a_trace
 ) -> None:
     """``eventlight serve`` stopped (SIGTERM) while a client was still sending a body: nothing
     answered it until uvicorn's shutdown timeout cancelled it with "Exception in ASGI application"
-    and a traceback. Now it answers 503 ``ServiceUnavailableError`` (retryable) before that."""
+    and a traceback. Now it answers 503 ``ServiceUnavailableError`` (retryable) before that. (peer_failures C06)"""
     import eventlight.server.serving as serving
 
     monkeypatch.setattr(serving, "_CUT_READS_AFTER_S", 0.5)

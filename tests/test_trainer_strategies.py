@@ -456,7 +456,7 @@ async def test_a_cancelled_run_stops_its_runners_before_the_model_they_call(
     first, so the agents' calls in flight failed and their attempts were recorded failed with
     ``APIConnectionError`` / ``InternalServerError: Error code: 500``, as if the model had failed (and
     uvicorn printed a traceback for each call it cut). The runners now stop first, while the model
-    still answers: attempts in flight get the grace, then are recorded with the stop's reason."""
+    still answers: attempts in flight get the grace, then are recorded with the stop's reason. (peer_failures C06)"""
     algorithm = ServesItsModel(delay_s=30)
     trainer = agl.Trainer(
         algorithm=algorithm,
