@@ -344,6 +344,29 @@ async def test_superseded_attempt_cannot_complete_the_rollout(store: Any, runner
     assert len(await store.query_spans(r.rollout_id)) == 1
 
 
+async def test_a_silent_holder_back_before_its_retry_is_claimed_keeps_it(store: Any, runner_store: Any) -> None:
+    """peer_failures C03, C20 (the runner came back in time): the watchdog marked a silent runner's
+    attempt ``unresponsive`` and requeued the rollout; the runner's next span revives the attempt
+    before anyone claimed the retry, so the requeued entry starts no second attempt, and the
+    runner's result is the rollout's, once (AGL 0.3.0 skips a queued rollout no longer queuing)."""
+    config = RolloutConfig(max_attempts=3, retry_condition=["unresponsive"])
+    r = await store.enqueue_rollout({}, config=config)
+    d1 = await runner_store.dequeue_rollout(worker_id="a")
+    aid = d1.attempt.attempt_id
+    await store.update_attempt(r.rollout_id, aid, status="unresponsive")  # as the watchdog
+    await settle(store)
+    assert (await store.get_rollout_by_id(r.rollout_id)).status == "requeuing"
+    await runner_store.add_span(reward_span(r.rollout_id, aid, 1, 0.5))
+    await settle(store)
+    assert (await store.get_rollout_by_id(r.rollout_id)).status == "running"
+    assert await runner_store.dequeue_rollout(worker_id="b") is None
+    await runner_store.update_attempt(r.rollout_id, aid, status="succeeded")
+    [done] = await store.wait_for_rollouts(rollout_ids=[r.rollout_id], timeout=10)
+    assert (done.status, done.attempt.attempt_id) == ("succeeded", aid)
+    assert [a.status for a in await store.query_attempts(r.rollout_id)] == ["succeeded"]
+    assert await runner_store.dequeue_rollout(worker_id="b") is None
+
+
 async def test_cancelled_rollout_is_skipped_and_stays_cancelled(store: Any, runner_store: Any) -> None:
     a = await store.enqueue_rollout("a")
     b = await store.enqueue_rollout("b")
