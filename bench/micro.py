@@ -6,7 +6,8 @@ Each operation runs for ``--seconds`` with ``--concurrency`` asyncio tasks (each
 in this process, against a fresh stack (eventlight: embedded NATS + Postgres; the peer: a fresh
 ``agl store --backend memory``). Runner-side operations use what a runner process opens (eventlight:
 a store without Postgres; the peer: a ``LightningStoreClient``); algorithm-side ones the algorithm's
-store. In order:
+store. In order (``dequeue`` after ``dequeue_update``: its claims stay held, and past the queue
+consumer's 30 s ack wait they would come back to the pulls of any operation after it):
 
 =================  ==========================  =====================================================
 operation          side                        one op
@@ -14,8 +15,8 @@ operation          side                        one op
 heartbeat          runner                      ``update_worker(worker_id, stats)``
 dequeue_empty      runner                      ``dequeue_rollout(worker_id=...)`` on an empty queue
 enqueue            algorithm                   ``enqueue_rollout(input, mode="train")``
-dequeue            runner                      ``dequeue_rollout(worker_id=...)`` (queue pre-filled)
 dequeue_update     runner                      ``dequeue_rollout`` + ``update_attempt(succeeded)``
+dequeue            runner                      ``dequeue_rollout(worker_id=...)`` (queue pre-filled)
 add_span           runner                      ``add_span(span)`` (ids allocated beforehand)
 query_spans        algorithm                   ``query_spans(rollout_id)`` of a 20-span rollout
 =================  ==========================  =====================================================
@@ -261,7 +262,9 @@ async def run_micro(mod: ModuleType, seconds: float, concurrency: int, blocks: i
         for name, op in (("heartbeat", heartbeat), ("dequeue_empty", dequeue_empty), ("enqueue", enqueue)):
             phase = name
             ops[name] = await measure(name, op)
-        for name, op in (("dequeue", dequeue), ("dequeue_update", dequeue_update)):
+        # dequeue_update first: dequeue's claims stay held (nothing finishes them), and once the
+        # runners consumer's ack wait (30 s) is past, every later pull would get them back first
+        for name, op in (("dequeue_update", dequeue_update), ("dequeue", dequeue)):
             phase = f"prefill for {name}"
             ops[name] = {"prefilled": await _prefill(mod, alg, PREFILL * (2 if raw is not None else 1))}
             phase = name

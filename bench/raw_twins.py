@@ -18,7 +18,9 @@ enqueue            publish ``RolloutCreated`` for a new rollout on ``r.<rid>.q``
                    resources message (``Nats-Expected-Last-Subject-Sequence`` +
                    ``...-Subject: el.<ns>.res.>``), as eventlight's enqueue with resources is
 dequeue            ``no_wait`` pull of one entry, then ``AttemptStarted`` on ``r.<rid>.e`` fenced on
-                   ``r.<rid>.>`` at the entry's sequence (the entry stays held, as a claim's does)
+                   ``r.<rid>.>`` at the entry's sequence (the entry stays held, as a claim's does;
+                   an entry whose fence is stale, a redelivery of one claimed already, is acked and
+                   counted as an empty result)
 dequeue_update     the same, then ``AttemptUpdated(succeeded)`` fenced at the claim's sequence and
                    the entry's ack (a publish without reply, as eventlight's)
 query_spans        ``SELECT`` of the rollout's 20 span rows from eventlight's own ``spans`` table
@@ -46,6 +48,7 @@ TWIN_OPS = ("heartbeat", "dequeue_empty", "enqueue", "dequeue", "dequeue_update"
 FENCE_SEQ = "Nats-Expected-Last-Subject-Sequence"
 FENCE_SUBJECT = "Nats-Expected-Last-Subject-Sequence-Subject"
 NO_WAIT_PULL = b'{"batch":1,"no_wait":true}'
+WRONG_LAST_SEQUENCE = 10071  # JetStream's answer to a stale fence
 
 Op = Callable[[int], Awaitable[Any]]
 
@@ -203,7 +206,13 @@ class OwnStreamRaw:
             new_rid, new_aid = entry.subject.split(".")[3], swap_id(aid)
             subject, fence = f"{self.prefix}.r.{new_rid}.e", f"{self.prefix}.r.{new_rid}.>"
             headers = {"Nats-Msg-Id": _msg_id(), FENCE_SEQ: str(entry.metadata.sequence.stream), FENCE_SUBJECT: fence}
-            ack = await self.js.publish(subject, swapped(started, new_rid, new_aid), headers=headers)
+            try:
+                ack = await self.js.publish(subject, swapped(started, new_rid, new_aid), headers=headers)
+            except nats.js.errors.APIError as e:
+                if e.err_code != WRONG_LAST_SEQUENCE:
+                    raise
+                await entry.ack()  # claimed since it was queued (a redelivery): what eventlight does
+                raise EmptyResult from e
             if update:
                 headers = {"Nats-Msg-Id": _msg_id(), FENCE_SEQ: str(ack.seq), FENCE_SUBJECT: fence}
                 await self.js.publish(subject, swapped(finished, new_rid, new_aid), headers=headers)

@@ -165,3 +165,24 @@ async def test_the_query_spans_twin_reads_the_rollouts_rows(namespace: Settings)
             await query(0)  # no spans: 0 rows, as many as it found when made
         finally:
             await raw.close()
+
+
+async def test_a_dequeue_twin_acks_an_entry_whose_fence_is_stale_and_counts_it_empty(namespace: Settings) -> None:
+    """As eventlight drops a redelivered entry of a rollout claimed since: the append's fence at the
+    entry's sequence fails (10071); the entry is acked, not left to come back, and no op counted."""
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as alg:
+        for i in range(2):
+            await alg.enqueue_rollout(input=f"q{i}", mode="train")
+        raw = await OwnStreamRaw.open(namespace.nats_url or "", namespace.pg_dsn or "", namespace, 1)
+        try:
+            dequeue = await raw.twin("dequeue", alg, alg, ["w"])  # its warm-up claims the first
+            assert dequeue is not None
+            (left,) = [r for r in await alg.query_rollouts() if r.status == "queuing"]
+            await alg.update_rollout(left.rollout_id, metadata={"moved": True})  # the entry's fence is stale now
+            with pytest.raises(EmptyResult):
+                await dequeue(0)
+            empty = await raw.twin("dequeue_empty", alg, alg, ["w"])
+            assert empty is not None
+            await empty(0)  # acked: not handed out again
+        finally:
+            await raw.close()
