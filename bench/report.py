@@ -23,14 +23,25 @@ below) and ``chart.png`` (matplotlib), and returns the tables as text. Columns o
   and its OpenTelemetry spans, no store: ``workload.agent_cpu_s_per_rollout``), what a store taking
   zero CPU would leave room for.
 
-Micro table: ops/s, p50 and CPU per op of each stack, their ratio, and ``raw ops/s``: the rate of
-the server round trips the operation needs at the least (``MICRO_ROUND_TRIPS``), made back to back
-by nats-py / asyncpg alone with the same concurrency on the same servers right after eventlight's
-operations (``round_trips`` of its micro result; ``1 / sum(count / rate)`` over them). An
-estimate, not a hard bound: fsync times drift, so it varies by 10-20 % or more between runs. A
-write that is its own message needs at least one fsynced JetStream append (``publish``);
-``add_span`` has no such row because concurrent calls of one process share a message (group
-commit). ``vs raw`` near 1 means the store adds little on top of the servers.
+Micro table: ops/s of each stack with the min–max of its blocks' rates (``bench.micro`` splits
+each operation's time into blocks), p50 and CPU per op, their ratio, and two raw rates:
+
+* ``raw own stream``: the operation's raw twin (``bench.raw_twins``): the same messages, by
+  nats-py / asyncpg alone, on eventlight's own stream with its consumers and its projector
+  applying them, in blocks alternating with the operation's in the same run; ``vs raw own`` is the
+  operation's ops/s over the twin's (all blocks), with the min / median / max of the ratio per pair
+  of blocks.
+  This is the like-for-like ratio; one noisy run shows as a wide pair range.
+* ``raw fresh stream`` (the older row, kept so reports compare with earlier ones): the rate of the
+  server round trips the operation needs at the least (``MICRO_ROUND_TRIPS``), made back to back
+  by nats-py / asyncpg alone on a stream of their own with no consumers, on the same servers right
+  after eventlight's operations (``round_trips`` of its micro result; ``1 / sum(count / rate)``
+  over them). It has no projector or consumers to feed and runs after, not beside, the operations,
+  so it swings more than the operation does (763–3,492 publishes/s over 12 runs).
+
+A write that is its own message needs at least one fsynced JetStream append; ``add_span`` has
+neither raw row because concurrent calls of one process share a message (group commit). ``vs raw``
+near 1 means the store adds little on top of the servers.
 """
 
 from __future__ import annotations
@@ -145,28 +156,61 @@ def micro_ceiling(results: dict[str, Any], op: str) -> float | None:
     return 1 / sum(n / r for r, n in rates)  # type: ignore[operator]
 
 
+def _rate_spread(row: dict[str, Any]) -> str:
+    """``ops/s (min–max over blocks)``, or just ops/s for a row of one block or an older result."""
+    text = _f(row.get("ops_per_s"))
+    sp = row.get("spread")
+    if not sp or len(row.get("blocks_ops_per_s") or []) < 2:
+        return text
+    return f"{text} ({_f(sp['min'], 0)}–{_f(sp['max'], 0)})"
+
+
+def _vs_own(row: dict[str, Any]) -> str:
+    """``ratio (min / median / max over pairs)`` of an operation against its raw twin, or ``–``."""
+    vs = row.get("vs_raw_own")
+    if not vs:
+        return "–"
+    sp = (row.get("vs_raw_own_pairs") or {}).get("spread")
+    return f"{vs:.2f}×" + ("" if not sp else f" ({sp['min']:.2f} / {sp['median']:.2f} / {sp['max']:.2f})")
+
+
 def micro_table(results: dict[str, Any]) -> str:
     micro = results.get("micro") or {}
     if not micro:
         return ""
     el, pe = micro.get("eventlight") or {}, micro.get("agentlightning") or {}
     lines = [
-        "| operation | eventlight ops/s | peer ops/s | ratio | raw ops/s | vs raw | eventlight p50 ms "
+        "| operation | eventlight ops/s (blocks min–max) | peer ops/s | ratio | raw own stream ops/s (min–max) "
+        "| vs raw own (pairs min / median / max) | raw fresh stream ops/s | vs raw fresh | eventlight p50 ms "
         "| peer p50 ms | eventlight CPU µs/op | peer CPU µs/op |",
-        "|" + "---|" * 10,
+        "|" + "---|" * 12,
     ]
     for op in MICRO_OPS:
         a, b = (el.get("ops") or {}).get(op) or {}, (pe.get("ops") or {}).get(op) or {}
         raw = micro_ceiling(results, op)
         el_rate = a.get("ops_per_s")
+        own = a.get("raw_own") or {}
         lines.append(
-            f"| {op} | {_f(el_rate)} | {_f(b.get('ops_per_s'))} | {_ratio(el_rate, b.get('ops_per_s'))} "
+            f"| {op} | {_rate_spread(a)} | {_rate_spread(b)} | {_ratio(el_rate, b.get('ops_per_s'))} "
+            f"| {_rate_spread(own) if own else '–'} | {_vs_own(a)} "
             f"| {_f(raw)} | {_ratio(el_rate, raw)} | {_f(a.get('p50_ms'), 2)} | {_f(b.get('p50_ms'), 2)} "
             f"| {_f(a.get('cpu_us_per_op'), 0)} | {_f(b.get('cpu_us_per_op'), 0)} |"
         )
+    if el.get("blocks"):
+        lines += [
+            "",
+            f"Each operation ran in {el['blocks']} blocks; `raw own stream`: its raw twin (bench/raw_twins.py) on "
+            "eventlight's own stream, consumers and projector, in blocks alternating with the operation's; "
+            "`raw fresh stream`: the round trips below, chained (`MICRO_ROUND_TRIPS`).",
+        ]
     rt = el.get("round_trips")
     if rt:
-        lines += ["", f"Raw round trips on eventlight's servers, {rt['concurrency']} tasks back to back:", ""]
+        lines += [
+            "",
+            f"Raw round trips on a fresh stream with no consumers, on eventlight's servers after its micro "
+            f"benchmarks, {rt['concurrency']} tasks back to back:",
+            "",
+        ]
         lines += ["| round trip | ops/s | CPU µs/op |", "|---|---|---|"]
         lines += [
             f"| {k} | {_f(v.get('ops_per_s'))} | {_f(v.get('cpu_us_per_op'), 0)} |"

@@ -259,6 +259,14 @@ class Stack:
         assert self.services is not None
         return await round_trips(self.services.nats_url, self.services.pg_dsn, sampler, concurrency, seconds)
 
+    async def own_stream_raw(self, concurrency: int) -> Any:
+        """Raw twins of the micro operations on this stack's own stream and schema
+        (``bench.raw_twins.OwnStreamRaw``, connected; the caller closes it)."""
+        from bench.raw_twins import OwnStreamRaw
+
+        assert self.settings is not None and self.services is not None
+        return await OwnStreamRaw.open(self.services.nats_url, self.services.pg_dsn, self.settings, concurrency)
+
     async def sync(self, store: JetStreamLightningStore) -> None:
         """Wait until the projection has caught up with the whole stream."""
         await store.sync_all(timeout_s=300.0)
