@@ -17,6 +17,7 @@ import msgspec
 import openai
 import pytest
 from llm_stub import Reply, ScriptedLLM, ToolCall, toy_tokenize
+from slow_client import trickle_post
 
 from eventlight.attributes import unflatten_attributes
 from eventlight.core.types import LLM, ProxyLLM, Span
@@ -1145,15 +1146,38 @@ async def test_bodies_held_at_once_are_capped_and_a_stalled_body_times_out() -> 
     assert await spans_of(store, rollout.rollout_id) == []
 
 
+async def test_a_body_trickling_in_under_the_idle_timeout_gets_408() -> None:
+    """A client sending a byte of its body every ``body_timeout_s`` less a little (slowloris) never
+    tripped the idle timeout and held its call, and its bytes against ``max_buffered_bytes``, for
+    ever (here: 600 bytes a byte per 20 ms, 12 s, were read whole). Now a body ``body_timeout_s``
+    behind ``body_min_bytes_per_s`` gets 408 ``request_timeout`` naming that setting, and its
+    connection closed; nothing forwarded."""
+    stub = ScriptedLLM(responses="x")
+    limits = {"body_timeout_s": 2, "body_min_bytes_per_s": 1000}
+    async with stub as url, running_proxy(url, InMemoryLightningStore(), **limits) as proxy:
+        path = "/v1/chat/completions"  # 50 bytes/s below, a byte well inside 2 s
+        answer = await trickle_post(proxy.port, path, first=b"", piece=b" ", count=600, every_s=0.02)
+        await _until(lambda: proxy._body_reads.held_bytes == 0, "the bytes given back")
+    assert answer.status == 408 and answer.headers["connection"] == "close" and answer.closed, answer
+    error = json.loads(answer.body)["error"]
+    assert error["type"] == "request_timeout" and error["code"] == 408, error
+    assert "came slower than 1000 bytes/s" in error["message"], error
+    assert "(the LLM proxy's body_min_bytes_per_s)" in error["message"], error
+    assert stub.requests == []
+
+
 def test_the_body_limits_default_and_refuse_nonsense() -> None:
     proxy = LLMProxy(port=12345)
     assert (proxy._max_buffered_bytes, proxy._body_timeout_s) == (256 * 1024 * 1024, 30.0)
+    assert proxy._body_min_bytes_per_s == 1024.0 and LLMProxy(port=12345, body_min_bytes_per_s=None)
     assert LLMProxy(port=12345, max_body_bytes=128 * 1024 * 1024)._max_buffered_bytes == 512 * 1024 * 1024
     with pytest.raises(ValueError, match="max_buffered_bytes"):
         LLMProxy(port=12345, max_body_bytes=1000, max_buffered_bytes=999)
     for bad in (0, -1.0, float("nan"), "30"):
         with pytest.raises(ValueError, match="body_timeout_s"):
             LLMProxy(port=12345, body_timeout_s=bad)
+        with pytest.raises(ValueError, match="body_min_bytes_per_s must be a number of bytes per second > 0"):
+            LLMProxy(port=12345, body_min_bytes_per_s=bad)
 
 
 async def test_stop_answers_a_call_still_sending_its_body_503_without_a_traceback(

@@ -55,6 +55,7 @@ class ChatRoutes(Forwarding):
     _max_body_bytes: int
     _max_buffered_bytes: int | None
     _body_timeout_s: float | None
+    _body_min_bytes_per_s: float | None
     _body_reads: BodyReads
 
     def _build_app(self) -> FastAPI:
@@ -72,6 +73,7 @@ class ChatRoutes(Forwarding):
             max_body_bytes=self._max_body_bytes,
             max_buffered_bytes=self._max_buffered_bytes,
             body_timeout_s=self._body_timeout_s,
+            body_min_bytes_per_s=self._body_min_bytes_per_s,
             refuse=refuse_body,
             reads=self._body_reads,
         )
