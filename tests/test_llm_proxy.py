@@ -1166,6 +1166,41 @@ async def test_a_body_trickling_in_under_the_idle_timeout_gets_408() -> None:
     assert stub.requests == []
 
 
+async def test_a_call_waiting_for_its_model_does_not_hold_its_body_against_the_cap() -> None:
+    """A call's body bytes counted against ``max_buffered_bytes`` until its model answered, so calls
+    waiting on a slow model made the proxy refuse new bodies 503 ``server_busy`` though it held none
+    of their bytes still to read. Now they stop counting once the proxy has parsed the call: with a
+    cap below two bodies, a second call goes through while the first waits for its model."""
+    go = asyncio.Event()
+    arrived: list[int] = []
+
+    async def slow_model(messages: list[dict[str, Any]], request: dict[str, Any]) -> Reply:
+        arrived.append(len(messages[-1]["content"]))
+        await go.wait()
+        return Reply(content="done")
+
+    limit = 64 * 1024
+    stub = ScriptedLLM(responses=slow_model)
+    limits = {"max_body_bytes": limit, "max_buffered_bytes": limit + 1000}
+    async with stub as url, running_proxy(url, InMemoryLightningStore(), **limits) as proxy:
+        client = openai.AsyncOpenAI(base_url=proxy.endpoint, api_key="dummy", max_retries=0)
+        user = [{"role": "user", "content": "y" * 40_000}]  # two bodies of it pass the cap
+        first = asyncio.create_task(client.chat.completions.create(model=MODEL, messages=user))  # type: ignore[arg-type]
+        await _until(lambda: len(arrived) == 1, "the first call at the model")
+        held_while_waiting = proxy._body_reads.held_bytes
+        second = asyncio.create_task(client.chat.completions.create(model=MODEL, messages=user))  # type: ignore[arg-type]
+        await _until(lambda: len(arrived) == 2 or second.done(), "the second call at the model, or refused")
+        go.set()
+        answers = await asyncio.gather(first, second, return_exceptions=True)
+        await client.close()
+        held_after = proxy._body_reads.held_bytes
+    assert [a.choices[0].message.content if not isinstance(a, BaseException) else a for a in answers] == [
+        "done",
+        "done",
+    ]
+    assert held_while_waiting == 0 and arrived == [40_000, 40_000] and held_after == 0
+
+
 def test_the_body_limits_default_and_refuse_nonsense() -> None:
     proxy = LLMProxy(port=12345)
     assert (proxy._max_buffered_bytes, proxy._body_timeout_s) == (256 * 1024 * 1024, 30.0)

@@ -94,10 +94,12 @@ class LLMProxy(ChatRoutes):
             counted while it arrives (``eventlight.server.limits.BodyLimit``, as ``eventlight serve``):
             a ``Content-Length`` above it is refused before a byte is read, a chunked body as soon as
             it passes it, so a huge body is never buffered whole. Nothing is forwarded or recorded.
-        max_buffered_bytes: The most request-body bytes held by all calls at once, counted from a
-            body's first byte (its whole ``Content-Length``) until the call is answered; a call that
-            would pass it gets 503 with ``Retry-After: 1`` (``type`` ``server_busy``; the OpenAI SDK
-            retries it). Default: 256 MiB, or 4 × ``max_body_bytes`` when larger.
+        max_buffered_bytes: The most request-body bytes held by all calls at once, each body's bytes
+            counted as they come until the proxy has parsed it (not while its model answers, when it
+            holds the parsed call and no copy of the bytes: a slow model does not make the proxy
+            refuse new calls); a call that would pass it gets 503 with
+            ``Retry-After: 1`` (``type`` ``server_busy``; the OpenAI SDK retries it). Default:
+            256 MiB, or 4 × ``max_body_bytes`` when larger.
         body_timeout_s: Seconds a request body may go without a byte arriving; then 408 (``type``
             ``request_timeout``) and the connection is closed (default 30; ``None``: no timeout, and
             no minimum rate).

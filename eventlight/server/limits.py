@@ -22,7 +22,9 @@ An ASGI middleware that reads the body and hands it on whole, refusing:
 * any request once the server stops (503): see ``BodyReads.stop`` and ``BodyReads.cut``.
 
 A route that holds more than its body while it answers (OTLP's inflated copy of a gzip body) counts
-those bytes against the same ``max_buffered_bytes`` with ``BodyReads.holding``.
+those bytes against the same ``max_buffered_bytes`` with ``BodyReads.holding``; one that has done
+with its body before it answers (the LLM proxy, once it parsed the call and waits for the model)
+stops its bytes counting with ``release_body``.
 
 ``eventlight serve`` and the LLM proxy both use it; each says how its answers look (``refuse``).
 (Starlette's own ``RequestBodyLimitMiddleware`` answers a ``Content-Length`` over its limit with a
@@ -53,6 +55,7 @@ __all__ = [
     "BodyReads",
     "RefusalReason",
     "max_buffered_bytes_for",
+    "release_body",
 ]
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -208,6 +211,23 @@ class _Intake:
         self.paced = False
 
 
+_RELEASE_KEY = "eventlight.release_body"
+"""The ASGI scope key under which ``BodyLimit`` leaves a request's ``release_body`` callback."""
+
+
+def release_body(scope: Scope) -> None:
+    """Stop counting this request's body in ``max_buffered_bytes``: the route holds no copy of its
+    bytes any more (it parsed them) and answers later (it waits for a model). A no-op outside
+    ``BodyLimit`` or when called again.
+
+    Args:
+        scope: The request's ASGI scope (``request.scope``), as ``BodyLimit`` handed it on.
+    """
+    release = scope.get(_RELEASE_KEY)
+    if release is not None:
+        release()
+
+
 class BodyLimit:
     """Refuse request bodies that are too large, too many at once, or too slow (an ASGI middleware).
 
@@ -230,6 +250,8 @@ class BodyLimit:
             error object).
         reads: The state shared across requests, for the owner to ``stop`` / ``cut`` and to read;
             default: a new one.
+
+    A body counts its bytes until the app has answered, or until the route calls ``release_body``.
 
     Raises:
         ValueError: ``max_body_bytes`` is not positive, ``max_buffered_bytes`` is below it (no body
@@ -271,6 +293,11 @@ class BodyLimit:
             await self._answer("too_large", message, scope, receive, send)
             return
         intake = _Intake(length, asyncio.get_running_loop().time())
+
+        def release() -> None:
+            self.reads.held_bytes -= intake.held
+            intake.held = 0
+
         try:
             outcome = await self._read(receive, intake)
             if outcome is None:  # the client went away
@@ -279,9 +306,10 @@ class BodyLimit:
                 intake.chunks.clear()
                 await self._answer(*outcome, scope, receive, send)
                 return
+            scope[_RELEASE_KEY] = release
             await self._serve(intake.chunks, scope, receive, send)
         finally:
-            self.reads.held_bytes -= intake.held
+            release()
 
     async def _read(self, receive: Receive, intake: _Intake) -> Literal["whole"] | tuple[RefusalReason, str] | None:
         """Gather the body into ``intake``: ``"whole"``, the refusal to answer, or ``None`` (the client left)."""
@@ -360,15 +388,13 @@ class BodyLimit:
         await response(scope, receive, send)
 
     async def _serve(self, chunks: list[bytes], scope: Scope, receive: Receive, send: Send) -> None:
-        whole: Message = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        # Handed on once and not kept: the app's copy is then the only one (``release_body`` counts on it).
+        pending: list[Message] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
         chunks.clear()  # else the body is held twice while the app runs (each request allowed near the limit)
-        sent = False
 
         async def replay() -> Message:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return whole
+            if pending:
+                return pending.pop()
             return await receive()
 
         await self.app(scope, replay, send)
