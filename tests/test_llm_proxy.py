@@ -17,6 +17,7 @@ import msgspec
 import openai
 import pytest
 from llm_stub import Reply, ScriptedLLM, ToolCall, toy_tokenize
+from slow_client import trickle_post
 
 from eventlight.attributes import unflatten_attributes
 from eventlight.core.types import LLM, ProxyLLM, Span
@@ -1145,15 +1146,73 @@ async def test_bodies_held_at_once_are_capped_and_a_stalled_body_times_out() -> 
     assert await spans_of(store, rollout.rollout_id) == []
 
 
+async def test_a_body_trickling_in_under_the_idle_timeout_gets_408() -> None:
+    """A client sending a byte of its body every ``body_timeout_s`` less a little (slowloris) never
+    tripped the idle timeout and held its call, and its bytes against ``max_buffered_bytes``, for
+    ever (here: 600 bytes a byte per 20 ms, 12 s, were read whole). Now a body ``body_timeout_s``
+    behind ``body_min_bytes_per_s`` gets 408 ``request_timeout`` naming that setting, and its
+    connection closed; nothing forwarded."""
+    stub = ScriptedLLM(responses="x")
+    limits = {"body_timeout_s": 2, "body_min_bytes_per_s": 1000}
+    async with stub as url, running_proxy(url, InMemoryLightningStore(), **limits) as proxy:
+        path = "/v1/chat/completions"  # 50 bytes/s below, a byte well inside 2 s
+        answer = await trickle_post(proxy.port, path, first=b"", piece=b" ", count=600, every_s=0.02)
+        await _until(lambda: proxy._body_reads.held_bytes == 0, "the bytes given back")
+    assert answer.status == 408 and answer.headers["connection"] == "close" and answer.closed, answer
+    error = json.loads(answer.body)["error"]
+    assert error["type"] == "request_timeout" and error["code"] == 408, error
+    assert "came slower than 1000 bytes/s" in error["message"], error
+    assert "(the LLM proxy's body_min_bytes_per_s)" in error["message"], error
+    assert stub.requests == []
+
+
+async def test_a_call_waiting_for_its_model_does_not_hold_its_body_against_the_cap() -> None:
+    """A call's body bytes counted against ``max_buffered_bytes`` until its model answered, so calls
+    waiting on a slow model made the proxy refuse new bodies 503 ``server_busy`` though it held none
+    of their bytes still to read. Now they stop counting once the proxy has parsed the call: with a
+    cap below two bodies, a second call goes through while the first waits for its model."""
+    go = asyncio.Event()
+    arrived: list[int] = []
+
+    async def slow_model(messages: list[dict[str, Any]], request: dict[str, Any]) -> Reply:
+        arrived.append(len(messages[-1]["content"]))
+        await go.wait()
+        return Reply(content="done")
+
+    limit = 64 * 1024
+    stub = ScriptedLLM(responses=slow_model)
+    limits = {"max_body_bytes": limit, "max_buffered_bytes": limit + 1000}
+    async with stub as url, running_proxy(url, InMemoryLightningStore(), **limits) as proxy:
+        client = openai.AsyncOpenAI(base_url=proxy.endpoint, api_key="dummy", max_retries=0)
+        user = [{"role": "user", "content": "y" * 40_000}]  # two bodies of it pass the cap
+        first = asyncio.create_task(client.chat.completions.create(model=MODEL, messages=user))  # type: ignore[arg-type]
+        await _until(lambda: len(arrived) == 1, "the first call at the model")
+        held_while_waiting = proxy._body_reads.held_bytes
+        second = asyncio.create_task(client.chat.completions.create(model=MODEL, messages=user))  # type: ignore[arg-type]
+        await _until(lambda: len(arrived) == 2 or second.done(), "the second call at the model, or refused")
+        go.set()
+        answers = await asyncio.gather(first, second, return_exceptions=True)
+        await client.close()
+        held_after = proxy._body_reads.held_bytes
+    assert [a.choices[0].message.content if not isinstance(a, BaseException) else a for a in answers] == [
+        "done",
+        "done",
+    ]
+    assert held_while_waiting == 0 and arrived == [40_000, 40_000] and held_after == 0
+
+
 def test_the_body_limits_default_and_refuse_nonsense() -> None:
     proxy = LLMProxy(port=12345)
     assert (proxy._max_buffered_bytes, proxy._body_timeout_s) == (256 * 1024 * 1024, 30.0)
+    assert proxy._body_min_bytes_per_s == 1024.0 and LLMProxy(port=12345, body_min_bytes_per_s=None)
     assert LLMProxy(port=12345, max_body_bytes=128 * 1024 * 1024)._max_buffered_bytes == 512 * 1024 * 1024
     with pytest.raises(ValueError, match="max_buffered_bytes"):
         LLMProxy(port=12345, max_body_bytes=1000, max_buffered_bytes=999)
     for bad in (0, -1.0, float("nan"), "30"):
         with pytest.raises(ValueError, match="body_timeout_s"):
             LLMProxy(port=12345, body_timeout_s=bad)
+        with pytest.raises(ValueError, match="body_min_bytes_per_s must be a number of bytes per second > 0"):
+            LLMProxy(port=12345, body_min_bytes_per_s=bad)
 
 
 async def test_stop_answers_a_call_still_sending_its_body_503_without_a_traceback(

@@ -19,6 +19,7 @@ from google.protobuf import json_format
 from google.rpc import code_pb2
 from google.rpc.status_pb2 import Status
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from slow_client import trickle_post
 
 import eventlight as agl
 from eventlight.core.errors import (
@@ -793,6 +794,45 @@ async def test_a_request_that_sends_no_byte_of_its_body_gets_408() -> None:
             await _until(lambda: server.app.state.body_reads.held_bytes == 0, "the bytes given back")
     assert status == 408 and headers["connection"] == "close", (status, headers, body)
     assert "no byte of the request body came for 0.2 s (0 of 1000 bytes read)" in json.loads(body)["detail"]
+
+
+async def test_a_body_trickling_in_under_the_idle_timeout_gets_408() -> None:
+    """A client sending a byte of its body every ``body_timeout_s`` less a little (slowloris) never
+    tripped the idle timeout and held its request, and its bytes against ``max_buffered_bytes``, for
+    ever (here: 600 bytes a byte per 20 ms, 12 s, were read whole). Now a body ``body_timeout_s``
+    behind ``body_min_bytes_per_s`` answers 408 in the store's error shape and closes the connection."""
+    async with agl.InMemoryLightningStore() as store:
+        server = agl.LightningStoreServer(store, port=free_port(), body_timeout_s=2, body_min_bytes_per_s=1000)
+        async with server:
+            path = "/v1/agl/queues/rollouts/enqueue"  # 50 bytes/s below, a byte well inside 2 s
+            answer = await trickle_post(server.port, path, first=b"", piece=b" ", count=600, every_s=0.02)
+            await _until(lambda: server.app.state.body_reads.held_bytes == 0, "the bytes given back")
+    assert answer.status == 408 and answer.headers["connection"] == "close" and answer.closed, answer
+    error = json.loads(answer.body)
+    assert error["error_type"] == "RequestTimeout" and error["retryable"] is True, error
+    assert "came slower than 1000 bytes/s" in error["detail"], error
+    assert "the server's minimum body rate" in error["detail"], error
+
+
+async def test_a_body_at_the_minimum_rate_is_taken_past_body_timeout_s() -> None:
+    """The minimum rate is an average with ``body_timeout_s`` of slack, not a deadline of
+    ``body_timeout_s`` for the whole body: a body coming at twice the rate is read whole though it
+    takes three times ``body_timeout_s``."""
+    async with agl.InMemoryLightningStore() as store:
+        server = agl.LightningStoreServer(store, port=free_port(), body_timeout_s=0.5, body_min_bytes_per_s=100)
+        async with server:
+            answer = await trickle_post(  # 200 bytes/s for 1.5 s
+                server.port,
+                "/v1/agl/queues/rollouts/enqueue",
+                first=b'{"rollouts": [{"input": 1}]',
+                piece=b" " * 10,
+                count=30,
+                every_s=0.05,
+                last=b"}",
+            )
+            queued = await store.query_rollouts()
+    assert answer.status == 201, answer
+    assert [r.input for r in queued] == [1]
 
 
 async def test_slow_clients_declaring_large_bodies_do_not_lock_out_the_others() -> None:

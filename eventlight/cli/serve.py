@@ -148,6 +148,14 @@ def serve(
     body_timeout_s: Annotated[
         float, typer.Option(min=0.001, help="Seconds a request body may go without a byte arriving (408 after).")
     ] = 30.0,
+    body_min_bytes_per_s: Annotated[
+        float,
+        typer.Option(
+            min=0.001,
+            help="Least average rate of a request body, in bytes/s, with --body-timeout-s of slack "
+            "(408 when further behind).",
+        ),
+    ] = 1024.0,
     namespace: NamespaceOpt = None,
 ) -> None:
     """Serve the namespace's store over HTTP: Agent-lightning 0.3.0's /v1/agl routes (its
@@ -177,6 +185,7 @@ def serve(
         "max_body_bytes": max_body_bytes,
         "max_buffered_bytes": max_buffered_bytes,
         "body_timeout_s": body_timeout_s,
+        "body_min_bytes_per_s": body_min_bytes_per_s,
     }
     if max_buffered_bytes is not None and max_buffered_bytes < max_body_bytes:
         raise CliError(

@@ -31,8 +31,9 @@ Routes:
 A request body over ``max_body_bytes`` (32 MiB by default) answers 413 with an OpenAI error body on
 every route (as the 401 does), counted while it arrives: it is never buffered whole, forwarded nor
 recorded. A body that would take the bytes held by all calls at once past ``max_buffered_bytes``
-answers 503 ``server_busy`` with ``Retry-After``; one that goes ``body_timeout_s`` without a byte 408
-``request_timeout`` (``eventlight.server.limits.BodyLimit``).
+answers 503 ``server_busy`` with ``Retry-After`` (a call's bytes count until it is parsed, not while
+its model answers); one that goes ``body_timeout_s`` without a byte, or falls that far behind
+``body_min_bytes_per_s``, 408 ``request_timeout`` (``eventlight.server.limits.BodyLimit``).
 
 A client asking for ``stream: true`` gets a synthetic SSE stream built from the complete upstream
 answer (Agent-lightning's ``StreamConversionMiddleware``, peer failure C12), so token ids are never

@@ -27,7 +27,7 @@ from eventlight.llm_proxy.upstream import (
     upstream_error,
 )
 from eventlight.server.auth import BearerAuth
-from eventlight.server.limits import BodyLimit, BodyReads
+from eventlight.server.limits import BodyLimit, BodyReads, release_body
 
 if TYPE_CHECKING:
     from eventlight.store.base import LightningStore
@@ -55,6 +55,7 @@ class ChatRoutes(Forwarding):
     _max_body_bytes: int
     _max_buffered_bytes: int | None
     _body_timeout_s: float | None
+    _body_min_bytes_per_s: float | None
     _body_reads: BodyReads
 
     def _build_app(self) -> FastAPI:
@@ -72,6 +73,7 @@ class ChatRoutes(Forwarding):
             max_body_bytes=self._max_body_bytes,
             max_buffered_bytes=self._max_buffered_bytes,
             body_timeout_s=self._body_timeout_s,
+            body_min_bytes_per_s=self._body_min_bytes_per_s,
             refuse=refuse_body,
             reads=self._body_reads,
         )
@@ -156,8 +158,12 @@ class ChatRoutes(Forwarding):
             return CallError(503, "store_unavailable", message)
 
     async def _read_body(self, request: Request) -> dict[str, Any] | CallError:
-        """The request's JSON object with a ``messages`` list and a ``model`` (the only one, if left out)."""
-        raw = await request.body()
+        """The request's JSON object with a ``messages`` list and a ``model`` (the only one, if left out).
+
+        Its bytes are read without ``request.body()``'s cached copy, so none is left once parsed
+        (the callers then ``release_body``: the bytes stop counting while the model answers).
+        """
+        raw = b"".join([chunk async for chunk in request.stream()])
         try:
             body = json.loads(raw, parse_constant=_refuse_constant)
             if b"\\ud" in raw.lower():  # an escaped surrogate: a lone one is no text (nor storable in a span)
@@ -193,6 +199,7 @@ class ChatRoutes(Forwarding):
 
     async def _handle_chat(self, request: Request, rollout_id: str | None, attempt_id: str | None) -> Response:
         body = await self._read_body(request)
+        release_body(request.scope)  # parsed: no copy of the bytes is left while the model answers
         if isinstance(body, CallError):
             return body.openai_response()
         streaming = bool(body.get("stream"))
@@ -211,6 +218,7 @@ class ChatRoutes(Forwarding):
     async def _handle_messages(self, request: Request, rollout_id: str | None, attempt_id: str | None) -> Response:
         """Anthropic's Messages API, translated by LiteLLM to a chat completion (``anthropic_messages``)."""
         body = await self._read_body(request)
+        release_body(request.scope)  # parsed: no copy of the bytes is left while the model answers
         if isinstance(body, CallError):
             return body.anthropic_response()
         translated = anthropic_messages.to_openai(body)

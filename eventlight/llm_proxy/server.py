@@ -23,7 +23,13 @@ from eventlight.llm_proxy.metrics import ProxyMetrics
 from eventlight.llm_proxy.routes import ChatRoutes
 from eventlight.llm_proxy.upstream import STOPPING_TYPE, check_model_list, check_models
 from eventlight.net import free_port, tcp_listener
-from eventlight.server.limits import DEFAULT_BODY_TIMEOUT_S, BodyReads, check_body_limits, max_buffered_bytes_for
+from eventlight.server.limits import (
+    DEFAULT_BODY_MIN_BYTES_PER_S,
+    DEFAULT_BODY_TIMEOUT_S,
+    BodyReads,
+    check_body_limits,
+    max_buffered_bytes_for,
+)
 from eventlight.settings import proxy_token_from_env
 
 if TYPE_CHECKING:
@@ -88,16 +94,23 @@ class LLMProxy(ChatRoutes):
             counted while it arrives (``eventlight.server.limits.BodyLimit``, as ``eventlight serve``):
             a ``Content-Length`` above it is refused before a byte is read, a chunked body as soon as
             it passes it, so a huge body is never buffered whole. Nothing is forwarded or recorded.
-        max_buffered_bytes: The most request-body bytes held by all calls at once, counted from a
-            body's first byte (its whole ``Content-Length``) until the call is answered; a call that
-            would pass it gets 503 with ``Retry-After: 1`` (``type`` ``server_busy``; the OpenAI SDK
-            retries it). Default: 256 MiB, or 4 × ``max_body_bytes`` when larger.
+        max_buffered_bytes: The most request-body bytes held by all calls at once, each body's bytes
+            counted as they come until the proxy has parsed it (not while its model answers, when it
+            holds the parsed call and no copy of the bytes: a slow model does not make the proxy
+            refuse new calls); a call that would pass it gets 503 with
+            ``Retry-After: 1`` (``type`` ``server_busy``; the OpenAI SDK retries it). Default:
+            256 MiB, or 4 × ``max_body_bytes`` when larger.
         body_timeout_s: Seconds a request body may go without a byte arriving; then 408 (``type``
-            ``request_timeout``) and the connection is closed (default 30; ``None``: no timeout).
+            ``request_timeout``) and the connection is closed (default 30; ``None``: no timeout, and
+            no minimum rate).
+        body_min_bytes_per_s: The least average rate of a request body, in bytes per second, with
+            ``body_timeout_s`` of slack; a body further behind gets 408 ``request_timeout`` and the
+            connection is closed (default 1 KiB/s; ``None``: none).
 
     Raises:
         ValueError: A ``model_list`` entry is malformed, ``num_retries < 0``, ``max_body_bytes < 1``,
-            ``max_buffered_bytes < max_body_bytes``, or ``body_timeout_s`` is not a positive number.
+            ``max_buffered_bytes < max_body_bytes``, or ``body_timeout_s`` / ``body_min_bytes_per_s`` is
+            not a positive number.
         InvalidInputError: ``$EVENTLIGHT_PROXY_TOKEN_FILE`` cannot be read or is empty, or the token
             holds a space or a character outside visible ASCII (no client could send it).
     """
@@ -117,13 +130,15 @@ class LLMProxy(ChatRoutes):
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         max_buffered_bytes: int | None = None,
         body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S,
+        body_min_bytes_per_s: float | None = DEFAULT_BODY_MIN_BYTES_PER_S,
     ):
         if num_retries < 0:
             raise ValueError(f"num_retries must be >= 0, got {num_retries}")
-        check_body_limits(max_body_bytes, max_buffered_bytes, body_timeout_s)
+        check_body_limits(max_body_bytes, max_buffered_bytes, body_timeout_s, body_min_bytes_per_s)
         self._max_body_bytes = max_body_bytes
         self._max_buffered_bytes = max_buffered_bytes or max_buffered_bytes_for(max_body_bytes)
         self._body_timeout_s = body_timeout_s
+        self._body_min_bytes_per_s = body_min_bytes_per_s
         self._body_reads = BodyReads()  # the body limit's state: stop() refuses new calls, then cuts reads
         self._host = host or "127.0.0.1"
         self._port = int(port) if port is not None else free_port(self._host)

@@ -73,8 +73,8 @@ STOPPING_TYPE = SERVER_STOPPING
 refuse_body = body_refusal("the LLM proxy")
 """The proxy's answer to a request body ``BodyLimit`` refuses (its ``refuse``), as OpenAI's error
 object on every route: 413 ``invalid_request_error`` over ``max_body_bytes``, 503 ``server_busy``
-over ``max_buffered_bytes``, 408 ``request_timeout`` past ``body_timeout_s``, 503
-``server_stopping`` while the proxy stops (``openai_errors.body_refusal``)."""
+over ``max_buffered_bytes``, 408 ``request_timeout`` past ``body_timeout_s`` or behind
+``body_min_bytes_per_s``, 503 ``server_stopping`` while the proxy stops (``openai_errors.body_refusal``)."""
 
 
 def upstream_error(exc: BaseException) -> tuple[int, str, str]:

@@ -20,8 +20,9 @@ the server stops answers 503 ``server_stopping`` at once, as the proxy's own; a 
 traceback. Request bodies pass ``eventlight.server.limits.BodyLimit`` first, as the proxy's and
 ``eventlight serve``'s do: one over ``max_body_bytes`` answers 413 ``invalid_request_error``, one that
 would take the bytes held by all requests past ``max_buffered_bytes`` 503 ``server_busy`` (with
-``Retry-After``), one that goes ``body_timeout_s`` without a byte 408 ``request_timeout`` (and the
-connection is closed), and one still arriving when the server stops 503 ``server_stopping``.
+``Retry-After``), one that goes ``body_timeout_s`` without a byte, or falls that far behind
+``body_min_bytes_per_s``, 408 ``request_timeout`` (and the connection is closed), and one still
+arriving when the server stops 503 ``server_stopping``.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from eventlight.rl.policy import Generation, Policy
 from eventlight.server.limits import (
+    DEFAULT_BODY_MIN_BYTES_PER_S,
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
     BodyLimit,
@@ -138,11 +140,14 @@ class PolicyServer:
         max_buffered_bytes: The most request-body bytes held by all requests at once (503 with
             ``Retry-After: 1`` above); default 256 MiB, or 4 × ``max_body_bytes`` when larger.
         body_timeout_s: Seconds a request body may go without a byte arriving (408 after, the
-            connection closed; default 30); ``None``: no timeout.
+            connection closed; default 30); ``None``: no timeout, and no minimum rate.
+        body_min_bytes_per_s: The least average rate of a request body, in bytes per second, with
+            ``body_timeout_s`` of slack (408 after, the connection closed; default 1 KiB/s);
+            ``None``: none.
 
     Raises:
         ValueError: ``max_body_bytes < 1``, ``max_buffered_bytes < max_body_bytes``, or
-            ``body_timeout_s`` is not a positive number.
+            ``body_timeout_s`` / ``body_min_bytes_per_s`` is not a positive number.
     """
 
     def __init__(
@@ -156,11 +161,13 @@ class PolicyServer:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         max_buffered_bytes: int | None = None,
         body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S,
+        body_min_bytes_per_s: float | None = DEFAULT_BODY_MIN_BYTES_PER_S,
     ):
-        check_body_limits(max_body_bytes, max_buffered_bytes, body_timeout_s)
+        check_body_limits(max_body_bytes, max_buffered_bytes, body_timeout_s, body_min_bytes_per_s)
         self.max_body_bytes = max_body_bytes
         self.max_buffered_bytes = max_buffered_bytes or max_buffered_bytes_for(max_body_bytes)
         self.body_timeout_s = body_timeout_s
+        self.body_min_bytes_per_s = body_min_bytes_per_s
         self.body_reads = BodyReads()
         """The body limit's state (the bytes held, the reads in progress); ``stop`` cuts the reads."""
         self.policy = policy
@@ -290,6 +297,7 @@ class PolicyServer:
             max_body_bytes=self.max_body_bytes,
             max_buffered_bytes=self.max_buffered_bytes,
             body_timeout_s=self.body_timeout_s,
+            body_min_bytes_per_s=self.body_min_bytes_per_s,
             refuse=body_refusal("the policy server"),
             reads=self.body_reads,
         )

@@ -21,6 +21,7 @@ from eventlight.server.auth import BearerAuth
 from eventlight.server.codec import openapi_components
 from eventlight.server.errors import install_error_handlers
 from eventlight.server.limits import (
+    DEFAULT_BODY_MIN_BYTES_PER_S,
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
     BodyLimit,
@@ -52,6 +53,7 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_buffered_bytes: int | None = None,
     body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S,
+    body_min_bytes_per_s: float | None = DEFAULT_BODY_MIN_BYTES_PER_S,
 ) -> FastAPI:
     """The ASGI app serving ``store``.
 
@@ -65,13 +67,17 @@ def create_app(
             gets 503 with ``Retry-After: 1`` (``retryable``). Default: 256 MiB, or 4 ×
             ``max_body_bytes`` when larger.
         body_timeout_s: Seconds a request body may go without a byte arriving; then 408 and the
-            connection is closed (``None``: no timeout).
+            connection is closed (``None``: no timeout, and no minimum rate).
+        body_min_bytes_per_s: The least average rate of a request body, in bytes per second, with
+            ``body_timeout_s`` of slack; a body further behind gets 408 and the connection is closed
+            (``None``: none; default 1 KiB/s, ``eventlight.server.limits.DEFAULT_BODY_MIN_BYTES_PER_S``).
 
     ``app.state.body_reads`` is the body limit's ``BodyReads`` (the bytes held, the reads in progress),
     ``app.state.max_buffered_bytes`` its cap.
 
     Raises:
-        ValueError: ``max_body_bytes`` / ``max_buffered_bytes`` / ``body_timeout_s`` out of range
+        ValueError: ``max_body_bytes`` / ``max_buffered_bytes`` / ``body_timeout_s`` /
+            ``body_min_bytes_per_s`` out of range
             (``eventlight.server.limits.BodyLimit``).
         InvalidInputError: ``token`` is empty or blank (an unset variable in ``--token "$TOKEN"``
             would otherwise serve the store to anyone; ``None`` is "no token", said explicitly), or
@@ -84,7 +90,8 @@ def create_app(
         )
     if token is not None:
         check_bearer_token(token, "the server token")
-    check_body_limits(max_body_bytes, max_buffered_bytes, body_timeout_s)  # BodyLimit is built at the first request
+    # BodyLimit is built at the first request
+    check_body_limits(max_body_bytes, max_buffered_bytes, body_timeout_s, body_min_bytes_per_s)
     app = FastAPI(
         title="eventlight store server",
         version=_version(),
@@ -106,6 +113,7 @@ def create_app(
         max_body_bytes=max_body_bytes,
         max_buffered_bytes=app.state.max_buffered_bytes,
         body_timeout_s=body_timeout_s,
+        body_min_bytes_per_s=body_min_bytes_per_s,
         reads=app.state.body_reads,
     )
     if token:

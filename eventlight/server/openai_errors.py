@@ -51,6 +51,7 @@ _BODY_REFUSALS: dict[RefusalReason, tuple[str, str]] = {
     "too_large": ("invalid_request_error", "max_body_bytes"),
     "busy": ("server_busy", "max_buffered_bytes"),
     "timeout": ("request_timeout", "body_timeout_s"),
+    "too_slow": ("request_timeout", "body_min_bytes_per_s"),
     "stopping": (SERVER_STOPPING, ""),
 }
 
@@ -61,8 +62,8 @@ def body_refusal(server: str) -> Callable[[RefusalReason, str, Scope], JSONRespo
     Each refusal is OpenAI's error object on every route (``scope`` is not read), its message ending
     with the setting at fault (``"... (the LLM proxy's max_body_bytes)"``): 413
     ``invalid_request_error`` over ``max_body_bytes``, 503 ``server_busy`` over
-    ``max_buffered_bytes``, 408 ``request_timeout`` past ``body_timeout_s``, 503 ``server_stopping``
-    while the server stops.
+    ``max_buffered_bytes``, 408 ``request_timeout`` past ``body_timeout_s`` or ``body_timeout_s``
+    behind ``body_min_bytes_per_s``, 503 ``server_stopping`` while the server stops.
     """
 
     def refuse(reason: RefusalReason, message: str, scope: Scope) -> JSONResponse:

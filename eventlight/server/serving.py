@@ -21,7 +21,7 @@ import uvicorn
 
 from eventlight.net import tcp_listener
 from eventlight.server.app import create_app
-from eventlight.server.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
+from eventlight.server.limits import DEFAULT_BODY_MIN_BYTES_PER_S, DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES
 from eventlight.store.base import LightningStore, LightningStoreCapabilities
 
 __all__ = ["DEFAULT_PORT", "LightningStoreServer", "PortInUseError"]
@@ -79,7 +79,10 @@ class LightningStoreServer:
         max_body_bytes: Ceiling of a request body (413 above it).
         max_buffered_bytes: Ceiling of the request-body bytes held at once (503 with ``Retry-After``
             above it); default 256 MiB, or 4 × ``max_body_bytes`` when larger.
-        body_timeout_s: Seconds a request body may go without a byte arriving (408 after; ``None``: no timeout).
+        body_timeout_s: Seconds a request body may go without a byte arriving (408 after; ``None``: no
+            timeout, and no minimum rate).
+        body_min_bytes_per_s: The least average rate of a request body, in bytes per second, with
+            ``body_timeout_s`` of slack (408 after; ``None``: none; default 1 KiB/s).
         identity: What ``/v1/agl/health`` names (default: the store's class).
 
     Use as ``async with LightningStoreServer(store, port=...) as server:`` or ``start()``/``stop()``.
@@ -95,6 +98,7 @@ class LightningStoreServer:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         max_buffered_bytes: int | None = None,
         body_timeout_s: float | None = DEFAULT_BODY_TIMEOUT_S,
+        body_min_bytes_per_s: float | None = DEFAULT_BODY_MIN_BYTES_PER_S,
         identity: dict[str, Any] | None = None,
     ):
         self.store = store
@@ -107,6 +111,7 @@ class LightningStoreServer:
             max_body_bytes=max_body_bytes,
             max_buffered_bytes=max_buffered_bytes,
             body_timeout_s=body_timeout_s,
+            body_min_bytes_per_s=body_min_bytes_per_s,
         )
         self._server: _EmbeddedServer | None = None
         self._task: asyncio.Task[None] | None = None
