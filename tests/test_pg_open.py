@@ -1,4 +1,5 @@
-"""Opening Postgres while it takes no connection now ("too many clients"): waited out, then one line.
+"""Postgres taking no connection now ("too many clients"): opening waits it out, then says so in one
+line; an open store's pool logs no traceback while its connections are lost and refused.
 
 Each test gets a login role of its own with every privilege on the test's schema, refused by Postgres
 with "too many connections for role" while its ``CONNECTION LIMIT`` is 0 (a superuser is exempt from
@@ -180,3 +181,44 @@ def test_the_wait_is_a_setting_read_from_the_environment(monkeypatch: pytest.Mon
         monkeypatch.setenv("EVENTLIGHT_PG_OPEN_WAIT_S", bad)
         with pytest.raises(InvalidInputError, match="EVENTLIGHT_PG_OPEN_WAIT_S"):
             Settings.from_env()
+
+
+class _Records(logging.Handler):
+    """Every record at WARNING or above; ``seen(text)`` is set once a message holds ``text``."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+        self.text = text
+        self.seen = asyncio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+        if self.text in record.getMessage():
+            self.seen.set()
+
+
+async def test_an_open_store_whose_connections_are_lost_and_refused_logs_no_traceback(limited: LimitedRole) -> None:
+    """asyncpg's pool kept a floor of one open connection and, once it was lost, reopened it in a
+    task of its own that logged each failed try with its whole traceback ("Failed to restore the
+    pool connection floor; retrying"). Now the next call that needs a connection opens it, and the
+    store reports what fails in its own lines (the projector: one line a try)."""
+    await limited.set_limit(-1)
+    records = _Records("retrying in 1.0 s")  # the projector's second try: the floor's first was before
+    root = logging.getLogger()
+    root.addHandler(records)
+    try:
+        async with JetStreamLightningStore(limited.settings, pg_dsn=limited.settings.pg_dsn) as store:
+            await store.enqueue_rollout({"q": 1})
+            await store.sync()
+            await limited.set_limit(0)
+            await limited.admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = $1", limited.name
+            )
+            await asyncio.wait_for(records.seen.wait(), 60)
+            await limited.set_limit(-1)
+            await store.sync_all()
+    finally:
+        root.removeHandler(records)
+    tracebacks = [f"{r.name}: {r.getMessage()}" for r in records.records if r.exc_info]
+    assert not tracebacks
