@@ -847,3 +847,53 @@ async def test_a_batch_cancelled_in_its_first_round_trip_gives_no_connection_bac
             assert checkpoint == projector.checkpoint == msgs[-1].metadata.sequence.stream
         finally:
             await projector.close()
+
+
+async def test_a_term_ended_by_two_tasks_at_once_leaves_no_exception_unretrieved(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The lock connection lost: the lock watch ends the term with ``Deposed``, and the projection,
+    cancelled inside a query the same loss ends, raises ``Deposed`` too instead of stopping. Nobody
+    took the second, so asyncio logged it at ERROR with its traceback ("Task exception was never
+    retrieved") when the task was collected."""
+    import gc
+    from types import SimpleNamespace
+
+    from eventlight.store.jetstream.projector.common import Deposed
+
+    p = Projector.__new__(Projector)
+    p._stopping = False
+    p.leader = asyncio.Event()
+    p.on_leadership = None
+    p.partition = 0
+    p.log = SimpleNamespace(settings=SimpleNamespace(namespace="el_two", retention_s=None))  # type: ignore[assignment]
+
+    async def nothing() -> None:
+        return None
+
+    async def lock_lost() -> None:
+        raise Deposed("the advisory-lock connection to Postgres was lost")
+
+    async def projection() -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:  # as asyncpg's timeout can turn a cancel into the query's error
+            raise Deposed("the advisory-lock connection to Postgres was lost") from None
+
+    async def watchdog(_stopping: object) -> None:
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(p, "_become_leader", nothing)
+    monkeypatch.setattr(p, "_watch_lock", lock_lost)
+    monkeypatch.setattr(p, "_project", projection)
+    p.watchdog = SimpleNamespace(run=watchdog)  # type: ignore[assignment]
+    reported: list[dict[str, Any]] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, context: reported.append(context))
+    try:
+        with pytest.raises(Deposed):
+            await p._lead()
+        gc.collect()
+    finally:
+        loop.set_exception_handler(None)
+    assert [c["message"] for c in reported] == []
