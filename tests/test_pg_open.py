@@ -1,9 +1,9 @@
 """Postgres taking no connection now ("too many clients"): opening waits it out, then says so in one
 line; an open store's pool logs no traceback while its connections are lost and refused.
 
-Each test gets a login role of its own with every privilege on the test's schema, refused by Postgres
-with "too many connections for role" while its ``CONNECTION LIMIT`` is 0 (a superuser is exempt from
-the limit, so the test itself lifts it); the role is dropped afterwards.
+Each test gets a login role of its own with every privilege on the test's schema (``role_of``),
+refused by Postgres with "too many connections for role" while its ``CONNECTION LIMIT`` is 0 (a
+superuser is exempt from the limit, so the test itself lifts it); the role is dropped afterwards.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from eventlight.ops import apply_migrations
 from eventlight.ops.lifecycle import configured_pg
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
+from tests.conftest import as_role, role_of
 
 OPEN_LOGGER = "eventlight.store.jetstream.pg_open"
 
@@ -41,27 +42,18 @@ class LimitedRole:
 @pytest.fixture
 async def limited(namespace: Settings) -> AsyncIterator[LimitedRole]:
     assert namespace.pg_dsn is not None
-    name = f"{namespace.pg_schema}_busy"
-    schema = f'"{namespace.pg_schema}"'
-    admin = await asyncpg.connect(namespace.pg_dsn)
-    await admin.execute(f"CREATE ROLE \"{name}\" LOGIN PASSWORD 's3cret' CONNECTION LIMIT 0")
-    try:
-        for grant in ("SCHEMA {s}", "ALL TABLES IN SCHEMA {s}", "ALL SEQUENCES IN SCHEMA {s}"):
-            await admin.execute(f'GRANT ALL ON {grant.format(s=schema)} TO "{name}"')
-        database = await admin.fetchval("SELECT current_database()")
-        await admin.execute(f'GRANT CREATE ON DATABASE "{database}" TO "{name}"')  # apply_migrations: CREATE SCHEMA
-        parts = urllib.parse.urlsplit(namespace.pg_dsn)
-        netloc = f"{name}:s3cret@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-        dsn = urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+    async with role_of(namespace, "s3cret", prefix="busy", limit=0) as name:
         settings = Settings(
-            nats_url=namespace.nats_url, pg_dsn=dsn, state_dir=namespace.state_dir, namespace=namespace.namespace
+            nats_url=namespace.nats_url,
+            pg_dsn=as_role(namespace.pg_dsn, name, "s3cret"),
+            state_dir=namespace.state_dir,
+            namespace=namespace.namespace,
         )
-        yield LimitedRole(settings, admin, name)
-    finally:
-        await admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = $1", name)
-        await admin.execute(f'DROP OWNED BY "{name}"')
-        await admin.execute(f'DROP ROLE "{name}"')
-        await admin.close()
+        admin = await asyncpg.connect(namespace.pg_dsn)
+        try:
+            yield LimitedRole(settings, admin, name)
+        finally:
+            await admin.close()
 
 
 class _Warnings(logging.Handler):
