@@ -27,6 +27,8 @@ variable                             meaning                                    
                                      (archive)
 ``EVENTLIGHT_PROJECTOR_PARTITIONS``  partitions of rollouts the projection is split into        ``1``
                                      (1-64; fixed per namespace: ``projector.partition``)
+``EVENTLIGHT_PG_OPEN_WAIT_S``        seconds opening Postgres waits while it takes no            ``30``
+                                     connection now ("too many clients", starting up)
 ===================================  =========================================================  ========================
 
 ``<NAME>_FILE`` (Docker secrets' convention): the variable's value is the content of that file, one
@@ -60,6 +62,9 @@ DURABILITY: dict[str, str] = {
     "replicated": "an ack means a quorum of a 3-node cluster holds the event (R3 streams; needs EVENTLIGHT_NATS_URL)",
 }
 """The named durability levels and what an acknowledged write survives at each (README: Durability)."""
+
+PG_OPEN_WAIT_S = 30.0
+"""Seconds opening Postgres waits while it takes no connection now (``Settings.pg_open_wait_s``)."""
 
 MAX_PARTITIONS = 64
 """The most partitions a namespace's projection can be split into (``Settings.projector_partitions``)."""
@@ -101,6 +106,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             (1-64), each with its own lock, term and checkpoint, so several projector processes
             share the work; recorded in Postgres by the first projector and fixed from then on
             (``eventlight.store.jetstream.projector.partition``).
+        pg_open_wait_s: Seconds opening Postgres (a store's ``start``, ``apply_migrations``) keeps
+            trying while the server answers that it takes no connection now ("too many clients",
+            starting up: ``pg_errors.BUSY``), at doubling intervals from 0.5 s to 5 s with one
+            warning line a try; then one ``ServiceUnavailableError``. 0: no second try.
         nats_auth: NATS credentials (``EVENTLIGHT_NATS_*``); ``NatsAuth()``: none beyond the URL's.
         server_token: The bearer token of ``eventlight serve`` (``EVENTLIGHT_SERVER_TOKEN``).
         proxy_token: The bearer token of the LLM proxy (``EVENTLIGHT_PROXY_TOKEN``).
@@ -117,6 +126,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     durability: Durability = "fsync"
     retention_s: float | None = None
     projector_partitions: int = 1
+    pg_open_wait_s: float = PG_OPEN_WAIT_S
     nats_auth: NatsAuth = NatsAuth()
     server_token: str | None = None
     proxy_token: str | None = None
@@ -153,6 +163,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             raise InvalidInputError(f"stream_replicas must be 1 to 5 (JetStream's limit), not {self.stream_replicas}")
         if self.retention_s is not None and not self.retention_s >= 0:
             raise InvalidInputError(f"retention_s must be 0 or more seconds, not {self.retention_s}")
+        if not 0 <= self.pg_open_wait_s < float("inf"):
+            raise InvalidInputError(
+                f"pg_open_wait_s must be 0 or more seconds (EVENTLIGHT_PG_OPEN_WAIT_S), not {self.pg_open_wait_s}"
+            )
         if not 1 <= self.projector_partitions <= MAX_PARTITIONS:
             raise InvalidInputError(
                 f"projector_partitions must be 1 to {MAX_PARTITIONS} (EVENTLIGHT_PROJECTOR_PARTITIONS), "
@@ -169,6 +183,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         """
         env = os.environ
         parts = _int_or_none("EVENTLIGHT_PROJECTOR_PARTITIONS", env.get("EVENTLIGHT_PROJECTOR_PARTITIONS"))
+        open_wait_s = _float_or_none("EVENTLIGHT_PG_OPEN_WAIT_S", env.get("EVENTLIGHT_PG_OPEN_WAIT_S"))
         values: dict[str, object] = {
             "nats_url": env.get("EVENTLIGHT_NATS_URL") or None,
             "pg_dsn": read_secret("EVENTLIGHT_PG_DSN", env),
@@ -179,6 +194,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             "durability": env.get("EVENTLIGHT_DURABILITY") or "fsync",
             "retention_s": _float_or_none("EVENTLIGHT_RETENTION_S", env.get("EVENTLIGHT_RETENTION_S")),
             "projector_partitions": 1 if parts is None else parts,
+            "pg_open_wait_s": PG_OPEN_WAIT_S if open_wait_s is None else open_wait_s,
             "nats_auth": NatsAuth.from_env(env),
             "server_token": server_token_from_env(env),
             "proxy_token": proxy_token_from_env(env),

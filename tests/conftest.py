@@ -18,7 +18,9 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
+import asyncpg
 import pytest
 
 from eventlight.ops import (
@@ -74,6 +76,39 @@ async def fresh_namespace(services: tuple[Settings, Services]) -> AsyncIterator[
         yield settings
     finally:
         await drop_namespace(svc.nats_url, svc.pg_dsn, settings)
+
+
+def as_role(dsn: str, role: str, password: str) -> str:
+    """``dsn`` with another user and password (same host, port, database and options)."""
+    parts = urlsplit(dsn)
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{role}:{password}@{host}"))
+
+
+@contextlib.asynccontextmanager
+async def role_of(settings: Settings, password: str, *, prefix: str, limit: int = -1) -> AsyncIterator[str]:
+    """A login role ``<prefix>_<namespace>`` (not a superuser: Postgres exempts those from connection
+    limits) at ``CONNECTION LIMIT limit`` that may read and write the namespace's tables (and create
+    schemas and tables, as ``apply_migrations`` does), dropped afterwards with its sessions; yields its name."""
+    assert settings.pg_dsn is not None
+    role, schema = f"{prefix}_{settings.namespace}", settings.pg_schema
+    admin = await asyncpg.connect(settings.pg_dsn)
+    try:
+        await admin.execute(f"CREATE ROLE \"{role}\" LOGIN PASSWORD '{password}' CONNECTION LIMIT {int(limit)}")
+        await admin.execute(f'GRANT USAGE, CREATE ON SCHEMA "{schema}" TO "{role}"')
+        await admin.execute(f'GRANT ALL ON ALL TABLES IN SCHEMA "{schema}" TO "{role}"')
+        await admin.execute(f'GRANT ALL ON ALL SEQUENCES IN SCHEMA "{schema}" TO "{role}"')
+        database = await admin.fetchval("SELECT current_database()")
+        await admin.execute(f'GRANT CREATE ON DATABASE "{database}" TO "{role}"')
+        yield role
+    finally:
+        await admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = $1 AND pid <> pg_backend_pid()",
+            role,
+        )
+        await admin.execute(f'DROP OWNED BY "{role}"')
+        await admin.execute(f'DROP ROLE IF EXISTS "{role}"')
+        await admin.close()
 
 
 @pytest.fixture

@@ -80,3 +80,36 @@ def test_types_have_pydantic_model_dump() -> None:
     assert rollout.model_dump()["input"] == {"q": 1}
     assert '"rollout_id": "ro-1"' in rollout.model_dump_json(indent=None)
     assert agl.LitAgentRunner[str] is agl.LitAgentRunner  # 0.3.0's runner is generic in the task type
+
+
+async def test_a_closed_lightning_store_threaded_says_it_is_closing() -> None:
+    """``closing`` means what it means for the other stores: the wrapper refuses calls from then on,
+    whether it opened and closed its store, never opened it, or wraps an open store it leaves open."""
+    used = agl.LightningStoreThreaded(agl.InMemoryLightningStore())
+    await used.enqueue_rollout("x")
+    never_used = agl.LightningStoreThreaded(agl.InMemoryLightningStore())
+    async with agl.InMemoryLightningStore() as inner:
+        over_open = agl.LightningStoreThreaded(inner)
+        for wrapper in (used, never_used, over_open):
+            assert wrapper.closing is False
+            await wrapper.close()
+            assert wrapper.closing is True
+            with pytest.raises(agl.InvalidInputError, match="closed"):
+                await wrapper.enqueue_rollout("y")
+        assert inner.closing is False  # left open: its opener closes it
+        assert (await inner.enqueue_rollout("z")).rollout_id
+
+
+async def test_lightning_store_threaded_says_its_store_is_closing() -> None:
+    """Before its own close, the wrapper answers for the store it wraps (``closing`` of an open
+    JetStream-like store that began to close)."""
+
+    class Closing(agl.InMemoryLightningStore):
+        @property
+        def closing(self) -> bool:
+            return True
+
+    async with Closing() as inner:
+        wrapper = agl.LightningStoreThreaded(inner)
+        assert wrapper.closing is True
+        await wrapper.close()

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
+import msgspec
 import nats.errors
 import pytest
 from faults import Ledger, check_log_and_read_model, stream_last_seq, workload
@@ -22,6 +21,7 @@ from eventlight.core.types import RolloutConfig, Span
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.store.jetstream.projector import Projector
+from tests.conftest import as_role, role_of
 
 PROJECTOR_LOGGER = "eventlight.store.jetstream.projector"
 
@@ -170,14 +170,16 @@ async def test_a_number_beyond_float_range_in_raw_attributes_reads_back(namespac
         assert span.name == "foreign" and span.attributes == {"n": float("inf")}
 
 
-@pytest.mark.parametrize("failure", ["data", "event", "server"])
+@pytest.mark.parametrize("failure", ["data", "event", "server", "stuck"])
 async def test_a_failing_batch_is_never_skipped(
     namespace: Settings, monkeypatch: pytest.MonkeyPatch, failure: str
 ) -> None:
     """A batch that fails is retried as it is, never acknowledged by a later batch (ack policy *all*).
     An event that fails on its own (data Postgres refuses, or a TypeError from a bug) is listed in
     ``projector_dead_letters`` (it stays in the stream) and the events around it in the same batch
-    are applied; a server failure (a lost connection, twice) is retried until the batch is applied."""
+    are applied; a server failure (a lost connection, twice) is retried until the batch is applied,
+    and so is a connection asyncpg finds stuck (``InternalClientError``, twice: its server ended it,
+    and asyncpg had not seen it close yet), which was taken for the event's failure."""
     fold = Projector._fold
     failures = {"left": 2}
     poisoned: set[str] = set()
@@ -190,6 +192,10 @@ async def test_a_failing_batch_is_never_skipped(
                 raise TypeError("a bug met this event (test)")
             if failures["left"] > 0:
                 failures["left"] -= 1
+                if failure == "stuck":
+                    raise asyncpg.exceptions.InternalClientError(
+                        "cannot switch to state 15; another operation (2) is in progress (test)"
+                    )
                 raise asyncpg.exceptions.ConnectionDoesNotExistError("connection lost (test)")
         return await fold(self, conn, events)
 
@@ -209,7 +215,7 @@ async def test_a_failing_batch_is_never_skipped(
             inputs = [r.input for r in await store.query_rollouts()]
             async with store.pool.acquire() as conn:
                 dead = await conn.fetch("SELECT stream_seq, subject, error FROM projector_dead_letters")
-            if failure == "server":
+            if failure in ("server", "stuck"):
                 assert inputs == ["x", "bad", "y", "z"] and not dead and failures["left"] == 0
             else:
                 assert inputs == ["x", "y", "z"] and projector.dead_letters == 1
@@ -452,44 +458,15 @@ async def test_the_projector_plans_its_writes_once(namespace: Settings) -> None:
 # -- failures of the servers under the projector ----------------------------------------------
 
 
-def _as_role(dsn: str, role: str, password: str) -> str:
-    """``dsn`` with another user and password (same host, port, database and options)."""
-    parts = urlsplit(dsn)
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{role}:{password}@{host}"))
-
-
-@contextlib.asynccontextmanager
-async def _role_of(settings: Settings, password: str) -> AsyncIterator[str]:
-    """A login role (not a superuser: Postgres exempts those from connection limits) that may read
-    and write the namespace's tables, dropped afterwards; yields its name."""
-    assert settings.pg_dsn is not None
-    role, schema = f"c25_{settings.namespace}", settings.pg_schema
-    admin = await asyncpg.connect(settings.pg_dsn)
-    try:
-        await admin.execute(f"CREATE ROLE \"{role}\" LOGIN PASSWORD '{password}'")
-        await admin.execute(f'GRANT USAGE ON SCHEMA "{schema}" TO "{role}"')
-        await admin.execute(f'GRANT ALL ON ALL TABLES IN SCHEMA "{schema}" TO "{role}"')
-        await admin.execute(f'GRANT ALL ON ALL SEQUENCES IN SCHEMA "{schema}" TO "{role}"')
-        yield role
-    finally:
-        await admin.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = $1 AND pid <> pg_backend_pid()",
-            role,
-        )
-        await admin.execute(f'DROP OWNED BY "{role}"')
-        await admin.execute(f'DROP ROLE IF EXISTS "{role}"')
-        await admin.close()
-
-
 async def test_postgres_out_of_connection_slots_is_named_waited_out_and_loses_nothing(
     namespace: Settings, caplog: pytest.LogCaptureFixture
 ) -> None:
     """peer_failures C25: Postgres says "too many connections" because other clients hold every
     slot (here the role's ``CONNECTION LIMIT``, which Postgres enforces as it does
     ``max_connections``). The store's connections are cut while two other clients fill the limit:
-    runners' writes go on (NATS only); a read and a store opened meanwhile fail with
-    ``ServiceUnavailableError`` naming the cause. One slot frees: the projector leads again but
+    runners' writes go on (NATS only); a read and a store opened meanwhile (told not to wait:
+    ``pg_open_wait_s=0``; ``test_pg_open`` has the wait) fail with ``ServiceUnavailableError``
+    naming the cause. One slot frees: the projector leads again but
     cannot open a connection to write with; two: it catches up. Meanwhile it retries at growing
     intervals, one warning line a try, instead of crashing or spinning (before, a batch it could
     not write logged a traceback every second), and the read model ends with every event once
@@ -514,8 +491,8 @@ async def test_postgres_out_of_connection_slots_is_named_waited_out_and_loses_no
             await asyncio.sleep(0.05)
 
     try:
-        async with _role_of(namespace, password) as role:
-            dsn = _as_role(namespace.pg_dsn, role, password)
+        async with role_of(namespace, password, prefix="c25") as role:
+            dsn = as_role(namespace.pg_dsn, role, password)
             async with (
                 JetStreamLightningStore(namespace) as runner,  # a runner's store: NATS only
                 JetStreamLightningStore(namespace, pg_dsn=dsn, pool_size=2) as store,
@@ -535,8 +512,9 @@ async def test_postgres_out_of_connection_slots_is_named_waited_out_and_loses_no
                 last = await stream_last_seq(runner)
                 with pytest.raises(ServiceUnavailableError, match="too many connections") as read:
                     await store.sync(last, timeout_s=1.5)
+                at_once = msgspec.structs.replace(namespace, pg_open_wait_s=0)  # no wait (EVENTLIGHT_PG_OPEN_WAIT_S)
                 with pytest.raises(ServiceUnavailableError, match="too many connections") as opened:
-                    await JetStreamLightningStore(namespace, pg_dsn=dsn).start()
+                    await JetStreamLightningStore(at_once, pg_dsn=dsn).start()
                 await until(lambda: len(refused("projector of")) >= 2, "the projector did not try twice to lead")
                 await others.pop().close()  # one slot frees: the lock's connection, none to write with
                 await until(store.projector.leader.is_set, "the projector did not lead again")
@@ -847,3 +825,98 @@ async def test_a_batch_cancelled_in_its_first_round_trip_gives_no_connection_bac
             assert checkpoint == projector.checkpoint == msgs[-1].metadata.sequence.stream
         finally:
             await projector.close()
+
+
+async def test_a_term_ended_by_two_tasks_at_once_leaves_no_exception_unretrieved(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The lock connection lost: the lock watch ends the term with ``Deposed``, and the projection,
+    cancelled inside a query the same loss ends, raises ``Deposed`` too instead of stopping. Nobody
+    took the second, so asyncio logged it at ERROR with its traceback ("Task exception was never
+    retrieved") when the task was collected."""
+    import gc
+    from types import SimpleNamespace
+
+    from eventlight.store.jetstream.projector.common import Deposed
+
+    p = Projector.__new__(Projector)
+    p._stopping = False
+    p.leader = asyncio.Event()
+    p.on_leadership = None
+    p.partition = 0
+    p.log = SimpleNamespace(settings=SimpleNamespace(namespace="el_two", retention_s=None))  # type: ignore[assignment]
+
+    async def nothing() -> None:
+        return None
+
+    async def lock_lost() -> None:
+        raise Deposed("the advisory-lock connection to Postgres was lost")
+
+    async def projection() -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:  # as asyncpg's timeout can turn a cancel into the query's error
+            raise Deposed("the advisory-lock connection to Postgres was lost") from None
+
+    async def watchdog(_stopping: object) -> None:
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(p, "_become_leader", nothing)
+    monkeypatch.setattr(p, "_watch_lock", lock_lost)
+    monkeypatch.setattr(p, "_project", projection)
+    p.watchdog = SimpleNamespace(run=watchdog)  # type: ignore[assignment]
+    reported: list[dict[str, Any]] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, context: reported.append(context))
+    try:
+        with pytest.raises(Deposed):
+            await p._lead()
+        gc.collect()
+    finally:
+        loop.set_exception_handler(None)
+    assert [c["message"] for c in reported] == []
+
+
+async def test_a_batch_whose_connection_was_lost_reports_what_failed_it() -> None:
+    """A connection lost mid-batch is given back to the pool by asyncpg as it sees it close; the
+    proxy the batch holds then raises ``InterfaceError`` ("connection has been released back to
+    the pool") on any call. Rolling back called one, and that error replaced the batch's own
+    ("connection was closed in the middle of operation") in the projector's warning line."""
+    from eventlight.store.jetstream.projector.batch import _roll_back
+
+    class Released:
+        def is_closed(self) -> bool:
+            raise asyncpg.InterfaceError(
+                "cannot call Connection.is_closed(): connection has been released back to the pool"
+            )
+
+        def terminate(self) -> None:
+            raise asyncpg.InterfaceError(
+                "cannot call Connection.terminate(): connection has been released back to the pool"
+            )
+
+    await _roll_back(Released())  # type: ignore[arg-type]
+    await _roll_back(Released(), cut=True)  # type: ignore[arg-type]
+    await _roll_back(Released(), stuck=True)  # type: ignore[arg-type]
+
+
+async def test_a_stuck_connection_is_closed_not_given_back() -> None:
+    """A batch that asyncpg refused on a stuck connection (``InternalClientError``) closes it, so
+    that the pool does not hand the same connection to the retry."""
+    from eventlight.store.jetstream.projector.batch import _roll_back
+
+    class Stuck:
+        terminated = False
+
+        def is_closed(self) -> bool:
+            return False
+
+        def is_in_transaction(self) -> bool:
+            return False
+
+        def terminate(self) -> None:
+            self.terminated = True
+
+    conn = Stuck()
+    await _roll_back(conn, stuck=True)  # type: ignore[arg-type]
+    assert conn.terminated

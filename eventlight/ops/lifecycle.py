@@ -23,7 +23,7 @@ from eventlight.ops.leases import Lease, clear_marks, live_leases, mark, marked,
 from eventlight.ops.nats_server import ensure_nats, stop_nats
 from eventlight.ops.pg_pgserver import ensure_pgserver, stop_pgserver
 from eventlight.ops.pg_system import ensure_system_pg, postmaster, stop_system_pg
-from eventlight.ops.postgres import REFUSED, UNUSABLE, choose_pg_kind, pg_probe
+from eventlight.ops.postgres import BUSY_NOW, REFUSED, UNUSABLE, choose_pg_kind, pg_probe
 from eventlight.ops.procs import pid_running, read_pid
 from eventlight.ops.schema import apply_migrations
 from eventlight.ops.state import (
@@ -347,7 +347,7 @@ async def _apply_namespace(settings: Settings, services: Services) -> None:
         await apply_streams(nc, settings)
     finally:
         await nc.close()
-    await apply_migrations(services.pg_dsn, settings.pg_schema)
+    await apply_migrations(services.pg_dsn, settings.pg_schema, open_wait_s=settings.pg_open_wait_s)
 
 
 async def stop_services(settings: Settings) -> list[str]:
@@ -383,8 +383,9 @@ async def stop_services(settings: Settings) -> list[str]:
 
 
 async def configured_pg(settings: Settings, state: Path) -> PgServer | None:
-    """``settings.pg_dsn`` when it answers; ``None`` when none is set, or when nothing answers there
-    (with a warning: the embedded one is used).
+    """``settings.pg_dsn`` when it answers (also when it answers that it takes no connection now,
+    "too many clients": ``apply_migrations`` and the store then wait for one, ``Settings.pg_open_wait_s``);
+    ``None`` when none is set, or when nothing answers there (with a warning: the embedded one is used).
 
     Raises:
         InvalidInputError: The configured server answered but refused the role, password,
@@ -395,7 +396,7 @@ async def configured_pg(settings: Settings, state: Path) -> PgServer | None:
     if not settings.pg_dsn:
         return None
     why = await pg_probe(settings.pg_dsn)
-    if why is None:
+    if why is None or why.startswith(BUSY_NOW):  # busy: it is there; what connects next waits for room
         return PgServer(settings.pg_dsn, None, "external", False)
     if why.startswith((REFUSED, UNUSABLE)):
         raise InvalidInputError(

@@ -37,6 +37,10 @@ REFUSALS = (
 REFUSED = "refused the connection"
 """How ``pg_probe``'s answer begins when the server raised one of ``REFUSALS``."""
 
+BUSY_NOW = "answered but takes no connection now"
+"""How ``pg_probe``'s answer begins when the server said "too many clients" or that it is starting up
+(``pg_errors.BUSY``): it is there, and a connection may be had a little later."""
+
 UNUSABLE = "cannot be used with this DSN"
 """How ``pg_probe``'s answer begins when asyncpg refused the DSN's settings before connecting (a
 root certificate ``sslmode=verify-full`` needs that does not exist)."""
@@ -57,7 +61,9 @@ async def pg_probe(dsn: str, timeout_s: float = PG_PROBE_TIMEOUT_S) -> str | Non
     gives (any other error the server sends to a connection that is starting), or the DSN's
     ``sslmode`` (it rejected SSL, or its certificate failed the check); or ``"cannot be used with
     this DSN (why)"`` when asyncpg refused the DSN's settings before connecting (``sslmode=verify-full``
-    and no root certificate: none in ``sslrootcert``, ``$PGSSLROOTCERT`` or ``~/.postgresql/root.crt``)."""
+    and no root certificate: none in ``sslrootcert``, ``$PGSSLROOTCERT`` or ``~/.postgresql/root.crt``);
+    or ``"answered but takes no connection now (why)"`` (``BUSY_NOW``) for "too many clients" or a
+    server starting up."""
     try:
         conn = await pg_errors.connect(dsn, timeout_s=timeout_s)
     except ServiceUnavailableError as e:
@@ -78,6 +84,8 @@ def _why_not(e: ServiceUnavailableError, dsn: str) -> str:
     cause = e.__cause__ or e
     if _before_connecting(cause):
         return f"{UNUSABLE} ({_config_error(cause, dsn)})"
+    if isinstance(cause, pg_errors.BUSY):
+        return f"{BUSY_NOW} ({cause})"
     return f"{REFUSED if isinstance(cause, REFUSALS) or _ssl_refused(cause) else 'did not answer'} ({cause})"
 
 

@@ -11,11 +11,12 @@ import asyncpg
 from eventlight._data import data_dir
 from eventlight.credentials import NatsAuth
 from eventlight.net import redact
-from eventlight.settings import Settings
+from eventlight.settings import PG_OPEN_WAIT_S, Settings
 from eventlight.sql_reader import drop_reader
 from eventlight.store.jetstream import pg_errors
 from eventlight.store.jetstream.connect import connect_nats
 from eventlight.store.jetstream.nats_errors import JsNotFoundError, nats_errors
+from eventlight.store.jetstream.pg_open import open_waiting
 
 _log = logging.getLogger(__name__)
 
@@ -26,7 +27,9 @@ def _quote_ident(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
-async def apply_migrations(pg_dsn: str, schema: str, migrations_dir: Path | None = None) -> list[str]:
+async def apply_migrations(
+    pg_dsn: str, schema: str, migrations_dir: Path | None = None, *, open_wait_s: float = PG_OPEN_WAIT_S
+) -> list[str]:
     """Apply ``NNN_*.sql`` files not yet recorded in ``<schema>.schema_migrations``, in order.
 
     Each file runs in its own transaction with ``SET LOCAL search_path TO <schema>`` under
@@ -36,17 +39,21 @@ async def apply_migrations(pg_dsn: str, schema: str, migrations_dir: Path | None
         pg_dsn: Postgres DSN.
         schema: Schema to create and migrate (e.g. ``settings.pg_schema``).
         migrations_dir: Folder of SQL files; default the packaged ``eventlight/_data/migrations``.
+        open_wait_s: Seconds to keep trying to connect while Postgres answers "too many clients"
+            (or that it is starting up), one warning line a try (``Settings.pg_open_wait_s``).
 
     Returns:
         Versions (file stems, e.g. ``"001_read_models"``) applied by this call.
 
     Raises:
         FileNotFoundError: No migrations folder was found.
-        ServiceUnavailableError: Postgres cannot be reached or failed.
+        ServiceUnavailableError: Postgres cannot be reached or failed, or took no connection
+            within ``open_wait_s`` seconds.
         asyncpg.PostgresError: A migration's SQL failed; its transaction is rolled back.
     """
     files = _read_migrations(migrations_dir or data_dir("migrations"))
-    conn = await pg_errors.connect(pg_dsn, timeout_s=CONNECT_TIMEOUT_S)
+    connect = lambda: pg_errors.connect(pg_dsn, timeout_s=CONNECT_TIMEOUT_S)  # noqa: E731
+    conn = await open_waiting(pg_dsn, "applying migrations", connect, wait_s=open_wait_s)
     try:
         with pg_errors.pg_errors(pg_dsn, "apply migrations"):
             return await _apply_all(conn, schema, files)

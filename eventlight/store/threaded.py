@@ -19,7 +19,7 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from eventlight.core.errors import WrongEventLoopError
+from eventlight.core.errors import InvalidInputError, WrongEventLoopError
 from eventlight.store.base import LightningStore, LightningStoreCapabilities
 
 __all__ = ["LightningStoreThreaded"]
@@ -35,7 +35,8 @@ class LightningStoreThreaded:
             own loop, and closed by ``close()``; one already open on a running loop (its
             ``home_loop``) is called on that loop, and ``close()`` leaves it open.
 
-    Every coroutine method of ``LightningStore`` is available with the same signature.
+    Every coroutine method of ``LightningStore`` is available with the same signature; after
+    ``close()`` each raises ``InvalidInputError`` and ``closing`` is ``True``.
 
     Raises:
         WrongEventLoopError: ``store`` is open on an event loop that does not run (its calls would
@@ -71,6 +72,14 @@ class LightningStoreThreaded:
     def capabilities(self) -> LightningStoreCapabilities:
         return {**self.store.capabilities, "thread_safe": True}
 
+    @property
+    def closing(self) -> bool:
+        """Whether ``close`` of this wrapper has begun (or is done): it refuses calls from then on
+        (``InvalidInputError``), also when the store it wraps stays open (one that was open when it
+        was wrapped) or was never opened; before that, what the wrapped store says (``False`` for a
+        store that does not say), as ``LightningStore.closing``."""
+        return self._closed or bool(getattr(self.store, "closing", False))
+
     def otlp_traces_endpoint(self) -> str:
         return self.store.otlp_traces_endpoint()
 
@@ -79,7 +88,7 @@ class LightningStoreThreaded:
 
     async def _call(self, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
         if self._closed:
-            raise RuntimeError("this LightningStoreThreaded is closed")
+            raise InvalidInputError("this LightningStoreThreaded is closed; wrap the store anew to use it")
         if not self._owned:
             self._check_home()
         elif self._started is None:

@@ -29,10 +29,11 @@ from eventlight.core.types import now as wall_clock
 from eventlight.net import redact_configured
 from eventlight.settings import Settings
 from eventlight.store.base import LightningStoreCapabilities
-from eventlight.store.jetstream import pg
+from eventlight.store.jetstream import pg, pg_errors
 from eventlight.store.jetstream.connect import RECONNECT_WAIT_S, connect_nats, connected_server
 from eventlight.store.jetstream.log import JetStreamEventLog
 from eventlight.store.jetstream.nats_errors import nats_errors
+from eventlight.store.jetstream.pg_open import open_waiting
 from eventlight.store.jetstream.projector import Projector, ProjectorGroup
 from eventlight.store.jetstream.projector.partition import record_partitions
 from eventlight.store.jetstream.readmodel import SYNC_TIMEOUT_S, SqlReadModel
@@ -94,8 +95,13 @@ class JetStreamLightningStore(EventStore):
     async def start(self) -> JetStreamLightningStore:
         """Connect to NATS (and Postgres when ``pg_dsn`` is set); start the projector if asked.
 
+        Postgres answering "too many clients" (or that it is starting up) is tried again for up to
+        ``settings.pg_open_wait_s`` seconds (``EVENTLIGHT_PG_OPEN_WAIT_S``, 30 by default), one
+        warning line a try.
+
         Raises:
-            ServiceUnavailableError: A server cannot be reached.
+            ServiceUnavailableError: A server cannot be reached, or Postgres took no connection
+                within ``settings.pg_open_wait_s`` seconds.
             InvalidInputError: No NATS URL, a projector without Postgres, or a namespace without tables.
         """
         if self.nats_url is None:
@@ -147,11 +153,29 @@ class JetStreamLightningStore(EventStore):
         return ProjectorGroup(log_, pool, n, **kw)  # type: ignore[arg-type]
 
     async def _open_pool(self, dsn: str) -> asyncpg.Pool:
+        """The store's pool, once Postgres takes a connection: while it answers "too many clients"
+        (or that it is starting up), tried again for up to ``settings.pg_open_wait_s`` seconds
+        (``open_waiting``).
+
+        Raises:
+            ServiceUnavailableError: Postgres cannot be reached, or took no connection in time.
+            InvalidInputError: The namespace has no tables.
+        """
         n = self.settings.projector_partitions
         extra = 2 * n + 1 if self.run_projector and n > 1 else 0  # ProjectorGroup's lock and batch connections
-        pool = await pg.create_pool(dsn, self.settings.pg_schema, max_size=self.pool_size + extra)
-        async with pool.acquire() as conn:
-            migrated = await conn.fetchval("SELECT to_regclass('projector_checkpoint')") is not None
+        pool = await open_waiting(
+            dsn,
+            "opening the store",
+            lambda: pg.create_pool(dsn, self.settings.pg_schema, max_size=self.pool_size + extra),
+            wait_s=self.settings.pg_open_wait_s,
+        )
+        try:
+            with pg_errors.pg_errors(dsn, "connect"):
+                async with pool.acquire() as conn:
+                    migrated = await conn.fetchval("SELECT to_regclass('projector_checkpoint')") is not None
+        except BaseException:
+            pool.terminate()
+            raise
         if not migrated:
             await pool.close()
             raise InvalidInputError(

@@ -101,6 +101,12 @@ async def _reset(conn: asyncpg.Connection) -> None:
 async def create_pool(dsn: str, schema: str, *, max_size: int = 4) -> asyncpg.Pool:
     """A small pool whose connections use ``schema`` (bounded: see peer failure C25).
 
+    It opens one connection at once (so a server that cannot be reached fails here) and keeps no
+    floor of open connections (``min_size=0``): a connection lost (Postgres restarted, its backend
+    terminated) is opened again by the next call that needs one, which reports a failure as the
+    store's own error, rather than by asyncpg's background "floor" task, which logs each failed try
+    (1 s, 2 s, ... 60 s apart while Postgres is away) as a warning with its whole traceback.
+
     Raises:
         ServiceUnavailableError: Postgres refused or did not answer.
         InvalidInputError: ``dsn`` cannot be parsed (``pg_errors.dsn_errors``).
@@ -108,7 +114,8 @@ async def create_pool(dsn: str, schema: str, *, max_size: int = 4) -> asyncpg.Po
     with dsn_errors(dsn), pg_errors(dsn, "connect"):
         pool: asyncpg.Pool = await asyncpg.create_pool(
             dsn,
-            min_size=1,
+            init_size=1,
+            min_size=0,
             max_size=max_size,
             timeout=5,
             # Custom plans: a generic plan guesses filter selectivity (e.g. ``status = $1``) and then

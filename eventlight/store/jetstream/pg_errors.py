@@ -8,6 +8,8 @@
 * ``SERVER_FAILURES``: the exception types that mean "the server failed, not the event": the
   projector retries a batch failing with one as it is.
 * ``AUTH_FAILURES``: a role that may not log in that way (``eventlight sql`` then sets a password).
+* ``BUSY``: a server that answered but takes no connection now ("too many clients", starting up):
+  opening waits it out (``pg_open.open_waiting``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import asyncpg
 from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
 from eventlight.net import redact, redact_unparsed
 
-__all__ = ["AUTH_FAILURES", "SERVER_FAILURES", "connect", "dsn_errors", "pg_errors", "sql_error_detail"]
+__all__ = ["AUTH_FAILURES", "BUSY", "SERVER_FAILURES", "connect", "dsn_errors", "pg_errors", "sql_error_detail"]
 
 SERVER_FAILURES: tuple[type[BaseException], ...] = (
     OSError,
@@ -32,6 +34,12 @@ SERVER_FAILURES: tuple[type[BaseException], ...] = (
     asyncpg.exceptions.TransactionRollbackError,  # 40: serialization failure, deadlock
     asyncpg.exceptions.LockNotAvailableError,
 )
+
+BUSY: tuple[type[BaseException], ...] = (
+    asyncpg.exceptions.InsufficientResourcesError,  # 53: "too many clients" (53300), out of memory
+    asyncpg.exceptions.CannotConnectNowError,  # 57P03: starting up, shutting down, in recovery
+)
+"""What a server that answered says when it takes no connection *now* (a subset of ``SERVER_FAILURES``)."""
 
 AUTH_FAILURES: tuple[type[BaseException], ...] = (
     asyncpg.InvalidPasswordError,

@@ -139,10 +139,10 @@ class BatchWriter:
         if last_seq == 0:
             return
         async with self.pool.acquire() as conn:
-            batch = await self._fold(conn, events)
-            batch.last_seq = last_seq
-            workers = await self._fold_workers(conn, batch, items)
             try:  # the transaction by hand: BEGIN goes with the checkpoint's update (``_advance``)
+                batch = await self._fold(conn, events)
+                batch.last_seq = last_seq
+                workers = await self._fold_workers(conn, batch, items)
                 await self._advance(conn, last_seq)
                 await self._write(conn, batch)
                 if workers is not None and workers.attempts:
@@ -151,7 +151,9 @@ class BatchWriter:
                     await self._dead_letter(conn, malformed)
                 status = await conn.execute("COMMIT")
             except BaseException as e:
-                await _roll_back(conn, cut=not isinstance(e, Exception))
+                await _roll_back(
+                    conn, cut=not isinstance(e, Exception), stuck=isinstance(e, asyncpg.InternalClientError)
+                )
                 raise
             if status != "COMMIT":  # Postgres answers ROLLBACK to the COMMIT of a failed transaction
                 raise RuntimeError(f"the batch's transaction did not commit ({status})")
@@ -325,7 +327,7 @@ class BatchWriter:
             await conn.executemany(INSERT_SPAN, rows)
 
 
-async def _roll_back(conn: asyncpg.Connection, *, cut: bool = False) -> None:
+async def _roll_back(conn: asyncpg.Connection, *, cut: bool = False, stuck: bool = False) -> None:
     """End a batch's failed transaction, if one is open (the caller raises what failed it). A
     connection that cannot roll back is closed, and the pool opens another: none goes back to the
     pool in a transaction.
@@ -336,8 +338,23 @@ async def _roll_back(conn: asyncpg.Connection, *, cut: bool = False) -> None:
     only from its answer. asyncpg sends it once the server has cancelled the cut query (closing
     the connection instead would leave that query running on the server, and a cut ``UPDATE``
     holding its rows). Given back as it was, the pool's reset rolled it back, reported as
-    "Resetting connection with an active transaction" through the event loop's exception handler."""
-    if conn.is_closed() or (not cut and not conn.is_in_transaction()):
+    "Resetting connection with an active transaction" through the event loop's exception handler.
+
+    ``stuck``: asyncpg refused a query because the connection's protocol is in a state no query can
+    follow (``InternalClientError``: its server ended it, and asyncpg has not seen it close yet):
+    it is closed, so that the pool does not hand it out again.
+
+    A connection that was lost may already be back in the pool (asyncpg gives it back as it sees it
+    close): nothing is left to do, and what failed the batch is what the caller raises."""
+    try:
+        if conn.is_closed():
+            return
+    except asyncpg.InterfaceError:  # "connection has been released back to the pool": it was lost
+        return
+    if stuck:
+        conn.terminate()
+        return
+    if not cut and not conn.is_in_transaction():
         return
     try:
         await conn.execute("ROLLBACK")  # with none open: a warning from the server, no error

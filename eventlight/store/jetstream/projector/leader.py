@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -26,6 +27,8 @@ from eventlight.store.jetstream.pg import (
 from eventlight.store.jetstream.projector.common import (
     LOCK_PING_S,
     LOCK_PING_TIMEOUT_S,
+    NOT_THE_EVENTS,
+    READ_ERRORS,
     RETRY_MAX_S,
     RETRY_S,
     START_DECIDE_S,
@@ -185,6 +188,7 @@ class Projector(Consumer):
             for t in tasks:
                 t.cancel()
             await asyncio.wait(tasks, timeout=5)
+            _collect(tasks, raised=sys.exc_info()[1])
 
     async def _retire_loop(self, retention_s: float) -> None:
         """The leader retires what is due every ``retire_every_s(retention_s)`` (at most
@@ -320,3 +324,21 @@ class Projector(Consumer):
             except Exception as e:
                 raise Deposed(f"the advisory-lock connection to Postgres does not answer ({e!r})") from e
             raise_if_cancelled(base)
+
+
+def _collect(tasks: list[asyncio.Task[None]], raised: BaseException | None) -> None:
+    """Take what ended each finished task of a term, so that asyncio does not report one as "Task
+    exception was never retrieved" (at ERROR, with its traceback) when the task is collected. A lost
+    connection often ends two at once: the lock watch raises ``Deposed``, and the projection,
+    cancelled inside an asyncpg query that the same loss ends (asyncpg's timeout can turn the
+    cancel into the query's error), raises it too. That, a server failure (``TRANSIENT``) or NATS
+    failing (``READ_ERRORS``) is expected: a debug line. Anything else is logged with its traceback,
+    but for ``raised``, the one ``_lead`` raises (its caller reports it).
+    """
+    for t in tasks:
+        if not t.done() or t.cancelled() or (e := t.exception()) is None or e is raised:
+            continue
+        if isinstance(e, NOT_THE_EVENTS + READ_ERRORS):
+            log.debug("%s ended with %r as its term ended", t.get_name(), e)
+        else:
+            log.error("%s ended with %r as its term ended", t.get_name(), e, exc_info=e)
