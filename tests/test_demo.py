@@ -310,3 +310,24 @@ def test_a_partial_held_out_evaluation_is_no_result(monkeypatch: pytest.MonkeyPa
     assert f"held-out reward, {run}-step0" in out and "0.250 (only 8 of 73 items)" in out
     assert "1-digit              no result -> 0.300" in out and "2-digit              0.250 -> no result" in out
     assert "nan" not in out and "peaked" not in out
+
+
+def test_the_rollouts_progress_line_says_what_its_numbers_count(capsys: Any) -> None:
+    """ "step  4: 40 of 105 rollouts finished" did not say that 73 of the 105 were the held-out
+    evaluation's items, not training samples. The line now counts each apart when a step has both,
+    and names the kind when it has one."""
+    from examples.arithmetic.train_grpo import on_progress
+
+    both = {"finished": 40, "total": 105, "held_out": 73, "held_out_finished": 10, "elapsed_s": 62.4}
+    on_progress({"event": "rollouts", "step": 4, **both})
+    on_progress({"event": "rollouts", "step": 1, "finished": 20, "total": 32, "held_out": 0, "elapsed_s": 31})
+    unread = {"finished": None, "total": 73, "held_out": 73, "held_out_finished": None, "elapsed_s": 5}
+    on_progress({"event": "rollouts", "step": 8, **unread})
+    on_progress({"event": "rollouts", "step": 0, **both, "finished": None, "held_out_finished": None})
+    lines = [line.split("] ", 1)[1] for line in capsys.readouterr().out.splitlines()]
+    assert lines == [
+        "step  4: 40 of 105 rollouts finished after 62 s: 30 of 32 training, 10 of 73 held-out evaluation",
+        "step  1: 20 of 32 training rollouts finished after 31 s",
+        "step  8: ? of 73 held-out evaluation rollouts finished after 5 s",
+        "step  0: ? of 105 rollouts finished after 62 s: ? of 32 training, ? of 73 held-out evaluation",
+    ]

@@ -328,7 +328,7 @@ async def test_empty_steps_are_counted_then_stop_the_run(monkeypatch) -> None:
     async def enqueue(tasks, val, version):
         return [f"{version}-{i}" for i in range(len(tasks) * 2)], []
 
-    async def wait(ids, step):  # every rollout failed
+    async def wait(ids, step, held_out=()):  # every rollout failed
         return {i: Rollout(rollout_id=i, input={}, start_time=0.0, status="failed") for i in ids}
 
     monkeypatch.setattr(grpo, "_publish", publish)
@@ -359,7 +359,7 @@ async def test_a_run_asked_to_stop_starts_no_update_from_the_rollouts_it_waited_
     async def enqueue(tasks, val, version):
         return [f"{version}-{i}" for i in range(len(tasks) * 2)], [f"{version}-val"]
 
-    async def wait(ids, step):  # the run was cancelled while its rollouts ran: the trainer asks it to stop
+    async def wait(ids, step, held_out=()):  # the run was cancelled while its rollouts ran: the trainer asks it to stop
         grpo.request_stop()
         return {i: Rollout(rollout_id=i, input={}, start_time=0.0, status="succeeded") for i in ids}
 
@@ -384,13 +384,16 @@ async def test_a_run_asked_to_stop_starts_no_update_from_the_rollouts_it_waited_
 
 async def test_a_long_wait_for_rollouts_reports_progress(monkeypatch) -> None:
     """The demo printed nothing for 7 minutes while its first step's rollouts ran (a fresh user took
-    it for hung): while a step waits, a ``rollouts`` event says how many have finished."""
+    it for hung): while a step waits, a ``rollouts`` event says how many have finished, and how many
+    of them are held-out evaluation rollouts (the demo's "40 of 105" counted 73 of those unsaid)."""
     monkeypatch.setattr(grpo_module, "PROGRESS_EVERY_S", 0.05)
     store = agl.InMemoryLightningStore()
     events: list[dict] = []
     grpo = GRPO(GRPOConfig(steps=1), policy=tiny_policy(), progress=events.append)
     grpo.set_store(store)
-    ids = [(await store.enqueue_rollout(input={"q": i}, mode="train")).rollout_id for i in range(3)]
+    ids = [(await store.enqueue_rollout(input={"q": i}, mode="train")).rollout_id for i in range(2)]
+    held_out = [(await store.enqueue_rollout(input={"q": 9}, mode="val")).rollout_id]
+    ids += held_out  # the last one claimed: held out
 
     async def finish_one_by_one() -> None:
         for _ in ids:
@@ -400,13 +403,14 @@ async def test_a_long_wait_for_rollouts_reports_progress(monkeypatch) -> None:
             await store.update_attempt(claimed.rollout_id, claimed.attempt.attempt_id, status="succeeded")
 
     runner = asyncio.create_task(finish_one_by_one())
-    finished = await grpo._wait(ids, 4)
+    finished = await grpo._wait(ids, 4, held_out=held_out)
     await runner
     assert sorted(finished) == sorted(ids)
     progress = [e for e in events if e["event"] == "rollouts"]
-    assert progress and {(e["step"], e["total"]) for e in progress} == {(4, 3)}
+    assert progress and {(e["step"], e["total"], e["held_out"]) for e in progress} == {(4, 3, 1)}
     counts = [e["finished"] for e in progress]
     assert counts == sorted(counts) and counts[0] < 3 and 0 < max(counts) <= 3
+    assert all(e["held_out_finished"] == (1 if e["finished"] == 3 else 0) for e in progress)
 
 
 async def test_a_nan_reward_or_a_foreign_token_id_skips_its_rollout_not_the_step() -> None:

@@ -205,6 +205,27 @@ def fell_back(evals: list[dict], margin: float = 0.05) -> str | None:
     )
 
 
+def rollouts_line(event: dict) -> str:
+    """What a step's ``rollouts`` progress event counts: its training samples and held-out evaluation
+    rollouts apart when it has both, e.g. ``40 of 105 rollouts finished after 62 s: 30 of 32
+    training, 10 of 73 held-out evaluation`` (``?``: the count could not be read)."""
+
+    def of(done: int | None, total: int) -> str:
+        return f"{'?' if done is None else done} of {total}"
+
+    finished, total, after = event["finished"], event["total"], f"after {event['elapsed_s']:.0f} s"
+    held, held_done = event.get("held_out", 0), event.get("held_out_finished")
+    if not held:
+        return f"{of(finished, total)} training rollouts finished {after}"
+    if held == total:
+        return f"{of(finished, total)} held-out evaluation rollouts finished {after}"
+    train_done = None if finished is None or held_done is None else finished - held_done
+    return (
+        f"{of(finished, total)} rollouts finished {after}: "
+        f"{of(train_done, total - held)} training, {of(held_done, held)} held-out evaluation"
+    )
+
+
 def on_progress(event: dict) -> None:
     kind = event.get("event")
     if kind == "eval":
@@ -222,8 +243,7 @@ def on_progress(event: dict) -> None:
             f"update {event.get('step_s', 0):.1f} s"
         )
     elif kind == "rollouts":
-        finished = "?" if event["finished"] is None else event["finished"]
-        say(f"step {event['step']:>2}: {finished} of {event['total']} rollouts finished ({event['elapsed_s']:.0f} s)")
+        say(f"step {event['step']:>2}: {rollouts_line(event)}")
     elif kind == "resume":
         say(f"resuming from checkpoint {event['version']}")
 
