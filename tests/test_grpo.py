@@ -10,6 +10,7 @@ import asyncio
 import json
 import math
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -618,3 +619,47 @@ async def test_a_held_out_evaluation_says_how_many_results_it_got_of_those_it_as
         await grpo._report_eval(0, "v0", [ran, never], 3)
     assert events[-1]["n"] == 1 and events[-1]["asked"] == 3 and events[-1]["by_split"] == {"1-digit": 0.0}
     assert "the held-out evaluation of v0 got 1 of 3 results" in caplog.text
+
+
+def test_the_gguf_conversion_shows_progress_in_lines_without_a_terminal(tmp_path, monkeypatch, capfd) -> None:
+    """The GGUF conversion's progress (transformers' own tqdm bar, which ``disable_progress_bar``
+    does not reach) was one line of ~45 carriage returns in a log (CI, a pipe). Without a terminal
+    it is now a plain line every ``GGUF_LINE_EVERY_S`` seconds and one at the end."""
+    import types
+
+    import transformers
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    import eventlight.rl.policy as policy_module
+
+    def from_pretrained(folder: str, gguf_file: str, **kwargs) -> object:
+        # as transformers converts: its tensors through its module's `tqdm`
+        for _ in gguf_utils.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."):
+            pass
+        return types.SimpleNamespace(config=types.SimpleNamespace(), save_pretrained=save)
+
+    def save(path: str) -> None:
+        Path(path).mkdir(parents=True)
+        (Path(path) / "config.json").write_text("{}")
+
+    def tokenizer(folder: str, gguf_file: str, **kwargs) -> object:
+        return types.SimpleNamespace(save_pretrained=lambda path: None)
+
+    for variable in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", tokenizer)
+    monkeypatch.setattr(policy_module, "GGUF_LINE_EVERY_S", 0.0, raising=False)  # a line a tensor
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"")
+    out = policy_module.base_model_dir(tmp_path / "state", gguf_path=gguf)
+    assert (out / "config.json").is_file()
+    err = capfd.readouterr().err
+    assert "\r" not in err
+    assert gguf_utils.tqdm is not getattr(policy_module, "_track", None)  # put back after the conversion
+    assert [line.split(" (")[0] for line in err.splitlines()] == [
+        "converting the GGUF's tensors: 1 of 3",
+        "converting the GGUF's tensors: 2 of 3",
+        "converting the GGUF's tensors: 3 of 3",
+        "converting the GGUF's tensors: 3 of 3, done",
+    ]
