@@ -29,7 +29,9 @@ def bench(
         str | None, typer.Option("--vs", help="Also run the peer: 'agentlightning' (0.3.0, in bench/.peer-venv).")
     ] = None,
     scale: Annotated[float, typer.Option(min=0.001, help="Factor on every scenario's task count.")] = 1.0,
-    out: Annotated[Path | None, typer.Option(help="Output folder (default bench/results/<time>).")] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="Output folder (default: one named by the time, in bench/results).")
+    ] = None,
     seed: Annotated[int, typer.Option(help="Workload seed, the same for both stacks.")] = 1,
     micro_seconds: Annotated[float, typer.Option(help="Seconds per micro operation.")] = 3.0,
     timeout_s: Annotated[float, typer.Option(help="Limit of each scenario's measured part.")] = 300.0,
@@ -68,8 +70,10 @@ PROG_NAME_VAR = "BENCH_PROG_NAME"
 
 def main() -> None:
     """Run :func:`bench` as a command named ``$BENCH_PROG_NAME`` (default ``python -m bench``)."""
+    from eventlight.cli.help import ReadableCommand
+
     app = typer.Typer(add_completion=False)
-    app.command()(bench)
+    app.command(cls=ReadableCommand)(bench)
     app(prog_name=os.environ.get(PROG_NAME_VAR) or "python -m bench")
 
 

@@ -39,7 +39,7 @@ def test_algorithm_apo_runs_the_apo_demo_and_keeps_its_llm_check(services: Any) 
 async def test_the_demo_cancels_what_an_interrupted_run_left_queued(namespace: Settings) -> None:
     """An interrupted demo leaves its queued rollouts behind; the next demo's runners would take them
     first and fail them (their policy version is not served). The next demo cancels them, and only them."""
-    from examples.arithmetic.train_grpo import cancel_leftovers
+    from examples.demo_lease import cancel_leftovers
 
     async with agl.JetStreamLightningStore(namespace) as store:
         for rid in [f"run-old-ab12-step{i}" for i in range(3)] + ["someone-elses"]:
@@ -65,7 +65,7 @@ async def test_a_second_demo_leaves_the_queue_of_a_live_run_alone(namespace: Set
     items and exited 0 (fresh-user run). Now the second stops with one line naming the live run and
     its pid, and cancels nothing; once that run has ended, its leftovers are cancelled, with who
     cancelled them and why in their metadata."""
-    from examples.arithmetic.train_grpo import cancel_leftovers
+    from examples.demo_lease import cancel_leftovers
 
     settings = msgspec.structs.replace(namespace, state_dir=tmp_path)
     live = "run-20261207-101010-ab12"
@@ -103,6 +103,77 @@ async def test_a_second_demo_leaves_the_queue_of_a_live_run_alone(namespace: Set
         cancelled = await store.query_rollouts(status_in=["cancelled"])
     assert len(cancelled) == 3
     assert all("cancelled by demo run run-new-cd34" in r.metadata["cancelled_by"]["reason"] for r in cancelled)
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "apo"])
+def test_a_second_demo_is_refused_before_it_starts_anything(algorithm: str, tmp_path: Path) -> None:
+    """A second ``make demo`` in the namespace of a live one started (or reached) NATS and Postgres,
+    and loaded torch, before it was refused; the APO demo held no demo lease and refused nothing.
+    Both read the leases first now: one error line, nothing printed, nothing started, nothing
+    written to the state folder. The servers named here do not answer, so a demo that went on to
+    them would fail with another error."""
+    from eventlight.ops.leases import take_lease
+    from examples.demo_lease import demo_lease
+
+    live, namespace = "run-20261207-101010-ab12", "demo_live"
+    lease = take_lease(tmp_path, demo_lease(Settings(namespace=namespace), live))
+    env = {
+        **os.environ,
+        "EVENTLIGHT_STATE_DIR": str(tmp_path),
+        "EVENTLIGHT_NAMESPACE": namespace,
+        "EVENTLIGHT_NATS_URL": f"nats://127.0.0.1:{closed_port()}",
+        "EVENTLIGHT_PG_DSN": f"postgresql://postgres@127.0.0.1:{closed_port()}/postgres",
+    }
+    dead_llm = ["--base-url", f"http://127.0.0.1:{closed_port()}/v1", "--model", "m"] if algorithm == "apo" else []
+    try:
+        done = subprocess.run(
+            [sys.executable, str(DEMO), "--algorithm", algorithm, "--n-runners", "1", *dead_llm],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    finally:
+        lease.close()
+    assert done.returncode == 1, done.stdout + done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"demo run {live} (pid {os.getpid()}) is running" in errors[0], done.stderr
+    assert f"namespace '{namespace}'" in errors[0] and "Traceback" not in done.stderr
+    assert done.stdout == "" and [p.name for p in tmp_path.iterdir()] == ["leases"]  # nothing started
+
+
+@pytest.mark.e2e
+async def test_the_apo_demo_cancels_what_an_earlier_run_left_queued(namespace: Settings, tmp_path: Path) -> None:
+    """The GRPO demo cancelled what a dead earlier run left queued, noting by whom in
+    ``metadata.cancelled_by``; the APO demo left it for its runners to take first. Now it cancels
+    it the same way (here it then stops at its LLM check: the endpoint is down)."""
+    settings = msgspec.structs.replace(namespace, state_dir=tmp_path)
+    old = "run-20261207-101010-ab12-v0"
+    async with agl.JetStreamLightningStore(settings, pg_dsn=settings.pg_dsn) as store:
+        await store.update_resources(old, {"p": agl.PromptTemplate(template="{x}")})
+        left = [await store.enqueue_rollout({"x": i}, resources_id=old, metadata={"mine": i}) for i in range(2)]
+    env = {
+        **os.environ,
+        "EVENTLIGHT_NATS_URL": settings.nats_url or "",
+        "EVENTLIGHT_PG_DSN": settings.pg_dsn or "",
+        "EVENTLIGHT_NAMESPACE": settings.namespace,
+        "EVENTLIGHT_STATE_DIR": str(tmp_path),
+    }
+    dead = f"http://127.0.0.1:{closed_port()}/v1"
+    cmd = [sys.executable, str(DEMO), "--algorithm", "apo", "--n-runners", "1", "--base-url", dead, "--model", "m"]
+    done = await asyncio.to_thread(
+        subprocess.run, [*cmd, "--tasks", "4"], env=env, capture_output=True, text=True, timeout=240, check=False
+    )
+    assert done.returncode == 1 and "LLM unavailable" in done.stderr, done.stdout + done.stderr
+    assert "cancelled 2 rollout(s) an earlier run left queued" in done.stdout, done.stdout
+    async with agl.JetStreamLightningStore(settings, pg_dsn=settings.pg_dsn) as store:
+        await store.sync_all()
+        got = {r.rollout_id: r for r in await store.query_rollouts(rollout_id_in=[r.rollout_id for r in left])}
+    assert [got[r.rollout_id].status for r in left] == ["cancelled", "cancelled"]
+    for i, rollout in enumerate(left):
+        metadata = got[rollout.rollout_id].metadata
+        assert metadata["mine"] == i and "cancelled by demo run run-" in metadata["cancelled_by"]["reason"]
 
 
 @pytest.mark.parametrize(
@@ -239,3 +310,24 @@ def test_a_partial_held_out_evaluation_is_no_result(monkeypatch: pytest.MonkeyPa
     assert f"held-out reward, {run}-step0" in out and "0.250 (only 8 of 73 items)" in out
     assert "1-digit              no result -> 0.300" in out and "2-digit              0.250 -> no result" in out
     assert "nan" not in out and "peaked" not in out
+
+
+def test_the_rollouts_progress_line_says_what_its_numbers_count(capsys: Any) -> None:
+    """ "step  4: 40 of 105 rollouts finished" did not say that 73 of the 105 were the held-out
+    evaluation's items, not training samples. The line now counts each apart when a step has both,
+    and names the kind when it has one."""
+    from examples.arithmetic.train_grpo import on_progress
+
+    both = {"finished": 40, "total": 105, "held_out": 73, "held_out_finished": 10, "elapsed_s": 62.4}
+    on_progress({"event": "rollouts", "step": 4, **both})
+    on_progress({"event": "rollouts", "step": 1, "finished": 20, "total": 32, "held_out": 0, "elapsed_s": 31})
+    unread = {"finished": None, "total": 73, "held_out": 73, "held_out_finished": None, "elapsed_s": 5}
+    on_progress({"event": "rollouts", "step": 8, **unread})
+    on_progress({"event": "rollouts", "step": 0, **both, "finished": None, "held_out_finished": None})
+    lines = [line.split("] ", 1)[1] for line in capsys.readouterr().out.splitlines()]
+    assert lines == [
+        "step  4: 40 of 105 rollouts finished after 62 s: 30 of 32 training, 10 of 73 held-out evaluation",
+        "step  1: 20 of 32 training rollouts finished after 31 s",
+        "step  8: ? of 73 held-out evaluation rollouts finished after 5 s",
+        "step  0: ? of 105 rollouts finished after 62 s: ? of 32 training, ? of 73 held-out evaluation",
+    ]

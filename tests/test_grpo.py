@@ -10,6 +10,7 @@ import asyncio
 import json
 import math
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -328,7 +329,7 @@ async def test_empty_steps_are_counted_then_stop_the_run(monkeypatch) -> None:
     async def enqueue(tasks, val, version):
         return [f"{version}-{i}" for i in range(len(tasks) * 2)], []
 
-    async def wait(ids, step):  # every rollout failed
+    async def wait(ids, step, held_out=()):  # every rollout failed
         return {i: Rollout(rollout_id=i, input={}, start_time=0.0, status="failed") for i in ids}
 
     monkeypatch.setattr(grpo, "_publish", publish)
@@ -359,7 +360,7 @@ async def test_a_run_asked_to_stop_starts_no_update_from_the_rollouts_it_waited_
     async def enqueue(tasks, val, version):
         return [f"{version}-{i}" for i in range(len(tasks) * 2)], [f"{version}-val"]
 
-    async def wait(ids, step):  # the run was cancelled while its rollouts ran: the trainer asks it to stop
+    async def wait(ids, step, held_out=()):  # the run was cancelled while its rollouts ran: the trainer asks it to stop
         grpo.request_stop()
         return {i: Rollout(rollout_id=i, input={}, start_time=0.0, status="succeeded") for i in ids}
 
@@ -384,13 +385,16 @@ async def test_a_run_asked_to_stop_starts_no_update_from_the_rollouts_it_waited_
 
 async def test_a_long_wait_for_rollouts_reports_progress(monkeypatch) -> None:
     """The demo printed nothing for 7 minutes while its first step's rollouts ran (a fresh user took
-    it for hung): while a step waits, a ``rollouts`` event says how many have finished."""
+    it for hung): while a step waits, a ``rollouts`` event says how many have finished, and how many
+    of them are held-out evaluation rollouts (the demo's "40 of 105" counted 73 of those unsaid)."""
     monkeypatch.setattr(grpo_module, "PROGRESS_EVERY_S", 0.05)
     store = agl.InMemoryLightningStore()
     events: list[dict] = []
     grpo = GRPO(GRPOConfig(steps=1), policy=tiny_policy(), progress=events.append)
     grpo.set_store(store)
-    ids = [(await store.enqueue_rollout(input={"q": i}, mode="train")).rollout_id for i in range(3)]
+    ids = [(await store.enqueue_rollout(input={"q": i}, mode="train")).rollout_id for i in range(2)]
+    held_out = [(await store.enqueue_rollout(input={"q": 9}, mode="val")).rollout_id]
+    ids += held_out  # the last one claimed: held out
 
     async def finish_one_by_one() -> None:
         for _ in ids:
@@ -400,13 +404,14 @@ async def test_a_long_wait_for_rollouts_reports_progress(monkeypatch) -> None:
             await store.update_attempt(claimed.rollout_id, claimed.attempt.attempt_id, status="succeeded")
 
     runner = asyncio.create_task(finish_one_by_one())
-    finished = await grpo._wait(ids, 4)
+    finished = await grpo._wait(ids, 4, held_out=held_out)
     await runner
     assert sorted(finished) == sorted(ids)
     progress = [e for e in events if e["event"] == "rollouts"]
-    assert progress and {(e["step"], e["total"]) for e in progress} == {(4, 3)}
+    assert progress and {(e["step"], e["total"], e["held_out"]) for e in progress} == {(4, 3, 1)}
     counts = [e["finished"] for e in progress]
     assert counts == sorted(counts) and counts[0] < 3 and 0 < max(counts) <= 3
+    assert all(e["held_out_finished"] == (1 if e["finished"] == 3 else 0) for e in progress)
 
 
 async def test_a_nan_reward_or_a_foreign_token_id_skips_its_rollout_not_the_step() -> None:
@@ -614,3 +619,47 @@ async def test_a_held_out_evaluation_says_how_many_results_it_got_of_those_it_as
         await grpo._report_eval(0, "v0", [ran, never], 3)
     assert events[-1]["n"] == 1 and events[-1]["asked"] == 3 and events[-1]["by_split"] == {"1-digit": 0.0}
     assert "the held-out evaluation of v0 got 1 of 3 results" in caplog.text
+
+
+def test_the_gguf_conversion_shows_progress_in_lines_without_a_terminal(tmp_path, monkeypatch, capfd) -> None:
+    """The GGUF conversion's progress (transformers' own tqdm bar, which ``disable_progress_bar``
+    does not reach) was one line of ~45 carriage returns in a log (CI, a pipe). Without a terminal
+    it is now a plain line every ``GGUF_LINE_EVERY_S`` seconds and one at the end."""
+    import types
+
+    import transformers
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    import eventlight.rl.policy as policy_module
+
+    def from_pretrained(folder: str, gguf_file: str, **kwargs) -> object:
+        # as transformers converts: its tensors through its module's `tqdm`
+        for _ in gguf_utils.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."):
+            pass
+        return types.SimpleNamespace(config=types.SimpleNamespace(), save_pretrained=save)
+
+    def save(path: str) -> None:
+        Path(path).mkdir(parents=True)
+        (Path(path) / "config.json").write_text("{}")
+
+    def tokenizer(folder: str, gguf_file: str, **kwargs) -> object:
+        return types.SimpleNamespace(save_pretrained=lambda path: None)
+
+    for variable in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", tokenizer)
+    monkeypatch.setattr(policy_module, "GGUF_LINE_EVERY_S", 0.0, raising=False)  # a line a tensor
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"")
+    out = policy_module.base_model_dir(tmp_path / "state", gguf_path=gguf)
+    assert (out / "config.json").is_file()
+    err = capfd.readouterr().err
+    assert "\r" not in err
+    assert gguf_utils.tqdm is not getattr(policy_module, "_track", None)  # put back after the conversion
+    assert [line.split(" (")[0] for line in err.splitlines()] == [
+        "converting the GGUF's tensors: 1 of 3",
+        "converting the GGUF's tensors: 2 of 3",
+        "converting the GGUF's tensors: 3 of 3",
+        "converting the GGUF's tensors: 3 of 3, done",
+    ]

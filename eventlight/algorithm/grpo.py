@@ -40,7 +40,7 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -173,8 +173,10 @@ class GRPO(Algorithm):
             ``{"failed_rollouts": 2, "no_reward": 1, "zero_advantage": 2}``),
             ``{"event": "resume", "step"}``, and while a step's rollouts run,
             every ``PROGRESS_EVERY_S`` seconds, ``{"event": "rollouts", "step", "finished",
-            "total", "elapsed_s"}`` (``finished``: rollouts that ended, as the read model has them;
-            ``None`` when it could not be read).
+            "total", "held_out", "held_out_finished", "elapsed_s"}`` (``total``: the step's
+            rollouts, its training samples and its ``held_out`` evaluation rollouts together;
+            ``finished`` and ``held_out_finished``: those of all and of the held-out ones that
+            ended, as the read model has them, ``None`` when it could not be read).
 
     Raises:
         InvalidTypeError: ``progress`` is neither callable nor ``None``.
@@ -270,7 +272,7 @@ class GRPO(Algorithm):
             t0 = time.monotonic()
             async with self._subscribed():  # before the enqueue: every rollout's triplets reach us
                 train_ids, val_ids = await self._enqueue(tasks, val if evaluate else [], version)
-                finished = await self._wait(train_ids + val_ids, step)
+                finished = await self._wait(train_ids + val_ids, step, held_out=val_ids)
             if self._stopping(step, "evaluation and update"):  # its rollouts may have been cut short
                 return
             rollout_s = time.monotonic() - t0
@@ -355,7 +357,9 @@ class GRPO(Algorithm):
             finally:
                 self._subscription = None
 
-    async def _wait(self, rollout_ids: list[str], step: int) -> dict[str, Rollout]:
+    async def _wait(self, rollout_ids: list[str], step: int, held_out: Sequence[str] = ()) -> dict[str, Rollout]:
+        """Wait for ``rollout_ids`` (``held_out``: those of them that are held-out evaluation
+        rollouts), emitting a ``rollouts`` progress event every ``PROGRESS_EVERY_S`` meanwhile."""
         if not rollout_ids:
             return {}
         waiting = asyncio.ensure_future(self._wait_all(rollout_ids))
@@ -365,12 +369,15 @@ class GRPO(Algorithm):
                 done, _ = await asyncio.wait([waiting], timeout=PROGRESS_EVERY_S)
                 if done:
                     break
+                ended = await self._ended(rollout_ids)
                 self._emit(
                     {
                         "event": "rollouts",
                         "step": step,
-                        "finished": await self._finished_count(rollout_ids),
+                        "finished": None if ended is None else len(ended),
                         "total": len(rollout_ids),
+                        "held_out": len(held_out),
+                        "held_out_finished": None if ended is None else len(ended.intersection(held_out)),
                         "elapsed_s": time.monotonic() - started,
                     }
                 )
@@ -378,8 +385,8 @@ class GRPO(Algorithm):
         finally:
             waiting.cancel()
 
-    async def _finished_count(self, rollout_ids: list[str]) -> int | None:
-        """How many of ``rollout_ids`` have ended, as the read model has them (``None``: unreadable)."""
+    async def _ended(self, rollout_ids: list[str]) -> set[str] | None:
+        """Which of ``rollout_ids`` have ended, as the read model has them (``None``: unreadable)."""
         try:
             ended = await self.get_store().query_rollouts(
                 rollout_id_in=rollout_ids, status_in=sorted(TERMINAL_ROLLOUT_STATUSES)
@@ -387,7 +394,7 @@ class GRPO(Algorithm):
         except Exception as e:  # progress only: the wait itself goes on
             log.debug("GRPO progress: could not count finished rollouts: %r", e)
             return None
-        return len(ended)
+        return {r.rollout_id for r in ended}
 
     async def _wait_all(self, rollout_ids: list[str]) -> dict[str, Rollout]:
         timeout = self.config.rollout_timeout_s

@@ -13,6 +13,7 @@ from rich.markup import escape
 
 from eventlight.cli.common import console, err
 from eventlight.cli.errors import _OneLineErrors
+from eventlight.cli.help import ReadableCommand
 from eventlight.cli.runner import runner
 from eventlight.cli.serve import serve
 from eventlight.cli.servers import down, up
@@ -52,13 +53,14 @@ def _root(
 
 
 for _command in (up, down, sql, status, runner, serve):
-    app.command()(_command)
+    app.command(cls=ReadableCommand)(_command)
 
 
 def _register_bench() -> None:
     from eventlight.bench_cli import bench
 
     app.command(
+        cls=ReadableCommand,
         help="Throughput benchmark, side by side with Agent-lightning 0.3.0: `python -m bench` of the source "
         "checkout (see bench/README.md); `eventlight bench --help` lists its options.",
         context_settings={"allow_extra_args": True, "ignore_unknown_options": True},

@@ -9,9 +9,9 @@ from typing import Any
 
 import typer
 from rich.markup import escape
-from typer.core import TyperGroup
 
 from eventlight.cli.common import EXIT_UNAVAILABLE, EXIT_USAGE, CliError, console, err
+from eventlight.cli.help import ReadableGroup
 from eventlight.core.errors import EventlightError, ServiceUnavailableError
 
 _log = logging.getLogger(__name__)
@@ -53,8 +53,9 @@ def _exit_code_of(e: BaseException) -> int:
     return 1
 
 
-class _OneLineErrors(TyperGroup):
-    """Typer's group, printing usage errors and failures as one line on stderr instead of a panel."""
+class _OneLineErrors(ReadableGroup):
+    """Typer's group (with readable help: ``eventlight.cli.help``), printing usage errors and failures as
+    one line on stderr instead of a panel."""
 
     def main(
         self,

@@ -17,6 +17,7 @@ from rich.progress import Progress, TextColumn, TimeElapsedColumn
 
 from eventlight.cli.common import EXIT_INTERRUPTED, CliError, NamespaceOpt, _run, _settings, console, err
 from eventlight.cli.discovery import _connect_pg, _need_nats, _need_pg, _no_namespace
+from eventlight.cli.help import ReadableCommand
 from eventlight.cli.status import _stream_state
 from eventlight.core.types import ROLLOUT_MODES
 from eventlight.logreplay.parallel import MAX_WORKERS
@@ -385,6 +386,6 @@ def _positions(seqs: list[int]) -> str:
 
 def register(app: typer.Typer) -> None:
     """Add the commands to the ``eventlight`` app."""
-    app.command("replay")(replay_command)
-    app.command("export")(export_command)
-    app.command("import")(import_command)
+    app.command("replay", cls=ReadableCommand)(replay_command)
+    app.command("export", cls=ReadableCommand)(export_command)
+    app.command("import", cls=ReadableCommand)(import_command)

@@ -144,18 +144,21 @@ def runner(
         ),
     ] = None,
     timeout_s: Annotated[
-        float | None, typer.Option(help="RolloutConfig.timeout_seconds of rollouts enqueued without a config.")
+        float | None, typer.Option(help="The timeout_seconds of the RolloutConfig of rollouts enqueued without one.")
     ] = None,
     unresponsive_s: Annotated[
         float | None,
-        typer.Option(help="RolloutConfig.unresponsive_seconds of rollouts enqueued without a config."),
+        typer.Option(help="The unresponsive_seconds of the RolloutConfig of rollouts enqueued without one."),
     ] = None,
     max_attempts: Annotated[
-        int | None, typer.Option(help="RolloutConfig.max_attempts of rollouts enqueued without a config.")
+        int | None, typer.Option(help="The max_attempts of the RolloutConfig of rollouts enqueued without one.")
     ] = None,
     retry_on: Annotated[
         str | None,
-        typer.Option(help="RolloutConfig.retry_condition, comma-separated attempt statuses (failed,timeout,...)."),
+        typer.Option(
+            help="The retry_condition of the RolloutConfig of rollouts enqueued without one: attempt statuses, "
+            "comma-separated (failed,timeout,...)."
+        ),
     ] = None,
     instrument: Annotated[
         list[str] | None,

@@ -129,8 +129,7 @@ def serve(
         typer.Option(
             envvar="EVENTLIGHT_SERVER_TOKEN",
             show_envvar=True,
-            help="Require 'Authorization: Bearer <token>' on every request "
-            "(or put it in a file named by $EVENTLIGHT_SERVER_TOKEN_FILE).",
+            help="Require 'Authorization: Bearer <token>' on every request (or give it in a file: see above).",
         ),
     ] = None,
     backend: Annotated[
@@ -165,7 +164,10 @@ def serve(
     $EVENTLIGHT_NATS_URL / $EVENTLIGHT_PG_DSN, else the servers `eventlight up` or a trainer
     started; never starts them, and no trainer's run stops them while it serves (when it is the
     last to use the servers a run started, it stops them as it ends). A port that is taken fails
-    at once (exit 1)."""
+    at once (exit 1).
+
+    The token of --token may instead be in $EVENTLIGHT_SERVER_TOKEN, or in a file that
+    $EVENTLIGHT_SERVER_TOKEN_FILE names."""
     from eventlight.cli.common import _settings
 
     if token is not None:

@@ -198,7 +198,7 @@ def status(namespace: NamespaceOpt = None) -> None:
     """Show the services, projector lag, queue depth, rollouts by status, spans and workers.
 
     Services: where each server is and whether it is embedded or external; workers: alive or not
-    (a heartbeat in the last 30 s; ``stopped`` once a runner stopped in an orderly way), status,
+    (a heartbeat in the last 30 s; 'stopped' once a runner stopped in an orderly way), status,
     last heartbeat and current rollout, live ones first; a warning when rollouts wait and no worker
     is alive.
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import json
 import logging
@@ -23,7 +24,7 @@ import random
 import shutil
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,7 +60,8 @@ def base_model_dir(state_dir: Path | str, gguf_path: Path | str | None = None) -
     gguf = Path(gguf_path)
     log.info("converting %s to a torch model under %s (once)", gguf.name, out)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    with _gguf_progress():
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     _drop_quantization(model)
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -68,6 +70,65 @@ def base_model_dir(state_dir: Path | str, gguf_path: Path | str | None = None) -
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out
+
+
+GGUF_LINE_EVERY_S = 10.0
+"""Without a terminal, the GGUF conversion's progress is one line this often (seconds), and one at its end."""
+
+_GGUF_PROGRESS = "converting the GGUF's tensors"
+_gguf_patch = threading.Lock()
+
+
+@contextlib.contextmanager
+def _gguf_progress() -> Iterator[None]:
+    """Show transformers' GGUF conversion progress with rich instead of its own tqdm bar.
+
+    transformers (5.x, ``modeling_gguf_pytorch_utils``) wraps the tensors it dequantizes in
+    ``tqdm.auto.tqdm``, which ``transformers.utils.logging.disable_progress_bar`` does not reach and
+    which, without a terminal (a CI log, a pipe), writes ~45 carriage-return updates on one line. In
+    the block that name is ``_track``: a rich bar on a terminal, else a plain line every
+    ``GGUF_LINE_EVERY_S`` seconds and one at the end, on stderr. Does nothing where transformers
+    has no such name."""
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        yield
+        return
+    with _gguf_patch:
+        original = getattr(gguf_utils, "tqdm", None)
+        if original is None:
+            yield
+            return
+        gguf_utils.tqdm = _track
+        try:
+            yield
+        finally:
+            gguf_utils.tqdm = original
+
+
+def _track(items: Iterable[Any], desc: str = "", **_: Any) -> Iterator[Any]:
+    """``items``, with their progress on stderr: rich's bar on a terminal; otherwise one line
+    (``converting the GGUF's tensors: 68 of 272 (10 s)``) every ``GGUF_LINE_EVERY_S`` seconds and one
+    when done. ``desc`` and other tqdm arguments are ignored."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    total = len(items) if isinstance(items, Sized) else None
+    console = Console(stderr=True, highlight=False, soft_wrap=True)
+    if console.is_terminal:
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*columns, console=console) as bar:
+            yield from bar.track(items, total=total, description=_GGUF_PROGRESS)
+        return
+    started = last = time.monotonic()
+    done = 0
+    for item in items:
+        yield item
+        done += 1
+        if time.monotonic() - last >= GGUF_LINE_EVERY_S:
+            last = time.monotonic()
+            console.print(f"{_GGUF_PROGRESS}: {done} of {total or '?'} ({last - started:.0f} s)")
+    console.print(f"{_GGUF_PROGRESS}: {done} of {total or '?'}, done ({time.monotonic() - started:.0f} s)")
 
 
 def _drop_quantization(model: Any) -> None:

@@ -36,10 +36,10 @@ sys.path.insert(0, str(ROOT))
 
 import eventlight as agl  # noqa: E402
 from examples.arithmetic.task import MAX_TOKENS, PROMPT, adder, make_items  # noqa: E402
+from examples.demo_lease import cancel_leftovers, demo_lease, refuse_if_live  # noqa: E402
 
 if TYPE_CHECKING:
     from eventlight.algorithm.grpo import GRPOConfig
-    from eventlight.ops.leases import LeaseHolder
 
 MAX_FAILED_FRACTION = 0.5
 
@@ -81,63 +81,6 @@ def interrupted(run_id: str, argv: list[str], command: Callable[[list[str]], str
         f"interrupted: run {run_id} stopped at checkpoint step{step}; to continue it: "
         f"{command([*options, '--resume', run_id])}"
     )
-
-
-DEMO_LEASE = "demo run {run_id} in namespace {namespace}"
-_DEMO_LEASE = re.compile(r"demo run (?P<run_id>\S+) in namespace (?P<namespace>\S+)")
-
-
-class RunInProgressError(agl.EventlightError):
-    """Another demo runs in this namespace now: starting this one would take its queue."""
-
-
-def live_demo(settings: agl.Settings, run_id: str) -> LeaseHolder | None:
-    """The oldest other demo that runs in ``settings.namespace`` now, from the leases on the state
-    folder's servers (each demo holds one named ``DEMO_LEASE``; a lease of a process that ended is
-    not live, however it ended); ``None`` when there is none. ``run_id``: this run, left out."""
-    from eventlight.ops.leases import lease_holders
-
-    for holder in lease_holders(settings.state_dir):
-        found = _DEMO_LEASE.fullmatch(holder.what)
-        if found and found["namespace"] == settings.namespace and found["run_id"] != run_id:
-            return holder
-    return None
-
-
-def refuse_if_live(settings: agl.Settings, run_id: str) -> None:
-    """Raise ``RunInProgressError`` (one line: the live run, its pid, what to do) when another demo
-    runs in this namespace; its queued rollouts are its own, not leftovers to cancel."""
-    holder = live_demo(settings, run_id)
-    if holder is None:
-        return
-    found = _DEMO_LEASE.fullmatch(holder.what)
-    assert found is not None
-    raise RunInProgressError(
-        f"demo run {found['run_id']} (pid {holder.pid}) is running in namespace {settings.namespace!r} now; "
-        "a second demo there would take its queued rollouts: wait for it to end, or run this one in "
-        "another namespace (EVENTLIGHT_NAMESPACE=demo2 make demo)"
-    )
-
-
-async def cancel_leftovers(settings: agl.Settings, nats_url: str, pg_dsn: str, run_id: str = "") -> int:
-    """Cancel the rollouts an earlier run of this demo left queued in the namespace (it was
-    interrupted, or killed); returns how many. Their resources id starts with ``run-``; without
-    this, this run's runners would take them first and fail them (their policy is not served).
-    Each keeps its metadata, with ``cancelled_by`` added: who cancelled it and why (``run_id``:
-    this run, named there).
-
-    Call it only once ``refuse_if_live`` found no other demo running in the namespace: a live
-    run's queue is not a leftover.
-    """
-    why = f"left queued by an earlier demo run that is no longer running; cancelled by demo run {run_id or '?'}"
-    async with agl.JetStreamLightningStore(settings, nats_url=nats_url, pg_dsn=pg_dsn) as store:
-        await store.sync_all(timeout_s=60)  # the read model up to the end of the log
-        queued = await store.query_rollouts(status_in=["queuing", "requeuing"])
-        stale = [r for r in queued if (r.resources_id or "").startswith("run-")]
-        for rollout in stale:
-            metadata = {**(rollout.metadata or {}), "cancelled_by": {"pid": os.getpid(), "reason": why}}
-            await store.update_rollout(rollout.rollout_id, status="cancelled", metadata=metadata)
-    return len(stale)
 
 
 def _at_least_one(text: str) -> int:
@@ -262,6 +205,27 @@ def fell_back(evals: list[dict], margin: float = 0.05) -> str | None:
     )
 
 
+def rollouts_line(event: dict) -> str:
+    """What a step's ``rollouts`` progress event counts: its training samples and held-out evaluation
+    rollouts apart when it has both, e.g. ``40 of 105 rollouts finished after 62 s: 30 of 32
+    training, 10 of 73 held-out evaluation`` (``?``: the count could not be read)."""
+
+    def of(done: int | None, total: int) -> str:
+        return f"{'?' if done is None else done} of {total}"
+
+    finished, total, after = event["finished"], event["total"], f"after {event['elapsed_s']:.0f} s"
+    held, held_done = event.get("held_out", 0), event.get("held_out_finished")
+    if not held:
+        return f"{of(finished, total)} training rollouts finished {after}"
+    if held == total:
+        return f"{of(finished, total)} held-out evaluation rollouts finished {after}"
+    train_done = None if finished is None or held_done is None else finished - held_done
+    return (
+        f"{of(finished, total)} rollouts finished {after}: "
+        f"{of(train_done, total - held)} training, {of(held_done, held)} held-out evaluation"
+    )
+
+
 def on_progress(event: dict) -> None:
     kind = event.get("event")
     if kind == "eval":
@@ -279,8 +243,7 @@ def on_progress(event: dict) -> None:
             f"update {event.get('step_s', 0):.1f} s"
         )
     elif kind == "rollouts":
-        finished = "?" if event["finished"] is None else event["finished"]
-        say(f"step {event['step']:>2}: {finished} of {event['total']} rollouts finished ({event['elapsed_s']:.0f} s)")
+        say(f"step {event['step']:>2}: {rollouts_line(event)}")
     elif kind == "resume":
         say(f"resuming from checkpoint {event['version']}")
 
@@ -296,6 +259,11 @@ async def main(args: argparse.Namespace) -> int:
 
 
 async def train(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    run_id = args.run_id
+    settings = agl.Settings.from_env()
+    refuse_if_live(settings, run_id)  # first: a second demo in the namespace starts nothing, not even torch
+
     import torch
     from transformers.utils import logging as hf_logging
 
@@ -305,9 +273,6 @@ async def train(args: argparse.Namespace) -> int:
     hf_logging.disable_progress_bar()  # no "Loading weights" / "Writing model shards" bars between the lines
     if args.threads:
         torch.set_num_threads(args.threads)
-    started = time.monotonic()
-    run_id = args.run_id
-    settings = agl.Settings.from_env()
     if args.resume and latest_checkpoint(settings.state_dir / "checkpoints" / args.resume) is None:
         runs = sorted(d.name for d in (settings.state_dir / "checkpoints").glob("run-*") if latest_checkpoint(d))
         raise FileNotFoundError(  # main() prints it as one error line; a typo must not start a new run
@@ -321,9 +286,8 @@ async def train(args: argparse.Namespace) -> int:
     # started here, so leftovers can go before the runners start; the block's end stops what it started
     # (unless another process, e.g. `eventlight serve`, still uses them: the last of them stops them)
     # the lease names this run and namespace: a second demo there finds this one live (refuse_if_live)
-    lease = DEMO_LEASE.format(run_id=run_id, namespace=settings.namespace)
-    async with agl.use_services(settings, what=lease) as services:
-        refuse_if_live(settings, run_id)  # after taking ours: of two starting at once, neither cancels
+    async with agl.use_services(settings, what=demo_lease(settings, run_id)) as services:
+        refuse_if_live(settings, run_id)  # again after taking ours: of two starting at once, neither cancels
         left = await cancel_leftovers(settings, services.nats_url, services.pg_dsn, run_id)
         if left:
             say(f"cancelled {left} rollout(s) an earlier run left queued (interrupted?); this run's runners skip them")

@@ -9,6 +9,8 @@ APO's optimizer (critique and edit) use it. Set ``OPENAI_BASE_URL`` (and ``OPENA
 
 The agent's LLM calls go through eventlight's LLM proxy, which records one span per call on the
 stream; the runners record each rollout's reward; APO reads both from the Postgres projections.
+As the GRPO demo, it refuses to start while another demo runs in the namespace, and cancels what
+an earlier run that is no longer running left queued (``examples/demo_lease.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 import eventlight as agl  # noqa: E402
 from eventlight.store.jetstream import JetStreamLightningStore  # noqa: E402
+from examples.demo_lease import cancel_leftovers, demo_lease, refuse_if_live  # noqa: E402
 from examples.room_booking.agent import INITIAL_PROMPT, load_tasks, room_booker, split  # noqa: E402
 
 # More than this fraction of a run's rollouts failed: the run did not train, whatever the scores say.
@@ -135,18 +138,20 @@ async def main(args: argparse.Namespace) -> int:
 
 
 async def train(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    run_id = new_run_id()
+    settings = agl.Settings.from_env()
+    refuse_if_live(settings, run_id)  # first: a second demo in the namespace starts no LLM and no server
+
     from openai import AsyncOpenAI
 
     tasks = load_tasks()
     if args.tasks:
         tasks = tasks[: args.tasks]
     train_tasks, val = split(tasks)
-    started = time.monotonic()
-    run_id = new_run_id()
     say(f"run {run_id}")
 
     servers: list = []
-    settings = agl.Settings.from_env()
     try:
         servers, base_urls, model, api_key = await start_llms(args)
         proxy = agl.LLMProxy(
@@ -157,7 +162,12 @@ async def train(args: argparse.Namespace) -> int:
         )
         # the embedded servers until the report is read; the block's end stops what it started (unless
         # another process, e.g. `eventlight serve`, still uses them: the last of them stops them)
-        async with agl.use_services(settings):
+        # the lease names this run and namespace: a second demo there finds this one live (refuse_if_live)
+        async with agl.use_services(settings, what=demo_lease(settings, run_id)) as services:
+            refuse_if_live(settings, run_id)  # again after taking ours: of two starting at once, neither cancels
+            left = await cancel_leftovers(settings, services.nats_url, services.pg_dsn, run_id)
+            if left:
+                say(f"cancelled {left} rollout(s) an earlier run left queued (interrupted?); its runners skip them")
             async with AsyncOpenAI(base_url=base_urls[0], api_key=api_key) as optimizer:
                 apo = agl.APO(
                     optimizer,
