@@ -147,6 +147,24 @@ async def test_an_attempt_its_rollouts_end_finished_is_recorded_as_the_read_mode
             assert x.attempt == model[x.attempt_id]
 
 
+async def test_a_finished_rollout_sent_back_to_the_queue_is_collected_from_its_next_run(store: Any) -> None:
+    """A result kept for a later ``collect`` (its rollout finished while another was collected) is
+    not returned once the rollout went back to the queue (``update_rollout(status="queuing")``):
+    ``collect`` waits for the run after the requeue and returns its attempt and reward."""
+    async with store.subscribe(names) as sub:
+        again = await finish_one(store, reward=0.2)
+        other = await finish_one(store, reward=0.5)
+        assert [x.rollout_id for x in await sub.collect([other], timeout_s=20)] == [other]  # keeps `again`'s
+        await store.update_rollout(again, status="queuing")
+        assert await sub.collect([again], timeout_s=0.5) == []  # not finished: running again
+        d = await store.dequeue_rollout(worker_id="w2")
+        assert d is not None and d.rollout_id == again and d.attempt.sequence_id == 2
+        await store.add_span(reward_span(again, d.attempt.attempt_id, 1, 0.9, 20.0))
+        await store.update_attempt(again, d.attempt.attempt_id, status="succeeded")
+        [got] = await sub.collect([again], timeout_s=20)
+        assert (got.attempt_id, got.final_reward, got.latest) == (d.attempt.attempt_id, 0.9, True)
+
+
 async def test_since_reads_what_finished_before(store: Any) -> None:
     first = await finish_one(store)
     async with store.subscribe(names) as sub:
