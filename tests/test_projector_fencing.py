@@ -16,7 +16,7 @@ from typing import Any
 import asyncpg
 import pytest
 
-from eventlight.core.types import RolloutConfig
+from eventlight.core.types import RolloutConfig, Span
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.store.jetstream.projector import Deposed, Projector
@@ -140,3 +140,34 @@ async def test_the_watchdog_remembers_running_attempts_across_a_projector_restar
             assert attempt.status == "unresponsive"
     finally:
         await first.close()
+
+
+async def test_the_next_projector_watches_a_finished_rollouts_revived_superseded_attempt(namespace: Settings) -> None:
+    """peer_failures C20: a finished rollout whose superseded attempt a late span revived (its
+    runner then vanished) is read from the read model by the next projector too, and its watchdog
+    marks that attempt ``unresponsive``; a finished rollout with no live attempt is not read, nor
+    one whose config sets no limit the watchdog could enforce."""
+    cfg = RolloutConfig(unresponsive_seconds=5.0, max_attempts=3, retry_condition=["unresponsive"])
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as first:
+        ids = []
+        for config in (cfg, RolloutConfig(max_attempts=3, retry_condition=["unresponsive"])):
+            r = await first.enqueue_rollout("x", config=config)
+            a = (await first.dequeue_rollout(worker_id="a")).attempt
+            await first.update_attempt(r.rollout_id, a.attempt_id, status="unresponsive")  # as the watchdog
+            b = (await first.dequeue_rollout(worker_id="b")).attempt
+            await first.add_span(Span.from_attributes(attributes={}, rollout_id=r.rollout_id, attempt_id=a.attempt_id))
+            await first.update_attempt(r.rollout_id, b.attempt_id, status="succeeded")
+            ids.append(r.rollout_id)
+        done = await first.enqueue_rollout("done")
+        d = (await first.dequeue_rollout(worker_id="c")).attempt
+        await first.update_attempt(done.rollout_id, d.attempt_id, status="succeeded")
+        await first.sync(timeout_s=10)
+        assert [rid for rid, _, _ in first.projector.in_flight()] == ids[:1]
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as second:
+        await wait_until(second.projector.leader.is_set, 10)
+        assert [rid for rid, _, _ in second.projector.in_flight()] == ids[:1]
+        assert await second.projector.watch_once(time.time() + 60) == 1
+        await second.sync_all(timeout_s=10)
+        assert [x.status for x in await second.query_attempts(ids[0])] == ["unresponsive", "succeeded"]
+        assert (await second.get_rollout_by_id(ids[0])).status == "succeeded"
+        assert second.projector.in_flight() == []

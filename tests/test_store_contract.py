@@ -1116,6 +1116,49 @@ async def watchdog(store: Any, now: float) -> int:
     return len(await store.run_watchdog(now))
 
 
+async def test_a_revived_superseded_attempt_whose_runner_vanishes_again_is_marked_unresponsive(
+    store: Any, runner_store: Any
+) -> None:
+    """peer_failures C03, C20: runner A goes silent, its attempt goes ``unresponsive`` and B claims
+    the retry; A's late span revives attempt 1 (``running``, not the latest), then A vanishes again.
+    The watchdog marks attempt 1 ``unresponsive`` once more, while B runs and after B's success
+    ended the rollout, and nothing else moves: the rollout follows B (C01). AGL 0.3.0 checks only
+    the latest attempt, so attempt 1 would stay ``running`` for ever."""
+    cfg = RolloutConfig(unresponsive_seconds=5, max_attempts=3, retry_condition=["unresponsive"])
+    for b_finishes_first in (True, False):
+        r = await store.enqueue_rollout("x", config=cfg)
+        rid = r.rollout_id
+        a = (await runner_store.dequeue_rollout(worker_id="a")).attempt
+        await settle(store)
+        assert await watchdog(store, a.start_time + 6) == 1
+        await settle(store)
+        b = (await runner_store.dequeue_rollout(worker_id="b")).attempt
+        await runner_store.update_attempt(rid, b.attempt_id, last_heartbeat_time=time.time() + 1000)
+        await runner_store.add_span(reward_span(rid, a.attempt_id, 1, 0.1))  # A, late: revived
+        await settle(store)
+        revived = (await store.query_attempts(rid))[0]
+        assert revived.status == "running" and revived.last_heartbeat_time is not None
+        if b_finishes_first:
+            await runner_store.update_attempt(rid, b.attempt_id, status="succeeded")
+            await settle(store)
+        before = await store.get_rollout_by_id(rid)
+        silent = revived.last_heartbeat_time + 6
+        assert await watchdog(store, silent) == 1
+        await settle(store)
+        assert [x.status for x in await store.query_attempts(rid)] == [
+            "unresponsive",
+            "succeeded" if b_finishes_first else "preparing",
+        ]
+        after = await store.get_rollout_by_id(rid)
+        assert (after.status, after.attempt.attempt_id, after.end_time) == (
+            before.status,
+            b.attempt_id,
+            before.end_time,
+        )
+        assert (await store.get_worker_by_id("a")).status == "unknown"
+        assert await watchdog(store, silent + 2000) == (0 if b_finishes_first else 1)  # then only B, if live
+
+
 async def test_statistics_and_capabilities(store: Any, runner_store: Any, zero_copy: bool) -> None:
     r = await store.enqueue_rollout("q")
     d = await runner_store.dequeue_rollout(worker_id="w")

@@ -117,6 +117,54 @@ async def test_a_superseded_attempt_still_live_when_its_rollout_ends_is_never_co
     ]
 
 
+async def test_an_attempt_its_rollouts_end_finished_is_recorded_as_the_read_model_has_it(store: Any) -> None:
+    """The feed carries no spans, yet spans move attempts: A's late span revived its superseded
+    attempt (``unresponsive`` -> ``running``) before B's success ended the rollout, and a cancelled
+    rollout's attempt had moved ``preparing`` -> ``running`` on its first span. Each record shows
+    its attempt as the read model has it at that position (DESIGN: one fold), not ``unresponsive``
+    or ``preparing``."""
+    config = RolloutConfig(max_attempts=3, retry_condition=["unresponsive"])
+    r = await store.enqueue_rollout({"task": "vanished"}, config=config)
+    rid = r.rollout_id
+    a = (await store.dequeue_rollout(worker_id="a")).attempt
+    await store.update_attempt(rid, a.attempt_id, status="unresponsive")  # as the watchdog
+    b = (await store.dequeue_rollout(worker_id="b")).attempt
+    await store.add_span(reward_span(rid, a.attempt_id, 1, 0.2, 2.0))  # A, late: revived
+    await store.update_attempt(rid, b.attempt_id, status="succeeded")
+    c = await store.enqueue_rollout({"task": "cancelled"})
+    d = (await store.dequeue_rollout(worker_id="c")).attempt
+    await store.add_span(reward_span(c.rollout_id, d.attempt_id, 1, 0.5, 1.0))
+    await store.update_rollout(c.rollout_id, status="cancelled")
+    async with store.subscribe(names, since=0) as sub:
+        records = [await sub.next_record(timeout_s=20) for _ in range(3)]
+    await store.sync_all(timeout_s=10)
+    model = {x.attempt_id: x for x in [*await store.query_attempts(rid), *await store.query_attempts(c.rollout_id)]}
+    got = [(x.attempt_id, x.status, x.latest) for x in records if x is not None]
+    assert got == [(a.attempt_id, "running", False), (b.attempt_id, "succeeded", True), (d.attempt_id, "running", True)]
+    for x in records:
+        assert x is not None
+        if x.attempt_id != b.attempt_id:  # done with a status a span can change: exactly the model's
+            assert x.attempt == model[x.attempt_id]
+
+
+async def test_a_finished_rollout_sent_back_to_the_queue_is_collected_from_its_next_run(store: Any) -> None:
+    """A result kept for a later ``collect`` (its rollout finished while another was collected) is
+    not returned once the rollout went back to the queue (``update_rollout(status="queuing")``):
+    ``collect`` waits for the run after the requeue and returns its attempt and reward."""
+    async with store.subscribe(names) as sub:
+        again = await finish_one(store, reward=0.2)
+        other = await finish_one(store, reward=0.5)
+        assert [x.rollout_id for x in await sub.collect([other], timeout_s=20)] == [other]  # keeps `again`'s
+        await store.update_rollout(again, status="queuing")
+        assert await sub.collect([again], timeout_s=0.5) == []  # not finished: running again
+        d = await store.dequeue_rollout(worker_id="w2")
+        assert d is not None and d.rollout_id == again and d.attempt.sequence_id == 2
+        await store.add_span(reward_span(again, d.attempt.attempt_id, 1, 0.9, 20.0))
+        await store.update_attempt(again, d.attempt.attempt_id, status="succeeded")
+        [got] = await sub.collect([again], timeout_s=20)
+        assert (got.attempt_id, got.final_reward, got.latest) == (d.attempt.attempt_id, 0.9, True)
+
+
 async def test_since_reads_what_finished_before(store: Any) -> None:
     first = await finish_one(store)
     async with store.subscribe(names) as sub:

@@ -121,7 +121,8 @@ class UpdateRollout(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class CheckHealth(msgspec.Struct, frozen=True, kw_only=True):
-    """The watchdog's command: mark the latest attempt ``timeout``/``unresponsive`` when overdue."""
+    """The watchdog's command: mark live attempts ``timeout``/``unresponsive`` when overdue (the
+    latest while its rollout is in flight, a superseded one whatever the rollout's status)."""
 
 
 class AbandonAttempt(msgspec.Struct, frozen=True, kw_only=True):

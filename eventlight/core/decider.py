@@ -18,6 +18,11 @@ Attempt
     * ``end_time`` is set on every terminal status, ``timeout`` and ``unresponsive`` included (docs).
     * The watchdog's ``timeout``/``unresponsive`` writes its reason into the attempt's metadata
       (``STATUS_REASON``); a runner writes its own there when it records ``failed``.
+    * The watchdog checks the latest attempt while its rollout is ``preparing``/``running`` (0.3.0),
+      and also every superseded attempt still ``preparing``/``running``, whatever its rollout's status:
+      one a late span revived after its retry was claimed, whose runner then vanished again. 0.3.0
+      never checks those, so they stay ``running`` for ever; here they go ``unresponsive``/``timeout``
+      by the rollout's ``RolloutConfig`` and, not being the latest, move nothing else (C01).
     * ``AbandonAttempt`` (a runner process died; its pool records it) → ``failed`` with the reason
       in its metadata, from ``preparing``/``running``/``unresponsive``; a finished attempt is left
       as it is (no events).
@@ -56,6 +61,7 @@ from eventlight.core.commands import (
 )
 from eventlight.core.errors import InvalidInputError, InvalidTransitionError
 from eventlight.core.events import AttemptStarted, AttemptUpdated, RolloutCreated, RolloutEvent, RolloutUpdated
+from eventlight.core.evolve import evolve
 from eventlight.core.types import (
     ATTEMPT_STATUSES,
     QUEUING_STATUSES,
@@ -70,6 +76,8 @@ from eventlight.core.types import (
 )
 
 FINAL_ATTEMPT_STATUSES = frozenset({"succeeded", "failed", "timeout"})
+LIVE_ATTEMPT_STATUSES = frozenset({"preparing", "running"})
+"""Attempt statuses the watchdog checks (its runner should be sending spans or heartbeats)."""
 ENDING_ATTEMPT_STATUSES = frozenset({"succeeded", "failed", "timeout", "unresponsive"})
 
 
@@ -235,31 +243,42 @@ def _decide_update_rollout(state: RolloutState, cmd: UpdateRollout, now: float) 
 
 
 def _decide_health(state: RolloutState, now: float) -> list[RolloutEvent]:
-    rollout, attempt = state.rollout, state.latest
-    if attempt is None or rollout.status not in ("preparing", "running"):
-        return []
-    if attempt.status not in ("preparing", "running"):
-        return []
-    cfg = rollout.config
-    status: AttemptStatus | None = None
-    reason = ""
+    """The watchdog's events: the latest attempt of a rollout in flight, and every superseded attempt
+    still live (a runner back after its retry was claimed, which vanished again), whatever its
+    rollout's status; only the latest one moves the rollout (``_propagate``)."""
+    events: list[RolloutEvent] = []
+    latest = state.latest
+    for attempt in state.attempts:
+        if attempt.status not in LIVE_ATTEMPT_STATUSES:
+            continue
+        if attempt is latest and state.rollout.status not in ("preparing", "running"):
+            continue  # 0.3.0 watches a rollout's latest attempt only while the rollout is in flight
+        found = _overdue(attempt, state.rollout.config, now)
+        if found is None:
+            continue
+        status, reason = found
+        metadata = {**(attempt.metadata or {}), STATUS_REASON: reason}
+        update = UpdateAttempt(attempt_id=attempt.attempt_id, status=status, metadata=metadata)
+        for event in _decide_update_attempt(state, update, now):
+            events.append(event)
+            evolved = evolve(state, event)
+            assert evolved is not None
+            state = evolved
+    return events
+
+
+def _overdue(attempt: Attempt, cfg: RolloutConfig, now: float) -> tuple[AttemptStatus, str] | None:
+    """``(status, reason)`` when a live ``attempt`` ran past ``cfg``'s limits at ``now``, else ``None``."""
     if cfg.timeout_seconds is not None and now - attempt.start_time > cfg.timeout_seconds:
-        status = "timeout"
-        reason = f"timeout: ran {now - attempt.start_time:.1f} s, over timeout_seconds={cfg.timeout_seconds:g}"
-    elif cfg.unresponsive_seconds is not None:
+        return "timeout", f"timeout: ran {now - attempt.start_time:.1f} s, over timeout_seconds={cfg.timeout_seconds:g}"
+    if cfg.unresponsive_seconds is not None:
         last = attempt.last_heartbeat_time if attempt.last_heartbeat_time is not None else attempt.start_time
         if now - last > cfg.unresponsive_seconds:
-            status = "unresponsive"
-            reason = (
+            return "unresponsive", (
                 f"unresponsive: no span or heartbeat for {now - last:.1f} s, "
                 f"over unresponsive_seconds={cfg.unresponsive_seconds:g}"
             )
-    if status is None:
-        return []
-    metadata = {**(attempt.metadata or {}), STATUS_REASON: reason}
-    return _decide_update_attempt(
-        state, UpdateAttempt(attempt_id=attempt.attempt_id, status=status, metadata=metadata), now
-    )
+    return None
 
 
 def _decide_abandon(state: RolloutState, cmd: AbandonAttempt, now: float) -> list[RolloutEvent]:

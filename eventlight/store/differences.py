@@ -41,6 +41,10 @@ Choices where Agent-lightning 0.3.0's code and its docs differ, item by item aga
     12. the watchdog is a running component (in the projector's process, every second by default), not
         a check run lazily before store calls, so nothing needs a debounce setting; the in-memory
         store starts it on its first call from a running loop, so it runs without ``async with`` too;
+        besides the latest attempt of a rollout in flight (0.3.0), it checks every superseded attempt
+        still ``preparing``/``running`` (a late span revived it), whatever its rollout's status, which
+        0.3.0 leaves ``running`` for ever; with the default ``RolloutConfig()`` (no limits) neither
+        checks anything, so a vanished runner's rollout stays ``preparing``/``running`` (0.3.0);
     13. a span revives ``unresponsive`` but never ``timeout``/``failed``; queue entries of rollouts that
         left ``queuing``/``requeuing`` are skipped;
     14. workers are derived from events: claim → busy, empty poll → idle, ``timeout``/``unresponsive`` →

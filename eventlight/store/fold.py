@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from eventlight.core.commands import RolloutState
+from eventlight.core.decider import LIVE_ATTEMPT_STATUSES
 from eventlight.core.events import AnyEvent, ResourcesPut, RolloutCreated, SpansAdded, rollout_id_of
 from eventlight.core.evolve import evolve, evolve_worker, updated_attempt, workers_of
 from eventlight.core.types import TERMINAL_ROLLOUT_STATUSES, ResourcesUpdate, Worker
@@ -112,6 +113,18 @@ def fold_event(
             b.workers[wid] = w
 
 
+def watched(state: RolloutState) -> bool:
+    """Whether the watchdog watches a rollout: it is in flight (``preparing``/``running``), or a
+    superseded attempt of it is still live (``preparing``/``running``: a late span revived it after
+    its retry was claimed) and its ``RolloutConfig`` has a limit the watchdog can enforce."""
+    if state.rollout.status in ("preparing", "running"):
+        return True
+    cfg = state.rollout.config
+    if cfg.timeout_seconds is None and cfg.unresponsive_seconds is None:
+        return False
+    return any(a.status in LIVE_ATTEMPT_STATUSES for a in state.attempts[:-1])
+
+
 def in_flight(states: dict[str, RolloutState]) -> list[str]:
-    """The rollouts among ``states`` the watchdog watches (``preparing``/``running``)."""
-    return [rid for rid, s in states.items() if s.rollout.status in ("preparing", "running")]
+    """The rollouts among ``states`` the watchdog watches (``watched``)."""
+    return [rid for rid, s in states.items() if watched(s)]

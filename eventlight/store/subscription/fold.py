@@ -6,6 +6,10 @@ log *before* the delivery's position and go through the adapter (``records.adapt
 met mid-life (a subscription that started or resumed after it was created) has its earlier events
 read from the log first, so the fold's state, and what it yields, do not depend on where the
 subscription started. A terminal rollout's state is dropped (read again should it move once more).
+The feed carries no span batches, so an attempt done because its rollout ended (``unresponsive``,
+``preparing`` or ``running`` then) is folded once more with its span batches in log order: a record
+shows the attempt as the read model and a replay have it at that position (a superseded attempt
+that a late span revived is ``running``, not ``unresponsive``).
 
 A delivery at or before the highest position folded so far is a redelivery and is skipped: each
 attempt is yielded once per subscription. An entry that is not an event is recorded in ``errors``
@@ -14,18 +18,19 @@ with its position and skipped.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import msgspec
 
 from eventlight.core.commands import RolloutState
 from eventlight.core.errors import InvalidInputError
-from eventlight.core.events import AnyEvent, AttemptStarted, decode_event, rollout_id_of
-from eventlight.core.evolve import evolve
-from eventlight.core.types import TERMINAL_ROLLOUT_STATUSES
+from eventlight.core.events import AnyEvent, AttemptStarted, SpansAdded, decode_event, rollout_id_of
+from eventlight.core.evolve import evolve, spans_arrived
+from eventlight.core.types import TERMINAL_ROLLOUT_STATUSES, Attempt
 from eventlight.logreplay.records import AdapterFn
 from eventlight.logreplay.select import Filters
-from eventlight.store.finish import newly_done
+from eventlight.store.finish import FINAL_ATTEMPT_STATUSES, newly_done
 from eventlight.store.ports import Delivery, EventLog
 from eventlight.store.subscription.records import FinishedAttempt, SubscriptionError, adapt
 
@@ -80,10 +85,12 @@ class FollowFold:
         _note_started(started, rid, event, d.seq)
         out: list[FinishedAttempt] = []
         errors: list[SubscriptionError] = []
-        for attempt in newly_done(before, after):
-            if not self._selected(after, attempt.status):
-                continue
-            batches = await self.log.span_entries(rid, attempt.attempt_id, d.seq)
+        done = [a for a in newly_done(before, after) if self._selected(after, a.status)]
+        read = {a.attempt_id: await self.log.span_entries(rid, a.attempt_id, d.seq) for a in done}
+        if any(a.status not in FINAL_ATTEMPT_STATUSES for a in done):
+            done = await self._with_spans(rid, d.seq, event, done, read)
+        for attempt in done:
+            batches = read[attempt.attempt_id]
             key = (rid, attempt.attempt_id)
             pos = started.get(key, self.started.get(key))
             latest = after.latest is not None and after.latest.attempt_id == attempt.attempt_id
@@ -93,6 +100,34 @@ class FollowFold:
         self._commit(rid, after, started, d.seq)
         self.errors += errors
         return out
+
+    async def _with_spans(
+        self, rid: str, seq: int, event: AnyEvent, done: list[Attempt], read: dict[str, list[tuple[int, bytes]]]
+    ) -> list[Attempt]:
+        """``done`` as the read model has them at ``seq``: the rollout's events and each attempt's
+        span batches folded in log order (a span revives an ``unresponsive`` attempt and moves a
+        ``preparing`` one to ``running``; the feed carries no spans). Only for attempts done with a
+        status a span can still change (their rollout ended first): one read of the rollout's events."""
+        items: list[tuple[int, AnyEvent | None, str, float]] = []
+        for pos, data in await self.log.rollout_entries(rid, seq):
+            with contextlib.suppress(*_DECODE_ERRORS):  # reported when the fold first met it
+                items.append((pos, decode_event(data), "", 0.0))
+        items.append((seq, event, "", 0.0))
+        for aid, batches in read.items():
+            for pos, data in batches:
+                with contextlib.suppress(*_DECODE_ERRORS):  # reported by ``adapt``
+                    batch = decode_event(data)
+                    if isinstance(batch, SpansAdded) and batch.spans:
+                        items.append((pos, None, aid, batch.time))
+        state: RolloutState | None = None
+        for _, ev, aid, at in sorted(items, key=lambda item: item[0]):
+            if ev is not None:
+                state = evolve(state, ev)
+            elif state is not None:
+                state = spans_arrived(state, aid, at)
+        if state is None:
+            return done
+        return [state.attempt(a.attempt_id) for a in done]
 
     def _selected(self, state: RolloutState, status: str) -> bool:
         f = self.filters

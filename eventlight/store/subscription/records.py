@@ -41,8 +41,9 @@ class FinishedAttempt(msgspec.Struct, frozen=True, kw_only=True):
     Attributes:
         rollout: The rollout as the log had it at ``position`` (``rollout.status`` terminal and
             ``latest``: its last attempt; otherwise a retry may follow).
-        attempt: The attempt at ``position`` (``status`` ``succeeded``, ``failed``, ``timeout``, or,
-            when the rollout ended first, ``unresponsive``/``running``).
+        attempt: The attempt at ``position`` as the read model has it there, spans included
+            (``status`` ``succeeded``, ``failed``, ``timeout``, or, when the rollout ended first,
+            ``unresponsive``/``running``/``preparing``).
         latest: Whether ``attempt`` was its rollout's latest at ``position`` (the one its status
             follows). ``False``: an earlier attempt, superseded by a retry (its runner went silent,
             say), that finished late or was still live when its rollout ended; its spans are not

@@ -31,6 +31,7 @@ from collections.abc import Iterable
 
 import msgspec
 
+from eventlight.core.errors import RolloutNotFoundError
 from eventlight.core.types import TERMINAL_ROLLOUT_STATUSES
 from eventlight.logreplay.records import AdapterFn
 from eventlight.logreplay.select import Filters
@@ -190,14 +191,20 @@ class Subscription:
         ``rollout_ids`` order (never an attempt a retry superseded, ``FinishedAttempt.latest``);
         those not terminal within ``timeout_s`` seconds are left out (as ``wait_for_rollouts``
         leaves them). Records of other rollouts met meanwhile are kept for a
-        later ``collect`` (up to ``MAX_STASH``).
+        later ``collect`` (up to ``MAX_STASH``), which checks a kept one against the log first
+        (one load of the rollout): a rollout sent back to the queue since is collected from its
+        next run, not the kept result.
 
         Raises:
             ServiceUnavailableError: The server went away for longer than ``server_timeout_s``.
         """
         ids = list(dict.fromkeys(rollout_ids))
         want = set(ids)
-        got = {rid: self._stash.pop(rid) for rid in ids if rid in self._stash}
+        got: dict[str, FinishedAttempt] = {}
+        for rid in ids:
+            kept = self._stash.pop(rid, None)
+            if kept is not None and await self._still_the_result(kept):
+                got[rid] = kept
         deadline = None if timeout_s is None else time.monotonic() + max(0.0, timeout_s)
         while any(rid not in got or not _terminal(got[rid]) for rid in ids):
             left = None if deadline is None else deadline - time.monotonic()
@@ -211,6 +218,23 @@ class Subscription:
             else:
                 self._keep(record)
         return [got[rid] for rid in ids if rid in got and _terminal(got[rid])]
+
+    async def _still_the_result(self, record: FinishedAttempt) -> bool:
+        """Whether a stashed result is still its rollout's, by the log now: the rollout is terminal
+        and its latest attempt is the record's. One sent back to the queue since
+        (``update_rollout(status="queuing")``) is not: its next run's result is (the fold may not
+        have read the requeue yet). A rollout retired to the archive can no longer move: it is.
+
+        Raises:
+            ServiceUnavailableError: The log did not answer.
+        """
+        try:
+            state, _ = await self.log.load(record.rollout_id)
+        except RolloutNotFoundError:
+            return True
+        latest = state.latest
+        ended = state.rollout.status in TERMINAL_ROLLOUT_STATUSES
+        return ended and latest is not None and latest.attempt_id == record.attempt_id
 
     def _keep(self, record: FinishedAttempt) -> None:
         if len(self._stash) >= MAX_STASH:

@@ -18,7 +18,7 @@ from eventlight.core.commands import RolloutState
 from eventlight.core.errors import InvalidInputError
 from eventlight.core.events import AnyEvent, RolloutCreated, rollout_id_of
 from eventlight.core.types import Worker
-from eventlight.store.fold import Changes, Missing, fold_batch
+from eventlight.store.fold import Changes, Missing, fold_batch, watched
 from eventlight.store.jetstream.log import JetStreamEventLog
 from eventlight.store.jetstream.pg import (
     ATTEMPT_COLS,
@@ -166,6 +166,8 @@ class BatchWriter:
         self.rollout_seq.update(batch.rollout_seq)
         self.workers.update(batch.workers)
         for rid in batch.terminal:  # finished rollouts are reloaded from Postgres if touched again,
+            if rid in self.states and watched(self.states[rid]):
+                continue  # a superseded attempt still live: the watchdog watches it
             self.states.pop(rid, None)  # so memory follows the rollouts in flight, not all rollouts
             self.rollout_seq.pop(rid, None)
         if self.on_commit is not None:

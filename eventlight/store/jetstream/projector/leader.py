@@ -16,6 +16,7 @@ from eventlight.core.commands import RolloutState
 from eventlight.core.errors import InvalidInputError
 from eventlight.core.types import Worker
 from eventlight.core.types import now as wall_clock
+from eventlight.store.fold import watched
 from eventlight.store.futures import cancels, raise_if_cancelled
 from eventlight.store.jetstream.log import JetStreamEventLog
 from eventlight.store.jetstream.pg import (
@@ -284,12 +285,15 @@ class Projector(Consumer):
 
     async def _load_in_flight(self, conn: asyncpg.Connection) -> None:
         """Forget what an earlier term cached (another leader may have written since) and read the
-        rollouts in flight from the read model, so the watchdog watches them after any restart."""
+        rollouts the watchdog watches (``eventlight.store.fold.watched``: in flight, or finished with
+        a superseded attempt still live) from the read model, so it watches them after any restart."""
         self.states.clear()
         self.rollout_seq.clear()
         self.workers.clear()
         rows = await conn.fetch(
-            f"SELECT {ROLLOUT_COLS}, last_seq FROM rollouts WHERE status IN ('preparing', 'running')"
+            f"SELECT {ROLLOUT_COLS}, last_seq FROM rollouts WHERE status IN ('preparing', 'running') "
+            "OR rollout_id IN (SELECT a.rollout_id FROM attempts a JOIN rollouts r USING (rollout_id) "
+            "WHERE a.status IN ('preparing', 'running') AND a.attempt_id <> r.latest_attempt_id)"
         )
         if self.partitions > 1:
             rows = [r for r in rows if partition_of(r[0], self.partitions) == self.partition]
@@ -303,8 +307,10 @@ class Projector(Consumer):
         ):
             attempts[a[0]].append(attempt_from_row(a))
         for r in rows:
-            self.states[r[0]] = RolloutState(rollout=rollout_from_row(r), attempts=tuple(attempts[r[0]]))
-            self.rollout_seq[r[0]] = int(r[9])
+            state = RolloutState(rollout=rollout_from_row(r), attempts=tuple(attempts[r[0]]))
+            if watched(state):  # a finished rollout only while a superseded attempt can be marked
+                self.states[r[0]] = state
+                self.rollout_seq[r[0]] = int(r[9])
 
     async def _watch_lock(self) -> None:
         """Return (raise ``Deposed``) as soon as the advisory-lock connection is lost."""
