@@ -77,11 +77,12 @@ class BatchWriter:
     partitions: int
     worker_fold: WorkerFold | None
 
-    async def _advance(self, conn: asyncpg.Connection, last_seq: int) -> None:
+    async def _advance(self, conn: asyncpg.Connection, last_seq: int, *, savepoint: bool = False) -> None:
         """Move the checkpoint to ``last_seq``, fenced: only this term's leader, only from where it
         applied. First in the batch's transaction, so the row lock also orders the batch against a
         new leader taking its term. With no transaction open on ``conn``, it opens the batch's
-        (``BEGIN``, ``GENERIC_PLANS``) in the same round trip: one simple query, its numbers inlined.
+        (``BEGIN``, ``GENERIC_PLANS`` and, with ``savepoint``, the spans' ``SAVEPOINT``) in the same
+        round trip: one simple query, its numbers inlined.
 
         Raises:
             Deposed: Another projector took a newer term (or moved the checkpoint); the transaction
@@ -91,7 +92,9 @@ class BatchWriter:
             f"UPDATE projector_checkpoint SET last_seq = {int(last_seq)}, updated_at = now()"
             f" WHERE id = {int(self.partition)} AND term = {int(self.term)} AND last_seq = {int(self.checkpoint)}"
         )
-        opens = "" if conn.is_in_transaction() else f"BEGIN; {GENERIC_PLANS}; "
+        opens = ""
+        if not conn.is_in_transaction():
+            opens = f"BEGIN; {GENERIC_PLANS}; " + ("SAVEPOINT spans; " if savepoint else "")
         status = await conn.execute(opens + update)  # a simple query: the status of its last statement
         if status != "UPDATE 1":
             raise Deposed(f"the checkpoint row is no longer term {self.term} at sequence {self.checkpoint}")
@@ -143,7 +146,7 @@ class BatchWriter:
                 batch = await self._fold(conn, events)
                 batch.last_seq = last_seq
                 workers = await self._fold_workers(conn, batch, items)
-                await self._advance(conn, last_seq)
+                await self._advance(conn, last_seq, savepoint=bool(batch.spans))
                 await self._write(conn, batch)
                 if workers is not None and workers.attempts:
                     await conn.executemany(UPSERT_ATTEMPT_WORKER, [(k, *v) for k, v in workers.attempts.items()])
@@ -295,7 +298,7 @@ class BatchWriter:
 
     async def _write(self, conn: asyncpg.Connection, b: Changes) -> None:
         if b.spans:
-            await self._write_spans(conn, [span_row(s, seq) for s, seq in b.spans])
+            await self._write_spans(conn, [span_row(s, seq) for s, seq in b.spans], b.last_seq)
         if b.rollouts:
             attempts = [a for s in b.rollouts.values() for a in s.attempts]
             await conn.executemany(UPSERT_ATTEMPT, [attempt_row(a) for a in attempts])
@@ -310,22 +313,25 @@ class BatchWriter:
             rows = [worker_row(w, b.worker_created_seq.get(wid)) for wid, w in b.workers.items()]
             await conn.executemany(UPSERT_WORKER, rows)
 
-    async def _write_spans(self, conn: asyncpg.Connection, rows: list[tuple[Any, ...]]) -> None:
-        """Insert the batch's span rows (``span_row``s) with one ``COPY``, in a savepoint of the
-        batch's transaction. A span already in the read model (published again, or twice in the
-        batch) makes the copy fail on the primary key; the savepoint is rolled back and the rows go
-        row by row with ``ON CONFLICT DO NOTHING`` instead, so the first copy of a span stays, as
-        the in-memory backend keeps it. Either way the rows commit with the checkpoint.
+    async def _write_spans(self, conn: asyncpg.Connection, rows: list[tuple[Any, ...]], last_seq: int) -> None:
+        """Insert the batch's span rows (``span_row``s) with one ``COPY``, after the savepoint that
+        opened the batch's transaction with its checkpoint (``_advance``). A span already in the
+        read model (published again, or twice in the batch) makes the copy fail on the primary key;
+        the transaction is rolled back to the savepoint, the checkpoint moved to ``last_seq`` again
+        (fenced again: the savepoint's rollback gave its row lock back) and the rows go row by row
+        with ``ON CONFLICT DO NOTHING`` instead, so the first copy of a span stays, as the in-memory
+        backend keeps it. Either way the rows commit with the checkpoint.
 
         Raises:
+            Deposed: Another projector took the lead while the copy was rolled back.
             asyncpg.PostgresError: Postgres refused a row for another reason (the caller isolates it).
         """
-        await conn.execute("SAVEPOINT spans")  # released with the batch's commit: no round trip of its own
         try:
             await conn.copy_records_to_table("spans", records=rows, columns=SPAN_COLUMNS)
         except asyncpg.UniqueViolationError:
             log.debug("projector: %d span rows meet rows already projected; inserting them one by one", len(rows))
             await conn.execute("ROLLBACK TO SAVEPOINT spans")  # the batch's transaction is usable again
+            await self._advance(conn, last_seq)
             await conn.executemany(INSERT_SPAN, rows)
 
 
