@@ -352,7 +352,7 @@ class Trainer:
             await apply_streams(nc, self.settings)
         finally:
             await nc.close()
-        await apply_migrations(services.pg_dsn, self.settings.pg_schema)
+        await apply_migrations(services.pg_dsn, self.settings.pg_schema, open_wait_s=self.settings.pg_open_wait_s)
         return services
 
     async def _fit_async(self, agent: LitAgent[Any], algo: Algorithm | None, train: Any, val: Any) -> None:

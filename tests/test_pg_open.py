@@ -14,6 +14,7 @@ import urllib.parse
 from collections.abc import AsyncIterator, Iterator
 
 import asyncpg
+import msgspec
 import pytest
 
 from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
@@ -214,3 +215,28 @@ async def test_an_open_store_whose_connections_are_lost_and_refused_logs_no_trac
         root.removeHandler(records)
     tracebacks = [f"{r.name}: {r.getMessage()}" for r in records.records if r.exc_info]
     assert not tracebacks
+
+
+async def test_a_trainer_on_given_servers_waits_as_its_settings_say(limited: LimitedRole, warnings_: _Warnings) -> None:
+    """``AGL_MANAGED_STORE=0``: the Trainer applies the namespace's migrations itself. README says
+    its wait is ``EVENTLIGHT_PG_OPEN_WAIT_S`` (``Settings.pg_open_wait_s``); it waited the default
+    30 s whatever that said. Told not to wait (0), it fails at once, with no warning line."""
+    import contextlib
+
+    from eventlight.execution import ClientServerExecutionStrategy
+    from eventlight.trainer import Trainer
+
+    settings = msgspec.structs.replace(limited.settings, pg_open_wait_s=0)
+    trainer = Trainer(strategy=ClientServerExecutionStrategy(managed_store=False), settings=settings)
+    async with contextlib.AsyncExitStack() as run:
+        opening = asyncio.ensure_future(trainer._services(trainer._cs(), run))
+        try:
+            waiting = asyncio.ensure_future(warnings_.first.wait())
+            await asyncio.wait({waiting, opening}, return_when=asyncio.FIRST_COMPLETED)
+            waiting.cancel()
+            assert not warnings_.records, "it waited for a connection though pg_open_wait_s=0"
+            with pytest.raises(ServiceUnavailableError, match="too many connections"):
+                await opening
+        finally:
+            opening.cancel()
+            await asyncio.gather(opening, return_exceptions=True)

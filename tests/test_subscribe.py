@@ -165,6 +165,49 @@ async def test_a_finished_rollout_sent_back_to_the_queue_is_collected_from_its_n
         assert (got.attempt_id, got.final_reward, got.latest) == (d.attempt.attempt_id, 0.9, True)
 
 
+ENDED_BY_NO_ATTEMPT = (
+    "collect never reports a rollout made terminal by an event that finishes no latest attempt (review1)"
+)
+
+
+@pytest.mark.xfail(strict=True, reason=ENDED_BY_NO_ATTEMPT)
+async def test_a_rollout_cancelled_while_it_waits_for_its_retry_is_collected(store: Any) -> None:
+    """A retried rollout cancelled while it waits in the queue (its latest attempt failed at an
+    earlier event, so the cancel finishes no attempt) is terminal: ``wait_for_rollouts`` returns it
+    at once, ``collect`` should too (its latest attempt, ``rollout.status`` ``cancelled``), not
+    leave it out as "not terminal" once ``timeout_s`` has passed."""
+    config = RolloutConfig(max_attempts=3, retry_condition=["failed", "unresponsive"])
+    async with store.subscribe(names) as sub:
+        r = await store.enqueue_rollout({"task": "cancel in queue"}, config=config)
+        a = await store.dequeue_rollout(worker_id="a")
+        await store.update_attempt(r.rollout_id, a.attempt.attempt_id, status="failed")
+        await store.update_rollout(r.rollout_id, status="cancelled")
+        (ended,) = await store.wait_for_rollouts(rollout_ids=[r.rollout_id], timeout=20)
+        assert ended.status == "cancelled"
+        got = await sub.collect([r.rollout_id], timeout_s=3)
+    assert [(x.attempt_id, x.latest, x.rollout.status) for x in got] == [(a.attempt.attempt_id, True, "cancelled")]
+
+
+@pytest.mark.xfail(strict=True, reason=ENDED_BY_NO_ATTEMPT)
+async def test_a_rollout_cancelled_in_the_queue_with_a_stale_attempt_is_collected(store: Any) -> None:
+    """As above, with a superseded attempt still ``unresponsive``: the cancel makes only that one
+    done (``latest`` False). Before ``FinishedAttempt.latest`` ``collect`` returned the stale
+    record (the wrong attempt, but the rollout came back); now it leaves the rollout out."""
+    config = RolloutConfig(max_attempts=3, retry_condition=["failed", "unresponsive"])
+    async with store.subscribe(names) as sub:
+        r = await store.enqueue_rollout({"task": "stale then cancel"}, config=config)
+        a = await store.dequeue_rollout(worker_id="a")
+        await store.update_attempt(r.rollout_id, a.attempt.attempt_id, status="unresponsive")  # as the watchdog
+        b = await store.dequeue_rollout(worker_id="b")
+        assert (b.rollout_id, b.attempt.sequence_id) == (r.rollout_id, 2)
+        await store.update_attempt(r.rollout_id, b.attempt.attempt_id, status="failed")
+        await store.update_rollout(r.rollout_id, status="cancelled")
+        (ended,) = await store.wait_for_rollouts(rollout_ids=[r.rollout_id], timeout=20)
+        assert ended.status == "cancelled"
+        got = await sub.collect([r.rollout_id], timeout_s=3)
+    assert [(x.attempt_id, x.latest, x.rollout.status) for x in got] == [(b.attempt.attempt_id, True, "cancelled")]
+
+
 async def test_since_reads_what_finished_before(store: Any) -> None:
     first = await finish_one(store)
     async with store.subscribe(names) as sub:

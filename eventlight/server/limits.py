@@ -6,8 +6,9 @@ An ASGI middleware that reads the body and hands it on whole, refusing:
   soon as it passes it;
 * a body that would take the bytes held by all requests at once past ``max_buffered_bytes`` (503
   with ``Retry-After``): a body counts the bytes that came, as they come, until the app has answered
-  it, so N clients each sending a body just under the limit cannot make the server hold N times the
-  limit (a declared ``Content-Length`` is not counted ahead: clients that declare large bodies and
+  it (or released it, ``release_body``: then what the route still holds is not capped), so N
+  clients each sending a body just under the limit cannot make the server hold N times the limit
+  while they send it (a declared ``Content-Length`` is not counted ahead: clients that declare large bodies and
   send them a byte at a time would hold the whole cap while holding nothing);
 * a body whose next bytes do not come within ``body_timeout_s`` (408, and the connection closed):
   uvicorn has no such timeout, so a client that sent its headers and then stalled held its
