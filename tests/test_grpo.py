@@ -272,6 +272,50 @@ async def test_the_policy_server_refuses_bodies_too_large_or_stalled_in_openai_e
     assert server.body_reads.held_bytes == 0
 
 
+async def test_a_request_waiting_for_its_generation_does_not_hold_its_body_against_the_cap() -> None:
+    """The policy server read bodies with ``request.json()``, which keeps the bytes and the parsed
+    copy until the request is answered, so its bytes counted against ``max_buffered_bytes`` while
+    it waited for a slow generation, and new requests got 503 ``server_busy``. Now they stop
+    counting once parsed: with a cap below two bodies, a second request is taken while the first
+    waits for its generation."""
+    import threading
+
+    import httpx
+
+    from eventlight.rl.policy import Generation
+
+    policy = tiny_policy()
+    generating, release = threading.Event(), threading.Event()
+
+    def generate(prompts, **kwargs):  # a generation that takes until the test lets it end
+        generating.set()
+        release.wait(30)
+        return [Generation([12, 1], "stop", [0.0, 0.0]) for _ in prompts]
+
+    policy.generate = generate
+    limit = 64 * 1024
+    server = PolicyServer(policy, max_context_tokens=64, max_body_bytes=limit, max_buffered_bytes=limit + 1000)
+    await server.start()
+    try:
+        async with httpx.AsyncClient(base_url=server.endpoint, timeout=30) as client:
+            body = {"messages": [{"role": "user", "content": "2 + 3?"}], "max_tokens": 4, "user": "y" * 40_000}
+            first = asyncio.create_task(client.post("/chat/completions", json=body))  # two of it pass the cap
+            assert await asyncio.to_thread(generating.wait, 30)
+            held_while_generating = server.body_reads.held_bytes
+            second = asyncio.create_task(client.post("/chat/completions", json=body))
+            for _ in range(1500):  # the second waits for its generation too, or was refused
+                if len(server._waiting) == 2 or second.done():
+                    break
+                await asyncio.sleep(0.01)
+            release.set()
+            answers = await asyncio.wait_for(asyncio.gather(first, second), 30)
+    finally:
+        release.set()
+        await server.stop()
+    assert [a.status_code for a in answers] == [200, 200], [a.text[:300] for a in answers]
+    assert held_while_generating == 0 and server.body_reads.held_bytes == 0
+
+
 # -- one real optimizer step --------------------------------------------------------------------
 
 

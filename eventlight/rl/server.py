@@ -20,7 +20,8 @@ the server stops answers 503 ``server_stopping`` at once, as the proxy's own; a 
 traceback. Request bodies pass ``eventlight.server.limits.BodyLimit`` first, as the proxy's and
 ``eventlight serve``'s do: one over ``max_body_bytes`` answers 413 ``invalid_request_error``, one that
 would take the bytes held by all requests past ``max_buffered_bytes`` 503 ``server_busy`` (with
-``Retry-After``), one that goes ``body_timeout_s`` without a byte, or falls that far behind
+``Retry-After``; a request's bytes count until it is parsed, not while it waits for its
+generation), one that goes ``body_timeout_s`` without a byte, or falls that far behind
 ``body_min_bytes_per_s``, 408 ``request_timeout`` (and the connection is closed), and one still
 arriving when the server stops 503 ``server_stopping``.
 """
@@ -52,6 +53,7 @@ from eventlight.server.limits import (
     BodyReads,
     check_body_limits,
     max_buffered_bytes_for,
+    release_body,
 )
 from eventlight.server.openai_errors import SERVER_STOPPING, body_refusal, openai_error
 
@@ -110,6 +112,17 @@ def _sampling_value(body: dict[str, Any], names: tuple[str, ...], default: float
     return float(value)
 
 
+async def _read_json(request: Request) -> Any:
+    """The request body, parsed, with no copy of its bytes left after (``request.json()`` keeps the
+    bytes and the parsed copy on the request until it is answered, after its generation).
+
+    Raises:
+        ValueError: The body is not JSON (or not UTF-8).
+    """
+    raw = b"".join([chunk async for chunk in request.stream()])
+    return json.loads(raw)
+
+
 async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     if exc.status_code == 404:
@@ -137,8 +150,11 @@ class PolicyServer:
         default_max_tokens: ``max_tokens`` when a request gives none.
         max_body_bytes: Largest request body, in bytes (413 above; default 16 MiB, far more than a
             chat request of any context the policy holds).
-        max_buffered_bytes: The most request-body bytes held by all requests at once (503 with
-            ``Retry-After: 1`` above); default 256 MiB, or 4 × ``max_body_bytes`` when larger.
+        max_buffered_bytes: The most request-body bytes held by all requests at once, each body's
+            bytes counted as they come until the server has parsed it (not while it waits for its
+            generation, when no copy of the bytes is left: slow generations do not make the server
+            refuse new requests); 503 with ``Retry-After: 1`` above; default 256 MiB, or
+            4 × ``max_body_bytes`` when larger.
         body_timeout_s: Seconds a request body may go without a byte arriving (408 after, the
             connection closed; default 30); ``None``: no timeout, and no minimum rate.
         body_min_bytes_per_s: The least average rate of a request body, in bytes per second, with
@@ -306,9 +322,11 @@ class PolicyServer:
         @app.post("/chat/completions")
         async def chat(request: Request) -> JSONResponse:
             try:
-                body = await request.json()
+                body = await _read_json(request)
             except ValueError as exc:
                 return _BadRequest(f"the body is not JSON: {exc}").response()
+            finally:
+                release_body(request.scope)  # parsed: its bytes stop counting while it waits for a generation
             try:
                 if not isinstance(body, dict):
                     raise _BadRequest(f"the body must be a JSON object, got {type(body).__name__}")
