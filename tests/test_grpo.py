@@ -7,6 +7,7 @@ Skipped without the ``rl`` extra (torch, transformers).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 from collections import Counter
@@ -561,6 +562,85 @@ async def test_failed_rollouts_are_left_out_of_the_advantages_and_counted_in_the
     assert step["sequences"] == 5 and step["rollouts"] == 8
     assert step["train_reward"] == pytest.approx(sum(w for _, w in rewards.values()) / 5)
     assert grpo.counters["failed_rollouts"] == 2 and grpo.counters["no_reward"] == 1
+
+
+@pytest.mark.parametrize("how", ["request_stop", "cancel"])
+async def test_an_update_asked_to_stop_ends_between_micro_batches_and_keeps_the_last_checkpoint(
+    how: str, tmp_path
+) -> None:
+    """Ctrl+C during an update: the update ran on the policy's thread, which neither
+    ``request_stop`` nor the cancel that follows could reach, so it ran all its micro-batches and
+    the process stayed up to a whole update longer. It now ends before its next micro-batch: no
+    weight changed, no checkpoint written (step 1's stays the latest), no step recorded, and the
+    run returns (it does not count the cut step as one with nothing to learn)."""
+    store = agl.InMemoryLightningStore()
+    config = GRPOConfig(steps=3, batch_size=1, group_size=4, micro_batch_size=1, max_empty_steps=1)
+    grpo = GRPO(config, policy=tiny_policy(lr=1e-2, micro_batch_size=1), checkpoint_dir=tmp_path)
+    grpo.set_store(store)
+    grpo._checkpoint(1)  # the last whole step's checkpoint: the run resumes from it
+    triplets: dict[str, list[Triplet]] = {}
+    finished: dict[str, Rollout] = {}
+    for k, reward in enumerate([1.0, 0.0, 1.0, 0.0]):  # one group: four samples, four micro-batches
+        rollout = await store.enqueue_rollout(input={}, mode="train", metadata={"group": 0})
+        triplets[rollout.rollout_id] = [
+            Triplet(prompt={"token_ids": [4, 10]}, response={"token_ids": [12 + k, 1]}, reward=reward)
+        ]
+        finished[rollout.rollout_id] = Rollout(
+            rollout_id=rollout.rollout_id, input={}, start_time=0.0, status="succeeded", metadata=rollout.metadata
+        )
+
+    class ByRollout:
+        def adapt(self, spans):
+            return triplets[spans[0]]
+
+    async def query_spans(rollout_id, attempt_id=None):
+        return [rollout_id]
+
+    async def publish(step: int) -> str:
+        return grpo.version(step)
+
+    async def enqueue(tasks, val, version):
+        return list(finished), []
+
+    async def wait(ids, step, held_out=()):
+        return finished
+
+    grpo.set_adapter(ByRollout())
+    store.query_spans = query_spans  # type: ignore[method-assign]
+    grpo._publish, grpo._enqueue, grpo._wait = publish, enqueue, wait  # type: ignore[method-assign]
+    grpo._subscribed = contextlib.nullcontext  # type: ignore[method-assign]  # the spans are read back
+    loop = asyncio.get_running_loop()
+    run = asyncio.ensure_future(grpo._loop([{"q": "1"}], [], 1))
+    forwards: list[int] = []
+
+    def on_forward(module, args, output):  # on the policy's thread, after a micro-batch's forward pass
+        forwards.append(1)
+        if len(forwards) == 2:
+            if how == "request_stop":
+                grpo.request_stop()
+            else:
+                cancelled = asyncio.run_coroutine_threadsafe(_cancel_and_wait(run), loop)
+                cancelled.result(10)
+
+    weights = {k: v.clone() for k, v in grpo.policy.model.state_dict().items()}
+    grpo.policy.model.register_forward_hook(on_forward)
+    if how == "request_stop":
+        await asyncio.wait_for(run, 30)
+    else:
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(run, 30)
+    await grpo.policy.call(lambda: None)  # the policy's thread is free: the update ended
+    assert len(forwards) == 2  # of four micro-batches
+    assert all(torch.equal(v, weights[k]) for k, v in grpo.policy.model.state_dict().items())
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-00001"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "step-00001"]
+    assert grpo.steps == [] and grpo.counters["empty_steps"] == 0
+
+
+async def _cancel_and_wait(task: asyncio.Future) -> None:
+    """Cancel ``task`` and return once it has taken the cancel."""
+    task.cancel()
+    await asyncio.wait([task])
 
 
 @pytest.mark.e2e

@@ -17,7 +17,10 @@ Each step, for the weights of version ``<prefix>step<k>``:
 A cancelled run (Ctrl+C) first stops its runners while this one goes on (``Trainer``); asked to stop
 (``Algorithm.request_stop``), it starts no new step, evaluation or update meanwhile: an update that
 no cancel can stop (it runs in a thread) kept the process up to one step longer, from rollouts the
-stop may have cut short.
+stop may have cut short. An update already running when it is asked (or cancelled) ends before its
+next micro-batch: its gradients are dropped, no weight changes and no checkpoint is written, so the
+last whole step's checkpoint (``k``) stays the one a resume starts from; an update asked to stop
+once past its last micro-batch finishes its optimizer step and writes checkpoint ``k+1``.
 
 So every rollout names the weights that produced it, and ``reward_by_resources`` shows reward per
 checkpoint. A restarted run with the same ``checkpoint_dir`` resumes after its last checkpoint.
@@ -38,6 +41,7 @@ import contextlib
 import logging
 import math
 import random
+import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -283,6 +287,8 @@ class GRPO(Algorithm):
             trained = await self._train(
                 step, version, [finished[r] for r in train_ids if r in finished], rollout_s, len(val_ids)
             )
+            if self.stop_requested:  # asked during the update: it stopped halfway, or its step is whole
+                return
             empty = 0 if trained else empty + 1
             if empty >= c.max_empty_steps:
                 raise TrainingStoppedError(
@@ -519,12 +525,41 @@ class GRPO(Algorithm):
             log.warning("GRPO step %d from %s: nothing to train on (%s)", step + 1, version, dict(skipped))
             record.update(loss=float("nan"), sequences=0, tokens=0, step_s=0.0, grad_norm=0.0, trained=False)
         else:
-            stats = await self.policy.call(self.policy.train_step, samples, clip_eps=self.config.clip_eps)
+            stats = await self._update(step, samples)
+            if stats is None:  # stopped halfway: no weight changed, no checkpoint, no step record
+                return False
             record.update(stats, trained=True)
         await self.policy.call(self._checkpoint, step + 1)
         self.steps.append(record)
         self._emit(record)
         return bool(samples)
+
+    async def _update(self, step: int, samples: list[Any]) -> dict[str, float] | None:
+        """Step ``step``'s optimizer step on the policy's thread (``Policy.train_step``); ``None``
+        when the run was asked to stop (``request_stop``) or this call was cancelled before the
+        optimizer step: the update ends at its next micro-batch, not after all of them, no weight
+        changed and no checkpoint is written (the last one on disk, that of ``version(step)``,
+        stays the one a resume starts from)."""
+        cut = threading.Event()  # a cancel cannot reach the thread: it reads this
+
+        def should_stop() -> bool:
+            return cut.is_set() or self.stop_requested
+
+        try:
+            stats: dict[str, float] | None = await self.policy.call(
+                self.policy.train_step, samples, clip_eps=self.config.clip_eps, should_stop=should_stop
+            )
+        except asyncio.CancelledError:
+            cut.set()
+            raise
+        if stats is None:
+            log.info(
+                "GRPO stopped step %d's update (the run was cancelled): no weight changed, no checkpoint "
+                "written; the weights stay %s",
+                step + 1,
+                self.version(step),
+            )
+        return stats
 
     def _vocab_size(self) -> int | None:
         """The policy model's number of token embeddings (``None`` when it has no such model)."""

@@ -302,11 +302,25 @@ class Policy:
 
     # -- training -------------------------------------------------------------------------
 
-    def train_step(self, samples: Sequence[Sample], *, clip_eps: float = 0.2) -> dict[str, float]:
+    def train_step(
+        self,
+        samples: Sequence[Sample],
+        *,
+        clip_eps: float = 0.2,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> dict[str, float] | None:
         """One optimizer step on ``samples`` (gradient accumulated over micro-batches).
 
+        Args:
+            samples: The step's sequences, each with its advantage.
+            clip_eps: PPO ratio clip.
+            should_stop: Asked before each micro-batch and before the optimizer step (from this
+                thread: it must be safe to call from any thread); once it returns ``True`` the step
+                ends there, its gradients dropped and no weight changed (a whole step or none).
+
         Returns:
-            ``{"loss", "grad_norm", "tokens", "sequences", "step_s"}``.
+            ``{"loss", "grad_norm", "tokens", "sequences", "step_s"}``; ``None`` when ``should_stop``
+            ended the step before the optimizer step.
 
         Raises:
             ValueError: No sample, or no response token (nothing reaches the optimizer).
@@ -315,13 +329,16 @@ class Policy:
         if not samples:
             raise ValueError("train_step got no samples with response tokens")
         n_tokens = sum(len(s.response_ids) for s in samples)
+        starts = range(0, len(samples), self.micro_batch_size)
         t0 = time.perf_counter()
         with self.lock:
             self.model.train()
             try:
                 self.optimizer.zero_grad(set_to_none=True)
                 total = 0.0
-                for i in range(0, len(samples), self.micro_batch_size):
+                for done, i in enumerate(starts):
+                    if self._stop_asked(should_stop, done, len(starts)):
+                        return None
                     batch = collate(samples[i : i + self.micro_batch_size], self.pad_id)
                     logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
                     logp = sequence_logprobs(logits, batch.input_ids)
@@ -330,6 +347,8 @@ class Policy:
                     )
                     loss.backward()
                     total += float(loss.item())
+                if self._stop_asked(should_stop, len(starts), len(starts)):
+                    return None
                 params = [p for p in self.model.parameters() if p.grad is not None]
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
                 self.optimizer.step()
@@ -343,6 +362,15 @@ class Policy:
             "sequences": float(len(samples)),
             "step_s": time.perf_counter() - t0,
         }
+
+    def _stop_asked(self, should_stop: Callable[[], bool] | None, done: int, of: int) -> bool:
+        """Whether ``should_stop`` ends the step here, before micro-batch ``done`` of ``of`` (its
+        gradients are then dropped: no weight changes)."""
+        if should_stop is None or not should_stop():
+            return False
+        self.optimizer.zero_grad(set_to_none=True)
+        log.info("update stopped after %d of %d micro-batches: no weight changed", done, of)
+        return True
 
     def mean_logprob(self, samples: Sequence[Sample]) -> float:
         """Mean log-probability of the samples' response tokens under the current weights."""
