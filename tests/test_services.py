@@ -41,6 +41,7 @@ from eventlight.settings import Settings
 from eventlight.store.jetstream.definitions import consumer_config
 
 STREAMS_DIR = data_dir("streams")
+PGSERVER_STANDIN = Path(__file__).resolve().parent / "pgserver_standin"
 
 
 def _procs_naming(folder: Path) -> list[psutil.Process]:
@@ -279,6 +280,64 @@ async def test_an_up_interrupted_while_it_starts_postgres_leaves_no_server_runni
         await svc.prepare_services(settings)
     assert [p.info["cmdline"] for p in _procs_naming(root_dir)] == []
     assert svc.read_services(settings) is None
+
+
+def _pgserver_standin_unusable() -> str | None:
+    """Why the pgserver stand-in cannot run here (it needs Postgres binaries, and as root a
+    ``postgres`` user), else ``None``."""
+    import importlib.util
+    import pwd
+
+    if importlib.util.find_spec("pgserver") is None and system_bindir() is None:
+        return "no Postgres binaries (pgserver wheel or system)"
+    if os.geteuid() == 0:
+        try:
+            pwd.getpwnam("postgres")
+        except KeyError:
+            return "as root, the stand-in runs Postgres as `postgres`, and there is no such user"
+    return None
+
+
+@pytest.mark.skipif(_pgserver_standin_unusable() is not None, reason=str(_pgserver_standin_unusable()))
+async def test_an_up_interrupted_while_pgserver_starts_postgres_stops_it_and_says_so_in_one_line(
+    root_dir: Path,
+) -> None:
+    """SIGINT while `eventlight up` started the pgserver Postgres: pgserver's start (initdb, then
+    ``pg_ctl -w start``) runs on a thread no cancel stops, so the clean-up looked for a postmaster
+    before there was one, asyncio's shutdown then waited for the thread, and `up` exited 130 with no
+    word, leaving the postgres the thread had just started running, unrecorded. Now the interrupted
+    start waits for the thread and stops what it started; one line says so. (The ``pgserver`` here
+    is ``tests/pgserver_standin``: as root the wheel's own adds a system user.)"""
+    standin = PGSERVER_STANDIN
+    state = root_dir / "state"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EVENTLIGHT_")}  # the embedded servers
+    env.update(
+        EVENTLIGHT_STATE_DIR=str(state),
+        EVENTLIGHT_NAMESPACE=_ns(),
+        PYTHONPATH=os.pathsep.join([str(standin), str(ROOT)]),
+        PGSERVER_STANDIN_DELAY_S="1",  # the start holds 1 s before initdb: the SIGINT lands in it
+    )
+    proc = await asyncio.create_subprocess_exec(
+        *(sys.executable, str(standin / "up_with_pgserver.py"), "up"),
+        cwd=ROOT,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    for _ in range(2400):  # NATS is up and pgserver's start has begun (the stand-in made its folder)
+        if (state / "pg-pgserver").is_dir() or proc.returncode is not None:
+            break
+        await asyncio.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = await asyncio.wait_for(proc.communicate(), 120)
+    left = [p.info["cmdline"] for p in _procs_naming(root_dir)]
+    assert left == [], err.decode()
+    assert proc.returncode == 130, err.decode()
+    assert err.decode().strip().splitlines()[-1] == (
+        "error: interrupted: the servers this `eventlight up` was starting are stopped again; "
+        "those it found running still run"
+    )
+    assert "Traceback" not in err.decode() and svc.read_services(Settings(state_dir=state)) is None
 
 
 async def test_an_up_interrupted_while_nats_becomes_ready_leaves_it_not_running(

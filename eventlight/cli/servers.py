@@ -6,7 +6,7 @@ import time
 
 from rich.markup import escape
 
-from eventlight.cli.common import CliError, NamespaceOpt, _run, _settings, console
+from eventlight.cli.common import EXIT_INTERRUPTED, CliError, NamespaceOpt, _run, _settings, console
 
 # ---------------------------------------------------------------------------------------------
 # up / down
@@ -22,7 +22,14 @@ def up(namespace: NamespaceOpt = None) -> None:
 
     t0 = time.monotonic()
     settings = _settings(namespace)
-    services = _run(prepare_services(settings))
+    try:
+        services = _run(prepare_services(settings))
+    except KeyboardInterrupt:  # prepare_services stopped the servers it had started
+        raise CliError(
+            "interrupted: the servers this `eventlight up` was starting are stopped again; "
+            "those it found running still run",
+            exit_code=EXIT_INTERRUPTED,
+        ) from None
     console.print(f"NATS      {escape(redact(services.nats_url))}")
     console.print(f"durability {settings.durability}: {escape(DURABILITY[settings.durability])}")
     console.print(f"Postgres  {escape(redact(services.pg_dsn))}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -17,6 +18,9 @@ from eventlight.ops.state import PgServer
 from eventlight.store.jetstream import pg_errors
 
 _log = logging.getLogger(__name__)
+
+_START_WAIT_S = 60.0
+"""Seconds an interrupted start waits for pgserver's thread (initdb, then ``pg_ctl`` with its 10 s)."""
 
 
 def _socket_dsn(port: int, sock: str) -> str:
@@ -52,7 +56,7 @@ async def _start_pgserver(data: Path) -> tuple[int, str]:
     pgserver = import_pgserver()
     _forget_pgserver_handle(pgserver, data)
     try:
-        await asyncio.to_thread(pgserver.get_server, data, cleanup_mode=None)
+        await _get_server(pgserver, data)
     except Exception as e:
         raise ServiceUnavailableError("pgserver", f"{type(e).__name__}: {e}; {log_tail(data / 'log')}") from e
     running = postmaster(data)
@@ -61,6 +65,23 @@ async def _start_pgserver(data: Path) -> tuple[int, str]:
     dsn = _socket_dsn(running[1], running[2])
     await wait_pg_ready(dsn, data / "log")
     return running[0], dsn
+
+
+async def _get_server(pgserver: Any, data: Path) -> None:
+    """``pgserver.get_server`` (initdb, ``pg_ctl -w start``) on a thread, which no cancel can stop.
+
+    Cancelled (Ctrl+C), it still waits for the thread to end, up to ``_START_WAIT_S``, before it
+    gives up: the postmaster the thread started is then there for the caller's clean-up to stop, not
+    left to come up after it (and asyncio's own shutdown no longer waits for the thread).
+    """
+    start = asyncio.ensure_future(asyncio.to_thread(pgserver.get_server, data, cleanup_mode=None))
+    try:
+        await asyncio.shield(start)
+    except asyncio.CancelledError:
+        _log.info("interrupted: waiting for pgserver's start of postgres in %s to end, to stop it again", data)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(start, _START_WAIT_S)
+        raise
 
 
 def _refuse_pgserver_chmod(data: Path) -> None:
