@@ -67,6 +67,8 @@ CLI: dict[str, Case] = {
         2,
         "greater than or equal to 1",
     ),
+    "serve --body-timeout-s 0": (("serve", "--body-timeout-s", "0"), {}, 2, "0.0 is not a positive, finite number"),
+    "serve --body-min-rate nan": (("serve", "--body-min-rate", "nan"), {}, 2, "nan is not a positive, finite number"),
     "runner --instrument crewai": (
         ("runner", "tests/fault_agents.py:quick", "--instrument", "crewai"),
         {},

@@ -119,6 +119,14 @@ async def _serve_store(
     return code
 
 
+def _positive(value: float) -> float:
+    """A click callback: the value must be a positive, finite number (checked here rather than by a
+    range, whose ``[x>=0.001]`` label would squeeze the help's description column)."""
+    if not value > 0 or value == float("inf"):
+        raise typer.BadParameter(f"{value} is not a positive, finite number")
+    return value
+
+
 def serve(
     host: Annotated[str, typer.Option(help="Interface to bind (0.0.0.0: every interface; then set --token).")] = (
         "127.0.0.1"
@@ -145,13 +153,17 @@ def serve(
         ),
     ] = None,
     body_timeout_s: Annotated[
-        float, typer.Option(min=0.001, help="Seconds a request body may go without a byte arriving (408 after).")
+        float,
+        typer.Option(
+            callback=_positive, help="Seconds (> 0) a request body may go without a byte arriving (408 after)."
+        ),
     ] = 30.0,
     body_min_bytes_per_s: Annotated[
         float,
         typer.Option(
-            min=0.001,
-            help="Least average rate of a request body, in bytes/s, with --body-timeout-s of slack "
+            "--body-min-rate",
+            callback=_positive,
+            help="Least average rate (> 0) of a request body, in bytes/s, with --body-timeout-s of slack "
             "(408 when further behind).",
         ),
     ] = 1024.0,
