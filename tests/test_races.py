@@ -563,6 +563,65 @@ async def test_a_claim_past_its_ack_wait_is_redelivered_but_never_claimed_twice(
         assert done.status == "succeeded" and len(await store.query_attempts(healthy.rollout_id)) == 1
 
 
+def _count_log_calls(store: JetStreamLightningStore, monkeypatch: pytest.MonkeyPatch, calls: Counter[str]) -> None:
+    """Count ``store``'s loads, appends and next-event reads (``state_event_after``) in ``calls``."""
+    log = store.log
+    assert log is not None
+    for name in ("load", "append", "state_event_after"):
+        real = getattr(log, name, None)
+        if real is None:
+            continue
+
+        async def counted(*args: Any, _real: Any = real, _name: str = name, **kw: Any) -> Any:
+            calls[_name] += 1
+            return await _real(*args, **kw)
+
+        monkeypatch.setattr(log, name, counted)
+
+
+async def test_redelivered_entries_of_rollouts_claimed_since_are_passed_over_without_a_load(
+    namespace: Settings, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Claims held silently past the ack wait (1 s) come back to the next dequeues (in the micro
+    benchmark, thousands did: one dequeue took 72 s, each entry a fenced append the log refused, a
+    load and an ack). Now the holder passes its own entries over on what it knows (its claims),
+    another store on the rollout's next event (one direct get each): neither appends nor loads
+    for them, and the fresh rollout behind them is claimed; the held claims stay what they were."""
+    await _short_ack_wait(namespace, tmp_path, 1)
+    async with (
+        JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store,
+        JetStreamLightningStore(namespace) as a,
+        JetStreamLightningStore(namespace) as b,
+    ):
+        calls_a: Counter[str] = Counter()
+        calls_b: Counter[str] = Counter()
+        _count_log_calls(a, monkeypatch, calls_a)
+        _count_log_calls(b, monkeypatch, calls_b)
+        first = [await store.enqueue_rollout({"i": i}) for i in range(3)]
+        held = [await a.dequeue_rollout(worker_id="a") for _ in first]
+        assert all(h is not None for h in held)
+        await asyncio.sleep(3)  # past the ack wait: the server offers the three entries again
+        calls_a.clear()
+        assert await a.dequeue_rollout(worker_id="a") is None
+        assert await _delivered(store) == 6
+        assert calls_a == Counter()  # its own claims: nothing asked, nothing appended
+
+        second = [await store.enqueue_rollout({"i": i}) for i in range(3, 6)]
+        held += [await a.dequeue_rollout(worker_id="a") for _ in second]
+        await asyncio.sleep(3)
+        fresh = await store.enqueue_rollout({"fresh": True})
+        got = await b.dequeue_rollout(worker_id="b")
+        assert got is not None and got.rollout_id == fresh.rollout_id
+        assert await _delivered(store) == 13  # the three held entries came to b before the fresh one
+        assert calls_b == Counter({"state_event_after": 3, "append": 1})
+        await store.sync_all(timeout_s=10)
+        for h in held:
+            assert h is not None
+            [attempt] = (await store.query_attempts(h.rollout_id)).items
+            assert (attempt.attempt_id, attempt.worker_id) == (h.attempt.attempt_id, "a")
+            assert (await store.get_rollout_by_id(h.rollout_id)).status == "preparing"
+
+
 def _reward(rollout_id: str, attempt_id: str, seq: int, value: float) -> Span:
     return Span.from_attributes(
         attributes={"agentlightning.reward.0.name": "primary", "agentlightning.reward.0.value": value},

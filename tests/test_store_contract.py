@@ -605,6 +605,27 @@ async def test_query_spans_filters(store: Any) -> None:
     assert [s.span_id for s in await store.query_spans(r.rollout_id, span_id=spans[0].span_id)] == [spans[0].span_id]
 
 
+async def test_query_spans_of_a_retried_rollout_go_attempt_by_attempt(store: Any) -> None:
+    """Without an attempt, spans come attempt by attempt (as Agent-lightning 0.3.0's per-rollout
+    sequence ids put them), then by sequence id: a first attempt's late span stays with its attempt."""
+    r = await store.enqueue_rollout("q", config=RolloutConfig(max_attempts=2, retry_condition=["failed"]))
+    first = await store.dequeue_rollout()
+    a1 = first.attempt.attempt_id
+    await store.add_many_spans([reward_span(r.rollout_id, a1, i, 0.0) for i in (5, 6)])
+    await store.update_attempt(r.rollout_id, a1, status="failed")
+    second = await store.dequeue_rollout()
+    assert second is not None and second.rollout_id == r.rollout_id
+    a2 = second.attempt.attempt_id
+    await store.add_many_spans([reward_span(r.rollout_id, a2, i, 1.0) for i in (1, 2)])
+    await store.add_span(reward_span(r.rollout_id, a1, 7, 0.0))  # late, from the first attempt
+    expected = [(a1, 5), (a1, 6), (a1, 7), (a2, 1), (a2, 2)]
+    assert [(s.attempt_id, s.sequence_id) for s in await store.query_spans(r.rollout_id)] == expected
+    got = await store.query_spans(r.rollout_id, sort_order="desc")
+    assert [(s.attempt_id, s.sequence_id) for s in got] == expected[::-1] and got.total == 5
+    page = await store.query_spans(r.rollout_id, limit=2, offset=2)
+    assert [(s.attempt_id, s.sequence_id) for s in page] == expected[2:4] and page.total == 5
+
+
 async def test_duplicate_spans_are_reported_and_stored_once(
     store: Any, runner_store: Any, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -259,3 +259,18 @@ def enters_queue(event: AnyEvent) -> bool:
     if isinstance(event, AttemptUpdated):
         return event.rollout_status in QUEUING_STATUSES
     return False
+
+
+def leaves_queue(event: AnyEvent) -> bool:
+    """Whether the event takes its rollout off the runners' work queue (a claim, a cancel, a finish).
+
+    A queue entry of a rollout that has such an event after it can never be claimed: any later
+    return to the queue is an event of its own (``enters_queue``), with an entry of its own.
+    """
+    if isinstance(event, AttemptStarted):
+        return event.rollout_status not in QUEUING_STATUSES
+    if isinstance(event, RolloutUpdated):
+        return not isinstance(event.status, UnsetType) and event.status not in QUEUING_STATUSES
+    if isinstance(event, AttemptUpdated):
+        return event.rollout_status is not None and event.rollout_status not in QUEUING_STATUSES
+    return False

@@ -46,12 +46,15 @@ class SpanHead(msgspec.Struct, frozen=True):
 
 
 class Queued(Protocol):
-    """A rollout offered by the work queue: ``rollout_id``, its log position ``seq`` and, when the
-    queue entry is the rollout's creation, ``created`` (the state it created, saving a load)."""
+    """A rollout offered by the work queue: ``rollout_id``, its log position ``seq``, when the
+    queue entry is the rollout's creation ``created`` (the state it created, saving a load), and
+    whether the queue offered this entry before (``redelivered``: handed back, or its claim's lease
+    ran out; its rollout has then most likely been claimed since)."""
 
     rollout_id: str
     seq: int
     created: RolloutState | None
+    redelivered: bool
 
     async def ack(self) -> None:
         """Done with it (claimed and finished, or not claimable any more)."""
@@ -184,6 +187,11 @@ class EventLog(Protocol):
 
     async def rollout_entries(self, rollout_id: str, before_seq: int) -> list[tuple[int, bytes]]:
         """The rollout's raw state events (not its spans) before position ``before_seq``, in order."""
+        ...
+
+    async def state_event_after(self, rollout_id: str, seq: int) -> tuple[int, RolloutEvent] | None:
+        """The rollout's first state event (not its spans) after position ``seq`` and its position;
+        ``None`` if there is none (one direct get on JetStream)."""
         ...
 
     async def span_entries(self, rollout_id: str, attempt_id: str, before_seq: int) -> list[tuple[int, bytes]]:

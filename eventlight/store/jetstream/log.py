@@ -25,7 +25,17 @@ from nats.js.client import JetStreamContext
 
 from eventlight.core.commands import RolloutState
 from eventlight.core.errors import EventlightError, InvalidInputError, RolloutNotFoundError, RolloutRetiredError
-from eventlight.core.events import AnyEvent, ResourcesPut, RolloutEvent, decode_event, encode_event
+from eventlight.core.events import (
+    AnyEvent,
+    AttemptStarted,
+    AttemptUpdated,
+    ResourcesPut,
+    RolloutCreated,
+    RolloutEvent,
+    RolloutUpdated,
+    decode_event,
+    encode_event,
+)
 from eventlight.core.evolve import evolve, spans_arrived
 from eventlight.core.types import ResourcesUpdate, Span, generate_id
 from eventlight.settings import Settings
@@ -227,6 +237,26 @@ class JetStreamEventLog:
                 state = spans_arrived(state, item[1], item[2])
         assert state is not None
         return state, version
+
+    async def state_event_after(self, rollout_id: str, seq: int) -> tuple[int, RolloutEvent] | None:
+        """The rollout's first state event after position ``seq`` (one direct get), or ``None``.
+
+        Raises:
+            InvalidInputError: The stored event cannot be decoded.
+            ServiceUnavailableError: NATS did not answer.
+        """
+        subject = rollout_filter(self.prefix, rollout_id)
+        with nats_errors(self.server, f"reading {subject}"):
+            try:
+                msg = await self.js.get_msg(
+                    self.stream, seq=seq + 1, subject=subject, next=True, direct=self.direct_gets
+                )
+            except JsNotFoundError:
+                return None
+        event = decode_event(msg.data or b"")
+        if not isinstance(event, (RolloutCreated, AttemptStarted, AttemptUpdated, RolloutUpdated)):
+            raise InvalidInputError(f"the message at {msg.seq} on {subject} is not a rollout event")
+        return int(msg.seq or 0), event
 
     async def _messages(self, subject: str, from_seq: int = 0, until_seq: int | None = None) -> AsyncIterator[Any]:
         """The stored messages on ``subject`` (wildcards allowed) after ``from_seq``, in stream

@@ -58,6 +58,7 @@ class JetStreamQueued:
         self.msg = msg
         self.rollout_id = rollout_of_subject(msg.subject)
         self.seq: int = msg.metadata.sequence.stream
+        self.redelivered = (msg.metadata.num_delivered or 1) > 1
         try:
             event = decode_event(msg.data)
         except InvalidInputError:

@@ -18,9 +18,12 @@ from eventlight.core.commands import RolloutState
 from eventlight.core.errors import RolloutNotFoundError
 from eventlight.core.events import (
     AnyEvent,
+    AttemptStarted,
+    AttemptUpdated,
     ResourcesPut,
     RolloutCreated,
     RolloutEvent,
+    RolloutUpdated,
     SpansAdded,
     encode_event,
     enters_queue,
@@ -41,11 +44,14 @@ Subscriber = Callable[[int, AnyEvent], None]
 class MemoryQueued:
     """A work-queue entry of the in-memory log (``ack``/``in_progress`` do nothing)."""
 
-    def __init__(self, log: MemoryEventLog, rollout_id: str, seq: int, created: RolloutState | None):
+    def __init__(
+        self, log: MemoryEventLog, rollout_id: str, seq: int, created: RolloutState | None, redelivered: bool = False
+    ):
         self.log = log
         self.rollout_id = rollout_id
         self.seq = seq
         self.created = created
+        self.redelivered = redelivered
 
     async def ack(self) -> None:
         """Nothing to do: the entry already left the queue."""
@@ -53,6 +59,7 @@ class MemoryQueued:
     async def nak(self, delay_s: float) -> None:
         """Put the entry back at the head of the queue (waiting dequeues wake up)."""
         self.log.queue.appendleft((self.rollout_id, self.seq))
+        self.log.handed_back.add(self.seq)
         self.log._queued.set()
 
     async def in_progress(self) -> None:
@@ -71,6 +78,8 @@ class MemoryEventLog:
         self.events: list[AnyEvent] = []
         """Every event in log order; position ``i + 1`` is ``events[i]``."""
         self.queue: deque[tuple[str, int]] = deque()
+        self.handed_back: set[int] = set()
+        """Positions of queue entries handed back (``nak``): offered again, they are redelivered."""
         self._by_rollout: dict[str, list[int]] = {}
         self._version: dict[str, int] = {}
         self._span_high: dict[tuple[str, str], int] = {}
@@ -193,7 +202,9 @@ class MemoryEventLog:
         rid, seq = self.queue.popleft()
         event = self.events[seq - 1]
         created = RolloutState(rollout=event.rollout) if isinstance(event, RolloutCreated) else None
-        return MemoryQueued(self, rid, seq, created)
+        redelivered = seq in self.handed_back
+        self.handed_back.discard(seq)
+        return MemoryQueued(self, rid, seq, created, redelivered=redelivered)
 
     async def read(self, from_seq: int = 0) -> AsyncIterator[tuple[int, AnyEvent]]:
         """Every event after ``from_seq``, in order (those appended meanwhile included)."""
@@ -229,6 +240,14 @@ class MemoryEventLog:
             for s in self._by_rollout.get(rollout_id, ())
             if s < before_seq and not isinstance(self.events[s - 1], SpansAdded)
         ]
+
+    async def state_event_after(self, rollout_id: str, seq: int) -> tuple[int, RolloutEvent] | None:
+        """The rollout's first state event after position ``seq``, or ``None``."""
+        for s in self._by_rollout.get(rollout_id, ()):
+            event = self.events[s - 1]
+            if s > seq and isinstance(event, (RolloutCreated, AttemptStarted, AttemptUpdated, RolloutUpdated)):
+                return s, event
+        return None
 
     async def span_entries(self, rollout_id: str, attempt_id: str, before_seq: int) -> list[tuple[int, bytes]]:
         """The attempt's span batches before ``before_seq``, encoded."""

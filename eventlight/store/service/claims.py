@@ -16,7 +16,7 @@ from eventlight.core.errors import (
     NotFoundError,
     ServiceUnavailableError,
 )
-from eventlight.core.events import WorkerIdle
+from eventlight.core.events import WorkerIdle, leaves_queue
 from eventlight.core.types import (
     AttemptedRollout,
     ResourcesUpdate,
@@ -38,6 +38,7 @@ IDLE_REFRESH_S = 1.0
 """An empty poll re-marks an idle worker (``last_dequeue_time``) at most this often, in seconds."""
 MAX_IDLE_MARKS = 4096  # workers whose last idle mark this store remembers
 MAX_CLAIM_READS = 1024  # resources read with claims and not handed over yet, kept at most
+MAX_LEFT_QUEUE = 65536  # rollouts whose last known claim (or other exit from the queue) is remembered
 
 
 UNKNOWN_CLAIM_RETRIES_S = (0.5, 1.0, 2.0, 4.0, 8.0)
@@ -63,6 +64,11 @@ async def _give_up(pull: asyncio.Future[Queued | None]) -> None:
         log.info("handing back queue entry %d of rollout %s: its dequeue had given up", item.seq, item.rollout_id)
         with contextlib.suppress(Exception):  # if the connection is gone, it comes back after the ack wait
             await item.nak(0.0)
+
+
+async def _hand_back(item: Queued) -> None:
+    with contextlib.suppress(Exception):  # if the connection is gone, it comes back after the ack wait
+        await item.nak(0.0)
 
 
 def _cancel(read: asyncio.Future[ResourcesUpdate | None] | None) -> None:
@@ -143,8 +149,16 @@ class Claims(StorePlumbing):
         """Claim a queue entry: append ``AttemptStarted`` expecting the rollout's version; an entry
         whose rollout left ``queuing``/``requeuing`` since is acknowledged and skipped. With
         ``read_resources``, the resources the entry names are read concurrently (``claimed_resources``)."""
+        try:
+            last = await self._entry_is_last(item)
+        except BaseException:  # cancelled, or NATS did not answer: the entry goes back at once
+            self._in_background(_hand_back(item))
+            raise
+        if last is None:  # the rollout left the queue after this entry: nothing to decide
+            await item.ack()
+            return None
         cmd = c.StartAttempt(attempt_id=generate_id("at-", 8), worker_id=worker_id, claim=True)
-        hint = (item.created, item.seq) if item.created is not None else None
+        hint = (item.created, item.seq) if item.created is not None and last else None
         named = item.created.rollout.resources_id if item.created is not None else None
         read: asyncio.Future[ResourcesUpdate | None] | None = None
         if read_resources and item.created is not None:  # a requeued entry names none: read after the claim
@@ -204,6 +218,7 @@ class Claims(StorePlumbing):
             self._claims.pop(claim, None)  # failed for this caller, who hears of it: nothing to settle
             raise
         self._held[(item.rollout_id, attempt_id)] = item
+        self._left_queue_at(item.rollout_id, outcome.version)
         claimed = outcome.state.attempted_rollout()
         if read is not None:
             # Its answer came with the claim's ack; waiting for it here makes the read the one of the
@@ -216,6 +231,38 @@ class Claims(StorePlumbing):
             else:  # pointed at other resources since it was queued: ``claimed_resources`` reads those
                 read.cancel()
         return claimed
+
+    async def _entry_is_last(self, item: Queued) -> bool | None:
+        """Whether a queue entry is still its rollout's last state event (``True``: its ``created``
+        state can be claimed with the entry's position as the fence), known to be passed by an
+        event that took the rollout off the queue (``None``: it can never be claimed, as any return
+        to the queue has an entry of its own), or neither (``False``: the claim decides on the
+        rollout's state). A first delivery is presumed last; a redelivered entry (its claim's lease
+        ran out: mostly one of a rollout claimed since) is judged from what this store knows, else
+        from the rollout's next state event (one direct get), instead of a fenced append that the
+        log would refuse, a load and a decision. What this store knows are facts, never its cache
+        of states: a claim it made, an event it read (``_left_queue``)."""
+        if self._left_queue.get(item.rollout_id, 0) > item.seq:
+            return None
+        if not item.redelivered:
+            return True
+        try:
+            after = await self._log().state_event_after(item.rollout_id, item.seq)
+        except InvalidInputError:
+            return False
+        if after is None:
+            return True
+        if leaves_queue(after[1]):
+            self._left_queue_at(item.rollout_id, after[0])
+            return None
+        return False
+
+    def _left_queue_at(self, rollout_id: str, seq: int) -> None:
+        """Remember that the rollout was off the queue at log position ``seq`` (entries before it
+        can never be claimed); the last ``MAX_LEFT_QUEUE`` rollouts are kept."""
+        self._left_queue[rollout_id] = max(seq, self._left_queue.pop(rollout_id, 0))
+        if len(self._left_queue) > MAX_LEFT_QUEUE:
+            self._left_queue.pop(next(iter(self._left_queue)))
 
     def _abandon(self, claim: asyncio.Future[Outcome]) -> None:
         """Settle ``claim`` in the background if its caller has not had its answer (once)."""

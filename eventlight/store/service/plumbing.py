@@ -104,6 +104,9 @@ class StorePlumbing(LightningStore):
         self._background: set[asyncio.Task[None]] = set()
         """Work a cancelled caller left to finish (``_in_background``); ``close`` waits for it."""
         self._idle_marks: dict[str, float] = {}  # worker id -> clock of this store's last WorkerIdle
+        self._left_queue: dict[str, int] = {}
+        """Rollout id -> a log position where it was off the work queue (its claim by this store,
+        say): a queue entry before it can never be claimed (``Claims._entry_is_last``)."""
         self._known_resources: set[str] = set()  # ids seen to exist (a snapshot id, once put, stays)
         self._closed = False
         self._closing: asyncio.Future[None] | None = None  # the close in progress (``close``)
