@@ -787,3 +787,31 @@ def test_the_gguf_conversion_shows_progress_in_lines_without_a_terminal(tmp_path
         "converting the GGUF's tensors: 3 of 3",
         "converting the GGUF's tensors: 3 of 3, done",
     ]
+
+
+async def test_a_step_whose_rollouts_were_cancelled_in_the_queue_does_not_wait_out_its_timeout(store) -> None:
+    """A rollout cancelled while it waited for its retry (its failed attempt finished earlier) and
+    one cancelled before any attempt are terminal at their cancel: ``_wait_all`` returns them with
+    the one that succeeded (the first as its latest attempt's record, the second from the
+    subscription's ``unattempted``), none counted unfinished, instead of waiting
+    ``rollout_timeout_s`` and leaving them out."""
+    grpo = GRPO(GRPOConfig(steps=1, rollout_timeout_s=10.0), policy=tiny_policy())
+    grpo.set_store(store)
+    config = agl.RolloutConfig(max_attempts=3, retry_condition=["failed"])
+    async with store.subscribe(lambda spans: [s.name for s in spans]) as sub:
+        grpo._subscription = sub
+        retried = await store.enqueue_rollout({"q": "retried"}, config=config)
+        claimed = await store.dequeue_rollout(worker_id="w")
+        await store.update_attempt(retried.rollout_id, claimed.attempt.attempt_id, status="failed")
+        await store.update_rollout(retried.rollout_id, status="cancelled")
+        never = await store.enqueue_rollout({"q": "never ran"})
+        await store.update_rollout(never.rollout_id, status="cancelled")
+        ok = await store.enqueue_rollout({"q": "ok"})
+        claimed_ok = await store.dequeue_rollout(worker_id="w")
+        await store.update_attempt(ok.rollout_id, claimed_ok.attempt.attempt_id, status="succeeded")
+        ids = [retried.rollout_id, never.rollout_id, ok.rollout_id]
+        finished = await grpo._wait_all(ids)
+    statuses = {r: finished[r].status for r in finished}
+    assert statuses == dict(zip(ids, ["cancelled", "cancelled", "succeeded"], strict=True))
+    assert grpo.counters["unfinished_rollouts"] == 0
+    assert set(grpo._records) == {retried.rollout_id, ok.rollout_id}

@@ -165,12 +165,6 @@ async def test_a_finished_rollout_sent_back_to_the_queue_is_collected_from_its_n
         assert (got.attempt_id, got.final_reward, got.latest) == (d.attempt.attempt_id, 0.9, True)
 
 
-ENDED_BY_NO_ATTEMPT = (
-    "collect never reports a rollout made terminal by an event that finishes no latest attempt (review1)"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=ENDED_BY_NO_ATTEMPT)
 async def test_a_rollout_cancelled_while_it_waits_for_its_retry_is_collected(store: Any) -> None:
     """A retried rollout cancelled while it waits in the queue (its latest attempt failed at an
     earlier event, so the cancel finishes no attempt) is terminal: ``wait_for_rollouts`` returns it
@@ -188,7 +182,6 @@ async def test_a_rollout_cancelled_while_it_waits_for_its_retry_is_collected(sto
     assert [(x.attempt_id, x.latest, x.rollout.status) for x in got] == [(a.attempt.attempt_id, True, "cancelled")]
 
 
-@pytest.mark.xfail(strict=True, reason=ENDED_BY_NO_ATTEMPT)
 async def test_a_rollout_cancelled_in_the_queue_with_a_stale_attempt_is_collected(store: Any) -> None:
     """As above, with a superseded attempt still ``unresponsive``: the cancel makes only that one
     done (``latest`` False). Before ``FinishedAttempt.latest`` ``collect`` returned the stale
@@ -206,6 +199,43 @@ async def test_a_rollout_cancelled_in_the_queue_with_a_stale_attempt_is_collecte
         assert ended.status == "cancelled"
         got = await sub.collect([r.rollout_id], timeout_s=3)
     assert [(x.attempt_id, x.latest, x.rollout.status) for x in got] == [(b.attempt.attempt_id, True, "cancelled")]
+
+
+async def test_plain_iteration_yields_each_attempt_once_when_a_cancel_ends_its_rollout(store: Any) -> None:
+    """The cancel that ends a rollout waiting for its retry is ``collect``'s signal only: iterating
+    yields the failed attempt once, at its failure, and nothing at the cancel."""
+    config = RolloutConfig(max_attempts=3, retry_condition=["failed"])
+    async with store.subscribe(names) as sub:
+        r = await store.enqueue_rollout({"task": "cancel in queue"}, config=config)
+        a = await store.dequeue_rollout(worker_id="a")
+        await store.update_attempt(r.rollout_id, a.attempt.attempt_id, status="failed")
+        await store.update_rollout(r.rollout_id, status="cancelled")
+        after = await finish_one(store)
+        records = [await sub.next_record(timeout_s=20) for _ in range(2)]
+        assert await sub.next_record(timeout_s=0.3) is None
+    got = [(x.rollout_id, x.attempt.status, x.rollout.status) for x in records if x is not None]
+    assert got == [(r.rollout_id, "failed", "requeuing"), (after, "succeeded", "succeeded")]
+
+
+async def test_a_rollout_cancelled_before_any_attempt_is_not_waited_for(store: Any) -> None:
+    """A rollout cancelled in the queue before any attempt has no attempt to return as a
+    ``FinishedAttempt``: ``collect`` stops waiting for it at its cancel, leaves it out and lists
+    it in ``unattempted``, instead of waiting ``timeout_s`` for a result that never comes. The
+    same holds when another ``collect`` met the cancel first (kept for later)."""
+    async with store.subscribe(names) as sub:
+        never = await store.enqueue_rollout({"task": "never ran"})
+        await store.update_rollout(never.rollout_id, status="cancelled")
+        done = await finish_one(store)
+        got = await sub.collect([never.rollout_id, done], timeout_s=10)
+        assert [x.rollout_id for x in got] == [done] and not sub.unattempted.keys() - {never.rollout_id}
+        assert sub.unattempted[never.rollout_id].status == "cancelled"
+        kept = await store.enqueue_rollout({"task": "never ran either"})
+        await store.update_rollout(kept.rollout_id, status="cancelled")
+        other = await finish_one(store)
+        assert [x.rollout_id for x in await sub.collect([other], timeout_s=20)] == [other]
+        assert sub.unattempted == {}
+        assert await sub.collect([kept.rollout_id], timeout_s=10) == []
+        assert list(sub.unattempted) == [kept.rollout_id]
 
 
 async def test_since_reads_what_finished_before(store: Any) -> None:

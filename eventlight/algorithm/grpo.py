@@ -407,7 +407,8 @@ class GRPO(Algorithm):
         if self._subscription is not None:
             records = await self._subscription.collect(rollout_ids, timeout_s=timeout)
             self._records.update({r.rollout_id: r for r in records})
-            done = [r.rollout for r in records]
+            # cancelled before any attempt: terminal, no record; collect did not wait for them
+            done = [r.rollout for r in records] + list(self._subscription.unattempted.values())
         else:
             done = await self.get_store().wait_for_rollouts(rollout_ids=rollout_ids, timeout=timeout)
         finished = {r.rollout_id: r for r in done}

@@ -11,8 +11,12 @@ The feed carries no span batches, so an attempt done because its rollout ended (
 shows the attempt as the read model and a replay have it at that position (a superseded attempt
 that a late span revived is ``running``, not ``unresponsive``).
 
-A delivery at or before the highest position folded so far is a redelivery and is skipped: each
-attempt is yielded once per subscription. An entry that is not an event is recorded in ``errors``
+An event that makes its rollout terminal without making its latest attempt done (the latest had
+failed, the rollout waited for its retry, and was cancelled; or it never had an attempt) also gives a
+``RolloutEnded``: internal, what ``Subscription.collect`` takes as the rollout's result (the latest
+attempt's record again, at this position with the terminal rollout), never yielded to plain
+iteration. A delivery at or before the highest position folded so far is a redelivery and is
+skipped: each attempt is yielded once per subscription. An entry that is not an event is recorded in ``errors``
 with its position and skipped.
 """
 
@@ -27,7 +31,7 @@ from eventlight.core.commands import RolloutState
 from eventlight.core.errors import InvalidInputError
 from eventlight.core.events import AnyEvent, AttemptStarted, SpansAdded, decode_event, rollout_id_of
 from eventlight.core.evolve import evolve, spans_arrived
-from eventlight.core.types import TERMINAL_ROLLOUT_STATUSES, Attempt
+from eventlight.core.types import TERMINAL_ROLLOUT_STATUSES, Attempt, Rollout
 from eventlight.logreplay.records import AdapterFn
 from eventlight.logreplay.select import Filters
 from eventlight.store.finish import FINAL_ATTEMPT_STATUSES, newly_done
@@ -37,6 +41,17 @@ from eventlight.store.subscription.records import FinishedAttempt, SubscriptionE
 log = logging.getLogger(__name__)
 
 _DECODE_ERRORS = (InvalidInputError, msgspec.DecodeError)
+
+
+class RolloutEnded(msgspec.Struct, frozen=True, kw_only=True):
+    """Internal: ``rollout`` became terminal at log ``position`` by an event that made no latest
+    attempt done. ``record``: its latest attempt's record again (``latest=True``, this position,
+    the terminal rollout; spans before this position), ``None`` when it never had an attempt."""
+
+    rollout: Rollout
+    position: int
+    record: FinishedAttempt | None
+    redelivered: bool = False
 
 
 class FollowFold:
@@ -58,8 +73,9 @@ class FollowFold:
         self.started: dict[tuple[str, str], int] = {}
         self.errors: list[SubscriptionError] = []
 
-    async def add(self, d: Delivery) -> list[FinishedAttempt]:
-        """Fold one delivery; the attempts it finished that pass the filters, in attempt order.
+    async def add(self, d: Delivery) -> list[FinishedAttempt | RolloutEnded]:
+        """Fold one delivery; the attempts it finished that pass the filters, in attempt order, then
+        a ``RolloutEnded`` when it ended the rollout and finished no latest attempt.
 
         Nothing changes until every read it needs is done: a call cancelled midway can be repeated.
 
@@ -83,7 +99,7 @@ class FollowFold:
             self.high = d.seq
             return []
         _note_started(started, rid, event, d.seq)
-        out: list[FinishedAttempt] = []
+        out: list[FinishedAttempt | RolloutEnded] = []
         errors: list[SubscriptionError] = []
         done = [a for a in newly_done(before, after) if self._selected(after, a.status)]
         read = {a.attempt_id: await self.log.span_entries(rid, a.attempt_id, d.seq) for a in done}
@@ -97,9 +113,40 @@ class FollowFold:
             record, errs = adapt(after.rollout, attempt, latest, batches, self.adapter, d.seq, pos, d.redelivered)
             out.append(record)
             errors += errs
+        ended = await self._ended(before, after, done, d, started)
+        if ended is not None:
+            out.append(ended)
         self._commit(rid, after, started, d.seq)
         self.errors += errors
         return out
+
+    async def _ended(
+        self,
+        before: RolloutState | None,
+        after: RolloutState,
+        done: list[Attempt],
+        d: Delivery,
+        started: dict[tuple[str, str], int],
+    ) -> RolloutEnded | None:
+        """The ``RolloutEnded`` of an event that ended its rollout without making its latest attempt
+        done (it was already, or there is none), when the rollout passes the filters; else ``None``."""
+        if after.rollout.status not in TERMINAL_ROLLOUT_STATUSES:
+            return None
+        if before is not None and before.rollout.status in TERMINAL_ROLLOUT_STATUSES:
+            return None
+        latest = after.latest
+        if latest is not None and any(a.attempt_id == latest.attempt_id for a in done):
+            return None
+        if not self._selected(after, latest.status if latest is not None else None):
+            return None
+        record = None
+        if latest is not None:
+            rid, aid = after.rollout.rollout_id, latest.attempt_id
+            batches = await self.log.span_entries(rid, aid, d.seq)
+            pos = started.get((rid, aid), self.started.get((rid, aid)))
+            # its data's errors went to ``errors`` with the attempt's own record
+            record, _ = adapt(after.rollout, latest, True, batches, self.adapter, d.seq, pos, d.redelivered)
+        return RolloutEnded(rollout=after.rollout, position=d.seq, record=record, redelivered=d.redelivered)
 
     async def _with_spans(
         self, rid: str, seq: int, event: AnyEvent, done: list[Attempt], read: dict[str, list[tuple[int, bytes]]]
@@ -129,9 +176,11 @@ class FollowFold:
             return done
         return [state.attempt(a.attempt_id) for a in done]
 
-    def _selected(self, state: RolloutState, status: str) -> bool:
+    def _selected(self, state: RolloutState, status: str | None) -> bool:
+        """Whether the filters take an attempt of ``status`` of this rollout (``None``: no attempt)."""
         f = self.filters
-        return (f.statuses is None or status in f.statuses) and f.rollout_matches(state.rollout)
+        by_status = f.statuses is None or status is None or status in f.statuses
+        return by_status and f.rollout_matches(state.rollout)
 
     def _commit(self, rid: str, after: RolloutState, started: dict[tuple[str, str], int], seq: int) -> None:
         self.high = seq

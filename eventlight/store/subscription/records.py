@@ -53,7 +53,9 @@ class FinishedAttempt(msgspec.Struct, frozen=True, kw_only=True):
         spans: The attempt's spans in the log before ``position``, ordered by ``sequence_id``.
         final_reward: ``find_final_reward(spans)`` (``None``: no reward span).
         position: The log position (stream sequence) of the event that finished the attempt:
-            increasing along a subscription; what a consumer records to drop a redelivery.
+            increasing along a subscription; what a consumer records to drop a redelivery. From
+            ``collect`` for a rollout that ended after its latest attempt finished (cancelled while
+            it waited for its retry): the event that ended the rollout.
         started_position: The log position of the attempt's ``AttemptStarted``.
         span_positions: Log positions of the span batches ``spans`` came from.
         redelivered: This subscription's name delivered it before without an acknowledgement (its

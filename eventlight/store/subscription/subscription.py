@@ -4,6 +4,8 @@ Delivery semantics (both backends):
 
 * **In order, each attempt once.** Records come in log order of the events that finished them
   (``FinishedAttempt.position`` increases); a subscription never yields an attempt twice.
+  (``collect`` alone may return an attempt iteration met before, once more: the latest attempt of
+  a rollout ended later by an event that finished no attempt, such as a cancel in the queue.)
 * **Acknowledged when you ask for the next one.** The record in hand is acknowledged (cumulatively,
   confirmed by the server) when the iterator is asked for the following record, by ``ack()``, or by
   leaving ``async with`` without an exception. A durable subscription opened again under the same
@@ -32,12 +34,12 @@ from collections.abc import Iterable
 import msgspec
 
 from eventlight.core.errors import RolloutNotFoundError
-from eventlight.core.types import TERMINAL_ROLLOUT_STATUSES
+from eventlight.core.types import TERMINAL_ROLLOUT_STATUSES, Rollout
 from eventlight.logreplay.records import AdapterFn
 from eventlight.logreplay.select import Filters
 from eventlight.store.futures import cancels, raise_if_cancelled
 from eventlight.store.ports import Delivery, EventLog, Feed
-from eventlight.store.subscription.fold import FollowFold
+from eventlight.store.subscription.fold import FollowFold, RolloutEnded
 from eventlight.store.subscription.records import FinishedAttempt, SubscriptionError
 
 log = logging.getLogger(__name__)
@@ -55,6 +57,8 @@ class Subscription:
     Attributes:
         errors: Entries skipped and attempts whose data is incomplete, with log positions and ids.
         start_seq: The first log position this subscription reads (after ``start``).
+        unattempted: The rollouts the last ``collect`` found ended before any attempt (cancelled in
+            the queue), by id: terminal, but with no attempt to return as a ``FinishedAttempt``.
     """
 
     def __init__(
@@ -77,12 +81,13 @@ class Subscription:
         self._feed: Feed | None = None
         self._fold: FollowFold | None = None
         self._backlog: deque[Delivery] = deque()
-        self._ready: deque[FinishedAttempt] = deque()
+        self._ready: deque[FinishedAttempt | RolloutEnded] = deque()
         self._in_hand: int | None = None
         self._folded = 0
         self._acked = 0
         self._pulling: asyncio.Task[list[Delivery]] | None = None
-        self._stash: dict[str, FinishedAttempt] = {}
+        self._stash: dict[str, FinishedAttempt | RolloutEnded] = {}
+        self.unattempted: dict[str, Rollout] = {}
         self._closed = False
         self._repeatable: int | None = None  # the position of the only records that can be repeats
 
@@ -126,12 +131,25 @@ class Subscription:
         Raises:
             ServiceUnavailableError: The server went away for longer than ``server_timeout_s``.
         """
+        record = await self._next(timeout_s, ended=False)
+        assert not isinstance(record, RolloutEnded)
+        return record
+
+    async def _next(self, timeout_s: float | None, *, ended: bool) -> FinishedAttempt | RolloutEnded | None:
+        """``next_record``; with ``ended`` the fold's ``RolloutEnded`` too (``collect``), without
+        them dropped: plain iteration yields each attempt once."""
         await self.start()
+        if not ended:
+            self._drop_ended()
         if self._in_hand is not None and not (self._ready and self._ready[0].position == self._in_hand):
             await self.ack()
         deadline = None if timeout_s is None else time.monotonic() + max(0.0, timeout_s)
         base = cancels()
-        while not self._ready:
+        while True:
+            if not ended:
+                self._drop_ended()
+            if self._ready:
+                break
             if self._closed:
                 return None
             left = PULL_WAIT_S if deadline is None else min(PULL_WAIT_S, deadline - time.monotonic())
@@ -148,6 +166,10 @@ class Subscription:
             record = msgspec.structs.replace(record, redelivered=False)
         self._in_hand = record.position
         return record
+
+    def _drop_ended(self) -> None:
+        while self._ready and isinstance(self._ready[0], RolloutEnded):
+            self._ready.popleft()
 
     async def _step(self, wait_s: float) -> None:
         """Fold the backlog until a delivery finishes an attempt, pulling more when it is empty."""
@@ -190,10 +212,14 @@ class Subscription:
         """The last attempt of each rollout in ``rollout_ids`` once the rollout is terminal, in
         ``rollout_ids`` order (never an attempt a retry superseded, ``FinishedAttempt.latest``);
         those not terminal within ``timeout_s`` seconds are left out (as ``wait_for_rollouts``
-        leaves them). Records of other rollouts met meanwhile are kept for a
-        later ``collect`` (up to ``MAX_STASH``), which checks a kept one against the log first
-        (one load of the rollout): a rollout sent back to the queue since is collected from its
-        next run, not the kept result.
+        leaves them). A rollout ended by an event that finished no latest attempt (cancelled while
+        it waited for its retry) comes as its latest attempt's record again, at the ending event's
+        ``position`` with the terminal ``rollout`` (plain iteration yielded that attempt when it
+        finished and does not yield it again). A rollout that ended before any attempt has no
+        record: it is not waited for, and is left out and listed in ``unattempted``. Records of
+        other rollouts met meanwhile are kept for a later ``collect`` (up to ``MAX_STASH``), which
+        checks a kept one against the log first (one load of the rollout): a rollout sent back to
+        the queue since is collected from its next run, not the kept result.
 
         Raises:
             ServiceUnavailableError: The server went away for longer than ``server_timeout_s``.
@@ -201,47 +227,63 @@ class Subscription:
         ids = list(dict.fromkeys(rollout_ids))
         want = set(ids)
         got: dict[str, FinishedAttempt] = {}
+        self.unattempted = {}
         for rid in ids:
             kept = self._stash.pop(rid, None)
             if kept is not None and await self._still_the_result(kept):
-                got[rid] = kept
+                self._take(got, kept)
         deadline = None if timeout_s is None else time.monotonic() + max(0.0, timeout_s)
-        while any(rid not in got or not _terminal(got[rid]) for rid in ids):
+        while any(rid not in self.unattempted and not (rid in got and _terminal(got[rid])) for rid in ids):
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 break
-            record = await self.next_record(left)
-            if record is None:
+            item = await self._next(left, ended=True)
+            if item is None:
                 break
-            if record.rollout_id in want:
-                got[record.rollout_id] = record
+            if isinstance(item, RolloutEnded) and item.record is not None:
+                item = msgspec.structs.replace(item.record, redelivered=item.redelivered)
+            if item.rollout.rollout_id in want:
+                self._take(got, item)
             else:
-                self._keep(record)
+                self._keep(item)
         return [got[rid] for rid in ids if rid in got and _terminal(got[rid])]
 
-    async def _still_the_result(self, record: FinishedAttempt) -> bool:
+    def _take(self, got: dict[str, FinishedAttempt], item: FinishedAttempt | RolloutEnded) -> None:
+        rid = item.rollout.rollout_id
+        if isinstance(item, RolloutEnded):  # ended before any attempt
+            got.pop(rid, None)
+            self.unattempted[rid] = item.rollout
+        else:
+            got[rid] = item
+            self.unattempted.pop(rid, None)
+
+    async def _still_the_result(self, kept: FinishedAttempt | RolloutEnded) -> bool:
         """Whether a stashed result is still its rollout's, by the log now: the rollout is terminal
-        and its latest attempt is the record's. One sent back to the queue since
-        (``update_rollout(status="queuing")``) is not: its next run's result is (the fold may not
-        have read the requeue yet). A rollout retired to the archive can no longer move: it is.
+        and its latest attempt is the record's (none, for a rollout ended before any attempt). One
+        sent back to the queue since (``update_rollout(status="queuing")``) is not: its next run's
+        result is (the fold may not have read the requeue yet). A rollout retired to the archive
+        can no longer move: it is.
 
         Raises:
             ServiceUnavailableError: The log did not answer.
         """
         try:
-            state, _ = await self.log.load(record.rollout_id)
+            state, _ = await self.log.load(kept.rollout.rollout_id)
         except RolloutNotFoundError:
             return True
         latest = state.latest
-        ended = state.rollout.status in TERMINAL_ROLLOUT_STATUSES
-        return ended and latest is not None and latest.attempt_id == record.attempt_id
+        if state.rollout.status not in TERMINAL_ROLLOUT_STATUSES:
+            return False
+        if isinstance(kept, RolloutEnded):
+            return latest is None
+        return latest is not None and latest.attempt_id == kept.attempt_id
 
-    def _keep(self, record: FinishedAttempt) -> None:
+    def _keep(self, record: FinishedAttempt | RolloutEnded) -> None:
         if len(self._stash) >= MAX_STASH:
             oldest = next(iter(self._stash))
             del self._stash[oldest]
             log.warning("subscription: %d records nobody collected; dropped the oldest (%s)", MAX_STASH, oldest)
-        self._stash[record.rollout_id] = record
+        self._stash[record.rollout.rollout_id] = record
 
     async def close(self, *, ack: bool = True) -> None:
         """Stop; with ``ack`` acknowledge the record in hand first. A durable keeps its position;
