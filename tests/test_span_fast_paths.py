@@ -1,7 +1,8 @@
 """The span path's fast paths give what the checks one by one give (issue 17, less CPU per rollout).
 
 ``check_spans`` checks attributes that are all ASCII strings with a join and a scan in C
-(``_ascii_text_chars``); on any other attributes it walks them as before. Whatever the
+(``_ascii_text_chars``), and ``span_from_readable`` copies attributes that hold no tuple and no
+float without walking them; on any other attributes both walk them as before. Whatever the
 attributes, the outcome must be the walk's: the same error with the same message, or none.
 """
 
@@ -13,6 +14,7 @@ from unittest import mock
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from eventlight import otel
 from eventlight.core.errors import EventlightError
 from eventlight.core.types import Span
 from eventlight.store import validate
@@ -66,3 +68,13 @@ def test_the_fast_path_takes_ascii_strings_only() -> None:
     assert validate._ascii_text_chars({"a": "xy", "b": ""}) == 2
     for attributes in ({"a": "é"}, {"é": "x"}, {"a": _Text("x")}, {1: "x"}, {"a": 1}, {"a": "x", "b": ["y"]}, {}):
         assert validate._ascii_text_chars(attributes) is None, attributes
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.dictionaries(st.text(max_size=4), _values, max_size=5))
+def test_attributes_convert_as_the_walk_does(attributes: dict[str, Any]) -> None:
+    fast = otel._attrs(dict(attributes))
+    every_type = frozenset((tuple, float, str, int, bool, type(None), list, _Text))
+    with mock.patch.object(otel, "_TO_CONVERT", every_type):  # every value walked
+        walked = otel._attrs(dict(attributes))
+    assert repr(fast) == repr(walked)  # repr: NaN != NaN, and the types must match too
