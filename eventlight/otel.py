@@ -41,6 +41,8 @@ def _attrs(attributes: Any) -> dict[str, Any]:
     if not attributes:
         return {}
     out = dict(_plain(attributes))  # OpenTelemetry keys are already strings
+    if not _TO_CONVERT.intersection(map(type, out.values())):
+        return out  # nothing to convert (strings, ints, bools: most attributes), found in C
     for key, value in out.items():
         kind = type(value)
         if kind is tuple:
@@ -48,6 +50,10 @@ def _attrs(attributes: Any) -> dict[str, Any]:
         elif kind is float and value - value != 0.0:
             out[key] = json_double(value)
     return out
+
+
+_TO_CONVERT = frozenset((tuple, float))
+"""The value types ``_attrs`` may convert (a tuple into a list, a NaN or infinite float into text)."""
 
 
 def _plain(attributes: Any) -> Any:
@@ -78,13 +84,14 @@ def _resource(resource: Any) -> OtelResource:
     return OtelResource(attributes=dict(cached[1]), schema_url=cached[2])
 
 
-def _context(ctx: Any) -> SpanContext | None:
+def _context(ctx: Any, trace_id: str | None = None, span_id: str | None = None) -> SpanContext | None:
+    """``ctx`` as a ``SpanContext``; ``trace_id`` and ``span_id``: its ids in hex, when known."""
     if ctx is None:
         return None
     state = dict(ctx.trace_state.items()) if getattr(ctx, "trace_state", None) is not None else {}
     return SpanContext(
-        trace_id=_hex_trace(ctx.trace_id),
-        span_id=_hex_span(ctx.span_id),
+        trace_id=trace_id or _hex_trace(ctx.trace_id),
+        span_id=span_id or _hex_span(ctx.span_id),
         is_remote=bool(ctx.is_remote),
         trace_state=state,
     )
@@ -109,13 +116,15 @@ def span_from_readable(readable: Any, rollout_id: str, attempt_id: str, sequence
     parent = readable.parent
     status = readable.status
     resource = readable.resource
+    trace_id, span_id = _hex_trace(ctx.trace_id), _hex_span(ctx.span_id)
+    parent_id = _hex_span(parent.span_id) if parent is not None else None
     return Span(
         rollout_id=rollout_id,
         attempt_id=attempt_id,
         sequence_id=sequence_id,
-        trace_id=_hex_trace(ctx.trace_id),
-        span_id=_hex_span(ctx.span_id),
-        parent_id=_hex_span(parent.span_id) if parent is not None else None,
+        trace_id=trace_id,
+        span_id=span_id,
+        parent_id=parent_id,
         name=readable.name,
         status=TraceStatus(status_code=status.status_code.name, description=status.description),
         attributes=_attrs(_own_attributes(readable)),
@@ -129,7 +138,7 @@ def span_from_readable(readable: Any, rollout_id: str, attempt_id: str, sequence
         ],
         start_time=_seconds(readable.start_time),
         end_time=_seconds(readable.end_time),
-        context=_context(ctx),
-        parent=_context(parent),
+        context=_context(ctx, trace_id, span_id),
+        parent=_context(parent, None, parent_id),
         resource=_resource(resource),
     )

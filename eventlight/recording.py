@@ -9,6 +9,7 @@ import msgspec
 from opentelemetry.trace import Status, StatusCode
 
 from eventlight.core.types import TraceStatus
+from eventlight.otel import _own_attributes, _plain
 
 __all__ = ["SpanCoreFields"]
 
@@ -47,7 +48,7 @@ def _core(span: Any) -> SpanCoreFields:
     return SpanCoreFields(
         name=span.name,
         status=TraceStatus(status_code=span.status.status_code.name, description=span.status.description),
-        attributes=dict(span.attributes or {}),
+        attributes=dict(_plain(_own_attributes(span)) or {}),  # the SDK's dict copied in C, if it has one
         start_time=span.start_time / 1e9 if span.start_time else None,
         end_time=span.end_time / 1e9 if span.end_time else None,
     )

@@ -149,12 +149,13 @@ async def test_a_claim_whose_caller_was_cancelled_before_it_is_settled(
 
 
 def test_a_jetstream_writer_cancelled_in_nats_py_publish_stops(services: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same at nats-py's own publish (where the swallow happens), in a program of its own:
-    ``asyncio.run`` returns once the program's writer task is cancelled."""
-    from nats.js.client import JetStreamContext
+    """The same at nats-py's own request (where the swallow happens: its ``wait_for`` for the
+    publish's ack), in a program of its own: ``asyncio.run`` returns once the program's writer task
+    is cancelled."""
+    from nats.aio.client import Client
 
     swallowed: list[int] = []
-    monkeypatch.setattr(JetStreamContext, "publish", answering_cancelled(JetStreamContext.publish, swallowed))
+    monkeypatch.setattr(Client, "request", answering_cancelled(Client.request, swallowed))
     fixture_loop = asyncio.new_event_loop()
     namespace_cm = fresh_namespace(services)
     settings: Settings = fixture_loop.run_until_complete(namespace_cm.__aenter__())

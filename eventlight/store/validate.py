@@ -168,33 +168,62 @@ def check_spans(spans: Sequence[Any]) -> None:
             raise InvalidTypeError(
                 f"span #{i} ({span.name!r}) has attributes of type {type(span.attributes).__name__}, not dict"
             )
-        rough = 0  # the span's size, roughly: a UTF-8 character is at most 4 bytes, a list item rarely over 24
-        for key, value in span.attributes.items():
-            if type(key) is not str:
-                if not isinstance(key, str):
-                    raise InvalidInputError(f"span #{i} ({span.name!r}) has a non-string attribute key {key!r}")
-            elif not key.isascii():
-                _check_text(i, span, "an attribute key", key)
-            kind = type(value)
-            if kind is str:
-                rough += len(value)
-                if not value.isascii():
-                    _check_text(i, span, f"attribute {key!r}", value)
-                continue
-            if kind is float:
-                if value - value != 0.0:  # NaN and +-inf
-                    raise InvalidInputError(f"span #{i} ({span.name!r}) attribute {key!r} is {value!r}, {_NOT_FINITE}")
-                continue
-            if value is None or kind is int or kind is bool:
-                continue
-            if kind is list:
-                rough += 6 * len(value)
-            _check_json(i, span, f"attribute {key!r}", value)
+        rough = _ascii_text_chars(span.attributes)
+        if rough is None:
+            rough = _check_attributes(i, span)
         if 4 * rough >= MAX_PAYLOAD_BYTES:
             _check_span_size(i, span)
         if span.events or span.links or not _plain(span):
             fields = ("start_time", "end_time", "status", "events", "links", "resource", "parent_id")
             _check_json(i, span, "a field", {f: getattr(span, f) for f in fields})
+
+
+def _ascii_text_chars(attributes: dict[Any, Any]) -> int | None:
+    """The characters of the values when every key is an ASCII string and every value an ASCII
+    ``str`` (most spans' attributes), which needs no check one by one: found by a join and a scan of
+    each in C, about a fifth of the loop's CPU (``_check_attributes``). ``None`` otherwise."""
+    values = attributes.values()
+    if {*map(type, values)} != {str}:
+        return None
+    try:
+        keys = "".join(attributes)
+    except TypeError:  # a key that is not a string: the loop names it
+        return None
+    text = "".join(values)
+    return len(text) if keys.isascii() and text.isascii() else None
+
+
+def _check_attributes(i: int, span: Span) -> int:
+    """Check the attributes one by one; their size, roughly (a UTF-8 character is at most 4 bytes, a
+    list item rarely over 24).
+
+    Raises:
+        InvalidInputError: A key that is not a string, a NaN or infinity, a lone surrogate, a value
+            that cannot be encoded as JSON.
+    """
+    rough = 0
+    for key, value in span.attributes.items():
+        if type(key) is not str:
+            if not isinstance(key, str):
+                raise InvalidInputError(f"span #{i} ({span.name!r}) has a non-string attribute key {key!r}")
+        elif not key.isascii():
+            _check_text(i, span, "an attribute key", key)
+        kind = type(value)
+        if kind is str:
+            rough += len(value)
+            if not value.isascii():
+                _check_text(i, span, f"attribute {key!r}", value)
+            continue
+        if kind is float:
+            if value - value != 0.0:  # NaN and +-inf
+                raise InvalidInputError(f"span #{i} ({span.name!r}) attribute {key!r} is {value!r}, {_NOT_FINITE}")
+            continue
+        if value is None or kind is int or kind is bool:
+            continue
+        if kind is list:
+            rough += 6 * len(value)
+        _check_json(i, span, f"attribute {key!r}", value)
+    return rough
 
 
 def _plain_value(v: Any) -> bool:

@@ -41,6 +41,7 @@ messages get consecutive stream sequences ending at the commit's ack.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import uuid
 from collections.abc import Awaitable, Sequence
@@ -48,6 +49,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.js.api import PubAck
 
 from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
 from eventlight.core.events import AnyEvent, ResourcesPut, encode_event
@@ -86,10 +91,44 @@ class _Ack(msgspec.Struct):
 
     seq: int = 0
     count: int = 0
+    duplicate: bool = False
     error: _Error | None = None
 
 
-_ack_decoder = msgspec.json.Decoder(_Ack)
+_ack_decoder = msgspec.json.Decoder(_Ack)  # a batch's commit
+_publish_ack_decoder = msgspec.json.Decoder(_Ack)  # a plain publish (``publish_acked``)
+
+
+async def publish_acked(
+    nc: NATS, subject: str, data: bytes, headers: dict[str, str], timeout_s: float
+) -> tuple[int, bool]:
+    """Publish to JetStream and wait for the ack: nats-py's ``JetStreamContext.publish``, with the
+    ack decoded by msgspec (its ``json.loads`` and ``PubAck`` dataclass cost about 3 µs an ack, this
+    0.2 µs; a runner waits for three a rollout). An error answer goes through nats-py's own path.
+
+    Returns:
+        The message's stream sequence, and whether the server had its ``Nats-Msg-Id`` already.
+
+    Raises:
+        nats.js.errors.APIError: The server refused it (as ``publish`` raises it; ``nats_errors`` maps it).
+        nats.js.errors.NoStreamResponseError: No stream takes the subject now (no responders).
+        nats.errors.TimeoutError: No ack within ``timeout_s`` seconds.
+    """
+    try:
+        msg = await nc.request(subject, data, timeout=timeout_s, headers=headers)
+    except nats.errors.NoRespondersError as e:
+        raise nats.js.errors.NoStreamResponseError from e
+    try:
+        ack = _publish_ack_decoder.decode(msg.data)
+    except msgspec.DecodeError:
+        ack = None
+    if ack is not None and ack.error is None:
+        return ack.seq, ack.duplicate
+    resp = json.loads(msg.data)  # what ``publish`` does with it: the same error, or the same ack
+    if "error" in resp:
+        raise nats.js.errors.APIError.from_error(resp["error"])
+    pub = PubAck.from_response(resp)
+    return pub.seq, bool(pub.duplicate)
 
 
 @dataclass
@@ -208,9 +247,8 @@ class AtomicAppender:
                     "Nats-Expected-Last-Subject-Sequence-Subject": rollout_filter(self.log.prefix, request.key),
                 }
             with nats_errors(self.log.server, f"publish to {subject}"):
-                ack = await self.log.js.publish(subject, data, headers=headers)
+                seq, _ = await publish_acked(self.log.nc, subject, data, headers, self.timeout_s)
             self.stats.plain_publishes += 1
-            seq = ack.seq
         return seq
 
     def _take(self) -> list[_Append]:

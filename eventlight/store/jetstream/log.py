@@ -39,7 +39,7 @@ from eventlight.core.events import (
 from eventlight.core.evolve import evolve, spans_arrived
 from eventlight.core.types import ResourcesUpdate, Span, generate_id
 from eventlight.settings import Settings
-from eventlight.store.jetstream.appender import AtomicAppender
+from eventlight.store.jetstream.appender import AtomicAppender, publish_acked
 from eventlight.store.jetstream.archive import RetiredLedger, scan_log
 from eventlight.store.jetstream.connect import connected_server
 from eventlight.store.jetstream.follow import SERVER_TIMEOUT_S, JetStreamFeed
@@ -161,8 +161,7 @@ class JetStreamEventLog:
                 "bytes: store large inputs elsewhere and pass a reference, or split span batches"
             )
         with nats_errors(self.server, f"publish to {subject}"):
-            ack = await self.js.publish(subject, data, headers=headers)
-        return ack.seq, bool(ack.duplicate)
+            return await publish_acked(self.nc, subject, data, headers, PUBLISH_TIMEOUT_S)
 
     async def publish(self, event: AnyEvent) -> int:
         """Publish an unfenced event (a worker heartbeat, resources); it may share an atomic batch."""

@@ -24,7 +24,7 @@ from eventlight.core.types import (
     generate_id,
 )
 from eventlight.store.command_loop import Outcome
-from eventlight.store.futures import mark_seen
+from eventlight.store.futures import mark_seen, wait_done
 from eventlight.store.ports import Queued
 from eventlight.store.service.plumbing import BACKGROUND_CLOSE_WAIT_S, StorePlumbing, store_call
 from eventlight.store.validate import (
@@ -223,7 +223,7 @@ class Claims(StorePlumbing):
         if read is not None:
             # Its answer came with the claim's ack; waiting for it here makes the read the one of the
             # claim on every backend (in memory it would otherwise run at the caller's next await).
-            await asyncio.wait([read])
+            await wait_done(read)
             if claimed.resources_id == named:
                 self._claim_reads[(claimed.rollout_id, claimed.attempt.attempt_id)] = read
                 if len(self._claim_reads) > MAX_CLAIM_READS:  # claimed by a caller that never asked
