@@ -128,8 +128,9 @@ def serve(
         str | None,
         typer.Option(
             envvar="EVENTLIGHT_SERVER_TOKEN",
-            show_envvar=True,
-            help="Require 'Authorization: Bearer <token>' on every request (or give it in a file: see above).",
+            show_envvar=False,  # the variable's name is wider than this column at 80: the description names it
+            help="Require 'Authorization: Bearer <token>' on every request (or give it in an environment"
+            " variable or a file: see above).",
         ),
     ] = None,
     backend: Annotated[
