@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -26,7 +26,8 @@ def bench(
         ),
     ] = None,
     vs: Annotated[
-        str | None, typer.Option("--vs", help="Also run the peer: 'agentlightning' (0.3.0, in bench/.peer-venv).")
+        Literal["agentlightning"] | None,
+        typer.Option("--vs", help="Also run the peer: Agent-lightning 0.3.0, in bench/.peer-venv."),
     ] = None,
     scale: Annotated[float, typer.Option(min=0.001, help="Factor on every scenario's task count.")] = 1.0,
     out: Annotated[

@@ -29,7 +29,6 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-FORMATS = ("table", "csv", "json")
 MAX_COLUMN_WIDTH = 60
 MAX_CELL_CHARS = 240
 _JSON_TYPES = frozenset({"json", "jsonb"})

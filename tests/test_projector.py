@@ -224,6 +224,53 @@ async def test_a_failing_batch_is_never_skipped(
             await projector.close()
 
 
+@pytest.mark.parametrize("write", ["committed", "deposed"])
+async def test_an_event_is_logged_as_skipped_only_once_its_dead_letter_is_committed(
+    namespace: Settings, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, write: str
+) -> None:
+    """An event that fails on its own was logged "skipping the event" before its dead letter was
+    written: when that write failed (another projector took the term), the log told of a skip that
+    never happened. Now the skip is logged after the commit, and a failed write says the event
+    was not skipped."""
+    from eventlight.store.jetstream.projector.common import Deposed
+
+    async def failing_fold(self: Projector, conn: Any, events: list[tuple[int, Any]]) -> Any:
+        raise TypeError("a bug met this event (test)")
+
+    async def deposed(self: Projector, conn: Any, rows: list[tuple[int, str, str]]) -> None:
+        raise Deposed("another projector took the term (test)")
+
+    monkeypatch.setattr(Projector, "_fold", failing_fold)
+    if write == "deposed":
+        monkeypatch.setattr(Projector, "_dead_letter", deposed)
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn, run_projector=False) as store:
+        await store.enqueue_rollout("bad")
+        projector = Projector(store.log, store.pool)
+        await projector._become_leader()
+        sub = await store.log.js.pull_subscribe(f"{store.log.prefix}.>", stream=store.log.stream)
+        [msg] = await sub.fetch(1, timeout=5)
+        seq = msg.metadata.sequence.stream
+        try:
+            with caplog.at_level(logging.WARNING, logger=PROJECTOR_LOGGER):
+                if write == "deposed":
+                    with pytest.raises(Deposed):
+                        await projector._apply_isolating([msg])
+                else:
+                    await projector._apply_isolating([msg])
+            async with store.pool.acquire() as conn:
+                dead = await conn.fetch("SELECT stream_seq FROM projector_dead_letters")
+        finally:
+            await projector.close()
+    said = [r.getMessage() for r in caplog.records]
+    if write == "committed":
+        assert [d["stream_seq"] for d in dead] == [seq] and projector.dead_letters == 1
+        assert [m for m in said if f"skipped the event at stream sequence {seq}" in m] != [], said
+    else:
+        assert dead == [] and projector.dead_letters == 0 and projector.checkpoint < seq
+        assert [m for m in said if "skip" in m and "not skipped" not in m] == [], said
+        assert [m for m in said if f"stream sequence {seq}" in m and "not dead-lettered" in m] != [], said
+
+
 async def test_a_store_with_a_standby_projector_wakes_waiters_promptly(namespace: Settings) -> None:
     """A second store with Postgres on the same namespace holds a standby projector (another leads):
     its reads wait for the leader's checkpoint, and its ``wait_for_rollouts`` follows the stream's

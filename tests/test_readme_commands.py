@@ -6,10 +6,11 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import get_args
 
 from test_cli import cli
 
-from eventlight.core.types import ROLLOUT_MODES
+from eventlight.core.types import RolloutMode
 from eventlight.logreplay.records import BUILTIN_ADAPTERS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,10 +64,10 @@ def test_the_sql_row_names_the_views_help_names_and_migration_008_defines() -> N
 
 
 def test_replay_mode_help_and_its_error_name_the_same_modes(tmp_path: Path) -> None:
-    modes = ", ".join(sorted(ROLLOUT_MODES))
-    assert f"Rollout mode to keep: {modes} (repeatable)" in help_of("replay")
+    modes = get_args(RolloutMode)
+    assert f"<{'|'.join(modes)}>" in help_of("replay")
     result = cli("replay", "--mode", "bogus", "--out", str(tmp_path / "x.jsonl"))
-    assert result.returncode == 2 and f"expected one of {modes}" in result.stderr, result.stderr
+    assert result.returncode == 2 and f"is not one of {', '.join(map(repr, modes))}" in result.stderr, result.stderr
 
 
 def test_eventlight_bench_help_names_eventlight_bench() -> None:

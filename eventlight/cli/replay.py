@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -19,7 +20,6 @@ from eventlight.cli.common import EXIT_INTERRUPTED, CliError, NamespaceOpt, _run
 from eventlight.cli.discovery import _connect_pg, _need_nats, _need_pg, _no_namespace
 from eventlight.cli.help import ReadableCommand
 from eventlight.cli.status import _stream_state
-from eventlight.core.types import ROLLOUT_MODES
 from eventlight.logreplay.parallel import MAX_WORKERS
 from eventlight.settings import Settings
 
@@ -147,6 +147,25 @@ def _write_attempt(writer: Any, records: list[dict[str, Any]], run: Any) -> None
         run.stats.attempts -= 1
 
 
+class StatusChoice(StrEnum):
+    """The values of ``--status``: ``eventlight.core.types.AttemptStatus`` (a test pins them)."""
+
+    preparing = "preparing"
+    running = "running"
+    failed = "failed"
+    succeeded = "succeeded"
+    unresponsive = "unresponsive"
+    timeout = "timeout"
+
+
+class ModeChoice(StrEnum):
+    """The values of ``--mode``: ``eventlight.core.types.RolloutMode`` (a test pins them)."""
+
+    train = "train"
+    val = "val"
+    test = "test"
+
+
 def replay_command(
     out: Annotated[Path | None, typer.Option("--out", "-o", help="FILE.jsonl or FILE.parquet.")] = None,
     adapter: Annotated[
@@ -167,14 +186,18 @@ def replay_command(
     until: Annotated[
         str | None, typer.Option(help="Attempts that started at/before: a log position or ISO time.")
     ] = None,
-    status: Annotated[list[str] | None, typer.Option("--status", help="Attempt status to keep (repeatable).")] = None,
+    status: Annotated[
+        list[StatusChoice] | None,
+        typer.Option(
+            "--status",
+            metavar="<status>",
+            help=f"Attempt status to keep: {', '.join(StatusChoice)} (repeatable).",
+        ),
+    ] = None,
     resources_id: Annotated[
         list[str] | None, typer.Option("--resources-id", help="The rollout's resources id to keep (repeatable).")
     ] = None,
-    mode: Annotated[
-        list[str] | None,
-        typer.Option("--mode", help=f"Rollout mode to keep: {', '.join(sorted(ROLLOUT_MODES))} (repeatable)."),
-    ] = None,
+    mode: Annotated[list[ModeChoice] | None, typer.Option("--mode", help="Rollout mode to keep (repeatable).")] = None,
     min_reward: Annotated[
         float | None, typer.Option("--min-reward", help="Keep attempts with a final reward >= X.")
     ] = None,
@@ -247,8 +270,8 @@ def replay_command(
         "llm_call_match": llm_call_match,
         "since": since,
         "until": until,
-        "statuses": status or None,
-        "modes": mode or None,
+        "statuses": [s.value for s in status] if status else None,
+        "modes": [m.value for m in mode] if mode else None,
         "resources_ids": resources_id or None,
         "min_reward": min_reward,
         "reward": reward,

@@ -7,6 +7,7 @@ import math
 import signal
 import sys
 import time
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -123,6 +124,15 @@ async def _runner_nats(settings: Settings) -> str:
     return str(found.url)
 
 
+class FrameworkChoice(StrEnum):
+    """The values of ``--instrument``: ``eventlight.instrumentation.FRAMEWORKS`` and ``all`` (a test pins them)."""
+
+    openai = "openai"
+    openai_agents = "openai_agents"
+    langchain = "langchain"
+    all = "all"
+
+
 def runner(
     agent: Annotated[str, typer.Argument(help="The agent, as module:attribute or path/to/file.py:attribute.")],
     n: Annotated[int, typer.Option("--n-runners", "-n", min=1, help="Runners (at least 1).")] = 1,
@@ -161,9 +171,10 @@ def runner(
         ),
     ] = None,
     instrument: Annotated[
-        list[str] | None,
+        list[FrameworkChoice] | None,
         typer.Option(
             "--instrument",
+            metavar="<framework>",
             help="Switch on OpenInference's instrumentation of a framework in each runner: openai, openai_agents, "
             "langchain or all (repeatable; the frameworks extra).",
         ),
@@ -193,7 +204,7 @@ def runner(
     settings = _settings(namespace)
     config = _rollout_config(timeout_s, unresponsive_s, max_attempts, retry_on)
     the_agent = load_agent(agent)
-    instrument_names = _instrumented(instrument)
+    instrument_names = _instrumented([f.value for f in instrument or ()])
     processes = -(-n // per_process)
     if metrics_port is not None:
         _check_metrics_ports(metrics_port, processes)

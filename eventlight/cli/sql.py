@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Callable, Sequence
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import typer
 
@@ -51,6 +51,9 @@ def _shell_hint(query: str, params: Sequence[str], *, counted: bool = False) -> 
     what = "" if counted else f"the query has no $1 placeholder but {len(params)} --param given: "
     return f" ({what}did the shell expand $1? quote the query with single quotes)"
 
+
+OutputFormat = Literal["table", "csv", "json"]
+"""The values of ``--format`` (``eventlight.cli_output`` prints each); typer offers them as choices."""
 
 STREAM_ROWS = 1000
 """Rows a fetch brings, and a write prints, when ``--format csv|json`` streams a result."""
@@ -136,7 +139,7 @@ async def _query(
 def sql(
     query: Annotated[str, typer.Argument(help="One SQL statement, run against the namespace's read models.")],
     output_format: Annotated[
-        str,
+        OutputFormat,
         typer.Option(
             "--format",
             "-f",
@@ -188,10 +191,8 @@ def sql(
     never starts or stops one (without it: exit 1, 'run `eventlight up`'). NATS
     ($EVENTLIGHT_NATS_URL, else the embedded one) is asked only for the log's head, and for
     --catch-up; without it the query still runs."""
-    from eventlight.cli_output import FORMATS, ResultLines, result_table
+    from eventlight.cli_output import ResultLines, result_table
 
-    if output_format not in FORMATS:
-        raise CliError(f"--format {output_format!r}: expected one of {', '.join(FORMATS)}")
     _check_query(query, param or ())
     if output_format != "table":
         lines: list[ResultLines] = []

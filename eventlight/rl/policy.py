@@ -60,12 +60,13 @@ def base_model_dir(state_dir: Path | str, gguf_path: Path | str | None = None) -
     gguf = Path(gguf_path)
     log.info("converting %s to a torch model under %s (once)", gguf.name, out)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    with _gguf_progress():
+    with _gguf_progress(), _no_bars_without_a_terminal():
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     _drop_quantization(model)
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    with _no_bars_without_a_terminal():
+        model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
@@ -77,6 +78,45 @@ GGUF_LINE_EVERY_S = 10.0
 
 _GGUF_PROGRESS = "converting the GGUF's tensors"
 _gguf_patch = threading.Lock()
+_bars_hook = threading.Lock()
+
+
+def _stderr_is_terminal() -> bool:
+    """Whether stderr is a terminal, as rich decides it (``FORCE_COLOR``, ``TTY_COMPATIBLE`` count)."""
+    from rich.console import Console
+
+    return Console(stderr=True).is_terminal
+
+
+@contextlib.contextmanager
+def _no_bars_without_a_terminal() -> Iterator[None]:
+    """Without a terminal, switch off transformers' own bars in the block ("Loading weights",
+    "Writing model shards": ``transformers.utils.logging.tqdm``), which would write carriage-return
+    updates into a log; on a terminal, leave them be.
+
+    Done with ``transformers.utils.logging.set_tqdm_hook``: a hook that passes ``disable=True`` on
+    to the caller's hook (or to tqdm), put back as it was after the block, so the caller's
+    ``enable_progress_bar`` / ``disable_progress_bar`` setting and huggingface_hub's bars are
+    untouched. The hook is process-wide: other threads' transformers bars are off meanwhile too.
+    Does nothing where transformers has no ``set_tqdm_hook``."""
+    from transformers.utils import logging as hf_logging
+
+    set_hook = getattr(hf_logging, "set_tqdm_hook", None)
+    if set_hook is None or _stderr_is_terminal():
+        yield
+        return
+    with _bars_hook:
+        callers = set_hook(None)
+
+        def disabled(factory: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            kwargs = {**kwargs, "disable": True}
+            return factory(*args, **kwargs) if callers is None else callers(factory, args, kwargs)
+
+        set_hook(disabled)
+        try:
+            yield
+        finally:
+            set_hook(callers)
 
 
 @contextlib.contextmanager

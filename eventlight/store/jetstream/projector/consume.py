@@ -148,7 +148,10 @@ class Consumer(BatchWriter):
     async def _apply_isolating(self, msgs: list[Any]) -> None:
         """Apply a batch one message at a time; a message that fails on its own with anything but a
         server failure (``TRANSIENT``) is recorded in ``projector_dead_letters`` and skipped: the
-        stream keeps it, and the projection goes on."""
+        stream keeps it, and the projection goes on. The skip is logged once it is committed; when
+        the write fails (``Deposed``: another projector leads now; a server failure), a warning says
+        the event was not skipped, and the error goes up (the batch is retried, or the new leader
+        projects it)."""
         for msg in msgs:
             try:
                 await self.apply([msg])
@@ -156,10 +159,26 @@ class Consumer(BatchWriter):
                 raise
             except Exception as e:
                 seq = msg.metadata.sequence.stream
-                log.error("projector: skipping the event at stream sequence %d (%s): %r", seq, msg.subject, e)
-                async with self.pool.acquire() as conn, conn.transaction():
-                    await self._advance(conn, seq)
-                    await self._dead_letter(conn, [(seq, msg.subject, f"{type(e).__name__}: {e}")])
+                try:
+                    async with self.pool.acquire() as conn, conn.transaction():
+                        await self._advance(conn, seq)
+                        await self._dead_letter(conn, [(seq, msg.subject, f"{type(e).__name__}: {e}")])
+                except Exception as write_error:
+                    log.warning(
+                        "projector: the event at stream sequence %d (%s) failed (%r) and was not dead-lettered"
+                        " (%r): it is not skipped",
+                        seq,
+                        msg.subject,
+                        e,
+                        write_error,
+                    )
+                    raise
+                log.error(
+                    "projector: skipped the event at stream sequence %d (%s), recorded in projector_dead_letters: %r",
+                    seq,
+                    msg.subject,
+                    e,
+                )
                 self.checkpoint = seq
                 self.dead_letters += 1
                 if self.on_commit is not None:
