@@ -193,7 +193,8 @@ class Subscription:
         leaves them). Records of other rollouts met meanwhile are kept for a
         later ``collect`` (up to ``MAX_STASH``), which checks a kept one against the log first
         (one load of the rollout): a rollout sent back to the queue since is collected from its
-        next run, not the kept result.
+        next run, not the kept result. When it raises, the results it had in hand are kept for a
+        later ``collect``.
 
         Raises:
             ServiceUnavailableError: The server went away for longer than ``server_timeout_s``.
@@ -201,22 +202,28 @@ class Subscription:
         ids = list(dict.fromkeys(rollout_ids))
         want = set(ids)
         got: dict[str, FinishedAttempt] = {}
-        for rid in ids:
-            kept = self._stash.pop(rid, None)
-            if kept is not None and await self._still_the_result(kept):
-                got[rid] = kept
-        deadline = None if timeout_s is None else time.monotonic() + max(0.0, timeout_s)
-        while any(rid not in got or not _terminal(got[rid]) for rid in ids):
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                break
-            record = await self.next_record(left)
-            if record is None:
-                break
-            if record.rollout_id in want:
-                got[record.rollout_id] = record
-            else:
+        try:
+            for rid in ids:
+                kept = self._stash.get(rid)
+                if kept is not None and await self._still_the_result(kept):  # may raise: still kept
+                    got[rid] = kept
+                self._stash.pop(rid, None)
+            deadline = None if timeout_s is None else time.monotonic() + max(0.0, timeout_s)
+            while any(rid not in got or not _terminal(got[rid]) for rid in ids):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                record = await self.next_record(left)
+                if record is None:
+                    break
+                if record.rollout_id in want:
+                    got[record.rollout_id] = record
+                else:
+                    self._keep(record)
+        except BaseException:
+            for record in got.values():  # nothing returned: kept for a later collect, as others are
                 self._keep(record)
+            raise
         return [got[rid] for rid in ids if rid in got and _terminal(got[rid])]
 
     async def _still_the_result(self, record: FinishedAttempt) -> bool:
