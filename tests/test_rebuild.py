@@ -192,3 +192,45 @@ async def _enumerate(items: Any) -> Any:
     async for item in items:
         yield i, item
         i += 1
+
+
+@pytest.mark.parametrize("batch_size", [512, 2], ids=["one-batch", "batches-read-ahead"])
+async def test_revived_superseded_attempts_rebuild(namespace: Settings, batch_size: int) -> None:
+    """A superseded attempt revived by a late span after its rollout finished, marked
+    ``unresponsive`` by the watchdog (f268f91) and revived once more: the rebuild folds the same
+    rows, and the rebuilding projector watches what the live one does (the rollout with its
+    superseded attempt ``running`` again)."""
+    dsn = namespace.pg_dsn
+    assert dsn is not None
+    fresh = f"{namespace.pg_schema}_rebuilt"
+    cfg = RolloutConfig(unresponsive_seconds=5.0, max_attempts=3, retry_condition=["unresponsive"])
+    async with JetStreamLightningStore(namespace, pg_dsn=dsn) as store:
+        assert store.projector is not None
+        r = await store.enqueue_rollout({"x": 1}, config=cfg)
+        a = (await store.dequeue_rollout(worker_id="a")).attempt
+        await store.sync_all(timeout_s=10)
+        assert await store.projector.watch_once(a.start_time + 6) == 1  # a falls silent: the retry
+        await store.sync_all(timeout_s=10)
+        b = (await store.dequeue_rollout(worker_id="b")).attempt
+        await store.add_span(span(r.rollout_id, a.attempt_id, 1, "00000000000000c1"))  # a is back: revived
+        await store.update_attempt(r.rollout_id, b.attempt_id, status="succeeded")
+        await store.sync_all(timeout_s=10)
+        assert await store.projector.watch_once(time.time() + 60) == 1  # a silent again, after the end
+        await store.sync_all(timeout_s=10)
+        assert store.projector.in_flight() == []
+        await store.add_span(span(r.rollout_id, a.attempt_id, 2, "00000000000000c2"))  # and back once more
+        await store.sync_all(timeout_s=10)
+        live = [rid for rid, _, _ in store.projector.in_flight()]
+        assert live == [r.rollout_id]
+        try:
+            await apply_migrations(dsn, fresh)
+            pool = await pg.create_pool(dsn, fresh)
+            try:
+                projector = Projector(store.log, pool, watchdog_interval_s=NO_WATCHDOG_S)
+                assert await asyncio.wait_for(projector.rebuild(batch_size), 30) == await last_seq(store)
+                assert [rid for rid, _, _ in projector.in_flight()] == live
+            finally:
+                await pool.close()
+            await assert_same(dsn, namespace.pg_schema, fresh, ("rollouts", "attempts", "spans", "workers"))
+        finally:
+            await drop_schema(dsn, fresh)

@@ -15,6 +15,7 @@ from nats.js.api import StreamConfig, StreamSource, SubjectTransform
 
 import eventlight
 from eventlight.core.errors import InvalidInputError, RolloutNotFoundError, RolloutRetiredError
+from eventlight.core.types import RolloutConfig, Span
 from eventlight.logreplay.rebuild import rebuild
 from eventlight.logreplay.transfer import ImportReport, export_log, import_log
 from eventlight.ops import apply_streams
@@ -134,6 +135,41 @@ async def test_retired_rollouts_leave_the_hot_stream_and_the_log_reads_the_same(
         with pytest.raises(RolloutNotFoundError) as never:
             await other.update_rollout("ro-neverexisted", status="cancelled")
         assert not isinstance(never.value, RolloutRetiredError)
+
+
+async def test_a_finished_rollout_the_watchdog_still_watches_stays_until_it_is_marked(namespace: Settings) -> None:
+    """A finished rollout whose superseded attempt a late span revived (its runner then vanished)
+    is watched while its config sets a limit (``fold.watched``); retired, its purged ``r.<rid>.>``
+    would fail every watchdog append for ever (the fence), the attempt would stay ``running`` and
+    the projector would keep the rollout in its watchdog set. So it is retired once the watchdog
+    marked the attempt; one with no limit is not watched and retires at once."""
+    settings = await _with_archive(namespace)
+    assert settings.pg_dsn is not None
+    limited = RolloutConfig(unresponsive_seconds=5.0, max_attempts=3, retry_condition=["unresponsive"])
+    unlimited = RolloutConfig(max_attempts=3, retry_condition=["unresponsive"])
+    hour = msgspec.structs.replace(settings, retention_s=3600.0)  # the leader's own rounds retire nothing
+    async with JetStreamLightningStore(hour, pg_dsn=settings.pg_dsn) as store:
+        assert store.projector is not None
+        ids = []
+        for config in (limited, unlimited):
+            r = await store.enqueue_rollout("x", config=config)
+            a = (await store.dequeue_rollout(worker_id="a")).attempt  # type: ignore[union-attr]
+            await store.update_attempt(r.rollout_id, a.attempt_id, status="unresponsive")  # as the watchdog
+            b = (await store.dequeue_rollout(worker_id="b")).attempt  # type: ignore[union-attr]
+            await store.add_span(Span.from_attributes(attributes={}, rollout_id=r.rollout_id, attempt_id=a.attempt_id))
+            await store.update_attempt(r.rollout_id, b.attempt_id, status="succeeded")
+            ids.append(r.rollout_id)
+        await store.sync_all(timeout_s=10)
+        await _archive_caught_up(store)
+        pool: Any = store.read_model.pool  # type: ignore[union-attr]
+        assert (await retire(store.log, pool, settings, now=time.time() + 1)).retired == 1  # the unlimited one
+        assert [rid for rid, _, _ in store.projector.in_flight()] == ids[:1]
+        assert await store.projector.watch_once(time.time() + 60) == 1
+        await store.sync_all(timeout_s=10)
+        assert [x.status for x in await store.query_attempts(ids[0])] == ["unresponsive", "succeeded"]
+        assert store.projector.in_flight() == []
+        await _archive_caught_up(store)
+        assert (await retire(store.log, pool, settings, now=time.time() + 61)).retired == 1
 
 
 async def test_the_leading_projector_retires_what_is_due_by_itself(namespace: Settings) -> None:

@@ -238,6 +238,32 @@ async def test_a_rollout_cancelled_before_any_attempt_is_not_waited_for(store: A
         assert list(sub.unattempted) == [kept.rollout_id]
 
 
+async def test_a_kept_result_survives_a_collect_the_log_failed(store: Any, monkeypatch: Any) -> None:
+    """``collect`` checks a kept result against the log (e41e0b1); when that read fails
+    (``ServiceUnavailableError``) the kept results it had taken out are kept still: a retried
+    ``collect`` returns them, not nothing (they were dropped and the retry waited out its timeout)."""
+    async with store.subscribe(names) as sub:
+        first = await finish_one(store, reward=0.2)
+        second = await finish_one(store, reward=0.3)
+        other = await finish_one(store, reward=0.5)
+        assert [x.rollout_id for x in await sub.collect([other], timeout_s=20)] == [other]  # keeps two
+        real = sub.log.load
+        calls = 0
+
+        async def fails_second(rollout_id: str) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls == 2:
+                raise ServiceUnavailableError("nats://test", "the server went away")
+            return await real(rollout_id)
+
+        monkeypatch.setattr(sub.log, "load", fails_second)
+        with pytest.raises(ServiceUnavailableError):
+            await sub.collect([first, second], timeout_s=20)
+        got = await sub.collect([first, second], timeout_s=0.5)
+        assert [(x.rollout_id, x.final_reward) for x in got] == [(first, 0.2), (second, 0.3)]
+
+
 async def test_since_reads_what_finished_before(store: Any) -> None:
     first = await finish_one(store)
     async with store.subscribe(names) as sub:

@@ -11,8 +11,9 @@ nats-server keeps state for every subject it holds, so it should hold what is li
    (on nats-server 2.15.1 a purge costs in proportion to the messages a consumer of the stream has
    not been handed yet: 0.4 ms with the archive caught up, 80-100 ms with 100,000 behind);
 2. selects, from the read model, rollouts in a terminal status that ended more than
-   ``retention_s`` ago, whose last state event is at or below ``bound`` and that are not yet
-   listed in ``retired_rollouts``;
+   ``retention_s`` ago, whose last state event is at or below ``bound``, that are not yet
+   listed in ``retired_rollouts`` and that the watchdog no longer watches (no superseded attempt
+   still ``preparing``/``running`` under a ``RolloutConfig`` limit: ``eventlight.store.fold.watched``);
 3. appends their ids to the archive's ledger (so a late write finds them: ``RolloutRetiredError``);
 4. purges ``r.<rid>.>`` and ``s.<rid>.>`` from the hot stream below ``bound + 1`` (a message that
    came after stays: nothing unarchived is ever purged);
@@ -52,8 +53,15 @@ _SELECT = """
 SELECT r.rollout_id FROM rollouts r
  WHERE r.status = ANY($1::text[]) AND r.end_time IS NOT NULL AND r.end_time < $2 AND r.last_seq <= $3
    AND NOT EXISTS (SELECT 1 FROM retired_rollouts x WHERE x.rollout_id = r.rollout_id)
+   AND NOT (
+     (r.config->>'timeout_seconds' IS NOT NULL OR r.config->>'unresponsive_seconds' IS NOT NULL)
+     AND EXISTS (SELECT 1 FROM attempts a WHERE a.rollout_id = r.rollout_id
+                   AND a.status IN ('preparing', 'running') AND a.attempt_id <> r.latest_attempt_id))
  ORDER BY r.last_seq LIMIT $4
 """
+"""Not a rollout the watchdog still watches (``eventlight.store.fold.watched``: a superseded attempt
+live, a limit set): its appends fence on ``r.<rid>.>``, so once purged the watchdog could never mark
+that attempt and would keep the rollout in its set for ever. It retires after the watchdog marked it."""
 
 
 class RetireReport(msgspec.Struct, kw_only=True):

@@ -219,7 +219,8 @@ class Subscription:
         record: it is not waited for, and is left out and listed in ``unattempted``. Records of
         other rollouts met meanwhile are kept for a later ``collect`` (up to ``MAX_STASH``), which
         checks a kept one against the log first (one load of the rollout): a rollout sent back to
-        the queue since is collected from its next run, not the kept result.
+        the queue since is collected from its next run, not the kept result. When it raises, the
+        results it had in hand are kept for a later ``collect``.
 
         Raises:
             ServiceUnavailableError: The server went away for longer than ``server_timeout_s``.
@@ -228,33 +229,45 @@ class Subscription:
         want = set(ids)
         got: dict[str, FinishedAttempt] = {}
         self.unattempted = {}
-        for rid in ids:
-            kept = self._stash.pop(rid, None)
-            if kept is not None and await self._still_the_result(kept):
-                self._take(got, kept)
-        deadline = None if timeout_s is None else time.monotonic() + max(0.0, timeout_s)
-        while any(rid not in self.unattempted and not (rid in got and _terminal(got[rid])) for rid in ids):
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                break
-            item = await self._next(left, ended=True)
-            if item is None:
-                break
-            if isinstance(item, RolloutEnded) and item.record is not None:
-                item = msgspec.structs.replace(item.record, redelivered=item.redelivered)
-            if item.rollout.rollout_id in want:
-                self._take(got, item)
-            else:
+        ended: dict[str, RolloutEnded] = {}  # taken signals of rollouts ended before any attempt
+        try:
+            for rid in ids:
+                kept = self._stash.get(rid)
+                if kept is not None and await self._still_the_result(kept):  # may raise: still kept
+                    self._take(got, ended, kept)
+                self._stash.pop(rid, None)
+            deadline = None if timeout_s is None else time.monotonic() + max(0.0, timeout_s)
+            while any(rid not in self.unattempted and not (rid in got and _terminal(got[rid])) for rid in ids):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                item = await self._next(left, ended=True)
+                if item is None:
+                    break
+                if isinstance(item, RolloutEnded) and item.record is not None:
+                    item = msgspec.structs.replace(item.record, redelivered=item.redelivered)
+                if item.rollout.rollout_id in want:
+                    self._take(got, ended, item)
+                else:
+                    self._keep(item)
+        except BaseException:
+            taken: list[FinishedAttempt | RolloutEnded] = [*got.values(), *ended.values()]
+            for item in taken:  # nothing returned: kept for a later collect
                 self._keep(item)
+            raise
         return [got[rid] for rid in ids if rid in got and _terminal(got[rid])]
 
-    def _take(self, got: dict[str, FinishedAttempt], item: FinishedAttempt | RolloutEnded) -> None:
+    def _take(
+        self, got: dict[str, FinishedAttempt], ended: dict[str, RolloutEnded], item: FinishedAttempt | RolloutEnded
+    ) -> None:
         rid = item.rollout.rollout_id
         if isinstance(item, RolloutEnded):  # ended before any attempt
             got.pop(rid, None)
+            ended[rid] = item
             self.unattempted[rid] = item.rollout
         else:
             got[rid] = item
+            ended.pop(rid, None)
             self.unattempted.pop(rid, None)
 
     async def _still_the_result(self, kept: FinishedAttempt | RolloutEnded) -> bool:
