@@ -18,9 +18,10 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 import asyncpg
+import msgspec
 import pytest
 
 from eventlight.ops import (
@@ -45,9 +46,17 @@ def services() -> Iterator[tuple[Settings, Services]]:
     os.chmod(state, 0o755)
     settings = Settings.from_env(state_dir=state, namespace="session")
     svc = _in_thread(lambda: asyncio.run(ensure_services(settings)))
-    yield settings, svc
+    yield settings, msgspec.structs.replace(svc, pg_dsn=_over_tcp(svc.pg_dsn, svc.pg_kind))
     _in_thread(lambda: asyncio.run(stop_services(settings)))
     shutil.rmtree(state, ignore_errors=True)
+
+
+def _over_tcp(dsn: str, kind: str | None) -> str:
+    """The embedded Postgres's DSN names its unix socket (``pg_system._system_dsn``); it listens on
+    127.0.0.1 too, and the tests' relays (``tests/faults.py``) and DSN edits need a host and port.
+    (The ``pgserver`` wheel's has a socket only.)"""
+    port = parse_qs(urlsplit(dsn).query).get("port", [""])[0]
+    return f"postgresql://postgres@127.0.0.1:{port}/postgres" if kind == "system" and port else dsn
 
 
 def _in_thread(fn: Callable[[], T]) -> T:

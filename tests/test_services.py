@@ -18,6 +18,7 @@ import signal
 import sys
 import tempfile
 import time
+import urllib.parse
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -112,6 +113,12 @@ async def test_embedded_start_reuse_stop_restart(root_dir: Path) -> None:
     assert sorted([len(first.started), len(twin.started)]) == [0, 2], (first, twin)
     assert (first.nats_url, first.pg_dsn) == (twin.nats_url, twin.pg_dsn)
     assert first.pg_kind in ("system", "pgserver")
+    # its unix socket, not TCP on 127.0.0.1: less CPU a round trip in the client and in Postgres (issue 17)
+    assert (
+        urllib.parse.parse_qs(urllib.parse.urlsplit(first.pg_dsn).query)
+        .get("host", [""])[0]
+        .startswith(str(root_dir / "state"))
+    ), first.pg_dsn
     embedded = {"fsync": "on", "max_connections": "200", "shared_buffers": "256MB"}
     assert await _pg_settings(first.pg_dsn) == embedded
     conf = (root_dir / "state" / "nats" / "nats.conf").read_text()
