@@ -873,3 +873,38 @@ async def test_append_mode_adds_one_sentence_and_keeps_placeholders() -> None:
     assert _appended("Q: {q}", "  \n") is None
     with pytest.raises(ValueError, match="edit_mode"):
         APO(object(), edit_mode="shuffle")  # type: ignore[arg-type]
+
+
+async def test_apo_does_not_cancel_again_rollouts_cancelled_before_any_attempt(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A rollout cancelled in the queue (another run's cleanup) ends the batch's wait with no
+    record (the subscription's ``unattempted``); ``finished`` left it out, so the batch warned it was
+    unfinished and cancelled it a second time. It is counted ended now: no warning, no second
+    cancel, and no result."""
+    store = InMemoryLightningStore()
+    apo = make_apo(FakeClient(scripted), rollout_batch_timeout=30.0)
+    apo.set_store(store)
+    seed = apo._new_version(RESOURCES["prompt"])  # noqa: SLF001
+    cancels: list[str] = []
+    update_rollout = store.update_rollout
+
+    async def spy(rollout_id: str, **kwargs: Any) -> Any:
+        if kwargs.get("status") == "cancelled":
+            cancels.append(rollout_id)
+        return await update_rollout(rollout_id, **kwargs)
+
+    store.update_rollout = spy  # type: ignore[method-assign]
+
+    enqueue_many = store.enqueue_many_rollouts
+
+    async def enqueue_then_cancel(requests: Any) -> Any:  # cancelled in the queue, before any runner took it
+        made = await enqueue_many(requests)
+        await store.update_rollout(made[0].rollout_id, status="cancelled")
+        return made
+
+    store.enqueue_many_rollouts = enqueue_then_cancel  # type: ignore[method-assign]
+    with caplog.at_level("WARNING"):
+        results, _ = await asyncio.wait_for(apo.evaluate_prompt_on_batch(seed, "prompt", ["gone"], "train"), 20)
+    assert results == [] and len(cancels) == 1  # the outside cancel only
+    assert "unfinished" not in caplog.text

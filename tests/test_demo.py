@@ -247,7 +247,8 @@ async def test_the_demo_report_leaves_failed_rollouts_out_of_the_mean(namespace:
     """After ``--resume``, a checkpoint's rows held the interrupted run's failed rollouts as reward 0
     (``reward_by_resources``: missing = 0): 62 rollouts, mean 0.128, where the 41 with a reward
     averaged 0.194. The report's mean is over the rollouts with a reward; it counts failed ones apart
-    and leaves cancelled ones (never run) out."""
+    and cancelled ones too: one cancelled while it ran (the evaluation had given up on it) is no
+    result even with a reward, where the table showed it rewarded beside an evaluation without it."""
     from examples.arithmetic.train_grpo import report_sql
     from tests.test_replay import reward_span
     from tests.test_sql_views import rows
@@ -259,6 +260,7 @@ async def test_the_demo_report_leaves_failed_rollouts_out_of_the_mean(namespace:
         plan = [("step0", "val", 0.5, "succeeded"), ("step1", "train", 0.25, "succeeded")]
         plan += [("step1", "train", 0.75, "succeeded"), ("step1", "train", None, "failed")]
         plan += [("step1", "train", None, "")]  # cancelled in the queue
+        plan += [("step0", "val", 0.9, "cancelled")]  # cancelled while it ran, its reward recorded
         for version, mode, reward, status in plan:
             made = await store.enqueue_rollout({"x": 1}, mode=mode, resources_id=f"{run}-{version}")
             if not status:  # left in the queue, then cancelled
@@ -268,12 +270,29 @@ async def test_the_demo_report_leaves_failed_rollouts_out_of_the_mean(namespace:
             assert claimed is not None and claimed.rollout_id == made.rollout_id
             if reward is not None:
                 await store.add_span(reward_span(made.rollout_id, claimed.attempt.attempt_id, 1, reward, 1.0))
+            if status == "cancelled":
+                await store.update_rollout(made.rollout_id, status="cancelled")
+                continue
             await store.update_attempt(made.rollout_id, claimed.attempt.attempt_id, status=status)
         await store.sync_all(timeout_s=10)
     got = rows(report_sql(run), ns=namespace)
     assert got == [
-        {"checkpoint": f"{run}-step0", "mode": "val", "rewarded": 1, "mean_reward": "0.500", "failed": 0},
-        {"checkpoint": f"{run}-step1", "mode": "train", "rewarded": 2, "mean_reward": "0.500", "failed": 1},
+        {
+            "checkpoint": f"{run}-step0",
+            "mode": "val",
+            "rewarded": 1,
+            "mean_reward": "0.500",
+            "failed": 0,
+            "cancelled": 1,
+        },
+        {
+            "checkpoint": f"{run}-step1",
+            "mode": "train",
+            "rewarded": 2,
+            "mean_reward": "0.500",
+            "failed": 1,
+            "cancelled": 1,
+        },
     ]
 
 
@@ -282,7 +301,10 @@ def test_a_partial_held_out_evaluation_is_no_result(monkeypatch: pytest.MonkeyPa
     evaluated step 0 on 8 of 73 items, then printed ``nan`` for a split, concluded "peaked at …; a
     lower --lr keeps the gain", and exited 0. Now each partial evaluation is a warning, its reward
     says how few items it had (``no result`` for a split it lacks), no conclusion is drawn, and the
-    run exits 1."""
+    run exits 1. The warning names the cause the ``eval`` event knows (it guessed "was another demo
+    running in this namespace?" when the evaluation had timed out under load), the count of
+    rollouts parts failed from given up on (it said "10 failed or unfinished" beside a table with 0
+    failed), and the last line is a sentence."""
     from types import SimpleNamespace
 
     import examples.arithmetic.train_grpo as demo
@@ -293,7 +315,17 @@ def test_a_partial_held_out_evaluation_is_no_result(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(demo.subprocess, "run", no_cli)
     run = "run-20261207-101010-ab12"
     evals = [
-        {"version": f"{run}-step0", "n": 8, "asked": 73, "mean_reward": 0.25, "by_split": {"2-digit": 0.25}},
+        {
+            "version": f"{run}-step0",
+            "n": 8,
+            "asked": 73,
+            "unfinished": 60,
+            "timeout_s": 600.0,
+            "cancelled": 5,
+            "cancelled_by": {"left queued by an earlier demo run": 5},
+            "mean_reward": 0.25,
+            "by_split": {"2-digit": 0.25},
+        },
         {"version": f"{run}-step4", "n": 73, "asked": 73, "mean_reward": 0.643, "by_split": {"1-digit": 0.6}},
         {"version": f"{run}-step8", "n": 73, "asked": 73, "mean_reward": 0.3, "by_split": {"1-digit": 0.3}},
     ]
@@ -305,8 +337,18 @@ def test_a_partial_held_out_evaluation_is_no_result(monkeypatch: pytest.MonkeyPa
         demo.on_progress({"event": "eval", "step": 0, **event})
     code = demo.report(None, grpo, run, 1.0)  # type: ignore[arg-type]
     out, err = capsys.readouterr()
-    assert code == 1 and f"error: run {run}: 1 of its 3 held-out evaluations got fewer results" in err
-    assert out.count(f"warning: the held-out evaluation at {run}-step0 got 8 of 73 results") == 2  # as it ran; summary
+    assert code == 1 and err.strip() == (
+        f"error: run {run}: 1 of its 3 held-out evaluations got fewer results than they asked for, so the "
+        "held-out rewards above are not comparable and no conclusion is drawn"
+    )
+    warning = (
+        f"warning: the held-out evaluation at {run}-step0 got 8 of 73 results (60 did not finish within 600 s "
+        "and were cancelled, likely as the machine was too busy or slow for them: fewer --eval-items ask less; 5 were "
+        "cancelled before they ended (left queued by an earlier demo run)); its reward is not comparable"
+    )
+    assert out.count(warning) == 2  # as it ran; summary
+    assert "another demo" not in out
+    assert "rollouts recorded   : 100 this run (0 failed, 10 not finished when their step stopped waiting" in out
     assert f"held-out reward, {run}-step0" in out and "0.250 (only 8 of 73 items)" in out
     assert "1-digit              no result -> 0.300" in out and "2-digit              0.250 -> no result" in out
     assert "nan" not in out and "peaked" not in out

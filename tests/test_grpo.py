@@ -870,3 +870,78 @@ def test_transformers_bars_in_the_conversion_write_no_carriage_return_without_a_
         assert "Loading weights" in err and "Writing model shards" in err
     else:
         assert "\r" not in err and "Loading weights" not in err and "Writing model shards" not in err, err
+
+
+async def test_a_step_that_gives_up_on_its_rollouts_cancels_them(store, caplog: pytest.LogCaptureFixture) -> None:
+    """Under load the demo's step-0 evaluation gave up after rollout_timeout_s with 6 of 73
+    results and left the rest queued: they held all 8 runners while step 1's 32 training rollouts
+    waited behind them, and so on, step after step, so no step trained again. The wait now cancels
+    those it gave up on (queued or running), keeping their metadata with ``cancelled_by`` added, and
+    one line counts them; the queue holds nothing of the step."""
+    grpo = GRPO(GRPOConfig(steps=1, rollout_timeout_s=0.5), policy=tiny_policy())
+    grpo.set_store(store)
+    made = [await store.enqueue_rollout({"q": i}, metadata={"group": 0}) for i in range(3)]
+    ids = [r.rollout_id for r in made]
+    done = await store.dequeue_rollout(worker_id="w")
+    await store.update_attempt(done.rollout_id, done.attempt.attempt_id, status="succeeded")
+    running = await store.dequeue_rollout(worker_id="w")  # claimed, never ends
+    with caplog.at_level("WARNING", logger="eventlight.algorithm.grpo"):
+        finished = await grpo._wait(ids, 1, held_out=ids[2:])
+    assert list(finished) == [done.rollout_id]
+    late = {running.rollout_id, ids[2]}
+    assert grpo._cancelled == late
+    if hasattr(store, "sync_all"):
+        await store.sync_all(timeout_s=10)
+    after = {r.rollout_id: r for r in await store.query_rollouts(rollout_id_in=ids)}
+    assert {rid: after[rid].status for rid in late} == dict.fromkeys(late, "cancelled")
+    for rid in late:
+        assert after[rid].metadata["group"] == 0
+        assert (
+            after[rid].metadata["cancelled_by"]["reason"] == "GRPO step 1: not finished within rollout_timeout_s=0.5 s"
+        )
+    assert await store.dequeue_rollout(worker_id="w") is None  # nothing left to hold a runner
+    assert "GRPO step 1: 2 of its rollouts (1 held-out) did not finish within rollout_timeout_s=0.5 s" in caplog.text
+    assert "cancelled 2 of them" in caplog.text
+
+
+async def test_a_step_with_nothing_to_train_on_says_why(caplog: pytest.LogCaptureFixture) -> None:
+    """ "nothing to train on ({})" told the user nothing when none of the step's rollouts finished in
+    time; the line now says how many finished of those asked, within which timeout, and how many
+    were cancelled, or else what was skipped."""
+    grpo = GRPO(GRPOConfig(steps=2), policy=tiny_policy())
+    grpo.set_store(agl.InMemoryLightningStore())
+    failed = Rollout(rollout_id="ro-1", input={}, start_time=0.0, status="failed")
+    with caplog.at_level("WARNING", logger="eventlight.algorithm.grpo"):
+        assert not await grpo._train(1, "v1", [], 600.0, asked=32, cancelled=32)
+        assert not await grpo._train(1, "v1", [failed], 1.0)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "GRPO step 2 from v1: nothing to train on (0 of 32 rollouts finished within rollout_timeout_s=600 s; "
+        "32 cancelled)",
+        "GRPO step 2 from v1: nothing to train on (skipped: 1 failed_rollouts)",
+    ]
+
+
+async def test_a_held_out_evaluation_says_which_results_timed_out_and_which_were_cancelled() -> None:
+    """The demo's warning guessed "was another demo running in this namespace?" when its
+    evaluation had timed out under load. The ``eval`` event tells them apart: ``unfinished`` (not
+    ended within ``timeout_s``) and ``cancelled`` by someone else, with ``cancelled_by``'s reasons."""
+    grpo = GRPO(GRPOConfig(steps=1, rollout_timeout_s=60.0), policy=tiny_policy())
+    grpo.set_store(agl.InMemoryLightningStore())
+    events: list[dict] = []
+    grpo.progress = events.append
+    by = {"cancelled_by": {"pid": 1, "reason": "left queued by an earlier demo run"}}
+    cancelled = [
+        Rollout(rollout_id=f"ro-{i}", input={}, start_time=0.0, status="cancelled", metadata=m)
+        for i, m in enumerate([by, by, {}])
+    ]
+    await grpo._report_eval(0, "v0", cancelled, 5)
+    event = events[-1]
+    assert (event["n"], event["asked"], event["unfinished"], event["timeout_s"], event["cancelled"]) == (
+        0,
+        5,
+        2,
+        60.0,
+        3,
+    )
+    assert event["cancelled_by"] == {"left queued by an earlier demo run": 2, "?": 1}

@@ -10,7 +10,8 @@ Each step, for the weights of version ``<prefix>step<k>``:
 3. finished rollouts' triplets arrive from a subscription opened before the enqueue
    (``store.subscribe_triplets`` with the trainer's adapter; a store without one is read back with
    ``query_spans``), and become token tensors (``eventlight.rl.batch``); each rollout's reward is compared with its
-   group's (``eventlight.rl.grpo_math``);
+   group's (``eventlight.rl.grpo_math``); those not ended within ``rollout_timeout_s`` are cancelled
+   (``metadata.cancelled_by`` says why), so they hold no runner against the next step;
 4. one optimizer step runs in a worker thread (the event loop keeps serving the proxy), the
    checkpoint ``k+1`` is written, and the loop starts again with it.
 
@@ -40,6 +41,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import random
 import threading
 import time
@@ -169,7 +171,11 @@ class GRPO(Algorithm):
         progress: Called with one dict per event: ``{"event": "eval", "step", "version",
             "mean_reward", "n", "asked", "by_split"}`` (``n``: held-out rollouts that finished, of
             the ``asked`` ones enqueued; fewer when some were cancelled or timed out, and then a
-            warning is logged; ``mean_reward`` NaN when none finished), ``{"event": "step", "step",
+            warning is logged; ``mean_reward`` NaN when none finished; ``unfinished``: those not
+            ended within ``timeout_s`` (``rollout_timeout_s``, seconds), which GRPO cancelled;
+            ``cancelled``: those cancelled by someone else before they ended, and ``cancelled_by``
+            how many per reason, from their ``metadata.cancelled_by``, ``"?"`` when they have
+            none), ``{"event": "step", "step",
             "version", "train_reward", "loss", "grad_norm", "step_s", "rollout_s", "held_out", "sequences",
             "tokens", "skipped"}``
             (``rollout_s``: seconds until the step's rollouts finished, its ``held_out`` evaluation
@@ -208,6 +214,7 @@ class GRPO(Algorithm):
         self.counters: Counter[str] = Counter()
         self._subscription: Subscription | None = None
         self._records: dict[str, FinishedAttempt] = {}
+        self._cancelled: set[str] = set()  # the step's rollouts its wait gave up on and cancelled
         self.evals: list[dict[str, Any]] = []
         self.steps: list[dict[str, Any]] = []
         self.versions: list[str] = []
@@ -274,6 +281,7 @@ class GRPO(Algorithm):
             evaluate = bool(val) and c.eval_every > 0 and (step % c.eval_every == 0 or step == c.steps or step == start)
             tasks = self._sample(train, step) if step < c.steps else []
             t0 = time.monotonic()
+            self._cancelled = set()
             async with self._subscribed():  # before the enqueue: every rollout's triplets reach us
                 train_ids, val_ids = await self._enqueue(tasks, val if evaluate else [], version)
                 finished = await self._wait(train_ids + val_ids, step, held_out=val_ids)
@@ -285,7 +293,13 @@ class GRPO(Algorithm):
             if step == c.steps:
                 break
             trained = await self._train(
-                step, version, [finished[r] for r in train_ids if r in finished], rollout_s, len(val_ids)
+                step,
+                version,
+                [finished[r] for r in train_ids if r in finished],
+                rollout_s,
+                len(val_ids),
+                asked=len(train_ids),
+                cancelled=len(self._cancelled.intersection(train_ids)),
             )
             if self.stop_requested:  # asked during the update: it stopped halfway, or its step is whole
                 return
@@ -365,7 +379,9 @@ class GRPO(Algorithm):
 
     async def _wait(self, rollout_ids: list[str], step: int, held_out: Sequence[str] = ()) -> dict[str, Rollout]:
         """Wait for ``rollout_ids`` (``held_out``: those of them that are held-out evaluation
-        rollouts), emitting a ``rollouts`` progress event every ``PROGRESS_EVERY_S`` meanwhile."""
+        rollouts), emitting a ``rollouts`` progress event every ``PROGRESS_EVERY_S`` meanwhile.
+        Those not ended within ``rollout_timeout_s`` are cancelled (``_cancel_late``): left queued,
+        they would hold the runners against the next step's rollouts."""
         if not rollout_ids:
             return {}
         waiting = asyncio.ensure_future(self._wait_all(rollout_ids))
@@ -387,9 +403,51 @@ class GRPO(Algorithm):
                         "elapsed_s": time.monotonic() - started,
                     }
                 )
-            return await waiting
+            finished = await waiting
         finally:
             waiting.cancel()
+        late = [r for r in rollout_ids if r not in finished]
+        if late:
+            await self._cancel_late(late, step, held_out)
+        return finished
+
+    async def _cancel_late(self, late: list[str], step: int, held_out: Sequence[str]) -> None:
+        """Cancel step ``step``'s rollouts ``late`` that its wait gave up on, unless they ended
+        meanwhile, each keeping its metadata with ``cancelled_by`` (pid and reason) added; they are
+        added to ``_cancelled`` and one warning line counts them. A queued one then never runs; one
+        running ends its attempt, whose result nothing reads."""
+        store = self.get_store()
+        timeout = self.config.rollout_timeout_s
+        reason = f"GRPO step {step}: not finished within rollout_timeout_s={timeout:g} s"
+        try:
+            current = {r.rollout_id: r for r in await store.query_rollouts(rollout_id_in=late)}
+        except EventlightError as e:  # cancel them all the same, without their metadata
+            log.debug("GRPO could not read the rollouts it gives up on: %r", e)
+            current = {}
+        for rid in late:
+            rollout = current.get(rid)
+            if rollout is not None and rollout.status in TERMINAL_ROLLOUT_STATUSES:
+                continue  # ended after the wait: too late for this step, nothing to cancel
+            metadata = {
+                **((rollout.metadata if rollout else None) or {}),
+                "cancelled_by": {"pid": os.getpid(), "reason": reason},
+            }
+            try:
+                await store.update_rollout(rid, status="cancelled", metadata=metadata)
+            except EventlightError as e:  # ended meanwhile
+                log.debug("GRPO could not cancel %s: %s", rid, e)
+                continue
+            self._cancelled.add(rid)
+        late_held_out = len(set(late).intersection(held_out))
+        log.warning(
+            "GRPO step %d: %d of its rollouts (%d held-out) did not finish within rollout_timeout_s=%g s; "
+            "cancelled %d of them so they hold no runner against the next step",
+            step,
+            len(late),
+            late_held_out,
+            timeout,
+            len(self._cancelled.intersection(late)),
+        )
 
     async def _ended(self, rollout_ids: list[str]) -> set[str] | None:
         """Which of ``rollout_ids`` have ended, as the read model has them (``None``: unreadable)."""
@@ -445,8 +503,11 @@ class GRPO(Algorithm):
         by_split: dict[str, list[float]] = {}
         scores: list[float] = []
         skipped: Counter[str] = Counter()
+        cancelled_by: list[str] = []
         for r in rollouts:
             if r.status == "cancelled":  # never ran (a queued one cancelled): no result, not a 0
+                by = (r.metadata or {}).get("cancelled_by")
+                cancelled_by.append(str(by.get("reason", "?")) if isinstance(by, dict) else "?")
                 continue
             reward, _ = await self._outcome(r, skipped)
             value = 0.0 if reward is None else float(reward)
@@ -460,28 +521,46 @@ class GRPO(Algorithm):
             "version": version,
             "n": len(scores),
             "asked": asked,
+            "unfinished": asked - len(rollouts),
+            "timeout_s": self.config.rollout_timeout_s,
+            "cancelled": len(cancelled_by),
+            "cancelled_by": dict(Counter(cancelled_by)),
             "mean_reward": sum(scores) / len(scores) if scores else float("nan"),
             "by_split": {k: sum(v) / len(v) for k, v in sorted(by_split.items())},
         }
         if len(scores) < asked:
             log.warning(
-                "GRPO: the held-out evaluation of %s got %d of %d results (the others were cancelled or "
-                "did not finish in time): its reward is not comparable to a full one",
+                "GRPO: the held-out evaluation of %s got %d of %d results (%d did not finish within "
+                "rollout_timeout_s=%g s; %d were cancelled before they ended): its reward is not comparable "
+                "to a full one",
                 version,
                 len(scores),
                 asked,
+                event["unfinished"],
+                self.config.rollout_timeout_s,
+                event["cancelled"],
             )
         self.evals.append(event)
         self._emit(event)
 
     async def _train(
-        self, step: int, version: str, rollouts: list[Rollout], rollout_s: float, held_out: int = 0
+        self,
+        step: int,
+        version: str,
+        rollouts: list[Rollout],
+        rollout_s: float,
+        held_out: int = 0,
+        *,
+        asked: int | None = None,
+        cancelled: int = 0,
     ) -> bool:
         """Build the step's samples and run the optimizer; ``False`` when there was nothing to learn.
         ``rollout_s``: seconds until the step's rollouts finished, ``held_out`` evaluation rollouts
-        included (they run beside the training ones). Rollouts without a usable reward (failed, none
-        recorded, not finite) or without triplets are left out of the groups' advantages and
-        counted in the step's ``skipped``, with the triplets and groups that gave no sample."""
+        included (they run beside the training ones); ``asked``: training rollouts enqueued (default
+        ``len(rollouts)``), of which ``cancelled`` did not finish in time and were cancelled.
+        Rollouts without a usable reward (failed, none recorded, not finite) or without triplets
+        are left out of the groups' advantages and counted in the step's ``skipped``, with the
+        triplets and groups that gave no sample."""
         from eventlight.rl.batch import samples_from_triplets
         from eventlight.rl.grpo_math import group_advantages
 
@@ -523,7 +602,12 @@ class GRPO(Algorithm):
         }
         if not samples:
             self.counters["empty_steps"] += 1
-            log.warning("GRPO step %d from %s: nothing to train on (%s)", step + 1, version, dict(skipped))
+            log.warning(
+                "GRPO step %d from %s: nothing to train on (%s)",
+                step + 1,
+                version,
+                self._why_empty(rollouts, skipped, asked, cancelled),
+            )
             record.update(loss=float("nan"), sequences=0, tokens=0, step_s=0.0, grad_norm=0.0, trained=False)
         else:
             stats = await self._update(step, samples)
@@ -534,6 +618,20 @@ class GRPO(Algorithm):
         self.steps.append(record)
         self._emit(record)
         return bool(samples)
+
+    def _why_empty(self, rollouts: list[Rollout], skipped: Counter[str], asked: int | None, cancelled: int) -> str:
+        """Why a step had no sample, in words: how many of its ``asked`` rollouts finished in time
+        and how many were cancelled, then what ``skipped`` counted."""
+        asked = len(rollouts) if asked is None else asked
+        why = []
+        if len(rollouts) < asked:
+            why.append(
+                f"{len(rollouts)} of {asked} rollouts finished within "
+                f"rollout_timeout_s={self.config.rollout_timeout_s:g} s; {cancelled} cancelled"
+            )
+        if skipped:
+            why.append("skipped: " + ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.items())))
+        return "; ".join(why) or f"{asked} rollouts, none skipped"
 
     async def _update(self, step: int, samples: list[Any]) -> dict[str, float] | None:
         """Step ``step``'s optimizer step on the policy's thread (``Policy.train_step``); ``None``

@@ -47,10 +47,15 @@ MAX_FAILED_FRACTION = 0.5
 def report_sql(run_id: str) -> str:
     """Per checkpoint of this run only: the rollouts that finished with a reward and their mean
     reward, and apart, how many failed (an interrupted run's attempts cut short, before a
-    ``--resume``). Not ``reward_by_resources``, whose mean counts a rollout without a reward as 0."""
+    ``--resume``) and how many were cancelled (GRPO's wait gave up on them, or another run's
+    cleanup; one cancelled while it ran is no result even if it recorded a reward). Not
+    ``reward_by_resources``, whose mean counts a rollout without a reward as 0."""
     return (
-        "SELECT resources_id AS checkpoint, mode, count(final_reward) AS rewarded, "
-        "round(avg(final_reward)::numeric, 3) AS mean_reward, count(*) FILTER (WHERE status = 'failed') AS failed "
+        "SELECT resources_id AS checkpoint, mode, "
+        "count(final_reward) FILTER (WHERE status <> 'cancelled') AS rewarded, "
+        "round((avg(final_reward) FILTER (WHERE status <> 'cancelled'))::numeric, 3) AS mean_reward, "
+        "count(*) FILTER (WHERE status = 'failed') AS failed, "
+        "count(*) FILTER (WHERE status = 'cancelled') AS cancelled "
         f"FROM v_rollouts WHERE resources_id LIKE '{run_id}-%' "
         "GROUP BY resources_id, mode ORDER BY length(resources_id), resources_id, mode"
     )
@@ -183,10 +188,20 @@ def _reward(event: dict) -> str:
 
 
 def _partial_warning(event: dict) -> str:
+    """The warning for a partial evaluation, naming why its results are missing as far as the
+    ``eval`` event knows: timed out (``unfinished``, ``timeout_s``) or cancelled by someone else
+    (``cancelled_by``'s reasons)."""
+    causes = []
+    if event.get("unfinished"):
+        causes.append(
+            f"{event['unfinished']} did not finish within {event.get('timeout_s', float('nan')):.0f} s and were "
+            "cancelled, likely as the machine was too busy or slow for them: fewer --eval-items ask less"
+        )
+    for reason, n in (event.get("cancelled_by") or {}).items():
+        causes.append(f"{n} were cancelled before they ended ({'no reason recorded' if reason == '?' else reason})")
     return (
         f"warning: the held-out evaluation at {event['version']} got {event['n']} of {event['asked']} results "
-        "(the others were cancelled or did not finish: was another demo running in this namespace?); "
-        "its reward is not comparable"
+        f"({'; '.join(causes) or 'the others were cancelled or did not finish'}); its reward is not comparable"
     )
 
 
@@ -316,7 +331,8 @@ async def train(args: argparse.Namespace) -> int:
 
 def report(trainer: agl.Trainer, grpo, run_id: str, wall_s: float) -> int:
     enq = grpo.counters["rollouts_enqueued"]
-    failed = grpo.counters["failed_rollouts"] + grpo.counters["unfinished_rollouts"]
+    unfinished = grpo.counters["unfinished_rollouts"]
+    failed = grpo.counters["failed_rollouts"] + unfinished
     if enq == 0 or failed > MAX_FAILED_FRACTION * enq or len(grpo.evals) < 2:
         print(f"error: run {run_id} did not train: {enq} rollouts, {failed} failed or unfinished", file=sys.stderr)
         return 1
@@ -338,7 +354,10 @@ def report(trainer: agl.Trainer, grpo, run_id: str, wall_s: float) -> int:
     if (note := fell_back(grpo.evals)) is not None:
         print(f"  note: {note}")
     print(f"  checkpoints (resources versions): {', '.join(v.removeprefix(run_id + '-') for v in grpo.versions)}")
-    print(f"  rollouts recorded   : {enq} this run ({failed} failed or unfinished)")
+    print(
+        f"  rollouts recorded   : {enq} this run ({grpo.counters['failed_rollouts']} failed, {unfinished} not "
+        "finished when their step stopped waiting, then cancelled)"
+    )
     print(f"  spans read back     : {grpo.counters['spans_read']}")
     skipped = {k: v for k, v in grpo.counters.items() if k not in ("rollouts_enqueued", "spans_read") and v}
     print(f"  skipped             : {skipped or 'nothing'}")
@@ -351,6 +370,11 @@ def report(trainer: agl.Trainer, grpo, run_id: str, wall_s: float) -> int:
         out = subprocess.run([str(cli), "sql", query], capture_output=True, text=True, timeout=60, check=True).stdout
         for line in out.rstrip().splitlines():
             print(f"    {line}")
+        if incomplete:
+            print(
+                "    (rewarded: every rollout that ended with a reward, some after a partial evaluation "
+                "above stopped waiting; that evaluation counted only those before)"
+            )
     except (OSError, subprocess.SubprocessError) as e:
         print(f"    (could not run it now: {' '.join(str(e).split())[:120]})")
     print("  run it yourself:")
@@ -361,7 +385,7 @@ def report(trainer: agl.Trainer, grpo, run_id: str, wall_s: float) -> int:
     if incomplete:
         print(
             f"error: run {run_id}: {len(incomplete)} of its {len(grpo.evals)} held-out evaluations got fewer results "
-            "than they asked for; the held-out rewards above are no result",
+            "than they asked for, so the held-out rewards above are not comparable and no conclusion is drawn",
             file=sys.stderr,
         )
         return 1

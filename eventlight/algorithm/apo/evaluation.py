@@ -97,7 +97,8 @@ class RolloutEvaluation(Algorithm, Generic[T_task]):
             async with subscribe(self.get_adapter()) as sub:
                 ids = [r.rollout_id for r in await store.enqueue_many_rollouts(requests)]
                 records = await sub.collect(ids, timeout_s=self.rollout_batch_timeout)
-            finished = [r.rollout for r in records]
+            # cancelled before any attempt: ended, no result; collect did not wait for them, nor is there more to cancel
+            finished = [r.rollout for r in records] + list(sub.unattempted.values())
             results = [self._result(r, prefix) for r in records]
         if len(finished) < len(ids):
             await self._cancel_unfinished(ids, finished, prefix or "")
