@@ -335,3 +335,54 @@ async def test_at_durability_interval_concurrent_commands_go_as_plain_publishes(
     finally:
         await sub.unsubscribe()
         await nc.close()
+
+
+async def test_publish_acked_answers_as_nats_pys_publish(opened: tuple[JetStreamEventLog, _Seen]) -> None:
+    """``publish_acked`` decodes the ack itself: each error answer the server gives a plain publish
+    (an expected-sequence, expected-stream or expected-message-id mismatch, no stream for the
+    subject) is raised as nats-py's ``JetStreamContext.publish`` raises it, the same class with the
+    same codes and text, and an ack (a duplicate too) reads the same."""
+    import nats.js.errors
+
+    log, _ = opened
+    prefix = log.prefix
+
+    async def both(subject: str, headers: dict[str, str]) -> list[Any]:
+        out: list[Any] = []
+        for call in ("ours", "nats-py"):
+            try:
+                if call == "ours":
+                    _, dup = await appender.publish_acked(log.nc, subject, b"{}", dict(headers), 5.0)
+                else:
+                    dup = bool((await log.js.publish(subject, b"{}", headers=dict(headers))).duplicate)
+                out.append(("ack", dup))
+            except Exception as e:  # compared below
+                codes = (getattr(e, "code", None), getattr(e, "err_code", None), getattr(e, "description", None))
+                out.append((type(e), codes))
+        return out
+
+    subject = f"{prefix}.r.ro-pub.e"
+    first = await appender.publish_acked(log.nc, subject, b"{}", {"Nats-Msg-Id": "m-1"}, 5.0)
+    assert first[1] is False
+    cases: list[tuple[str, dict[str, str]]] = [
+        (subject, {"Nats-Msg-Id": "m-1"}),  # a duplicate: both read duplicate=True
+        (subject, {"Nats-Expected-Last-Subject-Sequence": str(first[0] + 7)}),
+        (
+            subject,
+            {
+                "Nats-Expected-Last-Subject-Sequence": "0",
+                "Nats-Expected-Last-Subject-Sequence-Subject": f"{prefix}.r.ro-pub.>",
+            },
+        ),
+        (subject, {"Nats-Expected-Stream": "not-this-stream"}),
+        (subject, {"Nats-Expected-Last-Msg-Id": "not-the-last"}),
+        (subject, {"Nats-Expected-Last-Sequence": "999999"}),
+        ("no-stream-takes.this", {}),
+    ]
+    for subj, headers in cases:
+        ours, theirs = await both(subj, headers)
+        assert ours == theirs, (headers, ours, theirs)
+        assert ours[0] != "ack" or ours[1] is True or "Nats-Msg-Id" not in headers
+        if "Nats-Msg-Id" not in headers:
+            assert ours[0] != "ack", headers
+            assert issubclass(ours[0], nats.js.errors.Error)

@@ -64,6 +64,10 @@ async def _reads(log: JetStreamEventLog, rids: list[str], aids: list[str], res_i
     log.forget_latest_resources()
     out.append(await log.latest_resources())
     out.append([seq for seq, _ in [item async for item in log.read(0)]])
+    for rid in rids:  # each state event's next one, past a span batch; none after the last
+        _, version = await log.load(rid)
+        out.append([await log.state_event_after(rid, seq) for seq in (0, 1, version - 1, version)])
+    out.append(await log.state_event_after("ro-nosuch", 0))
     return out
 
 
@@ -99,6 +103,10 @@ async def test_direct_and_leader_reads_agree(namespace: Settings) -> None:
     assert direct[3].version == 2  # the updated snapshot, through both paths
     assert direct[4] is None and direct[6] is None  # an unknown id, an empty subject
     assert direct[0][2].has_spans and not direct[1][2].has_spans
+    after = direct[-4:-1]
+    assert [x[-1] for x in after] == [None, None, None] and direct[-1] is None
+    assert [x[0] is not None and x[0][1].__class__.__name__ for x in after] == ["RolloutCreated"] * 3
+    assert after[1][2] is not None and after[1][2][1].__class__.__name__ == "AttemptUpdated"
 
 
 async def test_the_resources_read_leaves_with_the_claim(namespace: Settings) -> None:

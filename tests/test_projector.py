@@ -1015,3 +1015,52 @@ def _span(rollout_id: str, attempt_id: str, seq: int) -> Span:
     return Span.from_attributes(
         attributes={"i": seq}, rollout_id=rollout_id, attempt_id=attempt_id, sequence_id=seq, name=f"s{seq}"
     )
+
+
+async def test_query_spans_of_a_rollout_retried_between_its_two_reads_stay_in_attempt_order(
+    namespace: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``query_spans(rollout_id)`` reads a rollout's spans without the attempt order first and again
+    with it when they hold several attempts. A retry that lands between the two reads (a new
+    attempt and its spans) leaves either read's answer whole: the first's (one attempt: its spans,
+    its total) or the second's (every attempt, in attempt order, and its total); never a mix."""
+    from eventlight.store.jetstream import pg
+
+    real = pg.fetch_page
+    between: list[Any] = []
+
+    async def interleaved(*args: Any, **kw: Any) -> Any:
+        out = await real(*args, **kw)
+        if between:
+            await between.pop()()
+        return out
+
+    monkeypatch.setattr(pg, "fetch_page", interleaved)
+    config = RolloutConfig(max_attempts=3, retry_condition=["failed"])
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
+        r = await store.enqueue_rollout("q", config=config)
+        rid = r.rollout_id
+        attempts: list[str] = []
+
+        async def retry(seqs: tuple[int, ...]) -> None:
+            if attempts:
+                await store.update_attempt(rid, attempts[-1], status="failed")
+            claimed = await store.dequeue_rollout()
+            assert claimed is not None and claimed.rollout_id == rid
+            attempts.append(claimed.attempt.attempt_id)
+            await store.add_many_spans([_span(rid, attempts[-1], i) for i in seqs])
+            await store.sync_all(timeout_s=10)
+
+        await retry((5, 6))
+        between.append(lambda: retry((1,)))  # lands after the first read, which saw one attempt
+        got = await store.query_spans(rid)
+        assert [(s.attempt_id, s.sequence_id) for s in got] == [(attempts[0], 5), (attempts[0], 6)]
+        assert got.total == 2
+        between.append(lambda: retry((0,)))  # the first read saw two attempts; the second reads three
+        got = await store.query_spans(rid)
+        expected = [(attempts[0], 5), (attempts[0], 6), (attempts[1], 1), (attempts[2], 0)]
+        assert [(s.attempt_id, s.sequence_id) for s in got] == expected and got.total == 4
+        page = await store.query_spans(rid, limit=2, offset=1)
+        assert [(s.attempt_id, s.sequence_id) for s in page] == expected[1:3] and page.total == 4
+        desc = await store.query_spans(rid, sort_order="desc", limit=-1, offset=1)
+        assert [(s.attempt_id, s.sequence_id) for s in desc] == expected[::-1][1:] and desc.total == 4

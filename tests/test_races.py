@@ -703,3 +703,37 @@ async def test_a_vanished_holders_redelivered_entry_is_claimed_once_and_its_late
         assert await sub.next_record(timeout_s=1) is None  # no second result for the rollout
         assert await c.dequeue_rollout(worker_id="c", wait_s=2) is None  # and nothing left to claim
         assert (await store.query_rollouts()).total == 1
+
+
+@pytest.mark.parametrize("requeue", ["failed", "unresponsive", "update_rollout"])
+async def test_a_rollout_requeued_behind_a_held_claims_redelivery_is_claimed_again(
+    namespace: Settings, tmp_path: Any, requeue: str
+) -> None:
+    """Runner A claims a rollout and goes silent; the rollout is sent back to the queue by another
+    store (its attempt failed or went unresponsive with a retry left, as the watchdog marks it, or
+    ``update_rollout(status="queuing")``): a fresh entry. Past the ack wait (1 s) A's old entry
+    comes back first; it is passed over as stale, by the holder (its own claim) and by another
+    store (the claim after it), and the fresh entry behind it is claimed: attempt 2."""
+    await _short_ack_wait(namespace, tmp_path, 1)
+    cfg = RolloutConfig(max_attempts=3, retry_condition=["failed", "unresponsive"])
+    for taker in ("holder", "other"):
+        async with (
+            JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store,
+            JetStreamLightningStore(namespace) as a,
+            JetStreamLightningStore(namespace) as b,
+        ):
+            r = await store.enqueue_rollout({"taker": taker}, config=cfg)
+            held = await a.dequeue_rollout(worker_id="a")
+            assert held is not None and held.rollout_id == r.rollout_id
+            a1 = held.attempt.attempt_id
+            if requeue == "update_rollout":
+                await store.update_rollout(r.rollout_id, status="queuing")
+            else:
+                await store.update_attempt(r.rollout_id, a1, status=requeue)
+            await asyncio.sleep(2.5)  # past the ack wait: A's entry is offered again, before the fresh one
+            got = await (a if taker == "holder" else b).dequeue_rollout(worker_id=taker, wait_s=3)
+            assert got is not None and got.rollout_id == r.rollout_id
+            assert got.attempt.sequence_id == 2 and got.attempt.worker_id == taker
+            assert await b.dequeue_rollout(worker_id="b") is None
+            await store.sync_all(timeout_s=10)
+            assert len(await store.query_attempts(r.rollout_id)) == 2

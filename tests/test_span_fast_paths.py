@@ -38,8 +38,12 @@ _values = st.one_of(
     st.floats(),  # NaN and infinities included
     st.lists(st.one_of(st.text(max_size=3), st.floats(), st.integers()), max_size=3),
     st.tuples(st.text(max_size=3), st.floats()),
+    st.binary(max_size=3),  # not JSON: refused by the walk
+    st.lists(st.lists(st.floats(), max_size=2), max_size=2),  # nested: NaN inside
+    st.tuples(st.tuples(st.floats()), st.binary(max_size=2)),
+    st.dictionaries(_texts, st.one_of(st.floats(), st.integers(), st.booleans()), max_size=2),
 )
-_keys = st.one_of(_texts, st.integers(), st.none())
+_keys = st.one_of(_texts, st.integers(), st.none(), st.binary(max_size=2), st.booleans(), st.floats())
 
 
 def _outcome(check: Any, *args: Any) -> tuple[str, str]:

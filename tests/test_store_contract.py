@@ -1259,3 +1259,54 @@ async def test_a_rollout_queued_after_an_empty_poll_is_handed_out_at_once(
             info = await runner_store.log.js.consumer_info(backend_namespace.stream_name, "runners")
             assert info.num_waiting == 0, f"iteration {i}: {info.num_waiting} pull request(s) left waiting"
     assert slowest < 0.5, f"a queued rollout waited {slowest:.2f} s for a poll"
+
+
+async def _hand_back_next_entry(store: Any, rollout_id: str) -> int:
+    """Take the queue's next entry without claiming it and hand it back (``nak``): offered again,
+    it is a redelivered entry (JetStream's num_delivered 2; in memory, a handed-back one)."""
+    item = await store._log().next_queued(1.0)
+    assert item is not None and item.rollout_id == rollout_id
+    await item.nak(0.0)
+    return int(item.seq)
+
+
+@pytest.mark.parametrize("requeue", ["failed", "update_rollout"])
+@pytest.mark.parametrize("after", [None, "metadata", "heartbeat_of_failed"])
+async def test_a_requeued_rollouts_redelivered_entry_is_still_claimed(store: Any, requeue: str, after: str) -> None:
+    """A rollout sent back to the queue (its attempt failed with a retry left, or
+    ``update_rollout(status="queuing")``) has a fresh entry; offered again after a hand-back
+    (redelivered), with or without events after it that leave the rollout queued, it is not taken
+    for a stale entry: the next dequeue claims the rollout."""
+    cfg = RolloutConfig(max_attempts=2, retry_condition=["failed"])
+    r = await store.enqueue_rollout({"q": 1}, config=cfg)
+    first = await store.dequeue_rollout(worker_id="w1")
+    assert first is not None and first.rollout_id == r.rollout_id
+    a1 = first.attempt.attempt_id
+    if requeue == "failed":
+        await store.update_attempt(r.rollout_id, a1, status="failed")
+    else:
+        await store.update_attempt(r.rollout_id, a1, status="failed")  # ends a1: no heartbeat revives it
+        await store.update_rollout(r.rollout_id, status="queuing")
+    await _hand_back_next_entry(store, r.rollout_id)
+    if after == "metadata":
+        await store.update_rollout(r.rollout_id, metadata={"touched": True})
+    elif after == "heartbeat_of_failed":
+        await store.update_attempt(r.rollout_id, a1, last_heartbeat_time=time.time())
+    await settle(store)
+    assert (await store.get_rollout_by_id(r.rollout_id)).status in ("queuing", "requeuing")
+    second = await store.dequeue_rollout(worker_id="w2")
+    assert second is not None and second.rollout_id == r.rollout_id
+    assert second.attempt.sequence_id == 2 and second.attempt.worker_id == "w2"
+
+
+async def test_a_fresh_entry_handed_back_is_claimed_and_stale_ones_are_not(store: Any) -> None:
+    """A rollout's creation entry handed back is claimed from its state (no later event); once
+    claimed, its old entries handed back are passed over and the rollout keeps one attempt."""
+    r = await store.enqueue_rollout({"q": 2})
+    await store.update_rollout(r.rollout_id, status="queuing")  # already queuing: no event, no entry
+    await _hand_back_next_entry(store, r.rollout_id)
+    claimed = await store.dequeue_rollout(worker_id="w")
+    assert claimed is not None and claimed.rollout_id == r.rollout_id
+    assert await store.dequeue_rollout(worker_id="w") is None
+    await settle(store)
+    assert len(await store.query_attempts(r.rollout_id)) == 1

@@ -397,3 +397,30 @@ async def test_the_server_going_away_is_a_clear_error_then_resumes(tmp_path: Pat
             assert record is not None and record.rollout_id == second  # nothing again, nothing skipped
     finally:
         server.kill9()
+
+
+async def test_a_revived_attempt_of_a_rollout_cancelled_in_the_queue_is_collected_as_the_read_model_has_it(
+    store: Any,
+) -> None:
+    """The latest attempt went ``unresponsive`` (the rollout waits for its retry), a late span
+    revived it (``running``: the rollout runs again), then the rollout was cancelled: ``collect``
+    returns that attempt as the read model has it at the cancel, not as the feed alone (no spans)
+    would have it."""
+    config = RolloutConfig(max_attempts=3, retry_condition=["failed", "unresponsive"])
+    async with store.subscribe(names) as sub:
+        r = await store.enqueue_rollout({"task": "revived then cancelled"}, config=config)
+        a = await store.dequeue_rollout(worker_id="a")
+        aid = a.attempt.attempt_id
+        await store.update_attempt(r.rollout_id, aid, status="unresponsive")  # as the watchdog
+        await store.add_span(reward_span(r.rollout_id, aid, 1, 0.7, 10.0))  # late: revives it
+        await store.update_rollout(r.rollout_id, status="cancelled")
+        (ended,) = await store.wait_for_rollouts(rollout_ids=[r.rollout_id], timeout=20)
+        assert ended.status == "cancelled"
+        got = await sub.collect([r.rollout_id], timeout_s=5)
+        again = await sub.collect([r.rollout_id], timeout_s=0.5)  # collected once: nothing kept
+    await store.sync_all(timeout_s=10)
+    [model] = (await store.query_attempts(r.rollout_id)).items
+    assert [(x.attempt_id, x.latest, x.rollout.status) for x in got] == [(aid, True, "cancelled")]
+    assert got[0].attempt.status == model.status, (got[0].attempt.status, model.status)
+    assert got[0].final_reward == 0.7
+    assert again == []
