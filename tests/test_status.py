@@ -10,6 +10,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -299,3 +300,33 @@ def test_status_says_an_external_server_came_from_the_record_of_up_when_its_vari
     out = cli("status", env=env).stdout
     then = r"external, recorded by `eventlight up` \(EVENTLIGHT_NATS_URL then\)$"
     assert re.search(rf"^NATS\s+nats://\S+\s+{then}", out, re.M), out
+
+
+class _Checkpoints:
+    """A connection whose ``projector_checkpoint`` reads ``positions`` one after another (the last
+    one from then on): a projector running meanwhile, or none."""
+
+    def __init__(self, *positions: int) -> None:
+        self.positions = list(positions)
+
+    async def fetchval(self, query: str) -> int:
+        return self.positions.pop(0) if len(self.positions) > 1 else self.positions[0]
+
+
+async def test_sql_does_not_warn_of_a_lag_a_running_projector_closes(monkeypatch: Any, capsys: Any) -> None:
+    """During a demo almost every ``sql`` warned "the read models are 1 events behind the log": a
+    projector that is running trails the log's head by a few events for milliseconds. The warning
+    now comes only when the projection does not reach the head it read within ``LAG_SETTLE_S``, and
+    it says "1 event"."""
+    from eventlight.cli import projection
+
+    async def head(settings: Settings) -> int:
+        return 40
+
+    monkeypatch.setattr(projection, "log_head", head)
+    await projection.warn_if_behind(Settings(), _Checkpoints(39, 39, 40))  # caught up within the settle time
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(projection, "LAG_SETTLE_S", 0.2)
+    await projection.warn_if_behind(Settings(), _Checkpoints(39))  # nothing projects
+    said = capsys.readouterr().err
+    assert said.startswith("warning: the read models are 1 event behind the log (projected up to event 39 of 40)")
