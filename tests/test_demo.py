@@ -331,3 +331,20 @@ def test_the_rollouts_progress_line_says_what_its_numbers_count(capsys: Any) -> 
         "step  8: ? of 73 held-out evaluation rollouts finished after 5 s",
         "step  0: ? of 105 rollouts finished after 62 s: ? of 32 training, ? of 73 held-out evaluation",
     ]
+
+
+
+def test_the_demo_says_when_a_steps_rollouts_are_enqueued(capsys: Any) -> None:
+    """Two minutes passed without a line between "loading SmolLM2 … starting 8 runners" and the
+    first progress line: the step's rollouts, once enqueued, are a line of their own."""
+    from examples.arithmetic.train_grpo import on_progress
+
+    on_progress({"event": "enqueued", "step": 0, "version": "run-x-step0", "total": 105, "held_out": 73})
+    on_progress({"event": "enqueued", "step": 1, "version": "run-x-step1", "total": 32, "held_out": 0})
+    on_progress({"event": "enqueued", "step": 8, "version": "run-x-step8", "total": 73, "held_out": 73})
+    lines = [line.split("] ", 1)[1] for line in capsys.readouterr().out.splitlines()]
+    assert lines == [
+        "step  0: 32 training and 73 held-out evaluation rollouts enqueued (run-x-step0); the runners are at work",
+        "step  1: 32 training rollouts enqueued (run-x-step1); the runners are at work",
+        "step  8: 73 held-out evaluation rollouts enqueued (run-x-step8); the runners are at work",
+    ]

@@ -226,6 +226,20 @@ def rollouts_line(event: dict) -> str:
     )
 
 
+def enqueued_line(event: dict) -> str:
+    """What a step's ``enqueued`` event says: the rollouts the runners now run, training samples and
+    held-out evaluation apart, e.g. ``32 training and 73 held-out evaluation rollouts enqueued
+    (run-…-step0); the runners are at work``."""
+    total, held = event["total"], event.get("held_out", 0)
+    if not held:
+        what = f"{total} training"
+    elif held == total:
+        what = f"{total} held-out evaluation"
+    else:
+        what = f"{total - held} training and {held} held-out evaluation"
+    return f"{what} rollouts enqueued ({event['version']}); the runners are at work"
+
+
 def on_progress(event: dict) -> None:
     kind = event.get("event")
     if kind == "eval":
@@ -242,6 +256,8 @@ def on_progress(event: dict) -> None:
             f"{f' (with the {held} held-out)' if (held := event.get('held_out')) else ''}, "
             f"update {event.get('step_s', 0):.1f} s"
         )
+    elif kind == "enqueued":  # the model is loaded and the runners are up: the step's rollouts run now
+        say(f"step {event['step']:>2}: {enqueued_line(event)}")
     elif kind == "rollouts":
         say(f"step {event['step']:>2}: {rollouts_line(event)}")
     elif kind == "resume":
