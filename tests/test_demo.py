@@ -333,6 +333,62 @@ def test_the_rollouts_progress_line_says_what_its_numbers_count(capsys: Any) -> 
     ]
 
 
+_STOPPING_DEMO = """
+import asyncio, sys
+sys.path.insert(0, {root!r})
+from examples import demo
+import examples.{module} as script
+
+async def main(args):  # the demo's run, short of servers and a model: it stops in order when cancelled
+    print("running", flush=True)
+    try:
+        await asyncio.sleep(120)
+    except asyncio.CancelledError:
+        await asyncio.sleep(0.5)  # the runners' grace, the model, the servers
+        print("stopped in order", flush=True)
+        raise
+
+script.main = main
+raise SystemExit(demo.main(["--algorithm", {algorithm!r}]))
+"""
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "module", "says"),
+    [
+        ("grpo", "arithmetic.train_grpo", "stopped before its first checkpoint"),
+        ("apo", "room_booking.train_apo", "interrupted"),
+    ],
+)
+def test_sigterm_to_the_process_group_stops_the_demo_as_ctrl_c_does(
+    algorithm: str, module: str, says: str, tmp_path: Path
+) -> None:
+    """``kill -TERM -- -PGID`` ended ``make demo`` at once (exit 143 from the default action): no
+    ``interrupted:`` line, NATS and Postgres left running, rollouts left queued and claimed, stale
+    leases. A SIGTERM now cancels the run as Ctrl+C does (its orderly stop, the same last line),
+    and the demo exits 143."""
+    import signal
+
+    script = tmp_path / "stopping_demo.py"
+    root = str(Path(__file__).resolve().parents[1])
+    script.write_text(_STOPPING_DEMO.format(root=root, module=module, algorithm=algorithm))
+    env = {**os.environ, "EVENTLIGHT_STATE_DIR": str(tmp_path / "state")}
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "running\n"
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, errors = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, errors
+    assert out == "stopped in order\n", out + errors
+    assert says in errors.splitlines()[-1] and "Traceback" not in errors, errors
+
 
 def test_the_demo_says_when_a_steps_rollouts_are_enqueued(capsys: Any) -> None:
     """Two minutes passed without a line between "loading SmolLM2 … starting 8 runners" and the

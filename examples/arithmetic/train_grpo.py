@@ -10,7 +10,8 @@ token ids it produced), trains on the spans, and records each checkpoint as a re
 It prints the held-out reward as it changes, then before/after, the checkpoint versions, the
 rollouts and spans recorded, and reward by checkpoint from the SQL views. Ctrl+C stops the runners
 first (attempts in flight get 10 s, then are recorded failed with the stop's reason), then the
-model, and ends with the command that continues the run from its last checkpoint.
+model, and ends with the command that continues the run from its last checkpoint; a SIGTERM does
+the same and exits 143 (``examples/interrupt.py``).
 """
 
 from __future__ import annotations
@@ -395,10 +396,13 @@ if __name__ == "__main__":
     logging.basicConfig(
         level=os.environ.get("EVENTLIGHT_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s"
     )
+    from examples.interrupt import TermAsInterrupt
+
     args = parse_args()
+    stop = TermAsInterrupt().install()  # SIGTERM: the same orderly stop as Ctrl+C, exit 143
     try:
-        raise SystemExit(asyncio.run(main(args)))
-    except KeyboardInterrupt:
+        raise SystemExit(asyncio.run(stop.guard(main(args))))
+    except (KeyboardInterrupt, asyncio.CancelledError):
         here = ["python", "examples/arithmetic/train_grpo.py"]
         print(interrupted(args.run_id, sys.argv[1:], lambda options: shlex.join(here + options)), file=sys.stderr)
-        raise SystemExit(130) from None
+        raise SystemExit(stop.exit_code) from None

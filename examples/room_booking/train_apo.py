@@ -262,8 +262,12 @@ if __name__ == "__main__":
     logging.basicConfig(
         level=os.environ.get("EVENTLIGHT_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s"
     )
+    from examples.interrupt import TermAsInterrupt
+
+    args = parse_args()
+    stop = TermAsInterrupt().install()  # SIGTERM: the same orderly stop as Ctrl+C, exit 143
     try:
-        raise SystemExit(asyncio.run(main(parse_args())))
-    except KeyboardInterrupt:
+        raise SystemExit(asyncio.run(stop.guard(main(args))))
+    except (KeyboardInterrupt, asyncio.CancelledError):
         print("interrupted", file=sys.stderr)
-        raise SystemExit(130) from None
+        raise SystemExit(stop.exit_code) from None
