@@ -140,6 +140,7 @@ def test_a_second_demo_is_refused_before_it_starts_anything(algorithm: str, tmp_
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and f"demo run {live} (pid {os.getpid()}) is running" in errors[0], done.stderr
     assert f"namespace '{namespace}'" in errors[0] and "Traceback" not in done.stderr
+    assert done.stderr.splitlines() == errors  # the error alone: no banner, no "nothing above is a result"
     assert done.stdout == "" and [p.name for p in tmp_path.iterdir()] == ["leases"]  # nothing started
 
 
@@ -388,6 +389,24 @@ def test_sigterm_to_the_process_group_stops_the_demo_as_ctrl_c_does(
     assert proc.returncode == 143, errors
     assert out == "stopped in order\n", out + errors
     assert says in errors.splitlines()[-1] and "Traceback" not in errors, errors
+
+
+def test_resume_of_a_run_without_a_checkpoint_is_one_error_line(tmp_path: Path) -> None:
+    """``make demo ARGS="--resume run-nope"`` printed its error and then "the run stopped before it
+    could train; nothing above is a result", with nothing above. The error line is all now."""
+    env = {
+        **os.environ,
+        "EVENTLIGHT_STATE_DIR": str(tmp_path),
+        "EVENTLIGHT_NATS_URL": f"nats://127.0.0.1:{closed_port()}",
+        "EVENTLIGHT_PG_DSN": f"postgresql://postgres@127.0.0.1:{closed_port()}/postgres",
+    }
+    done = subprocess.run(
+        [sys.executable, str(DEMO), "--resume", "run-nope"], env=env, capture_output=True, text=True, timeout=120,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stdout == "" and len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr.startswith("error: --resume run-nope: no checkpoint of that run"), done.stderr
 
 
 def test_the_demo_says_when_a_steps_rollouts_are_enqueued(capsys: Any) -> None:

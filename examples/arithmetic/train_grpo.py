@@ -163,7 +163,12 @@ def grpo_config(args: argparse.Namespace) -> GRPOConfig:
         raise agl.InvalidInputError(message) from None
 
 
+_said = 0  # lines ``say`` printed: a run that printed none ends on its error line alone
+
+
 def say(text: str) -> None:
+    global _said
+    _said += 1
     print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
 
 
@@ -271,7 +276,8 @@ async def main(args: argparse.Namespace) -> int:
         return await train(args)
     except (agl.EventlightError, FileNotFoundError, OSError, ImportError, ValueError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        print("the run stopped before it could train; nothing above is a result", file=sys.stderr)
+        if _said:  # a refusal or a bad --resume printed nothing above: its error line is all
+            print("the run stopped before it could train; nothing above is a result", file=sys.stderr)
         return 1
 
 
@@ -299,12 +305,12 @@ async def train(args: argparse.Namespace) -> int:
     train_items, held_out = make_items()
     if args.eval_items:
         held_out = held_out[:: max(1, len(held_out) // args.eval_items)][: args.eval_items]
-    say(f"run {run_id}: GRPO on {len(train_items)} sums, {len(held_out)} held out; prompt fixed: {PROMPT!r}")
     # started here, so leftovers can go before the runners start; the block's end stops what it started
     # (unless another process, e.g. `eventlight serve`, still uses them: the last of them stops them)
     # the lease names this run and namespace: a second demo there finds this one live (refuse_if_live)
     async with agl.use_services(settings, what=demo_lease(settings, run_id)) as services:
         refuse_if_live(settings, run_id)  # again after taking ours: of two starting at once, neither cancels
+        say(f"run {run_id}: GRPO on {len(train_items)} sums, {len(held_out)} held out; prompt fixed: {PROMPT!r}")
         left = await cancel_leftovers(settings, services.nats_url, services.pg_dsn, run_id)
         if left:
             say(f"cancelled {left} rollout(s) an earlier run left queued (interrupted?); this run's runners skip them")
