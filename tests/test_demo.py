@@ -409,6 +409,56 @@ def test_resume_of_a_run_without_a_checkpoint_is_one_error_line(tmp_path: Path) 
     assert done.stderr.startswith("error: --resume run-nope: no checkpoint of that run"), done.stderr
 
 
+async def test_a_run_that_finished_its_steps_keeps_no_optimizer_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run that finished its steps but exited 1 (its held-out evaluation was partial) kept
+    optimizer.pt (1.08 GB) beside its weights: only a report of 0 dropped it. Finishing the steps
+    drops it, whatever the report says."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import contextlib
+    from types import SimpleNamespace
+
+    import eventlight.algorithm.grpo as grpo_module
+    from examples.arithmetic import train_grpo
+
+    monkeypatch.setenv("EVENTLIGHT_STATE_DIR", str(tmp_path))
+    dropped: list[Path] = []
+
+    class Policy:
+        def drop_optimizer_state(self, checkpoint_dir: Path) -> None:
+            dropped.append(checkpoint_dir)
+
+    class GRPO:  # the run's steps, all done
+        def __init__(self, config: Any, *, checkpoint_dir: Path, **kwargs: Any) -> None:
+            self.policy, self.checkpoint_dir = Policy(), checkpoint_dir
+
+    class Trainer:
+        def __init__(self, **kwargs: Any) -> None:
+            pass
+
+        async def fit_async(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+    @contextlib.asynccontextmanager
+    async def use_services(settings: Any, what: str) -> Any:
+        yield SimpleNamespace(nats_url="", pg_dsn="")
+
+    async def no_leftovers(*args: Any) -> int:
+        return 0
+
+    monkeypatch.setattr(grpo_module, "GRPO", GRPO)
+    monkeypatch.setattr(train_grpo.agl, "use_services", use_services)
+    monkeypatch.setattr(train_grpo.agl, "Trainer", Trainer)
+    monkeypatch.setattr(train_grpo.agl, "LLMProxy", lambda: None)
+    monkeypatch.setattr(train_grpo, "cancel_leftovers", no_leftovers)
+    monkeypatch.setattr(train_grpo, "report", lambda *args: 1)  # a partial held-out evaluation: exit 1
+    args = train_grpo.parse_args(["--n-runners", "1"])
+    assert await train_grpo.train(args) == 1
+    assert dropped == [tmp_path / "checkpoints" / args.run_id]
+
+
 def test_the_demo_says_when_a_steps_rollouts_are_enqueued(capsys: Any) -> None:
     """Two minutes passed without a line between "loading SmolLM2 … starting 8 runners" and the
     first progress line: the step's rollouts, once enqueued, are a line of their own."""

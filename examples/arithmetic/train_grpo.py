@@ -331,10 +331,11 @@ async def train(args: argparse.Namespace) -> int:
         )
         say(f"loading SmolLM2-135M-Instruct (converted once from the GGUF) and starting {args.n_runners} runners…")
         await trainer.fit_async(adder, train_items, val_dataset=held_out)
-        code = report(trainer, grpo, run_id, time.monotonic() - started)
-        if code == 0 and grpo.policy is not None and grpo.checkpoint_dir is not None:
-            grpo.policy.drop_optimizer_state(grpo.checkpoint_dir)  # a finished run keeps its weights only
-        return code
+        # its steps finished (an interrupt or a stop raises): it keeps its weights only, whatever the
+        # report says of it (a partial held-out evaluation exits 1 after the same steps)
+        if grpo.policy is not None and grpo.checkpoint_dir is not None:
+            grpo.policy.drop_optimizer_state(grpo.checkpoint_dir)
+        return report(trainer, grpo, run_id, time.monotonic() - started)
 
 
 def report(trainer: agl.Trainer, grpo, run_id: str, wall_s: float) -> int:
