@@ -33,6 +33,9 @@ LAG_SETTLE_S = 1.0
 """Seconds ``warn_if_behind`` gives a projector that is running to reach the head it read before it
 warns: while something writes, the read models trail the log by a few events for milliseconds."""
 
+LAG_STILL_S = 0.3
+"""Seconds without progress after which ``warn_if_behind`` stops waiting: nothing is projecting."""
+
 WHAT_PROJECTS = "a trainer, `eventlight serve` or another store with Postgres"
 """What projects a namespace while it has it open."""
 
@@ -88,12 +91,17 @@ async def warn_if_behind(settings: Settings, conn: Any) -> None:
 
 
 async def _settled(conn: Any, head: int, projected: int) -> int:
-    """The projection's position once it reached ``head`` or ``LAG_SETTLE_S`` passed (a projector
-    running meanwhile catches up in milliseconds; none running leaves it where it was)."""
-    deadline = time.monotonic() + LAG_SETTLE_S
-    while projected < head and time.monotonic() < deadline:
+    """The projection's position once it reached ``head``, ``LAG_SETTLE_S`` passed, or it did not
+    move for ``LAG_STILL_S`` (a projector running meanwhile commits every few milliseconds; with
+    none running the check costs ``LAG_STILL_S``)."""
+    now = time.monotonic()
+    deadline, moved = now + LAG_SETTLE_S, now
+    while projected < head and now < deadline and now - moved < LAG_STILL_S:
         await asyncio.sleep(0.05)
-        projected = int(await conn.fetchval("SELECT min(last_seq) FROM projector_checkpoint") or 0)
+        was, projected = projected, int(await conn.fetchval("SELECT min(last_seq) FROM projector_checkpoint") or 0)
+        now = time.monotonic()
+        if projected != was:
+            moved = now
     return projected
 
 
