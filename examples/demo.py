@@ -19,6 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from examples.interrupt import TermAsInterrupt  # noqa: E402
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
@@ -34,14 +36,15 @@ def main(argv: list[str] | None = None) -> int:
         level=os.environ.get("EVENTLIGHT_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s"
     )
     demo_args = demo.parse_args(rest)
+    stop = TermAsInterrupt().install()  # SIGTERM: the same orderly stop as Ctrl+C, exit 143
     try:
-        return asyncio.run(demo.main(demo_args))
-    except KeyboardInterrupt:
+        return asyncio.run(stop.guard(demo.main(demo_args)))
+    except (KeyboardInterrupt, asyncio.CancelledError):
         if args.algorithm == "grpo":  # the command that continues it from its last checkpoint
             print(demo.interrupted(demo_args.run_id, rest, _make_demo), file=sys.stderr)
         else:
             print("interrupted", file=sys.stderr)
-        return 130
+        return stop.exit_code
 
 
 def _make_demo(options: list[str]) -> str:

@@ -140,6 +140,7 @@ def test_a_second_demo_is_refused_before_it_starts_anything(algorithm: str, tmp_
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and f"demo run {live} (pid {os.getpid()}) is running" in errors[0], done.stderr
     assert f"namespace '{namespace}'" in errors[0] and "Traceback" not in done.stderr
+    assert done.stderr.splitlines() == errors  # the error alone: no banner, no "nothing above is a result"
     assert done.stdout == "" and [p.name for p in tmp_path.iterdir()] == ["leases"]  # nothing started
 
 
@@ -372,4 +373,145 @@ def test_the_rollouts_progress_line_says_what_its_numbers_count(capsys: Any) -> 
         "step  1: 20 of 32 training rollouts finished after 31 s",
         "step  8: ? of 73 held-out evaluation rollouts finished after 5 s",
         "step  0: ? of 105 rollouts finished after 62 s: ? of 32 training, ? of 73 held-out evaluation",
+    ]
+
+
+_STOPPING_DEMO = """
+import asyncio, sys
+sys.path.insert(0, {root!r})
+from examples import demo
+import examples.{module} as script
+
+async def main(args):  # the demo's run, short of servers and a model: it stops in order when cancelled
+    print("running", flush=True)
+    try:
+        await asyncio.sleep(120)
+    except asyncio.CancelledError:
+        await asyncio.sleep(0.5)  # the runners' grace, the model, the servers
+        print("stopped in order", flush=True)
+        raise
+
+script.main = main
+raise SystemExit(demo.main(["--algorithm", {algorithm!r}]))
+"""
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "module", "says"),
+    [
+        ("grpo", "arithmetic.train_grpo", "stopped before its first checkpoint"),
+        ("apo", "room_booking.train_apo", "interrupted"),
+    ],
+)
+def test_sigterm_to_the_process_group_stops_the_demo_as_ctrl_c_does(
+    algorithm: str, module: str, says: str, tmp_path: Path
+) -> None:
+    """``kill -TERM -- -PGID`` ended ``make demo`` at once (exit 143 from the default action): no
+    ``interrupted:`` line, NATS and Postgres left running, rollouts left queued and claimed, stale
+    leases. A SIGTERM now cancels the run as Ctrl+C does (its orderly stop, the same last line),
+    and the demo exits 143."""
+    import signal
+
+    script = tmp_path / "stopping_demo.py"
+    root = str(Path(__file__).resolve().parents[1])
+    script.write_text(_STOPPING_DEMO.format(root=root, module=module, algorithm=algorithm))
+    env = {**os.environ, "EVENTLIGHT_STATE_DIR": str(tmp_path / "state")}
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "running\n"
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, errors = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, errors
+    assert out == "stopped in order\n", out + errors
+    assert says in errors.splitlines()[-1] and "Traceback" not in errors, errors
+
+
+def test_resume_of_a_run_without_a_checkpoint_is_one_error_line(tmp_path: Path) -> None:
+    """``make demo ARGS="--resume run-nope"`` printed its error and then "the run stopped before it
+    could train; nothing above is a result", with nothing above. The error line is all now."""
+    env = {
+        **os.environ,
+        "EVENTLIGHT_STATE_DIR": str(tmp_path),
+        "EVENTLIGHT_NATS_URL": f"nats://127.0.0.1:{closed_port()}",
+        "EVENTLIGHT_PG_DSN": f"postgresql://postgres@127.0.0.1:{closed_port()}/postgres",
+    }
+    done = subprocess.run(
+        [sys.executable, str(DEMO), "--resume", "run-nope"], env=env, capture_output=True, text=True, timeout=120,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stdout == "" and len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr.startswith("error: --resume run-nope: no checkpoint of that run"), done.stderr
+
+
+async def test_a_run_that_finished_its_steps_keeps_no_optimizer_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run that finished its steps but exited 1 (its held-out evaluation was partial) kept
+    optimizer.pt (1.08 GB) beside its weights: only a report of 0 dropped it. Finishing the steps
+    drops it, whatever the report says."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import contextlib
+    from types import SimpleNamespace
+
+    import eventlight.algorithm.grpo as grpo_module
+    from examples.arithmetic import train_grpo
+
+    monkeypatch.setenv("EVENTLIGHT_STATE_DIR", str(tmp_path))
+    dropped: list[Path] = []
+
+    class Policy:
+        def drop_optimizer_state(self, checkpoint_dir: Path) -> None:
+            dropped.append(checkpoint_dir)
+
+    class GRPO:  # the run's steps, all done
+        def __init__(self, config: Any, *, checkpoint_dir: Path, **kwargs: Any) -> None:
+            self.policy, self.checkpoint_dir = Policy(), checkpoint_dir
+
+    class Trainer:
+        def __init__(self, **kwargs: Any) -> None:
+            pass
+
+        async def fit_async(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+    @contextlib.asynccontextmanager
+    async def use_services(settings: Any, what: str) -> Any:
+        yield SimpleNamespace(nats_url="", pg_dsn="")
+
+    async def no_leftovers(*args: Any) -> int:
+        return 0
+
+    monkeypatch.setattr(grpo_module, "GRPO", GRPO)
+    monkeypatch.setattr(train_grpo.agl, "use_services", use_services)
+    monkeypatch.setattr(train_grpo.agl, "Trainer", Trainer)
+    monkeypatch.setattr(train_grpo.agl, "LLMProxy", lambda: None)
+    monkeypatch.setattr(train_grpo, "cancel_leftovers", no_leftovers)
+    monkeypatch.setattr(train_grpo, "report", lambda *args: 1)  # a partial held-out evaluation: exit 1
+    args = train_grpo.parse_args(["--n-runners", "1"])
+    assert await train_grpo.train(args) == 1
+    assert dropped == [tmp_path / "checkpoints" / args.run_id]
+
+
+def test_the_demo_says_when_a_steps_rollouts_are_enqueued(capsys: Any) -> None:
+    """Two minutes passed without a line between "loading SmolLM2 … starting 8 runners" and the
+    first progress line: the step's rollouts, once enqueued, are a line of their own."""
+    from examples.arithmetic.train_grpo import on_progress
+
+    on_progress({"event": "enqueued", "step": 0, "version": "run-x-step0", "total": 105, "held_out": 73})
+    on_progress({"event": "enqueued", "step": 1, "version": "run-x-step1", "total": 32, "held_out": 0})
+    on_progress({"event": "enqueued", "step": 8, "version": "run-x-step8", "total": 73, "held_out": 73})
+    lines = [line.split("] ", 1)[1] for line in capsys.readouterr().out.splitlines()]
+    assert lines == [
+        "step  0: 32 training and 73 held-out evaluation rollouts enqueued (run-x-step0); the runners are at work",
+        "step  1: 32 training rollouts enqueued (run-x-step1); the runners are at work",
+        "step  8: 73 held-out evaluation rollouts enqueued (run-x-step8); the runners are at work",
     ]

@@ -945,3 +945,34 @@ async def test_a_held_out_evaluation_says_which_results_timed_out_and_which_were
         3,
     )
     assert event["cancelled_by"] == {"left queued by an earlier demo run": 2, "?": 1}
+
+
+async def test_a_step_says_when_its_rollouts_are_enqueued(monkeypatch) -> None:
+    """The demo printed nothing for two minutes between loading the model and the first progress
+    line (30 s into the step's rollouts): an ``enqueued`` event says the step's rollouts run now."""
+    events: list[dict] = []
+    grpo = GRPO(
+        GRPOConfig(steps=1, batch_size=2, group_size=2, eval_every=1), policy=tiny_policy(), progress=events.append
+    )
+    grpo.set_store(agl.InMemoryLightningStore())
+
+    async def publish(step: int) -> str:
+        return grpo.version(step)
+
+    async def enqueue(tasks, val, version):
+        return [f"{version}-{i}" for i in range(len(tasks) * 2)], [f"{version}-val-{i}" for i in range(len(val))]
+
+    async def wait(ids, step, held_out=()):
+        return {}
+
+    async def nothing(*args, **kwargs):
+        return True
+
+    monkeypatch.setattr(grpo, "_publish", publish)
+    monkeypatch.setattr(grpo, "_enqueue", enqueue)
+    monkeypatch.setattr(grpo, "_wait", wait)
+    monkeypatch.setattr(grpo, "_train", nothing)
+    monkeypatch.setattr(grpo, "_report_eval", nothing)
+    await asyncio.wait_for(grpo._loop([{"q": "1"}, {"q": "2"}], [{"q": "v"}], 0), 10)
+    enqueued = [(e["step"], e["version"], e["total"], e["held_out"]) for e in events if e["event"] == "enqueued"]
+    assert enqueued == [(0, grpo.version(0), 5, 1), (1, grpo.version(1), 1, 1)]

@@ -10,6 +10,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -299,3 +300,59 @@ def test_status_says_an_external_server_came_from_the_record_of_up_when_its_vari
     out = cli("status", env=env).stdout
     then = r"external, recorded by `eventlight up` \(EVENTLIGHT_NATS_URL then\)$"
     assert re.search(rf"^NATS\s+nats://\S+\s+{then}", out, re.M), out
+
+
+class _Checkpoints:
+    """A connection whose ``projector_checkpoint`` reads ``positions`` one after another (the last
+    one from then on): a projector running meanwhile, or none."""
+
+    def __init__(self, *positions: int) -> None:
+        self.positions = list(positions)
+
+    async def fetchval(self, query: str) -> int:
+        return self.positions.pop(0) if len(self.positions) > 1 else self.positions[0]
+
+
+async def test_sql_does_not_warn_of_a_lag_a_running_projector_closes(monkeypatch: Any, capsys: Any) -> None:
+    """During a demo almost every ``sql`` warned "the read models are 1 events behind the log": a
+    projector that is running trails the log's head by a few events for milliseconds. The warning
+    now comes only when the projection does not reach the head it read within ``LAG_SETTLE_S``, and
+    it says "1 event"."""
+    from eventlight.cli import projection
+
+    async def head(settings: Settings) -> int:
+        return 40
+
+    monkeypatch.setattr(projection, "log_head", head)
+    await projection.warn_if_behind(Settings(), _Checkpoints(39, 39, 40))  # caught up within the settle time
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(projection, "LAG_SETTLE_S", 0.2)
+    await projection.warn_if_behind(Settings(), _Checkpoints(39))  # nothing projects
+    said = capsys.readouterr().err
+    assert said.startswith("warning: the read models are 1 event behind the log (projected up to event 39 of 40)")
+
+
+async def test_sql_stops_waiting_for_a_projection_that_does_not_move(monkeypatch: Any, capsys: Any) -> None:
+    """With nothing projecting, waiting the whole ``LAG_SETTLE_S`` for the head added 1 s to every
+    ``sql`` on a lagging namespace: the check gives up once the projection has not moved for
+    ``LAG_STILL_S`` (a fake clock here: each poll's sleep advances it)."""
+    import types
+
+    from eventlight.cli import projection
+
+    clock = [0.0]
+
+    async def sleep(seconds: float) -> None:
+        clock[0] += seconds
+
+    async def head(settings: Settings) -> int:
+        return 40
+
+    polls = _Checkpoints(30, 31, 32, 32)  # it moved, then stopped short of the head
+    monkeypatch.setattr(projection, "log_head", head)
+    monkeypatch.setattr(projection, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(projection, "asyncio", types.SimpleNamespace(sleep=sleep, wait_for=asyncio.wait_for))
+    monkeypatch.setattr(projection, "LAG_SETTLE_S", 60.0)
+    await projection.warn_if_behind(Settings(), polls)
+    assert "are 8 events behind the log (projected up to event 32 of 40)" in capsys.readouterr().err
+    assert clock[0] <= 0.1 + projection.LAG_STILL_S + 0.05  # moved until 0.1 s, then still for LAG_STILL_S

@@ -181,7 +181,9 @@ class GRPO(Algorithm):
             (``rollout_s``: seconds until the step's rollouts finished, its ``held_out`` evaluation
             rollouts included; ``skipped``: what gave the step no sample, by reason, e.g.
             ``{"failed_rollouts": 2, "no_reward": 1, "zero_advantage": 2}``),
-            ``{"event": "resume", "step"}``, and while a step's rollouts run,
+            ``{"event": "resume", "step"}``, ``{"event": "enqueued", "step", "version", "total",
+            "held_out"}`` once a step's rollouts are enqueued (``total``: its training samples and
+            its ``held_out`` evaluation rollouts together), and while a step's rollouts run,
             every ``PROGRESS_EVERY_S`` seconds, ``{"event": "rollouts", "step", "finished",
             "total", "held_out", "held_out_finished", "elapsed_s"}`` (``total``: the step's
             rollouts, its training samples and its ``held_out`` evaluation rollouts together;
@@ -284,6 +286,11 @@ class GRPO(Algorithm):
             self._cancelled = set()
             async with self._subscribed():  # before the enqueue: every rollout's triplets reach us
                 train_ids, val_ids = await self._enqueue(tasks, val if evaluate else [], version)
+                if train_ids or val_ids:
+                    total, held = len(train_ids) + len(val_ids), len(val_ids)
+                    self._emit(
+                        {"event": "enqueued", "step": step, "version": version, "total": total, "held_out": held}
+                    )
                 finished = await self._wait(train_ids + val_ids, step, held_out=val_ids)
             if self._stopping(step, "evaluation and update"):  # its rollouts may have been cut short
                 return

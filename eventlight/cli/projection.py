@@ -1,7 +1,8 @@
 """The read models against the log, for ``eventlight sql`` and ``eventlight import``.
 
 ``warn_if_behind``: one ``warning:`` line when the namespace's projection is behind its log (one
-stream-info request and the checkpoint row; nothing printed when it is caught up).
+stream-info request and the checkpoint row; nothing printed when it is caught up, or when it reaches
+the head within ``LAG_SETTLE_S``, as a running projector does while writes go on).
 ``project_to_head``: bring the read models up to the log's head (``eventlight.logreplay.catchup``),
 as ``eventlight import`` and ``eventlight sql --catch-up`` do, with a progress bar on stderr when it
 is a terminal. Their stdout carries only their result: the projector's own INFO lines (which
@@ -15,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,6 +28,13 @@ from eventlight.settings import Settings
 
 LAG_CHECK_S = 3.0
 """Seconds ``warn_if_behind`` waits for NATS before it says the lag is unknown (the query runs anyway)."""
+
+LAG_SETTLE_S = 1.0
+"""Seconds ``warn_if_behind`` gives a projector that is running to reach the head it read before it
+warns: while something writes, the read models trail the log by a few events for milliseconds."""
+
+LAG_STILL_S = 0.3
+"""Seconds without progress after which ``warn_if_behind`` stops waiting: nothing is projecting."""
 
 WHAT_PROJECTS = "a trainer, `eventlight serve` or another store with Postgres"
 """What projects a namespace while it has it open."""
@@ -55,8 +64,9 @@ async def warn_if_behind(settings: Settings, conn: Any) -> None:
     """Print one warning when the projection (``projector_checkpoint``, read on ``conn``, a
     connection to the namespace's schema) is behind the log's head, saying by how many events and
     what brings it up to date; or, when NATS does not answer, that the lag is unknown. Never raises
-    for the check: a query needs only Postgres. The head is read first, so a projector running
-    meanwhile is not counted behind."""
+    for the check: a query needs only Postgres. The head is read first, and a projection behind it
+    gets ``LAG_SETTLE_S`` to reach it, so a projector running meanwhile (a live run writing) is
+    not counted behind; one that does not reach it in that time is, by how many events it still lacks."""
     import asyncpg
 
     from eventlight.core.errors import EventlightError
@@ -71,11 +81,33 @@ async def warn_if_behind(settings: Settings, conn: Any) -> None:
         err.print(f"[yellow]warning:[/yellow] whether the read models are behind the log is unknown: {escape(why)}")
         return
     if projected < head:
+        projected = await _settled(conn, head, projected)
+    if projected < head:
         err.print(
-            f"[yellow]warning:[/yellow] the read models are {head - projected} events behind the log (projected "
+            f"[yellow]warning:[/yellow] the read models are {_events(head - projected)} behind the log (projected "
             f"up to event {projected} of {head}), so this result may be stale: `eventlight sql --catch-up` "
             f"projects up to the head first (they also catch up while {WHAT_PROJECTS} has the namespace open)"
         )
+
+
+async def _settled(conn: Any, head: int, projected: int) -> int:
+    """The projection's position once it reached ``head``, ``LAG_SETTLE_S`` passed, or it did not
+    move for ``LAG_STILL_S`` (a projector running meanwhile commits every few milliseconds; with
+    none running the check costs ``LAG_STILL_S``)."""
+    now = time.monotonic()
+    deadline, moved = now + LAG_SETTLE_S, now
+    while projected < head and now < deadline and now - moved < LAG_STILL_S:
+        await asyncio.sleep(0.05)
+        was, projected = projected, int(await conn.fetchval("SELECT min(last_seq) FROM projector_checkpoint") or 0)
+        now = time.monotonic()
+        if projected != was:
+            moved = now
+    return projected
+
+
+def _events(n: int) -> str:
+    """``1 event``, ``18 events``."""
+    return f"{n} event" if n == 1 else f"{n} events"
 
 
 async def project_to_head(settings: Settings, pg_dsn: str) -> int | None:
@@ -97,7 +129,7 @@ async def project_to_head(settings: Settings, pg_dsn: str) -> int | None:
         return None
     if checkpoint < head:
         err.print(
-            f"[yellow]warning:[/yellow] the read models are {head - checkpoint} events behind the log "
+            f"[yellow]warning:[/yellow] the read models are {_events(head - checkpoint)} behind the log "
             f"(projected up to {checkpoint} of {head}, no progress for {STALLED_S:.0f} s): "
             f"they catch up while {WHAT_PROJECTS} has the namespace open"
         )

@@ -184,8 +184,9 @@ def sql(
     larger than memory goes through (the timeout then bounds each fetch); table reads it whole.
 
     The read models advance only while something projects the namespace (a trainer, `eventlight
-    serve`, a store opened with Postgres): when they are behind the log, a warning on stderr says
-    by how many events; --catch-up projects them up to the log's head before the query.
+    serve`, a store opened with Postgres): when they are behind the log and do not reach its head
+    within 1 s (a running projector trails it by a few events for milliseconds), a warning on
+    stderr says by how many events; --catch-up projects them up to the log's head before the query.
 
     Servers: uses $EVENTLIGHT_PG_DSN when set, else the embedded Postgres `eventlight up` started;
     never starts or stops one (without it: exit 1, 'run `eventlight up`'). NATS

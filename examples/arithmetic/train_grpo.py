@@ -10,7 +10,8 @@ token ids it produced), trains on the spans, and records each checkpoint as a re
 It prints the held-out reward as it changes, then before/after, the checkpoint versions, the
 rollouts and spans recorded, and reward by checkpoint from the SQL views. Ctrl+C stops the runners
 first (attempts in flight get 10 s, then are recorded failed with the stop's reason), then the
-model, and ends with the command that continues the run from its last checkpoint.
+model, and ends with the command that continues the run from its last checkpoint; a SIGTERM does
+the same and exits 143 (``examples/interrupt.py``).
 """
 
 from __future__ import annotations
@@ -167,7 +168,12 @@ def grpo_config(args: argparse.Namespace) -> GRPOConfig:
         raise agl.InvalidInputError(message) from None
 
 
+_said = 0  # lines ``say`` printed: a run that printed none ends on its error line alone
+
+
 def say(text: str) -> None:
+    global _said
+    _said += 1
     print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
 
 
@@ -241,6 +247,20 @@ def rollouts_line(event: dict) -> str:
     )
 
 
+def enqueued_line(event: dict) -> str:
+    """What a step's ``enqueued`` event says: the rollouts the runners now run, training samples and
+    held-out evaluation apart, e.g. ``32 training and 73 held-out evaluation rollouts enqueued
+    (run-…-step0); the runners are at work``."""
+    total, held = event["total"], event.get("held_out", 0)
+    if not held:
+        what = f"{total} training"
+    elif held == total:
+        what = f"{total} held-out evaluation"
+    else:
+        what = f"{total - held} training and {held} held-out evaluation"
+    return f"{what} rollouts enqueued ({event['version']}); the runners are at work"
+
+
 def on_progress(event: dict) -> None:
     kind = event.get("event")
     if kind == "eval":
@@ -257,6 +277,8 @@ def on_progress(event: dict) -> None:
             f"{f' (with the {held} held-out)' if (held := event.get('held_out')) else ''}, "
             f"update {event.get('step_s', 0):.1f} s"
         )
+    elif kind == "enqueued":  # the model is loaded and the runners are up: the step's rollouts run now
+        say(f"step {event['step']:>2}: {enqueued_line(event)}")
     elif kind == "rollouts":
         say(f"step {event['step']:>2}: {rollouts_line(event)}")
     elif kind == "resume":
@@ -269,7 +291,8 @@ async def main(args: argparse.Namespace) -> int:
         return await train(args)
     except (agl.EventlightError, FileNotFoundError, OSError, ImportError, ValueError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        print("the run stopped before it could train; nothing above is a result", file=sys.stderr)
+        if _said:  # a refusal or a bad --resume printed nothing above: its error line is all
+            print("the run stopped before it could train; nothing above is a result", file=sys.stderr)
         return 1
 
 
@@ -297,12 +320,12 @@ async def train(args: argparse.Namespace) -> int:
     train_items, held_out = make_items()
     if args.eval_items:
         held_out = held_out[:: max(1, len(held_out) // args.eval_items)][: args.eval_items]
-    say(f"run {run_id}: GRPO on {len(train_items)} sums, {len(held_out)} held out; prompt fixed: {PROMPT!r}")
     # started here, so leftovers can go before the runners start; the block's end stops what it started
     # (unless another process, e.g. `eventlight serve`, still uses them: the last of them stops them)
     # the lease names this run and namespace: a second demo there finds this one live (refuse_if_live)
     async with agl.use_services(settings, what=demo_lease(settings, run_id)) as services:
         refuse_if_live(settings, run_id)  # again after taking ours: of two starting at once, neither cancels
+        say(f"run {run_id}: GRPO on {len(train_items)} sums, {len(held_out)} held out; prompt fixed: {PROMPT!r}")
         left = await cancel_leftovers(settings, services.nats_url, services.pg_dsn, run_id)
         if left:
             say(f"cancelled {left} rollout(s) an earlier run left queued (interrupted?); this run's runners skip them")
@@ -323,10 +346,11 @@ async def train(args: argparse.Namespace) -> int:
         )
         say(f"loading SmolLM2-135M-Instruct (converted once from the GGUF) and starting {args.n_runners} runners…")
         await trainer.fit_async(adder, train_items, val_dataset=held_out)
-        code = report(trainer, grpo, run_id, time.monotonic() - started)
-        if code == 0 and grpo.policy is not None and grpo.checkpoint_dir is not None:
-            grpo.policy.drop_optimizer_state(grpo.checkpoint_dir)  # a finished run keeps its weights only
-        return code
+        # its steps finished (an interrupt or a stop raises): it keeps its weights only, whatever the
+        # report says of it (a partial held-out evaluation exits 1 after the same steps)
+        if grpo.policy is not None and grpo.checkpoint_dir is not None:
+            grpo.policy.drop_optimizer_state(grpo.checkpoint_dir)
+        return report(trainer, grpo, run_id, time.monotonic() - started)
 
 
 def report(trainer: agl.Trainer, grpo, run_id: str, wall_s: float) -> int:
@@ -403,10 +427,13 @@ if __name__ == "__main__":
     logging.basicConfig(
         level=os.environ.get("EVENTLIGHT_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s"
     )
+    from examples.interrupt import TermAsInterrupt
+
     args = parse_args()
+    stop = TermAsInterrupt().install()  # SIGTERM: the same orderly stop as Ctrl+C, exit 143
     try:
-        raise SystemExit(asyncio.run(main(args)))
-    except KeyboardInterrupt:
+        raise SystemExit(asyncio.run(stop.guard(main(args))))
+    except (KeyboardInterrupt, asyncio.CancelledError):
         here = ["python", "examples/arithmetic/train_grpo.py"]
         print(interrupted(args.run_id, sys.argv[1:], lambda options: shlex.join(here + options)), file=sys.stderr)
-        raise SystemExit(130) from None
+        raise SystemExit(stop.exit_code) from None

@@ -149,8 +149,6 @@ async def train(args: argparse.Namespace) -> int:
     if args.tasks:
         tasks = tasks[: args.tasks]
     train_tasks, val = split(tasks)
-    say(f"run {run_id}")
-
     servers: list = []
     try:
         servers, base_urls, model, api_key = await start_llms(args)
@@ -165,6 +163,7 @@ async def train(args: argparse.Namespace) -> int:
         # the lease names this run and namespace: a second demo there finds this one live (refuse_if_live)
         async with agl.use_services(settings, what=demo_lease(settings, run_id)) as services:
             refuse_if_live(settings, run_id)  # again after taking ours: of two starting at once, neither cancels
+            say(f"run {run_id}")
             left = await cancel_leftovers(settings, services.nats_url, services.pg_dsn, run_id)
             if left:
                 say(f"cancelled {left} rollout(s) an earlier run left queued (interrupted?); its runners skip them")
@@ -262,8 +261,12 @@ if __name__ == "__main__":
     logging.basicConfig(
         level=os.environ.get("EVENTLIGHT_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s"
     )
+    from examples.interrupt import TermAsInterrupt
+
+    args = parse_args()
+    stop = TermAsInterrupt().install()  # SIGTERM: the same orderly stop as Ctrl+C, exit 143
     try:
-        raise SystemExit(asyncio.run(main(parse_args())))
-    except KeyboardInterrupt:
+        raise SystemExit(asyncio.run(stop.guard(main(args))))
+    except (KeyboardInterrupt, asyncio.CancelledError):
         print("interrupted", file=sys.stderr)
-        raise SystemExit(130) from None
+        raise SystemExit(stop.exit_code) from None
