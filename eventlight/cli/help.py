@@ -58,26 +58,24 @@ def _label(label: str, ctx: Any) -> str:
     return label
 
 
-class ReadableCommand(TyperCommand):
+class _Readable:
+    """What both classes below add to typer's: the help reflowed, the options relabelled."""
+
+    help: str | None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.help = reflow(self.help)
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        _relabel(self.get_params(ctx), ctx)  # type: ignore[attr-defined]
+        super().format_help(ctx, formatter)  # type: ignore[misc]
+
+
+class ReadableCommand(_Readable, TyperCommand):
     """Typer's command with its help reflowed and its options labelled as the module says."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.help = reflow(self.help)
 
-    def format_help(self, ctx: Any, formatter: Any) -> None:
-        _relabel(self.get_params(ctx), ctx)
-        super().format_help(ctx, formatter)
-
-
-class ReadableGroup(TyperGroup):
+class ReadableGroup(_Readable, TyperGroup):
     """Typer's group with its help reflowed and its options labelled as the module says (its
     commands' lines come from their own help: make them ``ReadableCommand``)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.help = reflow(self.help)
-
-    def format_help(self, ctx: Any, formatter: Any) -> None:
-        _relabel(self.get_params(ctx), ctx)
-        super().format_help(ctx, formatter)
