@@ -12,6 +12,7 @@ import contextlib
 import gc
 import json
 import logging
+import os
 import re
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -577,8 +578,14 @@ async def test_apo_drops_and_cancels_rollouts_that_miss_the_batch_timeout() -> N
     async with running(FakeRunners(store, outcome), n=1):
         results, score = await apo.evaluate_prompt_on_batch(seed, "prompt", ["ok", "stuck", "ok"], "train")
     assert len(results) == 2 and score == pytest.approx(1.0)
-    statuses = sorted(r.status for r in await store.query_rollouts())
-    assert statuses == ["cancelled", "succeeded", "succeeded"]
+    rollouts = await store.query_rollouts()
+    assert sorted(r.status for r in rollouts) == ["cancelled", "succeeded", "succeeded"]
+    [cancelled] = [r for r in rollouts if r.status == "cancelled"]
+    # who cancelled it and why, as GRPO's give-up cancel says, its own metadata kept
+    assert cancelled.metadata["cancelled_by"] == {
+        "pid": os.getpid(),
+        "reason": "APO evaluation: not finished within rollout_batch_timeout=1 s",
+    }
 
 
 async def test_apo_batches_run_concurrently_on_the_runners() -> None:

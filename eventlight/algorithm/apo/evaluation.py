@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any, Generic
 
@@ -13,6 +14,7 @@ from eventlight.algorithm.apo.models import ProgressCallback, RolloutResultForAP
 from eventlight.algorithm.base import Algorithm
 from eventlight.core.errors import EventlightError
 from eventlight.core.types import (
+    TERMINAL_ROLLOUT_STATUSES,
     EnqueueRolloutRequest,
     NamedResources,
     PromptTemplate,
@@ -117,6 +119,9 @@ class RolloutEvaluation(Algorithm, Generic[T_task]):
         return results, score
 
     async def _cancel_unfinished(self, ids: list[str], finished: list[Rollout], prefix: str) -> None:
+        """Cancel the rollouts of ``ids`` not in ``finished`` (the batch's wait gave up on them),
+        unless they ended meanwhile, each keeping its metadata with ``cancelled_by`` (pid and
+        reason) added, as GRPO's give-up cancel; one warning line counts them."""
         done = {r.rollout_id for r in finished}
         late = [rid for rid in ids if rid not in done]
         log.warning(
@@ -126,9 +131,24 @@ class RolloutEvaluation(Algorithm, Generic[T_task]):
             len(ids),
             self.rollout_batch_timeout,
         )
+        store = self.get_store()
+        reason = f"APO evaluation: not finished within rollout_batch_timeout={self.rollout_batch_timeout:g} s"
+        try:
+            current = {r.rollout_id: r for r in await store.query_rollouts(rollout_id_in=late)}
+        except EventlightError as e:  # cancel them all the same, without their metadata
+            log.debug("%s could not read the rollouts it gives up on: %r", prefix, e)
+            current = {}
         for rid in late:
+            rollout = current.get(rid)
+            if rollout is not None and rollout.status in TERMINAL_ROLLOUT_STATUSES:
+                continue  # ended after the wait: nothing to cancel
+            # as GRPO's give-up cancel and the demos' leftover cancel: who cancelled it, and why
+            metadata = {
+                **((rollout.metadata if rollout else None) or {}),
+                "cancelled_by": {"pid": os.getpid(), "reason": reason},
+            }
             try:
-                await self.get_store().update_rollout(rid, status="cancelled")
+                await store.update_rollout(rid, status="cancelled", metadata=metadata)
             except EventlightError as e:  # finished meanwhile
                 log.debug("%s could not cancel %s: %s", prefix, rid, e)
 
