@@ -181,7 +181,7 @@ async def test_the_leading_projector_retires_what_is_due_by_itself(namespace: Se
         ids = await workload(store)
         live = await store.enqueue_rollout({"task": "live"})
         retired: list[str] = []
-        for _ in range(100):
+        for _ in range(300):  # up to 30 s: a round a second, slower on a loaded machine (it failed 1 of 6 at 10 s)
             subjects = await _hot_subjects(store)
             retired = [rid for rid in ids.values() if not [s for s in subjects if f".{rid}." in s]]
             if len(retired) == len(ids):
