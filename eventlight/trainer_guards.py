@@ -195,8 +195,12 @@ async def stop_runners_first(run: Coroutine[Any, Any, Any], stop_runners: Callab
 def ctrl_c_again_hurries(pool: RunnerPool | RunnerThreads | None) -> Iterator[None]:
     """While the block runs: a Ctrl+C (SIGINT) once ``pool`` (runner processes or ``"shm"``'s
     threads) is stopping calls ``pool.hurry()`` (its attempts in flight are recorded failed at once)
-    instead of the handler in place; before that, that handler acts (``asyncio.run``'s cancels the
-    run, whose stop then begins with the runners).
+    instead of the handler in place; before that, that handler acts once (``asyncio.run``'s cancels
+    the run, whose stop then begins with the runners), and another Ctrl+C before that stop began is
+    the same stop: ignored. ``make`` relays a SIGTERM of its process group to its child, so a demo
+    under ``make`` (SIGTERM handled as Ctrl+C) got two within a millisecond: the second reached
+    ``asyncio.run``'s handler, whose shutdown cancelled GRPO's run under the runners, and the
+    attempts in flight failed with its policy server's 503 instead of getting their grace.
 
     ``asyncio.run`` raises ``KeyboardInterrupt`` into its event loop on a second Ctrl+C, and its
     shutdown then cut every task short, each printing a traceback (thousands of lines of them in
@@ -209,11 +213,17 @@ def ctrl_c_again_hurries(pool: RunnerPool | RunnerThreads | None) -> Iterator[No
         return
     the_previous: Callable[[int, FrameType | None], Any] = previous
 
+    passed = False  # the handler in place had one: the run is cancelled, its stop begins with the runners
+
     def on_sigint(signum: int, frame: FrameType | None) -> None:
+        nonlocal passed
         if pool.stopping:
             pool.hurry()
-        else:
+        elif not passed:
+            passed = True
             the_previous(signum, frame)
+        else:  # the same stop, not begun yet: `make` relays a group's SIGTERM to its child at once
+            log.info("interrupted again before the runners began to stop: the same stop")
 
     signal.signal(signal.SIGINT, on_sigint)
     try:

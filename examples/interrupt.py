@@ -5,7 +5,10 @@ handler in place: ``asyncio.run``'s, which cancels the run, or the trainer's whi
 (``ctrl_c_again_hurries``: the grace ends at once). So the runners stop first (attempts in flight
 get their grace), then the model and the servers, and the same lines are printed. Where SIGINT is
 ignored (a background job of a script), ``asyncio.run`` installs no handler; the run's task is then
-cancelled here, as ``asyncio.run``'s handler would. Only the exit code differs: 143.
+cancelled here, as ``asyncio.run``'s handler would, once: it cancelled a run already stopping again,
+and its stop with it. ``make`` relays a SIGTERM of its process group to its child, so ``make demo``
+gets two at once; the second is the same stop (``ctrl_c_again_hurries`` ignores it until the
+runners begin to stop). Only the exit code differs: 143.
 
     stop = TermAsInterrupt().install()
     try:
@@ -32,6 +35,7 @@ class TermAsInterrupt:
     def __init__(self) -> None:
         self.terminated = False
         self._task: asyncio.Task[Any] | None = None
+        self._cancelled = False
 
     def install(self) -> TermAsInterrupt:
         """Handle SIGTERM from now on (call it on the main thread, before ``asyncio.run``)."""
@@ -48,7 +52,8 @@ class TermAsInterrupt:
         handler = signal.getsignal(signal.SIGINT)
         if callable(handler) and handler is not signal.default_int_handler:
             handler(signal.SIGINT, frame)  # asyncio.run's (cancels the run) or the trainer's (hurries)
-        elif self._task is not None and not self._task.done():
+        elif self._task is not None and not self._task.done() and not self._cancelled:
+            self._cancelled = True  # again: the same stop (under `make`, its relay of a group's SIGTERM)
             self._task.cancel()  # SIGINT ignored: what asyncio.run's handler does, the first time
             self._task.get_loop().call_soon_threadsafe(lambda: None)  # wake the loop
         elif handler is signal.default_int_handler:

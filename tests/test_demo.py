@@ -381,21 +381,34 @@ import asyncio, sys
 sys.path.insert(0, {root!r})
 from examples import demo
 import examples.{module} as script
+from eventlight.trainer_guards import ctrl_c_again_hurries
+
+class Pool:  # the trainer's runners: their stop begins once the cancel reaches them
+    stopping = False
+
+    def hurry(self):
+        print("hurried", flush=True)
 
 async def main(args):  # the demo's run, short of servers and a model: it stops in order when cancelled
-    print("running", flush=True)
-    try:
-        await asyncio.sleep(120)
-    except asyncio.CancelledError:
-        await asyncio.sleep(0.5)  # the runners' grace, the model, the servers
-        print("stopped in order", flush=True)
-        raise
+    pool = Pool()
+    with ctrl_c_again_hurries(pool):
+        print("running", flush=True)
+        try:
+            await asyncio.sleep(120)
+        except asyncio.CancelledError:
+            print("cancelled", flush=True)
+            await asyncio.to_thread(sys.stdin.readline)  # meanwhile the test's second SIGTERM (make's relay)
+            pool.stopping = True
+            await asyncio.sleep(0.5)  # the runners' grace, the model, the servers
+            print("stopped in order", flush=True)
+            raise
 
 script.main = main
 raise SystemExit(demo.main(["--algorithm", {algorithm!r}]))
 """
 
 
+@pytest.mark.parametrize("sigint_ignored", [False, True], ids=["sigint", "sigint-ignored"])
 @pytest.mark.parametrize(
     ("algorithm", "module", "says"),
     [
@@ -404,26 +417,39 @@ raise SystemExit(demo.main(["--algorithm", {algorithm!r}]))
     ],
 )
 def test_sigterm_to_the_process_group_stops_the_demo_as_ctrl_c_does(
-    algorithm: str, module: str, says: str, tmp_path: Path
+    algorithm: str, module: str, says: str, sigint_ignored: bool, tmp_path: Path
 ) -> None:
     """``kill -TERM -- -PGID`` ended ``make demo`` at once (exit 143 from the default action): no
     ``interrupted:`` line, NATS and Postgres left running, rollouts left queued and claimed, stale
     leases. A SIGTERM now cancels the run as Ctrl+C does (its orderly stop, the same last line),
-    and the demo exits 143."""
+    and the demo exits 143.
+
+    ``make`` relays that SIGTERM to the demo: a second one, before the runners began to stop. It
+    reached ``asyncio.run``'s handler (``KeyboardInterrupt``: every task cancelled at once; with
+    SIGINT ignored, the run cancelled again), so GRPO's policy server stopped under the runners'
+    attempts, which failed with its 503. It is the same stop now."""
     import signal
 
     script = tmp_path / "stopping_demo.py"
     root = str(Path(__file__).resolve().parents[1])
     script.write_text(_STOPPING_DEMO.format(root=root, module=module, algorithm=algorithm))
     env = {**os.environ, "EVENTLIGHT_STATE_DIR": str(tmp_path / "state")}
+
+    def sigint_state() -> None:  # a background job of a script ignores SIGINT; a terminal's does not
+        signal.signal(signal.SIGINT, signal.SIG_IGN if sigint_ignored else signal.SIG_DFL)
+
     proc = subprocess.Popen(
-        [sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
+        [sys.executable, str(script)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=sigint_state,
     )  # fmt: skip
     try:
-        assert proc.stdout is not None
+        assert proc.stdin is not None and proc.stdout is not None
         assert proc.stdout.readline() == "running\n"
         os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.stdout.readline() == "cancelled\n"
+        os.kill(proc.pid, signal.SIGTERM)  # make's relay, before the runners began to stop
+        proc.stdin.write("\n")
+        proc.stdin.flush()
         out, errors = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
