@@ -727,3 +727,116 @@ async def test_a_runner_stopping_after_its_store_closed_does_not_warn(
     assert [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.WARNING] == []
     skipped = any("not recording that it stopped" in rec.getMessage() for rec in caplog.records)
     assert refused == skipped and refused == (when == "closing" or backend == "jetstream")
+
+
+async def test_a_runner_stops_the_agent_of_a_cancelled_rollout_and_takes_the_next(
+    store: Any, runner_store: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``update_rollout(status="cancelled")`` (what GRPO and APO do to late rollouts) left the
+    runner's agent running to its end, holding the runner and its model. On both backends the
+    runner now sees the cancel with a heartbeat, cancels its agent (which gets ``CancelledError``
+    where it awaits), records the attempt ``failed`` with the reason in one INFO line, and claims
+    the next rollout while the cancelled agent's event is still unset."""
+    import logging
+
+    from eventlight.core.types import STATUS_REASON
+
+    await store.add_resources(RESOURCES)
+    started, never = asyncio.Event(), asyncio.Event()
+    seen: list[str] = []
+
+    @agl.rollout
+    async def agent(task: dict, prompt_template: agl.PromptTemplate) -> float:
+        seen.append(f"start {task['n']}")
+        if task["n"] == 0:
+            started.set()
+            try:
+                await never.wait()  # set by nobody: only a cancel ends it
+            except asyncio.CancelledError:
+                seen.append("cancelled 0")
+                raise
+        return 1.0
+
+    first = await store.enqueue_rollout({"n": 0})
+    runner = agl.LitAgentRunner(agl.OtelTracer(), max_rollouts=2, poll_interval=0.05, heartbeat_interval=0.05)
+    with caplog.at_level(logging.INFO), runner.run_context(agent=agent, store=runner_store, worker_id=0):
+        loop = asyncio.create_task(runner.iter())
+        await asyncio.wait_for(started.wait(), 30)
+        second = await store.enqueue_rollout({"n": 1})
+        cancelled_by = {"pid": 1, "reason": "test: late"}
+        await store.update_rollout(first.rollout_id, status="cancelled", metadata={"cancelled_by": cancelled_by})
+        assert await asyncio.wait_for(loop, 30) == 2
+    assert not never.is_set() and seen == ["start 0", "cancelled 0", "start 1"]
+    [done] = await store.wait_for_rollouts(rollout_ids=[second.rollout_id], timeout=10)
+    assert done.status == "succeeded"
+    [cancelled] = await store.wait_for_rollouts(rollout_ids=[first.rollout_id], timeout=10)
+    assert cancelled.status == "cancelled" and cancelled.metadata["cancelled_by"] == cancelled_by
+    if hasattr(store, "sync_all"):
+        await store.sync_all(timeout_s=10)
+    [attempt] = await store.query_attempts(first.rollout_id)
+    assert attempt.status == "failed" and attempt.metadata[STATUS_REASON].startswith("the rollout was cancelled")
+    said = [r for r in caplog.records if r.name.startswith("eventlight") and "rollout was cancelled" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.INFO] and first.rollout_id in said[0].getMessage()
+    loud = [r.getMessage() for r in caplog.records if r.name.startswith("eventlight") and r.levelno >= logging.WARNING]
+    assert loud == [] and not any(r.exc_info for r in caplog.records if r.name.startswith("eventlight"))
+
+
+async def test_a_runner_stops_waiting_for_a_sync_agent_in_a_thread_whose_rollout_was_cancelled(
+    store: Any, runner_store: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A synchronous agent in a thread (``sync_agent_in_thread``, as ``RunnerPool`` runs them)
+    cannot be killed: the runner stops waiting for it, says so, takes the next rollout while the
+    thread still blocks, and ignores what the thread returns later."""
+    import logging
+
+    from eventlight.core.types import STATUS_REASON
+
+    await store.add_resources(RESOURCES)
+    started, release, returned = threading.Event(), threading.Event(), threading.Event()
+    seen: list[str] = []
+
+    @agl.rollout
+    def agent(task: dict, prompt_template: agl.PromptTemplate) -> float:
+        seen.append(f"start {task['n']}")
+        if task["n"] == 0:
+            started.set()
+            release.wait()
+            returned.set()
+        return 1.0
+
+    first = await store.enqueue_rollout({"n": 0})
+    runner = agl.LitAgentRunner(agl.OtelTracer(), max_rollouts=2, poll_interval=0.05, heartbeat_interval=0.05)
+    runner.sync_agent_in_thread = True
+    try:
+        with caplog.at_level(logging.INFO), runner.run_context(agent=agent, store=runner_store, worker_id=0):
+            loop = asyncio.create_task(runner.iter())
+            assert await asyncio.to_thread(started.wait, 30)
+            second = await store.enqueue_rollout({"n": 1})
+            await store.update_rollout(first.rollout_id, status="cancelled")
+            assert await asyncio.wait_for(loop, 30) == 2
+            assert not returned.is_set() and seen == ["start 0", "start 1"]  # the thread still blocks
+    finally:
+        release.set()
+    assert await asyncio.to_thread(returned.wait, 30)
+    [done] = await store.wait_for_rollouts(rollout_ids=[second.rollout_id], timeout=10)
+    assert done.status == "succeeded"
+    if hasattr(store, "sync_all"):
+        await store.sync_all(timeout_s=10)
+    [attempt] = await store.query_attempts(first.rollout_id)
+    assert attempt.status == "failed" and attempt.metadata[STATUS_REASON].startswith("the rollout was cancelled")
+    said = [r.getMessage() for r in caplog.records if "rollout was cancelled" in r.getMessage()]
+    assert len(said) == 1 and "its thread cannot be stopped" in said[0]
+
+
+async def test_rollout_cancelled_answers_from_the_log_on_a_runners_store(store: Any, runner_store: Any) -> None:
+    """``rollout_cancelled`` (what the heartbeats ask) answers on a runner's store without Postgres,
+    and sees a cancel written by another process's store."""
+    await store.add_resources(RESOURCES)
+    r = await store.enqueue_rollout({"n": 0})
+    claimed = await runner_store.dequeue_rollout(worker_id="w-0")
+    assert claimed is not None and claimed.rollout_id == r.rollout_id
+    assert await runner_store.rollout_cancelled(r.rollout_id) is False
+    await store.update_rollout(r.rollout_id, status="cancelled")
+    assert await runner_store.rollout_cancelled(r.rollout_id) is True
+    with pytest.raises(agl.RolloutNotFoundError):
+        await runner_store.rollout_cancelled("ro-unknown")

@@ -78,11 +78,13 @@ from eventlight.runner.policy import (
     _long_polls,
     _reads_resources_with_claims,
     apply_rollout_config,
+    rollout_cancelled,
     with_proxy_key,
 )
 from eventlight.runner.retry import Backoff, DequeueOutage, _describe, _retryable
 from eventlight.settings import proxy_token_from_env
 from eventlight.store.base import LightningStore
+from eventlight.store.futures import mark_seen
 from eventlight.store.liveness import STOPPED_AT
 from eventlight.tracer import OtelTracer, Tracer
 
@@ -91,8 +93,29 @@ log = logging.getLogger(__name__)
 _REASON_CHARS = 500
 CANCELLED = "the runner was cancelled (CancelledError) while the attempt ran"
 """The ``eventlight.status_reason`` of an attempt cancelled without a ``cancel_reason``."""
+ROLLOUT_CANCELLED = "the rollout was cancelled while the attempt ran; the runner stopped its agent"
+"""The ``eventlight.status_reason`` of an attempt whose rollout was cancelled (``update_rollout(
+status="cancelled")``) while its agent ran."""
 _STOP_BEAT_TIMEOUT_S = 5.0
 """Seconds the last heartbeat (the one saying the runner stopped) may take before the runner stops without it."""
+_AGENT_CANCEL_GRACE_S = 5.0
+"""Seconds an agent cancelled because its rollout was cancelled may take to end before the runner
+leaves it behind and takes the next rollout."""
+
+
+class _AgentRun:
+    """The agent of the attempt in flight, as a task of its own; ``stop`` is done once its rollout
+    was seen cancelled."""
+
+    def __init__(self, rollout_id: str, task: asyncio.Future[Any]):
+        self.rollout_id = rollout_id
+        self.task = task
+        self.stop: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+
+class _RolloutCancelled(Exception):
+    """The attempt's rollout was cancelled while its agent ran; the message says what became of the
+    agent where it is more than "cancelled"."""
 
 
 class LitAgentRunner:
@@ -142,6 +165,7 @@ class LitAgentRunner:
         self.poll_interval = poll_interval
         self.heartbeat_interval = heartbeat_interval
         self._in_flight: tuple[str, str] | None = None  # (rollout id, attempt id) the heartbeats stamp
+        self._agent_run: _AgentRun | None = None  # the agent running, which a cancel of its rollout stops
         self.worker_id: int | None = None
         self.sync_agent_in_thread = False
         """Run a synchronous agent's rollout in a thread (``asyncio.to_thread``) instead of on the
@@ -313,7 +337,25 @@ class LitAgentRunner:
                 raise
             except Exception as e:
                 log.warning("[%s] heartbeat failed: %s", self.get_worker_id(), e)
+            await self._stop_agent_if_cancelled(store)
             await asyncio.sleep(self.heartbeat_interval)
+
+    async def _stop_agent_if_cancelled(self, store: LightningStore) -> None:
+        """Ask whether the rollout of the agent in flight was cancelled; if so, have it stopped
+        (``_agent_until_cancelled``). A store that cannot tell is logged at DEBUG: the heartbeat
+        just before has warned of an outage."""
+        run = self._agent_run
+        if run is None or run.stop.done():
+            return
+        try:
+            cancelled = await rollout_cancelled(store, run.rollout_id)
+        except Exception as e:
+            log.debug(
+                "[%s] could not tell whether rollout %s was cancelled: %s", self.get_worker_id(), run.rollout_id, e
+            )
+            return
+        if cancelled and not run.stop.done():
+            run.stop.set_result(None)
 
     async def _say_stopped(self, store: LightningStore) -> None:
         """The last heartbeat: its stats say when this runner stopped (``STOPPED_AT``); a failure is
@@ -420,7 +462,9 @@ class LitAgentRunner:
             async with self.tracer.trace_context(name=rid, rollout_id=rid, attempt_id=aid):
                 await self._hook("on_trace_start", agent=agent, runner=self, tracer=self.tracer, rollout=rollout)
                 try:
-                    result = await self._call_agent(agent, rollout, resources)
+                    result = await self._agent_until_cancelled(agent, rollout, resources)
+                except _RolloutCancelled:
+                    raise
                 except Exception as exc:  # visible on the attempt: its type, message and stack
                     with contextlib.suppress(Exception):
                         emit_exception(exc)
@@ -443,6 +487,14 @@ class LitAgentRunner:
             spans = await self._post_process(rollout, result)
             status = "succeeded"
             log.debug("%s completed in %.2fs with %d spans", prefix, time.monotonic() - start, len(spans))
+        except _RolloutCancelled as stopped:  # not the runner's own cancel: it takes the next rollout
+            reason = ROLLOUT_CANCELLED
+            note = f" ({stopped})" if str(stopped) else ""
+            log.info("%s its rollout was cancelled: stopped its agent%s; recording the attempt as failed", prefix, note)
+            await self._agent_hook(agent, "on_rollout_end", rollout.input, rollout, self, self.tracer)
+            await self._hook("on_rollout_end", agent=agent, runner=self, rollout=rollout, spans=[])
+            await self._finish(rid, aid, "failed", prefix, reason=reason, rollout=rollout, quiet_refusal=True)
+            return "failed"
         except asyncio.CancelledError:
             reason = self.cancel_reason or CANCELLED
             log.info("%s cancelled; recording the attempt as failed: %s", prefix, reason)
@@ -458,6 +510,42 @@ class LitAgentRunner:
         await self._hook("on_rollout_end", agent=agent, runner=self, rollout=rollout, spans=spans)
         await self._finish(rid, aid, status, prefix, reason=reason, rollout=rollout)
         return status
+
+    async def _agent_until_cancelled(
+        self, agent: LitAgent[Any], rollout: AttemptedRollout, resources: dict[str, Any]
+    ) -> Any:
+        """The agent's result, from a task of its own that is stopped when its rollout is cancelled.
+
+        The heartbeats ask whether the rollout was cancelled (``_stop_agent_if_cancelled``); then
+        the task is cancelled (an async agent gets ``CancelledError`` where it awaits) and given
+        ``_AGENT_CANCEL_GRACE_S`` to end. One that does not end is left behind: a synchronous agent
+        in a thread (``sync_agent_in_thread``) cannot be stopped, it runs on and its result is
+        ignored. A runner cancelled itself cancels its agent and waits for it, as before.
+
+        Raises:
+            _RolloutCancelled: The rollout was cancelled before the agent ended.
+        """
+        task = asyncio.ensure_future(self._call_agent(agent, rollout, resources))
+        run = self._agent_run = _AgentRun(rollout.rollout_id, task)
+        try:
+            await asyncio.wait({task, run.stop}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the runner's own cancel: its agent's too
+            task.cancel()
+            task.add_done_callback(mark_seen)
+            await asyncio.wait({task})
+            raise
+        finally:
+            self._agent_run = None
+        if task.done():  # it ended before its rollout's cancel was seen: recorded as it ended
+            return task.result()
+        task.cancel()
+        task.add_done_callback(mark_seen)
+        await asyncio.wait({task}, timeout=_AGENT_CANCEL_GRACE_S)
+        if self.sync_agent_in_thread and not agent.is_async():  # the wait for its thread ended at once
+            raise _RolloutCancelled("its thread cannot be stopped: it runs on, its result ignored")
+        if not task.done():
+            raise _RolloutCancelled(f"it did not end within {_AGENT_CANCEL_GRACE_S:g} s of its cancel: left running")
+        raise _RolloutCancelled()
 
     def _log_agent_error(self, prefix: str, exc: Exception) -> None:
         """The first failure of each kind with its traceback, later ones of that kind in one line.
@@ -513,15 +601,19 @@ class LitAgentRunner:
         *,
         reason: str | None = None,
         rollout: AttemptedRollout | None = None,
+        quiet_refusal: bool = False,
     ) -> None:
-        """Record the attempt's final status, and ``reason`` (why it failed) in its metadata."""
+        """Record the attempt's final status, and ``reason`` (why it failed) in its metadata; with
+        ``quiet_refusal``, a store that refuses it for good (the attempt already ended) is a DEBUG
+        line, not a warning."""
         metadata = None
         if reason is not None:
             metadata = {**((rollout.attempt.metadata if rollout else None) or {}), STATUS_REASON: reason}
         try:
             await self._update(rid, aid, status, metadata)
         except Exception as e:
-            log.warning("%s could not record status %s: %s", prefix, status, _describe(e))
+            level = logging.DEBUG if quiet_refusal and not _retryable(e) else logging.WARNING
+            log.log(level, "%s could not record status %s: %s", prefix, status, _describe(e))
             if _retryable(e):  # tried again before the next dequeue, on this store or the next one
                 self._unrecorded[(rid, aid)] = (status, metadata)
                 return

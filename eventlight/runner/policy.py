@@ -72,6 +72,17 @@ def _claims_before_append(store: LightningStore) -> bool:
     return _dequeue_takes(_dequeue_of(store), "on_claim")
 
 
+async def rollout_cancelled(store: LightningStore, rollout_id: str) -> bool:
+    """Whether ``rollout_id`` was cancelled: eventlight's store answers from its log
+    (``rollout_cancelled``, so a runner's write-only store can), another store by
+    ``get_rollout_by_id`` (Agent-lightning's API: a store server, ``LightningStoreClient``)."""
+    probe = getattr(store, "rollout_cancelled", None)
+    if probe is not None:
+        return bool(await probe(rollout_id))
+    rollout = await store.get_rollout_by_id(rollout_id)
+    return rollout is not None and rollout.status == "cancelled"
+
+
 def with_proxy_key(resource: Any, token: str) -> Any:
     """``resource`` with ``api_key=token`` when it is a ``ProxyLLM`` (a copy: the stored one is shared)."""
     return msgspec.structs.replace(resource, api_key=token) if isinstance(resource, ProxyLLM) else resource

@@ -206,6 +206,24 @@ class RolloutCommands(StorePlumbing):
         return attempt
 
     @store_call
+    async def rollout_cancelled(self, rollout_id: str) -> bool:
+        """Whether the rollout is ``cancelled`` now, as the log holds it (eventlight's; a runner asks
+        it with each heartbeat while its agent runs, to stop an agent whose rollout was cancelled).
+
+        A write-only store (a runner's, without Postgres) can answer it: when this store has seen
+        the rollout (its claim), one read of the rollout's next state event after what it saw (one
+        direct get on JetStream) tells whether anything changed; only then is the rollout loaded.
+
+        Raises:
+            RolloutNotFoundError: Unknown rollout (``RolloutRetiredError``: retired to the archive).
+        """
+        check_token("rollout_id", rollout_id)
+        cached = self._loop.cached(rollout_id)
+        if cached is not None and await self._log().state_event_after(rollout_id, cached[1]) is None:
+            return cached[0].rollout.status == "cancelled"
+        return (await self._loop.load(rollout_id)).rollout.status == "cancelled"
+
+    @store_call
     async def abandon_attempt(self, rollout_id: str, attempt_id: str, reason: str) -> Attempt:
         """Record an attempt whose runner is gone ``failed``, with ``reason`` as its
         ``eventlight.status_reason``, unless it already finished (eventlight's; ``RunnerPool`` calls
