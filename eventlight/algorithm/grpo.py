@@ -421,8 +421,9 @@ class GRPO(Algorithm):
     async def _cancel_late(self, late: list[str], step: int, held_out: Sequence[str]) -> None:
         """Cancel step ``step``'s rollouts ``late`` that its wait gave up on, unless they ended
         meanwhile, each keeping its metadata with ``cancelled_by`` (pid and reason) added; they are
-        added to ``_cancelled`` and one warning line counts them. A queued one then never runs; one
-        running ends its attempt, whose result nothing reads."""
+        added to ``_cancelled`` and one warning line counts them. A queued one then never runs; the
+        runner of one running stops its agent at its next heartbeat (``LitAgentRunner``) and
+        records the attempt ``failed``."""
         store = self.get_store()
         timeout = self.config.rollout_timeout_s
         reason = f"GRPO step {step}: not finished within rollout_timeout_s={timeout:g} s"

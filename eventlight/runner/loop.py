@@ -13,6 +13,13 @@ Differences from 0.3.0, each deliberate:
       cancellation re-raised, not recorded ``succeeded``; its ``eventlight.status_reason`` says why
       (``cancel_reason``, which ``RunnerPool`` sets before it cancels: SIGTERM, a lost NATS
       connection; else "the runner was cancelled (CancelledError) while the attempt ran");
+    * a rollout cancelled while its agent runs (``update_rollout(status="cancelled")``, GRPO's and
+      APO's late rollouts) stops the agent: each heartbeat asks the store (``rollout_cancelled``:
+      eventlight's answers from its log; another store is asked ``get_rollout_by_id``), the agent's
+      task is cancelled and given ``_AGENT_CANCEL_GRACE_S`` to end (a synchronous agent in a thread
+      cannot be killed: the runner stops waiting and ignores its result), the attempt is recorded
+      ``failed`` with ``ROLLOUT_CANCELLED`` as its reason in one INFO line, and the runner takes the
+      next rollout; 0.3.0's runner is never told and runs the agent to its end;
     * an empty queue is a long poll in the server (``dequeue_rollout(wait_s=poll_interval)``), not a
       sleep loop, and is never an error (peer failure C19);
     * on eventlight's store the resources are read with the claim (``dequeue_rollout(
@@ -104,12 +111,10 @@ leaves it behind and takes the next rollout."""
 
 
 class _AgentRun:
-    """The agent of the attempt in flight, as a task of its own; ``stop`` is done once its rollout
-    was seen cancelled."""
+    """The rollout whose agent is in flight; ``stop`` is done once it was seen cancelled."""
 
-    def __init__(self, rollout_id: str, task: asyncio.Future[Any]):
+    def __init__(self, rollout_id: str):
         self.rollout_id = rollout_id
-        self.task = task
         self.stop: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
 
@@ -526,7 +531,7 @@ class LitAgentRunner:
             _RolloutCancelled: The rollout was cancelled before the agent ended.
         """
         task = asyncio.ensure_future(self._call_agent(agent, rollout, resources))
-        run = self._agent_run = _AgentRun(rollout.rollout_id, task)
+        run = self._agent_run = _AgentRun(rollout.rollout_id)
         try:
             await asyncio.wait({task, run.stop}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:  # the runner's own cancel: its agent's too

@@ -35,7 +35,10 @@ Choices where Agent-lightning 0.3.0's code and its docs differ, item by item aga
        last ascending and first descending on both backends; no ``sort_by`` is insertion order;
     8. ``update_attempt(attempt_id="latest")`` and rollout propagation only from the latest attempt;
     9. attempts get ``end_time`` on every terminal status, ``timeout``/``unresponsive`` included (docs);
-    10. ``cancelled`` is sticky: a late attempt update cannot overwrite it (0.3.0 lets it);
+    10. ``cancelled`` is sticky: a late attempt update cannot overwrite it (0.3.0 lets it); the
+        cancel still marks no attempt (0.3.0), but a runner running the rollout stops its agent at
+        its next heartbeat (``rollout_cancelled``, answered from the log) and records its attempt
+        ``failed`` with the reason (0.3.0's runner is never told and runs the agent to its end);
     11. a requeued rollout goes to the queue's tail once; ``max_attempts`` counts ``start_attempt``'s
         attempts too, and ``start_attempt`` itself ignores the budget (0.3.0);
     12. the watchdog is a running component (in the projector's process, every second by default), not
