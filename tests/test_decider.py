@@ -157,6 +157,28 @@ def test_cancel_is_sticky() -> None:
     assert isinstance(requeued[0], RolloutUpdated) and enters_queue(requeued[0])
 
 
+def test_a_finished_rollout_does_not_follow_a_late_update_of_its_latest_attempt() -> None:
+    """``failed`` and ``succeeded`` are as sticky as ``cancelled``: a rollout failed by its latest
+    attempt going ``unresponsive`` (no retry left) stays ``failed`` when that runner reports
+    ``running`` or ``succeeded`` later (0.3.0 flips it); one marked ``succeeded`` by hand is not
+    requeued when its attempt fails later. The attempt records the late status."""
+    state = claimed(created(RolloutConfig(unresponsive_seconds=30)))
+    state = apply(state, d.decide(state, d.UpdateAttempt(attempt_id="at-1", status="unresponsive"), T0 + 40))
+    assert state.rollout.status == "failed" and state.rollout.end_time == T0 + 40
+    for at, status in ((T0 + 50, "running"), (T0 + 60, "succeeded")):
+        events = d.decide(state, d.UpdateAttempt(attempt_id="at-1", status=status), at)
+        assert events[0].rollout_status is None and events[0].rollout_end_time is None
+        state = apply(state, events)
+    assert (state.rollout.status, state.rollout.end_time, state.latest.status) == ("failed", T0 + 40, "succeeded")
+
+    retry = RolloutConfig(max_attempts=2, retry_condition=["failed"])
+    state = claimed(created(retry))
+    state = apply(state, d.decide(state, d.UpdateRollout(status="succeeded"), T0 + 3))
+    events = d.decide(state, d.UpdateAttempt(attempt_id="at-1", status="failed"), T0 + 4)
+    assert events[0].rollout_status is None and not enters_queue(events[0])
+    assert apply(state, events).rollout.status == "succeeded"
+
+
 def test_unknown_statuses_and_attempts_are_refused() -> None:
     state = claimed(created())
     with pytest.raises(InvalidInputError):

@@ -384,6 +384,36 @@ async def test_cancelled_rollout_is_skipped_and_stays_cancelled(store: Any, runn
         await store.update_rollout(c.rollout_id, status="running")
 
 
+async def test_a_failed_rollout_stays_failed_when_its_runner_reports_late(store: Any, runner_store: Any) -> None:
+    """A rollout ``failed`` because its latest attempt went ``unresponsive`` with no retry left is
+    finished: ``wait_for_rollouts`` answered ``failed``, so the runner's late ``running`` and
+    ``succeeded`` are recorded on the attempt and the rollout keeps ``failed`` and its ``end_time``,
+    as ``cancelled`` does (0.3.0 flips it to ``succeeded``). A rollout marked ``succeeded`` by
+    hand is not requeued when its attempt fails later."""
+    r = await store.enqueue_rollout("a", config=RolloutConfig(unresponsive_seconds=30))
+    d = await runner_store.dequeue_rollout(worker_id="w1")
+    aid = d.attempt.attempt_id
+    await store.update_attempt(r.rollout_id, aid, status="unresponsive")  # as the watchdog
+    (ended,) = await store.wait_for_rollouts(rollout_ids=[r.rollout_id], timeout=10)
+    assert ended.status == "failed" and ended.end_time is not None
+    await runner_store.update_attempt(r.rollout_id, aid, status="running")
+    assert (await runner_store.update_attempt(r.rollout_id, aid, status="succeeded")).status == "succeeded"
+    await settle(store)
+    got = await store.get_rollout_by_id(r.rollout_id)
+    assert (got.status, got.end_time, got.attempt.status) == ("failed", ended.end_time, "succeeded")
+    (again,) = await store.wait_for_rollouts(rollout_ids=[r.rollout_id], timeout=0)
+    assert again.status == "failed"
+
+    retry = RolloutConfig(max_attempts=2, retry_condition=["failed"])
+    s = await store.enqueue_rollout("b", config=retry)
+    ds = await runner_store.dequeue_rollout(worker_id="w1")
+    await store.update_rollout(s.rollout_id, status="succeeded")
+    await runner_store.update_attempt(s.rollout_id, ds.attempt.attempt_id, status="failed")
+    await settle(store)
+    assert (await store.get_rollout_by_id(s.rollout_id)).status == "succeeded"
+    assert await runner_store.dequeue_rollout(worker_id="w2") is None  # not requeued
+
+
 def _hold_the_next_append(
     log: Any, monkeypatch: pytest.MonkeyPatch, *, stored: bool
 ) -> tuple[asyncio.Event, asyncio.Event]:

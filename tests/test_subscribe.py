@@ -238,6 +238,35 @@ async def test_a_rollout_cancelled_before_any_attempt_is_not_waited_for(store: A
         assert list(sub.unattempted) == [kept.rollout_id]
 
 
+async def test_a_rollout_collected_before_comes_again_at_once(store: Any) -> None:
+    """A rollout the previous ``collect`` returned, asked for again (the same ids once more after a
+    partial result), comes again at once, the same record, as ``wait_for_rollouts`` answers again;
+    it waited out ``timeout_s`` for an event the feed had passed and left it out. One returned by
+    an earlier ``collect`` than the previous one is no longer held: ``InvalidInputError`` at once,
+    unless it went back to the queue since (its next run is collected). A rollout cancelled before
+    any attempt, asked again, is listed in ``unattempted`` again."""
+    async with store.subscribe(names) as sub:
+        first = await finish_one(store, reward=0.2)
+        [got] = await sub.collect([first], timeout_s=20)
+        second = await finish_one(store, reward=0.4)
+        again = await sub.collect([first, second], timeout_s=10)
+        assert [x.rollout_id for x in again] == [first, second] and again[0] == got
+        assert await sub.collect([first, second], timeout_s=10) == again
+        never = await store.enqueue_rollout({"task": "never ran"})
+        await store.update_rollout(never.rollout_id, status="cancelled")
+        assert await sub.collect([never.rollout_id], timeout_s=10) == []
+        assert await sub.collect([never.rollout_id], timeout_s=10) == [] and list(sub.unattempted) == [never.rollout_id]
+        with pytest.raises(InvalidInputError, match=f"rollout {second} was returned by an earlier collect"):
+            await sub.collect([second], timeout_s=10)
+        await store.update_rollout(first, status="queuing")
+        d = await store.dequeue_rollout(worker_id="w2")
+        assert d is not None and (d.rollout_id, d.attempt.sequence_id) == (first, 2)
+        await store.add_span(reward_span(first, d.attempt.attempt_id, 1, 0.9, 20.0))
+        await store.update_attempt(first, d.attempt.attempt_id, status="succeeded")
+        [rerun] = await sub.collect([first], timeout_s=20)
+        assert (rerun.attempt_id, rerun.final_reward) == (d.attempt.attempt_id, 0.9)
+
+
 async def test_a_kept_result_survives_a_collect_the_log_failed(store: Any, monkeypatch: Any) -> None:
     """``collect`` checks a kept result against the log (e41e0b1); when that read fails
     (``ServiceUnavailableError``) the kept results it had taken out are kept still: a retried
@@ -417,10 +446,10 @@ async def test_a_revived_attempt_of_a_rollout_cancelled_in_the_queue_is_collecte
         (ended,) = await store.wait_for_rollouts(rollout_ids=[r.rollout_id], timeout=20)
         assert ended.status == "cancelled"
         got = await sub.collect([r.rollout_id], timeout_s=5)
-        again = await sub.collect([r.rollout_id], timeout_s=0.5)  # collected once: nothing kept
+        again = await sub.collect([r.rollout_id], timeout_s=5)  # asked again: held, the same record
     await store.sync_all(timeout_s=10)
     [model] = (await store.query_attempts(r.rollout_id)).items
     assert [(x.attempt_id, x.latest, x.rollout.status) for x in got] == [(aid, True, "cancelled")]
     assert got[0].attempt.status == model.status, (got[0].attempt.status, model.status)
     assert got[0].final_reward == 0.7
-    assert again == []
+    assert again == got

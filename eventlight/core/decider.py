@@ -32,9 +32,16 @@ Rollout (an aggregated view of its latest attempt)
     * latest attempt ``preparing``/``running``/``succeeded`` → same rollout status.
     * ``failed``/``timeout``/``unresponsive`` → ``requeuing`` if the status is in ``retry_condition``
       and ``sequence_id < max_attempts``, else ``failed``.
-    * ``cancelled`` only by ``update_rollout``; a cancelled rollout stays cancelled whatever its
-      attempts do afterwards (0.3.0 lets a late attempt overwrite it; the docs call it terminal).
-    * A terminal rollout may only be sent back to ``queuing``/``requeuing`` by ``update_rollout``.
+    * ``cancelled`` only by ``update_rollout``.
+    * A terminal rollout (``succeeded``, ``failed``, ``cancelled``) stays as it is whatever its
+      attempts do afterwards: a late update of its latest attempt is recorded on the attempt, and
+      the rollout keeps its status and ``end_time``. So a rollout ``failed`` because its latest
+      attempt went ``unresponsive`` with no retry left stays ``failed`` when that runner reports
+      ``succeeded`` (or ``running``) later; what ``wait_for_rollouts`` and the subscriptions reported
+      stays its result. 0.3.0 lets the latest attempt overwrite any rollout status (its docs call
+      these statuses terminal, and its ``InMemoryLightningStore`` comment assumes they stay).
+    * A terminal rollout may only be sent back to ``queuing``/``requeuing`` by ``update_rollout``
+      (or to ``preparing`` by ``start_attempt``, an explicit retry).
     * ``end_time`` is set when the rollout becomes terminal.
 
 Worker (derived, never set directly)
@@ -125,8 +132,8 @@ def _propagate(state: RolloutState, attempt: Attempt, now: float) -> tuple[Rollo
     """Rollout status (and end time) after ``attempt`` changed, or ``(None, None)`` if unchanged."""
     rollout = state.rollout
     latest = state.latest
-    if latest is None or latest.attempt_id != attempt.attempt_id or rollout.status == "cancelled":
-        return None, None
+    if latest is None or latest.attempt_id != attempt.attempt_id or rollout.status in TERMINAL_ROLLOUT_STATUSES:
+        return None, None  # only the latest attempt moves its rollout, and never a finished one
     new = rollout_status_from_attempt(attempt, rollout.config)
     if new == rollout.status:
         return None, None

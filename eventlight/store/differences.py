@@ -35,10 +35,17 @@ Choices where Agent-lightning 0.3.0's code and its docs differ, item by item aga
        last ascending and first descending on both backends; no ``sort_by`` is insertion order;
     8. ``update_attempt(attempt_id="latest")`` and rollout propagation only from the latest attempt;
     9. attempts get ``end_time`` on every terminal status, ``timeout``/``unresponsive`` included (docs);
-    10. ``cancelled`` is sticky: a late attempt update cannot overwrite it (0.3.0 lets it); the
-        cancel still marks no attempt (0.3.0), but a runner running the rollout stops its agent at
-        its next heartbeat (``rollout_cancelled``, answered from the log) and records its attempt
-        ``failed`` with the reason (0.3.0's runner is never told and runs the agent to its end);
+    10. finished rollouts are sticky: a late update of the latest attempt is recorded on the attempt
+        but never moves a ``succeeded``, ``failed`` or ``cancelled`` rollout (0.3.0 lets it overwrite
+        any of them). So a rollout ``failed`` because its latest attempt went ``unresponsive`` with
+        no retry left stays ``failed`` when that runner reports ``succeeded`` later (0.3.0 flips it
+        to ``succeeded`` after ``wait_for_rollouts`` and the algorithm took it as failed), and one
+        marked ``succeeded`` by ``update_rollout`` is not requeued when its attempt fails later;
+        ``update_rollout(status="queuing")`` and ``start_attempt`` still retry a finished rollout;
+        a ``cancelled`` rollout's cancel still marks no attempt (0.3.0), but a runner running it
+        stops its agent at its next heartbeat (``rollout_cancelled``, answered from the log) and
+        records its attempt ``failed`` with the reason (0.3.0's runner is never told and runs the
+        agent to its end);
     11. a requeued rollout goes to the queue's tail once; ``max_attempts`` counts ``start_attempt``'s
         attempts too, and ``start_attempt`` itself ignores the budget (0.3.0);
     12. the watchdog is a running component (in the projector's process, every second by default), not
@@ -70,7 +77,7 @@ Choices where Agent-lightning 0.3.0's code and its docs differ, item by item aga
 
 Other behaviours to know:
     * ``start_attempt`` is an explicit retry: it moves even a finished or cancelled rollout back to
-      ``preparing`` (0.3.0); only late *attempt updates* cannot overwrite ``cancelled``;
+      ``preparing`` (0.3.0); only late *attempt updates* cannot move a finished rollout (item 10);
     * ids that could never have been issued (with dots, spaces, wildcards) are simply not found;
     * Postgres text cannot hold NUL (U+0000): on JetStream the read model keeps U+FFFD in its place
       (the stream keeps the NUL, so a rebuild or ``eventlight replay`` sees it), and query arguments

@@ -5,7 +5,8 @@ Delivery semantics (both backends):
 * **In order, each attempt once.** Records come in log order of the events that finished them
   (``FinishedAttempt.position`` increases); a subscription never yields an attempt twice.
   (``collect`` alone may return an attempt iteration met before, once more: the latest attempt of
-  a rollout ended later by an event that finished no attempt, such as a cancel in the queue.)
+  a rollout ended later by an event that finished no attempt, such as a cancel in the queue; and
+  it returns what the previous ``collect`` returned again when asked for it again.)
 * **Acknowledged when you ask for the next one.** The record in hand is acknowledged (cumulatively,
   confirmed by the server) when the iterator is asked for the following record, by ``ack()``, or by
   leaving ``async with`` without an exception. A durable subscription opened again under the same
@@ -33,7 +34,7 @@ from collections.abc import Iterable
 
 import msgspec
 
-from eventlight.core.errors import RolloutNotFoundError
+from eventlight.core.errors import InvalidInputError, RolloutNotFoundError
 from eventlight.core.types import TERMINAL_ROLLOUT_STATUSES, Rollout
 from eventlight.logreplay.records import AdapterFn
 from eventlight.logreplay.select import Filters
@@ -87,6 +88,8 @@ class Subscription:
         self._acked = 0
         self._pulling: asyncio.Task[list[Delivery]] | None = None
         self._stash: dict[str, FinishedAttempt | RolloutEnded] = {}
+        self._held: dict[str, FinishedAttempt | RolloutEnded] = {}  # what the last collect returned
+        self._collected: dict[str, str | None] = {}  # rollout id -> attempt id of what collect returned
         self.unattempted: dict[str, Rollout] = {}
         self._closed = False
         self._repeatable: int | None = None  # the position of the only records that can be repeats
@@ -222,7 +225,17 @@ class Subscription:
         the queue since is collected from its next run, not the kept result. When it raises, the
         results it had in hand are kept for a later ``collect``.
 
+        A rollout the previous ``collect`` returned (or listed in ``unattempted``) is returned again
+        at once, the same record (checked against the log first, as a kept one), as
+        ``wait_for_rollouts`` returns a finished rollout again: asking again with the same ids after
+        a partial result waits only for the others. The subscription holds what the previous
+        ``collect`` returned until the next one, no longer: a rollout returned by an earlier
+        ``collect`` than the previous one raises ``InvalidInputError`` at once (its record is gone
+        and the feed passed it; ``store.query_spans(rollout_id, attempt_id="latest")`` reads its
+        spans), unless it was sent back to the queue since, which collects its next run.
+
         Raises:
+            InvalidInputError: A rollout an earlier ``collect`` than the previous one returned.
             ServiceUnavailableError: The server went away for longer than ``server_timeout_s``.
         """
         ids = list(dict.fromkeys(rollout_ids))
@@ -230,11 +243,16 @@ class Subscription:
         got: dict[str, FinishedAttempt] = {}
         self.unattempted = {}
         ended: dict[str, RolloutEnded] = {}  # taken signals of rollouts ended before any attempt
+        held, self._held = self._held, {}  # the previous collect's results: held until this one
         try:
             for rid in ids:
-                kept = self._stash.get(rid)
+                kept = self._stash.get(rid)  # newer than a held one (a run after a requeue)
+                if kept is None:
+                    kept = held.get(rid)
                 if kept is not None and await self._still_the_result(kept):  # may raise: still kept
                     self._take(got, ended, kept)
+                elif kept is None and rid in self._collected:
+                    await self._check_not_collected_before(rid)
                 self._stash.pop(rid, None)
             deadline = None if timeout_s is None else time.monotonic() + max(0.0, timeout_s)
             while any(rid not in self.unattempted and not (rid in got and _terminal(got[rid])) for rid in ids):
@@ -254,8 +272,42 @@ class Subscription:
             taken: list[FinishedAttempt | RolloutEnded] = [*got.values(), *ended.values()]
             for item in taken:  # nothing returned: kept for a later collect
                 self._keep(item)
+            self._held = held  # and still held
             raise
-        return [got[rid] for rid in ids if rid in got and _terminal(got[rid])]
+        out = [got[rid] for rid in ids if rid in got and _terminal(got[rid])]
+        held_now: list[FinishedAttempt | RolloutEnded] = [*out, *ended.values()]
+        self._held = {x.rollout.rollout_id: x for x in held_now}
+        for rid, x in self._held.items():
+            self._collected.pop(rid, None)  # the newest last: the oldest go first past MAX_STASH
+            self._collected[rid] = x.attempt_id if isinstance(x, FinishedAttempt) else None
+        while len(self._collected) > MAX_STASH:
+            del self._collected[next(iter(self._collected))]
+        return out
+
+    async def _check_not_collected_before(self, rid: str) -> None:
+        """Raise for ``rid``, which an earlier ``collect`` returned and this subscription no longer
+        holds, unless the log shows its rollout moved on since (sent back to the queue: its next
+        run is collected as any rollout's).
+
+        Raises:
+            InvalidInputError: Its rollout still has the result collected then.
+            ServiceUnavailableError: The log did not answer.
+        """
+        try:
+            state, _ = await self.log.load(rid)
+        except RolloutNotFoundError:  # retired to the archive: it cannot move any more
+            state = None
+        aid = self._collected[rid]
+        if state is not None and not (
+            state.rollout.status in TERMINAL_ROLLOUT_STATUSES
+            and (state.latest.attempt_id if state.latest is not None else None) == aid
+        ):
+            del self._collected[rid]
+            return
+        raise InvalidInputError(
+            f"rollout {rid} was returned by an earlier collect of this subscription, which holds only what "
+            "the previous collect returned; its spans: store.query_spans(rollout_id, attempt_id='latest')"
+        )
 
     def _take(
         self, got: dict[str, FinishedAttempt], ended: dict[str, RolloutEnded], item: FinishedAttempt | RolloutEnded
