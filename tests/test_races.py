@@ -297,6 +297,28 @@ async def test_a_cancelled_long_poll_does_not_keep_the_next_rollout(namespace: S
         assert claimed.attempt.worker_id == "w2"
 
 
+async def test_a_cancelled_pulls_late_answer_does_not_answer_another_pull(namespace: Settings) -> None:
+    """A cancelled long poll's request stays at the server until it expires; its answer (408) then
+    comes to the inbox it named. Pull inboxes are kept for the next pulls, but not that one before
+    its answer came: the long poll begun right after the cancel, on the same store, is not ended by
+    that 408 and gets the rollout enqueued after it."""
+    async with (
+        JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store,
+        JetStreamLightningStore(namespace) as runner,
+    ):
+        poll = asyncio.create_task(runner.dequeue_rollout(worker_id="w1", wait_s=1))
+        await asyncio.sleep(0.3)  # the pull request is at the server
+        poll.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await poll
+        nxt = asyncio.create_task(runner.dequeue_rollout(worker_id="w2", wait_s=30))
+        await asyncio.sleep(2)  # the first request expired and was answered
+        assert not nxt.done()
+        r = await store.enqueue_rollout("x")
+        claimed = await nxt
+        assert claimed is not None and claimed.rollout_id == r.rollout_id
+
+
 @pytest.mark.parametrize("depth", range(7))
 async def test_a_dequeue_cancelled_as_its_entry_arrives_loses_nothing(
     namespace: Settings, monkeypatch: pytest.MonkeyPatch, depth: int
