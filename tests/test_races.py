@@ -182,19 +182,19 @@ async def test_after_an_empty_answer_the_next_pull_asks_for_the_last_write_with_
     ):
         q = runner.log.queue
         steps: list[str] = []
-        real_pull, real_age = q._pull_request, q._last_write_age
+        real_pull, real_ask = q._pull_request, q._ask_last_write
 
         async def pull(request: bytes, **kw: Any) -> object:
             msg = await real_pull(request, **kw)
             steps.append("pull answered")
             return msg
 
-        async def age() -> object:
+        async def ask() -> object:
             steps.append("info asked")
-            return await real_age()
+            return await real_ask()
 
         monkeypatch.setattr(q, "_pull_request", pull)
-        monkeypatch.setattr(q, "_last_write_age", age)
+        monkeypatch.setattr(q, "_ask_last_write", ask)
         await alg.enqueue_rollout("x")
         assert await runner.dequeue_rollout(worker_id="w") is not None
         assert await runner.dequeue_rollout(worker_id="w") is None

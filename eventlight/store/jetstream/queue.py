@@ -22,7 +22,6 @@ import nats.errors
 from eventlight.core.commands import RolloutState
 from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
 from eventlight.core.events import RolloutCreated, decode_event
-from eventlight.store.futures import mark_seen
 from eventlight.store.jetstream.definitions import consumer_config
 from eventlight.store.jetstream.layout import rollout_of_subject
 from eventlight.store.jetstream.nats_errors import TRANSPORT_ERRORS, nats_errors
@@ -37,6 +36,7 @@ FULL_PROBE_S = 0.5  # a no_wait pull unanswered this long asks whether the consu
 NO_WAIT_ANSWER_S = 10.0  # how long a no_wait pull may take to answer before the server counts as down
 LONG_POLL_MARGIN_S = 5.0  # how much longer than its expiry a long poll waits for the server's answer
 EMPTY_CONFIRM_S = 0.010  # how long after a write a non-blocking dequeue waits for the consumer (see _pull)
+STREAM_INFO_TIMEOUT_S = 10.0
 
 
 class _StreamTimes(msgspec.Struct):
@@ -139,19 +139,19 @@ class RunnersQueue:
         started = time.monotonic()
         if self._full and await self._at_max_ack_pending():
             return None  # still full: asked in one round trip instead of a pull left unanswered
-        info = asyncio.ensure_future(self._last_write_age()) if self._found_empty else None
-        if info is not None:
-            info.add_done_callback(mark_seen)  # unread when the pull brings a message
+        asked = await self._ask_last_write() if self._found_empty else None
         try:
             msg = await self._pull_request(b'{"batch":1,"no_wait":true}', probe_full=True)
         except BaseException:
-            if info is not None:
-                info.cancel()
+            if asked is not None:
+                self._give_up(asked, STREAM_INFO_TIMEOUT_S)
             raise
         self._found_empty = msg is None
         if msg is not None:
+            if asked is not None:
+                self._give_up(asked, STREAM_INFO_TIMEOUT_S)  # its answer goes unread
             return msg
-        age = await (info if info is not None else self._last_write_age())
+        age = await self._last_write_age(asked)
         # the empty answer came at most `elapsed` before the age was read
         wait = EMPTY_CONFIRM_S if age is None else EMPTY_CONFIRM_S - age + (time.monotonic() - started)
         if wait <= 0:
@@ -159,15 +159,27 @@ class RunnersQueue:
         wait = min(wait, EMPTY_CONFIRM_S)
         return await self._pull_request(f'{{"batch":1,"expires":{max(1, int(wait * 1e9))}}}'.encode())
 
-    async def _last_write_age(self) -> float | None:
+    async def _ask_last_write(self) -> _Inbox:
+        """Send the ``STREAM.INFO`` request ``_last_write_age`` reads the answer of.
+
+        Raises:
+            ServiceUnavailableError: NATS did not take it.
+        """
+        with nats_errors(self.log.server, "stream info"):
+            return await self._send(f"$JS.API.STREAM.INFO.{self.log.stream}", b"", STREAM_INFO_TIMEOUT_S)
+
+    async def _last_write_age(self, asked: _Inbox | None = None) -> float | None:
         """Seconds since the stream's last message by the server's own clock (``STREAM.INFO``'s
         ``ts`` and ``state.last_ts``; nats-server >= 2.10), or ``None`` when the answer lacks them.
+        ``asked``: the request already sent (``_ask_last_write``), else it is sent now.
 
         Raises:
             ServiceUnavailableError: NATS did not answer.
         """
+        if asked is None:
+            asked = await self._ask_last_write()
         with nats_errors(self.log.server, "stream info"):
-            reply = await self._request(f"$JS.API.STREAM.INFO.{self.log.stream}", b"", 10.0)
+            reply = await self._receive(asked, STREAM_INFO_TIMEOUT_S)
             if (reply.headers or {}).get("Status") == "503":
                 raise nats.errors.NoRespondersError
         try:
@@ -203,8 +215,7 @@ class RunnersQueue:
         inbox = self._inboxes.pop() if self._inboxes else await self._new_inbox()
         loop = asyncio.get_running_loop()
         probe = probe_full and timeout_s > FULL_PROBE_S
-        waiter = inbox.begin(loop)
-        timer = loop.call_later(FULL_PROBE_S if probe else timeout_s, _wake, waiter)
+        waiter = inbox.begin(loop, FULL_PROBE_S if probe else timeout_s)
         try:
             await self.log.nc.publish(
                 f"$JS.API.CONSUMER.MSG.NEXT.{self.log.stream}.runners", request, reply=inbox.subject
@@ -214,9 +225,7 @@ class RunnersQueue:
                 if await self._at_max_ack_pending() and inbox.answer is None:
                     self._abandon(inbox, timeout_s)
                     return None
-                waiter = inbox.rewait(loop)
-                timer = loop.call_later(timeout_s - FULL_PROBE_S, _wake, waiter)
-                await waiter
+                await inbox.rewait(loop, timeout_s - FULL_PROBE_S)
             if inbox.answer is None:
                 raise nats.errors.TimeoutError
         except TRANSPORT_ERRORS as e:
@@ -229,8 +238,6 @@ class RunnersQueue:
             # would wait out the consumer's ack wait (30 s) before another runner got it.
             self._give_up(inbox, timeout_s)
             raise
-        finally:
-            timer.cancel()
         msg = self._answered(inbox)
         status = (msg.headers or {}).get("Status")
         if status in ("404", "408"):
@@ -244,27 +251,37 @@ class RunnersQueue:
             )
         return msg
 
-    async def _request(self, subject: str, payload: bytes, timeout_s: float) -> Any:
-        """``nc.request`` answered on one of the pull inboxes: the same wait as a pull's, without
-        nats-py's ``wait_for`` and random token a request.
+    async def _send(self, subject: str, payload: bytes, timeout_s: float) -> _Inbox:
+        """Send a request answered on one of the pull inboxes; ``_receive`` waits for the answer.
+        ``nc.request`` without nats-py's ``wait_for`` and random token a request, and without a
+        task where the answer is waited for after another request's.
 
         Raises:
-            nats.errors.TimeoutError: No answer in ``timeout_s`` seconds; nats-py's transport errors.
+            nats.errors.Error: nats-py's transport errors.
         """
         inbox = self._inboxes.pop() if self._inboxes else await self._new_inbox()
-        loop = asyncio.get_running_loop()
-        waiter = inbox.begin(loop)
-        timer = loop.call_later(timeout_s, _wake, waiter)
+        inbox.begin(asyncio.get_running_loop(), timeout_s)
         try:
             await self.log.nc.publish(subject, payload, reply=inbox.subject)
-            await waiter
+        except BaseException:
+            self._give_up(inbox, timeout_s)
+            raise
+        return inbox
+
+    async def _receive(self, inbox: _Inbox, timeout_s: float) -> Any:
+        """The answer to ``inbox``'s request (``_send``).
+
+        Raises:
+            nats.errors.TimeoutError: No answer in ``timeout_s`` seconds from the send.
+        """
+        try:
+            if inbox.waiter is not None:
+                await inbox.waiter
             if inbox.answer is None:
                 raise nats.errors.TimeoutError
         except BaseException:
             self._give_up(inbox, timeout_s)
             raise
-        finally:
-            timer.cancel()
         return self._answered(inbox)
 
     def _answered(self, inbox: _Inbox) -> Any:
@@ -378,7 +395,7 @@ class _Inbox:
     answer for the caller waiting on it (``begin``), or hands back an entry nobody waits for: its
     caller gave up (``abandon``), or an answer the inbox was not waiting for."""
 
-    __slots__ = ("answer", "expiry", "queue", "settled", "sub", "subject", "waiter")
+    __slots__ = ("answer", "expiry", "queue", "settled", "sub", "subject", "timer", "waiter")
 
     def __init__(self, queue: RunnersQueue):
         self.queue = queue
@@ -387,29 +404,37 @@ class _Inbox:
         self.answer: Any = None  # the answer to the pull in flight, once it came
         self.waiter: asyncio.Future[None] | None = None  # woken by the answer (or the caller's timer)
         self.settled: asyncio.Future[None] | None = None  # while abandoned: done once its pull is over
+        self.timer: asyncio.TimerHandle | None = None  # wakes the waiter without an answer
         self.expiry: asyncio.TimerHandle | None = None
 
     def subject_from(self, subject: str) -> str:
         self.subject = subject
         return subject
 
-    def begin(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
+    def begin(self, loop: asyncio.AbstractEventLoop, wait_s: float) -> asyncio.Future[None]:
+        """A request goes out: its waiter wakes on the answer, or after ``wait_s`` seconds."""
         self.answer = None
-        self.waiter = loop.create_future()
-        return self.waiter
+        waiter = self.waiter = loop.create_future()
+        self.timer = loop.call_later(wait_s, _wake, waiter)
+        return waiter
 
-    def rewait(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
-        """A new waiter for the same pull (the first one woke up without an answer)."""
-        self.waiter = loop.create_future()
+    def rewait(self, loop: asyncio.AbstractEventLoop, wait_s: float) -> asyncio.Future[None]:
+        """A new waiter for the same request (the first one woke up without an answer)."""
+        waiter = self.waiter = loop.create_future()
         if self.answer is not None:
-            self.waiter.set_result(None)
-        return self.waiter
+            waiter.set_result(None)
+        else:
+            self.timer = loop.call_later(wait_s, _wake, waiter)
+        return waiter
 
     def idle(self) -> None:
         self.answer = self.waiter = None
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
     def abandon(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
-        self.waiter = None
+        self.idle()
         self.settled = loop.create_future()
         self.expiry = loop.call_later(timeout_s, self._settle, False)
 
