@@ -182,19 +182,19 @@ async def test_after_an_empty_answer_the_next_pull_asks_for_the_last_write_with_
     ):
         q = runner.log.queue
         steps: list[str] = []
-        real_pull, real_age = q._pull_request, q._last_write_age
+        real_pull, real_ask = q._pull_request, q._ask_last_write
 
         async def pull(request: bytes, **kw: Any) -> object:
             msg = await real_pull(request, **kw)
             steps.append("pull answered")
             return msg
 
-        async def age() -> object:
+        async def ask() -> object:
             steps.append("info asked")
-            return await real_age()
+            return await real_ask()
 
         monkeypatch.setattr(q, "_pull_request", pull)
-        monkeypatch.setattr(q, "_last_write_age", age)
+        monkeypatch.setattr(q, "_ask_last_write", ask)
         await alg.enqueue_rollout("x")
         assert await runner.dequeue_rollout(worker_id="w") is not None
         assert await runner.dequeue_rollout(worker_id="w") is None
@@ -295,6 +295,28 @@ async def test_a_cancelled_long_poll_does_not_keep_the_next_rollout(namespace: S
         claimed = await runner.dequeue_rollout(worker_id="w2", wait_s=5)
         assert claimed is not None and claimed.rollout_id == r.rollout_id
         assert claimed.attempt.worker_id == "w2"
+
+
+async def test_a_cancelled_pulls_late_answer_does_not_answer_another_pull(namespace: Settings) -> None:
+    """A cancelled long poll's request stays at the server until it expires; its answer (408) then
+    comes to the inbox it named. Pull inboxes are kept for the next pulls, but not that one before
+    its answer came: the long poll begun right after the cancel, on the same store, is not ended by
+    that 408 and gets the rollout enqueued after it."""
+    async with (
+        JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store,
+        JetStreamLightningStore(namespace) as runner,
+    ):
+        poll = asyncio.create_task(runner.dequeue_rollout(worker_id="w1", wait_s=1))
+        await asyncio.sleep(0.3)  # the pull request is at the server
+        poll.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await poll
+        nxt = asyncio.create_task(runner.dequeue_rollout(worker_id="w2", wait_s=30))
+        await asyncio.sleep(2)  # the first request expired and was answered
+        assert not nxt.done()
+        r = await store.enqueue_rollout("x")
+        claimed = await nxt
+        assert claimed is not None and claimed.rollout_id == r.rollout_id
 
 
 @pytest.mark.parametrize("depth", range(7))

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Coroutine
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +22,6 @@ import nats.errors
 from eventlight.core.commands import RolloutState
 from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
 from eventlight.core.events import RolloutCreated, decode_event
-from eventlight.store.futures import mark_seen, wait_done
 from eventlight.store.jetstream.definitions import consumer_config
 from eventlight.store.jetstream.layout import rollout_of_subject
 from eventlight.store.jetstream.nats_errors import TRANSPORT_ERRORS, nats_errors
@@ -36,6 +36,7 @@ FULL_PROBE_S = 0.5  # a no_wait pull unanswered this long asks whether the consu
 NO_WAIT_ANSWER_S = 10.0  # how long a no_wait pull may take to answer before the server counts as down
 LONG_POLL_MARGIN_S = 5.0  # how much longer than its expiry a long poll waits for the server's answer
 EMPTY_CONFIRM_S = 0.010  # how long after a write a non-blocking dequeue waits for the consumer (see _pull)
+STREAM_INFO_TIMEOUT_S = 10.0
 
 
 class _StreamTimes(msgspec.Struct):
@@ -81,8 +82,10 @@ class RunnersQueue:
     def __init__(self, log: JetStreamEventLog):
         self.log = log
         self._sub: Any = None
-        self._inboxes: list[Any] = []
-        self._abandoned: set[asyncio.Task[None]] = set()  # inboxes of cancelled pulls, being settled
+        self._inboxes: list[_Inbox] = []  # idle, for the next pull
+        self._all: set[_Inbox] = set()  # every inbox subscribed
+        self._abandoned: set[_Inbox] = set()  # inboxes of pulls nobody waits for, not yet answered
+        self._background: set[asyncio.Future[None]] = set()  # hand-backs and unsubscribes under way
         self._full = False  # found full: non-blocking pulls ask the consumer first, until it is not
         self._found_empty = False  # the last non-blocking pull found nothing (see ``_pull``)
 
@@ -136,19 +139,19 @@ class RunnersQueue:
         started = time.monotonic()
         if self._full and await self._at_max_ack_pending():
             return None  # still full: asked in one round trip instead of a pull left unanswered
-        info = asyncio.ensure_future(self._last_write_age()) if self._found_empty else None
-        if info is not None:
-            info.add_done_callback(mark_seen)  # unread when the pull brings a message
+        asked = await self._ask_last_write() if self._found_empty else None
         try:
             msg = await self._pull_request(b'{"batch":1,"no_wait":true}', probe_full=True)
         except BaseException:
-            if info is not None:
-                info.cancel()
+            if asked is not None:
+                self._give_up(asked, STREAM_INFO_TIMEOUT_S)
             raise
         self._found_empty = msg is None
         if msg is not None:
+            if asked is not None:
+                self._give_up(asked, STREAM_INFO_TIMEOUT_S)  # its answer goes unread
             return msg
-        age = await (info if info is not None else self._last_write_age())
+        age = await self._last_write_age(asked)
         # the empty answer came at most `elapsed` before the age was read
         wait = EMPTY_CONFIRM_S if age is None else EMPTY_CONFIRM_S - age + (time.monotonic() - started)
         if wait <= 0:
@@ -156,15 +159,29 @@ class RunnersQueue:
         wait = min(wait, EMPTY_CONFIRM_S)
         return await self._pull_request(f'{{"batch":1,"expires":{max(1, int(wait * 1e9))}}}'.encode())
 
-    async def _last_write_age(self) -> float | None:
+    async def _ask_last_write(self) -> _Inbox:
+        """Send the ``STREAM.INFO`` request ``_last_write_age`` reads the answer of.
+
+        Raises:
+            ServiceUnavailableError: NATS did not take it.
+        """
+        with nats_errors(self.log.server, "stream info"):
+            return await self._send(f"$JS.API.STREAM.INFO.{self.log.stream}", b"", STREAM_INFO_TIMEOUT_S)
+
+    async def _last_write_age(self, asked: _Inbox | None = None) -> float | None:
         """Seconds since the stream's last message by the server's own clock (``STREAM.INFO``'s
         ``ts`` and ``state.last_ts``; nats-server >= 2.10), or ``None`` when the answer lacks them.
+        ``asked``: the request already sent (``_ask_last_write``), else it is sent now.
 
         Raises:
             ServiceUnavailableError: NATS did not answer.
         """
+        if asked is None:
+            asked = await self._ask_last_write()
         with nats_errors(self.log.server, "stream info"):
-            reply = await self.log.nc.request(f"$JS.API.STREAM.INFO.{self.log.stream}", b"", timeout=10.0)
+            reply = await self._receive(asked, STREAM_INFO_TIMEOUT_S)
+            if (reply.headers or {}).get("Status") == "503":
+                raise nats.errors.NoRespondersError
         try:
             info = _stream_times_decoder.decode(reply.data)
         except msgspec.DecodeError:  # includes ValidationError: an error answer, another server
@@ -175,13 +192,19 @@ class RunnersQueue:
 
     async def _pull_request(self, request: bytes, timeout_s: float | None = None, probe_full: bool = False) -> Any:
         """One pull request; JetStream delivers the message under its own subject, so each request
-        needs an inbox of its own (idle inbox subscriptions are kept for the next call). ``None``
-        when the server answers that there is nothing (404, or 408 when the request expires), or
-        when it does not answer in ``timeout_s`` (default ``NO_WAIT_ANSWER_S``) because the
-        consumer is at its ``max_ack_pending`` (``_at_max_ack_pending``). With ``probe_full`` (a
-        ``no_wait`` pull, which answers in a round trip unless the consumer is full), that is asked
-        once the pull has waited ``FULL_PROBE_S``; a full consumer answers ``None`` then, and an
-        entry the request still brings later is handed back (``_hand_back``).
+        needs an inbox of its own (``_Inbox``: idle ones are kept for the next call, and an inbox
+        serves one request at a time). ``None`` when the server answers that there is nothing
+        (404, or 408 when the request expires), or when it does not answer in ``timeout_s``
+        (default ``NO_WAIT_ANSWER_S``) because the consumer is at its ``max_ack_pending``
+        (``_at_max_ack_pending``). With ``probe_full`` (a ``no_wait`` pull, which answers in a
+        round trip unless the consumer is full), that is asked once the pull has waited
+        ``FULL_PROBE_S``; a full consumer answers ``None`` then. An entry a request brings after
+        its caller stopped waiting for it (cancelled, timed out, found the consumer full) is
+        handed back at once (``_Inbox.deliver``).
+
+        The wait costs one future and one timer: the inbox's callback keeps the answer and wakes
+        the caller (before, nats-py's ``next_msg`` in a task of its own, shielded, made two tasks
+        and a ``wait_for`` a pull).
 
         Raises:
             ServiceUnavailableError: No answer in ``timeout_s`` seconds, a transport error, or
@@ -189,33 +212,33 @@ class RunnersQueue:
                 Server Shutdown``, the server stopping in order, with ``shutting_down`` set).
         """
         timeout_s = NO_WAIT_ANSWER_S if timeout_s is None else timeout_s
-        nc = self.log.nc
-        inbox = self._inboxes.pop() if self._inboxes else await nc.subscribe(nc.new_inbox())
-        answer: asyncio.Future[Any] | None = None
+        inbox = self._inboxes.pop() if self._inboxes else await self._new_inbox()
+        loop = asyncio.get_running_loop()
+        probe = probe_full and timeout_s > FULL_PROBE_S
+        waiter = inbox.begin(loop, FULL_PROBE_S if probe else timeout_s)
         try:
-            await nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{self.log.stream}.runners", request, reply=inbox.subject)
-            # A task of its own, shielded: nats-py's ``next_msg`` takes the message off the inbox in
-            # a child task, so cancelling it at the wrong moment would drop a delivered entry.
-            answer = asyncio.ensure_future(inbox.next_msg(timeout=timeout_s))
-            if probe_full:
-                if not await wait_done(answer, FULL_PROBE_S) and await self._at_max_ack_pending():
-                    self._settle_later(inbox, answer)
+            await self.log.nc.publish(
+                f"$JS.API.CONSUMER.MSG.NEXT.{self.log.stream}.runners", request, reply=inbox.subject
+            )
+            await waiter
+            if inbox.answer is None and probe:
+                if await self._at_max_ack_pending() and inbox.answer is None:
+                    self._abandon(inbox, timeout_s)
                     return None
-            msg = await asyncio.shield(answer)
+                await inbox.rewait(loop, timeout_s - FULL_PROBE_S)
+            if inbox.answer is None:
+                raise nats.errors.TimeoutError
         except TRANSPORT_ERRORS as e:
-            with contextlib.suppress(Exception):
-                await inbox.unsubscribe()  # a late answer must not reach the next caller
+            self._give_up(inbox, timeout_s)  # a late answer is handed back, and the inbox not reused before it
             if isinstance(e, nats.errors.TimeoutError) and await self._at_max_ack_pending():
                 return None  # nothing claimable until a claim finishes
             raise ServiceUnavailableError(self.log.server(), f"pull from the runners queue failed: {e!r}") from e
-        except asyncio.CancelledError:
-            # The request stays at the server until it expires: an entry it delivers now would wait
-            # out the consumer's ack wait (30 s) before another runner got it. Hand it back at once.
-            if answer is None:
-                answer = asyncio.ensure_future(inbox.next_msg(timeout=timeout_s))
-            self._settle_later(inbox, answer)
+        except BaseException:
+            # Cancelled: the request stays at the server until it expires, and an entry it delivers
+            # would wait out the consumer's ack wait (30 s) before another runner got it.
+            self._give_up(inbox, timeout_s)
             raise
-        self._inboxes.append(inbox)
+        msg = self._answered(inbox)
         status = (msg.headers or {}).get("Status")
         if status in ("404", "408"):
             return None
@@ -228,11 +251,85 @@ class RunnersQueue:
             )
         return msg
 
-    def _settle_later(self, inbox: Any, answer: asyncio.Future[Any]) -> None:
-        """Leave a pull nobody waits for to ``_hand_back`` (``close`` waits a little for it)."""
-        task = asyncio.ensure_future(self._hand_back(inbox, answer))
-        self._abandoned.add(task)
-        task.add_done_callback(self._abandoned.discard)
+    async def _send(self, subject: str, payload: bytes, timeout_s: float) -> _Inbox:
+        """Send a request answered on one of the pull inboxes; ``_receive`` waits for the answer.
+        ``nc.request`` without nats-py's ``wait_for`` and random token a request, and without a
+        task where the answer is waited for after another request's.
+
+        Raises:
+            nats.errors.Error: nats-py's transport errors.
+        """
+        inbox = self._inboxes.pop() if self._inboxes else await self._new_inbox()
+        inbox.begin(asyncio.get_running_loop(), timeout_s)
+        try:
+            await self.log.nc.publish(subject, payload, reply=inbox.subject)
+        except BaseException:
+            self._give_up(inbox, timeout_s)
+            raise
+        return inbox
+
+    async def _receive(self, inbox: _Inbox, timeout_s: float) -> Any:
+        """The answer to ``inbox``'s request (``_send``).
+
+        Raises:
+            nats.errors.TimeoutError: No answer in ``timeout_s`` seconds from the send.
+        """
+        try:
+            if inbox.waiter is not None:
+                await inbox.waiter
+            if inbox.answer is None:
+                raise nats.errors.TimeoutError
+        except BaseException:
+            self._give_up(inbox, timeout_s)
+            raise
+        return self._answered(inbox)
+
+    def _answered(self, inbox: _Inbox) -> Any:
+        """The answer ``inbox`` brought; the inbox goes back to the pool."""
+        msg = inbox.answer
+        inbox.idle()
+        self._inboxes.append(inbox)
+        return msg
+
+    async def _new_inbox(self) -> _Inbox:
+        inbox = _Inbox(self)
+        nc = self.log.nc
+        with nats_errors(self.log.server, "subscribing a pull inbox"):
+            inbox.sub = await nc.subscribe(inbox.subject_from(nc.new_inbox()), cb=inbox.deliver)
+        self._all.add(inbox)
+        return inbox
+
+    def _give_up(self, inbox: _Inbox, timeout_s: float) -> None:
+        """The caller of ``inbox``'s pull stops waiting: hand back the entry it brought, or leave the
+        inbox to hand back the one it may still bring (``_abandon``)."""
+        msg = inbox.answer
+        if msg is None:
+            self._abandon(inbox, timeout_s)
+            return
+        inbox.idle()
+        self._inboxes.append(inbox)
+        if _is_entry(msg):
+            self._in_background(_nak(msg))
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _abandon(self, inbox: _Inbox, timeout_s: float) -> None:
+        """Nobody waits for ``inbox``'s answer any more: it hands back an entry that comes, and goes
+        back to the pool once answered; unanswered after ``timeout_s``, it is unsubscribed."""
+        inbox.abandon(asyncio.get_running_loop(), timeout_s)
+        self._abandoned.add(inbox)
+
+    def _settled(self, inbox: _Inbox, answered: bool) -> None:
+        """``inbox``'s abandoned pull is over: answered (its entry handed back), or given up on."""
+        self._abandoned.discard(inbox)
+        if answered and inbox.sub is not None:
+            self._inboxes.append(inbox)
+        else:
+            self._all.discard(inbox)
+            inbox.unsubscribe_later()
 
     async def _at_max_ack_pending(self) -> bool:
         """Whether the ``runners`` consumer holds as many unacknowledged claims as it allows
@@ -258,29 +355,126 @@ class RunnersQueue:
         )
         return True
 
-    async def _hand_back(self, inbox: Any, answer: asyncio.Future[Any]) -> None:
-        """Wait for the answer to a pull whose caller was cancelled; a queue entry it brings is
-        negatively acknowledged without delay, so it is redelivered at once."""
-        try:
-            msg = await answer
-            if (msg.headers or {}).get("Status") is None:
-                await msg.nak()
-                log.info("handed back queue entry %s of a cancelled dequeue", msg.subject)
-        except Exception:  # no answer, or the connection went: the entry (if any) comes back after the ack wait
-            pass
-        finally:
-            answer.cancel()
-            with contextlib.suppress(Exception):
-                await inbox.unsubscribe()
-
     async def close(self) -> None:
         """Unsubscribe; idempotent. Pulls of cancelled dequeues get ``HAND_BACK_CLOSE_WAIT_S`` to
-        hand back an entry already on its way."""
-        if self._abandoned:
-            await asyncio.wait(set(self._abandoned), timeout=HAND_BACK_CLOSE_WAIT_S)
-        for task in list(self._abandoned):
-            task.cancel()
+        hand back an entry already on its way; a pull still waited for fails
+        (``ServiceUnavailableError``, as when the connection closes under it)."""
+        waits = [i.settled for i in self._abandoned if i.settled is not None] + list(self._background)
+        if waits:
+            await asyncio.wait(waits, timeout=HAND_BACK_CLOSE_WAIT_S)
         sub, self._sub = self._sub, None
+        inboxes, self._all, self._inboxes = self._all, set(), []
+        for inbox in inboxes:
+            inbox.close()
+        for task in list(self._background):
+            task.cancel()
         if sub is not None:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+def _is_entry(msg: Any) -> bool:
+    """Whether an answer is a queue entry: not a pull's status (404, 408, 409), nor a ``STREAM.INFO``."""
+    return bool(msg.reply) and (msg.headers or {}).get("Status") is None
+
+
+async def _nak(msg: Any) -> None:
+    """Hand a delivered entry back: negatively acknowledged without delay, it is redelivered at once."""
+    with contextlib.suppress(Exception):  # the connection went: it comes back after the ack wait
+        await msg.nak()
+        log.info("handed back queue entry %s of a pull nobody waited for", msg.subject)
+
+
+class _Inbox:
+    """The reply subject of one pull request at a time: a subscription whose callback keeps the
+    answer for the caller waiting on it (``begin``), or hands back an entry nobody waits for: its
+    caller gave up (``abandon``), or an answer the inbox was not waiting for."""
+
+    __slots__ = ("answer", "expiry", "queue", "settled", "sub", "subject", "timer", "waiter")
+
+    def __init__(self, queue: RunnersQueue):
+        self.queue = queue
+        self.sub: Any = None
+        self.subject = ""
+        self.answer: Any = None  # the answer to the pull in flight, once it came
+        self.waiter: asyncio.Future[None] | None = None  # woken by the answer (or the caller's timer)
+        self.settled: asyncio.Future[None] | None = None  # while abandoned: done once its pull is over
+        self.timer: asyncio.TimerHandle | None = None  # wakes the waiter without an answer
+        self.expiry: asyncio.TimerHandle | None = None
+
+    def subject_from(self, subject: str) -> str:
+        self.subject = subject
+        return subject
+
+    def begin(self, loop: asyncio.AbstractEventLoop, wait_s: float) -> asyncio.Future[None]:
+        """A request goes out: its waiter wakes on the answer, or after ``wait_s`` seconds."""
+        self.answer = None
+        waiter = self.waiter = loop.create_future()
+        self.timer = loop.call_later(wait_s, _wake, waiter)
+        return waiter
+
+    def rewait(self, loop: asyncio.AbstractEventLoop, wait_s: float) -> asyncio.Future[None]:
+        """A new waiter for the same request (the first one woke up without an answer)."""
+        waiter = self.waiter = loop.create_future()
+        if self.answer is not None:
+            waiter.set_result(None)
+        else:
+            self.timer = loop.call_later(wait_s, _wake, waiter)
+        return waiter
+
+    def idle(self) -> None:
+        self.answer = self.waiter = None
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def abandon(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
+        self.idle()
+        self.settled = loop.create_future()
+        self.expiry = loop.call_later(timeout_s, self._settle, False)
+
+    async def deliver(self, msg: Any) -> None:
+        """The subscription's callback (run by nats-py's task of this subscription)."""
+        if self.settled is None and self.waiter is not None and self.answer is None:
+            self.answer = msg
+            if not self.waiter.done():
+                self.waiter.set_result(None)
+            return
+        if _is_entry(msg):
+            await _nak(msg)
+        if self.settled is not None:
+            self._settle(True)
+
+    def _settle(self, answered: bool) -> None:
+        settled, self.settled = self.settled, None
+        if self.expiry is not None:
+            self.expiry.cancel()
+            self.expiry = None
+        if settled is None:
+            return
+        settled.set_result(None)
+        self.queue._settled(self, answered)
+
+    def close(self) -> None:
+        """Unsubscribe; a caller still waiting fails as if the connection had closed."""
+        if self.waiter is not None and not self.waiter.done() and self.answer is None:
+            self.waiter.set_exception(nats.errors.ConnectionClosedError())
+        if self.expiry is not None:
+            self.expiry.cancel()
+            self.expiry = None
+        self.unsubscribe_later()
+
+    def unsubscribe_later(self) -> None:
+        sub, self.sub = self.sub, None
+        if sub is not None:
+            self.queue._in_background(_unsubscribe(sub))
+
+
+async def _unsubscribe(sub: Any) -> None:
+    with contextlib.suppress(Exception):
+        await sub.unsubscribe()
