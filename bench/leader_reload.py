@@ -22,6 +22,7 @@ import shutil
 import statistics
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -100,8 +101,7 @@ async def read(conn: asyncpg.Connection, sql: str) -> dict[str, float]:
 
 
 async def one_size(dsn: str, base: Settings, attempts: int, rounds: int) -> dict[str, Any]:
-    settings = Settings(pg_dsn=dsn, state_dir=base.state_dir, namespace=f"reload{attempts}")
-    await drop_namespace(None, dsn, settings)
+    settings = Settings(pg_dsn=dsn, state_dir=base.state_dir, namespace=f"reload{attempts}_{uuid.uuid4().hex[:6]}")
     await apply_migrations(dsn, settings.pg_schema)
     conn = await asyncpg.connect(dsn, server_settings={"search_path": settings.pg_schema})
     try:
