@@ -48,6 +48,21 @@ RETIRE_BATCH = 5000
 """Rollouts one retirement round retires at most (the rest wait for the next round)."""
 
 
+IN_FLIGHT_SQL = (
+    f"SELECT {ROLLOUT_COLS}, last_seq FROM rollouts WHERE rollout_id = ANY(ARRAY("
+    "SELECT rollout_id FROM rollouts WHERE status IN ('preparing', 'running') "
+    "UNION SELECT a.rollout_id FROM attempts a WHERE a.status IN ('preparing', 'running') "
+    "AND a.attempt_id <> (SELECT r.latest_attempt_id FROM rollouts r WHERE r.rollout_id = a.rollout_id)))"
+)
+"""The rollouts a new leader reads for the watchdog: in flight, or with a superseded attempt still live
+(``eventlight.store.fold.watched`` decides among the latter). It costs what is in flight, not the
+history: the ids come from ``rollouts_unfinished_idx`` (or ``rollouts_status_idx``) and migration
+014's ``attempts_live_idx``, each attempt's rollout and then the rows are looked up by key (an array of
+ids and a scalar subquery, which the planner cannot turn into a join that reads the whole table).
+One ``WHERE status IN (...) OR rollout_id IN (...)`` read every rollout and every attempt instead
+(1M attempts: see bench/README.md, "The leader's reload of rollouts in flight")."""
+
+
 def retire_every_s(retention_s: float) -> float:
     """Seconds between retirement rounds: a quarter of the window, between 1 s and 60 s."""
     return max(1.0, min(60.0, retention_s / 4))
@@ -290,11 +305,7 @@ class Projector(Consumer):
         self.states.clear()
         self.rollout_seq.clear()
         self.workers.clear()
-        rows = await conn.fetch(
-            f"SELECT {ROLLOUT_COLS}, last_seq FROM rollouts WHERE status IN ('preparing', 'running') "
-            "OR rollout_id IN (SELECT a.rollout_id FROM attempts a JOIN rollouts r USING (rollout_id) "
-            "WHERE a.status IN ('preparing', 'running') AND a.attempt_id <> r.latest_attempt_id)"
-        )
+        rows = await conn.fetch(IN_FLIGHT_SQL)
         if self.partitions > 1:
             rows = [r for r in rows if partition_of(r[0], self.partitions) == self.partition]
         if not rows:
