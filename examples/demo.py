@@ -4,7 +4,8 @@
 
 ``grpo`` is ``examples/arithmetic/train_grpo.py`` (SmolLM2-135M learns, on the CPU, in minutes);
 ``apo`` is ``examples/room_booking/train_apo.py`` unchanged (prompt optimisation, its LLM check and
-run id). ``--help`` after the algorithm shows that demo's options.
+run id). ``--help`` after the algorithm shows that demo's options, with ``--algorithm``; a refused
+option is one ``error:`` line, exit 2 (``examples/demo_args.py``).
 """
 
 from __future__ import annotations
@@ -19,15 +20,34 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from examples.demo_args import OneLineParser  # noqa: E402
 from examples.interrupt import TermAsInterrupt  # noqa: E402
+
+ALGORITHMS = ["grpo", "apo"]
+USAGE = 'make demo ARGS="[--algorithm {grpo,apo}] [OPTIONS]"  (or: python examples/demo.py [...])'
+
+
+def _add_algorithm(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--algorithm", choices=ALGORITHMS, default="grpo", help="which demo: grpo (default) or apo")
+
+
+def demo_parser(demo_doc: str | None) -> argparse.ArgumentParser:
+    """The parser of ``make demo`` with one demo's options to come: its usage is the ``make`` command,
+    its description the demo's docstring without the demo script's own command line, and it has
+    ``--algorithm``; a refused option is one ``error:`` line (``OneLineParser``)."""
+    lines = (demo_doc or "").splitlines()
+    description = "\n".join(line for line in lines if not line.lstrip().startswith("python examples/"))
+    p = OneLineParser(
+        prog="make demo", usage=USAGE, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    _add_algorithm(p)
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, add_help=False
-    )
-    p.add_argument("--algorithm", choices=["grpo", "apo"], default="grpo", help="which demo (default grpo)")
-    args, rest = p.parse_known_args(argv)
+    first = OneLineParser(prog="make demo", add_help=False)
+    _add_algorithm(first)
+    args, rest = first.parse_known_args(argv)
     if args.algorithm == "apo":
         from examples.room_booking import train_apo as demo
     else:
@@ -35,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=os.environ.get("EVENTLIGHT_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s"
     )
-    demo_args = demo.parse_args(rest)
+    demo_args = demo.parse_args(sys.argv[1:] if argv is None else argv, demo_parser(demo.__doc__))
     stop = TermAsInterrupt().install()  # SIGTERM: the same orderly stop as Ctrl+C, exit 143
     try:
         return asyncio.run(stop.guard(demo.main(demo_args)))

@@ -219,6 +219,34 @@ def test_the_demo_refuses_a_count_of_zero(option: str) -> None:
     assert done.stdout == ""
 
 
+@pytest.mark.parametrize(
+    "option", [["--bogus"], ["--lr", "-1"], ["--group-size", "1"], ["--steps", "0"], ["--algorithm", "apo", "--bogus"]]
+)
+def test_a_refused_option_is_one_error_line(option: list[str]) -> None:
+    """``make demo ARGS="--bogus"`` printed argparse's 5-line usage block before the error; README
+    says a refused option is one line."""
+    done = subprocess.run(
+        [sys.executable, str(DEMO), *option], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert len(done.stderr.splitlines()) == 1 and done.stderr.startswith("error: "), done.stderr
+    assert done.stdout == ""
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "apo"])
+def test_the_demo_help_names_algorithm_and_the_make_command(algorithm: str) -> None:
+    """``--help`` left out ``--algorithm`` and showed ``python examples/arithmetic/train_grpo.py``
+    as the command, where the user ran ``make demo``."""
+    done = subprocess.run(
+        [sys.executable, str(DEMO), "--algorithm", algorithm, "--help"], capture_output=True, text=True, timeout=120,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith('usage: make demo ARGS="[--algorithm {grpo,apo}]'), done.stdout
+    assert "--algorithm {grpo,apo}" in done.stdout.split("options:")[1]
+    assert "examples/arithmetic/train_grpo.py" not in done.stdout and "examples/room_booking" not in done.stdout
+
+
 def test_an_interrupted_demo_says_how_to_continue_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Ctrl+C ended the demo with a bare "interrupted": the line now gives the command that resumes
     the run from its last checkpoint, with the options it ran with (as README.md writes it)."""

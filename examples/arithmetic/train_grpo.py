@@ -37,6 +37,8 @@ sys.path.insert(0, str(ROOT))
 
 import eventlight as agl  # noqa: E402
 from examples.arithmetic.task import MAX_TOKENS, PROMPT, adder, make_items  # noqa: E402
+from examples.demo_args import OneLineParser  # noqa: E402
+from examples.demo_args import at_least_one as _at_least_one  # noqa: E402
 from examples.demo_lease import cancel_leftovers, demo_lease, refuse_if_live  # noqa: E402
 
 if TYPE_CHECKING:
@@ -89,19 +91,11 @@ def interrupted(run_id: str, argv: list[str], command: Callable[[list[str]], str
     )
 
 
-def _at_least_one(text: str) -> int:
-    """argparse type of a count: a whole number >= 1 (``--n-runners 0`` ran one runner)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """The run's options, each checked (``args.config``: its ``GRPOConfig``); ``parser``: the one to add
+    them to (``examples/demo.py``'s, which has ``--algorithm``), else this script's own. An option
+    refused is one ``error:`` line on stderr, exit 2."""
+    p = parser or OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=_at_least_one, default=8, help="GRPO steps (default 8)")
     p.add_argument("--batch-size", type=_at_least_one, default=4, help="tasks per step (default 4)")
     p.add_argument("--group-size", type=_at_least_one, default=8, help="samples per task (default 8)")

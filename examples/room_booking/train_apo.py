@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 import eventlight as agl  # noqa: E402
 from eventlight.store.jetstream import JetStreamLightningStore  # noqa: E402
+from examples.demo_args import OneLineParser  # noqa: E402
 from examples.demo_lease import cancel_leftovers, demo_lease, refuse_if_live  # noqa: E402
 from examples.room_booking.agent import INITIAL_PROMPT, load_tasks, room_booker, split  # noqa: E402
 
@@ -48,8 +49,11 @@ def new_run_id() -> str:
     return f"run-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """The run's options, each checked; ``parser``: the one to add them to (``examples/demo.py``'s,
+    which has ``--algorithm``), else this script's own. An option refused is one ``error:`` line on
+    stderr, exit 2."""
+    p = parser or OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n-runners", type=int, default=2, help="runner processes (default 2)")
     p.add_argument("--rounds", type=int, default=2, help="APO beam rounds (default 2)")
     p.add_argument("--beam-width", type=int, default=2)

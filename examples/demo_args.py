@@ -1,0 +1,28 @@
+"""The demos' option parser: a refused option is one ``error:`` line, as README.md says.
+
+argparse prints its whole usage block before the error (five lines for the GRPO demo); the demos
+print the error alone, and ``--help`` for the usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import NoReturn
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line on stderr, ``error: <why>``, exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message}\n")
+
+
+def at_least_one(text: str) -> int:
+    """argparse type of a count: a whole number >= 1 (``--n-runners 0`` ran one runner)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
