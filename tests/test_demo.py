@@ -207,6 +207,37 @@ def test_the_demo_checks_every_option_before_it_starts_anything(option: list[str
     assert done.stdout == "" and list(tmp_path.iterdir()) == []  # nothing started, no lease taken
 
 
+@pytest.mark.parametrize(
+    "option",
+    [
+        ["--rounds", "-1", "--rounds must be a whole number 0 to"],
+        ["--n-runners", "0", "--n-runners: must be at least 1, got 0"],
+        ["--beam-width", "0", "--beam-width must be a whole number 1 to"],
+        ["--branch-factor", "0", "--branch-factor must be a whole number 1 to"],
+        ["--llm-servers", "0", "--llm-servers: must be at least 1, got 0"],
+        ["--tasks", "-2", "--tasks: must be 0 or more, got -2"],
+    ],
+)
+def test_the_apo_demo_checks_every_option_before_it_starts_anything(option: list[str], tmp_path: Path) -> None:
+    """``--algorithm apo --rounds -1`` (``--n-runners 0``, ``--beam-width 0``) was refused only after
+    ~35 s, once two llama.cpp servers had started (``--n-runners 0`` not at all); the GRPO demo
+    refuses at once. The servers named here do not answer, so a demo that went on would fail otherwise."""
+    env = {
+        **os.environ,
+        "EVENTLIGHT_STATE_DIR": str(tmp_path),
+        "EVENTLIGHT_NATS_URL": f"nats://127.0.0.1:{closed_port()}",
+        "EVENTLIGHT_PG_DSN": f"postgresql://postgres@127.0.0.1:{closed_port()}/postgres",
+    }
+    *args, says = option
+    done = subprocess.run(
+        [sys.executable, str(DEMO), "--algorithm", "apo", *args], env=env, capture_output=True, text=True,
+        timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.startswith("error: ") and says in done.stderr, done.stderr
+    assert len(done.stderr.splitlines()) == 1 and done.stdout == "" and list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("option", ["--n-runners", "--steps"])
 def test_the_demo_refuses_a_count_of_zero(option: str) -> None:
     """``--n-runners 0`` ran one runner without a word; ``--steps 0`` evaluated for 37 s, then ended

@@ -18,17 +18,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import secrets
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import eventlight as agl  # noqa: E402
 from eventlight.store.jetstream import JetStreamLightningStore  # noqa: E402
-from examples.demo_args import OneLineParser  # noqa: E402
+from examples.demo_args import OneLineParser, at_least_one  # noqa: E402
 from examples.demo_lease import cancel_leftovers, demo_lease, refuse_if_live  # noqa: E402
 from examples.room_booking.agent import INITIAL_PROMPT, load_tasks, room_booker, split  # noqa: E402
 
@@ -54,7 +56,7 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
     which has ``--algorithm``), else this script's own. An option refused is one ``error:`` line on
     stderr, exit 2."""
     p = parser or OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--n-runners", type=int, default=2, help="runner processes (default 2)")
+    p.add_argument("--n-runners", type=at_least_one, default=2, help="runner processes (default 2)")
     p.add_argument("--rounds", type=int, default=2, help="APO beam rounds (default 2)")
     p.add_argument("--beam-width", type=int, default=2)
     p.add_argument("--branch-factor", type=int, default=2)
@@ -69,7 +71,7 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
     )
     p.add_argument(
         "--llm-servers",
-        type=int,
+        type=at_least_one,
         default=max(1, min(2, os.cpu_count() or 1)),
         help="local llama.cpp servers, one thread each (default: one per core, at most 2)",
     )
@@ -83,7 +85,58 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
         default=os.environ.get("EVENTLIGHT_DEMO_MODEL"),
         help="model name at --base-url (the local server's is smollm2-135m-instruct)",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.tasks < 0:
+        p.error(f"argument --tasks: must be 0 or more, got {args.tasks}")
+    try:  # every option checked here, before an LLM server or the store starts
+        make_apo(args, optimizer=None, model=args.model or "model", run_id="run")
+    except agl.InvalidInputError as e:
+        p.error(str(e))
+    return args
+
+
+_OPTIONS = {
+    "gradient_batch_size": "--gradient-batch-size",
+    "val_batch_size": "--val-batch-size",
+    "beam_width": "--beam-width",
+    "branch_factor": "--branch-factor",
+    "beam_rounds": "--rounds",
+    "edit_mode": "--edit-mode",
+}
+
+
+def make_apo(args: argparse.Namespace, optimizer: Any, model: str, run_id: str) -> agl.APO:
+    """The run's ``APO`` from its options (``parse_args``'s): its optimizer calls go to ``model`` on
+    ``optimizer``, its prompt versions are named ``<run_id>-v<n>``.
+
+    Raises:
+        InvalidInputError: An option APO refuses, named as the option (``--beam-width must be a
+            whole number 1 to …, got 0``).
+    """
+    local = not args.base_url  # the local SmolLM2 servers
+    try:
+        return agl.APO(
+            optimizer,
+            gradient_model=model,
+            apply_edit_model=model,
+            diversity_temperature=0.7,
+            gradient_batch_size=args.gradient_batch_size,
+            val_batch_size=args.val_batch_size,
+            beam_width=args.beam_width,
+            branch_factor=args.branch_factor,
+            beam_rounds=args.rounds,
+            rollout_batch_timeout=900,
+            progress=on_progress,
+            # a 135M model can write one instruction, rarely a whole template with its placeholders
+            edit_mode=args.edit_mode or ("append" if local else "rewrite"),
+            optimizer_max_tokens=160 if local else None,
+            version_prefix=f"{run_id}-",
+        )
+    except agl.InvalidInputError as e:
+        message = str(e)
+        for field, option in _OPTIONS.items():
+            message = re.sub(rf"\bAPO\.{field}\b", option, message)
+        raise agl.InvalidInputError(message) from None
 
 
 def say(text: str) -> None:
@@ -172,23 +225,7 @@ async def train(args: argparse.Namespace) -> int:
             if left:
                 say(f"cancelled {left} rollout(s) an earlier run left queued (interrupted?); its runners skip them")
             async with AsyncOpenAI(base_url=base_urls[0], api_key=api_key) as optimizer:
-                apo = agl.APO(
-                    optimizer,
-                    gradient_model=model,
-                    apply_edit_model=model,
-                    diversity_temperature=0.7,
-                    gradient_batch_size=args.gradient_batch_size,
-                    val_batch_size=args.val_batch_size,
-                    beam_width=args.beam_width,
-                    branch_factor=args.branch_factor,
-                    beam_rounds=args.rounds,
-                    rollout_batch_timeout=900,
-                    progress=on_progress,
-                    # a 135M model can write one instruction, rarely a whole template with its placeholders
-                    edit_mode=args.edit_mode or ("append" if servers else "rewrite"),
-                    optimizer_max_tokens=160 if servers else None,
-                    version_prefix=f"{run_id}-",
-                )
+                apo = make_apo(args, optimizer, model, run_id)
                 trainer = agl.Trainer(
                     algorithm=apo,
                     n_runners=args.n_runners,
