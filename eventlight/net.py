@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import re
 import socket
+from collections.abc import Sequence
+from urllib.parse import urlsplit
 
-__all__ = ["free_port", "port_free", "redact", "redact_unparsed", "tcp_listener"]
+__all__ = ["NATS_SCHEMES", "free_port", "port_free", "redact", "redact_unparsed", "server_urls", "tcp_listener"]
 
 
 def tcp_listener(host: str) -> socket.socket:
@@ -112,3 +114,42 @@ def _mask(m: re.Match[str]) -> str:
     if ":" in creds:
         return f"{scheme}{creds.split(':', 1)[0]}:***@"
     return f"{scheme}***@" if scheme.lower().startswith(("nats", "tls", "ws")) else m.group(0)
+
+
+NATS_SCHEMES = ("nats", "tls", "ws", "wss")
+"""The URL schemes nats-py connects with (``Client._parse_server_uri``): TCP (``nats``, ``tls``)
+and WebSocket (``ws``, ``wss``). Any other (``http://``) it reads as a host named after the scheme
+and tries until its connect timeout."""
+
+
+def server_urls(url: str | Sequence[str]) -> list[str]:
+    """The NATS servers named by ``url``: one URL, several separated by commas, or a list of them.
+
+    ``host:port`` without a scheme gets ``nats://``. ``EVENTLIGHT_NATS_URL`` takes the same form, so a
+    cluster is given by all its servers (``nats://a:4222,nats://b:4222,nats://c:4222``).
+
+    Raises:
+        InvalidInputError: No server is named; a scheme nats-py does not connect with (one of
+            ``NATS_SCHEMES``), or WebSocket and TCP servers mixed (nats-py refuses them); a port out
+            of range or not a number.
+    """
+    from eventlight.core.errors import InvalidInputError  # which imports this module
+
+    parts = url.split(",") if isinstance(url, str) else [p for u in url for p in u.split(",")]
+    urls = [p.strip() if "://" in p else f"nats://{p.strip()}" for p in parts if p.strip()]
+    if not urls:
+        raise InvalidInputError(f"no NATS server in {redact(str(url))!r}")
+    for u in urls:
+        scheme = u.split("://", 1)[0]
+        if scheme not in NATS_SCHEMES:
+            raise InvalidInputError(
+                f"{redact(u)} is not a NATS URL: its scheme is {scheme}://; NATS takes "
+                f"{', '.join(s + '://' for s in NATS_SCHEMES)} (e.g. nats://127.0.0.1:4222)"
+            )
+        try:
+            urlsplit(u).port  # noqa: B018 - parsing it raises on a port out of range or not a number
+        except ValueError as e:
+            raise InvalidInputError(redact_unparsed(u, "a NATS URL", e)) from None
+    if len({u.split("://", 1)[0] in ("ws", "wss") for u in urls}) > 1:
+        raise InvalidInputError("NATS URLs mix WebSocket (ws://, wss://) and TCP (nats://, tls://) servers")
+    return urls

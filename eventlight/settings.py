@@ -48,7 +48,7 @@ import msgspec
 
 from eventlight.core.errors import InvalidInputError
 from eventlight.credentials import NatsAuth, read_secret
-from eventlight.net import redact
+from eventlight.net import redact, server_urls
 
 _NS_RE = re.compile(r"^[a-z0-9_]{1,40}$")
 
@@ -86,7 +86,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
 
     Attributes:
         nats_url: NATS server URL (several, comma-separated, for a cluster), or ``None`` to start
-            the embedded one.
+            the embedded one; ``nats://``, ``tls://``, ``ws://`` or ``wss://`` (what nats-py
+            connects with; ``host:port`` takes ``nats://``), refused here otherwise.
         pg_dsn: Postgres DSN, or ``None`` to start the embedded one.
         state_dir: Folder for embedded servers' data, pid files and logs.
         namespace: Isolates streams (``el.<ns>.…``) and the Postgres schema (``el_<ns>``).
@@ -150,6 +151,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         check_namespace(self.namespace)
+        if self.nats_url is not None:  # here, so every command says it in one line before connecting
+            try:
+                server_urls(self.nats_url)
+            except InvalidInputError as e:
+                raise InvalidInputError(f"nats_url (EVENTLIGHT_NATS_URL): {e}") from None
         if self.pg_dsn is not None and not self.pg_dsn.lower().startswith(("postgresql://", "postgres://")):
             raise InvalidInputError(  # the value is not shown: a malformed DSN may still hold a password
                 "pg_dsn (EVENTLIGHT_PG_DSN) must be a postgresql:// URL, e.g. "

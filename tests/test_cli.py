@@ -604,3 +604,29 @@ async def test_an_address_that_does_not_parse_never_shows_its_password() -> None
     with pytest.raises(InvalidInputError) as with_at:  # "user:password@" is there: redact masks it, the rest stays
         server_urls("nats://user:secret@host:x")
     assert str(with_at.value) == "nats://user:***@host:x is not a NATS URL: its port 'x' is not a number"
+
+
+@pytest.mark.parametrize("command", [["status"], ["sql", "SELECT 1"], ["runner", "examples.tutorials.debug:main"]])
+def test_a_nats_url_of_another_scheme_is_one_line_before_connecting(command: list[str], tmp_path: Path) -> None:
+    """``EVENTLIGHT_NATS_URL=http://127.0.0.1:4222 eventlight status`` printed a 15-line table ending
+    in ``TimeoutError()``: nats-py reads ``http://…`` as a host named ``http``. Settings refuse a
+    scheme nats-py does not take (nats, tls, ws, wss), so every command says so in one line."""
+    env = {"EVENTLIGHT_NATS_URL": "http://127.0.0.1:4222", "EVENTLIGHT_STATE_DIR": str(tmp_path)}
+    done = cli(*command, env=env)
+    assert_one_line_error(done, 2, "EVENTLIGHT_NATS_URL", "http://127.0.0.1:4222 is not a NATS URL", "nats://")
+
+
+def test_settings_take_the_schemes_nats_py_connects_with() -> None:
+    from eventlight.core.errors import InvalidInputError
+
+    for url in ["nats://a:1", "tls://a:1", "ws://a:1", "wss://a", "a:1", "a", "nats://a:1, b:2"]:
+        assert Settings(nats_url=url).nats_url == url
+    for url, says in [
+        ("http://a:1", "its scheme is http://"),
+        ("NATS://a:1", "its scheme is NATS://"),
+        ("nats://a:1,ws://b:2", "mix WebSocket"),
+        ("nats://u:secret@a:1,https://u:secret@b", "its scheme is https://"),
+    ]:
+        with pytest.raises(InvalidInputError, match="EVENTLIGHT_NATS_URL") as refused:
+            Settings(nats_url=url)
+        assert says in str(refused.value) and "secret" not in str(refused.value)

@@ -11,9 +11,9 @@ from collections.abc import Callable, Sequence
 import nats.errors
 from nats.aio.client import Client as NATS
 
-from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
+from eventlight.core.errors import ServiceUnavailableError
 from eventlight.credentials import NatsAuth
-from eventlight.net import redact, redact_unparsed
+from eventlight.net import redact, server_urls
 
 log = logging.getLogger(__name__)
 
@@ -173,29 +173,6 @@ def connected_server(nc: NATS) -> str:
     ``ParseResult`` repr, never credentials); ``"NATS"`` when it is not connected."""
     url = nc.connected_url
     return f"nats://{url.hostname}:{url.port}" if url else "NATS"
-
-
-def server_urls(url: str | Sequence[str]) -> list[str]:
-    """The servers named by ``url``: one URL, several separated by commas, or a list of them.
-
-    ``host:port`` without a scheme gets ``nats://``. ``EVENTLIGHT_NATS_URL`` takes the same form, so a
-    cluster is given by all its servers (``nats://a:4222,nats://b:4222,nats://c:4222``).
-
-    Raises:
-        InvalidInputError: No server is named, or a port is out of range or not a number.
-    """
-    parts = url.split(",") if isinstance(url, str) else [p for u in url for p in u.split(",")]
-    urls = [p.strip() if "://" in p else f"nats://{p.strip()}" for p in parts if p.strip()]
-    if not urls:
-        raise InvalidInputError(f"no NATS server in {url!r}")
-    from urllib.parse import urlsplit
-
-    for u in urls:
-        try:
-            urlsplit(u).port  # noqa: B018 - parsing it raises on a port out of range or not a number
-        except ValueError as e:
-            raise InvalidInputError(redact_unparsed(u, "a NATS URL", e)) from None
-    return urls
 
 
 async def _reachable_one(url: str, timeout_s: float) -> str | None:
