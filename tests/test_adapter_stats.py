@@ -83,7 +83,8 @@ def test_a_trace_of_refused_calls_only_says_why_it_gave_no_triplet(caplog: pytes
     refused = trace()[3]
     with caplog.at_level(logging.WARNING, logger="eventlight.adapter"):
         assert TracerTraceToTriplet().adapt([refused]) == []
-    assert "no triplet: all 1 LLM call(s) were left out" in caplog.text and "errors=1" in caplog.text
+    assert "no triplet: all 1 LLM call(s) were left out (rollout ro-1, attempt at-1)" in caplog.text
+    assert "1 LLM call(s), 0 record(s); 1 failed (span status ERROR)" in caplog.text  # not AdapterStats(...)
     assert "no span matches" not in caplog.text
 
 

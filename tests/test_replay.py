@@ -788,3 +788,48 @@ async def test_replay_from_settings_without_servers_or_stream_says_what_to_run(
         InvalidInputError, match="has no stream EL_NO_SUCH_NS_REPLAY .*`eventlight up -N no_such_ns_replay`"
     ):
         await collect(eventlight.replay(other))
+
+
+async def refused_calls(store: Any, n: int) -> None:
+    """``n`` rollouts whose one LLM call failed (a 400: the prompt too long), so no triplet."""
+    from eventlight.llm_proxy.span_attributes import make_span
+
+    too_long = {"type": "ContextWindowExceededError", "status_code": 400, "message": "maximum context length"}
+    for i in range(n):
+        started = await store.start_rollout({"task": i})
+        rid, aid = started.rollout_id, started.attempt.attempt_id
+        request = {"model": "m", "messages": [{"role": "user", "content": "2+2?"}]}
+        span = make_span(
+            request, None, too_long, system="hosted_vllm", streaming=False, rollout_id=rid, attempt_id=aid,
+            sequence_id=1, start_time=1.0,
+        )  # fmt: skip
+        await store.add_span(span)
+        await store.update_attempt(rid, aid, status="failed")
+
+
+async def test_attempts_whose_calls_were_all_left_out_are_told_once(caplog: pytest.LogCaptureFixture) -> None:
+    """``eventlight replay`` printed ``no triplet: all 1 LLM call(s) were left out (AdapterStats(...
+    errors=1 ...))`` once per such attempt, the same line each time (it named no attempt), the counts as
+    a repr. The replay tells them once at its end, counted, the counts in words."""
+    async with InMemoryLightningStore() as store:
+        await refused_calls(store, 2)
+        with caplog.at_level("WARNING", logger="eventlight"):
+            assert await collect(eventlight.replay(store, adapter="triplets")) == []
+    assert [r.getMessage() for r in caplog.records] == [
+        "replay: no triplet from 2 attempt(s): all their LLM calls were left out "
+        "(2 LLM call(s), 0 record(s); 2 failed (span status ERROR))"
+    ]
+
+
+async def test_cli_replay_tells_attempts_whose_calls_were_all_left_out_once(
+    namespace: Settings, tmp_path: Path
+) -> None:
+    async with JetStreamLightningStore(namespace) as store:
+        await refused_calls(store, 2)
+    result = cli("replay", "--out", str(tmp_path / "x.jsonl"), env=env_of(namespace))
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert warnings == [
+        "warning: no triplet from 2 attempt(s): all their LLM calls were left out "
+        "(2 LLM call(s), 0 record(s); 2 failed (span status ERROR))"
+    ], result.stderr

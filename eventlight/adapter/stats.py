@@ -36,6 +36,13 @@ class AdapterStats:
     duplicates: int = 0
     cycles_cut: int = 0
 
+    def __str__(self) -> str:
+        """The counts in words, those at 0 left out: ``1 LLM call(s), 0 record(s); 1 failed (span
+        status ERROR)`` (the dataclass ``repr`` listed every field by name)."""
+        parts = [f"{n} {words}" for field, words in _IN_WORDS if (n := getattr(self, field))]
+        head = f"{self.llm_calls} LLM call(s), {self.triplets} record(s)"
+        return head + (f"; {', '.join(parts)}" if parts else "")
+
     def add(self, other: AdapterStats) -> None:
         """Add ``other``'s counts to these."""
         for field in dataclasses.fields(self):
@@ -45,6 +52,15 @@ class AdapterStats:
     def skipped(self) -> int:
         """Calls that gave no record."""
         return self.llm_calls - self.triplets
+
+
+_IN_WORDS = (
+    ("errors", "failed (span status ERROR)"),
+    ("duplicates", "duplicate(s) of a call kept"),
+    ("missing_token_ids", "without token ids"),
+    ("incomplete_token_ids", "with incomplete token ids"),
+    ("cycles_cut", "parent-link cycle(s) cut"),
+)
 
 
 class CountingAdapter:

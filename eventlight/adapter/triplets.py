@@ -149,6 +149,9 @@ class TracerTraceToTriplet(TraceToTripletBase):
 
     last_unmatched: tuple[str, ...] | None = None
     warn_unmatched: bool = True
+    warn_left_out: bool = True
+    """Log a warning for an attempt whose LLM calls were all left out (``eventlight.replay`` turns it
+    off and tells them once, counted, at its end)."""
 
     def __init__(
         self,
@@ -216,7 +219,15 @@ class TracerTraceToTriplet(TraceToTripletBase):
         self._counted(stats)
         if not pairs:
             if calls:  # matched, and every one left out: say why rather than "no span matches"
-                log.warning("no triplet: all %d LLM call(s) were left out (%s)", stats.llm_calls, stats)
+                if self.warn_left_out:
+                    span = calls[0][0].span
+                    log.warning(
+                        "no triplet: all %d LLM call(s) were left out (rollout %s, attempt %s): %s",
+                        stats.llm_calls,
+                        span.rollout_id,
+                        span.attempt_id,
+                        stats,
+                    )
                 return []
             self.last_unmatched = tuple(sorted({n.span.name for n in tree.traverse() if n.id != VIRTUAL_ROOT_ID}))
             if self.warn_unmatched:

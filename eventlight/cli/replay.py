@@ -89,6 +89,7 @@ async def _replay_to_file(settings: Settings, out: Path, opts: dict[str, Any]) -
     run.log_first_skip = False  # printed below with the others, once
     run.log_range_outside = False  # printed below as a warning
     run.log_unmatched = False  # and so is this
+    run.log_left_out = False  # and this
     # a partial dataset would pass for a whole one: written beside `out`, renamed over it when whole
     with replacing(out) as part, _progress() as bar:
         writer = make_writer(part)
@@ -277,7 +278,7 @@ def replay_command(
         "reward": reward,
         "workers": default_workers() if workers is None else workers,
     }
-    from eventlight.logreplay.replay import ReplayWorkerError, range_outside_log, unmatched_warning
+    from eventlight.logreplay.replay import ReplayWorkerError, left_out_warning, range_outside_log, unmatched_warning
 
     try:
         run = _run(_replay_to_file(settings, _writable(out), opts))
@@ -298,6 +299,8 @@ def replay_command(
         err.print(f"[yellow]warning:[/yellow] {escape(outside)}")
     if (unmatched := unmatched_warning(run)) is not None:
         err.print(f"[yellow]warning:[/yellow] {escape(unmatched)}")
+    if (left_out := left_out_warning(run)) is not None:
+        err.print(f"[yellow]warning:[/yellow] {escape(left_out)}")
     console.print(
         f"{s.records} record(s) from {s.attempts} attempt(s) → {escape(str(out))}  "
         f"[dim]({s.events} events and {s.spans} spans read up to log position {s.head_seq}"

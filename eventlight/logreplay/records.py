@@ -39,6 +39,7 @@ from typing import Any
 
 import msgspec
 
+from eventlight.adapter.stats import AdapterStats
 from eventlight.core.errors import InvalidInputError
 from eventlight.core.events import SpansAdded, decode_event
 from eventlight.core.types import Span, Triplet
@@ -124,7 +125,7 @@ def resolve_adapter(adapter: str | AdapterFn, llm_call_match: str | None = None)
         triplets = (
             TracerTraceToTriplet() if llm_call_match is None else TracerTraceToTriplet(llm_call_match=llm_call_match)
         )
-        triplets.warn_unmatched = False
+        triplets.warn_unmatched = triplets.warn_left_out = False
         return triplets
     builtin: dict[str, Callable[[], AdapterFn]] = {
         "messages": TraceToMessages,
@@ -301,6 +302,9 @@ class Adapted(msgspec.Struct, frozen=True):
     unmatched: tuple[str, ...] | None = None
     """The attempt's span names when none matched the adapter's ``llm_call_match`` (an adapter
     ``resolve_adapter`` built, which does not warn itself), else ``None``."""
+    left_out: AdapterStats | None = None
+    """The adapter's counts when it found LLM calls and left every one out (an adapter
+    ``resolve_adapter`` built, which does not warn itself), else ``None``."""
 
 
 def adapt_batches(batches: Sequence[tuple[int, bytes]], adapter: AdapterFn, reward_fn: RewardFn | None) -> Adapted:
@@ -319,6 +323,8 @@ def adapt_batches(batches: Sequence[tuple[int, bytes]], adapter: AdapterFn, rewa
         final = find_final_reward(spans)
     items = list(_items(adapter(spans)))
     unmatched = getattr(adapter, "last_unmatched", None) if getattr(adapter, "warn_unmatched", True) is False else None
+    stats = getattr(adapter, "last_stats", None) if getattr(adapter, "warn_left_out", True) is False else None
+    left_out = stats if isinstance(stats, AdapterStats) and stats.llm_calls and not stats.triplets else None
     out: list[dict[str, Any]] = []
     for i, item in enumerate(items):
         fields = item_fields(item)
@@ -332,7 +338,7 @@ def adapt_batches(batches: Sequence[tuple[int, bytes]], adapter: AdapterFn, rewa
         elif "reward" not in fields and not isinstance(item, Triplet):
             fields["reward"] = final
         out.append(fields)
-    return Adapted(out, final, positions, unmatched)
+    return Adapted(out, final, positions, unmatched, left_out)
 
 
 def records_from(selected: Selected, adapted: Adapted) -> list[dict[str, Any]]:

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
+from eventlight.adapter.stats import AdapterStats
 from eventlight.core.errors import EventlightError, InvalidInputError
 from eventlight.core.types import ATTEMPT_STATUSES, ROLLOUT_MODES
 from eventlight.logreplay.parallel import (
@@ -85,6 +86,8 @@ class ReplayStats(msgspec.Struct):
     """Attempts whose records a worker process made while the log was still read (``workers``)."""
     unmatched: int = 0
     """Attempts in which no span matched the ``triplets`` adapter's ``llm_call_match`` (no record)."""
+    left_out: int = 0
+    """Attempts whose LLM calls the ``triplets`` adapter all left out (failed calls, say: no record)."""
 
 
 Progress = Callable[[ReplayStats], None]
@@ -146,6 +149,11 @@ class Replay(AsyncIterator[dict[str, Any]]):
         """Log one warning at the end for the attempts in which no span matched the ``triplets``
         adapter's ``llm_call_match``, ``unmatched_warning`` (``eventlight replay`` prints it itself)."""
         self.unmatched_names: Counter[str] = Counter()
+        self.log_left_out = True
+        """Log one warning at the end for the attempts whose LLM calls the ``triplets`` adapter all
+        left out, ``left_out_warning`` (``eventlight replay`` prints it itself)."""
+        self.left_out_stats = AdapterStats()
+        """The adapter's counts over those attempts."""
         """Span names of those attempts: in how many of them each was seen."""
         self.stats = ReplayStats()
         self._it: AsyncIterator[dict[str, Any]] | None = None
@@ -199,6 +207,9 @@ class Replay(AsyncIterator[dict[str, Any]]):
                 if result.unmatched is not None:
                     self.stats.unmatched += 1
                     self.unmatched_names.update(result.unmatched)
+                if result.left_out is not None:
+                    self.stats.left_out += 1
+                    self.left_out_stats.add(result.left_out)
                 final = result.final_reward if result.items else None  # an attempt without records has none
                 if self.min_reward is not None and not _at_least(final, self.min_reward):
                     continue
@@ -213,6 +224,8 @@ class Replay(AsyncIterator[dict[str, Any]]):
                 self.on_progress(self.stats)
             if self.log_unmatched and (unmatched := unmatched_warning(self)) is not None:
                 log.warning("replay: %s", unmatched)
+            if self.log_left_out and (left_out := left_out_warning(self)) is not None:
+                log.warning("replay: %s", left_out)
             finished = True
         finally:
             if pool is not None:
@@ -562,6 +575,18 @@ def unmatched_warning(run: Replay) -> str | None:
         f"no span matched llm_call_match={pattern!r} in {n} attempt(s), which gave no record; "
         f"span names seen (attempts): {names or 'none'}{more}"
     )
+
+
+def left_out_warning(run: Replay) -> str | None:
+    """One line for the attempts whose LLM calls the ``triplets`` adapter all left out (they gave no
+    record), with its counts over them in words (``AdapterStats``); ``None`` when there were none.
+    ``eventlight replay`` prints it as a warning; ``eventlight.replay`` logs it at WARNING once the
+    replay ends (the adapter's own warning per attempt, which named no attempt, is off).
+    """
+    n = run.stats.left_out
+    if not n:
+        return None
+    return f"no triplet from {n} attempt(s): all their LLM calls were left out ({run.left_out_stats})"
 
 
 def range_outside_log(filters: Filters, stats: ReplayStats) -> list[str]:
