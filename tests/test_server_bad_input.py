@@ -11,6 +11,7 @@ import json
 import logging
 import re
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -860,3 +861,30 @@ async def test_slow_clients_declaring_large_bodies_do_not_lock_out_the_others() 
                 for _, writer in slow:
                     writer.close()
             await _until(lambda: reads.held_bytes == 0, "the bytes given back")
+
+
+NULL_WHEN_MISSING = ["/rollouts/{rollout_id}", "/workers/{worker_id}", "/resources/{resources_id}", "/resources/latest"]
+
+
+async def test_a_get_of_an_unknown_id_answers_null_and_under_an_unknown_rollout_404(
+    http: httpx.AsyncClient,
+) -> None:
+    """``GET /rollouts/<unknown>`` answered ``null`` while ``/attempts`` of the same id answered 404
+    (a fresh user). Both as Agent-lightning: its server answers a missing entity's GET with 200
+    ``null`` (``get_rollout_by_id`` returns ``Optional``; seed_store_types.md §5.2), and its docs
+    have ``query_attempts`` raise for an unknown rollout."""
+    ids = {"rollout_id": "ro-nope", "worker_id": "w-nope", "resources_id": "rs-nope"}
+    for route in NULL_WHEN_MISSING:
+        got = await http.get("/v1/agl" + route.format(**ids))
+        assert (got.status_code, got.json()) == (200, None), route
+    for path in ["/rollouts/ro-nope/attempts", "/rollouts/ro-nope/attempts/latest", "/spans?rollout_id=ro-nope"]:
+        got = await http.get("/v1/agl" + path)
+        assert got.status_code == 404 and got.json()["error_type"] == "RolloutNotFoundError", path
+
+
+def test_the_readme_says_which_gets_answer_null() -> None:
+    """README.md said "404 unknown id" only, which ``GET /rollouts/<unknown>`` (200 ``null``) is not."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    said = re.search(r"A GET of one thing by its id that does not exist \((.*?)\) answers 200 `null`", readme, re.S)
+    assert said is not None, "README.md does not say which GETs answer null"
+    assert all(f"`{route}`" in said.group(1) for route in NULL_WHEN_MISSING), said.group(1)
