@@ -24,6 +24,7 @@ import asyncpg
 import msgspec
 import pytest
 
+from eventlight.core.types import Span
 from eventlight.ops import (
     Services,
     apply_migrations,
@@ -38,6 +39,21 @@ from eventlight.store.jetstream.connect import connect_nats
 from eventlight.store.memory import InMemoryLightningStore
 
 T = TypeVar("T")
+
+
+def reward_span(rollout_id: str, attempt_id: str, seq: int, value: float) -> Span:
+    """An ``agentlightning.annotation`` span carrying reward ``value`` (name ``primary``) at
+    ``sequence_id`` ``seq``, as ``agl.emit_reward`` records it; shared by the store contract and
+    the race tests."""
+    return Span.from_attributes(
+        attributes={"agentlightning.reward.0.name": "primary", "agentlightning.reward.0.value": value},
+        rollout_id=rollout_id,
+        attempt_id=attempt_id,
+        sequence_id=seq,
+        name="agentlightning.annotation",
+        start_time=1.0,
+        end_time=1.0,
+    )
 
 
 @pytest.fixture(scope="session")
