@@ -232,6 +232,36 @@ def test_down_refuses_a_namespace_it_would_not_limit(tmp_path: Path) -> None:
     assert_one_line_error(result, 2, "every namespace shares", "-N x")
 
 
+def test_serve_body_min_rate_0_disables_the_minimum_rate(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``--body-min-rate 0`` serves with no minimum body rate (``BodyLimit``'s ``None``), as
+    ``LightningStoreServer(body_min_bytes_per_s=None)`` does; it was refused as not positive."""
+    import importlib
+    import socket
+
+    serve_module = importlib.import_module("eventlight.cli.serve")
+    seen: list[dict[str, object]] = []
+
+    async def fake_serve(*args: object) -> int:
+        seen.append(dict(args[-1]))  # type: ignore[call-overload]
+        return 0
+
+    monkeypatch.setattr(serve_module, "_serve", fake_serve)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {"EVENTLIGHT_STATE_DIR": str(tmp_path)}
+    for rate, expected in (("0", None), ("512", 512.0)):
+        result = CliRunner().invoke(
+            app, ["serve", "--backend", "memory", "--port", port, "--body-min-rate", rate], env=env
+        )
+        assert result.exit_code == 0, result.output
+        assert seen.pop()["body_min_bytes_per_s"] == expected
+    refused = CliRunner().invoke(app, ["serve", "--port", port, "--body-min-rate", "-1"], env=env)
+    assert refused.exit_code == 2 and not seen
+    page = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "300"}, prog_name="eventlight").output
+    assert "0: no minimum rate" in ANSI.sub("", page)
+
+
 def test_load_agent_accepts_agents_by_module_or_file() -> None:
     from eventlight.agent import LitAgent
 
