@@ -607,6 +607,42 @@ async def test_runner_runs_heartbeats_into_status_and_stops_on_ctrl_c(namespace:
     assert after.returncode == 0, after.stderr  # the runner left the servers running
 
 
+async def test_a_command_stopped_by_ctrl_c_says_interrupted(namespace: Settings) -> None:
+    """Ctrl+C during ``eventlight sql`` (and any command that does not catch it) exited 130 with
+    nothing on stderr, as if it had finished; now one line ``interrupted`` says it did not."""
+    import asyncio
+    import signal
+
+    import asyncpg
+
+    base = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
+    proc = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "eventlight.cli", "sql", "SELECT pg_sleep(59.25)"),
+        cwd=ROOT,
+        env={**base, **env_of(namespace)},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        admin = await asyncpg.connect(namespace.pg_dsn)
+        try:
+            running = (
+                "SELECT count(*) FROM pg_stat_activity WHERE query LIKE '%pg_sleep(59.25)%' AND pid <> pg_backend_pid()"
+            )
+            for _ in range(600):  # until the query runs: the command is then inside asyncio.run
+                if await admin.fetchval(running) or proc.returncode is not None:
+                    break
+                await asyncio.sleep(0.1)
+        finally:
+            await admin.close()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out_bytes, err_bytes = await asyncio.wait_for(proc.communicate(), 60)
+    stderr = err_bytes.decode()
+    assert proc.returncode == 130, f"exit {proc.returncode}\n{out_bytes.decode()}\n{stderr}"
+    assert stderr.strip().splitlines() == ["interrupted"], stderr
+
+
 def test_redact_hides_passwords_and_tokens() -> None:
     from eventlight.net import redact
 
