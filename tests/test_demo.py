@@ -186,6 +186,7 @@ async def test_the_apo_demo_cancels_what_an_earlier_run_left_queued(namespace: S
         ["--threads", "-1", "--threads: must be 0 or more, got -1"],
         ["--eval-items", "-3", "--eval-items: must be 0 or more, got -3"],
         ["--model-dir", "no-such-folder", "--model-dir: no model at no-such-folder"],
+        ["--rollout-timeout", "0", "--rollout-timeout must be a finite number > 0, got 0"],
     ],
 )
 def test_the_demo_checks_every_option_before_it_starts_anything(option: list[str], tmp_path: Path) -> None:
@@ -205,6 +206,14 @@ def test_the_demo_checks_every_option_before_it_starts_anything(option: list[str
     assert done.returncode == 2, done.stdout + done.stderr
     assert says in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert done.stdout == "" and list(tmp_path.iterdir()) == []  # nothing started, no lease taken
+
+
+def test_the_demo_passes_rollout_timeout_to_grpo() -> None:
+    """GRPO's ``rollout_timeout_s`` (600 s) had no option: a slow machine could not give its steps longer."""
+    from examples.arithmetic.train_grpo import parse_args
+
+    assert parse_args([]).config.rollout_timeout_s == 600.0
+    assert parse_args(["--rollout-timeout", "1200"]).config.rollout_timeout_s == 1200.0
 
 
 @pytest.mark.parametrize("option", ["--n-runners", "--steps"])

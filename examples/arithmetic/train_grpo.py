@@ -148,6 +148,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-items", type=int, default=0, help="evaluate on the first N held-out items (0 = all)")
     p.add_argument("--model-dir", help="start from this transformers model folder (default: SmolLM2 from the GGUF)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    p.add_argument(
+        "--rollout-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="longest wait for one step's rollouts; those not finished by then are cancelled (default 600)",
+    )
     args = p.parse_args(argv)
     for option in ("eval_items", "threads"):
         if getattr(args, option) < 0:
@@ -170,6 +177,7 @@ _OPTIONS = {
     "temperature": "--temperature",
     "eval_every": "--eval-every",
     "seed": "--seed",
+    "rollout_timeout_s": "--rollout-timeout",
     "version_prefix": "--resume (its RUN_ID + '-')",
 }
 
@@ -193,6 +201,7 @@ def grpo_config(args: argparse.Namespace) -> GRPOConfig:
             eval_every=args.eval_every,
             max_new_tokens=MAX_TOKENS,
             seed=args.seed,
+            rollout_timeout_s=args.rollout_timeout,
             version_prefix=f"{args.run_id}-",
         )
     except agl.InvalidInputError as e:
