@@ -83,7 +83,9 @@ def _in_thread(fn: Callable[[], T]) -> T:
 
 @contextlib.asynccontextmanager
 async def fresh_namespace(services: tuple[Settings, Services]) -> AsyncIterator[Settings]:
-    """A new namespace (stream + schema) on the session's servers, dropped afterwards."""
+    """A new namespace (stream + schema) on the session's servers, dropped afterwards, also when its
+    set-up fails or is interrupted part way (a schema holding only an empty ``schema_migrations``
+    was left behind otherwise)."""
     base, svc = services
     settings = Settings(
         nats_url=svc.nats_url,
@@ -91,13 +93,13 @@ async def fresh_namespace(services: tuple[Settings, Services]) -> AsyncIterator[
         state_dir=base.state_dir,
         namespace=f"t{uuid.uuid4().hex[:10]}",
     )
-    nc = await connect_nats(svc.nats_url)
     try:
-        await apply_streams(nc, settings)
-    finally:
-        await nc.close()
-    await apply_migrations(svc.pg_dsn, settings.pg_schema)
-    try:
+        nc = await connect_nats(svc.nats_url)
+        try:
+            await apply_streams(nc, settings)
+        finally:
+            await nc.close()
+        await apply_migrations(svc.pg_dsn, settings.pg_schema)
         yield settings
     finally:
         await drop_namespace(svc.nats_url, svc.pg_dsn, settings)
