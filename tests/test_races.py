@@ -30,7 +30,7 @@ from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore, queue
 from eventlight.store.jetstream.definitions import consumer_config
 from eventlight.store.jetstream.queue import EMPTY_CONFIRM_S
-from tests.conftest import hold_first_append
+from tests.conftest import hold_first_append, reward_span
 
 N_ROLLOUTS = int(os.environ.get("EVENTLIGHT_RACE_ROLLOUTS", "2000"))
 N_PROCS = 4
@@ -644,18 +644,6 @@ async def test_redelivered_entries_of_rollouts_claimed_since_are_passed_over_wit
             assert (await store.get_rollout_by_id(h.rollout_id)).status == "preparing"
 
 
-def _reward(rollout_id: str, attempt_id: str, seq: int, value: float) -> Span:
-    return Span.from_attributes(
-        attributes={"agentlightning.reward.0.name": "primary", "agentlightning.reward.0.value": value},
-        rollout_id=rollout_id,
-        attempt_id=attempt_id,
-        sequence_id=seq,
-        name="agentlightning.annotation",
-        start_time=float(seq),
-        end_time=float(seq),
-    )
-
-
 async def _heartbeat(store: JetStreamLightningStore, worker_id: str, rollout_id: str, attempt_id: str) -> None:
     """What a runner's heartbeat does: its worker (keeping its queue entry in progress) and its attempt."""
     await store.update_worker(worker_id, {"at": time.time()})
@@ -691,7 +679,7 @@ async def test_a_vanished_holders_redelivered_entry_is_claimed_once_and_its_late
         first = await a.dequeue_rollout(worker_id="a")
         assert first is not None
         a1 = first.attempt.attempt_id
-        await a.add_span(_reward(rid, a1, 1, 0.1))  # then A vanishes: no heartbeat, no ack
+        await a.add_span(reward_span(rid, a1, 1, 0.1))  # then A vanishes: no heartbeat, no ack
         while (await store.get_rollout_by_id(rid)).status != "requeuing":  # noqa: ASYNC110
             await asyncio.sleep(0.05)
         assert await _delivered(store) == 1
@@ -702,9 +690,9 @@ async def test_a_vanished_holders_redelivered_entry_is_claimed_once_and_its_late
         try:
             assert await c.dequeue_rollout(worker_id="c", wait_s=2) is None
             assert await _delivered(store) >= 3  # A's entry was handed out again, and the requeue's
-            await a.add_span(_reward(rid, a1, 2, 0.2))  # A is back: a late span and heartbeat
+            await a.add_span(reward_span(rid, a1, 2, 0.2))  # A is back: a late span and heartbeat
             await _heartbeat(a, "a", rid, a1)
-            await b.add_span(_reward(rid, b2, 1, 0.9))
+            await b.add_span(reward_span(rid, b2, 1, 0.9))
             await b.update_attempt(rid, b2, status="succeeded")
         finally:
             beating.cancel()

@@ -34,23 +34,12 @@ from eventlight.core.types import (
     Span,
 )
 from eventlight.settings import Settings
+from tests.conftest import reward_span
 
 
 async def settle(store: Any) -> None:
     """Wait until reads include every write, whoever made it (a no-op in memory)."""
     await store.sync_all(timeout_s=10)
-
-
-def reward_span(rollout_id: str, attempt_id: str, seq: int, value: float) -> Span:
-    return Span.from_attributes(
-        attributes={"agentlightning.reward.0.name": "primary", "agentlightning.reward.0.value": value},
-        rollout_id=rollout_id,
-        attempt_id=attempt_id,
-        sequence_id=seq,
-        name="agentlightning.annotation",
-        start_time=1.0,
-        end_time=1.0,
-    )
 
 
 async def test_enqueue_takes_latest_resources_and_queues(store: Any) -> None:

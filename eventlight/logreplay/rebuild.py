@@ -92,31 +92,35 @@ async def rebuild(settings: Settings, pg_dsn: str | None = None, *, swap: bool =
         InvalidInputError: ``swap`` while a projector of the namespace runs, or another rebuild of
             the namespace is running, or the namespace has no stream.
         ServiceUnavailableError: NATS or Postgres cannot be reached, or one is not set and no
-            embedded server runs.
+            embedded server runs, or Postgres took no connection within ``settings.pg_open_wait_s``
+            seconds (``EVENTLIGHT_PG_OPEN_WAIT_S``; meanwhile one warning line a try).
     """
     from eventlight.logreplay.servers import log_of, pg_dsn_of
 
     dsn = await pg_dsn_of(settings, pg_dsn)
     async with log_of(settings, "eventlight-rebuild", time.time) as log_:  # the stream exists: then Postgres
-        return await _rebuild(log_, settings.pg_schema, dsn, swap)
+        return await _rebuild(log_, settings.pg_schema, dsn, swap, settings.pg_open_wait_s)
 
 
-async def _rebuild(log_: Any, live: str, pg_dsn: str, swap: bool) -> RebuildReport:
-    """``rebuild`` from the namespace's event log ``log_``, of the live schema ``live``."""
+async def _rebuild(log_: Any, live: str, pg_dsn: str, swap: bool, open_wait_s: float) -> RebuildReport:
+    """``rebuild`` from the namespace's event log ``log_``, of the live schema ``live``; each
+    opening (connection, migrations, pool) waits up to ``open_wait_s`` seconds while Postgres
+    takes no connection now (``open_waiting``)."""
     from eventlight.ops import apply_migrations
     from eventlight.store.jetstream import pg, pg_errors
+    from eventlight.store.jetstream.pg_open import open_waiting
     from eventlight.store.jetstream.projector import Projector
 
     fresh = f"{live}_rebuild"
-    conn = await pg_errors.connect(pg_dsn)
+    conn = await open_waiting(pg_dsn, "rebuilding", lambda: pg_errors.connect(pg_dsn), wait_s=open_wait_s)
     try:
         if not await conn.fetchval("SELECT pg_try_advisory_lock(hashtext($1), hashtext($2))", _REBUILD_LOCK, live):
             raise InvalidInputError(
                 f"another rebuild of schema {live} is running (it holds the rebuild lock): wait for it to finish"
             )
         await conn.execute(f"DROP SCHEMA IF EXISTS {_q(fresh)} CASCADE")  # an earlier rebuild left behind
-        await apply_migrations(pg_dsn, fresh)
-        pool = await pg.create_pool(pg_dsn, fresh)
+        await apply_migrations(pg_dsn, fresh, open_wait_s=open_wait_s)
+        pool = await open_waiting(pg_dsn, "rebuilding", lambda: pg.create_pool(pg_dsn, fresh), wait_s=open_wait_s)
         t0 = time.perf_counter()
         try:
             rebuilt_at = await Projector(log_, pool, watchdog_interval_s=NO_WATCHDOG_S).rebuild()
