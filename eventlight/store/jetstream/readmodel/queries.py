@@ -238,7 +238,7 @@ class SqlQueries:
             if not rows:
                 await self._require_rollout(conn, rollout_id)  # an empty rollout, or an unknown one
                 return [], False
-        if not latest and len({row[0] for row in rows}) > 1:
+        if not latest and len({row[1] for row in rows}) > 1:
             return None, True
         return pg.spans_from_json_rows(rows), False
 
