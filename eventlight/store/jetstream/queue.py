@@ -227,7 +227,7 @@ class RunnersQueue:
                     return None
                 await inbox.rewait(loop, timeout_s - FULL_PROBE_S)
             if inbox.answer is None:
-                raise nats.errors.TimeoutError
+                raise inbox.no_answer()
         except TRANSPORT_ERRORS as e:
             self._give_up(inbox, timeout_s)  # a late answer is handed back, and the inbox not reused before it
             if isinstance(e, nats.errors.TimeoutError) and await self._at_max_ack_pending():
@@ -278,7 +278,7 @@ class RunnersQueue:
             if inbox.waiter is not None:
                 await inbox.waiter
             if inbox.answer is None:
-                raise nats.errors.TimeoutError
+                raise inbox.no_answer()
         except BaseException:
             self._give_up(inbox, timeout_s)
             raise
@@ -288,8 +288,13 @@ class RunnersQueue:
         """The answer ``inbox`` brought; the inbox goes back to the pool."""
         msg = inbox.answer
         inbox.idle()
-        self._inboxes.append(inbox)
+        self._pool(inbox)
         return msg
+
+    def _pool(self, inbox: _Inbox) -> None:
+        """An idle inbox is kept for the next request, unless ``close`` unsubscribed it."""
+        if inbox.sub is not None:
+            self._inboxes.append(inbox)
 
     async def _new_inbox(self) -> _Inbox:
         inbox = _Inbox(self)
@@ -307,7 +312,7 @@ class RunnersQueue:
             self._abandon(inbox, timeout_s)
             return
         inbox.idle()
-        self._inboxes.append(inbox)
+        self._pool(inbox)
         if _is_entry(msg):
             self._in_background(_nak(msg))
 
@@ -318,7 +323,11 @@ class RunnersQueue:
 
     def _abandon(self, inbox: _Inbox, timeout_s: float) -> None:
         """Nobody waits for ``inbox``'s answer any more: it hands back an entry that comes, and goes
-        back to the pool once answered; unanswered after ``timeout_s``, it is unsubscribed."""
+        back to the pool once answered; unanswered after ``timeout_s``, it is unsubscribed. One that
+        ``close`` unsubscribed can bring nothing more: nothing is left to wait for it."""
+        if inbox.sub is None:
+            inbox.idle()
+            return
         inbox.abandon(asyncio.get_running_loop(), timeout_s)
         self._abandoned.add(inbox)
 
@@ -326,7 +335,7 @@ class RunnersQueue:
         """``inbox``'s abandoned pull is over: answered (its entry handed back), or given up on."""
         self._abandoned.discard(inbox)
         if answered and inbox.sub is not None:
-            self._inboxes.append(inbox)
+            self._pool(inbox)
         else:
             self._all.discard(inbox)
             inbox.unsubscribe_later()
@@ -364,6 +373,7 @@ class RunnersQueue:
             await asyncio.wait(waits, timeout=HAND_BACK_CLOSE_WAIT_S)
         sub, self._sub = self._sub, None
         inboxes, self._all, self._inboxes = self._all, set(), []
+        self._abandoned.clear()
         for inbox in inboxes:
             inbox.close()
         for task in list(self._background):
@@ -415,17 +425,24 @@ class _Inbox:
         """A request goes out: its waiter wakes on the answer, or after ``wait_s`` seconds."""
         self.answer = None
         waiter = self.waiter = loop.create_future()
-        self.timer = loop.call_later(wait_s, _wake, waiter)
+        if self.sub is None:  # closed (``close``): no answer can come
+            waiter.set_result(None)
+        else:
+            self.timer = loop.call_later(wait_s, _wake, waiter)
         return waiter
 
     def rewait(self, loop: asyncio.AbstractEventLoop, wait_s: float) -> asyncio.Future[None]:
         """A new waiter for the same request (the first one woke up without an answer)."""
         waiter = self.waiter = loop.create_future()
-        if self.answer is not None:
+        if self.answer is not None or self.sub is None:
             waiter.set_result(None)
         else:
             self.timer = loop.call_later(wait_s, _wake, waiter)
         return waiter
+
+    def no_answer(self) -> nats.errors.Error:
+        """What a request woken without an answer fails with: its wait ran out, or ``close``."""
+        return nats.errors.ConnectionClosedError() if self.sub is None else nats.errors.TimeoutError()
 
     def idle(self) -> None:
         self.answer = self.waiter = None
@@ -461,13 +478,16 @@ class _Inbox:
         self.queue._settled(self, answered)
 
     def close(self) -> None:
-        """Unsubscribe; a caller still waiting fails as if the connection had closed."""
-        if self.waiter is not None and not self.waiter.done() and self.answer is None:
-            self.waiter.set_exception(nats.errors.ConnectionClosedError())
-        if self.expiry is not None:
-            self.expiry.cancel()
-            self.expiry = None
+        """Unsubscribe; a caller still waiting fails as if the connection had closed (``no_answer``).
+        Its waiter is woken, not failed: a request sent and not yet waited for (``_send``), whose
+        caller then gives up on it, would leave an exception nobody retrieves."""
         self.unsubscribe_later()
+        for timer in (self.timer, self.expiry):
+            if timer is not None:
+                timer.cancel()
+        self.timer = self.expiry = None
+        if self.waiter is not None:
+            _wake(self.waiter)
 
     def unsubscribe_later(self) -> None:
         sub, self.sub = self.sub, None
