@@ -350,6 +350,21 @@ async def test_the_queue_closed_under_pulls_leaves_no_error_unretrieved_and_noth
     assert left == (0, 0)
 
 
+async def test_a_burst_of_pulls_leaves_at_most_max_idle_inboxes_subscribed(namespace: Settings) -> None:
+    """Pull inboxes are kept for the next pulls, but not all those a burst of concurrent pulls
+    subscribed: before, 1,000 dequeues at once left 2,000 idle subscriptions (a pull and its
+    ``STREAM.INFO`` each, each with a nats-py task) for as long as the store stayed open."""
+    async with JetStreamLightningStore(namespace) as runner:
+        assert runner.log is not None
+        q = runner.log.queue
+        assert await q.next(0) is None  # found empty: the next pulls send a STREAM.INFO with theirs
+        n = 2 * queue.MAX_IDLE_INBOXES
+        assert await asyncio.gather(*(q.next(0) for _ in range(n))) == [None] * n
+        assert not q._abandoned
+        assert len(q._all) == len(q._inboxes) <= queue.MAX_IDLE_INBOXES
+        assert await q.next(0) is None  # the pool still serves
+
+
 @pytest.mark.parametrize("depth", range(7))
 async def test_a_dequeue_cancelled_as_its_entry_arrives_loses_nothing(
     namespace: Settings, monkeypatch: pytest.MonkeyPatch, depth: int

@@ -37,6 +37,7 @@ NO_WAIT_ANSWER_S = 10.0  # how long a no_wait pull may take to answer before the
 LONG_POLL_MARGIN_S = 5.0  # how much longer than its expiry a long poll waits for the server's answer
 EMPTY_CONFIRM_S = 0.010  # how long after a write a non-blocking dequeue waits for the consumer (see _pull)
 STREAM_INFO_TIMEOUT_S = 10.0
+MAX_IDLE_INBOXES = 64  # idle pull inboxes kept for the next pulls; more are unsubscribed (see _pool)
 
 
 class _StreamTimes(msgspec.Struct):
@@ -292,9 +293,17 @@ class RunnersQueue:
         return msg
 
     def _pool(self, inbox: _Inbox) -> None:
-        """An idle inbox is kept for the next request, unless ``close`` unsubscribed it."""
-        if inbox.sub is not None:
+        """An idle inbox is kept for the next request, unless ``close`` unsubscribed it, or
+        ``MAX_IDLE_INBOXES`` are kept already: each is a subscription with a task of its own in
+        nats-py, and a burst of concurrent pulls (1,000 dequeues at once: 2,000 inboxes, a pull and
+        its ``STREAM.INFO`` each) would otherwise keep them all for as long as the store is open."""
+        if inbox.sub is None:
+            return
+        if len(self._inboxes) < MAX_IDLE_INBOXES:
             self._inboxes.append(inbox)
+            return
+        self._all.discard(inbox)
+        inbox.unsubscribe_later()
 
     async def _new_inbox(self) -> _Inbox:
         inbox = _Inbox(self)
@@ -334,7 +343,7 @@ class RunnersQueue:
     def _settled(self, inbox: _Inbox, answered: bool) -> None:
         """``inbox``'s abandoned pull is over: answered (its entry handed back), or given up on."""
         self._abandoned.discard(inbox)
-        if answered and inbox.sub is not None:
+        if answered:
             self._pool(inbox)
         else:
             self._all.discard(inbox)
