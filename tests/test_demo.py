@@ -331,8 +331,9 @@ def test_a_partial_held_out_evaluation_is_no_result(monkeypatch: pytest.MonkeyPa
         {"version": f"{run}-step8", "n": 73, "asked": 73, "mean_reward": 0.3, "by_split": {"1-digit": 0.3}},
     ]
     counters = {"rollouts_enqueued": 100, "failed_rollouts": 0, "unfinished_rollouts": 10, "spans_read": 9}
+    steps = [{"step": 1, "trained": True, "step_s": 5.0}]
     grpo = SimpleNamespace(
-        evals=evals, counters=counters, steps=[], versions=[f"{run}-step8"], checkpoint_dir=None, policy=None
+        evals=evals, counters=counters, steps=steps, versions=[f"{run}-step8"], checkpoint_dir=None, policy=None
     )
     for event in evals:
         demo.on_progress({"event": "eval", "step": 0, **event})
@@ -353,6 +354,56 @@ def test_a_partial_held_out_evaluation_is_no_result(monkeypatch: pytest.MonkeyPa
     assert f"held-out reward, {run}-step0" in out and "0.250 (only 8 of 73 items)" in out
     assert "1-digit              no result -> 0.300" in out and "2-digit              0.250 -> no result" in out
     assert "nan" not in out and "peaked" not in out
+
+
+def test_a_run_whose_step_updated_trained_however_many_rollouts_were_cancelled(
+    monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """``--steps 1`` under load: step 1's update ran and wrote its checkpoint, but 130 of the 178
+    rollouts (held-out ones of both evaluations) timed out and were cancelled, and the demo ended on
+    "did not train: 178 rollouts, 130 failed or unfinished", with no summary and no "nothing above
+    is a result". A run with a step that updated trained: the summary comes, with its partial
+    evaluations' warnings, and exit 1; a run with none says so, counting cancelled apart from
+    failed, and ends with the line the README promises."""
+    from types import SimpleNamespace
+
+    import examples.arithmetic.train_grpo as demo
+
+    def no_cli(*args: Any, **kwargs: Any) -> Any:
+        raise OSError("not in this test")
+
+    monkeypatch.setattr(demo.subprocess, "run", no_cli)
+    monkeypatch.setattr(demo, "_said", 3)  # progress lines came before
+    run = "run-20261207-101010-cd34"
+    partial_eval = {"n": 0, "asked": 73, "unfinished": 73, "timeout_s": 600.0, "cancelled": 0, "cancelled_by": {}}
+    evals = [
+        {"version": f"{run}-step0", **partial_eval, "mean_reward": float("nan"), "by_split": {}},
+        {"version": f"{run}-step1", **partial_eval, "n": 16, "mean_reward": 0.1, "by_split": {"1-digit": 0.1}},
+    ]
+    counters = {"rollouts_enqueued": 178, "failed_rollouts": 0, "unfinished_rollouts": 130, "spans_read": 9}
+    grpo = SimpleNamespace(
+        evals=evals,
+        counters=counters,
+        steps=[{"step": 1, "trained": True, "step_s": 113.0}],
+        versions=[f"{run}-step1"],
+        checkpoint_dir=None,
+        policy=None,
+        config=SimpleNamespace(rollout_timeout_s=600.0),
+    )
+    assert demo.report(None, grpo, run, 1.0) == 1  # type: ignore[arg-type]
+    out, err = capsys.readouterr()
+    assert "did not train" not in err and "eventlight demo: GRPO" in out
+    assert f"warning: the held-out evaluation at {run}-step0 got 0 of 73 results" in out
+    assert err.startswith(f"error: run {run}: 2 of its 2 held-out evaluations got fewer results")
+
+    grpo.steps = [{"step": 1, "trained": False, "step_s": 0.0}]
+    assert demo.report(None, grpo, run, 1.0) == 1  # type: ignore[arg-type]
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == [
+        f"error: run {run} did not train: none of its 1 step(s) had anything to learn; "
+        "178 rollouts: 0 failed, 130 not finished within 600 s and cancelled",
+        "the run did not train; nothing above is a result",
+    ]
 
 
 def test_the_rollouts_progress_line_says_what_its_numbers_count(capsys: Any) -> None:

@@ -42,8 +42,6 @@ from examples.demo_lease import cancel_leftovers, demo_lease, refuse_if_live  # 
 if TYPE_CHECKING:
     from eventlight.algorithm.grpo import GRPOConfig
 
-MAX_FAILED_FRACTION = 0.5
-
 
 def report_sql(run_id: str) -> str:
     """Per checkpoint of this run only: the rollouts that finished with a reward and their mean
@@ -356,13 +354,15 @@ async def train(args: argparse.Namespace) -> int:
 def report(trainer: agl.Trainer, grpo, run_id: str, wall_s: float) -> int:
     enq = grpo.counters["rollouts_enqueued"]
     unfinished = grpo.counters["unfinished_rollouts"]
-    failed = grpo.counters["failed_rollouts"] + unfinished
-    if enq == 0 or failed > MAX_FAILED_FRACTION * enq or len(grpo.evals) < 2:
-        print(f"error: run {run_id} did not train: {enq} rollouts, {failed} failed or unfinished", file=sys.stderr)
+    trained = [s for s in grpo.steps if s.get("trained")]  # steps whose update changed the weights
+    if not trained or not grpo.evals:
+        why = f"did not train: {did_not_train(grpo)}" if not trained else "has no held-out evaluation"
+        print(f"error: run {run_id} {why}", file=sys.stderr)
+        if _said:
+            print(f"{'the run did not train; ' if not trained else ''}nothing above is a result", file=sys.stderr)
         return 1
     first, last = grpo.evals[0], grpo.evals[-1]
     peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
-    trained = [s for s in grpo.steps if s.get("trained")]
     step_s = sum(s["step_s"] for s in trained) / max(1, len(trained))
     print()
     print("=" * 78)
@@ -414,6 +414,18 @@ def report(trainer: agl.Trainer, grpo, run_id: str, wall_s: float) -> int:
         )
         return 1
     return 0
+
+
+def did_not_train(grpo) -> str:
+    """Why a run whose steps all ended without an update did not train, with its rollouts counted
+    by how they ended: those its steps stopped waiting for and cancelled apart from those that
+    failed (``70 rollouts: 0 failed, 62 not finished within 600 s and cancelled``)."""
+    steps, enq = len(grpo.steps), grpo.counters["rollouts_enqueued"]
+    failed, unfinished = grpo.counters["failed_rollouts"], grpo.counters["unfinished_rollouts"]
+    timeout = getattr(getattr(grpo, "config", None), "rollout_timeout_s", None)
+    within = f" within {timeout:g} s" if timeout is not None else ""
+    what = "no step ran" if not steps else f"none of its {steps} step(s) had anything to learn"
+    return f"{what}; {enq} rollouts: {failed} failed, {unfinished} not finished{within} and cancelled"
 
 
 def _split(event: dict, split: str) -> str:
