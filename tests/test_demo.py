@@ -406,6 +406,46 @@ def test_a_run_whose_step_updated_trained_however_many_rollouts_were_cancelled(
     ]
 
 
+def test_the_printed_commands_name_a_namespace_other_than_the_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """With EVENTLIGHT_NAMESPACE=demo4 the summary's "run it yourself" ``eventlight sql …`` and its
+    ``--resume`` hint left the namespace out: the sql then read the default namespace's 0 rows, and
+    the resume recorded into another namespace. Both, and an interrupted run's last line, name it."""
+    from types import SimpleNamespace
+
+    import examples.arithmetic.train_grpo as demo
+    from examples.demo import _make_demo
+
+    monkeypatch.setattr(demo.subprocess, "run", lambda *a, **k: SimpleNamespace(stdout="(0 rows)\n"))
+    monkeypatch.setenv("EVENTLIGHT_NAMESPACE", "demo4")
+    monkeypatch.setenv("EVENTLIGHT_STATE_DIR", str(tmp_path))
+    run = "run-20261207-101010-ef56"
+    full = {"n": 73, "asked": 73, "mean_reward": 0.5, "by_split": {"1-digit": 0.5}}
+    grpo = SimpleNamespace(
+        evals=[{"version": f"{run}-step0", **full}, {"version": f"{run}-step1", **full}],
+        counters={"rollouts_enqueued": 105, "failed_rollouts": 0, "unfinished_rollouts": 0, "spans_read": 9},
+        steps=[{"step": 1, "trained": True, "step_s": 5.0}],
+        versions=[f"{run}-step1"],
+        checkpoint_dir=tmp_path / "checkpoints" / run,
+        policy=None,
+    )
+    assert demo.report(None, grpo, run, 1.0) == 0  # type: ignore[arg-type]
+    out = capsys.readouterr().out
+    assert f'.venv/bin/eventlight sql -N demo4 "{demo.report_sql(run)}"' in out
+    assert f"--resume {run} --steps N with EVENTLIGHT_NAMESPACE=demo4 continues" in out
+    step1 = tmp_path / "checkpoints" / run / "step-00001"
+    step1.mkdir(parents=True)
+    (step1 / "state.json").write_text(json.dumps({"step": 1, "version": f"{run}-step1"}))
+    (step1.parent / "LATEST").write_text(step1.name)
+    line = demo.interrupted(run, ["--steps", "2"], _make_demo)
+    assert line.endswith(f'to continue it: EVENTLIGHT_NAMESPACE=demo4 make demo ARGS="--steps 2 --resume {run}"')
+    monkeypatch.delenv("EVENTLIGHT_NAMESPACE")
+    assert demo.report(None, grpo, run, 1.0) == 0  # type: ignore[arg-type]
+    out = capsys.readouterr().out
+    assert f'.venv/bin/eventlight sql "{demo.report_sql(run)}"' in out and "EVENTLIGHT_NAMESPACE" not in out
+
+
 def test_the_rollouts_progress_line_says_what_its_numbers_count(capsys: Any) -> None:
     """ "step  4: 40 of 105 rollouts finished" did not say that 73 of the 105 were the held-out
     evaluation's items, not training samples. The line now counts each apart when a step has both,

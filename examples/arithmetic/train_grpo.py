@@ -72,7 +72,8 @@ def interrupted(run_id: str, argv: list[str], command: Callable[[list[str]], str
     ``--resume`` starts over."""
     from eventlight.rl.policy import latest_checkpoint
 
-    last = latest_checkpoint(agl.Settings.from_env().state_dir / "checkpoints" / run_id)
+    settings = agl.Settings.from_env()
+    last = latest_checkpoint(settings.state_dir / "checkpoints" / run_id)
     options = [a for i, a in enumerate(argv) if a != "--resume" and (i == 0 or argv[i - 1] != "--resume")]
     options = [a for a in options if not a.startswith("--resume=")]
     if last is None:
@@ -83,8 +84,14 @@ def interrupted(run_id: str, argv: list[str], command: Callable[[list[str]], str
     step = json.loads((last / "state.json").read_text())["step"]
     return (
         f"interrupted: run {run_id} stopped at checkpoint step{step}; to continue it: "
-        f"{command([*options, '--resume', run_id])}"
+        f"{in_namespace(settings)}{command([*options, '--resume', run_id])}"
     )
+
+
+def in_namespace(settings: agl.Settings) -> str:
+    """What a printed command to continue a run starts with: ``EVENTLIGHT_NAMESPACE=<ns> `` when
+    the run is not in the default namespace (its rollouts and versions are there), else nothing."""
+    return "" if settings.namespace == "default" else f"EVENTLIGHT_NAMESPACE={settings.namespace} "
 
 
 def _at_least_one(text: str) -> int:
@@ -386,7 +393,9 @@ def report(trainer: agl.Trainer, grpo, run_id: str, wall_s: float) -> int:
     skipped = {k: v for k, v in grpo.counters.items() if k not in ("rollouts_enqueued", "spans_read") and v}
     print(f"  skipped             : {skipped or 'nothing'}")
     print(f"  wall time           : {wall_s:.0f} s; one update {step_s:.1f} s; peak memory {peak_gb:.1f} GB")
-    print(f"  last checkpoint     : {grpo.checkpoint_dir} (weights; --resume {run_id} --steps N continues)")
+    settings = agl.Settings.from_env()
+    there = "" if settings.namespace == "default" else f" with EVENTLIGHT_NAMESPACE={settings.namespace}"
+    print(f"  last checkpoint     : {grpo.checkpoint_dir} (weights; --resume {run_id} --steps N{there} continues)")
     query = report_sql(run_id)
     print("  reward by checkpoint (the SQL views, this run only):")
     cli = Path(sys.executable).with_name("eventlight")
@@ -403,7 +412,8 @@ def report(trainer: agl.Trainer, grpo, run_id: str, wall_s: float) -> int:
         print(f"    (could not run it now: {' '.join(str(e).split())[:120]})")
     print("  run it yourself:")
     print("    .venv/bin/eventlight up")
-    print(f'    .venv/bin/eventlight sql "{query}"')
+    ns = "" if settings.namespace == "default" else f"-N {settings.namespace} "
+    print(f'    .venv/bin/eventlight sql {ns}"{query}"')  # without -N: the default namespace's 0 rows
     print("    .venv/bin/eventlight down")
     print("=" * 78)
     if incomplete:
