@@ -446,6 +446,26 @@ def test_the_printed_commands_name_a_namespace_other_than_the_default(
     assert f'.venv/bin/eventlight sql "{demo.report_sql(run)}"' in out and "EVENTLIGHT_NAMESPACE" not in out
 
 
+def test_the_step_line_says_how_many_rollouts_had_a_nonzero_advantage(capsys: Any) -> None:
+    """ "step  1: train reward 0.083, 8 sequences trained (8 without signal)" read as if the 8 trained
+    had no signal: the 8 were other rollouts, tied with their group. The line now says how many of
+    the step's rollouts had a nonzero advantage, why the others taught nothing, and the sequences
+    trained."""
+    from examples.arithmetic.train_grpo import on_progress
+
+    step = {"event": "step", "step": 1, "train_reward": 0.083, "loss": 0.058, "rollout_s": 487.0, "step_s": 113.0}
+    on_progress({**step, "rollouts": 16, "sequences": 8, "skipped": {"zero_advantage": 8}})
+    skipped = {"zero_advantage": 24, "failed_rollouts": 2, "no_reward": 1}
+    on_progress({**step, "step": 2, "rollouts": 32, "sequences": 0, "skipped": skipped, "loss": float("nan")})
+    lines = [line.split("] ", 1)[1] for line in capsys.readouterr().out.splitlines()]
+    assert lines == [
+        "step  1: train reward 0.083, 8 of 16 rollouts had a nonzero advantage (8 scored the same as their whole "
+        "group), 8 sequences trained, loss 0.058, rollouts 487 s, update 113.0 s",
+        "step  2: train reward 0.083, 5 of 32 rollouts had a nonzero advantage (24 scored the same as their whole "
+        "group, 3 failed or gave no reward), 0 sequences trained, loss   n/a, rollouts 487 s, update 113.0 s",
+    ]
+
+
 def test_the_rollouts_progress_line_says_what_its_numbers_count(capsys: Any) -> None:
     """ "step  4: 40 of 105 rollouts finished" did not say that 73 of the 105 were the held-out
     evaluation's items, not training samples. The line now counts each apart when a step has both,

@@ -266,6 +266,27 @@ def enqueued_line(event: dict) -> str:
     return f"{what} rollouts enqueued ({event['version']}); the runners are at work"
 
 
+_UNUSABLE = ("failed_rollouts", "no_reward", "non_finite_reward", "no_token_ids")  # per rollout, in ``skipped``
+
+
+def trained_line(event: dict) -> str:
+    """What a step's update learned from (its ``step`` event): how many of its finished training
+    rollouts had a nonzero advantage and the sequences they gave, e.g. ``8 of 16 rollouts had a
+    nonzero advantage (8 scored the same as their whole group), 8 sequences trained``. Only those
+    teach anything: a group whose rewards are all equal has no signal."""
+    skipped = event.get("skipped", {})
+    rollouts, tied = int(event.get("rollouts", 0)), int(skipped.get("zero_advantage", 0))
+    unusable = sum(int(skipped.get(k, 0)) for k in _UNUSABLE)
+    why = [f"{tied} scored the same as their whole group"] if tied else []
+    if unusable:
+        why.append(f"{unusable} failed or gave no reward")
+    because = f" ({', '.join(why)})" if why else ""
+    return (
+        f"{rollouts - tied - unusable} of {rollouts} rollouts had a nonzero advantage{because}, "
+        f"{int(event.get('sequences', 0))} sequences trained"
+    )
+
+
 def on_progress(event: dict) -> None:
     kind = event.get("event")
     if kind == "eval":
@@ -274,10 +295,8 @@ def on_progress(event: dict) -> None:
         splits = ", ".join(f"{k} {v:.3f}" for k, v in event["by_split"].items())
         say(f"held-out reward {_reward(event)} at {event['version']} ({event['n']} items: {splits or 'none'})")
     elif kind == "step":
-        skipped = sum(event.get("skipped", {}).values())
         say(
-            f"step {event['step']:>2}: train reward {_fmt(event['train_reward'])}, "
-            f"{int(event.get('sequences', 0))} sequences trained ({skipped} without signal), "
+            f"step {event['step']:>2}: train reward {_fmt(event['train_reward'])}, {trained_line(event)}, "
             f"loss {_fmt(event.get('loss'))}, rollouts {event['rollout_s']:.0f} s"
             f"{f' (with the {held} held-out)' if (held := event.get('held_out')) else ''}, "
             f"update {event.get('step_s', 0):.1f} s"
