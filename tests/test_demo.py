@@ -466,6 +466,43 @@ def test_the_step_line_says_how_many_rollouts_had_a_nonzero_advantage(capsys: An
     ]
 
 
+def test_a_timed_out_held_out_evaluation_is_one_statement(capsys: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """Step 0's evaluation timed out under load and the demo said so three times, two of them read as
+    contradictory: GRPO's WARNING "(73 did not finish within rollout_timeout_s=600 s; 0 were
+    cancelled before they ended)", the demo's "(73 did not finish within 600 s and were cancelled …)"
+    and "held-out reward no result (only 0 of 73 items) at …-step0 (0 items: none)". Now the demo
+    prints one line, GRPO's line (at INFO when a progress callback reports the event) says the
+    timed-out ones were cancelled, and a partial evaluation with results gives them on that line."""
+    from eventlight.algorithm.grpo import GRPO, GRPOConfig
+    from examples.arithmetic.train_grpo import on_progress
+
+    grpo = GRPO(GRPOConfig(steps=1), progress=on_progress)
+    grpo.set_store(agl.InMemoryLightningStore())
+    with caplog.at_level("INFO", logger="eventlight.algorithm.grpo"):
+        asyncio.run(grpo._report_eval(0, "run-x-step0", [], 73))
+    assert [r.levelname for r in caplog.records] == ["INFO"]
+    assert "73 did not finish within rollout_timeout_s=600 s and were cancelled; 0 others" in caplog.text
+    lines = [line.split("] ", 1)[1] for line in capsys.readouterr().out.splitlines()]
+    assert lines == [
+        "warning: the held-out evaluation at run-x-step0 got 0 of 73 results (73 did not finish within 600 s and "
+        "were cancelled, likely as the machine was too busy or slow for them: fewer --eval-items ask less); "
+        "no held-out reward"
+    ]
+    some = {
+        "n": 8,
+        "asked": 73,
+        "unfinished": 65,
+        "timeout_s": 600.0,
+        "mean_reward": 0.25,
+        "by_split": {"1-digit": 0.25},
+    }
+    on_progress({"event": "eval", "step": 4, "version": "run-x-step4", **some})
+    lines = [line.split("] ", 1)[1] for line in capsys.readouterr().out.splitlines()]
+    assert len(lines) == 1 and lines[0].endswith(
+        "fewer --eval-items ask less); its reward is not comparable: 0.250 over those 8 (1-digit 0.250)"
+    )
+
+
 def test_the_rollouts_progress_line_says_what_its_numbers_count(capsys: Any) -> None:
     """ "step  4: 40 of 105 rollouts finished" did not say that 73 of the 105 were the held-out
     evaluation's items, not training samples. The line now counts each apart when a step has both,

@@ -738,10 +738,16 @@ async def test_a_held_out_evaluation_says_how_many_results_it_got_of_those_it_as
     grpo.progress = events.append
     ran = Rollout(rollout_id="ro-1", input={"split": "1-digit"}, start_time=0.0, status="failed")
     never = Rollout(rollout_id="ro-2", input={"split": "2-digit"}, start_time=0.0, status="cancelled")
-    with caplog.at_level("WARNING", logger="eventlight.algorithm.grpo"):
+    with caplog.at_level("INFO", logger="eventlight.algorithm.grpo"):
         await grpo._report_eval(0, "v0", [ran, never], 3)
     assert events[-1]["n"] == 1 and events[-1]["asked"] == 3 and events[-1]["by_split"] == {"1-digit": 0.0}
     assert "the held-out evaluation of v0 got 1 of 3 results" in caplog.text
+    assert [r.levelname for r in caplog.records] == ["INFO"]  # the progress callback reports it
+    caplog.clear()
+    grpo.progress = None  # nothing else reports it: a warning
+    with caplog.at_level("INFO", logger="eventlight.algorithm.grpo"):
+        await grpo._report_eval(0, "v0", [ran, never], 3)
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
 
 
 def test_the_gguf_conversion_shows_progress_in_lines_without_a_terminal(tmp_path, monkeypatch, capfd) -> None:

@@ -536,11 +536,12 @@ class GRPO(Algorithm):
             "mean_reward": sum(scores) / len(scores) if scores else float("nan"),
             "by_split": {k: sum(v) / len(v) for k, v in sorted(by_split.items())},
         }
-        if len(scores) < asked:
-            log.warning(
+        if len(scores) < asked:  # a progress callback gets the event and reports it: INFO then, not twice
+            log.log(
+                logging.INFO if self.progress is not None else logging.WARNING,
                 "GRPO: the held-out evaluation of %s got %d of %d results (%d did not finish within "
-                "rollout_timeout_s=%g s; %d were cancelled before they ended): its reward is not comparable "
-                "to a full one",
+                "rollout_timeout_s=%g s and were cancelled; %d others were cancelled before they ended): "
+                "its reward is not comparable to a full one",
                 version,
                 len(scores),
                 asked,

@@ -212,7 +212,8 @@ def _partial_warning(event: dict) -> str:
         causes.append(f"{n} were cancelled before they ended ({'no reason recorded' if reason == '?' else reason})")
     return (
         f"warning: the held-out evaluation at {event['version']} got {event['n']} of {event['asked']} results "
-        f"({'; '.join(causes) or 'the others were cancelled or did not finish'}); its reward is not comparable"
+        f"({'; '.join(causes) or 'the others were cancelled or did not finish'}); "
+        f"{'its reward is not comparable' if event['n'] else 'no held-out reward'}"
     )
 
 
@@ -290,10 +291,13 @@ def trained_line(event: dict) -> str:
 def on_progress(event: dict) -> None:
     kind = event.get("event")
     if kind == "eval":
-        if partial(event):
-            say(_partial_warning(event))
         splits = ", ".join(f"{k} {v:.3f}" for k, v in event["by_split"].items())
-        say(f"held-out reward {_reward(event)} at {event['version']} ({event['n']} items: {splits or 'none'})")
+        if not partial(event):
+            say(f"held-out reward {_reward(event)} at {event['version']} ({event['n']} items: {splits})")
+        elif event["n"]:  # one line: the warning, then the reward of the items it got
+            say(f"{_partial_warning(event)}: {event['mean_reward']:.3f} over those {event['n']} ({splits})")
+        else:
+            say(_partial_warning(event))
     elif kind == "step":
         say(
             f"step {event['step']:>2}: train reward {_fmt(event['train_reward'])}, {trained_line(event)}, "
