@@ -503,6 +503,47 @@ def test_a_timed_out_held_out_evaluation_is_one_statement(capsys: Any, caplog: p
     )
 
 
+async def test_the_demo_says_what_it_waits_for_while_it_starts(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    """126 s passed without a line after "loading SmolLM2-135M-Instruct … starting 8 runners…" on a
+    loaded machine. Until GRPO's first progress event, the demo now says every 30 s what it waits
+    for: the model's load, then the policy server and runners; the first event ends those lines."""
+    from types import SimpleNamespace
+
+    import examples.arithmetic.train_grpo as demo
+
+    monkeypatch.setattr(demo, "STARTING_LINE_EVERY_S", 0.01)
+    lines_said: asyncio.Queue[str] = asyncio.Queue()
+    say = demo.say
+
+    def said(text: str) -> None:
+        say(text)
+        lines_said.put_nowait(text)
+
+    monkeypatch.setattr(demo, "say", said)
+    grpo = SimpleNamespace(policy=None)
+    starting = asyncio.ensure_future(demo._while_starting(grpo, 8))
+    await lines_said.get()
+    grpo.policy = object()
+    while not (await lines_said.get()).startswith("the model is loaded"):
+        pass
+    demo.on_progress({"event": "enqueued", "step": 0, "version": "run-x-step0", "total": 105, "held_out": 73})
+    await asyncio.wait_for(starting, 60)  # it ends on the first event
+    lines = [line.split("] ", 1)[1] for line in capsys.readouterr().out.splitlines()]
+    assert lines[0].startswith("still loading SmolLM2-135M-Instruct after 0 s; then the policy server and 8 runners")
+    assert lines[-2].startswith("the model is loaded; waiting for the policy server and 8 runners to start")
+    assert lines[-1].startswith("step  0: 32 training and 73 held-out evaluation rollouts enqueued")
+
+
+def test_the_demo_reports_an_update_in_progress(capsys: Any) -> None:
+    """An update of 113 s printed nothing: GRPO's ``updating`` events are a line each."""
+    from examples.arithmetic.train_grpo import on_progress
+
+    update = {"sequences": 24, "micro_batches": 3, "micro_batches_done": 1, "elapsed_s": 30.2}
+    on_progress({"event": "updating", "step": 1, **update})
+    lines = [line.split("] ", 1)[1] for line in capsys.readouterr().out.splitlines()]
+    assert lines == ["step  1: updating the weights on 24 sequences, 1 of 3 micro-batches done after 30 s"]
+
+
 def test_the_rollouts_progress_line_says_what_its_numbers_count(capsys: Any) -> None:
     """ "step  4: 40 of 105 rollouts finished" did not say that 73 of the 105 were the held-out
     evaluation's items, not training samples. The line now counts each apart when a step has both,

@@ -563,6 +563,44 @@ async def test_failed_rollouts_are_left_out_of_the_advantages_and_counted_in_the
     assert grpo.counters["failed_rollouts"] == 2 and grpo.counters["no_reward"] == 1
 
 
+async def test_an_update_reports_its_progress_while_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under load step 1's update took 113 s and the demo printed nothing meanwhile (239 s without a
+    line). While an update runs, GRPO now emits an ``updating`` progress event every
+    ``PROGRESS_EVERY_S`` seconds with its sequences and micro-batches done of all."""
+    import threading
+
+    import eventlight.algorithm.grpo as grpo_module
+
+    monkeypatch.setattr(grpo_module, "PROGRESS_EVERY_S", 0.01)
+    seen = threading.Event()
+    events: list[dict] = []
+
+    def progress(event: dict) -> None:
+        events.append(event)
+        if event["event"] == "updating" and event["micro_batches_done"] >= 1:
+            seen.set()
+
+    class Slow:  # two micro-batches; the second waits until the first is reported done
+        micro_batch_size = 2
+
+        async def call(self, fn, *args, **kwargs):
+            return await asyncio.to_thread(fn, *args, **kwargs)
+
+        def train_step(self, samples, *, clip_eps, should_stop):
+            assert not should_stop() and not should_stop()  # micro-batch 1 done, 2 begins
+            assert seen.wait(60)
+            assert not should_stop()  # before the optimizer step
+            return {"loss": 0.1, "grad_norm": 1.0, "tokens": 9, "sequences": len(samples), "step_s": 1.0}
+
+    grpo = GRPO(GRPOConfig(steps=1), policy=Slow(), progress=progress)
+    stats = await grpo._update(0, ["a", "b", "c"])
+    assert stats is not None and stats["sequences"] == 3
+    updating = [e for e in events if e["event"] == "updating"]
+    assert updating and {e["step"] for e in updating} == {1}
+    assert {(e["sequences"], e["micro_batches"]) for e in updating} == {(3, 2)}
+    assert updating[-1]["micro_batches_done"] == 1
+
+
 @pytest.mark.parametrize("how", ["request_stop", "cancel"])
 async def test_an_update_asked_to_stop_ends_between_micro_batches_and_keeps_the_last_checkpoint(
     how: str, tmp_path

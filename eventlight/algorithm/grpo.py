@@ -188,7 +188,10 @@ class GRPO(Algorithm):
             "total", "held_out", "held_out_finished", "elapsed_s"}`` (``total``: the step's
             rollouts, its training samples and its ``held_out`` evaluation rollouts together;
             ``finished`` and ``held_out_finished``: those of all and of the held-out ones that
-            ended, as the read model has them, ``None`` when it could not be read).
+            ended, as the read model has them, ``None`` when it could not be read), and while a
+            step's update runs, every ``PROGRESS_EVERY_S`` seconds, ``{"event": "updating", "step",
+            "sequences", "micro_batches", "micro_batches_done", "elapsed_s"}`` (``step``: the one
+            the update makes, as in its ``step`` event).
 
     Raises:
         InvalidTypeError: ``progress`` is neither callable nor ``None``.
@@ -649,16 +652,37 @@ class GRPO(Algorithm):
         changed and no checkpoint is written (the last one on disk, that of ``version(step)``,
         stays the one a resume starts from)."""
         cut = threading.Event()  # a cancel cannot reach the thread: it reads this
+        asked = [0]  # should_stop calls: one before each micro-batch, one before the optimizer step
 
         def should_stop() -> bool:
+            asked[0] += 1
             return cut.is_set() or self.stop_requested
 
+        size = getattr(self.policy, "micro_batch_size", None) or self.config.micro_batch_size
+        micro_batches = math.ceil(len(samples) / max(1, int(size)))
+        update = asyncio.ensure_future(
+            self.policy.call(self.policy.train_step, samples, clip_eps=self.config.clip_eps, should_stop=should_stop)
+        )
+        started = time.monotonic()
         try:
-            stats: dict[str, float] | None = await self.policy.call(
-                self.policy.train_step, samples, clip_eps=self.config.clip_eps, should_stop=should_stop
-            )
+            while self.progress is not None:  # a line every PROGRESS_EVERY_S: an update can take minutes
+                done, _ = await asyncio.wait([update], timeout=PROGRESS_EVERY_S)
+                if done:
+                    break
+                self._emit(
+                    {
+                        "event": "updating",
+                        "step": step + 1,
+                        "sequences": len(samples),
+                        "micro_batches": micro_batches,
+                        "micro_batches_done": min(micro_batches, max(0, asked[0] - 1)),
+                        "elapsed_s": time.monotonic() - started,
+                    }
+                )
+            stats: dict[str, float] | None = await update
         except asyncio.CancelledError:
             cut.set()
+            update.cancel()
             raise
         if stats is None:
             log.info(

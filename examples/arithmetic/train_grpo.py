@@ -174,6 +174,8 @@ def grpo_config(args: argparse.Namespace) -> GRPOConfig:
 
 
 _said = 0  # lines ``say`` printed: a run that printed none ends on its error line alone
+_events = 0  # progress events GRPO emitted: the first one ends the lines while it starts
+STARTING_LINE_EVERY_S = 30.0
 
 
 def say(text: str) -> None:
@@ -288,7 +290,35 @@ def trained_line(event: dict) -> str:
     )
 
 
+def starting_line(grpo, n_runners: int, elapsed_s: float) -> str:
+    """What the run waits for before step 0's rollouts are enqueued (``grpo.policy`` is set once
+    the model has loaded): a line every ``STARTING_LINE_EVERY_S`` seconds (``_while_starting``)."""
+    if grpo.policy is None:
+        return (
+            f"still loading SmolLM2-135M-Instruct after {elapsed_s:.0f} s; then the policy server and "
+            f"{n_runners} runners start and the first step's rollouts are enqueued"
+        )
+    return (
+        f"the model is loaded; waiting for the policy server and {n_runners} runners to start and the "
+        f"first step's rollouts to be enqueued ({elapsed_s:.0f} s so far)"
+    )
+
+
+async def _while_starting(grpo, n_runners: int) -> None:
+    """Say what the run waits for every ``STARTING_LINE_EVERY_S`` seconds until GRPO's first
+    progress event (a loaded model's resume, or step 0's rollouts enqueued): on a loaded machine
+    that took 126 s without a line."""
+    started, seen = time.monotonic(), _events
+    while True:
+        await asyncio.sleep(STARTING_LINE_EVERY_S)
+        if _events != seen:
+            return
+        say(starting_line(grpo, n_runners, time.monotonic() - started))
+
+
 def on_progress(event: dict) -> None:
+    global _events
+    _events += 1
     kind = event.get("event")
     if kind == "eval":
         splits = ", ".join(f"{k} {v:.3f}" for k, v in event["by_split"].items())
@@ -304,6 +334,12 @@ def on_progress(event: dict) -> None:
             f"loss {_fmt(event.get('loss'))}, rollouts {event['rollout_s']:.0f} s"
             f"{f' (with the {held} held-out)' if (held := event.get('held_out')) else ''}, "
             f"update {event.get('step_s', 0):.1f} s"
+        )
+    elif kind == "updating":  # an update can take minutes under load: a line every 30 s
+        say(
+            f"step {event['step']:>2}: updating the weights on {event['sequences']} sequences, "
+            f"{event['micro_batches_done']} of {event['micro_batches']} micro-batches done "
+            f"after {event['elapsed_s']:.0f} s"
         )
     elif kind == "enqueued":  # the model is loaded and the runners are up: the step's rollouts run now
         say(f"step {event['step']:>2}: {enqueued_line(event)}")
@@ -373,7 +409,11 @@ async def train(args: argparse.Namespace) -> int:
             settings=settings,  # its run leaves the servers to this block, whose report queries the projections
         )
         say(f"loading SmolLM2-135M-Instruct (converted once from the GGUF) and starting {args.n_runners} runners…")
-        await trainer.fit_async(adder, train_items, val_dataset=held_out)
+        starting = asyncio.ensure_future(_while_starting(grpo, args.n_runners))
+        try:
+            await trainer.fit_async(adder, train_items, val_dataset=held_out)
+        finally:
+            starting.cancel()
         # its steps finished (an interrupt or a stop raises): it keeps its weights only, whatever the
         # report says of it (a partial held-out evaluation exits 1 after the same steps)
         if grpo.policy is not None and grpo.checkpoint_dir is not None:
