@@ -186,6 +186,7 @@ async def test_the_apo_demo_cancels_what_an_earlier_run_left_queued(namespace: S
         ["--threads", "-1", "--threads: must be 0 or more, got -1"],
         ["--eval-items", "-3", "--eval-items: must be 0 or more, got -3"],
         ["--model-dir", "no-such-folder", "--model-dir: no model at no-such-folder"],
+        ["--rollout-timeout", "0", "--rollout-timeout must be a finite number > 0, got 0"],
     ],
 )
 def test_the_demo_checks_every_option_before_it_starts_anything(option: list[str], tmp_path: Path) -> None:
@@ -205,6 +206,14 @@ def test_the_demo_checks_every_option_before_it_starts_anything(option: list[str
     assert done.returncode == 2, done.stdout + done.stderr
     assert says in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert done.stdout == "" and list(tmp_path.iterdir()) == []  # nothing started, no lease taken
+
+
+def test_the_demo_passes_rollout_timeout_to_grpo() -> None:
+    """GRPO's ``rollout_timeout_s`` (600 s) had no option: a slow machine could not give its steps longer."""
+    from examples.arithmetic.train_grpo import parse_args
+
+    assert parse_args([]).config.rollout_timeout_s == 600.0
+    assert parse_args(["--rollout-timeout", "1200"]).config.rollout_timeout_s == 1200.0
 
 
 @pytest.mark.parametrize("option", ["--n-runners", "--steps"])
@@ -250,7 +259,8 @@ async def test_the_demo_report_leaves_failed_rollouts_out_of_the_mean(namespace:
     averaged 0.194. The report's mean is over the rollouts with a reward; it counts failed ones apart
     and cancelled ones too: one cancelled while it ran (the evaluation had given up on it) is no
     result even with a reward, where the table showed it rewarded beside an evaluation without it."""
-    from examples.arithmetic.train_grpo import report_sql
+    from examples.arithmetic.train_grpo import report_command, report_sql
+    from tests.test_cli import ROOT, env_of
     from tests.test_replay import reward_span
     from tests.test_sql_views import rows
 
@@ -277,6 +287,18 @@ async def test_the_demo_report_leaves_failed_rollouts_out_of_the_mean(namespace:
             await store.update_attempt(made.rollout_id, claimed.attempt.attempt_id, status=status)
         await store.sync_all(timeout_s=10)
     got = rows(report_sql(run), ns=namespace)
+    # the command the summary prints runs as printed (here with this Python's eventlight)
+    command = "\n".join(report_command(run)).replace(".venv/bin/eventlight", f"{sys.executable} -m eventlight.cli", 1)
+    printed = await asyncio.to_thread(
+        subprocess.run,
+        ["bash", "-c", command],
+        cwd=ROOT,
+        env={**os.environ, **env_of(namespace)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert printed.returncode == 0 and f"{run}-step1" in printed.stdout, printed.stderr
     assert got == [
         {
             "checkpoint": f"{run}-step0",
@@ -356,6 +378,51 @@ def test_a_partial_held_out_evaluation_is_no_result(monkeypatch: pytest.MonkeyPa
     assert "nan" not in out and "peaked" not in out
 
 
+def test_the_summary_says_what_was_skipped_and_wraps_its_sql_command(
+    monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """The summary printed what GRPO skipped as a raw dict (``{'zero_advantage': 12, ...}``) and
+    its ``eventlight sql`` command on one 470-character line. Now the counts are in words, most
+    first, and the command is a clause a line, continued with backslashes, passing bash the same
+    query as ``report_sql``."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    import examples.arithmetic.train_grpo as demo
+
+    def no_cli(*args: Any, **kwargs: Any) -> Any:
+        raise OSError("not in this test")
+
+    monkeypatch.setattr(demo.subprocess, "run", no_cli)
+    run = "run-20261207-101010-ab12"
+    evals = [
+        {"version": f"{run}-step0", "n": 4, "asked": 4, "mean_reward": 0.25, "by_split": {"1-digit": 0.25}},
+        {"version": f"{run}-step1", "n": 4, "asked": 4, "mean_reward": 0.5, "by_split": {"1-digit": 0.5}},
+    ]
+    counters = Counter(rollouts_enqueued=40, spans_read=80, failed_rollouts=2, zero_advantage=12)  # as GRPO's
+    steps = [{"step": 1, "trained": True, "step_s": 5.0}]
+    grpo = SimpleNamespace(
+        evals=evals, counters=counters, steps=steps, versions=[f"{run}-step1"], checkpoint_dir=None, policy=None
+    )
+    assert demo.report(None, grpo, run, 1.0) == 0  # type: ignore[arg-type]
+    monkeypatch.undo()  # subprocess.run again, for bash below
+    out = capsys.readouterr().out
+    assert (
+        "  skipped             : 12 rollouts with zero advantage (their group's rewards all equal), 2 failed rollouts\n"
+        in out
+    )
+    lines = out.splitlines()
+    start = lines.index("  run it yourself:") + 2  # after `eventlight up`
+    end = lines.index("    .venv/bin/eventlight down")
+    command = [line.removeprefix("    ") for line in lines[start:end]]
+    assert len(command) > 1 and max(map(len, lines[start:end])) <= 100, command
+    argv = subprocess.run(
+        ["bash", "-c", "printf '%s\\0' " + "\n".join(command)], capture_output=True, text=True, check=True
+    ).stdout.split("\0")[:-1]
+    assert argv == [".venv/bin/eventlight", "sql", demo.report_sql(run)]
+    assert demo.skipped_line({"rollouts_enqueued": 3, "spans_read": 1}) == "nothing"
+
+
 def test_a_run_whose_step_updated_trained_however_many_rollouts_were_cancelled(
     monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
@@ -432,7 +499,8 @@ def test_the_printed_commands_name_a_namespace_other_than_the_default(
     )
     assert demo.report(None, grpo, run, 1.0) == 0  # type: ignore[arg-type]
     out = capsys.readouterr().out
-    assert f'.venv/bin/eventlight sql -N demo4 "{demo.report_sql(run)}"' in out
+    assert "\n    ".join(demo.report_command(run, "demo4")) in out
+    assert demo.report_command(run, "demo4")[0].startswith('.venv/bin/eventlight sql -N demo4 "SELECT')
     assert f"--resume {run} --steps N with EVENTLIGHT_NAMESPACE=demo4 continues" in out
     step1 = tmp_path / "checkpoints" / run / "step-00001"
     step1.mkdir(parents=True)
@@ -443,7 +511,7 @@ def test_the_printed_commands_name_a_namespace_other_than_the_default(
     monkeypatch.delenv("EVENTLIGHT_NAMESPACE")
     assert demo.report(None, grpo, run, 1.0) == 0  # type: ignore[arg-type]
     out = capsys.readouterr().out
-    assert f'.venv/bin/eventlight sql "{demo.report_sql(run)}"' in out and "EVENTLIGHT_NAMESPACE" not in out
+    assert "\n    ".join(demo.report_command(run)) in out and " -N " not in out and "EVENTLIGHT_NAMESPACE" not in out
 
 
 def test_the_step_line_says_how_many_rollouts_had_a_nonzero_advantage(capsys: Any) -> None:

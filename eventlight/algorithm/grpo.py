@@ -41,7 +41,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import os
 import random
 import threading
 import time
@@ -427,28 +426,9 @@ class GRPO(Algorithm):
         added to ``_cancelled`` and one warning line counts them. A queued one then never runs; the
         runner of one running stops its agent at its next heartbeat (``LitAgentRunner``) and
         records the attempt ``failed``."""
-        store = self.get_store()
         timeout = self.config.rollout_timeout_s
         reason = f"GRPO step {step}: not finished within rollout_timeout_s={timeout:g} s"
-        try:
-            current = {r.rollout_id: r for r in await store.query_rollouts(rollout_id_in=late)}
-        except EventlightError as e:  # cancel them all the same, without their metadata
-            log.debug("GRPO could not read the rollouts it gives up on: %r", e)
-            current = {}
-        for rid in late:
-            rollout = current.get(rid)
-            if rollout is not None and rollout.status in TERMINAL_ROLLOUT_STATUSES:
-                continue  # ended after the wait: too late for this step, nothing to cancel
-            metadata = {
-                **((rollout.metadata if rollout else None) or {}),
-                "cancelled_by": {"pid": os.getpid(), "reason": reason},
-            }
-            try:
-                await store.update_rollout(rid, status="cancelled", metadata=metadata)
-            except EventlightError as e:  # ended meanwhile
-                log.debug("GRPO could not cancel %s: %s", rid, e)
-                continue
-            self._cancelled.add(rid)
+        self._cancelled |= await self._cancel_given_up(late, reason, "GRPO")
         late_held_out = len(set(late).intersection(held_out))
         log.warning(
             "GRPO step %d: %d of its rollouts (%d held-out) did not finish within rollout_timeout_s=%g s; "

@@ -43,21 +43,57 @@ if TYPE_CHECKING:
     from eventlight.algorithm.grpo import GRPOConfig
 
 
+def _report_sql_lines(run_id: str) -> list[str]:
+    """``report_sql``'s query, a clause a line."""
+    return [
+        "SELECT resources_id AS checkpoint, mode,",
+        "count(final_reward) FILTER (WHERE status <> 'cancelled') AS rewarded,",
+        "round((avg(final_reward) FILTER (WHERE status <> 'cancelled'))::numeric, 3) AS mean_reward,",
+        "count(*) FILTER (WHERE status = 'failed') AS failed,",
+        "count(*) FILTER (WHERE status = 'cancelled') AS cancelled",
+        f"FROM v_rollouts WHERE resources_id LIKE '{run_id}-%'",
+        "GROUP BY resources_id, mode ORDER BY length(resources_id), resources_id, mode",
+    ]
+
+
 def report_sql(run_id: str) -> str:
     """Per checkpoint of this run only: the rollouts that finished with a reward and their mean
     reward, and apart, how many failed (an interrupted run's attempts cut short, before a
     ``--resume``) and how many were cancelled (GRPO's wait gave up on them, or another run's
     cleanup; one cancelled while it ran is no result even if it recorded a reward). Not
     ``reward_by_resources``, whose mean counts a rollout without a reward as 0."""
-    return (
-        "SELECT resources_id AS checkpoint, mode, "
-        "count(final_reward) FILTER (WHERE status <> 'cancelled') AS rewarded, "
-        "round((avg(final_reward) FILTER (WHERE status <> 'cancelled'))::numeric, 3) AS mean_reward, "
-        "count(*) FILTER (WHERE status = 'failed') AS failed, "
-        "count(*) FILTER (WHERE status = 'cancelled') AS cancelled "
-        f"FROM v_rollouts WHERE resources_id LIKE '{run_id}-%' "
-        "GROUP BY resources_id, mode ORDER BY length(resources_id), resources_id, mode"
-    )
+    return " ".join(_report_sql_lines(run_id))
+
+
+def report_command(run_id: str, namespace: str = "default") -> list[str]:
+    """The shell command that runs ``report_sql``, as lines to print: the query a clause a line,
+    each but the last ending in a space and a backslash inside the double quotes (bash drops the
+    backslash and the newline), so it pastes into a shell as one command whose query is exactly
+    ``report_sql``'s; with ``-N namespace`` when that is not the default (without it the query
+    reads the default namespace: 0 rows, silently)."""
+    head, *rest = _report_sql_lines(run_id)  # none holds a character special in double quotes: " $ ` \\
+    ns = "" if namespace == "default" else f"-N {namespace} "
+    return [f'.venv/bin/eventlight sql {ns}"{head} \\', *(f"{line} \\" for line in rest[:-1]), f'{rest[-1]}"']
+
+
+SKIPPED = {
+    "failed_rollouts": "failed rollouts",
+    "unfinished_rollouts": "rollouts unfinished when their step stopped waiting",
+    "no_reward": "rollouts without a reward",
+    "non_finite_reward": "rollouts with a non-finite reward",
+    "no_token_ids": "rollouts without token ids",
+    "zero_advantage": "rollouts with zero advantage (their group's rewards all equal)",
+    "empty_steps": "steps with nothing to learn",
+}
+"""How the summary names GRPO's ``counters`` of what gave no sample."""
+
+
+def skipped_line(counters: dict[str, int]) -> str:
+    """What GRPO skipped, most first, in words (``12 rollouts with zero advantage (…), 2 failed
+    rollouts``), or ``nothing``; its counters of work done (``rollouts_enqueued``, ``spans_read``) aside."""
+    skipped = [(n, k) for k, n in counters.items() if k not in ("rollouts_enqueued", "spans_read") and n]
+    skipped.sort(key=lambda item: (-item[0], item[1]))
+    return ", ".join(f"{n} {SKIPPED.get(k, k.replace('_', ' '))}" for n, k in skipped) or "nothing"
 
 
 def new_run_id() -> str:
@@ -119,6 +155,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-items", type=int, default=0, help="evaluate on the first N held-out items (0 = all)")
     p.add_argument("--model-dir", help="start from this transformers model folder (default: SmolLM2 from the GGUF)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    p.add_argument(
+        "--rollout-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="longest wait for one step's rollouts; those not finished by then are cancelled (default 600)",
+    )
     args = p.parse_args(argv)
     for option in ("eval_items", "threads"):
         if getattr(args, option) < 0:
@@ -141,6 +184,7 @@ _OPTIONS = {
     "temperature": "--temperature",
     "eval_every": "--eval-every",
     "seed": "--seed",
+    "rollout_timeout_s": "--rollout-timeout",
     "version_prefix": "--resume (its RUN_ID + '-')",
 }
 
@@ -164,6 +208,7 @@ def grpo_config(args: argparse.Namespace) -> GRPOConfig:
             eval_every=args.eval_every,
             max_new_tokens=MAX_TOKENS,
             seed=args.seed,
+            rollout_timeout_s=args.rollout_timeout,
             version_prefix=f"{args.run_id}-",
         )
     except agl.InvalidInputError as e:
@@ -453,8 +498,7 @@ def report(trainer: agl.Trainer, grpo, run_id: str, wall_s: float) -> int:
         "finished when their step stopped waiting, then cancelled)"
     )
     print(f"  spans read back     : {grpo.counters['spans_read']}")
-    skipped = {k: v for k, v in grpo.counters.items() if k not in ("rollouts_enqueued", "spans_read") and v}
-    print(f"  skipped             : {skipped or 'nothing'}")
+    print(f"  skipped             : {skipped_line(grpo.counters)}")
     print(f"  wall time           : {wall_s:.0f} s; one update {step_s:.1f} s; peak memory {peak_gb:.1f} GB")
     settings = agl.Settings.from_env()
     there = "" if settings.namespace == "default" else f" with EVENTLIGHT_NAMESPACE={settings.namespace}"
@@ -475,8 +519,8 @@ def report(trainer: agl.Trainer, grpo, run_id: str, wall_s: float) -> int:
         print(f"    (could not run it now: {' '.join(str(e).split())[:120]})")
     print("  run it yourself:")
     print("    .venv/bin/eventlight up")
-    ns = "" if settings.namespace == "default" else f"-N {settings.namespace} "
-    print(f'    .venv/bin/eventlight sql {ns}"{query}"')  # without -N: the default namespace's 0 rows
+    for line in report_command(run_id, settings.namespace):  # -N unless default: else 0 rows, silently
+        print(f"    {line}")
     print("    .venv/bin/eventlight down")
     print("=" * 78)
     if incomplete:
