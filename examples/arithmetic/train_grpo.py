@@ -42,8 +42,6 @@ from examples.demo_lease import cancel_leftovers, demo_lease, refuse_if_live  # 
 if TYPE_CHECKING:
     from eventlight.algorithm.grpo import GRPOConfig
 
-MAX_FAILED_FRACTION = 0.5
-
 
 def _report_sql_lines(run_id: str) -> list[str]:
     """``report_sql``'s query, a clause a line."""
@@ -67,13 +65,15 @@ def report_sql(run_id: str) -> str:
     return " ".join(_report_sql_lines(run_id))
 
 
-def report_command(run_id: str) -> list[str]:
+def report_command(run_id: str, namespace: str = "default") -> list[str]:
     """The shell command that runs ``report_sql``, as lines to print: the query a clause a line,
     each but the last ending in a space and a backslash inside the double quotes (bash drops the
     backslash and the newline), so it pastes into a shell as one command whose query is exactly
-    ``report_sql``'s."""
+    ``report_sql``'s; with ``-N namespace`` when that is not the default (without it the query
+    reads the default namespace: 0 rows, silently)."""
     head, *rest = _report_sql_lines(run_id)  # none holds a character special in double quotes: " $ ` \\
-    return [f'.venv/bin/eventlight sql "{head} \\', *(f"{line} \\" for line in rest[:-1]), f'{rest[-1]}"']
+    ns = "" if namespace == "default" else f"-N {namespace} "
+    return [f'.venv/bin/eventlight sql {ns}"{head} \\', *(f"{line} \\" for line in rest[:-1]), f'{rest[-1]}"']
 
 
 SKIPPED = {
@@ -108,7 +108,8 @@ def interrupted(run_id: str, argv: list[str], command: Callable[[list[str]], str
     ``--resume`` starts over."""
     from eventlight.rl.policy import latest_checkpoint
 
-    last = latest_checkpoint(agl.Settings.from_env().state_dir / "checkpoints" / run_id)
+    settings = agl.Settings.from_env()
+    last = latest_checkpoint(settings.state_dir / "checkpoints" / run_id)
     options = [a for i, a in enumerate(argv) if a != "--resume" and (i == 0 or argv[i - 1] != "--resume")]
     options = [a for a in options if not a.startswith("--resume=")]
     if last is None:
@@ -119,8 +120,14 @@ def interrupted(run_id: str, argv: list[str], command: Callable[[list[str]], str
     step = json.loads((last / "state.json").read_text())["step"]
     return (
         f"interrupted: run {run_id} stopped at checkpoint step{step}; to continue it: "
-        f"{command([*options, '--resume', run_id])}"
+        f"{in_namespace(settings)}{command([*options, '--resume', run_id])}"
     )
+
+
+def in_namespace(settings: agl.Settings) -> str:
+    """What a printed command to continue a run starts with: ``EVENTLIGHT_NAMESPACE=<ns> `` when
+    the run is not in the default namespace (its rollouts and versions are there), else nothing."""
+    return "" if settings.namespace == "default" else f"EVENTLIGHT_NAMESPACE={settings.namespace} "
 
 
 def _at_least_one(text: str) -> int:
@@ -212,6 +219,8 @@ def grpo_config(args: argparse.Namespace) -> GRPOConfig:
 
 
 _said = 0  # lines ``say`` printed: a run that printed none ends on its error line alone
+_events = 0  # progress events GRPO emitted: the first one ends the lines while it starts
+STARTING_LINE_EVERY_S = 30.0
 
 
 def say(text: str) -> None:
@@ -250,7 +259,8 @@ def _partial_warning(event: dict) -> str:
         causes.append(f"{n} were cancelled before they ended ({'no reason recorded' if reason == '?' else reason})")
     return (
         f"warning: the held-out evaluation at {event['version']} got {event['n']} of {event['asked']} results "
-        f"({'; '.join(causes) or 'the others were cancelled or did not finish'}); its reward is not comparable"
+        f"({'; '.join(causes) or 'the others were cancelled or did not finish'}); "
+        f"{'its reward is not comparable' if event['n'] else 'no held-out reward'}"
     )
 
 
@@ -304,21 +314,77 @@ def enqueued_line(event: dict) -> str:
     return f"{what} rollouts enqueued ({event['version']}); the runners are at work"
 
 
+_UNUSABLE = ("failed_rollouts", "no_reward", "non_finite_reward", "no_token_ids")  # per rollout, in ``skipped``
+
+
+def trained_line(event: dict) -> str:
+    """What a step's update learned from (its ``step`` event): how many of its finished training
+    rollouts had a nonzero advantage and the sequences they gave, e.g. ``8 of 16 rollouts had a
+    nonzero advantage (8 scored the same as their whole group), 8 sequences trained``. Only those
+    teach anything: a group whose rewards are all equal has no signal."""
+    skipped = event.get("skipped", {})
+    rollouts, tied = int(event.get("rollouts", 0)), int(skipped.get("zero_advantage", 0))
+    unusable = sum(int(skipped.get(k, 0)) for k in _UNUSABLE)
+    why = [f"{tied} scored the same as their whole group"] if tied else []
+    if unusable:
+        why.append(f"{unusable} failed or gave no reward")
+    because = f" ({', '.join(why)})" if why else ""
+    return (
+        f"{rollouts - tied - unusable} of {rollouts} rollouts had a nonzero advantage{because}, "
+        f"{int(event.get('sequences', 0))} sequences trained"
+    )
+
+
+def starting_line(grpo, n_runners: int, elapsed_s: float) -> str:
+    """What the run waits for before step 0's rollouts are enqueued (``grpo.policy`` is set once
+    the model has loaded): a line every ``STARTING_LINE_EVERY_S`` seconds (``_while_starting``)."""
+    if grpo.policy is None:
+        return (
+            f"still loading SmolLM2-135M-Instruct after {elapsed_s:.0f} s; then the policy server and "
+            f"{n_runners} runners start and the first step's rollouts are enqueued"
+        )
+    return (
+        f"the model is loaded; waiting for the policy server and {n_runners} runners to start and the "
+        f"first step's rollouts to be enqueued ({elapsed_s:.0f} s so far)"
+    )
+
+
+async def _while_starting(grpo, n_runners: int) -> None:
+    """Say what the run waits for every ``STARTING_LINE_EVERY_S`` seconds until GRPO's first
+    progress event (a loaded model's resume, or step 0's rollouts enqueued): on a loaded machine
+    that took 126 s without a line."""
+    started, seen = time.monotonic(), _events
+    while True:
+        await asyncio.sleep(STARTING_LINE_EVERY_S)
+        if _events != seen:
+            return
+        say(starting_line(grpo, n_runners, time.monotonic() - started))
+
+
 def on_progress(event: dict) -> None:
+    global _events
+    _events += 1
     kind = event.get("event")
     if kind == "eval":
-        if partial(event):
-            say(_partial_warning(event))
         splits = ", ".join(f"{k} {v:.3f}" for k, v in event["by_split"].items())
-        say(f"held-out reward {_reward(event)} at {event['version']} ({event['n']} items: {splits or 'none'})")
+        if not partial(event):
+            say(f"held-out reward {_reward(event)} at {event['version']} ({event['n']} items: {splits})")
+        elif event["n"]:  # one line: the warning, then the reward of the items it got
+            say(f"{_partial_warning(event)}: {event['mean_reward']:.3f} over those {event['n']} ({splits})")
+        else:
+            say(_partial_warning(event))
     elif kind == "step":
-        skipped = sum(event.get("skipped", {}).values())
         say(
-            f"step {event['step']:>2}: train reward {_fmt(event['train_reward'])}, "
-            f"{int(event.get('sequences', 0))} sequences trained ({skipped} without signal), "
+            f"step {event['step']:>2}: train reward {_fmt(event['train_reward'])}, {trained_line(event)}, "
             f"loss {_fmt(event.get('loss'))}, rollouts {event['rollout_s']:.0f} s"
             f"{f' (with the {held} held-out)' if (held := event.get('held_out')) else ''}, "
             f"update {event.get('step_s', 0):.1f} s"
+        )
+    elif kind == "updating":  # an update can take minutes under load: a line every 30 s
+        say(
+            f"step {event['step']:>2}: updating the weights on {event['sequences']} sequences, "
+            f"{event['micro_batches_done']} of {event['micro_batches']} micro-batches done "
+            f"after {event['elapsed_s']:.0f} s"
         )
     elif kind == "enqueued":  # the model is loaded and the runners are up: the step's rollouts run now
         say(f"step {event['step']:>2}: {enqueued_line(event)}")
@@ -388,7 +454,11 @@ async def train(args: argparse.Namespace) -> int:
             settings=settings,  # its run leaves the servers to this block, whose report queries the projections
         )
         say(f"loading SmolLM2-135M-Instruct (converted once from the GGUF) and starting {args.n_runners} runners…")
-        await trainer.fit_async(adder, train_items, val_dataset=held_out)
+        starting = asyncio.ensure_future(_while_starting(grpo, args.n_runners))
+        try:
+            await trainer.fit_async(adder, train_items, val_dataset=held_out)
+        finally:
+            starting.cancel()
         # its steps finished (an interrupt or a stop raises): it keeps its weights only, whatever the
         # report says of it (a partial held-out evaluation exits 1 after the same steps)
         if grpo.policy is not None and grpo.checkpoint_dir is not None:
@@ -399,13 +469,15 @@ async def train(args: argparse.Namespace) -> int:
 def report(trainer: agl.Trainer, grpo, run_id: str, wall_s: float) -> int:
     enq = grpo.counters["rollouts_enqueued"]
     unfinished = grpo.counters["unfinished_rollouts"]
-    failed = grpo.counters["failed_rollouts"] + unfinished
-    if enq == 0 or failed > MAX_FAILED_FRACTION * enq or len(grpo.evals) < 2:
-        print(f"error: run {run_id} did not train: {enq} rollouts, {failed} failed or unfinished", file=sys.stderr)
+    trained = [s for s in grpo.steps if s.get("trained")]  # steps whose update changed the weights
+    if not trained or not grpo.evals:
+        why = f"did not train: {did_not_train(grpo)}" if not trained else "has no held-out evaluation"
+        print(f"error: run {run_id} {why}", file=sys.stderr)
+        if _said:
+            print(f"{'the run did not train; ' if not trained else ''}nothing above is a result", file=sys.stderr)
         return 1
     first, last = grpo.evals[0], grpo.evals[-1]
     peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
-    trained = [s for s in grpo.steps if s.get("trained")]
     step_s = sum(s["step_s"] for s in trained) / max(1, len(trained))
     print()
     print("=" * 78)
@@ -428,7 +500,9 @@ def report(trainer: agl.Trainer, grpo, run_id: str, wall_s: float) -> int:
     print(f"  spans read back     : {grpo.counters['spans_read']}")
     print(f"  skipped             : {skipped_line(grpo.counters)}")
     print(f"  wall time           : {wall_s:.0f} s; one update {step_s:.1f} s; peak memory {peak_gb:.1f} GB")
-    print(f"  last checkpoint     : {grpo.checkpoint_dir} (weights; --resume {run_id} --steps N continues)")
+    settings = agl.Settings.from_env()
+    there = "" if settings.namespace == "default" else f" with EVENTLIGHT_NAMESPACE={settings.namespace}"
+    print(f"  last checkpoint     : {grpo.checkpoint_dir} (weights; --resume {run_id} --steps N{there} continues)")
     query = report_sql(run_id)
     print("  reward by checkpoint (the SQL views, this run only):")
     cli = Path(sys.executable).with_name("eventlight")
@@ -445,7 +519,7 @@ def report(trainer: agl.Trainer, grpo, run_id: str, wall_s: float) -> int:
         print(f"    (could not run it now: {' '.join(str(e).split())[:120]})")
     print("  run it yourself:")
     print("    .venv/bin/eventlight up")
-    for line in report_command(run_id):
+    for line in report_command(run_id, settings.namespace):  # -N unless default: else 0 rows, silently
         print(f"    {line}")
     print("    .venv/bin/eventlight down")
     print("=" * 78)
@@ -457,6 +531,18 @@ def report(trainer: agl.Trainer, grpo, run_id: str, wall_s: float) -> int:
         )
         return 1
     return 0
+
+
+def did_not_train(grpo) -> str:
+    """Why a run whose steps all ended without an update did not train, with its rollouts counted
+    by how they ended: those its steps stopped waiting for and cancelled apart from those that
+    failed (``70 rollouts: 0 failed, 62 not finished within 600 s and cancelled``)."""
+    steps, enq = len(grpo.steps), grpo.counters["rollouts_enqueued"]
+    failed, unfinished = grpo.counters["failed_rollouts"], grpo.counters["unfinished_rollouts"]
+    timeout = getattr(getattr(grpo, "config", None), "rollout_timeout_s", None)
+    within = f" within {timeout:g} s" if timeout is not None else ""
+    what = "no step ran" if not steps else f"none of its {steps} step(s) had anything to learn"
+    return f"{what}; {enq} rollouts: {failed} failed, {unfinished} not finished{within} and cancelled"
 
 
 def _split(event: dict, split: str) -> str:
