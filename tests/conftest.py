@@ -24,6 +24,7 @@ import asyncpg
 import msgspec
 import pytest
 
+from eventlight.core.types import Span
 from eventlight.ops import (
     Services,
     apply_migrations,
@@ -38,6 +39,21 @@ from eventlight.store.jetstream.connect import connect_nats
 from eventlight.store.memory import InMemoryLightningStore
 
 T = TypeVar("T")
+
+
+def reward_span(rollout_id: str, attempt_id: str, seq: int, value: float) -> Span:
+    """An ``agentlightning.annotation`` span carrying reward ``value`` (name ``primary``) at
+    ``sequence_id`` ``seq``, as ``agl.emit_reward`` records it; shared by the store contract and
+    the race tests."""
+    return Span.from_attributes(
+        attributes={"agentlightning.reward.0.name": "primary", "agentlightning.reward.0.value": value},
+        rollout_id=rollout_id,
+        attempt_id=attempt_id,
+        sequence_id=seq,
+        name="agentlightning.annotation",
+        start_time=1.0,
+        end_time=1.0,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -67,7 +83,9 @@ def _in_thread(fn: Callable[[], T]) -> T:
 
 @contextlib.asynccontextmanager
 async def fresh_namespace(services: tuple[Settings, Services]) -> AsyncIterator[Settings]:
-    """A new namespace (stream + schema) on the session's servers, dropped afterwards."""
+    """A new namespace (stream + schema) on the session's servers, dropped afterwards, also when its
+    set-up fails or is interrupted part way (a schema holding only an empty ``schema_migrations``
+    was left behind otherwise)."""
     base, svc = services
     settings = Settings(
         nats_url=svc.nats_url,
@@ -75,13 +93,13 @@ async def fresh_namespace(services: tuple[Settings, Services]) -> AsyncIterator[
         state_dir=base.state_dir,
         namespace=f"t{uuid.uuid4().hex[:10]}",
     )
-    nc = await connect_nats(svc.nats_url)
     try:
-        await apply_streams(nc, settings)
-    finally:
-        await nc.close()
-    await apply_migrations(svc.pg_dsn, settings.pg_schema)
-    try:
+        nc = await connect_nats(svc.nats_url)
+        try:
+            await apply_streams(nc, settings)
+        finally:
+            await nc.close()
+        await apply_migrations(svc.pg_dsn, settings.pg_schema)
         yield settings
     finally:
         await drop_namespace(svc.nats_url, svc.pg_dsn, settings)

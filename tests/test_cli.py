@@ -232,6 +232,36 @@ def test_down_refuses_a_namespace_it_would_not_limit(tmp_path: Path) -> None:
     assert_one_line_error(result, 2, "every namespace shares", "-N x")
 
 
+def test_serve_body_min_rate_0_disables_the_minimum_rate(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``--body-min-rate 0`` serves with no minimum body rate (``BodyLimit``'s ``None``), as
+    ``LightningStoreServer(body_min_bytes_per_s=None)`` does; it was refused as not positive."""
+    import importlib
+    import socket
+
+    serve_module = importlib.import_module("eventlight.cli.serve")
+    seen: list[dict[str, object]] = []
+
+    async def fake_serve(*args: object) -> int:
+        seen.append(dict(args[-1]))  # type: ignore[call-overload]
+        return 0
+
+    monkeypatch.setattr(serve_module, "_serve", fake_serve)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {"EVENTLIGHT_STATE_DIR": str(tmp_path)}
+    for rate, expected in (("0", None), ("512", 512.0)):
+        result = CliRunner().invoke(
+            app, ["serve", "--backend", "memory", "--port", port, "--body-min-rate", rate], env=env
+        )
+        assert result.exit_code == 0, result.output
+        assert seen.pop()["body_min_bytes_per_s"] == expected
+    refused = CliRunner().invoke(app, ["serve", "--port", port, "--body-min-rate", "-1"], env=env)
+    assert refused.exit_code == 2 and not seen
+    page = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "300"}, prog_name="eventlight").output
+    assert "0: no minimum rate" in ANSI.sub("", page)
+
+
 def test_load_agent_accepts_agents_by_module_or_file() -> None:
     from eventlight.agent import LitAgent
 
@@ -575,6 +605,42 @@ async def test_runner_runs_heartbeats_into_status_and_stops_on_ctrl_c(namespace:
     assert "consuming" in stdout and "Traceback" not in stderr
     after = await asyncio.to_thread(cli, "sql", "SELECT 1 AS one", env=env_of(namespace))
     assert after.returncode == 0, after.stderr  # the runner left the servers running
+
+
+async def test_a_command_stopped_by_ctrl_c_says_interrupted(namespace: Settings) -> None:
+    """Ctrl+C during ``eventlight sql`` (and any command that does not catch it) exited 130 with
+    nothing on stderr, as if it had finished; now one line ``interrupted`` says it did not."""
+    import asyncio
+    import signal
+
+    import asyncpg
+
+    base = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
+    proc = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "eventlight.cli", "sql", "SELECT pg_sleep(59.25)"),
+        cwd=ROOT,
+        env={**base, **env_of(namespace)},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        admin = await asyncpg.connect(namespace.pg_dsn)
+        try:
+            running = (
+                "SELECT count(*) FROM pg_stat_activity WHERE query LIKE '%pg_sleep(59.25)%' AND pid <> pg_backend_pid()"
+            )
+            for _ in range(600):  # until the query runs: the command is then inside asyncio.run
+                if await admin.fetchval(running) or proc.returncode is not None:
+                    break
+                await asyncio.sleep(0.1)
+        finally:
+            await admin.close()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out_bytes, err_bytes = await asyncio.wait_for(proc.communicate(), 60)
+    stderr = err_bytes.decode()
+    assert proc.returncode == 130, f"exit {proc.returncode}\n{out_bytes.decode()}\n{stderr}"
+    assert stderr.strip().splitlines() == ["interrupted"], stderr
 
 
 def test_redact_hides_passwords_and_tokens() -> None:

@@ -179,6 +179,30 @@ def test_a_finished_rollout_does_not_follow_a_late_update_of_its_latest_attempt(
     assert apply(state, events).rollout.status == "succeeded"
 
 
+def test_a_rollout_back_in_the_queue_is_not_failed_by_its_last_attempt() -> None:
+    """``update_rollout(status="queuing")`` while the attempt runs (a runner that stopped the agent
+    of a cancelled rollout records ``failed`` after the requeue): the attempt is ``failed``, the
+    rollout stays ``queuing`` for its next run (it went to ``failed``, the requeue lost); a
+    ``requeuing`` rollout whose ``unresponsive`` attempt reports ``failed`` late keeps its retry.
+    A late ``running`` still takes the rollout back (the attempt revived, as in 0.3.0)."""
+    state = claimed(created())
+    for status in ("cancelled", "queuing"):
+        state = apply(state, d.decide(state, d.UpdateRollout(status=status), T0 + 3))
+    events = d.decide(state, d.UpdateAttempt(attempt_id="at-1", status="failed"), T0 + 4)
+    assert events[0].rollout_status is None and not enters_queue(events[0])
+    after = apply(state, events)
+    assert (after.rollout.status, after.latest.status) == ("queuing", "failed") and d.is_claimable(after)
+    revived = d.decide(state, d.UpdateAttempt(attempt_id="at-1", status="running"), T0 + 4)
+    assert revived[0].rollout_status == "running"
+
+    cfg = RolloutConfig(max_attempts=2, retry_condition=["unresponsive"])
+    state = claimed(created(cfg))
+    state = apply(state, d.decide(state, d.UpdateAttempt(attempt_id="at-1", status="unresponsive"), T0 + 3))
+    assert state.rollout.status == "requeuing"
+    state = apply(state, d.decide(state, d.UpdateAttempt(attempt_id="at-1", status="failed"), T0 + 4))
+    assert (state.rollout.status, state.latest.status) == ("requeuing", "failed")
+
+
 def test_unknown_statuses_and_attempts_are_refused() -> None:
     state = claimed(created())
     with pytest.raises(InvalidInputError):

@@ -186,6 +186,7 @@ async def test_the_apo_demo_cancels_what_an_earlier_run_left_queued(namespace: S
         ["--threads", "-1", "--threads: must be 0 or more, got -1"],
         ["--eval-items", "-3", "--eval-items: must be 0 or more, got -3"],
         ["--model-dir", "no-such-folder", "--model-dir: no model at no-such-folder"],
+        ["--rollout-timeout", "0", "--rollout-timeout must be a finite number > 0, got 0"],
     ],
 )
 def test_the_demo_checks_every_option_before_it_starts_anything(option: list[str], tmp_path: Path) -> None:
@@ -236,6 +237,14 @@ def test_the_apo_demo_checks_every_option_before_it_starts_anything(option: list
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.startswith("error: ") and says in done.stderr, done.stderr
     assert len(done.stderr.splitlines()) == 1 and done.stdout == "" and list(tmp_path.iterdir()) == []
+
+
+def test_the_demo_passes_rollout_timeout_to_grpo() -> None:
+    """GRPO's ``rollout_timeout_s`` (600 s) had no option: a slow machine could not give its steps longer."""
+    from examples.arithmetic.train_grpo import parse_args
+
+    assert parse_args([]).config.rollout_timeout_s == 600.0
+    assert parse_args(["--rollout-timeout", "1200"]).config.rollout_timeout_s == 1200.0
 
 
 @pytest.mark.parametrize("option", ["--n-runners", "--steps"])
@@ -309,7 +318,8 @@ async def test_the_demo_report_leaves_failed_rollouts_out_of_the_mean(namespace:
     averaged 0.194. The report's mean is over the rollouts with a reward; it counts failed ones apart
     and cancelled ones too: one cancelled while it ran (the evaluation had given up on it) is no
     result even with a reward, where the table showed it rewarded beside an evaluation without it."""
-    from examples.arithmetic.train_grpo import report_sql
+    from examples.arithmetic.train_grpo import report_command, report_sql
+    from tests.test_cli import ROOT, env_of
     from tests.test_replay import reward_span
     from tests.test_sql_views import rows
 
@@ -336,6 +346,18 @@ async def test_the_demo_report_leaves_failed_rollouts_out_of_the_mean(namespace:
             await store.update_attempt(made.rollout_id, claimed.attempt.attempt_id, status=status)
         await store.sync_all(timeout_s=10)
     got = rows(report_sql(run), ns=namespace)
+    # the command the summary prints runs as printed (here with this Python's eventlight)
+    command = "\n".join(report_command(run)).replace(".venv/bin/eventlight", f"{sys.executable} -m eventlight.cli", 1)
+    printed = await asyncio.to_thread(
+        subprocess.run,
+        ["bash", "-c", command],
+        cwd=ROOT,
+        env={**os.environ, **env_of(namespace)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert printed.returncode == 0 and f"{run}-step1" in printed.stdout, printed.stderr
     assert got == [
         {
             "checkpoint": f"{run}-step0",
@@ -390,8 +412,9 @@ def test_a_partial_held_out_evaluation_is_no_result(monkeypatch: pytest.MonkeyPa
         {"version": f"{run}-step8", "n": 73, "asked": 73, "mean_reward": 0.3, "by_split": {"1-digit": 0.3}},
     ]
     counters = {"rollouts_enqueued": 100, "failed_rollouts": 0, "unfinished_rollouts": 10, "spans_read": 9}
+    steps = [{"step": 1, "trained": True, "step_s": 5.0}]
     grpo = SimpleNamespace(
-        evals=evals, counters=counters, steps=[], versions=[f"{run}-step8"], checkpoint_dir=None, policy=None
+        evals=evals, counters=counters, steps=steps, versions=[f"{run}-step8"], checkpoint_dir=None, policy=None
     )
     for event in evals:
         demo.on_progress({"event": "eval", "step": 0, **event})
@@ -412,6 +435,240 @@ def test_a_partial_held_out_evaluation_is_no_result(monkeypatch: pytest.MonkeyPa
     assert f"held-out reward, {run}-step0" in out and "0.250 (only 8 of 73 items)" in out
     assert "1-digit              no result -> 0.300" in out and "2-digit              0.250 -> no result" in out
     assert "nan" not in out and "peaked" not in out
+
+
+def test_the_summary_says_what_was_skipped_and_wraps_its_sql_command(
+    monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """The summary printed what GRPO skipped as a raw dict (``{'zero_advantage': 12, ...}``) and
+    its ``eventlight sql`` command on one 470-character line. Now the counts are in words, most
+    first, and the command is a clause a line, continued with backslashes, passing bash the same
+    query as ``report_sql``."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    import examples.arithmetic.train_grpo as demo
+
+    def no_cli(*args: Any, **kwargs: Any) -> Any:
+        raise OSError("not in this test")
+
+    monkeypatch.setattr(demo.subprocess, "run", no_cli)
+    run = "run-20261207-101010-ab12"
+    evals = [
+        {"version": f"{run}-step0", "n": 4, "asked": 4, "mean_reward": 0.25, "by_split": {"1-digit": 0.25}},
+        {"version": f"{run}-step1", "n": 4, "asked": 4, "mean_reward": 0.5, "by_split": {"1-digit": 0.5}},
+    ]
+    counters = Counter(rollouts_enqueued=40, spans_read=80, failed_rollouts=2, zero_advantage=12)  # as GRPO's
+    steps = [{"step": 1, "trained": True, "step_s": 5.0}]
+    grpo = SimpleNamespace(
+        evals=evals, counters=counters, steps=steps, versions=[f"{run}-step1"], checkpoint_dir=None, policy=None
+    )
+    assert demo.report(None, grpo, run, 1.0) == 0  # type: ignore[arg-type]
+    monkeypatch.undo()  # subprocess.run again, for bash below
+    out = capsys.readouterr().out
+    assert (
+        "  skipped             : 12 rollouts with zero advantage (their group's rewards all equal), 2 failed rollouts\n"
+        in out
+    )
+    lines = out.splitlines()
+    start = lines.index("  run it yourself:") + 2  # after `eventlight up`
+    end = lines.index("    .venv/bin/eventlight down")
+    command = [line.removeprefix("    ") for line in lines[start:end]]
+    assert len(command) > 1 and max(map(len, lines[start:end])) <= 100, command
+    argv = subprocess.run(
+        ["bash", "-c", "printf '%s\\0' " + "\n".join(command)], capture_output=True, text=True, check=True
+    ).stdout.split("\0")[:-1]
+    assert argv == [".venv/bin/eventlight", "sql", demo.report_sql(run)]
+    assert demo.skipped_line({"rollouts_enqueued": 3, "spans_read": 1}) == "nothing"
+
+
+def test_a_run_whose_step_updated_trained_however_many_rollouts_were_cancelled(
+    monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """``--steps 1`` under load: step 1's update ran and wrote its checkpoint, but 130 of the 178
+    rollouts (held-out ones of both evaluations) timed out and were cancelled, and the demo ended on
+    "did not train: 178 rollouts, 130 failed or unfinished", with no summary and no "nothing above
+    is a result". A run with a step that updated trained: the summary comes, with its partial
+    evaluations' warnings, and exit 1; a run with none says so, counting cancelled apart from
+    failed, and ends with the line the README promises."""
+    from types import SimpleNamespace
+
+    import examples.arithmetic.train_grpo as demo
+
+    def no_cli(*args: Any, **kwargs: Any) -> Any:
+        raise OSError("not in this test")
+
+    monkeypatch.setattr(demo.subprocess, "run", no_cli)
+    monkeypatch.setattr(demo, "_said", 3)  # progress lines came before
+    run = "run-20261207-101010-cd34"
+    partial_eval = {"n": 0, "asked": 73, "unfinished": 73, "timeout_s": 600.0, "cancelled": 0, "cancelled_by": {}}
+    evals = [
+        {"version": f"{run}-step0", **partial_eval, "mean_reward": float("nan"), "by_split": {}},
+        {"version": f"{run}-step1", **partial_eval, "n": 16, "mean_reward": 0.1, "by_split": {"1-digit": 0.1}},
+    ]
+    counters = {"rollouts_enqueued": 178, "failed_rollouts": 0, "unfinished_rollouts": 130, "spans_read": 9}
+    grpo = SimpleNamespace(
+        evals=evals,
+        counters=counters,
+        steps=[{"step": 1, "trained": True, "step_s": 113.0}],
+        versions=[f"{run}-step1"],
+        checkpoint_dir=None,
+        policy=None,
+        config=SimpleNamespace(rollout_timeout_s=600.0),
+    )
+    assert demo.report(None, grpo, run, 1.0) == 1  # type: ignore[arg-type]
+    out, err = capsys.readouterr()
+    assert "did not train" not in err and "eventlight demo: GRPO" in out
+    assert f"warning: the held-out evaluation at {run}-step0 got 0 of 73 results" in out
+    assert err.startswith(f"error: run {run}: 2 of its 2 held-out evaluations got fewer results")
+
+    grpo.steps = [{"step": 1, "trained": False, "step_s": 0.0}]
+    assert demo.report(None, grpo, run, 1.0) == 1  # type: ignore[arg-type]
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == [
+        f"error: run {run} did not train: none of its 1 step(s) had anything to learn; "
+        "178 rollouts: 0 failed, 130 not finished within 600 s and cancelled",
+        "the run did not train; nothing above is a result",
+    ]
+
+
+def test_the_printed_commands_name_a_namespace_other_than_the_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """With EVENTLIGHT_NAMESPACE=demo4 the summary's "run it yourself" ``eventlight sql …`` and its
+    ``--resume`` hint left the namespace out: the sql then read the default namespace's 0 rows, and
+    the resume recorded into another namespace. Both, and an interrupted run's last line, name it."""
+    from types import SimpleNamespace
+
+    import examples.arithmetic.train_grpo as demo
+    from examples.demo import _make_demo
+
+    monkeypatch.setattr(demo.subprocess, "run", lambda *a, **k: SimpleNamespace(stdout="(0 rows)\n"))
+    monkeypatch.setenv("EVENTLIGHT_NAMESPACE", "demo4")
+    monkeypatch.setenv("EVENTLIGHT_STATE_DIR", str(tmp_path))
+    run = "run-20261207-101010-ef56"
+    full = {"n": 73, "asked": 73, "mean_reward": 0.5, "by_split": {"1-digit": 0.5}}
+    grpo = SimpleNamespace(
+        evals=[{"version": f"{run}-step0", **full}, {"version": f"{run}-step1", **full}],
+        counters={"rollouts_enqueued": 105, "failed_rollouts": 0, "unfinished_rollouts": 0, "spans_read": 9},
+        steps=[{"step": 1, "trained": True, "step_s": 5.0}],
+        versions=[f"{run}-step1"],
+        checkpoint_dir=tmp_path / "checkpoints" / run,
+        policy=None,
+    )
+    assert demo.report(None, grpo, run, 1.0) == 0  # type: ignore[arg-type]
+    out = capsys.readouterr().out
+    assert "\n    ".join(demo.report_command(run, "demo4")) in out
+    assert demo.report_command(run, "demo4")[0].startswith('.venv/bin/eventlight sql -N demo4 "SELECT')
+    assert f"--resume {run} --steps N with EVENTLIGHT_NAMESPACE=demo4 continues" in out
+    step1 = tmp_path / "checkpoints" / run / "step-00001"
+    step1.mkdir(parents=True)
+    (step1 / "state.json").write_text(json.dumps({"step": 1, "version": f"{run}-step1"}))
+    (step1.parent / "LATEST").write_text(step1.name)
+    line = demo.interrupted(run, ["--steps", "2"], _make_demo)
+    assert line.endswith(f'to continue it: EVENTLIGHT_NAMESPACE=demo4 make demo ARGS="--steps 2 --resume {run}"')
+    monkeypatch.delenv("EVENTLIGHT_NAMESPACE")
+    assert demo.report(None, grpo, run, 1.0) == 0  # type: ignore[arg-type]
+    out = capsys.readouterr().out
+    assert "\n    ".join(demo.report_command(run)) in out and " -N " not in out and "EVENTLIGHT_NAMESPACE" not in out
+
+
+def test_the_step_line_says_how_many_rollouts_had_a_nonzero_advantage(capsys: Any) -> None:
+    """ "step  1: train reward 0.083, 8 sequences trained (8 without signal)" read as if the 8 trained
+    had no signal: the 8 were other rollouts, tied with their group. The line now says how many of
+    the step's rollouts had a nonzero advantage, why the others taught nothing, and the sequences
+    trained."""
+    from examples.arithmetic.train_grpo import on_progress
+
+    step = {"event": "step", "step": 1, "train_reward": 0.083, "loss": 0.058, "rollout_s": 487.0, "step_s": 113.0}
+    on_progress({**step, "rollouts": 16, "sequences": 8, "skipped": {"zero_advantage": 8}})
+    skipped = {"zero_advantage": 24, "failed_rollouts": 2, "no_reward": 1}
+    on_progress({**step, "step": 2, "rollouts": 32, "sequences": 0, "skipped": skipped, "loss": float("nan")})
+    lines = [line.split("] ", 1)[1] for line in capsys.readouterr().out.splitlines()]
+    assert lines == [
+        "step  1: train reward 0.083, 8 of 16 rollouts had a nonzero advantage (8 scored the same as their whole "
+        "group), 8 sequences trained, loss 0.058, rollouts 487 s, update 113.0 s",
+        "step  2: train reward 0.083, 5 of 32 rollouts had a nonzero advantage (24 scored the same as their whole "
+        "group, 3 failed or gave no reward), 0 sequences trained, loss   n/a, rollouts 487 s, update 113.0 s",
+    ]
+
+
+def test_a_timed_out_held_out_evaluation_is_one_statement(capsys: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """Step 0's evaluation timed out under load and the demo said so three times, two of them read as
+    contradictory: GRPO's WARNING "(73 did not finish within rollout_timeout_s=600 s; 0 were
+    cancelled before they ended)", the demo's "(73 did not finish within 600 s and were cancelled …)"
+    and "held-out reward no result (only 0 of 73 items) at …-step0 (0 items: none)". Now the demo
+    prints one line, GRPO's line (at INFO when a progress callback reports the event) says the
+    timed-out ones were cancelled, and a partial evaluation with results gives them on that line."""
+    from eventlight.algorithm.grpo import GRPO, GRPOConfig
+    from examples.arithmetic.train_grpo import on_progress
+
+    grpo = GRPO(GRPOConfig(steps=1), progress=on_progress)
+    grpo.set_store(agl.InMemoryLightningStore())
+    with caplog.at_level("INFO", logger="eventlight.algorithm.grpo"):
+        asyncio.run(grpo._report_eval(0, "run-x-step0", [], 73))
+    assert [r.levelname for r in caplog.records] == ["INFO"]
+    assert "73 did not finish within rollout_timeout_s=600 s and were cancelled; 0 others" in caplog.text
+    lines = [line.split("] ", 1)[1] for line in capsys.readouterr().out.splitlines()]
+    assert lines == [
+        "warning: the held-out evaluation at run-x-step0 got 0 of 73 results (73 did not finish within 600 s and "
+        "were cancelled, likely as the machine was too busy or slow for them: fewer --eval-items ask less); "
+        "no held-out reward"
+    ]
+    some = {
+        "n": 8,
+        "asked": 73,
+        "unfinished": 65,
+        "timeout_s": 600.0,
+        "mean_reward": 0.25,
+        "by_split": {"1-digit": 0.25},
+    }
+    on_progress({"event": "eval", "step": 4, "version": "run-x-step4", **some})
+    lines = [line.split("] ", 1)[1] for line in capsys.readouterr().out.splitlines()]
+    assert len(lines) == 1 and lines[0].endswith(
+        "fewer --eval-items ask less); its reward is not comparable: 0.250 over those 8 (1-digit 0.250)"
+    )
+
+
+async def test_the_demo_says_what_it_waits_for_while_it_starts(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    """126 s passed without a line after "loading SmolLM2-135M-Instruct … starting 8 runners…" on a
+    loaded machine. Until GRPO's first progress event, the demo now says every 30 s what it waits
+    for: the model's load, then the policy server and runners; the first event ends those lines."""
+    from types import SimpleNamespace
+
+    import examples.arithmetic.train_grpo as demo
+
+    monkeypatch.setattr(demo, "STARTING_LINE_EVERY_S", 0.01)
+    lines_said: asyncio.Queue[str] = asyncio.Queue()
+    say = demo.say
+
+    def said(text: str) -> None:
+        say(text)
+        lines_said.put_nowait(text)
+
+    monkeypatch.setattr(demo, "say", said)
+    grpo = SimpleNamespace(policy=None)
+    starting = asyncio.ensure_future(demo._while_starting(grpo, 8))
+    await lines_said.get()
+    grpo.policy = object()
+    while not (await lines_said.get()).startswith("the model is loaded"):
+        pass
+    demo.on_progress({"event": "enqueued", "step": 0, "version": "run-x-step0", "total": 105, "held_out": 73})
+    await asyncio.wait_for(starting, 60)  # it ends on the first event
+    lines = [line.split("] ", 1)[1] for line in capsys.readouterr().out.splitlines()]
+    assert lines[0].startswith("still loading SmolLM2-135M-Instruct after 0 s; then the policy server and 8 runners")
+    assert lines[-2].startswith("the model is loaded; waiting for the policy server and 8 runners to start")
+    assert lines[-1].startswith("step  0: 32 training and 73 held-out evaluation rollouts enqueued")
+
+
+def test_the_demo_reports_an_update_in_progress(capsys: Any) -> None:
+    """An update of 113 s printed nothing: GRPO's ``updating`` events are a line each."""
+    from examples.arithmetic.train_grpo import on_progress
+
+    update = {"sequences": 24, "micro_batches": 3, "micro_batches_done": 1, "elapsed_s": 30.2}
+    on_progress({"event": "updating", "step": 1, **update})
+    lines = [line.split("] ", 1)[1] for line in capsys.readouterr().out.splitlines()]
+    assert lines == ["step  1: updating the weights on 24 sequences, 1 of 3 micro-batches done after 30 s"]
 
 
 def test_the_rollouts_progress_line_says_what_its_numbers_count(capsys: Any) -> None:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import pytest
 from conftest import FakeClock, fresh_namespace
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
@@ -378,6 +379,9 @@ def _show(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     return f"({', '.join(parts)})"
 
 
+# 60 examples against real NATS and Postgres: ~2 min on a quiet 2-core machine, 325 s seen at load 12,
+# past pytest's 300 s default (a hang guard, not a speed check).
+@pytest.mark.timeout(900)
 def test_backends_are_equivalent(services: tuple[Settings, Services]) -> None:
     shrink = os.environ.get("EVENTLIGHT_EQUIV_SHRINK") == "1"
     Equivalence.services = services

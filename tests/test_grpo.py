@@ -563,6 +563,44 @@ async def test_failed_rollouts_are_left_out_of_the_advantages_and_counted_in_the
     assert grpo.counters["failed_rollouts"] == 2 and grpo.counters["no_reward"] == 1
 
 
+async def test_an_update_reports_its_progress_while_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under load step 1's update took 113 s and the demo printed nothing meanwhile (239 s without a
+    line). While an update runs, GRPO now emits an ``updating`` progress event every
+    ``PROGRESS_EVERY_S`` seconds with its sequences and micro-batches done of all."""
+    import threading
+
+    import eventlight.algorithm.grpo as grpo_module
+
+    monkeypatch.setattr(grpo_module, "PROGRESS_EVERY_S", 0.01)
+    seen = threading.Event()
+    events: list[dict] = []
+
+    def progress(event: dict) -> None:
+        events.append(event)
+        if event["event"] == "updating" and event["micro_batches_done"] >= 1:
+            seen.set()
+
+    class Slow:  # two micro-batches; the second waits until the first is reported done
+        micro_batch_size = 2
+
+        async def call(self, fn, *args, **kwargs):
+            return await asyncio.to_thread(fn, *args, **kwargs)
+
+        def train_step(self, samples, *, clip_eps, should_stop):
+            assert not should_stop() and not should_stop()  # micro-batch 1 done, 2 begins
+            assert seen.wait(60)
+            assert not should_stop()  # before the optimizer step
+            return {"loss": 0.1, "grad_norm": 1.0, "tokens": 9, "sequences": len(samples), "step_s": 1.0}
+
+    grpo = GRPO(GRPOConfig(steps=1), policy=Slow(), progress=progress)
+    stats = await grpo._update(0, ["a", "b", "c"])
+    assert stats is not None and stats["sequences"] == 3
+    updating = [e for e in events if e["event"] == "updating"]
+    assert updating and {e["step"] for e in updating} == {1}
+    assert {(e["sequences"], e["micro_batches"]) for e in updating} == {(3, 2)}
+    assert updating[-1]["micro_batches_done"] == 1
+
+
 @pytest.mark.parametrize("how", ["request_stop", "cancel"])
 async def test_an_update_asked_to_stop_ends_between_micro_batches_and_keeps_the_last_checkpoint(
     how: str, tmp_path
@@ -738,10 +776,16 @@ async def test_a_held_out_evaluation_says_how_many_results_it_got_of_those_it_as
     grpo.progress = events.append
     ran = Rollout(rollout_id="ro-1", input={"split": "1-digit"}, start_time=0.0, status="failed")
     never = Rollout(rollout_id="ro-2", input={"split": "2-digit"}, start_time=0.0, status="cancelled")
-    with caplog.at_level("WARNING", logger="eventlight.algorithm.grpo"):
+    with caplog.at_level("INFO", logger="eventlight.algorithm.grpo"):
         await grpo._report_eval(0, "v0", [ran, never], 3)
     assert events[-1]["n"] == 1 and events[-1]["asked"] == 3 and events[-1]["by_split"] == {"1-digit": 0.0}
     assert "the held-out evaluation of v0 got 1 of 3 results" in caplog.text
+    assert [r.levelname for r in caplog.records] == ["INFO"]  # the progress callback reports it
+    caplog.clear()
+    grpo.progress = None  # nothing else reports it: a warning
+    with caplog.at_level("INFO", logger="eventlight.algorithm.grpo"):
+        await grpo._report_eval(0, "v0", [ran, never], 3)
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
 
 
 def test_the_gguf_conversion_shows_progress_in_lines_without_a_terminal(tmp_path, monkeypatch, capfd) -> None:

@@ -240,3 +240,40 @@ async def test_a_trainer_on_given_servers_waits_as_its_settings_say(limited: Lim
         finally:
             opening.cancel()
             await asyncio.gather(opening, return_exceptions=True)
+
+
+async def test_cli_commands_wait_for_a_connection(limited: LimitedRole, warnings_: _Warnings) -> None:
+    """``eventlight sql`` / ``status`` / ``replay`` find Postgres (``find_pg``) and connect to the
+    namespace's schema (``_connect_pg``): a configured server that answers "too many connections"
+    is there, and both the connection and the migrations wait for room as a store does. They failed
+    at once ("answered but takes no connection now")."""
+    from eventlight.cli.discovery import _connect_pg
+
+    connecting = asyncio.ensure_future(_connect_pg(limited.settings))
+    try:
+        await _first_warning_or_end(warnings_, connecting)
+        await limited.set_limit(-1)
+        conn = await connecting
+        assert await conn.fetchval("SELECT to_regclass('projector_checkpoint') IS NOT NULL")
+        await conn.close()
+    finally:
+        connecting.cancel()
+        await asyncio.gather(connecting, return_exceptions=True)
+    line = warnings_.records[0].getMessage()
+    assert "too many connections" in line and "s3cret" not in line and "\n" not in line
+
+
+async def test_a_rebuild_waits_for_a_connection(limited: LimitedRole, warnings_: _Warnings) -> None:
+    """``eventlight replay --rebuild`` opens Postgres (its connection, the migrations of the fresh
+    schema, the projector's pool) waiting for room as a store does; it failed at once."""
+    from eventlight.logreplay.rebuild import rebuild
+
+    rebuilding = asyncio.ensure_future(rebuild(limited.settings))
+    try:
+        await _first_warning_or_end(warnings_, rebuilding)
+        await limited.set_limit(-1)
+        report = await rebuilding
+    finally:
+        rebuilding.cancel()
+        await asyncio.gather(rebuilding, return_exceptions=True)
+    assert report.same and report.schema == f"{limited.settings.pg_schema}_rebuild"

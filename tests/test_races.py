@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -24,13 +25,13 @@ from typing import Any
 
 import pytest
 
-from eventlight.core.errors import InvalidTransitionError
+from eventlight.core.errors import InvalidTransitionError, ServiceUnavailableError
 from eventlight.core.types import EnqueueRolloutRequest, RolloutConfig, Span
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore, queue
 from eventlight.store.jetstream.definitions import consumer_config
 from eventlight.store.jetstream.queue import EMPTY_CONFIRM_S
-from tests.conftest import hold_first_append
+from tests.conftest import hold_first_append, reward_span
 
 N_ROLLOUTS = int(os.environ.get("EVENTLIGHT_RACE_ROLLOUTS", "2000"))
 N_PROCS = 4
@@ -317,6 +318,51 @@ async def test_a_cancelled_pulls_late_answer_does_not_answer_another_pull(namesp
         r = await store.enqueue_rollout("x")
         claimed = await nxt
         assert claimed is not None and claimed.rollout_id == r.rollout_id
+
+
+async def test_the_queue_closed_under_pulls_leaves_no_error_unretrieved_and_nothing_abandoned(
+    namespace: Settings,
+) -> None:
+    """The runners queue closed while non-blocking pulls are in flight, after an empty answer (so
+    each has sent its ``STREAM.INFO`` on an inbox of its own, not yet waited for): every pull ends
+    (no answer, or ``ServiceUnavailableError``), and nothing is left behind. Closing an inbox used to
+    fail its waiter with ``ConnectionClosedError``; the ``STREAM.INFO``'s waiter, given up on when its
+    pull failed, was never awaited: "Future exception was never retrieved", once per pull. And each
+    abandoned inbox kept an expiry timer and its place in the queue's abandoned set after the close."""
+    loop = asyncio.get_running_loop()
+    unhandled: list[str] = []
+    loop.set_exception_handler(lambda _loop, ctx: unhandled.append(f"{ctx.get('message')} {ctx.get('exception')!r}"))
+    async with JetStreamLightningStore(namespace) as runner:
+        assert runner.log is not None
+        q = runner.log.queue
+        assert await q.next(0) is None  # found empty: the next pulls send a STREAM.INFO with theirs
+        pulls = [asyncio.ensure_future(q.next(0)) for _ in range(10)]
+        await asyncio.sleep(0)  # each has sent its STREAM.INFO and its pull
+        await q.close()
+        ends = await asyncio.gather(*pulls, return_exceptions=True)
+        assert all(e is None or isinstance(e, ServiceUnavailableError) for e in ends), ends
+        left = (len(q._abandoned), len(q._inboxes))
+        del pulls, ends
+        for _ in range(2):
+            gc.collect()
+            await asyncio.sleep(0)
+    assert unhandled == []
+    assert left == (0, 0)
+
+
+async def test_a_burst_of_pulls_leaves_at_most_max_idle_inboxes_subscribed(namespace: Settings) -> None:
+    """Pull inboxes are kept for the next pulls, but not all those a burst of concurrent pulls
+    subscribed: before, 1,000 dequeues at once left 2,000 idle subscriptions (a pull and its
+    ``STREAM.INFO`` each, each with a nats-py task) for as long as the store stayed open."""
+    async with JetStreamLightningStore(namespace) as runner:
+        assert runner.log is not None
+        q = runner.log.queue
+        assert await q.next(0) is None  # found empty: the next pulls send a STREAM.INFO with theirs
+        n = 2 * queue.MAX_IDLE_INBOXES
+        assert await asyncio.gather(*(q.next(0) for _ in range(n))) == [None] * n
+        assert not q._abandoned
+        assert len(q._all) == len(q._inboxes) <= queue.MAX_IDLE_INBOXES
+        assert await q.next(0) is None  # the pool still serves
 
 
 @pytest.mark.parametrize("depth", range(7))
@@ -644,18 +690,6 @@ async def test_redelivered_entries_of_rollouts_claimed_since_are_passed_over_wit
             assert (await store.get_rollout_by_id(h.rollout_id)).status == "preparing"
 
 
-def _reward(rollout_id: str, attempt_id: str, seq: int, value: float) -> Span:
-    return Span.from_attributes(
-        attributes={"agentlightning.reward.0.name": "primary", "agentlightning.reward.0.value": value},
-        rollout_id=rollout_id,
-        attempt_id=attempt_id,
-        sequence_id=seq,
-        name="agentlightning.annotation",
-        start_time=float(seq),
-        end_time=float(seq),
-    )
-
-
 async def _heartbeat(store: JetStreamLightningStore, worker_id: str, rollout_id: str, attempt_id: str) -> None:
     """What a runner's heartbeat does: its worker (keeping its queue entry in progress) and its attempt."""
     await store.update_worker(worker_id, {"at": time.time()})
@@ -691,7 +725,7 @@ async def test_a_vanished_holders_redelivered_entry_is_claimed_once_and_its_late
         first = await a.dequeue_rollout(worker_id="a")
         assert first is not None
         a1 = first.attempt.attempt_id
-        await a.add_span(_reward(rid, a1, 1, 0.1))  # then A vanishes: no heartbeat, no ack
+        await a.add_span(reward_span(rid, a1, 1, 0.1))  # then A vanishes: no heartbeat, no ack
         while (await store.get_rollout_by_id(rid)).status != "requeuing":  # noqa: ASYNC110
             await asyncio.sleep(0.05)
         assert await _delivered(store) == 1
@@ -702,9 +736,9 @@ async def test_a_vanished_holders_redelivered_entry_is_claimed_once_and_its_late
         try:
             assert await c.dequeue_rollout(worker_id="c", wait_s=2) is None
             assert await _delivered(store) >= 3  # A's entry was handed out again, and the requeue's
-            await a.add_span(_reward(rid, a1, 2, 0.2))  # A is back: a late span and heartbeat
+            await a.add_span(reward_span(rid, a1, 2, 0.2))  # A is back: a late span and heartbeat
             await _heartbeat(a, "a", rid, a1)
-            await b.add_span(_reward(rid, b2, 1, 0.9))
+            await b.add_span(reward_span(rid, b2, 1, 0.9))
             await b.update_attempt(rid, b2, status="succeeded")
         finally:
             beating.cancel()

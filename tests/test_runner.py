@@ -781,6 +781,45 @@ async def test_a_runner_stops_the_agent_of_a_cancelled_rollout_and_takes_the_nex
     assert loud == [] and not any(r.exc_info for r in caplog.records if r.name.startswith("eventlight"))
 
 
+async def test_an_agent_that_fails_once_its_rollout_was_cancelled_is_no_error(
+    store: Any, runner_store: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """At the end of a GRPO run the step cancels the rollouts it gave up on, then stops the policy
+    server: each agent in flight got the server's 503 before its runner's next heartbeat saw the
+    cancel, and each runner logged "agent raised … InternalServerError" with a traceback (8 of
+    them). An agent that raises after its rollout was cancelled is now that cancel: one INFO line,
+    the attempt failed with the cancel's reason, no error logged."""
+    import logging
+
+    from eventlight.core.types import STATUS_REASON
+
+    await store.add_resources(RESOURCES)
+    started, refused = asyncio.Event(), asyncio.Event()
+
+    @agl.rollout
+    async def agent(task: dict, prompt_template: agl.PromptTemplate) -> float:
+        started.set()
+        await refused.wait()
+        raise RuntimeError("Error code: 503 - the policy server stopped before this request's generation")
+
+    first = await store.enqueue_rollout({"n": 0})
+    runner = agl.LitAgentRunner(agl.OtelTracer(), max_rollouts=1, poll_interval=0.05, heartbeat_interval=3600)
+    with caplog.at_level(logging.INFO), runner.run_context(agent=agent, store=runner_store, worker_id=0):
+        loop = asyncio.create_task(runner.iter())
+        await asyncio.wait_for(started.wait(), 30)
+        await store.update_rollout(first.rollout_id, status="cancelled", metadata={"cancelled_by": {"pid": 1}})
+        if hasattr(store, "sync_all"):
+            await store.sync_all(timeout_s=10)
+        refused.set()  # the server refuses its request before a heartbeat sees the cancel
+        assert await asyncio.wait_for(loop, 30) == 1
+    if hasattr(store, "sync_all"):
+        await store.sync_all(timeout_s=10)
+    [attempt] = await store.query_attempts(first.rollout_id)
+    assert attempt.status == "failed" and attempt.metadata[STATUS_REASON].startswith("the rollout was cancelled")
+    loud = [r.getMessage() for r in caplog.records if r.name.startswith("eventlight") and r.levelno >= logging.WARNING]
+    assert loud == [] and not any(r.exc_info for r in caplog.records if r.name.startswith("eventlight"))
+
+
 async def test_a_runner_stops_waiting_for_a_sync_agent_in_a_thread_whose_rollout_was_cancelled(
     store: Any, runner_store: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -840,3 +879,42 @@ async def test_rollout_cancelled_answers_from_the_log_on_a_runners_store(store: 
     assert await runner_store.rollout_cancelled(r.rollout_id) is True
     with pytest.raises(agl.RolloutNotFoundError):
         await runner_store.rollout_cancelled("ro-unknown")
+
+
+async def test_a_rollout_requeued_after_its_cancel_stopped_the_agent_runs_again(store: Any, runner_store: Any) -> None:
+    """A rollout cancelled under a runner and sent back to the queue (``update_rollout(status=
+    "queuing")``) after the runner stopped its agent, before the runner recorded the attempt: the
+    runner's ``failed`` (ROLLOUT_CANCELLED) is recorded on the attempt, and the rollout stays in
+    the queue for its next run. It used to follow that attempt to ``failed``: the requeue was
+    lost, the rollout ended without running again."""
+    from eventlight.core.types import STATUS_REASON
+
+    await store.add_resources(RESOURCES)
+    started, never = asyncio.Event(), asyncio.Event()
+
+    @agl.rollout
+    async def agent(task: dict, prompt_template: agl.PromptTemplate) -> float:
+        if task["n"] == 0:
+            started.set()
+            await never.wait()  # only the cancel ends it
+        return 1.0
+
+    class Requeue(Hook):  # runs after the agent was stopped, before the attempt is recorded
+        async def on_rollout_end(self, *, agent: Any, runner: Any, rollout: Any, spans: Any) -> None:
+            if rollout.rollout_id == first.rollout_id:
+                await store.update_rollout(first.rollout_id, status="queuing")
+
+    first = await store.enqueue_rollout({"n": 0})
+    runner = agl.LitAgentRunner(agl.OtelTracer(), max_rollouts=1, poll_interval=0.05, heartbeat_interval=0.05)
+    with runner.run_context(agent=agent, store=runner_store, worker_id=0, hooks=[Requeue()]):
+        loop = asyncio.create_task(runner.iter())
+        await asyncio.wait_for(started.wait(), 30)
+        await store.update_rollout(first.rollout_id, status="cancelled")
+        assert await asyncio.wait_for(loop, 30) == 1
+    if hasattr(store, "sync_all"):
+        await store.sync_all(timeout_s=10)
+    [attempt] = await store.query_attempts(first.rollout_id)
+    assert attempt.status == "failed" and attempt.metadata[STATUS_REASON].startswith("the rollout was cancelled")
+    assert (await store.get_rollout_by_id(first.rollout_id)).status == "queuing"
+    again = await runner_store.dequeue_rollout(worker_id="w-2")
+    assert again is not None and again.rollout_id == first.rollout_id and again.attempt.sequence_id == 2

@@ -539,6 +539,37 @@ async def test_drop_namespace_also_drops_what_a_rebuild_left_beside_it(services:
         await conn.close()
 
 
+async def test_a_test_namespace_whose_set_up_fails_part_way_is_dropped(
+    services: tuple[Settings, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``fresh_namespace`` (tests/conftest.py) dropped its namespace only once its set-up had ended:
+    one interrupted while it migrated (a timeout, Ctrl+C) left ``el_t…`` in the session's Postgres
+    with only an empty ``schema_migrations`` (seen in postgresql://…/postgres). Here the first
+    migration fails the same way: the schema is gone afterwards."""
+    from tests.conftest import fresh_namespace
+
+    bad = tmp_path / "migrations"
+    bad.mkdir()
+    (bad / "001_fails.sql").write_text("SELECT 1 / 0;")
+    real = svc.apply_migrations
+    made: list[str] = []
+
+    async def failing(dsn: str, schema: str, *args: Any, **kwargs: Any) -> list[str]:
+        made.append(schema)
+        return await real(dsn, schema, bad)
+
+    monkeypatch.setitem(fresh_namespace.__wrapped__.__globals__, "apply_migrations", failing)
+    with pytest.raises(asyncpg.DivisionByZeroError):
+        async with fresh_namespace(services):
+            pass
+    [schema] = made
+    conn = await asyncpg.connect(services[1].pg_dsn)
+    try:
+        assert await conn.fetchval("SELECT count(*) FROM pg_namespace WHERE nspname = $1", schema) == 0
+    finally:
+        await conn.close()
+
+
 async def test_stream_replicas_on_a_single_server_is_a_usage_error(services: tuple[Settings, Any]) -> None:
     """It was 'cannot reach ParseResult(scheme=...)': the connected URL's repr, and a server that
     answered named as unreachable (fresh-user run)."""

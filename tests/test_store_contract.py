@@ -29,28 +29,22 @@ from eventlight.core.types import (
     STATUS_REASON,
     AttemptedRollout,
     EnqueueRolloutRequest,
+    Event,
+    Link,
+    OtelResource,
     PromptTemplate,
     RolloutConfig,
     Span,
+    SpanContext,
+    TraceStatus,
 )
 from eventlight.settings import Settings
+from tests.conftest import reward_span
 
 
 async def settle(store: Any) -> None:
     """Wait until reads include every write, whoever made it (a no-op in memory)."""
     await store.sync_all(timeout_s=10)
-
-
-def reward_span(rollout_id: str, attempt_id: str, seq: int, value: float) -> Span:
-    return Span.from_attributes(
-        attributes={"agentlightning.reward.0.name": "primary", "agentlightning.reward.0.value": value},
-        rollout_id=rollout_id,
-        attempt_id=attempt_id,
-        sequence_id=seq,
-        name="agentlightning.annotation",
-        start_time=1.0,
-        end_time=1.0,
-    )
 
 
 async def test_enqueue_takes_latest_resources_and_queues(store: Any) -> None:
@@ -633,6 +627,54 @@ async def test_query_spans_filters(store: Any) -> None:
     page = await store.query_spans(r.rollout_id, attempt_id=aid, sort_order="desc", limit=2)
     assert [s.sequence_id for s in page] == [3, 2] and page.total == 3
     assert [s.span_id for s in await store.query_spans(r.rollout_id, span_id=spans[0].span_id)] == [spans[0].span_id]
+
+
+async def test_spans_read_back_as_written_whatever_their_text_holds(store: Any) -> None:
+    """Every field of a span comes back as written, quotes, backslashes, control characters and
+    non-ASCII text included, from the common call (no filter, no paging: Postgres hands each row
+    over as one JSON object) and from a filtered one (column by column) alike."""
+    r = await store.enqueue_rollout("q", config=RolloutConfig(max_attempts=2, retry_condition=["failed"]))
+    first = await store.dequeue_rollout()
+    odd = 'q"uo\\te \n\t\x01\x7f é 😀 \u2028 </script>'
+    ctx = SpanContext(trace_id="ab" * 16, span_id="cd" * 8, is_remote=True, trace_state={odd: odd})
+    spans = [
+        Span(
+            rollout_id=r.rollout_id,
+            attempt_id=first.attempt.attempt_id,
+            sequence_id=1,
+            trace_id="ab" * 16,
+            span_id="01" * 8,
+            parent_id=odd,
+            name=odd,
+            status=TraceStatus(status_code="ERROR", description=odd),
+            attributes={odd: odd, "n": [1, 2.5, True, None], "nested": {"x": {odd: [odd]}}},
+            events=[Event(name=odd, attributes={"k": odd}, timestamp=1.25)],
+            links=[Link(context=ctx, attributes={odd: 1})],
+            start_time=1733600000.1234567,
+            end_time=1733600000.9876543,
+            context=ctx,
+            parent=ctx,
+            resource=OtelResource(attributes={"service.name": odd}, schema_url=odd),
+        ),
+        Span(
+            rollout_id=r.rollout_id,
+            attempt_id=first.attempt.attempt_id,
+            sequence_id=2,
+            trace_id="ab" * 16,
+            span_id="02" * 8,
+            parent_id=None,
+            name="plain",
+        ),
+    ]
+    await store.add_many_spans(spans)
+    assert list(await store.query_spans(r.rollout_id)) == spans
+    assert list(await store.query_spans(r.rollout_id, attempt_id="latest")) == spans
+    assert list(await store.query_spans(r.rollout_id, name=odd)) == spans[:1]
+    await store.update_attempt(r.rollout_id, first.attempt.attempt_id, status="failed")
+    second = await store.dequeue_rollout()
+    assert second is not None and second.rollout_id == r.rollout_id
+    assert list(await store.query_spans(r.rollout_id, attempt_id="latest")) == []
+    assert list(await store.query_spans(r.rollout_id)) == spans
 
 
 async def test_query_spans_of_a_retried_rollout_go_attempt_by_attempt(store: Any) -> None:

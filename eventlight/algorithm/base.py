@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
+import os
 import random
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeVar
 
 from eventlight.adapter import Adapter
-from eventlight.core.types import NamedResources
+from eventlight.core.errors import EventlightError
+from eventlight.core.types import TERMINAL_ROLLOUT_STATUSES, NamedResources
 from eventlight.store.base import LightningStore
 
 __all__ = [
@@ -34,6 +37,8 @@ __all__ = [
     "algo",
     "batch_iter_over_dataset",
 ]
+
+log = logging.getLogger(__name__)
 
 T_co = TypeVar("T_co", covariant=True)
 T = TypeVar("T")
@@ -150,6 +155,46 @@ class Algorithm:
     def get_initial_resources(self) -> NamedResources | None:
         """The initial resources, or ``None`` if unset."""
         return self._initial_resources
+
+    # -- giving up on rollouts ---------------------------------------------------------------
+
+    async def _cancel_given_up(self, late: list[str], reason: str, who: str) -> set[str]:
+        """Cancel the rollouts ``late`` that a wait gave up on, unless they ended meanwhile, each
+        keeping its metadata with ``cancelled_by`` (pid and ``reason``) added, as the demos'
+        leftover cancel. A queued one then never runs; one running ends its attempt, whose result
+        nothing reads. Used by GRPO's step wait and APO's evaluation batch; the caller logs the
+        warning line that counts them.
+
+        Args:
+            late: Rollout ids the wait gave up on.
+            reason: Why, stored under ``metadata.cancelled_by.reason``.
+            who: Prefix of the debug lines (``"GRPO"``, APO's log prefix).
+
+        Returns:
+            The ids actually cancelled (not those that ended meanwhile or could not be cancelled).
+        """
+        store = self.get_store()
+        try:
+            current = {r.rollout_id: r for r in await store.query_rollouts(rollout_id_in=late)}
+        except EventlightError as e:  # cancel them all the same, without their metadata
+            log.debug("%s could not read the rollouts it gives up on: %r", who, e)
+            current = {}
+        cancelled: set[str] = set()
+        for rid in late:
+            rollout = current.get(rid)
+            if rollout is not None and rollout.status in TERMINAL_ROLLOUT_STATUSES:
+                continue  # ended after the wait: nothing to cancel
+            metadata = {
+                **((rollout.metadata if rollout else None) or {}),
+                "cancelled_by": {"pid": os.getpid(), "reason": reason},
+            }
+            try:
+                await store.update_rollout(rid, status="cancelled", metadata=metadata)
+            except EventlightError as e:  # ended meanwhile
+                log.debug("%s could not cancel %s: %s", who, rid, e)
+                continue
+            cancelled.add(rid)
+        return cancelled
 
 
 class FastAlgorithm(Algorithm):

@@ -41,7 +41,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import os
 import random
 import threading
 import time
@@ -188,7 +187,10 @@ class GRPO(Algorithm):
             "total", "held_out", "held_out_finished", "elapsed_s"}`` (``total``: the step's
             rollouts, its training samples and its ``held_out`` evaluation rollouts together;
             ``finished`` and ``held_out_finished``: those of all and of the held-out ones that
-            ended, as the read model has them, ``None`` when it could not be read).
+            ended, as the read model has them, ``None`` when it could not be read), and while a
+            step's update runs, every ``PROGRESS_EVERY_S`` seconds, ``{"event": "updating", "step",
+            "sequences", "micro_batches", "micro_batches_done", "elapsed_s"}`` (``step``: the one
+            the update makes, as in its ``step`` event).
 
     Raises:
         InvalidTypeError: ``progress`` is neither callable nor ``None``.
@@ -424,28 +426,9 @@ class GRPO(Algorithm):
         added to ``_cancelled`` and one warning line counts them. A queued one then never runs; the
         runner of one running stops its agent at its next heartbeat (``LitAgentRunner``) and
         records the attempt ``failed``."""
-        store = self.get_store()
         timeout = self.config.rollout_timeout_s
         reason = f"GRPO step {step}: not finished within rollout_timeout_s={timeout:g} s"
-        try:
-            current = {r.rollout_id: r for r in await store.query_rollouts(rollout_id_in=late)}
-        except EventlightError as e:  # cancel them all the same, without their metadata
-            log.debug("GRPO could not read the rollouts it gives up on: %r", e)
-            current = {}
-        for rid in late:
-            rollout = current.get(rid)
-            if rollout is not None and rollout.status in TERMINAL_ROLLOUT_STATUSES:
-                continue  # ended after the wait: too late for this step, nothing to cancel
-            metadata = {
-                **((rollout.metadata if rollout else None) or {}),
-                "cancelled_by": {"pid": os.getpid(), "reason": reason},
-            }
-            try:
-                await store.update_rollout(rid, status="cancelled", metadata=metadata)
-            except EventlightError as e:  # ended meanwhile
-                log.debug("GRPO could not cancel %s: %s", rid, e)
-                continue
-            self._cancelled.add(rid)
+        self._cancelled |= await self._cancel_given_up(late, reason, "GRPO")
         late_held_out = len(set(late).intersection(held_out))
         log.warning(
             "GRPO step %d: %d of its rollouts (%d held-out) did not finish within rollout_timeout_s=%g s; "
@@ -536,11 +519,12 @@ class GRPO(Algorithm):
             "mean_reward": sum(scores) / len(scores) if scores else float("nan"),
             "by_split": {k: sum(v) / len(v) for k, v in sorted(by_split.items())},
         }
-        if len(scores) < asked:
-            log.warning(
+        if len(scores) < asked:  # a progress callback gets the event and reports it: INFO then, not twice
+            log.log(
+                logging.INFO if self.progress is not None else logging.WARNING,
                 "GRPO: the held-out evaluation of %s got %d of %d results (%d did not finish within "
-                "rollout_timeout_s=%g s; %d were cancelled before they ended): its reward is not comparable "
-                "to a full one",
+                "rollout_timeout_s=%g s and were cancelled; %d others were cancelled before they ended): "
+                "its reward is not comparable to a full one",
                 version,
                 len(scores),
                 asked,
@@ -648,16 +632,37 @@ class GRPO(Algorithm):
         changed and no checkpoint is written (the last one on disk, that of ``version(step)``,
         stays the one a resume starts from)."""
         cut = threading.Event()  # a cancel cannot reach the thread: it reads this
+        asked = [0]  # should_stop calls: one before each micro-batch, one before the optimizer step
 
         def should_stop() -> bool:
+            asked[0] += 1
             return cut.is_set() or self.stop_requested
 
+        size = getattr(self.policy, "micro_batch_size", None) or self.config.micro_batch_size
+        micro_batches = math.ceil(len(samples) / max(1, int(size)))
+        update = asyncio.ensure_future(
+            self.policy.call(self.policy.train_step, samples, clip_eps=self.config.clip_eps, should_stop=should_stop)
+        )
+        started = time.monotonic()
         try:
-            stats: dict[str, float] | None = await self.policy.call(
-                self.policy.train_step, samples, clip_eps=self.config.clip_eps, should_stop=should_stop
-            )
+            while self.progress is not None:  # a line every PROGRESS_EVERY_S: an update can take minutes
+                done, _ = await asyncio.wait([update], timeout=PROGRESS_EVERY_S)
+                if done:
+                    break
+                self._emit(
+                    {
+                        "event": "updating",
+                        "step": step + 1,
+                        "sequences": len(samples),
+                        "micro_batches": micro_batches,
+                        "micro_batches_done": min(micro_batches, max(0, asked[0] - 1)),
+                        "elapsed_s": time.monotonic() - started,
+                    }
+                )
+            stats: dict[str, float] | None = await update
         except asyncio.CancelledError:
             cut.set()
+            update.cancel()
             raise
         if stats is None:
             log.info(

@@ -57,22 +57,33 @@ def _no_namespace(settings: Settings, what: str) -> CliError:
 async def _connect_pg(settings: Settings, found: Any = None) -> Any:
     """A connection to the namespace's schema, on ``found`` or the Postgres ``_need_pg`` finds.
 
+    While Postgres takes no connection now ("too many clients", starting up), the connection and
+    the migrations are tried again for up to ``settings.pg_open_wait_s`` seconds
+    (``EVENTLIGHT_PG_OPEN_WAIT_S``), one warning line a try, as a store opening does.
+
     Raises:
         CliError: No server, or the namespace's schema does not exist.
-        ServiceUnavailableError: The server does not answer.
+        ServiceUnavailableError: The server does not answer, or took no connection in time.
     """
     from eventlight.net import redact
     from eventlight.ops import apply_migrations
     from eventlight.store.jetstream import pg_errors
+    from eventlight.store.jetstream.pg_open import open_waiting
 
     found = found or await _need_pg(settings)
     where = f"{found.origin} {redact(found.url)}"
-    conn = await pg_errors.connect(found.url, server_settings={"search_path": settings.pg_schema}, name=where)
+    conn = await open_waiting(
+        found.url,
+        "connecting",
+        lambda: pg_errors.connect(found.url, server_settings={"search_path": settings.pg_schema}, name=where),
+        wait_s=settings.pg_open_wait_s,
+    )
     try:
         exists = await conn.fetchval("SELECT 1 FROM pg_namespace WHERE nspname = $1", settings.pg_schema)
         if not exists:
             raise _no_namespace(settings, f"no schema {settings.pg_schema}")
-        await apply_migrations(found.url, settings.pg_schema)  # idempotent: brings an older schema up to date
+        # idempotent: brings an older schema up to date
+        await apply_migrations(found.url, settings.pg_schema, open_wait_s=settings.pg_open_wait_s)
     except BaseException:
         await conn.close()
         raise

@@ -10,7 +10,7 @@ from typing import Any
 import typer
 from rich.markup import escape
 
-from eventlight.cli.common import EXIT_UNAVAILABLE, EXIT_USAGE, CliError, console, err
+from eventlight.cli.common import EXIT_INTERRUPTED, EXIT_UNAVAILABLE, EXIT_USAGE, CliError, console, err
 from eventlight.cli.help import ReadableGroup
 from eventlight.core.errors import EventlightError, ServiceUnavailableError
 
@@ -55,7 +55,9 @@ def _exit_code_of(e: BaseException) -> int:
 
 class _OneLineErrors(ReadableGroup):
     """Typer's group (with readable help: ``eventlight.cli.help``), printing usage errors and failures as
-    one line on stderr instead of a panel."""
+    one line on stderr instead of a panel, and a command stopped by Ctrl+C as ``interrupted`` (exit 130:
+    typer turns the ``KeyboardInterrupt`` into that code, and ``serve`` / ``runner`` exit with it
+    once they stopped; a command that says more raises ``CliError`` with it instead)."""
 
     def main(
         self,
@@ -83,4 +85,6 @@ class _OneLineErrors(ReadableGroup):
                 _print_error("aborted")
                 sys.exit(1)
             sys.exit(_exit_code_of(e))
+        if rv == EXIT_INTERRUPTED:
+            err.print("interrupted")
         sys.exit(rv if isinstance(rv, int) else 0)

@@ -127,6 +127,11 @@ def _positive(value: float) -> float:
     return value
 
 
+def _positive_or_zero(value: float) -> float:
+    """A click callback: the value must be 0 or a positive, finite number (as ``_positive``)."""
+    return value if value == 0 else _positive(value)
+
+
 def serve(
     host: Annotated[str, typer.Option(help="Interface to bind (0.0.0.0: every interface; then set --token).")] = (
         "127.0.0.1"
@@ -162,9 +167,9 @@ def serve(
         float,
         typer.Option(
             "--body-min-rate",
-            callback=_positive,
-            help="Least average rate (> 0) of a request body, in bytes/s, with --body-timeout-s of slack "
-            "(408 when further behind).",
+            callback=_positive_or_zero,
+            help="Least average rate of a request body, in bytes/s, with --body-timeout-s of slack "
+            "(408 when further behind); 0: no minimum rate (only --body-timeout-s between bytes).",
         ),
     ] = 1024.0,
     namespace: NamespaceOpt = None,
@@ -199,7 +204,7 @@ def serve(
         "max_body_bytes": max_body_bytes,
         "max_buffered_bytes": max_buffered_bytes,
         "body_timeout_s": body_timeout_s,
-        "body_min_bytes_per_s": body_min_bytes_per_s,
+        "body_min_bytes_per_s": body_min_bytes_per_s or None,  # 0: none (BodyLimit's None)
     }
     if max_buffered_bytes is not None and max_buffered_bytes < max_body_bytes:
         raise CliError(

@@ -33,6 +33,11 @@ Rollout (an aggregated view of its latest attempt)
     * ``failed``/``timeout``/``unresponsive`` → ``requeuing`` if the status is in ``retry_condition``
       and ``sequence_id < max_attempts``, else ``failed``.
     * ``cancelled`` only by ``update_rollout``.
+    * A rollout in the queue (``queuing``/``requeuing``) is not failed by its latest attempt: one sent
+      back by ``update_rollout(status="queuing")`` while its attempt ran (a runner stopping the agent of
+      a cancelled rollout records ``failed`` after the requeue) waits for its next run, as does one
+      ``requeuing`` whose ``unresponsive`` attempt reports ``failed`` late. A late ``running`` or
+      ``succeeded`` still takes it (0.3.0: the attempt revived).
     * A terminal rollout (``succeeded``, ``failed``, ``cancelled``) stays as it is whatever its
       attempts do afterwards: a late update of its latest attempt is recorded on the attempt, and
       the rollout keeps its status and ``end_time``. So a rollout ``failed`` because its latest
@@ -135,8 +140,8 @@ def _propagate(state: RolloutState, attempt: Attempt, now: float) -> tuple[Rollo
     if latest is None or latest.attempt_id != attempt.attempt_id or rollout.status in TERMINAL_ROLLOUT_STATUSES:
         return None, None  # only the latest attempt moves its rollout, and never a finished one
     new = rollout_status_from_attempt(attempt, rollout.config)
-    if new == rollout.status:
-        return None, None
+    if new == rollout.status or (rollout.status in QUEUING_STATUSES and new in ("requeuing", "failed")):
+        return None, None  # a rollout back in the queue waits for its next run: its last attempt's failure ends nothing
     return new, (now if new in TERMINAL_ROLLOUT_STATUSES else None)
 
 

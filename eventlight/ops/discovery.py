@@ -7,7 +7,7 @@ import msgspec
 from eventlight.core.errors import ServiceUnavailableError
 from eventlight.net import redact_configured
 from eventlight.ops.nats_server import nats_probe
-from eventlight.ops.postgres import pg_probe
+from eventlight.ops.postgres import BUSY_NOW, pg_probe
 from eventlight.ops.procs import pid_running
 from eventlight.ops.state import Services, embedded_pids, read_record
 from eventlight.settings import Settings
@@ -70,8 +70,9 @@ async def find_pg(settings: Settings) -> Endpoint | None:
     fallback), else the one ``ensure_services`` recorded in ``services.json``.
 
     Returns:
-        The server, which answered ``SELECT 1`` within 3 s; ``None`` when none is configured or
-        recorded, or no embedded server recorded still runs.
+        The server, which answered ``SELECT 1`` within 3 s, or answered that it takes no connection
+        now ("too many clients", starting up: the caller's opening waits, ``open_waiting``);
+        ``None`` when none is configured or recorded, or no embedded server recorded still runs.
 
     Raises:
         ServiceUnavailableError: The configured or recorded server does not answer, or the
@@ -85,7 +86,7 @@ async def find_pg(settings: Settings) -> Endpoint | None:
     else:
         return None
     why = await pg_probe(found.url)
-    if why:
+    if why and not why.startswith(BUSY_NOW):  # busy: it is there; what connects next waits for room (open_waiting)
         raise ServiceUnavailableError(
             redact_configured(found.url, f"{found.origin} {found.url}"),
             redact_configured(found.url, f"Postgres {why}"),

@@ -542,6 +542,10 @@ class LitAgentRunner:
         finally:
             self._agent_run = None
         if task.done():  # it ended before its rollout's cancel was seen: recorded as it ended
+            if not task.cancelled() and task.exception() is not None and await self._was_cancelled(rollout):
+                # its rollout was cancelled under it (the end of a run stops the policy server right
+                # after cancelling what it gave up on: the agent gets a 503): no error of the agent
+                raise _RolloutCancelled(f"it had ended already, raising {type(task.exception()).__name__}")
             return task.result()
         task.cancel()
         task.add_done_callback(mark_seen)
@@ -551,6 +555,16 @@ class LitAgentRunner:
         if not task.done():
             raise _RolloutCancelled(f"it did not end within {_AGENT_CANCEL_GRACE_S:g} s of its cancel: left running")
         raise _RolloutCancelled()
+
+    async def _was_cancelled(self, rollout: AttemptedRollout) -> bool:
+        """Whether the store has ``rollout`` cancelled (``False`` when it cannot tell)."""
+        try:
+            return await rollout_cancelled(self.get_store(), rollout.rollout_id)
+        except Exception as e:
+            log.debug(
+                "[%s] could not tell whether rollout %s was cancelled: %s", self.get_worker_id(), rollout.rollout_id, e
+            )
+            return False
 
     def _log_agent_error(self, prefix: str, exc: Exception) -> None:
         """The first failure of each kind with its traceback, later ones of that kind in one line.

@@ -45,7 +45,10 @@ Choices where Agent-lightning 0.3.0's code and its docs differ, item by item aga
         a ``cancelled`` rollout's cancel still marks no attempt (0.3.0), but a runner running it
         stops its agent at its next heartbeat (``rollout_cancelled``, answered from the log) and
         records its attempt ``failed`` with the reason (0.3.0's runner is never told and runs the
-        agent to its end);
+        agent to its end); a rollout back in the queue (``queuing``/``requeuing``) is not failed by
+        its latest attempt either: one cancelled and requeued after its runner stopped the agent
+        waits for its next run (0.3.0 fails it: the requeue lost), a late ``running`` or
+        ``succeeded`` still takes it back;
     11. a requeued rollout goes to the queue's tail once; ``max_attempts`` counts ``start_attempt``'s
         attempts too, and ``start_attempt`` itself ignores the budget (0.3.0);
     12. the watchdog is a running component (in the projector's process, every second by default), not

@@ -44,7 +44,18 @@ from examples.demo_lease import cancel_leftovers, demo_lease, refuse_if_live  # 
 if TYPE_CHECKING:
     from eventlight.algorithm.grpo import GRPOConfig
 
-MAX_FAILED_FRACTION = 0.5
+
+def _report_sql_lines(run_id: str) -> list[str]:
+    """``report_sql``'s query, a clause a line."""
+    return [
+        "SELECT resources_id AS checkpoint, mode,",
+        "count(final_reward) FILTER (WHERE status <> 'cancelled') AS rewarded,",
+        "round((avg(final_reward) FILTER (WHERE status <> 'cancelled'))::numeric, 3) AS mean_reward,",
+        "count(*) FILTER (WHERE status = 'failed') AS failed,",
+        "count(*) FILTER (WHERE status = 'cancelled') AS cancelled",
+        f"FROM v_rollouts WHERE resources_id LIKE '{run_id}-%'",
+        "GROUP BY resources_id, mode ORDER BY length(resources_id), resources_id, mode",
+    ]
 
 
 def report_sql(run_id: str) -> str:
@@ -53,15 +64,38 @@ def report_sql(run_id: str) -> str:
     ``--resume``) and how many were cancelled (GRPO's wait gave up on them, or another run's
     cleanup; one cancelled while it ran is no result even if it recorded a reward). Not
     ``reward_by_resources``, whose mean counts a rollout without a reward as 0."""
-    return (
-        "SELECT resources_id AS checkpoint, mode, "
-        "count(final_reward) FILTER (WHERE status <> 'cancelled') AS rewarded, "
-        "round((avg(final_reward) FILTER (WHERE status <> 'cancelled'))::numeric, 3) AS mean_reward, "
-        "count(*) FILTER (WHERE status = 'failed') AS failed, "
-        "count(*) FILTER (WHERE status = 'cancelled') AS cancelled "
-        f"FROM v_rollouts WHERE resources_id LIKE '{run_id}-%' "
-        "GROUP BY resources_id, mode ORDER BY length(resources_id), resources_id, mode"
-    )
+    return " ".join(_report_sql_lines(run_id))
+
+
+def report_command(run_id: str, namespace: str = "default") -> list[str]:
+    """The shell command that runs ``report_sql``, as lines to print: the query a clause a line,
+    each but the last ending in a space and a backslash inside the double quotes (bash drops the
+    backslash and the newline), so it pastes into a shell as one command whose query is exactly
+    ``report_sql``'s; with ``-N namespace`` when that is not the default (without it the query
+    reads the default namespace: 0 rows, silently)."""
+    head, *rest = _report_sql_lines(run_id)  # none holds a character special in double quotes: " $ ` \\
+    ns = "" if namespace == "default" else f"-N {namespace} "
+    return [f'.venv/bin/eventlight sql {ns}"{head} \\', *(f"{line} \\" for line in rest[:-1]), f'{rest[-1]}"']
+
+
+SKIPPED = {
+    "failed_rollouts": "failed rollouts",
+    "unfinished_rollouts": "rollouts unfinished when their step stopped waiting",
+    "no_reward": "rollouts without a reward",
+    "non_finite_reward": "rollouts with a non-finite reward",
+    "no_token_ids": "rollouts without token ids",
+    "zero_advantage": "rollouts with zero advantage (their group's rewards all equal)",
+    "empty_steps": "steps with nothing to learn",
+}
+"""How the summary names GRPO's ``counters`` of what gave no sample."""
+
+
+def skipped_line(counters: dict[str, int]) -> str:
+    """What GRPO skipped, most first, in words (``12 rollouts with zero advantage (…), 2 failed
+    rollouts``), or ``nothing``; its counters of work done (``rollouts_enqueued``, ``spans_read``) aside."""
+    skipped = [(n, k) for k, n in counters.items() if k not in ("rollouts_enqueued", "spans_read") and n]
+    skipped.sort(key=lambda item: (-item[0], item[1]))
+    return ", ".join(f"{n} {SKIPPED.get(k, k.replace('_', ' '))}" for n, k in skipped) or "nothing"
 
 
 def new_run_id() -> str:
@@ -76,7 +110,8 @@ def interrupted(run_id: str, argv: list[str], command: Callable[[list[str]], str
     ``--resume`` starts over."""
     from eventlight.rl.policy import latest_checkpoint
 
-    last = latest_checkpoint(agl.Settings.from_env().state_dir / "checkpoints" / run_id)
+    settings = agl.Settings.from_env()
+    last = latest_checkpoint(settings.state_dir / "checkpoints" / run_id)
     options = [a for i, a in enumerate(argv) if a != "--resume" and (i == 0 or argv[i - 1] != "--resume")]
     options = [a for a in options if not a.startswith("--resume=")]
     if last is None:
@@ -87,8 +122,14 @@ def interrupted(run_id: str, argv: list[str], command: Callable[[list[str]], str
     step = json.loads((last / "state.json").read_text())["step"]
     return (
         f"interrupted: run {run_id} stopped at checkpoint step{step}; to continue it: "
-        f"{command([*options, '--resume', run_id])}"
+        f"{in_namespace(settings)}{command([*options, '--resume', run_id])}"
     )
+
+
+def in_namespace(settings: agl.Settings) -> str:
+    """What a printed command to continue a run starts with: ``EVENTLIGHT_NAMESPACE=<ns> `` when
+    the run is not in the default namespace (its rollouts and versions are there), else nothing."""
+    return "" if settings.namespace == "default" else f"EVENTLIGHT_NAMESPACE={settings.namespace} "
 
 
 def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
@@ -108,6 +149,13 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
     p.add_argument("--eval-items", type=int, default=0, help="evaluate on the first N held-out items (0 = all)")
     p.add_argument("--model-dir", help="start from this transformers model folder (default: SmolLM2 from the GGUF)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    p.add_argument(
+        "--rollout-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="longest wait for one step's rollouts; those not finished by then are cancelled (default 600)",
+    )
     args = p.parse_args(argv)
     for option in ("eval_items", "threads"):
         if getattr(args, option) < 0:
@@ -130,6 +178,7 @@ _OPTIONS = {
     "temperature": "--temperature",
     "eval_every": "--eval-every",
     "seed": "--seed",
+    "rollout_timeout_s": "--rollout-timeout",
     "version_prefix": "--resume (its RUN_ID + '-')",
 }
 
@@ -153,6 +202,7 @@ def grpo_config(args: argparse.Namespace) -> GRPOConfig:
             eval_every=args.eval_every,
             max_new_tokens=MAX_TOKENS,
             seed=args.seed,
+            rollout_timeout_s=args.rollout_timeout,
             version_prefix=f"{args.run_id}-",
         )
     except agl.InvalidInputError as e:
@@ -163,6 +213,8 @@ def grpo_config(args: argparse.Namespace) -> GRPOConfig:
 
 
 _said = 0  # lines ``say`` printed: a run that printed none ends on its error line alone
+_events = 0  # progress events GRPO emitted: the first one ends the lines while it starts
+STARTING_LINE_EVERY_S = 30.0
 
 
 def say(text: str) -> None:
@@ -201,7 +253,8 @@ def _partial_warning(event: dict) -> str:
         causes.append(f"{n} were cancelled before they ended ({'no reason recorded' if reason == '?' else reason})")
     return (
         f"warning: the held-out evaluation at {event['version']} got {event['n']} of {event['asked']} results "
-        f"({'; '.join(causes) or 'the others were cancelled or did not finish'}); its reward is not comparable"
+        f"({'; '.join(causes) or 'the others were cancelled or did not finish'}); "
+        f"{'its reward is not comparable' if event['n'] else 'no held-out reward'}"
     )
 
 
@@ -255,21 +308,77 @@ def enqueued_line(event: dict) -> str:
     return f"{what} rollouts enqueued ({event['version']}); the runners are at work"
 
 
+_UNUSABLE = ("failed_rollouts", "no_reward", "non_finite_reward", "no_token_ids")  # per rollout, in ``skipped``
+
+
+def trained_line(event: dict) -> str:
+    """What a step's update learned from (its ``step`` event): how many of its finished training
+    rollouts had a nonzero advantage and the sequences they gave, e.g. ``8 of 16 rollouts had a
+    nonzero advantage (8 scored the same as their whole group), 8 sequences trained``. Only those
+    teach anything: a group whose rewards are all equal has no signal."""
+    skipped = event.get("skipped", {})
+    rollouts, tied = int(event.get("rollouts", 0)), int(skipped.get("zero_advantage", 0))
+    unusable = sum(int(skipped.get(k, 0)) for k in _UNUSABLE)
+    why = [f"{tied} scored the same as their whole group"] if tied else []
+    if unusable:
+        why.append(f"{unusable} failed or gave no reward")
+    because = f" ({', '.join(why)})" if why else ""
+    return (
+        f"{rollouts - tied - unusable} of {rollouts} rollouts had a nonzero advantage{because}, "
+        f"{int(event.get('sequences', 0))} sequences trained"
+    )
+
+
+def starting_line(grpo, n_runners: int, elapsed_s: float) -> str:
+    """What the run waits for before step 0's rollouts are enqueued (``grpo.policy`` is set once
+    the model has loaded): a line every ``STARTING_LINE_EVERY_S`` seconds (``_while_starting``)."""
+    if grpo.policy is None:
+        return (
+            f"still loading SmolLM2-135M-Instruct after {elapsed_s:.0f} s; then the policy server and "
+            f"{n_runners} runners start and the first step's rollouts are enqueued"
+        )
+    return (
+        f"the model is loaded; waiting for the policy server and {n_runners} runners to start and the "
+        f"first step's rollouts to be enqueued ({elapsed_s:.0f} s so far)"
+    )
+
+
+async def _while_starting(grpo, n_runners: int) -> None:
+    """Say what the run waits for every ``STARTING_LINE_EVERY_S`` seconds until GRPO's first
+    progress event (a loaded model's resume, or step 0's rollouts enqueued): on a loaded machine
+    that took 126 s without a line."""
+    started, seen = time.monotonic(), _events
+    while True:
+        await asyncio.sleep(STARTING_LINE_EVERY_S)
+        if _events != seen:
+            return
+        say(starting_line(grpo, n_runners, time.monotonic() - started))
+
+
 def on_progress(event: dict) -> None:
+    global _events
+    _events += 1
     kind = event.get("event")
     if kind == "eval":
-        if partial(event):
-            say(_partial_warning(event))
         splits = ", ".join(f"{k} {v:.3f}" for k, v in event["by_split"].items())
-        say(f"held-out reward {_reward(event)} at {event['version']} ({event['n']} items: {splits or 'none'})")
+        if not partial(event):
+            say(f"held-out reward {_reward(event)} at {event['version']} ({event['n']} items: {splits})")
+        elif event["n"]:  # one line: the warning, then the reward of the items it got
+            say(f"{_partial_warning(event)}: {event['mean_reward']:.3f} over those {event['n']} ({splits})")
+        else:
+            say(_partial_warning(event))
     elif kind == "step":
-        skipped = sum(event.get("skipped", {}).values())
         say(
-            f"step {event['step']:>2}: train reward {_fmt(event['train_reward'])}, "
-            f"{int(event.get('sequences', 0))} sequences trained ({skipped} without signal), "
+            f"step {event['step']:>2}: train reward {_fmt(event['train_reward'])}, {trained_line(event)}, "
             f"loss {_fmt(event.get('loss'))}, rollouts {event['rollout_s']:.0f} s"
             f"{f' (with the {held} held-out)' if (held := event.get('held_out')) else ''}, "
             f"update {event.get('step_s', 0):.1f} s"
+        )
+    elif kind == "updating":  # an update can take minutes under load: a line every 30 s
+        say(
+            f"step {event['step']:>2}: updating the weights on {event['sequences']} sequences, "
+            f"{event['micro_batches_done']} of {event['micro_batches']} micro-batches done "
+            f"after {event['elapsed_s']:.0f} s"
         )
     elif kind == "enqueued":  # the model is loaded and the runners are up: the step's rollouts run now
         say(f"step {event['step']:>2}: {enqueued_line(event)}")
@@ -339,7 +448,11 @@ async def train(args: argparse.Namespace) -> int:
             settings=settings,  # its run leaves the servers to this block, whose report queries the projections
         )
         say(f"loading SmolLM2-135M-Instruct (converted once from the GGUF) and starting {args.n_runners} runners…")
-        await trainer.fit_async(adder, train_items, val_dataset=held_out)
+        starting = asyncio.ensure_future(_while_starting(grpo, args.n_runners))
+        try:
+            await trainer.fit_async(adder, train_items, val_dataset=held_out)
+        finally:
+            starting.cancel()
         # its steps finished (an interrupt or a stop raises): it keeps its weights only, whatever the
         # report says of it (a partial held-out evaluation exits 1 after the same steps)
         if grpo.policy is not None and grpo.checkpoint_dir is not None:
@@ -350,13 +463,15 @@ async def train(args: argparse.Namespace) -> int:
 def report(trainer: agl.Trainer, grpo, run_id: str, wall_s: float) -> int:
     enq = grpo.counters["rollouts_enqueued"]
     unfinished = grpo.counters["unfinished_rollouts"]
-    failed = grpo.counters["failed_rollouts"] + unfinished
-    if enq == 0 or failed > MAX_FAILED_FRACTION * enq or len(grpo.evals) < 2:
-        print(f"error: run {run_id} did not train: {enq} rollouts, {failed} failed or unfinished", file=sys.stderr)
+    trained = [s for s in grpo.steps if s.get("trained")]  # steps whose update changed the weights
+    if not trained or not grpo.evals:
+        why = f"did not train: {did_not_train(grpo)}" if not trained else "has no held-out evaluation"
+        print(f"error: run {run_id} {why}", file=sys.stderr)
+        if _said:
+            print(f"{'the run did not train; ' if not trained else ''}nothing above is a result", file=sys.stderr)
         return 1
     first, last = grpo.evals[0], grpo.evals[-1]
     peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
-    trained = [s for s in grpo.steps if s.get("trained")]
     step_s = sum(s["step_s"] for s in trained) / max(1, len(trained))
     print()
     print("=" * 78)
@@ -377,10 +492,11 @@ def report(trainer: agl.Trainer, grpo, run_id: str, wall_s: float) -> int:
         "finished when their step stopped waiting, then cancelled)"
     )
     print(f"  spans read back     : {grpo.counters['spans_read']}")
-    skipped = {k: v for k, v in grpo.counters.items() if k not in ("rollouts_enqueued", "spans_read") and v}
-    print(f"  skipped             : {skipped or 'nothing'}")
+    print(f"  skipped             : {skipped_line(grpo.counters)}")
     print(f"  wall time           : {wall_s:.0f} s; one update {step_s:.1f} s; peak memory {peak_gb:.1f} GB")
-    print(f"  last checkpoint     : {grpo.checkpoint_dir} (weights; --resume {run_id} --steps N continues)")
+    settings = agl.Settings.from_env()
+    there = "" if settings.namespace == "default" else f" with EVENTLIGHT_NAMESPACE={settings.namespace}"
+    print(f"  last checkpoint     : {grpo.checkpoint_dir} (weights; --resume {run_id} --steps N{there} continues)")
     query = report_sql(run_id)
     print("  reward by checkpoint (the SQL views, this run only):")
     cli = Path(sys.executable).with_name("eventlight")
@@ -397,7 +513,8 @@ def report(trainer: agl.Trainer, grpo, run_id: str, wall_s: float) -> int:
         print(f"    (could not run it now: {' '.join(str(e).split())[:120]})")
     print("  run it yourself:")
     print("    .venv/bin/eventlight up")
-    print(f'    .venv/bin/eventlight sql "{query}"')
+    for line in report_command(run_id, settings.namespace):  # -N unless default: else 0 rows, silently
+        print(f"    {line}")
     print("    .venv/bin/eventlight down")
     print("=" * 78)
     if incomplete:
@@ -408,6 +525,18 @@ def report(trainer: agl.Trainer, grpo, run_id: str, wall_s: float) -> int:
         )
         return 1
     return 0
+
+
+def did_not_train(grpo) -> str:
+    """Why a run whose steps all ended without an update did not train, with its rollouts counted
+    by how they ended: those its steps stopped waiting for and cancelled apart from those that
+    failed (``70 rollouts: 0 failed, 62 not finished within 600 s and cancelled``)."""
+    steps, enq = len(grpo.steps), grpo.counters["rollouts_enqueued"]
+    failed, unfinished = grpo.counters["failed_rollouts"], grpo.counters["unfinished_rollouts"]
+    timeout = getattr(getattr(grpo, "config", None), "rollout_timeout_s", None)
+    within = f" within {timeout:g} s" if timeout is not None else ""
+    what = "no step ran" if not steps else f"none of its {steps} step(s) had anything to learn"
+    return f"{what}; {enq} rollouts: {failed} failed, {unfinished} not finished{within} and cancelled"
 
 
 def _split(event: dict, split: str) -> str:

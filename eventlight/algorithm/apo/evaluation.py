@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from typing import Any, Generic
 
@@ -12,9 +11,7 @@ import msgspec
 from eventlight.adapter import OpenAIMessages, TraceToMessages
 from eventlight.algorithm.apo.models import ProgressCallback, RolloutResultForAPO, T_task, VersionedPromptTemplate
 from eventlight.algorithm.base import Algorithm
-from eventlight.core.errors import EventlightError
 from eventlight.core.types import (
-    TERMINAL_ROLLOUT_STATUSES,
     EnqueueRolloutRequest,
     NamedResources,
     PromptTemplate,
@@ -121,7 +118,7 @@ class RolloutEvaluation(Algorithm, Generic[T_task]):
     async def _cancel_unfinished(self, ids: list[str], finished: list[Rollout], prefix: str) -> None:
         """Cancel the rollouts of ``ids`` not in ``finished`` (the batch's wait gave up on them),
         unless they ended meanwhile, each keeping its metadata with ``cancelled_by`` (pid and
-        reason) added, as GRPO's give-up cancel; one warning line counts them."""
+        reason) added (``Algorithm._cancel_given_up``, as GRPO's); one warning line counts them."""
         done = {r.rollout_id for r in finished}
         late = [rid for rid in ids if rid not in done]
         log.warning(
@@ -131,26 +128,8 @@ class RolloutEvaluation(Algorithm, Generic[T_task]):
             len(ids),
             self.rollout_batch_timeout,
         )
-        store = self.get_store()
         reason = f"APO evaluation: not finished within rollout_batch_timeout={self.rollout_batch_timeout:g} s"
-        try:
-            current = {r.rollout_id: r for r in await store.query_rollouts(rollout_id_in=late)}
-        except EventlightError as e:  # cancel them all the same, without their metadata
-            log.debug("%s could not read the rollouts it gives up on: %r", prefix, e)
-            current = {}
-        for rid in late:
-            rollout = current.get(rid)
-            if rollout is not None and rollout.status in TERMINAL_ROLLOUT_STATUSES:
-                continue  # ended after the wait: nothing to cancel
-            # as GRPO's give-up cancel and the demos' leftover cancel: who cancelled it, and why
-            metadata = {
-                **((rollout.metadata if rollout else None) or {}),
-                "cancelled_by": {"pid": os.getpid(), "reason": reason},
-            }
-            try:
-                await store.update_rollout(rid, status="cancelled", metadata=metadata)
-            except EventlightError as e:  # finished meanwhile
-                log.debug("%s could not cancel %s: %s", prefix, rid, e)
+        await self._cancel_given_up(late, reason, prefix)
 
     async def get_rollout_results(
         self, rollouts: Sequence[Rollout], *, prefix: str | None = None

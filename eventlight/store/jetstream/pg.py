@@ -230,6 +230,52 @@ def span_from_row(row: Sequence[Any]) -> Span:
     return msgspec.convert(doc, Span)
 
 
+_SPAN_SCALARS = [f for f in _SPAN_FIELDS if f not in _SPAN_JSON]
+_SPAN_PLACEHOLDERS = {"sequence_id": "0", "parent_id": "null", "start_time": "null", "end_time": "null"}
+
+
+def _span_json_object() -> str:
+    """A span row's JSON columns as one JSON object's text, built by Postgres from each column's
+    ``::text`` form with ``concat`` alone, after placeholders for the fields ``Span`` requires (the
+    real values come as columns of their own and replace them). Measured against the alternatives
+    (``EXPLAIN ANALYZE`` of a 20-span rollout with 2.3 kB attributes): ``SPAN_COLS`` 142 us, this
+    153 us, ``to_json`` of the text columns inside the object 212 us, ``||`` in place of
+    ``concat`` 178 us, ``json_build_object``/``json_agg`` twice the first's. ``attributes``, the
+    long one, is last."""
+    head = ",".join(f'"{f}":{_SPAN_PLACEHOLDERS.get(f, chr(34) * 2)}' for f in _SPAN_SCALARS)
+    parts: list[str] = []
+    for col in ["status", "events", "links", "context", "parent", "resource", "attributes"]:
+        value = f"coalesce({col}::text, 'null')" if col in ("context", "parent") else col
+        parts.append(f"'{'{' + head if not parts else ''},\"{col}\":', {value}")
+    return f"concat({', '.join(parts)}, '}}')"
+
+
+SPAN_JSON_COLS = f"{', '.join(_SPAN_SCALARS)}, {_span_json_object()}"
+"""A span row as its scalar columns (the times as ``double precision``: exact whatever the server's
+``extra_float_digits``) and its JSON columns as one JSON object (``spans_from_json_rows``): one
+msgspec decode a row where ``SPAN_COLS`` takes seven, and nine fewer Python objects."""
+
+_span_decoder = msgspec.json.Decoder(Span)
+
+
+def spans_from_json_rows(rows: Sequence[Sequence[Any]]) -> list[Span] | None:
+    """``SPAN_JSON_COLS`` rows as ``Span``s, or ``None`` if msgspec refuses one (a number out of its
+    range in raw attributes): the caller then reads ``SPAN_COLS`` rows, which ``span_from_row``
+    decodes leniently or explains."""
+    decode = _span_decoder.decode
+    spans = []
+    try:
+        for row in rows:
+            span = decode(row[9])
+            span.rollout_id, span.attempt_id, span.sequence_id = row[0], row[1], row[2]
+            span.trace_id, span.span_id, span.parent_id, span.name = row[3], row[4], row[5], row[6]
+            span.start_time, span.end_time = row[7], row[8]  # the order of ``_SPAN_FIELDS``
+            spans.append(span)
+    except msgspec.DecodeError:
+        return None
+    return spans
+
+
 def worker_from_row(row: Sequence[Any]) -> Worker:
     return Worker(
         worker_id=row[0],

@@ -37,6 +37,7 @@ NO_WAIT_ANSWER_S = 10.0  # how long a no_wait pull may take to answer before the
 LONG_POLL_MARGIN_S = 5.0  # how much longer than its expiry a long poll waits for the server's answer
 EMPTY_CONFIRM_S = 0.010  # how long after a write a non-blocking dequeue waits for the consumer (see _pull)
 STREAM_INFO_TIMEOUT_S = 10.0
+MAX_IDLE_INBOXES = 64  # idle pull inboxes kept for the next pulls; more are unsubscribed (see _pool)
 
 
 class _StreamTimes(msgspec.Struct):
@@ -227,7 +228,7 @@ class RunnersQueue:
                     return None
                 await inbox.rewait(loop, timeout_s - FULL_PROBE_S)
             if inbox.answer is None:
-                raise nats.errors.TimeoutError
+                raise inbox.no_answer()
         except TRANSPORT_ERRORS as e:
             self._give_up(inbox, timeout_s)  # a late answer is handed back, and the inbox not reused before it
             if isinstance(e, nats.errors.TimeoutError) and await self._at_max_ack_pending():
@@ -278,7 +279,7 @@ class RunnersQueue:
             if inbox.waiter is not None:
                 await inbox.waiter
             if inbox.answer is None:
-                raise nats.errors.TimeoutError
+                raise inbox.no_answer()
         except BaseException:
             self._give_up(inbox, timeout_s)
             raise
@@ -288,8 +289,21 @@ class RunnersQueue:
         """The answer ``inbox`` brought; the inbox goes back to the pool."""
         msg = inbox.answer
         inbox.idle()
-        self._inboxes.append(inbox)
+        self._pool(inbox)
         return msg
+
+    def _pool(self, inbox: _Inbox) -> None:
+        """An idle inbox is kept for the next request, unless ``close`` unsubscribed it, or
+        ``MAX_IDLE_INBOXES`` are kept already: each is a subscription with a task of its own in
+        nats-py, and a burst of concurrent pulls (1,000 dequeues at once: 2,000 inboxes, a pull and
+        its ``STREAM.INFO`` each) would otherwise keep them all for as long as the store is open."""
+        if inbox.sub is None:
+            return
+        if len(self._inboxes) < MAX_IDLE_INBOXES:
+            self._inboxes.append(inbox)
+            return
+        self._all.discard(inbox)
+        inbox.unsubscribe_later()
 
     async def _new_inbox(self) -> _Inbox:
         inbox = _Inbox(self)
@@ -307,7 +321,7 @@ class RunnersQueue:
             self._abandon(inbox, timeout_s)
             return
         inbox.idle()
-        self._inboxes.append(inbox)
+        self._pool(inbox)
         if _is_entry(msg):
             self._in_background(_nak(msg))
 
@@ -318,15 +332,19 @@ class RunnersQueue:
 
     def _abandon(self, inbox: _Inbox, timeout_s: float) -> None:
         """Nobody waits for ``inbox``'s answer any more: it hands back an entry that comes, and goes
-        back to the pool once answered; unanswered after ``timeout_s``, it is unsubscribed."""
+        back to the pool once answered; unanswered after ``timeout_s``, it is unsubscribed. One that
+        ``close`` unsubscribed can bring nothing more: nothing is left to wait for it."""
+        if inbox.sub is None:
+            inbox.idle()
+            return
         inbox.abandon(asyncio.get_running_loop(), timeout_s)
         self._abandoned.add(inbox)
 
     def _settled(self, inbox: _Inbox, answered: bool) -> None:
         """``inbox``'s abandoned pull is over: answered (its entry handed back), or given up on."""
         self._abandoned.discard(inbox)
-        if answered and inbox.sub is not None:
-            self._inboxes.append(inbox)
+        if answered:
+            self._pool(inbox)
         else:
             self._all.discard(inbox)
             inbox.unsubscribe_later()
@@ -364,6 +382,7 @@ class RunnersQueue:
             await asyncio.wait(waits, timeout=HAND_BACK_CLOSE_WAIT_S)
         sub, self._sub = self._sub, None
         inboxes, self._all, self._inboxes = self._all, set(), []
+        self._abandoned.clear()
         for inbox in inboxes:
             inbox.close()
         for task in list(self._background):
@@ -415,17 +434,24 @@ class _Inbox:
         """A request goes out: its waiter wakes on the answer, or after ``wait_s`` seconds."""
         self.answer = None
         waiter = self.waiter = loop.create_future()
-        self.timer = loop.call_later(wait_s, _wake, waiter)
+        if self.sub is None:  # closed (``close``): no answer can come
+            waiter.set_result(None)
+        else:
+            self.timer = loop.call_later(wait_s, _wake, waiter)
         return waiter
 
     def rewait(self, loop: asyncio.AbstractEventLoop, wait_s: float) -> asyncio.Future[None]:
         """A new waiter for the same request (the first one woke up without an answer)."""
         waiter = self.waiter = loop.create_future()
-        if self.answer is not None:
+        if self.answer is not None or self.sub is None:
             waiter.set_result(None)
         else:
             self.timer = loop.call_later(wait_s, _wake, waiter)
         return waiter
+
+    def no_answer(self) -> nats.errors.Error:
+        """What a request woken without an answer fails with: its wait ran out, or ``close``."""
+        return nats.errors.ConnectionClosedError() if self.sub is None else nats.errors.TimeoutError()
 
     def idle(self) -> None:
         self.answer = self.waiter = None
@@ -461,13 +487,16 @@ class _Inbox:
         self.queue._settled(self, answered)
 
     def close(self) -> None:
-        """Unsubscribe; a caller still waiting fails as if the connection had closed."""
-        if self.waiter is not None and not self.waiter.done() and self.answer is None:
-            self.waiter.set_exception(nats.errors.ConnectionClosedError())
-        if self.expiry is not None:
-            self.expiry.cancel()
-            self.expiry = None
+        """Unsubscribe; a caller still waiting fails as if the connection had closed (``no_answer``).
+        Its waiter is woken, not failed: a request sent and not yet waited for (``_send``), whose
+        caller then gives up on it, would leave an exception nobody retrieves."""
         self.unsubscribe_later()
+        for timer in (self.timer, self.expiry):
+            if timer is not None:
+                timer.cancel()
+        self.timer = self.expiry = None
+        if self.waiter is not None:
+            _wake(self.waiter)
 
     def unsubscribe_later(self) -> None:
         sub, self.sub = self.sub, None
