@@ -171,6 +171,48 @@ async def test_a_policy_server_stopped_under_a_request_answers_it_at_once(caplog
     assert "Exception in ASGI application" not in caplog.text
 
 
+async def test_a_request_that_reaches_its_generation_after_the_stop_began_answers_503() -> None:
+    """A request still applying its chat template when ``stop`` began (the second of two on a loaded
+    machine) queued its generation after the batcher was gone: nothing answered it until uvicorn's
+    graceful shutdown (5 s) cancelled it, and uvicorn answered 500. It now answers 503 at once."""
+    import threading
+
+    import httpx
+
+    policy = tiny_policy()
+    templating, go_on = threading.Event(), threading.Event()
+    real_prompt_ids = policy.chat_prompt_ids
+
+    def chat_prompt_ids(messages):  # held until the stop has begun
+        templating.set()
+        go_on.wait(30)
+        return real_prompt_ids(messages)
+
+    policy.chat_prompt_ids = chat_prompt_ids
+    server = PolicyServer(policy, max_context_tokens=64)
+    await server.start()
+    try:
+        [batcher] = [t for t in server._tasks if t.get_name() == "policy-batcher"]
+        async with httpx.AsyncClient(base_url=server.endpoint, timeout=30) as client:
+            body = {"model": "p", "messages": [{"role": "user", "content": "2 + 3?"}], "max_tokens": 4}
+            call = asyncio.create_task(client.post("/chat/completions", json=body))
+            assert await asyncio.to_thread(templating.wait, 30)
+            stopping = asyncio.create_task(server.stop())
+            for _ in range(3000):  # the stop has begun: the batcher is gone
+                if batcher.done():
+                    break
+                await asyncio.sleep(0.01)
+            assert batcher.done()
+            go_on.set()
+            answer = await asyncio.wait_for(call, 30)
+            await stopping
+    finally:
+        go_on.set()
+        await server.stop()
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"]["type"] == "server_stopping"
+
+
 async def test_the_policy_servers_errors_are_openai_error_objects_shaped_as_the_proxys(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
