@@ -159,6 +159,11 @@ async def test_a_policy_server_stopped_under_a_request_answers_it_at_once(caplog
             body = {"model": "p", "messages": [{"role": "user", "content": "2 + 3?"}], "max_tokens": 4}
             calls = [asyncio.create_task(client.post("/chat/completions", json=body)) for _ in range(2)]
             assert await asyncio.to_thread(generating.wait, 30)
+            for _ in range(3000):  # both wait for a generation (one may still be on its way, under load)
+                if len(server._waiting) == 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert len(server._waiting) == 2
             await server.stop()
             # answered by the stop, while the generations still run (before, they hung until the
             # event loop closed): no timing asserted, the generations end only after this
