@@ -159,6 +159,11 @@ async def test_a_policy_server_stopped_under_a_request_answers_it_at_once(caplog
             body = {"model": "p", "messages": [{"role": "user", "content": "2 + 3?"}], "max_tokens": 4}
             calls = [asyncio.create_task(client.post("/chat/completions", json=body)) for _ in range(2)]
             assert await asyncio.to_thread(generating.wait, 30)
+            for _ in range(3000):  # both wait for a generation (one may still be on its way, under load)
+                if len(server._waiting) == 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert len(server._waiting) == 2
             await server.stop()
             # answered by the stop, while the generations still run (before, they hung until the
             # event loop closed): no timing asserted, the generations end only after this
@@ -169,6 +174,48 @@ async def test_a_policy_server_stopped_under_a_request_answers_it_at_once(caplog
     assert [a.status_code for a in answers] == [503, 503]
     assert answers[0].json()["error"]["type"] == "server_stopping"
     assert "Exception in ASGI application" not in caplog.text
+
+
+async def test_a_request_that_reaches_its_generation_after_the_stop_began_answers_503() -> None:
+    """A request still applying its chat template when ``stop`` began (the second of two on a loaded
+    machine) queued its generation after the batcher was gone: nothing answered it until uvicorn's
+    graceful shutdown (5 s) cancelled it, and uvicorn answered 500. It now answers 503 at once."""
+    import threading
+
+    import httpx
+
+    policy = tiny_policy()
+    templating, go_on = threading.Event(), threading.Event()
+    real_prompt_ids = policy.chat_prompt_ids
+
+    def chat_prompt_ids(messages):  # held until the stop has begun
+        templating.set()
+        go_on.wait(30)
+        return real_prompt_ids(messages)
+
+    policy.chat_prompt_ids = chat_prompt_ids
+    server = PolicyServer(policy, max_context_tokens=64)
+    await server.start()
+    try:
+        [batcher] = [t for t in server._tasks if t.get_name() == "policy-batcher"]
+        async with httpx.AsyncClient(base_url=server.endpoint, timeout=30) as client:
+            body = {"model": "p", "messages": [{"role": "user", "content": "2 + 3?"}], "max_tokens": 4}
+            call = asyncio.create_task(client.post("/chat/completions", json=body))
+            assert await asyncio.to_thread(templating.wait, 30)
+            stopping = asyncio.create_task(server.stop())
+            for _ in range(3000):  # the stop has begun: the batcher is gone
+                if batcher.done():
+                    break
+                await asyncio.sleep(0.01)
+            assert batcher.done()
+            go_on.set()
+            answer = await asyncio.wait_for(call, 30)
+            await stopping
+    finally:
+        go_on.set()
+        await server.stop()
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"]["type"] == "server_stopping"
 
 
 async def test_the_policy_servers_errors_are_openai_error_objects_shaped_as_the_proxys(

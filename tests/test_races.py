@@ -143,6 +143,17 @@ async def test_racing_update_attempt_ends_in_an_allowed_state(namespace: Setting
         assert outcomes["refused"] > 0, "some writers must have lost to a finished attempt"
 
 
+async def _stream_quiet_for(store: JetStreamLightningStore, seconds: float) -> None:
+    """Wait (up to 30 s) until the stream's last write is ``seconds`` old by the server's clock: an
+    empty answer then stands unless the dequeue itself takes ``seconds - EMPTY_CONFIRM_S``."""
+    for _ in range(300):
+        age = await store.log.queue._last_write_age()
+        if age is not None and age >= seconds:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"the stream was still written {age} s before")
+
+
 async def test_an_empty_dequeue_is_confirmed_only_while_the_stream_is_being_written(
     namespace: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -162,10 +173,13 @@ async def test_an_empty_dequeue_is_confirmed_only_while_the_stream_is_being_writ
         claimed = await runner.dequeue_rollout(worker_id="w")
         assert claimed is not None and claimed.rollout_id == r.rollout_id
         pulls.clear()
+        # a window no slow machine overruns between the claim and the next dequeue (10 ms did, under load)
+        monkeypatch.setattr(queue, "EMPTY_CONFIRM_S", 1.0)
         assert await runner.dequeue_rollout(worker_id="w") is None
         assert pulls == ["no_wait", "confirm"]  # the claim was just written: wait for the consumer's count
 
-        await asyncio.sleep(EMPTY_CONFIRM_S * 5)
+        monkeypatch.setattr(queue, "EMPTY_CONFIRM_S", EMPTY_CONFIRM_S)
+        await _stream_quiet_for(runner, 1.0)
         pulls.clear()
         assert await runner.dequeue_rollout(worker_id="w") is None
         assert pulls == ["no_wait"]  # nothing written since: the empty answer stands
@@ -201,7 +215,7 @@ async def test_after_an_empty_answer_the_next_pull_asks_for_the_last_write_with_
         assert await runner.dequeue_rollout(worker_id="w") is None
         # after a message, one by one (then a confirming pull: the claim was just written)
         assert steps[:3] == ["pull answered", "pull answered", "info asked"]
-        await asyncio.sleep(EMPTY_CONFIRM_S * 5)
+        await _stream_quiet_for(runner, 1.0)  # no confirming pull: a sleep of 50 ms was too short under load
         steps.clear()
         assert await runner.dequeue_rollout(worker_id="w") is None
         assert steps == ["info asked", "pull answered"]  # after an empty answer: together

@@ -1335,7 +1335,10 @@ async def test_a_rollout_queued_after_an_empty_poll_is_handed_out_at_once(
 
 async def _hand_back_next_entry(store: Any, rollout_id: str) -> int:
     """Take the queue's next entry without claiming it and hand it back (``nak``): offered again,
-    it is a redelivered entry (JetStream's num_delivered 2; in memory, a handed-back one)."""
+    it is a redelivered entry (JetStream's num_delivered 2; in memory, a handed-back one). The
+    server takes the ``nak`` (a publish nobody answers) in its own time: a dequeue that must find
+    the entry again waits for it (``wait_s``); a ``no_wait`` pull just after can answer "no
+    messages" (seen under load)."""
     item = await store._log().next_queued(1.0)
     assert item is not None and item.rollout_id == rollout_id
     await item.nak(0.0)
@@ -1366,7 +1369,7 @@ async def test_a_requeued_rollouts_redelivered_entry_is_still_claimed(store: Any
         await store.update_attempt(r.rollout_id, a1, last_heartbeat_time=time.time())
     await settle(store)
     assert (await store.get_rollout_by_id(r.rollout_id)).status in ("queuing", "requeuing")
-    second = await store.dequeue_rollout(worker_id="w2")
+    second = await store.dequeue_rollout(worker_id="w2", wait_s=10)
     assert second is not None and second.rollout_id == r.rollout_id
     assert second.attempt.sequence_id == 2 and second.attempt.worker_id == "w2"
 
@@ -1377,7 +1380,7 @@ async def test_a_fresh_entry_handed_back_is_claimed_and_stale_ones_are_not(store
     r = await store.enqueue_rollout({"q": 2})
     await store.update_rollout(r.rollout_id, status="queuing")  # already queuing: no event, no entry
     await _hand_back_next_entry(store, r.rollout_id)
-    claimed = await store.dequeue_rollout(worker_id="w")
+    claimed = await store.dequeue_rollout(worker_id="w", wait_s=10)
     assert claimed is not None and claimed.rollout_id == r.rollout_id
     assert await store.dequeue_rollout(worker_id="w") is None
     await settle(store)

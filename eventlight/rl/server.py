@@ -197,6 +197,7 @@ class PolicyServer:
         self._server: _Server | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._waiting: set[asyncio.Future[Generation]] = set()  # requests' generations not done yet
+        self._stopping = False  # set by ``stop``: a request that reaches its generation after answers 503
         self.port = 0
         self.app = self._build_app()
 
@@ -215,6 +216,7 @@ class PolicyServer:
             s.bind((self.host, 0))
             self.port = s.getsockname()[1]
         self._queue = asyncio.Queue()
+        self._stopping = False
         self.body_reads.reopen()
         config = uvicorn.Config(
             self.app,
@@ -244,7 +246,9 @@ class PolicyServer:
     async def stop(self) -> None:
         """Stop serving; idempotent. Requests still waiting for their generation, or still sending
         their body, answer 503 at once (they hung until the event loop closed, and uvicorn printed a
-        traceback for each)."""
+        traceback for each). A request that reaches its generation only after this began (still
+        reading its prompt's chat template) answers 503 too: nothing would generate for it."""
+        self._stopping = True
         if self._server is not None:
             self._server.should_exit = True
             self.body_reads.cut()
@@ -370,6 +374,8 @@ class PolicyServer:
             )
         assert self._queue is not None, "start() the server first"
         version = self.version
+        if self._stopping:  # the batcher is gone: its generation would wait until uvicorn cancels it (500)
+            return openai_error(503, "the policy server stopped before this request's generation", SERVER_STOPPING)
         future: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
         self._waiting.add(future)
         await self._queue.put(_Job(prompt_ids, (round(temperature, 6), round(top_p, 6), max_new), future))
