@@ -604,8 +604,10 @@ async def test_the_runners_heartbeats_keep_a_quiet_attempt_alive() -> None:
     ``heartbeat_interval`` (a reviewer): the heartbeats now stamp the runner's attempt too."""
     store = agl.InMemoryLightningStore(watchdog_interval_s=0.1)
     await store.add_resources(RESOURCES)
-    config = agl.RolloutConfig(unresponsive_seconds=0.6, max_attempts=2, retry_condition=["unresponsive"])
-    r = await store.enqueue_rollout({"sleep_s": 2.0}, config=config)
+    # 1.5 s without a stamp against a beat every 0.2 s: a margin a loaded machine keeps (at 0.6 s a
+    # late beat under the full suite let the watchdog mark it once, and the next beat revived it)
+    config = agl.RolloutConfig(unresponsive_seconds=1.5, max_attempts=2, retry_condition=["unresponsive"])
+    r = await store.enqueue_rollout({"sleep_s": 3.5}, config=config)
     runner = agl.LitAgentRunner(agl.OtelTracer(), max_rollouts=1, poll_interval=0.05, heartbeat_interval=0.2)
     seen: set[str] = set()
 
