@@ -18,19 +18,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
-import statistics
-import tempfile
 import time
-import uuid
-from pathlib import Path
 from typing import Any
 
 import asyncpg
 
-from bench import positive_ints
+from bench import index_ab, positive_ints
 from eventlight._data import data_dir
-from eventlight.ops import apply_migrations, drop_namespace, ensure_services, stop_services
 from eventlight.settings import Settings
 from eventlight.store.jetstream.pg import ROLLOUT_COLS
 from eventlight.store.jetstream.projector.leader import IN_FLIGHT_SQL
@@ -101,42 +95,22 @@ async def read(conn: asyncpg.Connection, sql: str) -> dict[str, float]:
 
 
 async def one_size(dsn: str, base: Settings, attempts: int, rounds: int) -> dict[str, Any]:
-    settings = Settings(pg_dsn=dsn, state_dir=base.state_dir, namespace=f"reload{attempts}_{uuid.uuid4().hex[:6]}")
-    await apply_migrations(dsn, settings.pg_schema)
-    conn = await asyncpg.connect(dsn, server_settings={"search_path": settings.pg_schema})
-    try:
-        made = await fill(conn, attempts)
-        runs: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
-        for _ in range(rounds):
-            await conn.execute("DROP INDEX attempts_live_idx")
-            runs["before"].append(await read(conn, OR_FORM))
-            await conn.execute(INDEX)
-            runs["after"].append(await read(conn, IN_FLIGHT_SQL))
-    finally:
-        await conn.close()
-        await drop_namespace(None, dsn, settings)
-    return {"attempts": made, **{k: summary(v) for k, v in runs.items()}}
-
-
-def summary(runs: list[dict[str, float]]) -> dict[str, Any]:
-    out: dict[str, Any] = {"rows": runs[0]["rows"], "blocks": runs[0]["blocks"]}
-    for key in ("exec_ms", "read_ms"):
-        xs = [r[key] for r in runs]
-        out[key] = {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "runs": xs}
-    return out
+    made, ab = await index_ab.one_size(
+        dsn,
+        base,
+        f"reload{attempts}",
+        lambda conn: fill(conn, attempts),
+        ("attempts_live_idx", INDEX),
+        lambda conn: read(conn, OR_FORM),
+        lambda conn: read(conn, IN_FLIGHT_SQL),
+        rounds,
+        ("exec_ms", "read_ms"),
+    )
+    return {"attempts": made, **ab}
 
 
 async def main_async(sizes: list[int], rounds: int) -> list[dict[str, Any]]:
-    state = Path(tempfile.mkdtemp(prefix="eventlight-reload-"))
-    try:
-        base = Settings.from_env(state_dir=state, namespace="reload")
-        svc = await ensure_services(base)
-        try:
-            return [await one_size(svc.pg_dsn, base, n, rounds) for n in sizes]
-        finally:
-            await stop_services(base)
-    finally:
-        shutil.rmtree(state, ignore_errors=True)
+    return await index_ab.over_sizes("reload", sizes, lambda dsn, base, n: one_size(dsn, base, n, rounds))
 
 
 def main(argv: list[str] | None = None) -> None:

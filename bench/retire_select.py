@@ -20,20 +20,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
-import statistics
-import tempfile
 import time
-import uuid
-from pathlib import Path
 from typing import Any
 
 import asyncpg
 
-from bench import positive_ints
+from bench import index_ab, positive_ints
 from eventlight._data import data_dir
 from eventlight.core.types import TERMINAL_ROLLOUT_STATUSES
-from eventlight.ops import apply_migrations, drop_namespace, ensure_services, stop_services
 from eventlight.settings import Settings
 from eventlight.store.jetstream.retire import _SELECT, _due
 
@@ -135,42 +129,22 @@ async def after(conn: asyncpg.Connection) -> dict[str, float]:
 
 
 async def one_size(dsn: str, base: Settings, retired: int, rounds: int) -> dict[str, Any]:
-    settings = Settings(pg_dsn=dsn, state_dir=base.state_dir, namespace=f"retsel{retired}_{uuid.uuid4().hex[:6]}")
-    await apply_migrations(dsn, settings.pg_schema)
-    conn = await asyncpg.connect(dsn, server_settings={"search_path": settings.pg_schema})
-    try:
-        made = await fill(conn, retired)
-        runs: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
-        for _ in range(rounds):
-            await conn.execute("DROP INDEX rollouts_retirable_idx")
-            runs["before"].append(await before(conn))
-            await conn.execute(INDEX)
-            runs["after"].append(await after(conn))
-    finally:
-        await conn.close()
-        await drop_namespace(None, dsn, settings)
-    return {"rollouts": made, **{k: summary(v) for k, v in runs.items()}}
-
-
-def summary(runs: list[dict[str, float]]) -> dict[str, Any]:
-    out: dict[str, Any] = {"rows": runs[0]["rows"], "blocks": runs[0]["blocks"]}
-    for key in ("exec_ms", "jit_ms", "read_ms"):
-        xs = [r[key] for r in runs]
-        out[key] = {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "runs": xs}
-    return out
+    made, ab = await index_ab.one_size(
+        dsn,
+        base,
+        f"retsel{retired}",
+        lambda conn: fill(conn, retired),
+        ("rollouts_retirable_idx", INDEX),
+        before,
+        after,
+        rounds,
+        ("exec_ms", "jit_ms", "read_ms"),
+    )
+    return {"rollouts": made, **ab}
 
 
 async def main_async(sizes: list[int], rounds: int) -> list[dict[str, Any]]:
-    state = Path(tempfile.mkdtemp(prefix="eventlight-retsel-"))
-    try:
-        base = Settings.from_env(state_dir=state, namespace="retsel")
-        svc = await ensure_services(base)
-        try:
-            return [await one_size(svc.pg_dsn, base, n, rounds) for n in sizes]
-        finally:
-            await stop_services(base)
-    finally:
-        shutil.rmtree(state, ignore_errors=True)
+    return await index_ab.over_sizes("retsel", sizes, lambda dsn, base, n: one_size(dsn, base, n, rounds))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 import asyncpg
 
+from bench.retire_select import OLD_FORM  # the selection until migration 015
 from eventlight.core.types import TERMINAL_ROLLOUT_STATUSES
 from eventlight.ops import apply_migrations
 from eventlight.settings import Settings
@@ -17,18 +18,6 @@ from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.store.jetstream.retire import _SELECT, _due, retire
 from tests.test_projector_reload import LIMIT, revived, scans_of
 from tests.test_retire import _archive_caught_up, _with_archive
-
-OLD_FORM = """
-SELECT r.rollout_id FROM rollouts r
- WHERE r.status = ANY($1::text[]) AND r.end_time IS NOT NULL AND r.end_time < $2 AND r.last_seq <= $3
-   AND NOT EXISTS (SELECT 1 FROM retired_rollouts x WHERE x.rollout_id = r.rollout_id)
-   AND NOT (
-     (r.config->>'timeout_seconds' IS NOT NULL OR r.config->>'unresponsive_seconds' IS NOT NULL)
-     AND EXISTS (SELECT 1 FROM attempts a WHERE a.rollout_id = r.rollout_id
-                   AND a.status IN ('preparing', 'running') AND a.attempt_id <> r.latest_attempt_id))
- ORDER BY r.last_seq LIMIT $4
-"""
-"""The selection until migration 015 (it read every terminal rollout, retired ones included)."""
 
 
 async def finished(store: JetStreamLightningStore, name: str) -> str:
