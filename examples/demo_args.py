@@ -7,6 +7,8 @@ print the error alone, and ``--help`` for the usage.
 from __future__ import annotations
 
 import argparse
+import re
+from collections.abc import Mapping
 from typing import NoReturn
 
 
@@ -26,3 +28,11 @@ def at_least_one(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def with_option_names(message: str, owner: str, options: Mapping[str, str]) -> str:
+    """``message`` (a config's error) with each ``<owner>.<field>`` it names replaced by the demo's
+    option for it: ``GRPOConfig.lr`` -> ``--lr``."""
+    for field, option in options.items():
+        message = re.sub(rf"\b{re.escape(owner)}\.{field}\b", option, message)
+    return message

@@ -21,7 +21,6 @@ import asyncio
 import json
 import math
 import os
-import re
 import resource
 import secrets
 import shlex
@@ -37,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 import eventlight as agl  # noqa: E402
 from examples.arithmetic.task import MAX_TOKENS, PROMPT, adder, make_items  # noqa: E402
-from examples.demo_args import OneLineParser  # noqa: E402
+from examples.demo_args import OneLineParser, with_option_names  # noqa: E402
 from examples.demo_args import at_least_one as _at_least_one  # noqa: E402
 from examples.demo_lease import cancel_leftovers, demo_lease, refuse_if_live  # noqa: E402
 
@@ -206,10 +205,7 @@ def grpo_config(args: argparse.Namespace) -> GRPOConfig:
             version_prefix=f"{args.run_id}-",
         )
     except agl.InvalidInputError as e:
-        message = str(e)
-        for field, option in _OPTIONS.items():
-            message = re.sub(rf"\bGRPOConfig\.{field}\b", option, message)
-        raise agl.InvalidInputError(message) from None
+        raise agl.InvalidInputError(with_option_names(str(e), "GRPOConfig", _OPTIONS)) from None
 
 
 _said = 0  # lines ``say`` printed: a run that printed none ends on its error line alone

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import re
 import secrets
 import sys
 import time
@@ -30,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 import eventlight as agl  # noqa: E402
 from eventlight.store.jetstream import JetStreamLightningStore  # noqa: E402
-from examples.demo_args import OneLineParser, at_least_one  # noqa: E402
+from examples.demo_args import OneLineParser, at_least_one, with_option_names  # noqa: E402
 from examples.demo_lease import cancel_leftovers, demo_lease, refuse_if_live  # noqa: E402
 from examples.room_booking.agent import INITIAL_PROMPT, load_tasks, room_booker, split  # noqa: E402
 
@@ -133,10 +132,7 @@ def make_apo(args: argparse.Namespace, optimizer: Any, model: str, run_id: str) 
             version_prefix=f"{run_id}-",
         )
     except agl.InvalidInputError as e:
-        message = str(e)
-        for field, option in _OPTIONS.items():
-            message = re.sub(rf"\bAPO\.{field}\b", option, message)
-        raise agl.InvalidInputError(message) from None
+        raise agl.InvalidInputError(with_option_names(str(e), "APO", _OPTIONS)) from None
 
 
 def say(text: str) -> None:
