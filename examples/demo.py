@@ -31,14 +31,26 @@ def _add_algorithm(p: argparse.ArgumentParser) -> None:
     p.add_argument("--algorithm", choices=ALGORITHMS, default="grpo", help="which demo: grpo (default) or apo")
 
 
-def demo_parser(demo_doc: str | None) -> argparse.ArgumentParser:
-    """The parser of ``make demo`` with one demo's options to come: its usage is the ``make`` command,
-    its description the demo's docstring without the demo script's own command line, and it has
-    ``--algorithm``; a refused option is one ``error:`` line (``OneLineParser``)."""
+OTHER_HELP = {
+    "grpo": 'The APO demo has options of its own: make demo ARGS="--algorithm apo --help" lists them.',
+    "apo": 'The GRPO demo (the default) has options of its own: make demo ARGS="--help" lists them.',
+}
+"""The last line of each demo's ``--help``: where the other demo's options are listed."""
+
+
+def demo_parser(demo_doc: str | None, algorithm: str = "grpo") -> argparse.ArgumentParser:
+    """The parser of ``make demo`` with the options of demo ``algorithm`` (one of ``ALGORITHMS``) to
+    come: its usage is the ``make`` command, its description the demo's docstring without the demo
+    script's own command line, it has ``--algorithm``, and its help ends with where the other demo's
+    options are listed; a refused option is one ``error:`` line (``OneLineParser``)."""
     lines = (demo_doc or "").splitlines()
     description = "\n".join(line for line in lines if not line.lstrip().startswith("python examples/"))
     p = OneLineParser(
-        prog="make demo", usage=USAGE, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="make demo",
+        usage=USAGE,
+        description=description,
+        epilog=OTHER_HELP[algorithm],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_algorithm(p)
     return p
@@ -55,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=os.environ.get("EVENTLIGHT_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s"
     )
-    demo_args = demo.parse_args(sys.argv[1:] if argv is None else argv, demo_parser(demo.__doc__))
+    demo_args = demo.parse_args(sys.argv[1:] if argv is None else argv, demo_parser(demo.__doc__, args.algorithm))
     stop = TermAsInterrupt().install()  # SIGTERM: the same orderly stop as Ctrl+C, exit 143
     try:
         return asyncio.run(stop.guard(demo.main(demo_args)))

@@ -21,12 +21,23 @@ class OneLineParser(argparse.ArgumentParser):
 
 def at_least_one(text: str) -> int:
     """argparse type of a count: a whole number >= 1 (``--n-runners 0`` ran one runner)."""
+    return _whole(text, 1, "must be at least 1")
+
+
+def at_least_zero(text: str) -> int:
+    """argparse type of a count where 0 means none or a default: a whole number >= 0, refused in
+    the same form as ``at_least_one`` (``argument --rounds: must be 0 or more, got -1``)."""
+    return _whole(text, 0, "must be 0 or more")
+
+
+def _whole(text: str, low: int, refused: str) -> int:
+    """``text`` as a whole number of at least ``low``; else ``ArgumentTypeError``, ``<refused>, got <value>``."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    if value < low:
+        raise argparse.ArgumentTypeError(f"{refused}, got {value}")
     return value
 
 

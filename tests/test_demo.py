@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -182,7 +184,7 @@ async def test_the_apo_demo_cancels_what_an_earlier_run_left_queued(namespace: S
     [
         ["--lr", "-1", "--lr must be a finite number > 0, got -1"],
         ["--group-size", "1", "--group-size must be a whole number 2 to"],
-        ["--eval-every", "-1", "--eval-every must be a whole number 0 to"],
+        ["--eval-every", "-1", "--eval-every: must be 0 or more, got -1"],
         ["--threads", "-1", "--threads: must be 0 or more, got -1"],
         ["--eval-items", "-3", "--eval-items: must be 0 or more, got -3"],
         ["--model-dir", "no-such-folder", "--model-dir: no model at no-such-folder"],
@@ -211,10 +213,11 @@ def test_the_demo_checks_every_option_before_it_starts_anything(option: list[str
 @pytest.mark.parametrize(
     "option",
     [
-        ["--rounds", "-1", "--rounds must be a whole number 0 to"],
+        ["--rounds", "-1", "--rounds: must be 0 or more, got -1"],
         ["--n-runners", "0", "--n-runners: must be at least 1, got 0"],
-        ["--beam-width", "0", "--beam-width must be a whole number 1 to"],
-        ["--branch-factor", "0", "--branch-factor must be a whole number 1 to"],
+        ["--beam-width", "0", "--beam-width: must be at least 1, got 0"],
+        ["--branch-factor", "0", "--branch-factor: must be at least 1, got 0"],
+        ["--beam-width", "2147483648", "--beam-width must be a whole number 1 to"],
         ["--llm-servers", "0", "--llm-servers: must be at least 1, got 0"],
         ["--tasks", "-2", "--tasks: must be 0 or more, got -2"],
     ],
@@ -285,6 +288,48 @@ def test_the_demo_help_names_algorithm_and_the_make_command(algorithm: str) -> N
     assert done.stdout.startswith('usage: make demo ARGS="[--algorithm {grpo,apo}]'), done.stdout
     assert "--algorithm {grpo,apo}" in done.stdout.split("options:")[1]
     assert "examples/arithmetic/train_grpo.py" not in done.stdout and "examples/room_booking" not in done.stdout
+    other = 'make demo ARGS="--algorithm apo --help"' if algorithm == "grpo" else 'make demo ARGS="--help"'
+    assert done.stdout.rstrip().splitlines()[-1].endswith(f"{other} lists them."), done.stdout
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "apo"])
+def test_every_demo_option_says_what_it_does(algorithm: str) -> None:
+    """``make demo ARGS=--help`` showed ``--seed`` without a word and ``--temperature`` without its
+    default (the APO demo four options without a word); every option now has its line, with its
+    default where it has one."""
+    import examples.demo as main
+
+    if algorithm == "apo":
+        from examples.room_booking import train_apo as demo
+    else:
+        from examples.arithmetic import train_grpo as demo  # type: ignore[no-redef]
+    parser = main.demo_parser(demo.__doc__, algorithm)
+    with pytest.raises(SystemExit), contextlib.redirect_stdout(io.StringIO()):
+        demo.parse_args(["--help"], parser)
+    options = {a.option_strings[-1]: a for a in parser._actions}
+    assert [name for name, action in options.items() if not action.help] == []
+    for name, action in options.items():  # a number's default is said, unless it means something of its own
+        if isinstance(action.default, int | float) and not isinstance(action.default, bool):
+            assert "default" in action.help or f"{action.default} = " in action.help, name
+    if algorithm == "grpo":
+        assert "(default 0.7)" in options["--temperature"].help and "(default 0)" in options["--seed"].help
+
+
+@pytest.mark.parametrize(
+    ("option", "says"),
+    [
+        (["--steps", "-1"], "error: argument --steps: must be at least 1, got -1\n"),
+        (["--algorithm", "apo", "--rounds", "-1"], "error: argument --rounds: must be 0 or more, got -1\n"),
+        (["--algorithm", "apo", "--tasks", "-1"], "error: argument --tasks: must be 0 or more, got -1\n"),
+    ],
+)
+def test_both_demos_refuse_a_count_in_the_same_words(option: list[str], says: str) -> None:
+    """``--steps -1`` said "argument --steps: must be at least 1, got -1" and ``--algorithm apo
+    --rounds -1`` "--rounds must be a whole number 0 to 1000000, got -1": the same mistake, two forms."""
+    done = subprocess.run(
+        [sys.executable, str(DEMO), *option], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (2, "", says)
 
 
 def test_an_interrupted_demo_says_how_to_continue_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

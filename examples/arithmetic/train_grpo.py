@@ -38,6 +38,7 @@ import eventlight as agl  # noqa: E402
 from examples.arithmetic.task import MAX_TOKENS, PROMPT, adder, make_items  # noqa: E402
 from examples.demo_args import OneLineParser, with_option_names  # noqa: E402
 from examples.demo_args import at_least_one as _at_least_one  # noqa: E402
+from examples.demo_args import at_least_zero as _at_least_zero  # noqa: E402
 from examples.demo_lease import cancel_leftovers, demo_lease, refuse_if_live  # noqa: E402
 
 if TYPE_CHECKING:
@@ -139,15 +140,26 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
     p.add_argument("--steps", type=_at_least_one, default=8, help="GRPO steps (default 8)")
     p.add_argument("--batch-size", type=_at_least_one, default=4, help="tasks per step (default 4)")
     p.add_argument("--group-size", type=_at_least_one, default=8, help="samples per task (default 8)")
-    p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature of training rollouts")
+    p.add_argument(
+        "--temperature", type=float, default=0.7, help="sampling temperature of training rollouts (default 0.7)"
+    )
     p.add_argument("--lr", type=float, default=3e-5, help="AdamW learning rate (default 3e-5)")
-    p.add_argument("--eval-every", type=int, default=4, help="held-out evaluation every N steps (default 4)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--eval-every", type=_at_least_zero, default=4, help="held-out evaluation every N steps (0 = never; default 4)"
+    )
+    p.add_argument(
+        "--seed",
+        type=_at_least_zero,
+        default=0,
+        help="seeds which sums each step trains on and the sampling of answers (default 0)",
+    )
     p.add_argument("--n-runners", type=_at_least_one, default=8, help="runner processes (default 8)")
     p.add_argument("--resume", metavar="RUN_ID", help="continue run RUN_ID from its last checkpoint")
-    p.add_argument("--eval-items", type=int, default=0, help="evaluate on the first N held-out items (0 = all)")
+    p.add_argument(
+        "--eval-items", type=_at_least_zero, default=0, help="evaluate on the first N held-out items (0 = all)"
+    )
     p.add_argument("--model-dir", help="start from this transformers model folder (default: SmolLM2 from the GGUF)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=_at_least_zero, default=0, help="torch threads (default 0: torch's choice)")
     p.add_argument(
         "--rollout-timeout",
         type=float,
@@ -156,9 +168,6 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
         help="longest wait for one step's rollouts; those not finished by then are cancelled (default 600)",
     )
     args = p.parse_args(argv)
-    for option in ("eval_items", "threads"):
-        if getattr(args, option) < 0:
-            p.error(f"argument --{option.replace('_', '-')}: must be 0 or more, got {getattr(args, option)}")
     if args.model_dir is not None and not (Path(args.model_dir) / "config.json").is_file():
         p.error(f"argument --model-dir: no model at {args.model_dir} (a folder with config.json and model.safetensors)")
     args.run_id = args.resume or new_run_id()  # known before the run starts: an interrupt names it

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 import eventlight as agl  # noqa: E402
 from eventlight.store.jetstream import JetStreamLightningStore  # noqa: E402
-from examples.demo_args import OneLineParser, at_least_one, with_option_names  # noqa: E402
+from examples.demo_args import OneLineParser, at_least_one, at_least_zero, with_option_names  # noqa: E402
 from examples.demo_lease import cancel_leftovers, demo_lease, refuse_if_live  # noqa: E402
 from examples.room_booking.agent import INITIAL_PROMPT, load_tasks, room_booker, split  # noqa: E402
 
@@ -56,12 +56,24 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
     stderr, exit 2."""
     p = parser or OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n-runners", type=at_least_one, default=2, help="runner processes (default 2)")
-    p.add_argument("--rounds", type=int, default=2, help="APO beam rounds (default 2)")
-    p.add_argument("--beam-width", type=int, default=2)
-    p.add_argument("--branch-factor", type=int, default=2)
-    p.add_argument("--val-batch-size", type=int, default=8)
-    p.add_argument("--gradient-batch-size", type=int, default=4)
-    p.add_argument("--tasks", type=int, default=0, help="use only the first N tasks (0 = all 48)")
+    p.add_argument("--rounds", type=at_least_zero, default=2, help="APO beam rounds (default 2)")
+    p.add_argument("--beam-width", type=at_least_one, default=2, help="prompts kept each round (default 2)")
+    p.add_argument(
+        "--branch-factor", type=at_least_one, default=2, help="new prompts edited from each kept one (default 2)"
+    )
+    p.add_argument(
+        "--val-batch-size",
+        type=at_least_one,
+        default=8,
+        help="validation tasks that score the prompts each round (default 8)",
+    )
+    p.add_argument(
+        "--gradient-batch-size",
+        type=at_least_one,
+        default=4,
+        help="training tasks run with a prompt and shown to the critic (default 4)",
+    )
+    p.add_argument("--tasks", type=at_least_zero, default=0, help="use only the first N tasks (0 = all 48)")
     p.add_argument(
         "--edit-mode",
         choices=["append", "rewrite"],
@@ -85,8 +97,6 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
         help="model name at --base-url (the local server's is smollm2-135m-instruct)",
     )
     args = p.parse_args(argv)
-    if args.tasks < 0:
-        p.error(f"argument --tasks: must be 0 or more, got {args.tasks}")
     try:  # every option checked here, before an LLM server or the store starts
         make_apo(args, optimizer=None, model=args.model or "model", run_id="run")
     except agl.InvalidInputError as e:
