@@ -629,12 +629,17 @@ def test_the_step_line_says_how_many_rollouts_had_a_nonzero_advantage(capsys: An
     on_progress({**step, "rollouts": 16, "sequences": 8, "skipped": {"zero_advantage": 8}})
     skipped = {"zero_advantage": 24, "failed_rollouts": 2, "no_reward": 1}
     on_progress({**step, "step": 2, "rollouts": 32, "sequences": 0, "skipped": skipped, "loss": float("nan")})
+    late = {"rollouts": 20, "asked": 32, "unfinished": 12, "timeout_s": 600.0, "sequences": 4}
+    on_progress({**step, "step": 3, **late, "skipped": {"zero_advantage": 16}})
     lines = [line.split("] ", 1)[1] for line in capsys.readouterr().out.splitlines()]
     assert lines == [
         "step  1: train reward 0.083, 8 of 16 rollouts had a nonzero advantage (8 scored the same as their whole "
         "group), 8 sequences trained, loss 0.058, rollouts 487 s, update 113.0 s",
         "step  2: train reward 0.083, 5 of 32 rollouts had a nonzero advantage (24 scored the same as their whole "
         "group, 3 failed or gave no reward), 0 sequences trained, loss   n/a, rollouts 487 s, update 113.0 s",
+        "step  3: train reward 0.083, 4 of 32 rollouts had a nonzero advantage (16 scored the same as their whole "
+        "group, 12 did not finish within 600 s and were cancelled), 4 sequences trained, loss 0.058, rollouts "
+        "487 s, update 113.0 s",
     ]
 
 
@@ -673,6 +678,45 @@ def test_a_timed_out_held_out_evaluation_is_one_statement(capsys: Any, caplog: p
     assert len(lines) == 1 and lines[0].endswith(
         "fewer --eval-items ask less); its reward is not comparable: 0.250 over those 8 (1-digit 0.250)"
     )
+
+
+class _NoModel:
+    """A policy with no model: ``call`` runs the function (GRPO's checkpoint, with no folder to write)."""
+
+    async def call(self, fn: Any, /, *args: Any) -> Any:
+        return fn(*args)
+
+
+def test_a_step_that_gave_up_on_its_rollouts_is_one_statement(capsys: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """GRPO's WARNING "GRPO step 0: 73 of its rollouts (73 held-out) did not finish within
+    rollout_timeout_s=600 s; cancelled 73 of them …" still came beside the demo's evaluation line
+    saying the same. With a progress callback, which gets the count (the ``eval`` event's
+    ``unfinished`` for held-out rollouts, the ``step`` event's for training ones), GRPO's line is
+    INFO, as is its "nothing to train on (…)" when the step event says why; the demo's step line
+    counts the training rollouts its wait gave up on."""
+    from eventlight.algorithm.grpo import GRPO, GRPOConfig
+    from examples.arithmetic.train_grpo import on_progress
+
+    async def give_up() -> None:
+        store = agl.InMemoryLightningStore()
+        grpo = GRPO(GRPOConfig(steps=2, rollout_timeout_s=0.2), policy=_NoModel(), progress=on_progress)
+        grpo.set_store(store)
+        ids = [(await store.enqueue_rollout({"q": i}, metadata={"group": 0})).rollout_id for i in range(3)]
+        assert await grpo._wait(ids, 1, held_out=ids[2:]) == {}  # no runner: none ends
+        assert grpo._cancelled == set(ids)
+        await grpo._report_eval(1, "run-x-step1", [], 1)
+        assert not await grpo._train(1, "run-x-step1", [], 0.2, asked=2, cancelled=2)
+
+    with caplog.at_level("INFO", logger="eventlight.algorithm.grpo"):
+        asyncio.run(give_up())
+    assert [r.levelname for r in caplog.records] == ["INFO"] * 3, caplog.text
+    assert "GRPO step 1: 3 of its rollouts (1 held-out) did not finish within rollout_timeout_s=0.2 s" in caplog.text
+    lines = [line.split("] ", 1)[1] for line in capsys.readouterr().out.splitlines()]
+    assert lines[0].startswith("warning: the held-out evaluation at run-x-step1 got 0 of 1 results (1 did not finish")
+    assert lines[1:] == [
+        "step  2: train reward   n/a, 0 of 2 rollouts had a nonzero advantage (2 did not finish within 0.2 s and were "
+        "cancelled), 0 sequences trained, loss   n/a, rollouts 0 s, update 0.0 s"
+    ]
 
 
 async def test_the_demo_says_what_it_waits_for_while_it_starts(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:

@@ -169,17 +169,21 @@ class GRPO(Algorithm):
         resource_name: Name of the LLM resource the agent reads.
         progress: Called with one dict per event: ``{"event": "eval", "step", "version",
             "mean_reward", "n", "asked", "by_split"}`` (``n``: held-out rollouts that finished, of
-            the ``asked`` ones enqueued; fewer when some were cancelled or timed out, and then a
-            warning is logged; ``mean_reward`` NaN when none finished; ``unfinished``: those not
-            ended within ``timeout_s`` (``rollout_timeout_s``, seconds), which GRPO cancelled;
+            the ``asked`` ones enqueued; fewer when some were cancelled or timed out, which GRPO
+            then logs at INFO, this callback getting it; ``mean_reward`` NaN when none finished;
+            ``unfinished``: those not ended within ``timeout_s`` (``rollout_timeout_s``, seconds),
+            which GRPO cancelled;
             ``cancelled``: those cancelled by someone else before they ended, and ``cancelled_by``
             how many per reason, from their ``metadata.cancelled_by``, ``"?"`` when they have
             none), ``{"event": "step", "step",
             "version", "train_reward", "loss", "grad_norm", "step_s", "rollout_s", "held_out", "sequences",
-            "tokens", "skipped"}``
+            "tokens", "skipped", "asked", "unfinished", "timeout_s"}``
             (``rollout_s``: seconds until the step's rollouts finished, its ``held_out`` evaluation
-            rollouts included; ``skipped``: what gave the step no sample, by reason, e.g.
-            ``{"failed_rollouts": 2, "no_reward": 1, "zero_advantage": 2}``),
+            rollouts included; ``rollouts``: its training rollouts that ended, of the ``asked``
+            ones enqueued; ``unfinished``: those not ended within ``timeout_s``, which GRPO
+            cancelled; ``skipped``: what gave the step no sample, by reason, e.g.
+            ``{"failed_rollouts": 2, "no_reward": 1, "zero_advantage": 2}``; a step with nothing to
+            train on also logs why, at INFO when this callback gets its event, else as a warning),
             ``{"event": "resume", "step"}``, ``{"event": "enqueued", "step", "version", "total",
             "held_out"}`` once a step's rollouts are enqueued (``total``: its training samples and
             its ``held_out`` evaluation rollouts together), and while a step's rollouts run,
@@ -423,14 +427,17 @@ class GRPO(Algorithm):
     async def _cancel_late(self, late: list[str], step: int, held_out: Sequence[str]) -> None:
         """Cancel step ``step``'s rollouts ``late`` that its wait gave up on, unless they ended
         meanwhile, each keeping its metadata with ``cancelled_by`` (pid and reason) added; they are
-        added to ``_cancelled`` and one warning line counts them. A queued one then never runs; the
-        runner of one running stops its agent at its next heartbeat (``LitAgentRunner``) and
-        records the attempt ``failed``."""
+        added to ``_cancelled`` and one log line counts them: a warning, or INFO when a progress
+        callback gets the same count in the step's events (``unfinished`` of its ``step`` event for
+        the training rollouts, of its ``eval`` event for the held-out ones), so that a program that
+        prints those says it once. A queued one then never runs; the runner of one running stops
+        its agent at its next heartbeat (``LitAgentRunner``) and records the attempt ``failed``."""
         timeout = self.config.rollout_timeout_s
         reason = f"GRPO step {step}: not finished within rollout_timeout_s={timeout:g} s"
         self._cancelled |= await self._cancel_given_up(late, reason, "GRPO")
         late_held_out = len(set(late).intersection(held_out))
-        log.warning(
+        log.log(
+            self._reported_level(),
             "GRPO step %d: %d of its rollouts (%d held-out) did not finish within rollout_timeout_s=%g s; "
             "cancelled %d of them so they hold no runner against the next step",
             step,
@@ -521,7 +528,7 @@ class GRPO(Algorithm):
         }
         if len(scores) < asked:  # a progress callback gets the event and reports it: INFO then, not twice
             log.log(
-                logging.INFO if self.progress is not None else logging.WARNING,
+                self._reported_level(),
                 "GRPO: the held-out evaluation of %s got %d of %d results (%d did not finish within "
                 "rollout_timeout_s=%g s and were cancelled; %d others were cancelled before they ended): "
                 "its reward is not comparable to a full one",
@@ -556,6 +563,7 @@ class GRPO(Algorithm):
         from eventlight.rl.batch import samples_from_triplets
         from eventlight.rl.grpo_math import group_advantages
 
+        asked = len(rollouts) if asked is None else asked
         outcomes = []
         skipped: Counter[str] = Counter()
         for r in rollouts:
@@ -591,10 +599,14 @@ class GRPO(Algorithm):
             "rollout_s": rollout_s,
             "held_out": held_out,
             "skipped": dict(skipped),
+            "asked": asked,
+            "unfinished": asked - len(rollouts),
+            "timeout_s": self.config.rollout_timeout_s,
         }
         if not samples:
             self.counters["empty_steps"] += 1
-            log.warning(
+            log.log(  # the step event below says why too: INFO when a progress callback gets it
+                self._reported_level(),
                 "GRPO step %d from %s: nothing to train on (%s)",
                 step + 1,
                 version,
@@ -611,10 +623,9 @@ class GRPO(Algorithm):
         self._emit(record)
         return bool(samples)
 
-    def _why_empty(self, rollouts: list[Rollout], skipped: Counter[str], asked: int | None, cancelled: int) -> str:
+    def _why_empty(self, rollouts: list[Rollout], skipped: Counter[str], asked: int, cancelled: int) -> str:
         """Why a step had no sample, in words: how many of its ``asked`` rollouts finished in time
         and how many were cancelled, then what ``skipped`` counted."""
-        asked = len(rollouts) if asked is None else asked
         why = []
         if len(rollouts) < asked:
             why.append(
@@ -685,6 +696,11 @@ class GRPO(Algorithm):
             return
         state = {"version": self.version(step), "config": asdict(self.config), "counters": dict(self.counters)}
         self.policy.save_checkpoint(self.checkpoint_dir, step, state, keep=self.config.keep_checkpoints)
+
+    def _reported_level(self) -> int:
+        """The level of a log line whose fact a progress event also carries: INFO when a progress
+        callback gets the event (a program that prints it would say it twice), WARNING otherwise."""
+        return logging.INFO if self.progress is not None else logging.WARNING
 
     def _emit(self, event: dict[str, Any]) -> None:
         if self.progress is not None:

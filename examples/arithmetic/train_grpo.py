@@ -317,19 +317,23 @@ _UNUSABLE = ("failed_rollouts", "no_reward", "non_finite_reward", "no_token_ids"
 
 
 def trained_line(event: dict) -> str:
-    """What a step's update learned from (its ``step`` event): how many of its finished training
-    rollouts had a nonzero advantage and the sequences they gave, e.g. ``8 of 16 rollouts had a
-    nonzero advantage (8 scored the same as their whole group), 8 sequences trained``. Only those
-    teach anything: a group whose rewards are all equal has no signal."""
+    """What a step's update learned from (its ``step`` event): how many of its training rollouts
+    had a nonzero advantage and the sequences they gave, e.g. ``8 of 16 rollouts had a nonzero
+    advantage (8 scored the same as their whole group), 8 sequences trained``, with those its wait
+    gave up on (``unfinished``: not ended within ``timeout_s``, then cancelled) among the others.
+    Only those teach anything: a group whose rewards are all equal has no signal."""
     skipped = event.get("skipped", {})
-    rollouts, tied = int(event.get("rollouts", 0)), int(skipped.get("zero_advantage", 0))
+    ended, tied = int(event.get("rollouts", 0)), int(skipped.get("zero_advantage", 0))
+    unfinished = int(event.get("unfinished", 0))
     unusable = sum(int(skipped.get(k, 0)) for k in _UNUSABLE)
     why = [f"{tied} scored the same as their whole group"] if tied else []
     if unusable:
         why.append(f"{unusable} failed or gave no reward")
+    if unfinished:
+        why.append(f"{unfinished} did not finish within {event.get('timeout_s', float('nan')):g} s and were cancelled")
     because = f" ({', '.join(why)})" if why else ""
     return (
-        f"{rollouts - tied - unusable} of {rollouts} rollouts had a nonzero advantage{because}, "
+        f"{ended - tied - unusable} of {ended + unfinished} rollouts had a nonzero advantage{because}, "
         f"{int(event.get('sequences', 0))} sequences trained"
     )
 
