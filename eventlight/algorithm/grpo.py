@@ -12,8 +12,11 @@ Each step, for the weights of version ``<prefix>step<k>``:
    ``query_spans``), and become token tensors (``eventlight.rl.batch``); each rollout's reward is compared with its
    group's (``eventlight.rl.grpo_math``); those not ended within ``rollout_timeout_s`` are cancelled
    (``metadata.cancelled_by`` says why), so they hold no runner against the next step;
-4. one optimizer step runs in a worker thread (the event loop keeps serving the proxy), the
-   checkpoint ``k+1`` is written, and the loop starts again with it.
+4. once all the step's rollouts have ended, held-out ones included (the policy server answers
+   them with the weights the update changes, on the same thread: an update that went ahead would
+   score the evaluation of ``k`` with the weights of ``k+1``), one optimizer step runs in a worker
+   thread (the event loop keeps serving the proxy), the checkpoint ``k+1`` is written, and the loop
+   starts again with it.
 
 A cancelled run (Ctrl+C) first stops its runners while this one goes on (``Trainer``); asked to stop
 (``Algorithm.request_stop``), it starts no new step, evaluation or update meanwhile: an update that
