@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -946,3 +947,31 @@ def test_the_demo_says_when_a_steps_rollouts_are_enqueued(capsys: Any) -> None:
         "step  1: 32 training rollouts enqueued (run-x-step1); the runners are at work",
         "step  8: 73 held-out evaluation rollouts enqueued (run-x-step8); the runners are at work",
     ]
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make")
+def test_make_says_what_it_installs_before_each_long_install() -> None:
+    """A first ``make demo``: pip's ``--quiet`` installs left 40–160 s without a line, and setuptools'
+    "Editable installation." box came twice (once per ``-e`` install). Each install of packages is
+    now announced by a line saying what it installs and about how long it takes, and pip runs with a
+    filter of that one warning (not with stderr thrown away). ``make -n -B``: every recipe of every
+    install target, printed, none run."""
+    root = Path(__file__).resolve().parents[1]
+    targets = ["local", "rl", "sft", "verl", "frameworks", ".venv/.installed-dev"]
+    done = subprocess.run(
+        ["make", "-n", "-B", "--no-print-directory", "-C", str(root), *targets],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    lines = done.stdout.splitlines()
+    said = ""  # the last "Installing …" line of the recipe
+    installs = 0
+    for line in lines:
+        if line.startswith("touch "):  # a recipe's end
+            said = ""
+        elif line.startswith('echo "Installing '):
+            said = line
+        elif " pip install " in line and "--upgrade pip" not in line and '--no-deps "$wheel"' not in line:
+            installs += 1
+            assert said and "minute" in said, f"no line says what this installs and how long: {line}"
+            assert "-W 'ignore:Editable installation:UserWarning' -m pip install" in line, line
+    assert installs >= 7, done.stdout
