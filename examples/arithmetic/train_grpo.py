@@ -145,7 +145,10 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
     )
     p.add_argument("--lr", type=float, default=3e-5, help="AdamW learning rate (default 3e-5)")
     p.add_argument(
-        "--eval-every", type=_at_least_zero, default=4, help="held-out evaluation every N steps (0 = never; default 4)"
+        "--eval-every",
+        type=_at_least_zero,
+        default=4,
+        help="held-out evaluation every N steps (default 4; 0: none, so no result)",
     )
     p.add_argument(
         "--seed",
