@@ -27,6 +27,7 @@ from eventlight.store.liveness import (
     stopped_at,
     waiting_without_workers,
 )
+from tests.conftest import old_nats_server
 from tests.test_cli import ENV_VARS, ROOT, assert_one_line_error, cli, env_of
 
 
@@ -277,6 +278,45 @@ async def test_with_only_nats_down_status_shows_what_postgres_holds_and_names_na
     dead_pg = f"postgresql://postgres@127.0.0.1:{free_port()}/postgres"
     both = cli("status", env={**env_of(namespace), "EVENTLIGHT_NATS_URL": dead, "EVENTLIGHT_PG_DSN": dead_pg})
     assert_one_line_error(both, 1, f"EVENTLIGHT_NATS_URL {dead}", "; and cannot reach EVENTLIGHT_PG_DSN")
+
+
+async def test_status_says_an_old_nats_is_up_but_too_old_and_shows_no_other_postgres(
+    namespace: Settings, tmp_path: Path
+) -> None:
+    """Against a nats-server older than eventlight needs (the machine's own 2.9.10), `status` said
+    "down" for a server that answered, and with EVENTLIGHT_NATS_URL set and EVENTLIGHT_PG_DSN unset it
+    showed the rows of the Postgres `eventlight up` recorded beside another NATS. It now says the
+    server is up but too old (both versions), ends with an error line, exit 1, and takes the recorded
+    Postgres only when `up` recorded that NATS too."""
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
+        await store.enqueue_rollout({"i": 0})
+        await store.sync_all()
+    another = f"nats://127.0.0.1:{free_port()}"  # the NATS `up` ran with, and its (running) Postgres
+    record = Services(nats_url=another, pg_dsn=namespace.pg_dsn or "", pg_pid=os.getpid(), pg_kind="system")
+    (tmp_path / "services.json").write_bytes(msgspec.json.encode(record))
+    async with old_nats_server("2.9.10") as old:
+        configured = {**env_of(namespace), "EVENTLIGHT_NATS_URL": old}  # and its Postgres: shown
+        with_pg = await asyncio.to_thread(cli, "status", env=configured)
+        only_nats = {**configured, "EVENTLIGHT_PG_DSN": "", "EVENTLIGHT_STATE_DIR": str(tmp_path)}
+        without_pg = await asyncio.to_thread(cli, "status", env=only_nats)
+    too_old = f"EVENTLIGHT_NATS_URL {old} answered, but nats-server 2.9.10 is too old: eventlight needs >= 2.11"
+    assert_one_line_error(with_pg, 1, too_old)
+    out = with_pg.stdout
+    up = r"up, but too old: nats-server 2\.9\.10 answered; eventlight needs >= 2\.11$"
+    assert re.search(rf"^NATS\s+EVENTLIGHT_NATS_URL {re.escape(old)}\s+{up}", out, re.M), out
+    assert "down" not in out and f"stream {namespace.stream_name} (unknown: NATS is too old)" in out, out
+    assert re.search(r"^rollouts\s+queuing=1$", out, re.M), out
+
+    assert_one_line_error(without_pg, 1, too_old, "not the NATS of the servers `eventlight up` recorded")
+    assert "EVENTLIGHT_PG_DSN" in without_pg.stderr and "rollouts" not in without_pg.stdout, without_pg.stdout
+    with_nats = {**only_nats, "EVENTLIGHT_NATS_URL": namespace.nats_url or ""}  # a NATS that works, not up's
+    other = cli("status", env=with_nats)
+    assert_one_line_error(other, 2, "not the NATS of the servers `eventlight up` recorded", "EVENTLIGHT_PG_DSN")
+    assert "rollouts" not in other.stdout, other.stdout
+    same = msgspec.structs.replace(record, nats_url=namespace.nats_url or "")  # `up` ran with this NATS
+    (tmp_path / "services.json").write_bytes(msgspec.json.encode(same))
+    paired = cli("status", env=with_nats)
+    assert paired.returncode == 0 and re.search(r"^rollouts\s+queuing=1$", paired.stdout, re.M), paired
 
 
 def test_status_says_an_external_server_came_from_the_record_of_up_when_its_variable_is_unset(
