@@ -131,8 +131,11 @@ async def test_status_shows_projector_lag(namespace: Settings) -> None:
 
 
 async def test_status_lists_the_live_lease_holders_not_stale_files(namespace: Settings, tmp_path: Path) -> None:
-    """`status` did not say who held the embedded servers: it lists each live lease (pid, what, since
-    when) from ``<state>/leases``; a file no process holds a lock on (its holder was killed) is not."""
+    """`status` did not say who held the embedded servers: it lists each process holding a lease (pid,
+    what, since when) from ``<state>/leases``; a file no process holds a lock on (its holder was
+    killed) is not. A process holding two leases (a demo's ``use_services`` block and the Trainer's
+    run inside it) was listed twice, under the same pid, and counted as two processes: one row now."""
+    from eventlight.ops.leases import live_leases
     from eventlight.ops.lifecycle import lease_services, release_services
 
     state = tmp_path / "state"
@@ -140,20 +143,37 @@ async def test_status_lists_the_live_lease_holders_not_stale_files(namespace: Se
     at_start = Settings(state_dir=state, namespace=namespace.namespace)
     runner = await lease_services(at_start, "eventlight runner")
     trainer = await lease_services(at_start, "Trainer")
+    other = await asyncio.create_subprocess_exec(  # another process, holding one lease until its stdin closes
+        sys.executable,
+        "-c",
+        "import sys; from pathlib import Path; from eventlight.ops.leases import take_lease; "
+        "lease = take_lease(Path(sys.argv[1]), 'use_services'); print('held', flush=True); sys.stdin.read()",
+        str(state),
+        cwd=ROOT,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    assert other.stdin is not None and other.stdout is not None
     stale = state / "leases" / "999999-dead.json"
     stale.write_bytes(msgspec.json.encode({"pid": 999999, "what": "eventlight serve", "since": time.time()}))
     try:
+        assert await asyncio.wait_for(other.stdout.readline(), 60) == b"held\n"
         env = {**env_of(namespace), "EVENTLIGHT_STATE_DIR": str(state)}
         out = await asyncio.to_thread(lambda: cli("status", env=env).stdout)
+        said = live_leases(state)  # what `down` and a run's end name: one entry a process too
     finally:
+        other.stdin.close()
+        await other.wait()
         await release_services(trainer)
         await release_services(runner)
     assert re.search(r"^leases\s+2 process\(es\) use the embedded servers$", out, re.M), out
-    rows = re.findall(
-        rf"^\s*{os.getpid()}\s+(.+?)\s+(\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d UTC) \((\d+) s ago\)$", out, re.M
-    )
-    assert [r[0] for r in rows] == ["`eventlight runner`", "a trainer's run"], out  # oldest first
+    rows = re.findall(r"^\s*(\d+)\s+(.+?)\s+(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC) \((\d+) s ago\)$", out, re.M)
+    mine = "`eventlight runner`, a trainer's run"  # its leases in the order taken
+    assert [r[:2] for r in rows] == [(str(os.getpid()), mine), (str(other.pid), "a program's use_services block")], out
     assert not re.search(r"^\s*999999 ", out, re.M) and "`eventlight serve`" not in out, out
+    assert sorted(said) == sorted(
+        [f"pid {os.getpid()} (eventlight runner, Trainer)", f"pid {other.pid} (use_services)"]
+    )
 
 
 async def test_sql_says_when_the_read_models_are_behind_the_log_and_catch_up_projects_them(

@@ -2,7 +2,8 @@
 
 The processes that hold a lease on the state folder's embedded servers (``eventlight.ops.leases``:
 a trainer's run, ``eventlight runner``, ``eventlight serve``) are listed with their pid and since
-when; a lease file whose process ended (no lock held) is not.
+when, one row a process (a demo's ``use_services`` block and the ``Trainer`` inside it hold two
+leases in one process: one row naming both); a lease file whose process ended (no lock held) is not.
 
 Workers are listed by the age of their last heartbeat, live ones first (alive: a heartbeat within
 ``LIVE_HEARTBEAT_S``, ``eventlight.store.liveness``); a runner that stopped in an orderly way (its
@@ -278,28 +279,32 @@ LEASE_HOLDERS = {
 
 
 def _print_leases(settings: Settings, *, embedded: bool) -> None:
-    """The live lease holders on the state folder's servers (``leases.lease_holders``); ``none``
-    when embedded servers are in use and no one holds one, nothing when neither."""
-    from eventlight.ops.leases import lease_holders
+    """The processes holding a lease on the state folder's servers (``leases.lease_holders``), one
+    row each, however many leases it holds; ``none`` when embedded servers are in use and no one
+    holds one, nothing when neither."""
+    from eventlight.ops.leases import by_process, lease_holders
     from eventlight.ops.state import existing_state_dir
 
     state = existing_state_dir(settings)
-    holders = lease_holders(state) if state is not None else []
-    if not holders:
+    processes = by_process(lease_holders(state)) if state is not None else []
+    if not processes:
         if embedded:
             console.print("leases     none [dim](no process holds a lease on the embedded servers)[/dim]")
         return
-    console.print(f"leases     {len(holders)} process(es) use the embedded servers")
-    console.print(_leases_table(holders, time.time()))
+    console.print(f"leases     {len(processes)} process(es) use the embedded servers")
+    console.print(_leases_table(processes, time.time()))
 
 
-def _leases_table(holders: list[Any], now: float) -> Table:
+def _leases_table(processes: list[list[Any]], now: float) -> Table:
+    """One row a process (``leases.by_process``): its pid, what holds each of its leases, since its first."""
     from eventlight.cli_output import age
 
     table = Table("pid", "holder", "since", box=None, pad_edge=False, header_style="dim")
-    for h in holders:
-        since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(h.since))
-        table.add_row(str(h.pid), escape(LEASE_HOLDERS.get(h.what, h.what)), f"{since} ({age(now - h.since)})")
+    for leases in processes:
+        first = leases[0].since
+        since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(first))
+        holders = ", ".join(LEASE_HOLDERS.get(h.what, h.what) for h in leases)
+        table.add_row(str(leases[0].pid), escape(holders), f"{since} ({age(now - first)})")
     return table
 
 
