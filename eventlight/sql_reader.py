@@ -38,12 +38,15 @@ from __future__ import annotations
 import hashlib
 import logging
 import secrets
+from collections.abc import Awaitable
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import asyncpg
 
 from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
+from eventlight.settings import PG_OPEN_WAIT_S
 from eventlight.store.jetstream import pg_errors
+from eventlight.store.jetstream.pg_open import open_waiting
 
 __all__ = ["connect_reader", "drop_reader", "ensure_reader", "reader_dsn", "reader_role"]
 
@@ -175,8 +178,14 @@ async def _grant_only(owner: asyncpg.Connection, role: str, schema: str) -> None
         await owner.execute(f"REVOKE ALL ON SCHEMA {_q(other)} FROM {_q(role)}")
 
 
-async def connect_reader(owner: asyncpg.Connection, dsn: str, schema: str, *, timeout_s: float) -> asyncpg.Connection:
+async def connect_reader(
+    owner: asyncpg.Connection, dsn: str, schema: str, *, timeout_s: float, open_wait_s: float = PG_OPEN_WAIT_S
+) -> asyncpg.Connection:
     """Connect as ``schema``'s reader role: read-only, ``statement_timeout = timeout_s``.
+
+    While Postgres takes no connection now ("too many clients", starting up), the login is tried
+    again for up to ``open_wait_s`` seconds, one warning line a try, as a store's opening does
+    (``pg_open.open_waiting``).
 
     Args:
         owner: An open connection with the DSN's role (which ran the migrations); creates the role
@@ -185,10 +194,13 @@ async def connect_reader(owner: asyncpg.Connection, dsn: str, schema: str, *, ti
         dsn: The DSN ``owner`` came from.
         schema: The namespace's schema, put first on the reader's ``search_path``.
         timeout_s: Seconds a statement may run before the server cancels it.
+        open_wait_s: Seconds to keep trying to log in while Postgres takes no connection now
+            (``Settings.pg_open_wait_s``, ``EVENTLIGHT_PG_OPEN_WAIT_S``); 0: one try.
 
     Raises:
         InvalidInputError: The reader role cannot be set up (:func:`ensure_reader`).
-        ServiceUnavailableError: The reader role cannot log in (say, ``pg_hba.conf`` refuses it).
+        ServiceUnavailableError: The reader role cannot log in (say, ``pg_hba.conf`` refuses it), or
+            Postgres took no connection within ``open_wait_s`` seconds.
     """
     role = await ensure_reader(owner, schema)
     settings = {
@@ -198,10 +210,15 @@ async def connect_reader(owner: asyncpg.Connection, dsn: str, schema: str, *, ti
     }
     parts = urlsplit(dsn)
     where = f"{role}@{parts.hostname or 'localhost'}:{parts.port or 5432}{parts.path}"
-    try:
-        return await pg_errors.connect(
-            reader_dsn(dsn, role), server_settings=settings, timeout_s=CONNECT_TIMEOUT_S, name=where
+
+    def login(password: str | None = None) -> Awaitable[asyncpg.Connection]:
+        connect = lambda: pg_errors.connect(  # noqa: E731
+            reader_dsn(dsn, role, password), server_settings=settings, timeout_s=CONNECT_TIMEOUT_S, name=where
         )
+        return open_waiting(where, "logging in as the reader role", connect, wait_s=open_wait_s)
+
+    try:
+        return await login()
     except ServiceUnavailableError as e:
         if not isinstance(e.__cause__, pg_errors.AUTH_FAILURES):
             raise
@@ -210,9 +227,7 @@ async def connect_reader(owner: asyncpg.Connection, dsn: str, schema: str, *, ti
     await owner.execute("SELECT pg_advisory_lock(hashtext($1), hashtext($2))", _PASSWORD_LOCK, role)
     try:
         await owner.execute(f"ALTER ROLE {_q(role)} PASSWORD '{password}'")  # urlsafe: no quote inside
-        return await pg_errors.connect(
-            reader_dsn(dsn, role, password), server_settings=settings, timeout_s=CONNECT_TIMEOUT_S, name=where
-        )
+        return await login(password)
     finally:
         await owner.execute("SELECT pg_advisory_unlock(hashtext($1), hashtext($2))", _PASSWORD_LOCK, role)
 
@@ -226,5 +241,5 @@ async def drop_reader(owner: asyncpg.Connection, schema: str) -> None:
     role = reader_role(schema)
     try:
         await owner.execute(f"DROP ROLE IF EXISTS {_q(role)}")
-    except (asyncpg.DependentObjectsStillReferencedError, asyncpg.InsufficientPrivilegeError) as e:
+    except (asyncpg.DependentObjectsStillExistError, asyncpg.InsufficientPrivilegeError) as e:
         _log.warning("left reader role %s: %s", role, e)

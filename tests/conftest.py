@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import json
 import os
 import shutil
 import tempfile
@@ -54,6 +55,29 @@ def reward_span(rollout_id: str, attempt_id: str, seq: int, value: float) -> Spa
         start_time=1.0,
         end_time=1.0,
     )
+
+
+@contextlib.asynccontextmanager
+async def old_nats_server(version: str = "2.9.0") -> AsyncIterator[str]:
+    """A fake NATS server, speaking just enough of the protocol (INFO, then PONG to PING) as
+    nats-server ``version``, in this event loop; yields its URL."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        info = {"server_id": "fake", "version": version, "proto": 1, "max_payload": 1048576, "headers": True}
+        writer.write(b"INFO " + json.dumps(info).encode() + b"\r\n")
+        await writer.drain()
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            while line := await reader.readline():
+                if line.startswith(b"PING"):
+                    writer.write(b"PONG\r\n")
+                    await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield f"nats://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
 
 
 @pytest.fixture(scope="session")

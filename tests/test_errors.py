@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import json
 import subprocess
 import sys
 import time
@@ -12,11 +9,12 @@ import time
 import pytest
 
 import eventlight as agl
-from eventlight.core.errors import EventlightError, InvalidInputError, ServiceUnavailableError
+from eventlight.core.errors import EventlightError, InvalidInputError, ServerTooOldError, ServiceUnavailableError
 from eventlight.net import free_port
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
 from eventlight.store.jetstream.connect import connect_nats
+from tests.conftest import old_nats_server
 
 
 async def test_unreachable_nats_names_the_server() -> None:
@@ -61,28 +59,15 @@ async def test_a_closed_store_says_so(namespace: Settings) -> None:
 async def test_nats_without_expected_subject_sequence_is_refused() -> None:
     """A server older than 2.11 silently ignores the header eventlight's fencing needs: refused.
 
-    A fake server speaks just enough of the NATS protocol (INFO, then PONG to PING) as 2.9.0.
+    A fake server speaks just enough of the NATS protocol (INFO, then PONG to PING) as 2.9.0; the
+    error says it answered (``ServerTooOldError``), with both versions.
     """
-
-    async def old_server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        info = {"server_id": "fake", "version": "2.9.0", "proto": 1, "max_payload": 1048576, "headers": True}
-        writer.write(b"INFO " + json.dumps(info).encode() + b"\r\n")
-        await writer.drain()
-        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
-            while line := await reader.readline():
-                if line.startswith(b"PING"):
-                    writer.write(b"PONG\r\n")
-                    await writer.drain()
-        writer.close()
-
-    server = await asyncio.start_server(old_server, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
-        with pytest.raises(ServiceUnavailableError, match="too old") as info:
-            await connect_nats(f"nats://127.0.0.1:{port}")
-        assert "2.11" in str(info.value) and "2.9.0" in str(info.value)
-    finally:
-        server.close()
+    async with old_nats_server("2.9.0") as url:
+        with pytest.raises(ServerTooOldError, match="answered, but nats-server 2.9.0 is too old") as info:
+            await connect_nats(url)
+    assert "2.11" in str(info.value) and "2.9.0" in str(info.value)
+    assert (info.value.found, info.value.required) == ("2.9.0", "2.11") and not info.value.retryable
+    assert isinstance(info.value, ServiceUnavailableError)
 
 
 async def test_using_a_store_before_start_is_a_clear_error() -> None:

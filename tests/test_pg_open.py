@@ -277,3 +277,49 @@ async def test_a_rebuild_waits_for_a_connection(limited: LimitedRole, warnings_:
         rebuilding.cancel()
         await asyncio.gather(rebuilding, return_exceptions=True)
     assert report.same and report.schema == f"{limited.settings.pg_schema}_rebuild"
+
+
+async def test_the_sql_reader_login_waits_for_a_connection(namespace: Settings, warnings_: _Warnings) -> None:
+    """``eventlight sql`` runs its query as the namespace's reader role (``sql_reader.connect_reader``),
+    whose login failed at once while Postgres took no connection for it; it now waits for room as the
+    other openings do (``EVENTLIGHT_PG_OPEN_WAIT_S``). Here the role is at ``CONNECTION LIMIT 0``."""
+    from eventlight.cli.sql import _query
+    from eventlight.sql_reader import ensure_reader
+
+    admin = await asyncpg.connect(namespace.pg_dsn)
+    try:
+        role = await ensure_reader(admin, namespace.pg_schema)
+        await admin.execute(f'ALTER ROLE "{role}" CONNECTION LIMIT 0')
+        querying = asyncio.ensure_future(_query(namespace, "SELECT 1 AS one", 5.0))
+        try:
+            await _first_warning_or_end(warnings_, querying)
+            await admin.execute(f'ALTER ROLE "{role}" CONNECTION LIMIT -1')
+            _, rows = await querying
+        finally:
+            querying.cancel()
+            await asyncio.gather(querying, return_exceptions=True)
+    finally:
+        await admin.execute(f'ALTER ROLE "{role}" CONNECTION LIMIT -1')
+        await admin.close()
+    assert [tuple(r) for r in rows] == [(1,)]
+    line = warnings_.records[0].getMessage()
+    assert "too many connections" in line and role in line and "\n" not in line
+
+
+async def test_dropping_a_namespace_waits_for_a_connection(limited: LimitedRole, warnings_: _Warnings) -> None:
+    """``drop_namespace`` (tests, ``eventlight.ops``) opened Postgres at once, failing while it took no
+    connection; it now waits for room as ``apply_migrations`` does. (A namespace that was never made
+    here: the limited role may drop what does not exist.)"""
+    from eventlight.ops import drop_namespace
+
+    gone = msgspec.structs.replace(limited.settings, namespace=f"{limited.settings.namespace}_gone")
+    dropping = asyncio.ensure_future(drop_namespace(None, gone.pg_dsn, gone))
+    try:
+        await _first_warning_or_end(warnings_, dropping)
+        await limited.set_limit(-1)
+        await dropping
+    finally:
+        dropping.cancel()
+        await asyncio.gather(dropping, return_exceptions=True)
+    line = warnings_.records[0].getMessage()
+    assert "too many connections" in line and "s3cret" not in line and "\n" not in line

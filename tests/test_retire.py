@@ -348,3 +348,77 @@ async def test_importing_an_export_again_after_retirement_appends_nothing(namesp
         with pytest.raises(InvalidInputError, match=f"rollout {ids['bad']} is retired in the namespace"):
             await import_log(settings, changed)
         assert await store.log.head_seq() == head
+
+
+async def test_retire_locks_the_rows_it_marks_in_rollout_id_order_whatever_the_plan(namespace: Settings) -> None:
+    """``retire`` marked rollouts retired (``_FLAG``) with ``UPDATE … WHERE rollout_id = ANY(…)``, which
+    locks rows in the order its plan reads them (here the heap's: z, a, m), while the projector wrote
+    rollouts in the order of its batch: two such transactions could deadlock (Postgres then fails one
+    of them). Both now go in ``rollout_id`` byte order. With the middle row held by another
+    transaction, the marking waits there having locked the row before it (a), not the one after (z)."""
+    import asyncpg
+
+    from eventlight.store.jetstream.retire import _FLAG
+
+    ids = ["ro-z", "ro-a", "ro-m"]  # inserted in this order: a sequential scan reads them so
+    on_schema = {"search_path": namespace.pg_schema}
+    setup, holder, retirer, probe = [await asyncpg.connect(namespace.pg_dsn, server_settings=on_schema) for _ in "1234"]
+    try:
+        for seq, rid in enumerate(ids, 1):
+            await setup.execute(
+                "INSERT INTO rollouts (rollout_id, start_time, status, config, created_seq, last_seq)"
+                " VALUES ($1, 0, 'succeeded', '{}'::jsonb, $2, $2)",
+                rid,
+                seq,
+            )
+        for knob in ("enable_indexscan", "enable_bitmapscan", "enable_indexonlyscan"):
+            await retirer.execute(f"SET {knob} = off")  # a plan that reads the heap in its own order
+        async with holder.transaction():
+            await holder.execute("SELECT 1 FROM rollouts WHERE rollout_id = 'ro-m' FOR UPDATE")
+            marking = asyncio.ensure_future(retirer.execute(_FLAG, ids))  # ids out of order, as given
+            waits = "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = $1"
+            for _ in range(600):
+                if marking.done() or await probe.fetchval(waits, retirer.get_server_pid()):
+                    break
+                await asyncio.sleep(0.05)
+            async with probe.transaction():
+                free = await probe.fetch(
+                    "SELECT rollout_id FROM rollouts WHERE rollout_id = ANY($1) ORDER BY rollout_id"
+                    " FOR UPDATE SKIP LOCKED",
+                    ids,
+                )
+        await asyncio.wait_for(marking, 30)
+        assert [r[0] for r in free] == ["ro-z"], "the marking locked rows out of rollout_id order"
+        retired = await setup.fetch("SELECT rollout_id FROM rollouts WHERE retired ORDER BY rollout_id")
+        assert [r[0] for r in retired] == ["ro-a", "ro-m", "ro-z"]
+    finally:
+        for conn in (setup, holder, retirer, probe):
+            await conn.close()
+
+
+async def test_the_projector_writes_rollouts_in_rollout_id_order() -> None:
+    """The other side of the lock order above: the projector upserted a batch's rollouts in the order
+    the batch first touched them; it writes them (and their attempts) in ``rollout_id`` byte order,
+    as ``retire`` locks them."""
+    from eventlight.core.commands import RolloutState
+    from eventlight.core.types import Attempt, Rollout
+    from eventlight.store.fold import Changes
+    from eventlight.store.jetstream.projector.batch import BatchWriter
+
+    class Recording:
+        def __init__(self) -> None:
+            self.rows: list[tuple[str, list[tuple[Any, ...]]]] = []
+
+        async def executemany(self, query: str, rows: list[tuple[Any, ...]]) -> None:
+            self.rows.append((query.split("(")[0].split()[-1], rows))
+
+    changes = Changes()
+    for rid in ["ro-z", "ro-a", "ro-B", "ro-m"]:  # as a batch touched them; byte order: B, a, m, z
+        attempt = Attempt(rollout_id=rid, attempt_id=f"at-{rid}", sequence_id=1, start_time=0.0)
+        changes.rollouts[rid] = RolloutState(Rollout(rollout_id=rid, input=None, start_time=0.0), (attempt,))
+    writer = BatchWriter()
+    writer.partitions, writer.rollout_seq = 1, {}
+    conn = Recording()
+    await writer._write(conn, changes)  # type: ignore[arg-type]
+    written = {table: [row[0] for row in rows] for table, rows in conn.rows}
+    assert written == {"attempts": ["ro-B", "ro-a", "ro-m", "ro-z"], "rollouts": ["ro-B", "ro-a", "ro-m", "ro-z"]}

@@ -27,6 +27,7 @@ from eventlight.store.liveness import (
     stopped_at,
     waiting_without_workers,
 )
+from tests.conftest import old_nats_server
 from tests.test_cli import ENV_VARS, ROOT, assert_one_line_error, cli, env_of
 
 
@@ -130,8 +131,11 @@ async def test_status_shows_projector_lag(namespace: Settings) -> None:
 
 
 async def test_status_lists_the_live_lease_holders_not_stale_files(namespace: Settings, tmp_path: Path) -> None:
-    """`status` did not say who held the embedded servers: it lists each live lease (pid, what, since
-    when) from ``<state>/leases``; a file no process holds a lock on (its holder was killed) is not."""
+    """`status` did not say who held the embedded servers: it lists each process holding a lease (pid,
+    what, since when) from ``<state>/leases``; a file no process holds a lock on (its holder was
+    killed) is not. A process holding two leases (a demo's ``use_services`` block and the Trainer's
+    run inside it) was listed twice, under the same pid, and counted as two processes: one row now."""
+    from eventlight.ops.leases import live_leases
     from eventlight.ops.lifecycle import lease_services, release_services
 
     state = tmp_path / "state"
@@ -139,20 +143,37 @@ async def test_status_lists_the_live_lease_holders_not_stale_files(namespace: Se
     at_start = Settings(state_dir=state, namespace=namespace.namespace)
     runner = await lease_services(at_start, "eventlight runner")
     trainer = await lease_services(at_start, "Trainer")
+    other = await asyncio.create_subprocess_exec(  # another process, holding one lease until its stdin closes
+        sys.executable,
+        "-c",
+        "import sys; from pathlib import Path; from eventlight.ops.leases import take_lease; "
+        "lease = take_lease(Path(sys.argv[1]), 'use_services'); print('held', flush=True); sys.stdin.read()",
+        str(state),
+        cwd=ROOT,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    assert other.stdin is not None and other.stdout is not None
     stale = state / "leases" / "999999-dead.json"
     stale.write_bytes(msgspec.json.encode({"pid": 999999, "what": "eventlight serve", "since": time.time()}))
     try:
+        assert await asyncio.wait_for(other.stdout.readline(), 60) == b"held\n"
         env = {**env_of(namespace), "EVENTLIGHT_STATE_DIR": str(state)}
         out = await asyncio.to_thread(lambda: cli("status", env=env).stdout)
+        said = live_leases(state)  # what `down` and a run's end name: one entry a process too
     finally:
+        other.stdin.close()
+        await other.wait()
         await release_services(trainer)
         await release_services(runner)
     assert re.search(r"^leases\s+2 process\(es\) use the embedded servers$", out, re.M), out
-    rows = re.findall(
-        rf"^\s*{os.getpid()}\s+(.+?)\s+(\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d UTC) \((\d+) s ago\)$", out, re.M
-    )
-    assert [r[0] for r in rows] == ["`eventlight runner`", "a trainer's run"], out  # oldest first
+    rows = re.findall(r"^\s*(\d+)\s+(.+?)\s+(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC) \((\d+) s ago\)$", out, re.M)
+    mine = "`eventlight runner`, a trainer's run"  # its leases in the order taken
+    assert [r[:2] for r in rows] == [(str(os.getpid()), mine), (str(other.pid), "a program's use_services block")], out
     assert not re.search(r"^\s*999999 ", out, re.M) and "`eventlight serve`" not in out, out
+    assert sorted(said) == sorted(
+        [f"pid {os.getpid()} (eventlight runner, Trainer)", f"pid {other.pid} (use_services)"]
+    )
 
 
 async def test_sql_says_when_the_read_models_are_behind_the_log_and_catch_up_projects_them(
@@ -277,6 +298,45 @@ async def test_with_only_nats_down_status_shows_what_postgres_holds_and_names_na
     dead_pg = f"postgresql://postgres@127.0.0.1:{free_port()}/postgres"
     both = cli("status", env={**env_of(namespace), "EVENTLIGHT_NATS_URL": dead, "EVENTLIGHT_PG_DSN": dead_pg})
     assert_one_line_error(both, 1, f"EVENTLIGHT_NATS_URL {dead}", "; and cannot reach EVENTLIGHT_PG_DSN")
+
+
+async def test_status_says_an_old_nats_is_up_but_too_old_and_shows_no_other_postgres(
+    namespace: Settings, tmp_path: Path
+) -> None:
+    """Against a nats-server older than eventlight needs (the machine's own 2.9.10), `status` said
+    "down" for a server that answered, and with EVENTLIGHT_NATS_URL set and EVENTLIGHT_PG_DSN unset it
+    showed the rows of the Postgres `eventlight up` recorded beside another NATS. It now says the
+    server is up but too old (both versions), ends with an error line, exit 1, and takes the recorded
+    Postgres only when `up` recorded that NATS too."""
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
+        await store.enqueue_rollout({"i": 0})
+        await store.sync_all()
+    another = f"nats://127.0.0.1:{free_port()}"  # the NATS `up` ran with, and its (running) Postgres
+    record = Services(nats_url=another, pg_dsn=namespace.pg_dsn or "", pg_pid=os.getpid(), pg_kind="system")
+    (tmp_path / "services.json").write_bytes(msgspec.json.encode(record))
+    async with old_nats_server("2.9.10") as old:
+        configured = {**env_of(namespace), "EVENTLIGHT_NATS_URL": old}  # and its Postgres: shown
+        with_pg = await asyncio.to_thread(cli, "status", env=configured)
+        only_nats = {**configured, "EVENTLIGHT_PG_DSN": "", "EVENTLIGHT_STATE_DIR": str(tmp_path)}
+        without_pg = await asyncio.to_thread(cli, "status", env=only_nats)
+    too_old = f"EVENTLIGHT_NATS_URL {old} answered, but nats-server 2.9.10 is too old: eventlight needs >= 2.11"
+    assert_one_line_error(with_pg, 1, too_old)
+    out = with_pg.stdout
+    up = r"up, but too old: nats-server 2\.9\.10 answered; eventlight needs >= 2\.11$"
+    assert re.search(rf"^NATS\s+EVENTLIGHT_NATS_URL {re.escape(old)}\s+{up}", out, re.M), out
+    assert "down" not in out and f"stream {namespace.stream_name} (unknown: NATS is too old)" in out, out
+    assert re.search(r"^rollouts\s+queuing=1$", out, re.M), out
+
+    assert_one_line_error(without_pg, 1, too_old, "not the NATS of the servers `eventlight up` recorded")
+    assert "EVENTLIGHT_PG_DSN" in without_pg.stderr and "rollouts" not in without_pg.stdout, without_pg.stdout
+    with_nats = {**only_nats, "EVENTLIGHT_NATS_URL": namespace.nats_url or ""}  # a NATS that works, not up's
+    other = cli("status", env=with_nats)
+    assert_one_line_error(other, 2, "not the NATS of the servers `eventlight up` recorded", "EVENTLIGHT_PG_DSN")
+    assert "rollouts" not in other.stdout, other.stdout
+    same = msgspec.structs.replace(record, nats_url=namespace.nats_url or "")  # `up` ran with this NATS
+    (tmp_path / "services.json").write_bytes(msgspec.json.encode(same))
+    paired = cli("status", env=with_nats)
+    assert paired.returncode == 0 and re.search(r"^rollouts\s+queuing=1$", paired.stdout, re.M), paired
 
 
 def test_status_says_an_external_server_came_from_the_record_of_up_when_its_variable_is_unset(

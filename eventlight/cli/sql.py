@@ -94,7 +94,9 @@ async def _query(
             await project_to_head(settings, found.url)
         else:
             await warn_if_behind(settings, owner)
-        conn = await connect_reader(owner, found.url, settings.pg_schema, timeout_s=timeout_s)
+        conn = await connect_reader(
+            owner, found.url, settings.pg_schema, timeout_s=timeout_s, open_wait_s=settings.pg_open_wait_s
+        )
     finally:
         await owner.close()
     try:

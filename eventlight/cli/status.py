@@ -2,7 +2,8 @@
 
 The processes that hold a lease on the state folder's embedded servers (``eventlight.ops.leases``:
 a trainer's run, ``eventlight runner``, ``eventlight serve``) are listed with their pid and since
-when; a lease file whose process ended (no lock held) is not.
+when, one row a process (a demo's ``use_services`` block and the ``Trainer`` inside it hold two
+leases in one process: one row naming both); a lease file whose process ended (no lock held) is not.
 
 Workers are listed by the age of their last heartbeat, live ones first (alive: a heartbeat within
 ``LIVE_HEARTBEAT_S``, ``eventlight.store.liveness``); a runner that stopped in an orderly way (its
@@ -80,17 +81,19 @@ async def _status(settings: Settings) -> dict[str, Any]:
 
 
 async def _status_without_nats(settings: Settings, nats_down: Exception) -> dict[str, Any]:
-    """``_status`` while NATS is down: what Postgres tells (``nats_down``: NATS's error).
+    """``_status`` while NATS is down or too old (``ServerTooOldError``): what Postgres tells
+    (``nats_down``: NATS's error).
 
     Raises:
         ServiceUnavailableError: NATS's error, when no Postgres is configured or recorded either.
-        CliError: Postgres is down too (both named), or the namespace has no schema there.
+        CliError: Postgres is down too, or the recorded one is another NATS's (``find_pg``): both
+            named; or the namespace has no schema there.
     """
-    from eventlight.core.errors import ServiceUnavailableError
+    from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
 
     try:
         pg = await _need_pg(settings)
-    except ServiceUnavailableError as e:
+    except (ServiceUnavailableError, InvalidInputError) as e:  # down, or another deployment's (find_pg)
         raise CliError(f"{nats_down}; and {e}", EXIT_UNAVAILABLE) from None
     except CliError:  # no Postgres at all: NATS's error says what is wrong
         raise nats_down from None
@@ -118,9 +121,9 @@ async def _from_pg(settings: Settings, pg: Any) -> dict[str, Any]:
     return {"projected": projected, "by_status": by_status, "workers": workers, "spans": spans}
 
 
-def _projection_line(stream: tuple[int, int] | None, projected: int | None, nats_down: bool = False) -> str:
-    if nats_down:
-        return f"at event {projected or 0} (the stream's last event is unknown while NATS is down)"
+def _projection_line(stream: tuple[int, int] | None, projected: int | None, nats_down: Exception | None = None) -> str:
+    if nats_down is not None:
+        return f"at event {projected or 0} (the stream's last event is unknown while NATS is {_nats_state(nats_down)})"
     if stream is None or projected is None or projected >= stream[1]:
         return "up to date (lag 0 events)"
     from eventlight.cli.projection import WHAT_PROJECTS
@@ -205,7 +208,10 @@ def status(namespace: NamespaceOpt = None) -> None:
     Servers: uses $EVENTLIGHT_NATS_URL / $EVENTLIGHT_PG_DSN when set, else the embedded servers
     `eventlight up` started; never starts or stops any (without them: exit 1, 'run `eventlight up`').
     With NATS up and Postgres down: the services and the stream, then exit 1 naming Postgres; with
-    Postgres up and NATS down: the services and what Postgres holds, then exit 1 naming NATS."""
+    Postgres up and NATS down, or answering as a nats-server older than eventlight needs ('up, but
+    too old', both versions): the services and what Postgres holds, then exit 1 naming NATS. With
+    $EVENTLIGHT_NATS_URL set and $EVENTLIGHT_PG_DSN not, the Postgres `eventlight up` recorded is used
+    only when it recorded that NATS too."""
     settings = _settings(namespace)
     s = _run(_status(settings))
     _print_services(settings, s)
@@ -225,7 +231,21 @@ def status(namespace: NamespaceOpt = None) -> None:
         )
 
 
+def _nats_state(nats_down: Exception) -> str:
+    """``"too old"`` for a NATS that answered with a version eventlight cannot use, else ``"down"``."""
+    from eventlight.core.errors import ServerTooOldError
+
+    return "too old" if isinstance(nats_down, ServerTooOldError) else "down"
+
+
 def _down_line(e: Any) -> str:
+    from eventlight.core.errors import ServerTooOldError
+
+    if isinstance(e, ServerTooOldError):  # it answered: up, but unusable
+        return (
+            f"{escape(e.server)}  [red]up, but too old[/red]: nats-server {escape(e.found)} answered; "
+            f"eventlight needs >= {escape(e.required)}"
+        )
     return f"{escape(e.server)}  [red]down[/red]: {escape(e.detail)}"
 
 
@@ -242,7 +262,7 @@ def _print_services(settings: Settings, s: dict[str, Any]) -> None:
     _print_leases(settings, embedded="embedded" in (nats_origin, pg_origin))
     stream = f"{s['stream'][0]} events" if s["stream"] is not None else "missing"
     if nats_down is not None:
-        stream = "unknown: NATS is down"
+        stream = f"unknown: NATS is {_nats_state(nats_down)}"
     console.print(
         f"namespace  {settings.namespace}  [dim]stream {settings.stream_name} ({stream}), "
         f"schema {settings.pg_schema}[/dim]"
@@ -259,34 +279,38 @@ LEASE_HOLDERS = {
 
 
 def _print_leases(settings: Settings, *, embedded: bool) -> None:
-    """The live lease holders on the state folder's servers (``leases.lease_holders``); ``none``
-    when embedded servers are in use and no one holds one, nothing when neither."""
-    from eventlight.ops.leases import lease_holders
+    """The processes holding a lease on the state folder's servers (``leases.lease_holders``), one
+    row each, however many leases it holds; ``none`` when embedded servers are in use and no one
+    holds one, nothing when neither."""
+    from eventlight.ops.leases import by_process, lease_holders
     from eventlight.ops.state import existing_state_dir
 
     state = existing_state_dir(settings)
-    holders = lease_holders(state) if state is not None else []
-    if not holders:
+    processes = by_process(lease_holders(state)) if state is not None else []
+    if not processes:
         if embedded:
             console.print("leases     none [dim](no process holds a lease on the embedded servers)[/dim]")
         return
-    console.print(f"leases     {len(holders)} process(es) use the embedded servers")
-    console.print(_leases_table(holders, time.time()))
+    console.print(f"leases     {len(processes)} process(es) use the embedded servers")
+    console.print(_leases_table(processes, time.time()))
 
 
-def _leases_table(holders: list[Any], now: float) -> Table:
+def _leases_table(processes: list[list[Any]], now: float) -> Table:
+    """One row a process (``leases.by_process``): its pid, what holds each of its leases, since its first."""
     from eventlight.cli_output import age
 
     table = Table("pid", "holder", "since", box=None, pad_edge=False, header_style="dim")
-    for h in holders:
-        since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(h.since))
-        table.add_row(str(h.pid), escape(LEASE_HOLDERS.get(h.what, h.what)), f"{since} ({age(now - h.since)})")
+    for leases in processes:
+        first = leases[0].since
+        since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(first))
+        holders = ", ".join(LEASE_HOLDERS.get(h.what, h.what) for h in leases)
+        table.add_row(str(leases[0].pid), escape(holders), f"{since} ({age(now - first)})")
     return table
 
 
 def _print_from_postgres(s: dict[str, Any]) -> None:
     """The projection, rollouts, queue, spans and workers (the read models), and the no-runner warning."""
-    console.print(f"projection {_projection_line(s['stream'], s['projected'], s.get('nats_down') is not None)}")
+    console.print(f"projection {_projection_line(s['stream'], s['projected'], s.get('nats_down'))}")
     console.print("rollouts   " + (", ".join(f"{st}={n}" for st, n in s["by_status"]) or "none"))
     by_status = {st: int(n) for st, n in s["by_status"]}
     console.print(f"queue      {_queue_line(by_status)}")

@@ -15,6 +15,8 @@
     ├── WrongEventLoopError (also RuntimeError)  a store used from another event loop than its own
     ├── AuthenticationError (also PermissionError) a store server refused the bearer token (HTTP 401)
     └── ServiceUnavailableError                  NATS or Postgres cannot be reached; .server, retryable
+        ├── ServerTooOldError                    a server answered but is older than eventlight needs;
+        │                                        .found, .required, not retryable
         └── LLMUnavailableError                  the LLM behind a proxy fails its check or most calls
 
 The ``ValueError`` bases keep Agent-lightning's contract ("a missing identifier must raise
@@ -128,6 +130,30 @@ class ServiceUnavailableError(EventlightError):
         self.server = server
         self.detail = detail
         self.shutting_down = shutting_down
+
+
+class ServerTooOldError(ServiceUnavailableError):
+    """A server answered, but its version is older than eventlight needs (a nats-server before 2.11
+    ignores the per-rollout expected-sequence header that fences appends). Not retryable: the same
+    server gives the same answer.
+
+    Attributes:
+        server: The URL (without password) of the server that answered.
+        found: The version it reported (``"2.9.10"``).
+        required: The oldest version eventlight works with (``"2.11"``).
+        detail: What is wrong and what to do, without the server.
+    """
+
+    retryable = False
+
+    def __init__(self, server: str, *, found: str, required: str, detail: str):
+        server = redact(server)
+        EventlightError.__init__(self, f"{server} answered, but {detail}")
+        self.server = server
+        self.found = found
+        self.required = required
+        self.detail = detail
+        self.shutting_down = False
 
 
 class LLMUnavailableError(ServiceUnavailableError):

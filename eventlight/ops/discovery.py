@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
-from eventlight.core.errors import ServiceUnavailableError
-from eventlight.net import redact_configured
+from eventlight.core.errors import InvalidInputError, ServerTooOldError, ServiceUnavailableError
+from eventlight.net import redact, redact_configured, server_urls
 from eventlight.ops.nats_server import nats_probe
 from eventlight.ops.postgres import BUSY_NOW, pg_probe
 from eventlight.ops.procs import pid_running
@@ -45,6 +45,7 @@ async def find_nats(settings: Settings) -> Endpoint | None:
     Raises:
         ServiceUnavailableError: The configured or recorded server does not answer, or the
             recorded nats-server stopped while the embedded Postgres runs (the URL redacted).
+        ServerTooOldError: It answered, but it is older than eventlight needs (named as above).
     """
     if settings.nats_url:
         found = Endpoint(settings.nats_url, "EVENTLIGHT_NATS_URL")
@@ -54,7 +55,11 @@ async def find_nats(settings: Settings) -> Endpoint | None:
         found = _still_running(Endpoint(recorded.nats_url, origin, recorded.nats_pid, kind, True), "nats-server")
     else:
         return None
-    why = await nats_probe(found.url, auth=settings.nats_auth)
+    try:
+        why = await nats_probe(found.url, auth=settings.nats_auth)
+    except ServerTooOldError as e:  # named as configured, as the errors below
+        where = redact_configured(found.url, f"{found.origin} {found.url}")
+        raise ServerTooOldError(where, found=e.found, required=e.required, detail=e.detail) from None
     if why:
         raise ServiceUnavailableError(
             redact_configured(found.url, f"{found.origin} {found.url}"),
@@ -67,7 +72,9 @@ async def find_pg(settings: Settings) -> Endpoint | None:
     """Find the Postgres to use without starting one.
 
     ``settings.pg_dsn`` when set (unlike ``ensure_services``, an unreachable one is an error, not a
-    fallback), else the one ``ensure_services`` recorded in ``services.json``.
+    fallback), else the one ``ensure_services`` recorded in ``services.json``, only when that record
+    is of the same NATS as ``settings.nats_url`` (or none is set): a configured NATS is never shown
+    beside the rows of another deployment's Postgres.
 
     Returns:
         The server, which answered ``SELECT 1`` within 3 s, or answered that it takes no connection
@@ -77,10 +84,13 @@ async def find_pg(settings: Settings) -> Endpoint | None:
     Raises:
         ServiceUnavailableError: The configured or recorded server does not answer, or the
             recorded postmaster stopped while the embedded NATS runs (the DSN redacted).
+        InvalidInputError: ``settings.nats_url`` is set, ``settings.pg_dsn`` is not, and the
+            recorded servers are of another NATS (their Postgres is not this NATS's).
     """
     if settings.pg_dsn:
         found = Endpoint(settings.pg_dsn, "EVENTLIGHT_PG_DSN")
     elif (recorded := _recorded(settings)) is not None:
+        _refuse_another_deployment(settings, recorded)
         origin = "embedded" if recorded.pg_pid is not None else "EVENTLIGHT_PG_DSN"
         found = _still_running(Endpoint(recorded.pg_dsn, origin, recorded.pg_pid, recorded.pg_kind, True), "postgres")
     else:
@@ -92,6 +102,24 @@ async def find_pg(settings: Settings) -> Endpoint | None:
             redact_configured(found.url, f"Postgres {why}"),
         )
     return found
+
+
+def _refuse_another_deployment(settings: Settings, recorded: Services) -> None:
+    """Raise unless ``recorded`` (``services.json``) is of the NATS ``settings.nats_url`` names, if it names one.
+
+    Raises:
+        InvalidInputError: It names another NATS: the recorded Postgres holds that one's namespace.
+    """
+    if not settings.nats_url or server_urls(settings.nats_url) == server_urls(recorded.nats_url):
+        return
+    raise InvalidInputError(
+        redact_configured(
+            settings.nats_url,
+            f"EVENTLIGHT_NATS_URL is {settings.nats_url}, not the NATS of the servers `eventlight up` recorded in "
+            f"{settings.state_dir} ({redact(recorded.nats_url)}), so their Postgres is not this NATS's: set "
+            "EVENTLIGHT_PG_DSN to the Postgres that goes with it, or unset EVENTLIGHT_NATS_URL",
+        )
+    )
 
 
 def _recorded(settings: Settings) -> Services | None:

@@ -14,7 +14,9 @@ Files under ``settings.state_dir`` (the rest: ``eventlight.ops.state``)::
 Why flocks rather than pids: the kernel drops a process's locks when it ends, however it ends
 (``kill -9`` too), so a lease file no one holds a lock on is stale, whatever process its pid names
 by now (pids are reused). Two leases of one process are two open files, whose locks exclude each
-other as two processes' do; a child forked (``os.fork``) while a lease is held shares its lock.
+other as two processes' do (a demo's ``use_services`` block holds one and the ``Trainer`` inside it
+another; ``live_leases`` and ``eventlight status`` list such a process once, ``by_process``); a
+child forked (``os.fork``) while a lease is held shares its lock.
 Every function here but ``lease_holders`` runs under the state folder's lock (``state_lock``), so
 no lease can be taken between the check for leases and the stop; ``lease_holders`` (for ``eventlight
 status``) reads without it and removes nothing.
@@ -116,9 +118,10 @@ def take_lease(state: Path, what: str) -> Lease:
 
 
 def live_leases(state: Path) -> list[str]:
-    """Who holds a lease on ``state``'s servers, e.g. ``["pid 123 (Trainer)"]``; stale lease files
-    (their process ended) are removed. The caller holds the state lock."""
-    holders = []
+    """Who holds a lease on ``state``'s servers, one entry a process, e.g. ``["pid 123 (Trainer)"]``
+    (a process holding several: ``"pid 123 (use_services, Trainer)"``); stale lease files (their
+    process ended) are removed. The caller holds the state lock."""
+    held: list[tuple[float, str, str]] = []
     for path in sorted((state / LEASES).glob("*.json")):
         try:
             file = open(path, "rb")
@@ -128,10 +131,13 @@ def live_leases(state: Path) -> list[str]:
             try:
                 fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holders.append(_describe(file.read(), path))
+                held.append(_describe(file.read(), path))
                 continue
             path.unlink(missing_ok=True)  # no process holds it any more
-    return holders
+    holders: dict[str, list[str]] = {}
+    for _, who, what in sorted(held, key=lambda h: h[0]):  # stable: the files' order among equals
+        holders.setdefault(who, []).append(what)
+    return [f"{who} ({', '.join(whats)})" for who, whats in holders.items()]
 
 
 def lease_holders(state: Path) -> list[LeaseHolder]:
@@ -173,12 +179,24 @@ def _locked(file: BinaryIO) -> bool:
     return False
 
 
-def _describe(raw: bytes, path: Path) -> str:
+def _describe(raw: bytes, path: Path) -> tuple[float, str, str]:
+    """(since when, the holder, what it is) of a lease file: ``(1765100000.0, "pid 123", "Trainer")``;
+    since ``0.0`` when the file does not say."""
     try:
         holder = msgspec.json.decode(raw, type=LeaseHolder)
     except msgspec.DecodeError:
-        return f"{path.name} (unreadable)"
-    return f"pid {holder.pid} ({holder.what})"
+        return 0.0, path.name, "unreadable"
+    return holder.since or 0.0, f"pid {holder.pid}", holder.what
+
+
+def by_process(holders: list[LeaseHolder]) -> list[list[LeaseHolder]]:
+    """``holders`` (``lease_holders``) grouped by pid, in the order of each process's first lease:
+    a process may hold several (a program's ``use_services`` block around a ``Trainer``'s run, which
+    takes its own lease), and is one user of the servers all the same."""
+    groups: dict[int, list[LeaseHolder]] = {}
+    for holder in holders:
+        groups.setdefault(holder.pid, []).append(holder)
+    return list(groups.values())
 
 
 def marked(state: Path) -> dict[str, int]:

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
+from eventlight.core.errors import InvalidInputError, ServerTooOldError, ServiceUnavailableError
 from eventlight.credentials import NatsAuth
 from eventlight.net import redact_configured
 from eventlight.ops.procs import (
@@ -37,11 +37,18 @@ NATS_PROBE_TIMEOUT_S = 2.0
 async def nats_probe(
     url: str, timeout_s: float = NATS_PROBE_TIMEOUT_S, js: bool = False, auth: NatsAuth | None = None
 ) -> str | None:
-    """Connect once (with ``auth``); return ``None`` when it answers (and JetStream is on, if ``js``), else why not."""
+    """Connect once (with ``auth``); return ``None`` when it answers (and JetStream is on, if ``js``), else why not.
+
+    Raises:
+        ServerTooOldError: It answered, but it is a nats-server older than eventlight needs (the
+            versions found and required in it): it is up, not unreachable.
+    """
     try:
         nc = await connect_nats(
             url, auth=auth, name="eventlight-probe", timeout_s=timeout_s, reconnect=False, quiet=True
         )
+    except ServerTooOldError:
+        raise
     except ServiceUnavailableError as e:
         return e.detail  # the caller names the server
     try:
@@ -63,6 +70,7 @@ async def ensure_nats(settings: Settings, state: Path) -> tuple[str, int | None,
 
     Raises:
         ServiceUnavailableError: The configured URL does not answer, or the embedded server cannot start.
+        ServerTooOldError: The configured URL answered with a nats-server older than eventlight needs.
         InvalidInputError: ``durability="replicated"`` without a configured cluster URL, or the
             embedded server runs at another durability level than ``settings.durability``.
     """

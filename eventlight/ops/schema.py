@@ -103,12 +103,17 @@ async def drop_namespace(nats_url: str | None, pg_dsn: str | None, settings: Set
         settings: Gives the namespace (stream ``EL_<NS>``, schema ``el_<ns>``).
 
     Raises:
-        ServiceUnavailableError: A server cannot be reached.
+        ServiceUnavailableError: A server cannot be reached, or Postgres took no connection within
+            ``settings.pg_open_wait_s`` seconds (tried again meanwhile while it answers "too many
+            clients" or that it is starting up, one warning line a try, as ``apply_migrations`` does).
     """
     if nats_url:
         await _delete_stream(nats_url, settings.stream_name, settings.nats_auth)
     if pg_dsn:
-        conn = await pg_errors.connect(pg_dsn, timeout_s=CONNECT_TIMEOUT_S)
+        connect = lambda: pg_errors.connect(pg_dsn, timeout_s=CONNECT_TIMEOUT_S)  # noqa: E731
+        conn = await open_waiting(
+            pg_dsn, f"dropping schema {settings.pg_schema}", connect, wait_s=settings.pg_open_wait_s
+        )
         try:
             with pg_errors.pg_errors(pg_dsn, f"drop schema {settings.pg_schema}"):
                 siblings = await conn.fetch(

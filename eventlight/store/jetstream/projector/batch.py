@@ -300,11 +300,13 @@ class BatchWriter:
         if b.spans:
             await self._write_spans(conn, [span_row(s, seq) for s, seq in b.spans], b.last_seq)
         if b.rollouts:
-            attempts = [a for s in b.rollouts.values() for a in s.attempts]
+            # by rollout_id (byte order), as `retire` locks rollouts it marks retired: no deadlock with it
+            states = [state for _, state in sorted(b.rollouts.items())]
+            attempts = [a for s in states for a in s.attempts]
             await conn.executemany(UPSERT_ATTEMPT, [attempt_row(a) for a in attempts])
             if self.partitions > 1:  # the status counts' rows (a trigger's), locked in one order: no deadlock
                 await conn.execute("SELECT 1 FROM rollout_status_counts ORDER BY status FOR UPDATE")
-            await conn.executemany(UPSERT_ROLLOUT, [rollout_row(s, b, self.rollout_seq) for s in b.rollouts.values()])
+            await conn.executemany(UPSERT_ROLLOUT, [rollout_row(s, b, self.rollout_seq) for s in states])
         if b.resources:
             await conn.executemany(
                 UPSERT_RESOURCES, [resources_row(r, first, last) for r, first, last in b.resources.values()]
