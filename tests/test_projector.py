@@ -15,12 +15,14 @@ import nats.errors
 import pytest
 from faults import Ledger, check_log_and_read_model, stream_last_seq, workload
 
-from eventlight.core.errors import ServiceUnavailableError
-from eventlight.core.events import rollout_id_of
-from eventlight.core.types import RolloutConfig, Span
+from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
+from eventlight.core.events import SpansAdded, decode_event, encode_event, rollout_id_of
+from eventlight.core.types import Event, Link, OtelResource, RolloutConfig, Span, SpanContext, TraceStatus
 from eventlight.settings import Settings
 from eventlight.store.jetstream import JetStreamLightningStore
+from eventlight.store.jetstream.pg import may_hold_nul
 from eventlight.store.jetstream.projector import Projector
+from eventlight.store.jetstream.rows import decode_for_projection, span_row
 from tests.conftest import as_role, role_of
 
 PROJECTOR_LOGGER = "eventlight.store.jetstream.projector"
@@ -156,6 +158,58 @@ async def test_foreign_span_payloads_are_skipped_and_numbering_goes_on(namespace
         assert [(s.name, s.sequence_id) for s in spans] == [("pre", 1), ("pre", 2), ("pre", 3), ("after", expected)]
         assert spans[-1].attributes == {"k": "v\ufffdw", "n": 1.5, "l": [1, "2"]}
         assert len(await store.query_rollouts()) == 2
+
+
+def _span_fields(**fields: Any) -> Span:
+    base = Span.from_attributes(
+        attributes={"a": "x\x00y", "b": [1, 2.5], "c": '\\u0000 "q"'}, rollout_id="ro-1", attempt_id="at-1"
+    )
+    for name, value in fields.items():
+        setattr(base, name, value)
+    return base
+
+
+def test_spans_projected_raw_give_the_rows_of_their_typed_decode() -> None:
+    """``decode_for_projection`` keeps a span's JSON fields as raw text; its rows are those of the
+    typed ``SpansAdded`` (NUL characters replaced, a missing context ``NULL``), and a field of the
+    wrong shape still fails the whole payload (``InvalidInputError``: dead-lettered)."""
+    ctx = SpanContext(trace_id="t" * 32, span_id="s" * 16, trace_state={"k": "v\x00"})
+    spans = [
+        _span_fields(context=None, parent=None),
+        _span_fields(
+            status=TraceStatus(status_code="ERROR", description="bad\x00"),
+            events=[Event(name="e", attributes={"n\x00": 1}, timestamp=2.0)],
+            links=[Link(context=ctx, attributes={"l": "x"})],
+            context=ctx,
+            parent=ctx,
+            resource=OtelResource(attributes={"service.name": "s\x00"}, schema_url="u"),
+        ),
+    ]
+    data = encode_event(SpansAdded(time=1.0, rollout_id="ro-1", attempt_id="at-1", spans=spans))
+    raw = decode_for_projection(data)
+    typed = decode_event(data)
+    assert isinstance(raw, SpansAdded) and isinstance(typed, SpansAdded)
+    assert [type(s).__name__ for s in raw.spans] == ["RawSpan", "RawSpan"]
+    assert [span_row(s, 9) for s in raw.spans] == [span_row(s, 9) for s in typed.spans]
+    assert span_row(raw.spans[0], 9)[13] is None and "\x00" not in "".join(map(str, span_row(raw.spans[1], 9)))
+    head = b'{"type":"spans_added","v":1,"time":1.0,"rollout_id":"r","attempt_id":"a","spans":[{"rollout_id":"r",'
+    head += b'"attempt_id":"a","sequence_id":1,"trace_id":"t","span_id":"s","parent_id":null,"name":"n",'
+    for bad in (
+        b'"status":"ok"',
+        b'"events":[1]',
+        b'"links":[{}]',
+        b'"context":5',
+        b'"parent":{"trace_id":1}',
+        b'"resource":{"attributes":[]}',
+    ):
+        with pytest.raises(InvalidInputError):
+            decode_for_projection(head + bad + b"}]}")
+    assert isinstance(decode_for_projection(head + b'"status":{"status_code":"OK"}}]}'), SpansAdded)
+
+
+@pytest.mark.parametrize("text", ["", "plain", "a\\u0000", "\\\\u0000", "\\n\\u0001", "x" * 5000 + "\\u0000"])
+def test_may_hold_nul_is_the_substring_test(text: str) -> None:
+    assert may_hold_nul(text) == ("\\u0000" in text) == may_hold_nul(text.encode())
 
 
 async def test_a_number_beyond_float_range_in_raw_attributes_reads_back(namespace: Settings) -> None:

@@ -40,9 +40,18 @@ def dumps(value: Any) -> str:
     """JSON text for a ``jsonb`` column. Postgres cannot store NUL (``\\u0000``) in ``jsonb`` or
     ``text``, so NUL characters in strings become U+FFFD (the event in the stream keeps them)."""
     data = _enc.encode(value)
-    if b"\\u0000" in data:
+    if may_hold_nul(data):
         data = _enc.encode(_without_nul(msgspec.to_builtins(value)))
     return data.decode()
+
+
+def may_hold_nul(json_text: bytes | str) -> bool:
+    """Whether JSON text may hold a NUL character (it contains ``\\u0000``). Looks for a backslash
+    first, with one ``memchr``: a search for the six characters runs at about 1 byte a nanosecond
+    on CPython 3.11 (18 µs for a span's 18 KB of attributes), and most JSON has no escape at all."""
+    if isinstance(json_text, str):
+        return "\\" in json_text and "\\u0000" in json_text
+    return b"\\" in json_text and b"\\u0000" in json_text
 
 
 def text(value: str | None) -> str | None:
