@@ -49,6 +49,9 @@ log = logging.getLogger(__name__)
 
 PULL_WAIT_S = 1.0
 MAX_STASH = 100_000
+READS_AT_ONCE = 32
+"""How many rollouts ``collect`` reads from the log at once to find those that ended before the
+feed's first position (one direct get each on JetStream for one created after it)."""
 
 
 class Subscription:
@@ -301,20 +304,24 @@ class Subscription:
     async def _ended_before_start(self, rids: list[str]) -> dict[str, FinishedAttempt | RolloutEnded]:
         """The results of those of ``rids`` that ended before the feed's first position, by id, as
         ``collect`` takes them from the feed (a ``RolloutEnded`` with a record as that record): the
-        feed never brings their end. Read from the log (``FollowFold.result_before``), one rollout
-        after another; a result is checked against the log now before it is returned, as a kept one.
+        feed never brings their end. Read from the log (``FollowFold.result_before``),
+        ``READS_AT_ONCE`` rollouts at a time; ``collect`` checks a result against the log now
+        before it returns it, as a kept one.
 
         Raises:
             ServiceUnavailableError: The log did not answer.
         """
-        assert self._fold is not None
+        fold = self._fold
+        assert fold is not None
         out: dict[str, FinishedAttempt | RolloutEnded] = {}
-        for rid in rids:
-            item = await self._fold.result_before(rid, self.start_seq)
-            if isinstance(item, RolloutEnded) and item.record is not None:
-                item = item.record
-            if item is not None:
-                out[rid] = item
+        for i in range(0, len(rids), READS_AT_ONCE):
+            chunk = rids[i : i + READS_AT_ONCE]
+            got = await asyncio.gather(*(fold.result_before(rid, self.start_seq) for rid in chunk))
+            for rid, item in zip(chunk, got, strict=True):
+                if isinstance(item, RolloutEnded) and item.record is not None:
+                    item = item.record
+                if item is not None:
+                    out[rid] = item
         return out
 
     async def _check_not_collected_before(self, rid: str) -> None:
