@@ -301,6 +301,20 @@ async def test_a_rollout_that_ended_before_the_subscription_started_is_collected
     assert (got[0].final_reward, got[0].data) == (0.8, ["agentlightning.annotation"])
 
 
+async def test_a_durable_resumed_past_a_rollouts_end_collects_it_at_once(store: Any) -> None:
+    """A durable subscription opened again after it acknowledged a rollout's end starts past it:
+    ``collect`` still returns that rollout at once, from the log (as a new process of the
+    algorithm asking for what it enqueued before it died)."""
+    async with store.subscribe(names, durable="late") as sub:
+        done = await finish_one(store, reward=0.4)
+        record = await sub.next_record(timeout_s=20)
+        assert record is not None and record.rollout_id == done
+    async with store.subscribe(names, durable="late") as sub:  # resumes after done's end
+        [got] = await sub.collect([done], timeout_s=0)
+        assert got.position < sub.start_seq
+    assert got == record and got.final_reward == 0.4
+
+
 async def test_a_rollout_requeued_after_it_ended_is_collected_from_its_next_run_however_late_one_subscribes(
     store: Any,
 ) -> None:
