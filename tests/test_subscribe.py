@@ -267,6 +267,98 @@ async def test_a_rollout_collected_before_comes_again_at_once(store: Any) -> Non
         assert (rerun.attempt_id, rerun.final_reward) == (d.attempt.attempt_id, 0.9)
 
 
+async def test_a_rollout_that_ended_before_the_subscription_started_is_collected_at_once(store: Any) -> None:
+    """A rollout that ended before the subscription's first position (an algorithm that enqueued,
+    then subscribed late) is collected at once, as a subscription that had started before it
+    collects it: its latest attempt (the retry's, not the failed one), a rollout cancelled while it
+    waited for its retry as its latest attempt, one cancelled before any attempt in ``unattempted``.
+    ``timeout_s=0``: no waiting at all (the feed never brings their end; collect waited out its
+    timeout and left them out). Asked again, the same records come (held)."""
+    config = RolloutConfig(max_attempts=2, retry_condition=["failed"])
+    r = await store.enqueue_rollout({"task": "retried"}, config=config)
+    for status, reward in (("failed", 0.1), ("succeeded", 0.8)):
+        d = await store.dequeue_rollout(worker_id="w1")
+        await store.add_span(reward_span(r.rollout_id, d.attempt.attempt_id, 1, reward, 1.0))
+        await store.update_attempt(r.rollout_id, d.attempt.attempt_id, status=status)
+    waiting = await store.enqueue_rollout({"task": "cancelled in the queue"}, config=config)
+    w = await store.dequeue_rollout(worker_id="w1")
+    await store.update_attempt(waiting.rollout_id, w.attempt.attempt_id, status="failed")
+    await store.update_rollout(waiting.rollout_id, status="cancelled")
+    never = await store.enqueue_rollout({"task": "never ran"})
+    await store.update_rollout(never.rollout_id, status="cancelled")
+    ids = [r.rollout_id, waiting.rollout_id, never.rollout_id]
+    async with store.subscribe(names, since=0) as early:  # started before any of them
+        expected = await early.collect(ids, timeout_s=20)
+    async with store.subscribe(names) as sub:
+        got = await sub.collect(ids, timeout_s=0)
+        assert got == expected and all(x.position < sub.start_seq for x in got)
+        assert list(sub.unattempted) == [never.rollout_id]
+        assert await sub.collect(ids, timeout_s=0) == got
+    assert [(x.rollout_id, x.attempt.sequence_id, x.status, x.latest, x.rollout.status) for x in got] == [
+        (r.rollout_id, 2, "succeeded", True, "succeeded"),
+        (waiting.rollout_id, 1, "failed", True, "cancelled"),
+    ]
+    assert (got[0].final_reward, got[0].data) == (0.8, ["agentlightning.annotation"])
+
+
+async def test_a_durable_resumed_past_a_rollouts_end_collects_it_at_once(store: Any) -> None:
+    """A durable subscription opened again after it acknowledged a rollout's end starts past it:
+    ``collect`` still returns that rollout at once, from the log (as a new process of the
+    algorithm asking for what it enqueued before it died)."""
+    async with store.subscribe(names, durable="late") as sub:
+        done = await finish_one(store, reward=0.4)
+        record = await sub.next_record(timeout_s=20)
+        assert record is not None and record.rollout_id == done
+    async with store.subscribe(names, durable="late") as sub:  # resumes after done's end
+        [got] = await sub.collect([done], timeout_s=0)
+        assert got.position < sub.start_seq
+    assert got == record and got.final_reward == 0.4
+
+
+async def test_a_rollout_requeued_after_it_ended_is_collected_from_its_next_run_however_late_one_subscribes(
+    store: Any,
+) -> None:
+    """A rollout that finished and went back to the queue (``update_rollout(status="queuing")``)
+    before the subscription started, or after, is not collected from its old result: ``collect``
+    waits for its next run and returns that."""
+    after = await finish_one(store, reward=0.3)
+    before = await finish_one(store, reward=0.2)
+    await store.update_rollout(before, status="queuing")
+    async with store.subscribe(names) as sub:
+        await store.update_rollout(after, status="queuing")
+        assert await sub.collect([before, after], timeout_s=0.5) == []  # queued again: not finished
+        reruns = {}
+        for _ in range(2):
+            d = await store.dequeue_rollout(worker_id="w2")
+            assert d is not None and d.attempt.sequence_id == 2
+            await store.add_span(reward_span(d.rollout_id, d.attempt.attempt_id, 1, 0.9, 20.0))
+            await store.update_attempt(d.rollout_id, d.attempt.attempt_id, status="succeeded")
+            reruns[d.rollout_id] = d.attempt.attempt_id
+        got = await sub.collect([before, after], timeout_s=20)
+    assert [(x.rollout_id, x.attempt_id, x.final_reward) for x in got] == [
+        (before, reruns[before], 0.9),
+        (after, reruns[after], 0.9),
+    ]
+
+
+async def test_a_collect_of_rollouts_that_ended_before_and_after_the_subscription_started(store: Any) -> None:
+    """Ended before the subscription started, running when it started, enqueued after it: one
+    ``collect`` returns all three, each at its latest attempt, in the order asked."""
+    old = await finish_one(store, reward=0.1)
+    r = await store.enqueue_rollout({"task": "running at the start"})
+    running = await store.dequeue_rollout(worker_id="w1")
+    async with store.subscribe(names) as sub:
+        await store.add_span(reward_span(r.rollout_id, running.attempt.attempt_id, 1, 0.5, 1.0))
+        await store.update_attempt(r.rollout_id, running.attempt.attempt_id, status="succeeded")
+        new = await finish_one(store, reward=0.7)
+        got = await sub.collect([new, old, r.rollout_id], timeout_s=20)
+    assert [(x.rollout_id, x.final_reward, x.latest, x.rollout.status) for x in got] == [
+        (new, 0.7, True, "succeeded"),
+        (old, 0.1, True, "succeeded"),
+        (r.rollout_id, 0.5, True, "succeeded"),
+    ]
+
+
 async def test_a_kept_result_survives_a_collect_the_log_failed(store: Any, monkeypatch: Any) -> None:
     """``collect`` checks a kept result against the log (e41e0b1); when that read fails
     (``ServiceUnavailableError``) the kept results it had taken out are kept still: a retried

@@ -424,11 +424,14 @@ class JetStreamEventLog:
         return await JetStreamFeed(self, durable, since, server_timeout_s).open()
 
     async def rollout_entries(self, rollout_id: str, before_seq: int) -> list[tuple[int, bytes]]:
-        """The rollout's state events before ``before_seq`` (one direct get each).
+        """The rollout's state events before ``before_seq`` (one direct get each); none for an id
+        that is not a subject token (no rollout can have it).
 
         Raises:
             ServiceUnavailableError: NATS did not answer.
         """
+        if not isinstance(rollout_id, str) or not is_token(rollout_id):
+            return []
         return await self._entries(rollout_filter(self.prefix, rollout_id), before_seq)
 
     async def span_entries(self, rollout_id: str, attempt_id: str, before_seq: int) -> list[tuple[int, bytes]]:

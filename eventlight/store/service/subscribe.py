@@ -42,6 +42,8 @@ class Subscriptions(StorePlumbing):
                 opened again, it resumes after its last acknowledged record. ``None``: ephemeral.
             since: Where a new subscription starts: after this log position (default: the head
                 when it starts, i.e. what finishes from then on). Ignored when ``durable`` exists.
+                Iteration yields nothing that finished before; ``collect`` returns a rollout that
+                ended before at once, read from the log.
             modes, resources_ids, statuses: Keep attempts of rollouts with these modes / resources
                 ids, and with these attempt statuses (others are read and acknowledged, not yielded).
             server_timeout_s: How long a lost NATS server is waited for before iterating raises

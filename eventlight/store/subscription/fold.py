@@ -15,7 +15,9 @@ An event that makes its rollout terminal without making its latest attempt done 
 failed, the rollout waited for its retry, and was cancelled; or it never had an attempt) also gives a
 ``RolloutEnded``: internal, what ``Subscription.collect`` takes as the rollout's result (the latest
 attempt's record again, at this position with the terminal rollout), never yielded to plain
-iteration. A delivery at or before the highest position folded so far is a redelivery and is
+iteration. ``result_before`` gives the same for a rollout that ended before the feed's first
+position, from its events in the log, for ``collect`` (the feed never brings that end).
+A delivery at or before the highest position folded so far is a redelivery and is
 skipped: each attempt is yielded once per subscription. An entry that is not an event is recorded in ``errors``
 with its position and skipped.
 """
@@ -99,33 +101,85 @@ class FollowFold:
             self.high = d.seq
             return []
         _note_started(started, rid, event, d.seq)
+        out, errors = await self._records(before, after, event, d.seq, d.redelivered, started)
+        self._commit(rid, after, started, d.seq)
+        self.errors += errors
+        return out
+
+    async def result_before(self, rid: str, seq: int) -> FinishedAttempt | RolloutEnded | None:
+        """The result of rollout ``rid`` as the log had it before position ``seq``, when it was
+        terminal there: what ``add`` gave at the event that last made it terminal (its latest
+        attempt's record, or a ``RolloutEnded``), as a fold that had started before that event
+        would have it. ``None`` when the rollout was not terminal before ``seq`` (or the log has no
+        such rollout), or when its latest attempt does not pass the filters.
+
+        For ``Subscription.collect``: a rollout that ended before the feed's first position
+        (``seq``: ``Feed.start_seq``), whose end the feed never brings. One read of the rollout's
+        events (and of its latest attempt's span batches when it was terminal); the fold's own
+        position and states do not change (its ``errors`` take what the record's data lacks).
+
+        Raises:
+            ServiceUnavailableError: The log did not answer.
+        """
+        state: RolloutState | None = None
+        started: dict[tuple[str, str], int] = {}
+        end: tuple[RolloutState | None, AnyEvent, int] | None = None
+        for pos, data in await self.log.rollout_entries(rid, seq):
+            event = self._decode(pos, data, rid)
+            after = evolve(state, event) if event is not None else state
+            if event is None or after is None:
+                continue
+            _note_started(started, rid, event, pos)
+            if _terminal(after) and not (state is not None and _terminal(state)):
+                end = (state, event, pos)
+            state = after
+        if end is None or state is None or not _terminal(state):
+            return None
+        before, event, pos = end
+        after = evolve(before, event)
+        assert after is not None
+        out, errors = await self._records(before, after, event, pos, False, started)
+        self.errors += errors
+        return next((x for x in out if isinstance(x, RolloutEnded) or x.latest), None)
+
+    async def _records(
+        self,
+        before: RolloutState | None,
+        after: RolloutState,
+        event: AnyEvent,
+        seq: int,
+        redelivered: bool,
+        started: dict[tuple[str, str], int],
+    ) -> tuple[list[FinishedAttempt | RolloutEnded], list[SubscriptionError]]:
+        """What the event at ``seq`` that moved ``before`` to ``after`` gives (``add``), with the
+        errors of the records' data; reads span batches, changes nothing."""
+        rid = after.rollout.rollout_id
         out: list[FinishedAttempt | RolloutEnded] = []
         errors: list[SubscriptionError] = []
         done = [a for a in newly_done(before, after) if self._selected(after, a.status)]
-        read = {a.attempt_id: await self.log.span_entries(rid, a.attempt_id, d.seq) for a in done}
+        read = {a.attempt_id: await self.log.span_entries(rid, a.attempt_id, seq) for a in done}
         if any(a.status not in FINAL_ATTEMPT_STATUSES for a in done):
-            done = await self._with_spans(rid, d.seq, event, done, read)
+            done = await self._with_spans(rid, seq, event, done, read)
         for attempt in done:
             batches = read[attempt.attempt_id]
             key = (rid, attempt.attempt_id)
             pos = started.get(key, self.started.get(key))
             latest = after.latest is not None and after.latest.attempt_id == attempt.attempt_id
-            record, errs = adapt(after.rollout, attempt, latest, batches, self.adapter, d.seq, pos, d.redelivered)
+            record, errs = adapt(after.rollout, attempt, latest, batches, self.adapter, seq, pos, redelivered)
             out.append(record)
             errors += errs
-        ended = await self._ended(before, after, done, d, started)
+        ended = await self._ended(before, after, done, seq, redelivered, started)
         if ended is not None:
             out.append(ended)
-        self._commit(rid, after, started, d.seq)
-        self.errors += errors
-        return out
+        return out, errors
 
     async def _ended(
         self,
         before: RolloutState | None,
         after: RolloutState,
         done: list[Attempt],
-        d: Delivery,
+        seq: int,
+        redelivered: bool,
         started: dict[tuple[str, str], int],
     ) -> RolloutEnded | None:
         """The ``RolloutEnded`` of an event that ended its rollout without making its latest attempt
@@ -142,11 +196,11 @@ class FollowFold:
         record = None
         if latest is not None:
             rid, aid = after.rollout.rollout_id, latest.attempt_id
-            batches = await self.log.span_entries(rid, aid, d.seq)
+            batches = await self.log.span_entries(rid, aid, seq)
             pos = started.get((rid, aid), self.started.get((rid, aid)))
             # its data's errors went to ``errors`` with the attempt's own record
-            record, _ = adapt(after.rollout, latest, True, batches, self.adapter, d.seq, pos, d.redelivered)
-        return RolloutEnded(rollout=after.rollout, position=d.seq, record=record, redelivered=d.redelivered)
+            record, _ = adapt(after.rollout, latest, True, batches, self.adapter, seq, pos, redelivered)
+        return RolloutEnded(rollout=after.rollout, position=seq, record=record, redelivered=redelivered)
 
     async def _with_spans(
         self, rid: str, seq: int, event: AnyEvent, done: list[Attempt], read: dict[str, list[tuple[int, bytes]]]
@@ -214,6 +268,10 @@ class FollowFold:
             return  # the same entry met again (a rollout's history read twice)
         self.errors.append(SubscriptionError(seq, rid, aid, why))
         log.warning("subscription: log position %d (rollout %s): %s", seq, rid, why)
+
+
+def _terminal(state: RolloutState) -> bool:
+    return state.rollout.status in TERMINAL_ROLLOUT_STATUSES
 
 
 def _note_started(started: dict[tuple[str, str], int], rid: str, event: AnyEvent, seq: int) -> None:

@@ -6,7 +6,9 @@ Delivery semantics (both backends):
   (``FinishedAttempt.position`` increases); a subscription never yields an attempt twice.
   (``collect`` alone may return an attempt iteration met before, once more: the latest attempt of
   a rollout ended later by an event that finished no attempt, such as a cancel in the queue; and
-  it returns what the previous ``collect`` returned again when asked for it again.)
+  it returns what the previous ``collect`` returned again when asked for it again. It also
+  returns, at once, the result of a rollout that ended before the feed's first position, read
+  from the log, which iteration never yields.)
 * **Acknowledged when you ask for the next one.** The record in hand is acknowledged (cumulatively,
   confirmed by the server) when the iterator is asked for the following record, by ``ack()``, or by
   leaving ``async with`` without an exception. A durable subscription opened again under the same
@@ -47,6 +49,9 @@ log = logging.getLogger(__name__)
 
 PULL_WAIT_S = 1.0
 MAX_STASH = 100_000
+READS_AT_ONCE = 32
+"""How many rollouts ``collect`` reads from the log at once to find those that ended before the
+feed's first position (one direct get each on JetStream for one created after it)."""
 
 
 class Subscription:
@@ -219,7 +224,13 @@ class Subscription:
         it waited for its retry) comes as its latest attempt's record again, at the ending event's
         ``position`` with the terminal ``rollout`` (plain iteration yielded that attempt when it
         finished and does not yield it again). A rollout that ended before any attempt has no
-        record: it is not waited for, and is left out and listed in ``unattempted``. Records of
+        record: it is not waited for, and is left out and listed in ``unattempted``. A rollout that
+        ended before the subscription's first position (``start_seq``: it was enqueued and ran
+        before one subscribed, or before ``since``, or before a durable's resume point) is taken
+        from the log at once, the record a subscription that had started before it would return
+        (its ``position`` below ``start_seq``), checked against the log as a kept one: one read
+        of each asked rollout this subscription has nothing of (one direct get for one created
+        after ``start_seq``), two and its span batches for one that ended before. Records of
         other rollouts met meanwhile are kept for a later ``collect`` (up to ``MAX_STASH``), which
         checks a kept one against the log first (one load of the rollout): a rollout sent back to
         the queue since is collected from its next run, not the kept result. When it raises, the
@@ -245,10 +256,12 @@ class Subscription:
         ended: dict[str, RolloutEnded] = {}  # taken signals of rollouts ended before any attempt
         held, self._held = self._held, {}  # the previous collect's results: held until this one
         try:
+            await self.start()
+            before = await self._ended_before_start([rid for rid in ids if self._unseen(rid, held)])
             for rid in ids:
                 kept = self._stash.get(rid)  # newer than a held one (a run after a requeue)
                 if kept is None:
-                    kept = held.get(rid)
+                    kept = held.get(rid, before.get(rid))
                 if kept is not None and await self._still_the_result(kept):  # may raise: still kept
                     self._take(got, ended, kept)
                 elif kept is None and rid in self._collected:
@@ -282,6 +295,33 @@ class Subscription:
             self._collected[rid] = x.attempt_id if isinstance(x, FinishedAttempt) else None
         while len(self._collected) > MAX_STASH:
             del self._collected[next(iter(self._collected))]
+        return out
+
+    def _unseen(self, rid: str, held: dict[str, FinishedAttempt | RolloutEnded]) -> bool:
+        """Whether ``collect`` has nothing of ``rid`` yet: neither kept, held nor returned before."""
+        return rid not in self._stash and rid not in held and rid not in self._collected
+
+    async def _ended_before_start(self, rids: list[str]) -> dict[str, FinishedAttempt | RolloutEnded]:
+        """The results of those of ``rids`` that ended before the feed's first position, by id, as
+        ``collect`` takes them from the feed (a ``RolloutEnded`` with a record as that record): the
+        feed never brings their end. Read from the log (``FollowFold.result_before``),
+        ``READS_AT_ONCE`` rollouts at a time; ``collect`` checks a result against the log now
+        before it returns it, as a kept one.
+
+        Raises:
+            ServiceUnavailableError: The log did not answer.
+        """
+        fold = self._fold
+        assert fold is not None
+        out: dict[str, FinishedAttempt | RolloutEnded] = {}
+        for i in range(0, len(rids), READS_AT_ONCE):
+            chunk = rids[i : i + READS_AT_ONCE]
+            got = await asyncio.gather(*(fold.result_before(rid, self.start_seq) for rid in chunk))
+            for rid, item in zip(chunk, got, strict=True):
+                if isinstance(item, RolloutEnded) and item.record is not None:
+                    item = item.record
+                if item is not None:
+                    out[rid] = item
         return out
 
     async def _check_not_collected_before(self, rid: str) -> None:
