@@ -1335,14 +1335,36 @@ async def test_a_rollout_queued_after_an_empty_poll_is_handed_out_at_once(
 
 async def _hand_back_next_entry(store: Any, rollout_id: str) -> int:
     """Take the queue's next entry without claiming it and hand it back (``nak``): offered again,
-    it is a redelivered entry (JetStream's num_delivered 2; in memory, a handed-back one). The
-    server takes the ``nak`` (a publish nobody answers) in its own time: a dequeue that must find
-    the entry again waits for it (``wait_s``); a ``no_wait`` pull just after can answer "no
-    messages" (seen under load)."""
+    it is a redelivered entry (JetStream's num_delivered 2; in memory, a handed-back one), which a
+    non-blocking dequeue finds once ``nak`` has returned
+    (``test_an_entry_handed_back_is_found_by_the_next_non_blocking_dequeue``)."""
     item = await store._log().next_queued(1.0)
     assert item is not None and item.rollout_id == rollout_id
     await item.nak(0.0)
     return int(item.seq)
+
+
+HAND_BACK_ROUNDS = 200
+
+
+async def test_an_entry_handed_back_is_found_by_the_next_non_blocking_dequeue(store: Any) -> None:
+    """Once ``nak`` returns, a non-blocking dequeue finds the entry it handed back, every time. On
+    JetStream the ``-NAK`` was a publish the server took in its own time, after a ``no_wait`` pull
+    that left in the same write: the pull answered "no messages" (5 in 100 under load), and the
+    empty answer's confirmation (``STREAM.INFO``) sees stream writes, not hand-backs."""
+    r = await store.enqueue_rollout({"q": 3})
+    log = store._log()
+    missed = []
+    for i in range(HAND_BACK_ROUNDS):
+        item = await log.next_queued(0.0)
+        if item is None:
+            missed.append(i)
+            item = await log.next_queued(10.0)  # the entry is still there: carry on with it
+        assert item is not None and item.rollout_id == r.rollout_id
+        await item.nak(0.0)
+    assert missed == [], f"{len(missed)} of {HAND_BACK_ROUNDS} non-blocking dequeues after a hand-back found nothing"
+    claimed = await store.dequeue_rollout(worker_id="w")
+    assert claimed is not None and claimed.rollout_id == r.rollout_id
 
 
 @pytest.mark.parametrize("requeue", ["failed", "update_rollout"])
@@ -1369,7 +1391,7 @@ async def test_a_requeued_rollouts_redelivered_entry_is_still_claimed(store: Any
         await store.update_attempt(r.rollout_id, a1, last_heartbeat_time=time.time())
     await settle(store)
     assert (await store.get_rollout_by_id(r.rollout_id)).status in ("queuing", "requeuing")
-    second = await store.dequeue_rollout(worker_id="w2", wait_s=10)
+    second = await store.dequeue_rollout(worker_id="w2")
     assert second is not None and second.rollout_id == r.rollout_id
     assert second.attempt.sequence_id == 2 and second.attempt.worker_id == "w2"
 
@@ -1380,7 +1402,7 @@ async def test_a_fresh_entry_handed_back_is_claimed_and_stale_ones_are_not(store
     r = await store.enqueue_rollout({"q": 2})
     await store.update_rollout(r.rollout_id, status="queuing")  # already queuing: no event, no entry
     await _hand_back_next_entry(store, r.rollout_id)
-    claimed = await store.dequeue_rollout(worker_id="w", wait_s=10)
+    claimed = await store.dequeue_rollout(worker_id="w")
     assert claimed is not None and claimed.rollout_id == r.rollout_id
     assert await store.dequeue_rollout(worker_id="w") is None
     await settle(store)

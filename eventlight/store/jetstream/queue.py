@@ -37,6 +37,7 @@ NO_WAIT_ANSWER_S = 10.0  # how long a no_wait pull may take to answer before the
 LONG_POLL_MARGIN_S = 5.0  # how much longer than its expiry a long poll waits for the server's answer
 EMPTY_CONFIRM_S = 0.010  # how long after a write a non-blocking dequeue waits for the consumer (see _pull)
 STREAM_INFO_TIMEOUT_S = 10.0
+HAND_BACK_ANSWER_S = 10.0  # how long a hand-back waits for the server to confirm it (see ``hand_back``)
 MAX_IDLE_INBOXES = 64  # idle pull inboxes kept for the next pulls; more are unsubscribed (see _pool)
 
 
@@ -54,10 +55,12 @@ _stream_times_decoder = msgspec.json.Decoder(_StreamTimes)
 
 
 class JetStreamQueued:
-    """One delivered queue message (see ``eventlight.store.ports.Queued``)."""
+    """One delivered queue message (see ``eventlight.store.ports.Queued``); ``queue``: the one that
+    pulled it, which hands it back (``nak``)."""
 
-    def __init__(self, msg: Any):
+    def __init__(self, msg: Any, queue: RunnersQueue):
         self.msg = msg
+        self.queue = queue
         self.rollout_id = rollout_of_subject(msg.subject)
         self.seq: int = msg.metadata.sequence.stream
         self.redelivered = (msg.metadata.num_delivered or 1) > 1
@@ -71,7 +74,12 @@ class JetStreamQueued:
         await self.msg.ack()
 
     async def nak(self, delay_s: float) -> None:
-        await self.msg.nak(delay=delay_s)
+        """Offer it again after ``delay_s`` seconds (``RunnersQueue.hand_back``).
+
+        Raises:
+            ServiceUnavailableError: NATS did not take it (or, for ``0``, did not confirm it).
+        """
+        await self.queue.hand_back(self.msg, delay_s)
 
     async def in_progress(self) -> None:
         await self.msg.in_progress()
@@ -117,7 +125,36 @@ class RunnersQueue:
             msg = await self._pull_request(
                 f'{{"batch":1,"expires":{expires}}}'.encode(), timeout_s=wait_s + LONG_POLL_MARGIN_S
             )
-        return JetStreamQueued(msg) if msg is not None else None
+        return JetStreamQueued(msg, self) if msg is not None else None
+
+    async def hand_back(self, msg: Any, delay_s: float) -> None:
+        """Hand a delivered entry back (``-NAK``): offered again after ``delay_s`` seconds.
+
+        For ``0`` (at once), the ``-NAK`` is sent as a request and this returns once the server
+        answers it, which it does after it has put the entry on the consumer's redelivery queue
+        (nats-server's ``processAck``: "ack the ack if requested"). A ``no_wait`` pull sent after
+        this returns finds the entry: the server answers such a pull from its count of pending and
+        redelivery-queued messages, and a ``-NAK`` published without a reply (nats-py's
+        ``msg.nak()``) is taken in the server's own time, on another goroutine than pulls, so a
+        pull that left in the same write could be told "no messages" (5 dequeues in 100 under
+        load; the empty answer's ``STREAM.INFO`` confirmation sees stream writes, not naks). The
+        round trip is paid by hand-backs only, never by a pull. A delayed hand-back is published
+        without an answer: the entry is not offered before its delay anyway.
+
+        Args:
+            msg: The entry as nats-py delivered it (``JetStreamQueued.msg``).
+            delay_s: Seconds before it is offered again (``0``: at once).
+
+        Raises:
+            ServiceUnavailableError: NATS did not take it, or did not confirm a ``0`` one in
+                ``HAND_BACK_ANSWER_S`` seconds.
+        """
+        with nats_errors(self.log.server, "handing back a queue entry"):
+            if delay_s > 0:
+                await msg.nak(delay=delay_s)
+                return
+            inbox = await self._send(msg.reply, b"-NAK", HAND_BACK_ANSWER_S)
+            await self._receive(inbox, HAND_BACK_ANSWER_S)
 
     async def _pull(self) -> Any:
         """The next message, or ``None`` if the queue is empty, without nats-py's 50 ms minimum wait.
