@@ -37,7 +37,7 @@ Rollout (an aggregated view of its latest attempt)
       and ``sequence_id < max_attempts``, else ``failed``.
     * ``cancelled`` only by ``update_rollout``. The cancel also ends every attempt not yet finished
       (``preparing``/``running``/``unresponsive``): ``failed`` with ``CANCELLED_REASON`` as its
-      reason, in the same append. So a rollout cancelled and then requeued (``update_rollout(
+      reason, in the same append (just before the cancel). So a rollout cancelled and then requeued (``update_rollout(
       status="queuing")``) is run by a fresh attempt: the old runner's next heartbeat or span can no
       longer take it back (a ``failed`` attempt is never revived), and that runner, asking
       ``rollout_cancelled`` about its attempt, stops its agent. 0.3.0 marks no attempt: its runner's
@@ -264,12 +264,14 @@ def _decide_update_rollout(state: RolloutState, cmd: UpdateRollout, now: float) 
     updated = RolloutUpdated(time=now, rollout_id=old.rollout_id, **changes)
     if changes.get("status") != "cancelled":
         return [updated]
-    return [updated, *_end_attempts_of_cancel(state, updated, now)]
+    return [*_end_attempts_of_cancel(state, updated, now), updated]
 
 
 def _end_attempts_of_cancel(state: RolloutState, cancel: RolloutUpdated, now: float) -> list[RolloutEvent]:
     """The attempts not yet finished when their rollout is cancelled, recorded ``failed`` with
-    ``CANCELLED_REASON``; decided after ``cancel``, so none moves the cancelled rollout."""
+    ``CANCELLED_REASON``. Decided on the cancelled rollout, so none moves it (``_propagate``), and
+    appended just before ``cancel``, so a subscriber's record of each attempt (yielded where it is
+    done) shows it ``failed``, as the read model has it after the append."""
     cancelled = evolve(state, cancel)
     assert cancelled is not None
     failed: AttemptStatus = "failed"
