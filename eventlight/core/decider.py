@@ -43,10 +43,10 @@ Rollout (an aggregated view of its latest attempt)
       ``rollout_cancelled`` about its attempt, stops its agent. 0.3.0 marks no attempt: its runner's
       next heartbeat takes the requeued rollout back, as if it had never been cancelled.
     * A rollout in the queue (``queuing``/``requeuing``) is not failed by its latest attempt: one sent
-      back by ``update_rollout(status="queuing")`` while its attempt ran (a runner stopping the agent of
-      a cancelled rollout records ``failed`` after the requeue) waits for its next run, as does one
-      ``requeuing`` whose ``unresponsive`` attempt reports ``failed`` late. A late ``running`` or
-      ``succeeded`` still takes it (0.3.0: the attempt revived).
+      back by ``update_rollout(status="queuing")`` while its attempt ran waits for its next run, as
+      does one ``requeuing`` whose ``unresponsive`` attempt reports ``failed`` late. A late
+      ``running`` or ``succeeded`` still takes it (0.3.0: the attempt revived), unless a cancel
+      before the requeue ended that attempt (see ``cancelled`` above).
     * A terminal rollout (``succeeded``, ``failed``, ``cancelled``) stays as it is whatever its
       attempts do afterwards: a late update of its latest attempt is recorded on the attempt, and
       the rollout keeps its status and ``end_time``. So a rollout ``failed`` because its latest
