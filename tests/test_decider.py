@@ -148,13 +148,49 @@ def test_cancel_is_sticky() -> None:
     state = claimed(created())
     state = apply(state, d.decide(state, d.UpdateRollout(status="cancelled"), T0 + 3))
     assert state.rollout.status == "cancelled" and state.rollout.end_time == T0 + 3
-    events = d.decide(state, d.UpdateAttempt(attempt_id="at-1", status="succeeded"), T0 + 4)
+    with pytest.raises(InvalidTransitionError, match="already finished"):  # the cancel ended it
+        d.decide(state, d.UpdateAttempt(attempt_id="at-1", status="succeeded"), T0 + 4)
+    events = d.decide(state, d.UpdateAttempt(attempt_id="at-1", last_heartbeat_time=T0 + 4), T0 + 4)
     assert events[0].rollout_status is None
     assert apply(state, events).rollout.status == "cancelled"
     with pytest.raises(InvalidTransitionError):
         d.decide(state, d.UpdateRollout(status="running"), T0 + 5)
     requeued = d.decide(state, d.UpdateRollout(status="queuing"), T0 + 5)
     assert isinstance(requeued[0], RolloutUpdated) and enters_queue(requeued[0])
+
+
+def test_a_cancel_ends_the_attempts_not_yet_finished_so_a_requeue_is_not_taken_back() -> None:
+    """``update_rollout(status="cancelled")`` records every attempt not yet finished (``running``,
+    ``unresponsive``; a ``succeeded`` one is left) ``failed`` with ``CANCELLED_REASON``, after the
+    cancel, so the rollout stays ``cancelled``. Requeued then, the old runner's heartbeat and span
+    no longer take it back (0.3.0's revive rule did: the cancel was undone), and the next claim
+    starts attempt 2."""
+    from eventlight.core.types import CANCELLED_REASON, STATUS_REASON, ended_by_cancel
+
+    cfg = RolloutConfig(max_attempts=3, retry_condition=["unresponsive"])
+    state = update(claimed(created(cfg)), "at-1", "unresponsive")
+    state = update(claimed(state, "at-2", now=T0 + 3), "at-2", "running", now=T0 + 4)
+    state = apply(state, d.decide(state, d.UpdateAttempt(attempt_id="at-2", metadata={"k": 1}), T0 + 4))
+    events = d.decide(state, d.UpdateRollout(status="cancelled"), T0 + 5)
+    assert [type(e).__name__ for e in events] == ["AttemptUpdated", "AttemptUpdated", "RolloutUpdated"]
+    assert all(e.rollout_status is None for e in events[:-1])
+    state = apply(state, events)
+    assert (state.rollout.status, state.rollout.end_time) == ("cancelled", T0 + 5)
+    assert [(a.status, a.end_time) for a in state.attempts] == [("failed", T0 + 5)] * 2
+    assert state.latest.metadata == {"k": 1, STATUS_REASON: CANCELLED_REASON} and ended_by_cancel(state.latest)
+    state = apply(state, d.decide(state, d.UpdateRollout(status="queuing"), T0 + 6))
+    beat = d.decide(state, d.UpdateAttempt(attempt_id="at-2", last_heartbeat_time=T0 + 7), T0 + 7)
+    assert beat[0].rollout_status is None
+    state = apply(state, beat)
+    span = Span.from_attributes(attributes={}, rollout_id="ro-1", attempt_id="at-2", sequence_id=1)
+    state = evolve(state, SpansAdded(time=T0 + 8, rollout_id="ro-1", attempt_id="at-2", spans=[span]))
+    assert (state.rollout.status, state.latest.status) == ("queuing", "failed")
+    assert claimed(state, "at-3", now=T0 + 9).latest.sequence_id == 3
+
+    done = update(claimed(created()), "at-1", "succeeded")
+    done = apply(done, d.decide(done, d.UpdateRollout(status="queuing"), T0 + 3))  # a requeue ends nothing
+    events = d.decide(done, d.UpdateRollout(status="cancelled"), T0 + 4)
+    assert len(events) == 1 and apply(done, events).latest.status == "succeeded"  # a finished one is left
 
 
 def test_a_finished_rollout_does_not_follow_a_late_update_of_its_latest_attempt() -> None:
@@ -180,20 +216,30 @@ def test_a_finished_rollout_does_not_follow_a_late_update_of_its_latest_attempt(
 
 
 def test_a_rollout_back_in_the_queue_is_not_failed_by_its_last_attempt() -> None:
-    """``update_rollout(status="queuing")`` while the attempt runs (a runner that stopped the agent
-    of a cancelled rollout records ``failed`` after the requeue): the attempt is ``failed``, the
-    rollout stays ``queuing`` for its next run (it went to ``failed``, the requeue lost); a
-    ``requeuing`` rollout whose ``unresponsive`` attempt reports ``failed`` late keeps its retry.
-    A late ``running`` still takes the rollout back (the attempt revived, as in 0.3.0)."""
+    """``update_rollout(status="queuing")`` while the attempt runs: the attempt's late ``failed``
+    is recorded, the rollout stays ``queuing`` for its next run (it went to ``failed``, the requeue
+    lost); a ``requeuing`` rollout whose ``unresponsive`` attempt reports ``failed`` late keeps its
+    retry. A late ``running`` still takes the rollout back (the attempt revived, as in 0.3.0),
+    unless a cancel before the requeue ended the attempt: a runner that stopped the agent of a
+    cancelled rollout then records only its reason."""
     state = claimed(created())
-    for status in ("cancelled", "queuing"):
-        state = apply(state, d.decide(state, d.UpdateRollout(status=status), T0 + 3))
+    state = apply(state, d.decide(state, d.UpdateRollout(status="queuing"), T0 + 3))
     events = d.decide(state, d.UpdateAttempt(attempt_id="at-1", status="failed"), T0 + 4)
     assert events[0].rollout_status is None and not enters_queue(events[0])
     after = apply(state, events)
     assert (after.rollout.status, after.latest.status) == ("queuing", "failed") and d.is_claimable(after)
     revived = d.decide(state, d.UpdateAttempt(attempt_id="at-1", status="running"), T0 + 4)
     assert revived[0].rollout_status == "running"
+
+    state = claimed(created())
+    for status in ("cancelled", "queuing"):
+        state = apply(state, d.decide(state, d.UpdateRollout(status=status), T0 + 3))
+    reason = {"eventlight.status_reason": "the rollout was cancelled while the attempt ran; the runner stopped"}
+    events = d.decide(state, d.UpdateAttempt(attempt_id="at-1", status="failed", metadata=reason), T0 + 4)
+    assert [(e.status, e.metadata, e.rollout_status) for e in events] == [(msgspec.UNSET, reason, None)]
+    assert d.is_claimable(apply(state, events))
+    with pytest.raises(InvalidTransitionError, match="already finished"):
+        d.decide(state, d.UpdateAttempt(attempt_id="at-1", status="running"), T0 + 4)
 
     cfg = RolloutConfig(max_attempts=2, retry_condition=["unresponsive"])
     state = claimed(created(cfg))
@@ -235,6 +281,32 @@ def test_watchdog_ignores_finished_and_queued_rollouts() -> None:
     cfg = RolloutConfig(timeout_seconds=1)
     assert d.decide(created(cfg), d.CheckHealth(), T0 + 100) == []
     assert d.decide(update(claimed(created(cfg)), "at-1", "succeeded"), d.CheckHealth(), T0 + 100) == []
+
+
+def test_watchdog_marks_a_live_latest_attempt_of_a_rollout_not_in_flight_and_moves_nothing_else() -> None:
+    """The latest attempt, revived by a late span after its rollout ``failed`` (or still running
+    under a rollout marked ``succeeded`` by hand, or sent back to the queue), whose runner then
+    vanished: the watchdog marks it by the config (0.3.0 watches a latest attempt only while its
+    rollout is in flight: it stayed ``running`` for ever); the rollout keeps its status and end."""
+    from eventlight.store.fold import watched
+
+    cfg = RolloutConfig(unresponsive_seconds=5, timeout_seconds=100)
+    span = Span.from_attributes(attributes={}, rollout_id="ro-1", attempt_id="at-1", sequence_id=1)
+    failed = update(claimed(created(cfg)), "at-1", "unresponsive")
+    revived = evolve(failed, SpansAdded(time=T0 + 3, rollout_id="ro-1", attempt_id="at-1", spans=[span]))
+    assert (revived.rollout.status, revived.latest.status) == ("failed", "running")
+    running = claimed(created(cfg))
+    beat = d.UpdateAttempt(attempt_id="at-1", status="running", last_heartbeat_time=T0 + 3)
+    running = apply(running, d.decide(running, beat, T0 + 3))
+    by_hand = [apply(running, d.decide(running, d.UpdateRollout(status=s), T0 + 3)) for s in ("succeeded", "queuing")]
+    for state in (revived, *by_hand):
+        assert watched(state) and d.decide(state, d.CheckHealth(), T0 + 7) == []
+        for at, status in ((T0 + 9, "unresponsive"), (T0 + 102, "timeout")):
+            [event] = d.decide(state, d.CheckHealth(), at)
+            assert (event.status, event.rollout_status, event.rollout_end_time) == (status, None, None)
+            after = apply(state, [event])
+            assert after.rollout == state.rollout and not watched(after)
+    assert not watched(update(revived, "at-1", "succeeded", now=T0 + 4))
 
 
 def test_an_abandoned_attempt_in_flight_fails_with_the_reason_and_a_finished_one_is_left_alone() -> None:

@@ -16,10 +16,10 @@ from eventlight.store.jetstream.projector.leader import IN_FLIGHT_SQL
 
 OR_FORM = (
     f"SELECT {ROLLOUT_COLS}, last_seq FROM rollouts WHERE status IN ('preparing', 'running') "
-    "OR rollout_id IN (SELECT a.rollout_id FROM attempts a JOIN rollouts r USING (rollout_id) "
-    "WHERE a.status IN ('preparing', 'running') AND a.attempt_id <> r.latest_attempt_id)"
+    "OR rollout_id IN (SELECT a.rollout_id FROM attempts a WHERE a.status IN ('preparing', 'running'))"
 )
-"""The reload query until migration 014 (it read every rollout and every attempt)."""
+"""The reload query's rows in the form it had until migration 014 (which read every rollout and every
+attempt); since the watchdog checks every live attempt, a latest one too, without its ``<> latest``."""
 
 LIMIT = RolloutConfig(unresponsive_seconds=5.0, max_attempts=3, retry_condition=["unresponsive", "failed"])
 NO_LIMIT = RolloutConfig(max_attempts=3, retry_condition=["unresponsive"])
@@ -38,12 +38,22 @@ async def revived(store: JetStreamLightningStore, config: RolloutConfig, *, fini
     return r.rollout_id
 
 
+async def finished_under(store: JetStreamLightningStore) -> str:
+    """A rollout marked ``succeeded`` by hand while its only attempt runs on."""
+    r = await store.enqueue_rollout("finished under", config=LIMIT)
+    a = (await store.dequeue_rollout(worker_id="a")).attempt
+    await store.update_attempt(r.rollout_id, a.attempt_id, status="running")
+    await store.update_rollout(r.rollout_id, status="succeeded")
+    return r.rollout_id
+
+
 async def every_case(store: JetStreamLightningStore) -> dict[str, str]:
     """One rollout of each kind the reload tells apart, by name; the dequeues take them in this order."""
     ids = {
         "finished, superseded attempt live, a limit": await revived(store, LIMIT, finish=True),
         "finished, superseded attempt live, no limit": await revived(store, NO_LIMIT, finish=True),
         "in flight, superseded attempt live": await revived(store, LIMIT, finish=False),
+        "finished, latest attempt live": await finished_under(store),
     }
     for name in ("preparing", "running", "finished", "requeuing", "queuing"):
         ids[name] = (await store.enqueue_rollout(name, config=LIMIT)).rollout_id
@@ -80,6 +90,7 @@ async def test_the_reload_reads_the_rows_the_or_form_read(namespace: Settings) -
         "in flight, superseded attempt live",
         "finished, superseded attempt live, a limit",
         "finished, superseded attempt live, no limit",  # read, then left out by fold.watched
+        "finished, latest attempt live",
     }
     assert len(new) == len(read)  # a rollout both arms find is read once
 

@@ -920,3 +920,59 @@ async def test_a_rollout_requeued_after_its_cancel_stopped_the_agent_runs_again(
     assert (await store.get_rollout_by_id(first.rollout_id)).status == "queuing"
     again = await runner_store.dequeue_rollout(worker_id="w-2")
     assert again is not None and again.rollout_id == first.rollout_id and again.attempt.sequence_id == 2
+
+
+async def test_a_rollout_cancelled_and_requeued_before_the_next_heartbeat_stops_the_old_agent(
+    store: Any, runner_store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cancel, then requeue, between two heartbeats of the runner running the rollout: its next
+    heartbeat took the requeued rollout back (0.3.0's revive rule) and its cancel check, asking
+    about the rollout, said no: the agent of a cancelled run ran on as the rollout's run. Now the
+    cancel records the attempt ``failed`` and the check asks about the attempt: the old agent is
+    stopped, and the requeued rollout is claimed by a fresh attempt (here by the same runner)."""
+    from eventlight.core.types import STATUS_REASON
+
+    await store.add_resources(RESOURCES)
+    started, never, beat = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    seen: list[str] = []
+
+    @agl.rollout
+    async def agent(task: dict, prompt_template: agl.PromptTemplate) -> float:
+        seen.append("start")
+        if len(seen) == 1:
+            started.set()
+            try:
+                await never.wait()  # set by nobody: only a cancel ends it
+            except asyncio.CancelledError:
+                seen.append("cancelled")
+                raise
+        return 1.0
+
+    update_attempt = runner_store.update_attempt
+
+    async def beating(*args: Any, **kwargs: Any) -> Any:  # the runner's heartbeats, seen
+        try:
+            return await update_attempt(*args, **kwargs)
+        finally:
+            if "last_heartbeat_time" in kwargs:
+                beat.set()
+
+    monkeypatch.setattr(runner_store, "update_attempt", beating)
+    first = await store.enqueue_rollout({"n": 0}, config=agl.RolloutConfig(unresponsive_seconds=600))
+    runner = agl.LitAgentRunner(agl.OtelTracer(), max_rollouts=2, poll_interval=0.05, heartbeat_interval=1.0)
+    with runner.run_context(agent=agent, store=runner_store, worker_id=0):
+        loop = asyncio.create_task(runner.iter())
+        await asyncio.wait_for(started.wait(), 30)
+        beat.clear()
+        await asyncio.wait_for(beat.wait(), 30)  # a heartbeat just went: the next is 1 s away
+        await store.update_rollout(first.rollout_id, status="cancelled")
+        await store.update_rollout(first.rollout_id, status="queuing")
+        assert await asyncio.wait_for(loop, 30) == 2
+    assert seen == ["start", "cancelled", "start"]
+    [done] = await store.wait_for_rollouts(rollout_ids=[first.rollout_id], timeout=10)
+    assert (done.status, done.attempt.sequence_id) == ("succeeded", 2)
+    if hasattr(store, "sync_all"):
+        await store.sync_all(timeout_s=10)
+    old, new = await store.query_attempts(first.rollout_id)
+    assert old.status == "failed" and old.metadata[STATUS_REASON].startswith("the rollout was cancelled")
+    assert new.status == "succeeded"

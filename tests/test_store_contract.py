@@ -41,6 +41,9 @@ from eventlight.core.types import (
 from eventlight.settings import Settings
 from tests.conftest import reward_span
 
+CANCELLED_REASON = "the rollout was cancelled while the attempt ran"
+"""``eventlight.core.types.CANCELLED_REASON``: what a cancel records on the attempts it ends."""
+
 
 async def settle(store: Any) -> None:
     """Wait until reads include every write, whoever made it (a no-op in memory)."""
@@ -371,9 +374,15 @@ async def test_cancelled_rollout_is_skipped_and_stays_cancelled(store: Any, runn
     c = await store.enqueue_rollout("c")
     dc = await runner_store.dequeue_rollout()
     await store.update_rollout(c.rollout_id, status="cancelled")
-    await runner_store.update_attempt(c.rollout_id, dc.attempt.attempt_id, status="succeeded")
+    with pytest.raises(InvalidTransitionError, match="already finished"):  # the cancel ended the attempt
+        await runner_store.update_attempt(c.rollout_id, dc.attempt.attempt_id, status="succeeded")
     await settle(store)
-    assert (await store.get_rollout_by_id(c.rollout_id)).status == "cancelled"
+    got = await store.get_rollout_by_id(c.rollout_id)
+    assert (got.status, got.attempt.status, got.attempt.metadata) == (
+        "cancelled",
+        "failed",
+        {STATUS_REASON: CANCELLED_REASON},
+    )
     with pytest.raises(InvalidTransitionError, match="cancelled"):
         await store.update_rollout(c.rollout_id, status="running")
 
@@ -1250,6 +1259,65 @@ async def test_a_revived_superseded_attempt_whose_runner_vanishes_again_is_marke
         )
         assert (await store.get_worker_by_id("a")).status == "unknown"
         assert await watchdog(store, silent + 2000) == (0 if b_finishes_first else 1)  # then only B, if live
+
+
+async def test_a_finished_rollouts_revived_latest_attempt_whose_runner_vanishes_is_marked(
+    store: Any, runner_store: Any
+) -> None:
+    """A rollout ``failed`` because its only attempt went ``unresponsive`` (no retry left); the
+    runner's late span revives the attempt (``running``: the finished rollout keeps ``failed``),
+    then the runner vanishes. The watchdog marks the attempt ``unresponsive`` once more, and
+    ``timeout`` past ``timeout_seconds`` after another late span, and the rollout keeps ``failed``
+    and its ``end_time``. It used to check a latest attempt only while its rollout was in flight:
+    the revived attempt stayed ``running`` for ever (as in 0.3.0)."""
+    r = await store.enqueue_rollout("x", config=RolloutConfig(unresponsive_seconds=5, timeout_seconds=100))
+    rid = r.rollout_id
+    a = (await runner_store.dequeue_rollout(worker_id="a")).attempt
+    await settle(store)
+    assert await watchdog(store, a.start_time + 6) == 1
+    (ended,) = await store.wait_for_rollouts(rollout_ids=[rid], timeout=10)
+    assert ended.status == "failed" and ended.end_time is not None
+    for seq, status in ((1, "unresponsive"), (2, "timeout")):
+        await runner_store.add_span(reward_span(rid, a.attempt_id, seq, 0.1))  # back late: revived
+        await settle(store)
+        [revived] = await store.query_attempts(rid)
+        assert revived.status == "running" and revived.last_heartbeat_time is not None
+        silent = revived.last_heartbeat_time + 6 if status == "unresponsive" else a.start_time + 101
+        assert await watchdog(store, silent) == 1
+        await settle(store)
+        [marked] = await store.query_attempts(rid)
+        assert marked.status == status and marked.metadata[STATUS_REASON].startswith(status)
+        got = await store.get_rollout_by_id(rid)
+        assert (got.status, got.end_time) == ("failed", ended.end_time)
+    assert await watchdog(store, a.start_time + 2000) == 0
+
+
+async def test_a_cancelled_rollout_requeued_before_its_runners_heartbeat_is_not_taken_back(
+    store: Any, runner_store: Any
+) -> None:
+    """Cancel, then requeue (``update_rollout(status="queuing")``) before the runner's next
+    heartbeat: the cancel recorded the runner's attempt ``failed`` (``CANCELLED_REASON``), so that
+    heartbeat leaves the rollout in the queue, ``rollout_cancelled`` tells the runner its attempt
+    was cancelled, and the next claim starts attempt 2. Without that the heartbeat took the
+    requeued rollout back (0.3.0's revive rule) and the runner, asking about the rollout, ran on."""
+    r = await store.enqueue_rollout("x", config=RolloutConfig(unresponsive_seconds=30))
+    rid = r.rollout_id
+    a = (await runner_store.dequeue_rollout(worker_id="a")).attempt
+    await store.update_rollout(rid, status="cancelled")
+    await store.update_rollout(rid, status="queuing")
+    beat = await runner_store.update_attempt(rid, a.attempt_id, last_heartbeat_time=time.time())
+    assert beat.status == "failed" and beat.metadata == {STATUS_REASON: CANCELLED_REASON}
+    await settle(store)
+    assert (await store.get_rollout_by_id(rid)).status == "queuing"
+    assert await runner_store.rollout_cancelled(rid, a.attempt_id) is True
+    assert await runner_store.rollout_cancelled(rid) is False  # the rollout itself is queued again
+    b = await runner_store.dequeue_rollout(worker_id="b")
+    assert b is not None and (b.rollout_id, b.attempt.sequence_id) == (rid, 2)
+    assert await runner_store.rollout_cancelled(rid, a.attempt_id) is True
+    assert await runner_store.rollout_cancelled(rid, b.attempt.attempt_id) is False
+    await runner_store.update_attempt(rid, b.attempt.attempt_id, status="succeeded")
+    (done,) = await store.wait_for_rollouts(rollout_ids=[rid], timeout=10)
+    assert (done.status, done.attempt.attempt_id) == ("succeeded", b.attempt.attempt_id)
 
 
 async def test_statistics_and_capabilities(store: Any, runner_store: Any, zero_copy: bool) -> None:

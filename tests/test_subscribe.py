@@ -120,9 +120,9 @@ async def test_a_superseded_attempt_still_live_when_its_rollout_ends_is_never_co
 async def test_an_attempt_its_rollouts_end_finished_is_recorded_as_the_read_model_has_it(store: Any) -> None:
     """The feed carries no spans, yet spans move attempts: A's late span revived its superseded
     attempt (``unresponsive`` -> ``running``) before B's success ended the rollout, and a cancelled
-    rollout's attempt had moved ``preparing`` -> ``running`` on its first span. Each record shows
-    its attempt as the read model has it at that position (DESIGN: one fold), not ``unresponsive``
-    or ``preparing``."""
+    rollout's attempt had moved ``preparing`` -> ``running`` on its first span before the cancel
+    ended it (``failed``). Each record shows its attempt as the read model has it at that position
+    (DESIGN: one fold), not ``unresponsive`` or ``preparing``."""
     config = RolloutConfig(max_attempts=3, retry_condition=["unresponsive"])
     r = await store.enqueue_rollout({"task": "vanished"}, config=config)
     rid = r.rollout_id
@@ -140,11 +140,13 @@ async def test_an_attempt_its_rollouts_end_finished_is_recorded_as_the_read_mode
     await store.sync_all(timeout_s=10)
     model = {x.attempt_id: x for x in [*await store.query_attempts(rid), *await store.query_attempts(c.rollout_id)]}
     got = [(x.attempt_id, x.status, x.latest) for x in records if x is not None]
-    assert got == [(a.attempt_id, "running", False), (b.attempt_id, "succeeded", True), (d.attempt_id, "running", True)]
+    assert got == [(a.attempt_id, "running", False), (b.attempt_id, "succeeded", True), (d.attempt_id, "failed", True)]
     for x in records:
         assert x is not None
-        if x.attempt_id != b.attempt_id:  # done with a status a span can change: exactly the model's
+        if x.attempt_id == a.attempt_id:  # done with a status a span can change: exactly the model's
             assert x.attempt == model[x.attempt_id]
+        else:  # done with a final status, which no span changes (their heartbeat time is not folded)
+            assert (x.attempt.status, x.attempt.metadata) == (model[x.attempt_id].status, model[x.attempt_id].metadata)
 
 
 async def test_a_finished_rollout_sent_back_to_the_queue_is_collected_from_its_next_run(store: Any) -> None:

@@ -121,8 +121,8 @@ class UpdateRollout(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class CheckHealth(msgspec.Struct, frozen=True, kw_only=True):
-    """The watchdog's command: mark live attempts ``timeout``/``unresponsive`` when overdue (the
-    latest while its rollout is in flight, a superseded one whatever the rollout's status)."""
+    """The watchdog's command: mark live attempts ``timeout``/``unresponsive`` when overdue (every
+    one, whatever its rollout's status; only the latest of a rollout in flight moves the rollout)."""
 
 
 class AbandonAttempt(msgspec.Struct, frozen=True, kw_only=True):

@@ -18,11 +18,14 @@ Attempt
     * ``end_time`` is set on every terminal status, ``timeout`` and ``unresponsive`` included (docs).
     * The watchdog's ``timeout``/``unresponsive`` writes its reason into the attempt's metadata
       (``STATUS_REASON``); a runner writes its own there when it records ``failed``.
-    * The watchdog checks the latest attempt while its rollout is ``preparing``/``running`` (0.3.0),
-      and also every superseded attempt still ``preparing``/``running``, whatever its rollout's status:
-      one a late span revived after its retry was claimed, whose runner then vanished again. 0.3.0
-      never checks those, so they stay ``running`` for ever; here they go ``unresponsive``/``timeout``
-      by the rollout's ``RolloutConfig`` and, not being the latest, move nothing else (C01).
+    * The watchdog checks every attempt still ``preparing``/``running``, whatever its rollout's
+      status: the latest one of a rollout in flight (0.3.0, which checks only these), and also one
+      a late span revived after its rollout finished or after its retry was claimed (superseded),
+      or one still running under a rollout sent back to the queue, whose runner then vanished.
+      0.3.0 never checks those, so they stay ``running`` for ever; here they go
+      ``unresponsive``/``timeout`` by the rollout's ``RolloutConfig`` and move nothing else: a
+      superseded attempt never moves its rollout (C01), a finished rollout is sticky and one in the
+      queue waits for its next run (``_propagate``).
     * ``AbandonAttempt`` (a runner process died; its pool records it) → ``failed`` with the reason
       in its metadata, from ``preparing``/``running``/``unresponsive``; a finished attempt is left
       as it is (no events).
@@ -32,12 +35,18 @@ Rollout (an aggregated view of its latest attempt)
     * latest attempt ``preparing``/``running``/``succeeded`` → same rollout status.
     * ``failed``/``timeout``/``unresponsive`` → ``requeuing`` if the status is in ``retry_condition``
       and ``sequence_id < max_attempts``, else ``failed``.
-    * ``cancelled`` only by ``update_rollout``.
+    * ``cancelled`` only by ``update_rollout``. The cancel also ends every attempt not yet finished
+      (``preparing``/``running``/``unresponsive``): ``failed`` with ``CANCELLED_REASON`` as its
+      reason, in the same append (just before the cancel). So a rollout cancelled and then requeued (``update_rollout(
+      status="queuing")``) is run by a fresh attempt: the old runner's next heartbeat or span can no
+      longer take it back (a ``failed`` attempt is never revived), and that runner, asking
+      ``rollout_cancelled`` about its attempt, stops its agent. 0.3.0 marks no attempt: its runner's
+      next heartbeat takes the requeued rollout back, as if it had never been cancelled.
     * A rollout in the queue (``queuing``/``requeuing``) is not failed by its latest attempt: one sent
-      back by ``update_rollout(status="queuing")`` while its attempt ran (a runner stopping the agent of
-      a cancelled rollout records ``failed`` after the requeue) waits for its next run, as does one
-      ``requeuing`` whose ``unresponsive`` attempt reports ``failed`` late. A late ``running`` or
-      ``succeeded`` still takes it (0.3.0: the attempt revived).
+      back by ``update_rollout(status="queuing")`` while its attempt ran waits for its next run, as
+      does one ``requeuing`` whose ``unresponsive`` attempt reports ``failed`` late. A late
+      ``running`` or ``succeeded`` still takes it (0.3.0: the attempt revived), unless a cancel
+      before the requeue ended that attempt (see ``cancelled`` above).
     * A terminal rollout (``succeeded``, ``failed``, ``cancelled``) stays as it is whatever its
       attempts do afterwards: a late update of its latest attempt is recorded on the attempt, and
       the rollout keeps its status and ``end_time``. So a rollout ``failed`` because its latest
@@ -76,6 +85,7 @@ from eventlight.core.events import AttemptStarted, AttemptUpdated, RolloutCreate
 from eventlight.core.evolve import evolve
 from eventlight.core.types import (
     ATTEMPT_STATUSES,
+    CANCELLED_REASON,
     QUEUING_STATUSES,
     ROLLOUT_STATUSES,
     STATUS_REASON,
@@ -251,32 +261,50 @@ def _decide_update_rollout(state: RolloutState, cmd: UpdateRollout, now: float) 
                 changes["end_time"] = now
     if not changes:
         return []
-    return [RolloutUpdated(time=now, rollout_id=old.rollout_id, **changes)]
+    updated = RolloutUpdated(time=now, rollout_id=old.rollout_id, **changes)
+    if changes.get("status") != "cancelled":
+        return [updated]
+    return [*_end_attempts_of_cancel(state, updated, now), updated]
 
 
-def _decide_health(state: RolloutState, now: float) -> list[RolloutEvent]:
-    """The watchdog's events: the latest attempt of a rollout in flight, and every superseded attempt
-    still live (a runner back after its retry was claimed, which vanished again), whatever its
-    rollout's status; only the latest one moves the rollout (``_propagate``)."""
+def _end_attempts_of_cancel(state: RolloutState, cancel: RolloutUpdated, now: float) -> list[RolloutEvent]:
+    """The attempts not yet finished when their rollout is cancelled, recorded ``failed`` with
+    ``CANCELLED_REASON``. Decided on the cancelled rollout, so none moves it (``_propagate``), and
+    appended just before ``cancel``, so a subscriber's record of each attempt (yielded where it is
+    done) shows it ``failed``, as the read model has it after the append."""
+    cancelled = evolve(state, cancel)
+    assert cancelled is not None
+    failed: AttemptStatus = "failed"
+    ends = [
+        (a.attempt_id, failed, CANCELLED_REASON) for a in cancelled.attempts if a.status not in FINAL_ATTEMPT_STATUSES
+    ]
+    return _end_attempts(cancelled, ends, now)
+
+
+def _end_attempts(state: RolloutState, ends: list[tuple[str, AttemptStatus, str]], now: float) -> list[RolloutEvent]:
+    """The events of ``(attempt_id, status, reason)`` ends, each decided on the state after the
+    ones before it; the reason goes into the attempt's metadata (``STATUS_REASON``)."""
     events: list[RolloutEvent] = []
-    latest = state.latest
-    for attempt in state.attempts:
-        if attempt.status not in LIVE_ATTEMPT_STATUSES:
-            continue
-        if attempt is latest and state.rollout.status not in ("preparing", "running"):
-            continue  # 0.3.0 watches a rollout's latest attempt only while the rollout is in flight
-        found = _overdue(attempt, state.rollout.config, now)
-        if found is None:
-            continue
-        status, reason = found
-        metadata = {**(attempt.metadata or {}), STATUS_REASON: reason}
-        update = UpdateAttempt(attempt_id=attempt.attempt_id, status=status, metadata=metadata)
+    for attempt_id, status, reason in ends:
+        metadata = {**(state.attempt(attempt_id).metadata or {}), STATUS_REASON: reason}
+        update = UpdateAttempt(attempt_id=attempt_id, status=status, metadata=metadata)
         for event in _decide_update_attempt(state, update, now):
             events.append(event)
             evolved = evolve(state, event)
             assert evolved is not None
             state = evolved
     return events
+
+
+def _decide_health(state: RolloutState, now: float) -> list[RolloutEvent]:
+    """The watchdog's events: every attempt still live, whatever its rollout's status (a runner
+    revived by a late span after its rollout finished or its retry was claimed, which vanished
+    again); only the latest one of a rollout in flight moves the rollout (``_propagate``)."""
+    ends = []
+    for attempt in state.attempts:
+        if attempt.status in LIVE_ATTEMPT_STATUSES and (found := _overdue(attempt, state.rollout.config, now)):
+            ends.append((attempt.attempt_id, *found))
+    return _end_attempts(state, ends, now)
 
 
 def _overdue(attempt: Attempt, cfg: RolloutConfig, now: float) -> tuple[AttemptStatus, str] | None:

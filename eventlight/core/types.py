@@ -118,6 +118,18 @@ STATUS_REASON = "eventlight.status_reason"
 """Attempt metadata key: one line saying why the attempt ended ``failed``/``timeout``/``unresponsive``
 (the watchdog's overrun, the agent's exception, spans the tracer could not deliver)."""
 
+CANCELLED_REASON = "the rollout was cancelled while the attempt ran"
+"""The ``STATUS_REASON`` of an attempt ended ``failed`` by its rollout's cancel
+(``update_rollout(status="cancelled")`` records every attempt not yet finished so); a runner that
+stopped its agent for it writes this text and what it did (``eventlight.runner.loop.ROLLOUT_CANCELLED``)."""
+
+
+def ended_by_cancel(attempt: Attempt) -> bool:
+    """Whether ``attempt`` was ended by its rollout's cancel: ``failed`` with ``CANCELLED_REASON``
+    (or a runner's longer reason that begins with it) as its ``STATUS_REASON``."""
+    reason = (attempt.metadata or {}).get(STATUS_REASON)
+    return attempt.status == "failed" and isinstance(reason, str) and reason.startswith(CANCELLED_REASON)
+
 
 class Rollout(ModelDump, msgspec.Struct, kw_only=True):
     """A unit of work (a task) and its aggregated status; see ``deep-dive_store.md``."""

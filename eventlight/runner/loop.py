@@ -14,8 +14,10 @@ Differences from 0.3.0, each deliberate:
       (``cancel_reason``, which ``RunnerPool`` sets before it cancels: SIGTERM, a lost NATS
       connection; else "the runner was cancelled (CancelledError) while the attempt ran");
     * a rollout cancelled while its agent runs (``update_rollout(status="cancelled")``, GRPO's and
-      APO's late rollouts) stops the agent: each heartbeat asks the store (``rollout_cancelled``:
-      eventlight's answers from its log; another store is asked ``get_rollout_by_id``), the agent's
+      APO's late rollouts) stops the agent: each heartbeat asks the store whether the rollout was
+      cancelled or the attempt ended by a cancel, which holds after a requeue too
+      (``rollout_cancelled``: eventlight's answers from its log; another store is asked
+      ``get_rollout_by_id``); so heartbeats off (``heartbeat_interval <= 0``) mean no stop; the agent's
       task is cancelled and given ``_AGENT_CANCEL_GRACE_S`` to end (a synchronous agent in a thread
       cannot be killed: the runner stops waiting and ignores its result), the attempt is recorded
       ``failed`` with ``ROLLOUT_CANCELLED`` as its reason in one INFO line, and the runner takes the
@@ -71,7 +73,8 @@ import msgspec
 from opentelemetry.sdk.trace import ReadableSpan
 
 from eventlight.agent import LitAgent
-from eventlight.core.types import STATUS_REASON, AttemptedRollout, RolloutConfig, Span
+from eventlight.core.errors import InvalidTransitionError
+from eventlight.core.types import CANCELLED_REASON, STATUS_REASON, AttemptedRollout, RolloutConfig, Span
 from eventlight.credentials import check_bearer_token
 from eventlight.emitter import emit_exception, emit_reward
 from eventlight.otel import span_from_readable
@@ -100,9 +103,9 @@ log = logging.getLogger(__name__)
 _REASON_CHARS = 500
 CANCELLED = "the runner was cancelled (CancelledError) while the attempt ran"
 """The ``eventlight.status_reason`` of an attempt cancelled without a ``cancel_reason``."""
-ROLLOUT_CANCELLED = "the rollout was cancelled while the attempt ran; the runner stopped its agent"
+ROLLOUT_CANCELLED = f"{CANCELLED_REASON}; the runner stopped its agent"
 """The ``eventlight.status_reason`` of an attempt whose rollout was cancelled (``update_rollout(
-status="cancelled")``) while its agent ran."""
+status="cancelled")``) while its agent ran, once its runner stopped the agent."""
 _STOP_BEAT_TIMEOUT_S = 5.0
 """Seconds the last heartbeat (the one saying the runner stopped) may take before the runner stops without it."""
 _AGENT_CANCEL_GRACE_S = 5.0
@@ -111,10 +114,11 @@ leaves it behind and takes the next rollout."""
 
 
 class _AgentRun:
-    """The rollout whose agent is in flight; ``stop`` is done once it was seen cancelled."""
+    """The attempt whose agent is in flight; ``stop`` is done once it was seen cancelled."""
 
-    def __init__(self, rollout_id: str):
+    def __init__(self, rollout_id: str, attempt_id: str):
         self.rollout_id = rollout_id
+        self.attempt_id = attempt_id
         self.stop: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
 
@@ -130,7 +134,10 @@ class LitAgentRunner:
         tracer: Records the agent's spans; defaults to ``OtelTracer()``.
         max_rollouts: Stop after this many rollouts (``None``: until stopped).
         poll_interval: Seconds one dequeue waits for work before checking the stop event.
-        heartbeat_interval: Seconds between heartbeats; ``<= 0`` disables them.
+        heartbeat_interval: Seconds between heartbeats; ``<= 0`` disables them, and with them the
+            stop of an agent whose rollout was cancelled (each heartbeat asks about it): such an
+            agent then runs to its end, as in 0.3.0, and the watchdog's ``unresponsive_seconds``
+            counts spans only.
         metrics: Where attempts and dequeue failures are counted (``RunnerMetrics.serve`` exposes
             them to Prometheus); ``None``: not counted.
         rollout_config: eventlight's: the ``RolloutConfig`` given to each claimed rollout that was
@@ -353,7 +360,7 @@ class LitAgentRunner:
         if run is None or run.stop.done():
             return
         try:
-            cancelled = await rollout_cancelled(store, run.rollout_id)
+            cancelled = await rollout_cancelled(store, run.rollout_id, run.attempt_id)
         except Exception as e:
             log.debug(
                 "[%s] could not tell whether rollout %s was cancelled: %s", self.get_worker_id(), run.rollout_id, e
@@ -531,7 +538,7 @@ class LitAgentRunner:
             _RolloutCancelled: The rollout was cancelled before the agent ended.
         """
         task = asyncio.ensure_future(self._call_agent(agent, rollout, resources))
-        run = self._agent_run = _AgentRun(rollout.rollout_id)
+        run = self._agent_run = _AgentRun(rollout.rollout_id, rollout.attempt.attempt_id)
         try:
             await asyncio.wait({task, run.stop}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:  # the runner's own cancel: its agent's too
@@ -557,9 +564,10 @@ class LitAgentRunner:
         raise _RolloutCancelled()
 
     async def _was_cancelled(self, rollout: AttemptedRollout) -> bool:
-        """Whether the store has ``rollout`` cancelled (``False`` when it cannot tell)."""
+        """Whether the store has ``rollout`` cancelled, or its attempt ended by a cancel
+        (``False`` when it cannot tell)."""
         try:
-            return await rollout_cancelled(self.get_store(), rollout.rollout_id)
+            return await rollout_cancelled(self.get_store(), rollout.rollout_id, rollout.attempt.attempt_id)
         except Exception as e:
             log.debug(
                 "[%s] could not tell whether rollout %s was cancelled: %s", self.get_worker_id(), rollout.rollout_id, e
@@ -623,14 +631,17 @@ class LitAgentRunner:
         quiet_refusal: bool = False,
     ) -> None:
         """Record the attempt's final status, and ``reason`` (why it failed) in its metadata; with
-        ``quiet_refusal``, a store that refuses it for good (the attempt already ended) is a DEBUG
-        line, not a warning."""
+        ``quiet_refusal``, or when the attempt was ended by its rollout's cancel (an agent that
+        ended before a heartbeat saw the cancel), a store that refuses it for good (the attempt
+        already ended) is a DEBUG line, not a warning."""
         metadata = None
         if reason is not None:
             metadata = {**((rollout.attempt.metadata if rollout else None) or {}), STATUS_REASON: reason}
         try:
             await self._update(rid, aid, status, metadata)
         except Exception as e:
+            if not quiet_refusal and isinstance(e, InvalidTransitionError) and rollout is not None:
+                quiet_refusal = await self._was_cancelled(rollout)
             level = logging.DEBUG if quiet_refusal and not _retryable(e) else logging.WARNING
             log.log(level, "%s could not record status %s: %s", prefix, status, _describe(e))
             if _retryable(e):  # tried again before the next dequeue, on this store or the next one

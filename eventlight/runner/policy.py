@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from eventlight.core.types import AttemptedRollout, ProxyLLM, RolloutConfig
+from eventlight.core.types import AttemptedRollout, ProxyLLM, RolloutConfig, ended_by_cancel
 from eventlight.store.base import LightningStore
 
 log = logging.getLogger(__name__)
@@ -72,15 +72,22 @@ def _claims_before_append(store: LightningStore) -> bool:
     return _dequeue_takes(_dequeue_of(store), "on_claim")
 
 
-async def rollout_cancelled(store: LightningStore, rollout_id: str) -> bool:
-    """Whether ``rollout_id`` was cancelled: eventlight's store answers from its log
-    (``rollout_cancelled``, so a runner's write-only store can), another store by
-    ``get_rollout_by_id`` (Agent-lightning's API: a store server, ``LightningStoreClient``)."""
+async def rollout_cancelled(store: LightningStore, rollout_id: str, attempt_id: str | None = None) -> bool:
+    """Whether ``rollout_id`` was cancelled, or (``attempt_id`` given) that attempt was ended by a
+    cancel the rollout was requeued after (``ended_by_cancel``): eventlight's store answers from its
+    log (``rollout_cancelled``, so a runner's write-only store can), another store by
+    ``get_rollout_by_id`` (Agent-lightning's API: a store server, ``LightningStoreClient``), which
+    sees the attempt while it is the rollout's latest."""
     probe = getattr(store, "rollout_cancelled", None)
     if probe is not None:
-        return bool(await probe(rollout_id))
+        return bool(await probe(rollout_id, attempt_id))
     rollout = await store.get_rollout_by_id(rollout_id)
-    return rollout is not None and rollout.status == "cancelled"
+    if rollout is None:
+        return False
+    if rollout.status == "cancelled":
+        return True
+    latest = rollout.attempt if isinstance(rollout, AttemptedRollout) else None
+    return latest is not None and latest.attempt_id == attempt_id and ended_by_cancel(latest)
 
 
 def with_proxy_key(resource: Any, token: str) -> Any:

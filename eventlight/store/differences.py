@@ -42,22 +42,31 @@ Choices where Agent-lightning 0.3.0's code and its docs differ, item by item aga
         to ``succeeded`` after ``wait_for_rollouts`` and the algorithm took it as failed), and one
         marked ``succeeded`` by ``update_rollout`` is not requeued when its attempt fails later;
         ``update_rollout(status="queuing")`` and ``start_attempt`` still retry a finished rollout;
-        a ``cancelled`` rollout's cancel still marks no attempt (0.3.0), but a runner running it
-        stops its agent at its next heartbeat (``rollout_cancelled``, answered from the log) and
-        records its attempt ``failed`` with the reason (0.3.0's runner is never told and runs the
-        agent to its end); a rollout back in the queue (``queuing``/``requeuing``) is not failed by
-        its latest attempt either: one cancelled and requeued after its runner stopped the agent
-        waits for its next run (0.3.0 fails it: the requeue lost), a late ``running`` or
-        ``succeeded`` still takes it back;
+        a cancel (``update_rollout(status="cancelled")``) records every attempt not yet finished
+        ``failed``, with ``CANCELLED_REASON`` (``"the rollout was cancelled while the attempt
+        ran"``) as its ``eventlight.status_reason``, in the same append (0.3.0 marks no attempt);
+        a runner running it stops its agent at its next heartbeat (``rollout_cancelled(rollout_id,
+        attempt_id)``, answered from the log: the rollout is cancelled or the attempt was ended by
+        a cancel) and records its reason on the attempt (0.3.0's runner is never told and runs the
+        agent to its end); so a rollout cancelled and then requeued before that heartbeat is run
+        by a fresh attempt, and the old runner stops (0.3.0: the old runner's next heartbeat takes
+        the requeued rollout back, un-cancelling it, and runs on); a rollout back in the queue
+        (``queuing``/``requeuing``) is not failed by its latest attempt either: one requeued under
+        its runner waits for its next run (0.3.0 fails it: the requeue lost), a late ``running``
+        or ``succeeded`` of an attempt not ended by a cancel still takes it back;
     11. a requeued rollout goes to the queue's tail once; ``max_attempts`` counts ``start_attempt``'s
         attempts too, and ``start_attempt`` itself ignores the budget (0.3.0);
     12. the watchdog is a running component (in the projector's process, every second by default), not
         a check run lazily before store calls, so nothing needs a debounce setting; the in-memory
         store starts it on its first call from a running loop, so it runs without ``async with`` too;
-        besides the latest attempt of a rollout in flight (0.3.0), it checks every superseded attempt
-        still ``preparing``/``running`` (a late span revived it), whatever its rollout's status, which
-        0.3.0 leaves ``running`` for ever; with the default ``RolloutConfig()`` (no limits) neither
-        checks anything, so a vanished runner's rollout stays ``preparing``/``running`` (0.3.0);
+        besides the latest attempt of a rollout in flight (0.3.0), it checks every other attempt
+        still ``preparing``/``running``, whatever its rollout's status: a superseded one or the
+        latest one of a finished rollout that a late span revived, one running under a rollout
+        sent back to the queue; 0.3.0 leaves those ``running`` for ever once their runner vanished;
+        here they go ``unresponsive``/``timeout`` by the ``RolloutConfig`` and move nothing else (a
+        finished rollout keeps its status and ``end_time``, item 10); with the default
+        ``RolloutConfig()`` (no limits) it checks nothing, so a vanished runner's rollout stays
+        ``preparing``/``running`` (0.3.0);
     13. a span revives ``unresponsive`` but never ``timeout``/``failed``; queue entries of rollouts that
         left ``queuing``/``requeuing`` are skipped;
     14. workers are derived from events: claim → busy, empty poll → idle, ``timeout``/``unresponsive`` →

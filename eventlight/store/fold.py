@@ -114,15 +114,16 @@ def fold_event(
 
 
 def watched(state: RolloutState) -> bool:
-    """Whether the watchdog watches a rollout: it is in flight (``preparing``/``running``), or a
-    superseded attempt of it is still live (``preparing``/``running``: a late span revived it after
-    its retry was claimed) and its ``RolloutConfig`` has a limit the watchdog can enforce."""
+    """Whether the watchdog watches a rollout: it is in flight (``preparing``/``running``), or one
+    of its attempts is still live (``preparing``/``running``: a late span revived it after its
+    rollout finished or its retry was claimed, or it runs under a rollout sent back to the queue)
+    and its ``RolloutConfig`` has a limit the watchdog can enforce."""
     if state.rollout.status in ("preparing", "running"):
         return True
     cfg = state.rollout.config
     if cfg.timeout_seconds is None and cfg.unresponsive_seconds is None:
         return False
-    return any(a.status in LIVE_ATTEMPT_STATUSES for a in state.attempts[:-1])
+    return any(a.status in LIVE_ATTEMPT_STATUSES for a in state.attempts)
 
 
 def in_flight(states: dict[str, RolloutState]) -> list[str]:

@@ -2,6 +2,8 @@
 
 A runner heartbeats every ``heartbeat_interval`` seconds (10 by default, ``LitAgentRunner``); a
 worker whose last heartbeat is older than ``LIVE_HEARTBEAT_S`` (three intervals) is taken for gone.
+A runner with ``heartbeat_interval <= 0`` sends none: it looks gone while it runs, and it never
+notices a cancel of the rollout it runs (its heartbeats ask), so that agent runs to its end.
 A runner that stops in an orderly way (its ``iter`` returns or is cancelled: a trainer's run ends,
 ``eventlight runner`` is stopped) sends one last heartbeat whose ``heartbeat_stats`` hold
 ``STOPPED_AT``: that worker is stopped, not alive, from then on (``stopped_at``). Agent-lightning's

@@ -2,7 +2,7 @@
 
 Each tick asks the decider (``CheckHealth``) about every rollout the read model has in flight
 (``preparing``/``running``, with its span heartbeats folded in), and every rollout, finished or not,
-with a superseded attempt still live (``eventlight.store.fold.watched``), and appends the
+with an attempt still live (``eventlight.store.fold.watched``), and appends the
 ``timeout``/``unresponsive`` events it decides, expecting the version the read model has seen; a
 rollout that changed since is skipped (the next tick sees it). So attempts time out even when
 nobody calls the store. It runs where the projection runs (the projector's leader on JetStream).

@@ -13,7 +13,7 @@ nats-server keeps state for every subject it holds, so it should hold what is li
 2. selects, from the read model, rollouts in a terminal status that ended more than
    ``retention_s`` ago, whose last state event is at or below ``bound``, not yet marked
    ``retired`` (set with their ``retired_rollouts`` row, step 5), that the watchdog no longer
-   watches (no superseded attempt still ``preparing``/``running`` under a ``RolloutConfig`` limit:
+   watches (no attempt still ``preparing``/``running`` under a ``RolloutConfig`` limit:
    ``eventlight.store.fold.watched``);
 3. appends their ids to the archive's ledger (so a late write finds them: ``RolloutRetiredError``);
 4. purges ``r.<rid>.>`` and ``s.<rid>.>`` from the hot stream below ``bound + 1`` (a message that
@@ -64,7 +64,7 @@ SELECT r.rollout_id FROM rollouts r
    AND NOT (
      (r.config->>'timeout_seconds' IS NOT NULL OR r.config->>'unresponsive_seconds' IS NOT NULL)
      AND EXISTS (SELECT 1 FROM attempts a WHERE a.rollout_id = r.rollout_id
-                   AND a.status IN ('preparing', 'running') AND a.attempt_id <> r.latest_attempt_id))
+                   AND a.status IN ('preparing', 'running')))
  ORDER BY r.last_seq LIMIT $3
 """
 """What is due, oldest log position first. ``status IN (...) AND NOT retired`` is the predicate of
@@ -73,7 +73,7 @@ the scan walks only terminal rollouts not yet retired, in ``last_seq`` order, an
 ``LIMIT``; the rollouts retired long ago are not read. ``retired`` is set with the rollout's
 ``retired_rollouts`` row (``_LIST``).
 
-Not a rollout the watchdog still watches (``eventlight.store.fold.watched``: a superseded attempt
+Not a rollout the watchdog still watches (``eventlight.store.fold.watched``: an attempt
 live, a limit set): its appends fence on ``r.<rid>.>``, so once purged the watchdog could never mark
 that attempt and would keep the rollout in its set for ever. It retires after the watchdog marked it."""
 

@@ -21,6 +21,7 @@ from eventlight.core.types import (
     Rollout,
     RolloutConfig,
     RolloutStatus,
+    ended_by_cancel,
     generate_id,
 )
 from eventlight.store.service.plumbing import UNSET, StorePlumbing, Unset, store_call
@@ -206,9 +207,12 @@ class RolloutCommands(StorePlumbing):
         return attempt
 
     @store_call
-    async def rollout_cancelled(self, rollout_id: str) -> bool:
-        """Whether the rollout is ``cancelled`` now, as the log holds it (eventlight's; a runner asks
-        it with each heartbeat while its agent runs, to stop an agent whose rollout was cancelled).
+    async def rollout_cancelled(self, rollout_id: str, attempt_id: str | None = None) -> bool:
+        """Whether the rollout is ``cancelled`` now, as the log holds it, or (``attempt_id`` given)
+        whether that attempt was ended by a cancel, even one the rollout was requeued after
+        (eventlight's; a runner asks it about its attempt with each heartbeat while its agent runs,
+        to stop an agent whose rollout was cancelled). A cancel records the attempts not yet
+        finished ``failed`` with ``CANCELLED_REASON`` (``eventlight.core.decider``).
 
         A write-only store (a runner's, without Postgres) can answer it: when this store has seen
         the rollout (its claim), one read of the rollout's next state event after what it saw (one
@@ -216,12 +220,17 @@ class RolloutCommands(StorePlumbing):
 
         Raises:
             RolloutNotFoundError: Unknown rollout (``RolloutRetiredError``: retired to the archive).
+            AttemptNotFoundError: ``attempt_id`` is not an attempt of the rollout.
         """
         check_token("rollout_id", rollout_id)
         cached = self._loop.cached(rollout_id)
         if cached is not None and await self._log().state_event_after(rollout_id, cached[1]) is None:
-            return cached[0].rollout.status == "cancelled"
-        return (await self._loop.load(rollout_id)).rollout.status == "cancelled"
+            state = cached[0]
+        else:
+            state = await self._loop.load(rollout_id)
+        if state.rollout.status == "cancelled":
+            return True
+        return attempt_id is not None and ended_by_cancel(state.attempt(attempt_id))
 
     @store_call
     async def abandon_attempt(self, rollout_id: str, attempt_id: str, reason: str) -> Attempt:

@@ -170,7 +170,7 @@ class BatchWriter:
         self.workers.update(batch.workers)
         for rid in batch.terminal:  # finished rollouts are reloaded from Postgres if touched again,
             if rid in self.states and watched(self.states[rid]):
-                continue  # a superseded attempt still live: the watchdog watches it
+                continue  # an attempt still live (a late span revived it): the watchdog watches it
             self.states.pop(rid, None)  # so memory follows the rollouts in flight, not all rollouts
             self.rollout_seq.pop(rid, None)
         if self.on_commit is not None:

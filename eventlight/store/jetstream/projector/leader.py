@@ -51,14 +51,13 @@ RETIRE_BATCH = 5000
 IN_FLIGHT_SQL = (
     f"SELECT {ROLLOUT_COLS}, last_seq FROM rollouts WHERE rollout_id = ANY(ARRAY("
     "SELECT rollout_id FROM rollouts WHERE status IN ('preparing', 'running') "
-    "UNION SELECT a.rollout_id FROM attempts a WHERE a.status IN ('preparing', 'running') "
-    "AND a.attempt_id <> (SELECT r.latest_attempt_id FROM rollouts r WHERE r.rollout_id = a.rollout_id)))"
+    "UNION SELECT a.rollout_id FROM attempts a WHERE a.status IN ('preparing', 'running')))"
 )
-"""The rollouts a new leader reads for the watchdog: in flight, or with a superseded attempt still live
+"""The rollouts a new leader reads for the watchdog: in flight, or with an attempt still live
 (``eventlight.store.fold.watched`` decides among the latter). It costs what is in flight, not the
 history: the ids come from ``rollouts_unfinished_idx`` (or ``rollouts_status_idx``) and migration
-014's ``attempts_live_idx``, each attempt's rollout and then the rows are looked up by key (an array of
-ids and a scalar subquery, which the planner cannot turn into a join that reads the whole table).
+014's ``attempts_live_idx``, and then the rows are looked up by key (an array of ids, which the
+planner cannot turn into a join that reads the whole table).
 One ``WHERE status IN (...) OR rollout_id IN (...)`` read every rollout and every attempt instead
 (1M attempts: see bench/README.md, "The leader's reload of rollouts in flight")."""
 
@@ -300,8 +299,8 @@ class Projector(Consumer):
 
     async def _load_in_flight(self, conn: asyncpg.Connection) -> None:
         """Forget what an earlier term cached (another leader may have written since) and read the
-        rollouts the watchdog watches (``eventlight.store.fold.watched``: in flight, or finished with
-        a superseded attempt still live) from the read model, so it watches them after any restart."""
+        rollouts the watchdog watches (``eventlight.store.fold.watched``: in flight, or finished or
+        queued with an attempt still live) from the read model, so it watches them after any restart."""
         self.states.clear()
         self.rollout_seq.clear()
         self.workers.clear()
@@ -319,7 +318,7 @@ class Projector(Consumer):
             attempts[a[0]].append(attempt_from_row(a))
         for r in rows:
             state = RolloutState(rollout=rollout_from_row(r), attempts=tuple(attempts[r[0]]))
-            if watched(state):  # a finished rollout only while a superseded attempt can be marked
+            if watched(state):  # one not in flight only while a live attempt of it can be marked
                 self.states[r[0]] = state
                 self.rollout_seq[r[0]] = int(r[9])
 
