@@ -24,8 +24,8 @@ from eventlight.core.types import (
     generate_id,
 )
 from eventlight.store.command_loop import Outcome
-from eventlight.store.futures import mark_seen, wait_done
-from eventlight.store.ports import Queued
+from eventlight.store.futures import cancels, mark_seen, wait_done
+from eventlight.store.ports import EventLog, Queued
 from eventlight.store.service.plumbing import BACKGROUND_CLOSE_WAIT_S, StorePlumbing, store_call
 from eventlight.store.validate import (
     check_token,
@@ -121,14 +121,11 @@ class Claims(StorePlumbing):
         clock = asyncio.get_running_loop().time
         deadline = clock() + wait_s if wait_s > 0 else 0.0
         while True:
-            pull = asyncio.ensure_future(log.next_queued(max(0.0, deadline - clock()) if wait_s > 0 else 0.0))
-            try:
-                waited, item = await self._unless_closing(pull)
-            except BaseException:  # cancelled: an entry the pull brings (or brought) goes back
-                self._in_background(_give_up(pull))
-                raise
+            if wait_s > 0:
+                waited, item = await self._long_poll(log, max(0.0, deadline - clock()))
+            else:
+                waited, item = await self._pull_now(log)
             if not waited:  # the store closes
-                self._in_background(_give_up(pull))
                 return None
             if item is not None and self._draining:  # arrived as the close began: claim nothing more
                 await item.nak(0.0)
@@ -142,6 +139,40 @@ class Claims(StorePlumbing):
             if item is None or (wait_s > 0 and clock() >= deadline):
                 await self._mark_idle(worker_id)
                 return None
+
+    async def _long_poll(self, log: EventLog, wait_s: float) -> tuple[bool, Queued | None]:
+        """A pull that waits up to ``wait_s`` seconds, in a task of its own that a close interrupts
+        (``_unless_closing``): ``(False, None)`` when the store closes first. An entry the pull
+        brings after its caller gave up (cancelled, the store closing) goes back (``_give_up``)."""
+        pull = asyncio.ensure_future(log.next_queued(wait_s))
+        try:
+            waited, item = await self._unless_closing(pull)
+        except BaseException:  # cancelled: an entry the pull brings (or brought) goes back
+            self._in_background(_give_up(pull))
+            raise
+        if not waited:
+            self._in_background(_give_up(pull))
+        return waited, item
+
+    async def _pull_now(self, log: EventLog) -> tuple[bool, Queued | None]:
+        """A non-blocking pull (one round trip), awaited in the caller's task: no task and no close
+        wait a dequeue (the waits ``_long_poll`` pays for are a long poll's). A cancel of the
+        caller reaches the pull, whose queue hands back an entry that comes after it
+        (``EventLog.next_queued``); one that a library swallowed (``cancels``) hands back the entry
+        the pull brought and is raised. ``(False, None)``: the store is closing (nothing pulled).
+
+        Raises:
+            asyncio.CancelledError: The caller was cancelled during the pull.
+        """
+        if self._draining:
+            return False, None
+        base = cancels()
+        item = await log.next_queued(0.0)
+        if cancels() > base:
+            if item is not None:
+                self._in_background(_hand_back(item))
+            raise asyncio.CancelledError
+        return True, item
 
     async def _claim(
         self, item: Queued, worker_id: str | None, read_resources: bool, on_claim: Callable[[str, str], object] | None
