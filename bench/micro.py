@@ -1,6 +1,7 @@
 """Micro benchmarks: single store operations per second, on one stack, in that stack's process.
 
-    python -m bench.micro --stack eventlight|agentlightning [--seconds 3] [--concurrency 4] [--blocks 6] [--out F]
+    python -m bench.micro --stack eventlight|agentlightning [--seconds 3] [--concurrency 4] [--blocks 6]
+        [--ops dequeue,query_spans] [--out F]
 
 Each operation runs for ``--seconds`` with ``--concurrency`` asyncio tasks (each its own worker id)
 in this process, against a fresh stack (eventlight: embedded NATS + Postgres; the peer: a fresh
@@ -21,9 +22,11 @@ add_span           runner                      ``add_span(span)`` (ids allocated
 query_spans        algorithm                   ``query_spans(rollout_id)`` of a 20-span rollout
 =================  ==========================  =====================================================
 
-Each operation's ``--seconds`` are split into ``--blocks`` blocks. Reported per operation: ops/s,
-p50/p99 latency and CPU microseconds per op summed over every process of the stack (this one and
-the servers), over all blocks, and each block's ops/s with their ``spread`` (min, median, max).
+``--ops`` runs only the operations it names (comma-separated, still in the order above; the
+``round_trips`` row only with all of them). Each operation's ``--seconds`` are split into
+``--blocks`` blocks. Reported per operation: ops/s, p50/p99 latency and CPU microseconds per op
+summed over every process of the stack (this one and the servers), over all blocks, and each
+block's ops/s with their ``spread`` (min, median, max).
 
 On eventlight, two raw rows:
 
@@ -58,6 +61,8 @@ PREFILL = 3000  # per side: twice that where a raw twin dequeues from the same q
 BLOCKS = 6
 PREFILL_LIMIT_S = 40.0
 QUERY_SPANS = 20
+OPS = ("heartbeat", "dequeue_empty", "enqueue", "dequeue_update", "dequeue", "add_span", "query_spans")
+"""The micro operations, in the order they run."""
 STATS = {"cpu_usage_pct": 12.5, "mem_used_gb": 3.2, "host": "bench", "pid": 1}
 
 
@@ -199,8 +204,11 @@ async def _prefill(mod: ModuleType, store: Any, target: int) -> int:
     return done
 
 
-async def run_micro(mod: ModuleType, seconds: float, concurrency: int, blocks: int = BLOCKS) -> dict[str, Any]:
-    """All operations on a fresh stack; never raises (a failure is in the result)."""
+async def run_micro(
+    mod: ModuleType, seconds: float, concurrency: int, blocks: int = BLOCKS, only: tuple[str, ...] = OPS
+) -> dict[str, Any]:
+    """The operations ``only`` names (default: all, ``OPS``) on a fresh stack; never raises (a
+    failure is in the result)."""
     result: dict[str, Any] = {
         "stack": mod.NAME,
         "stack_version": mod.VERSION,
@@ -260,50 +268,56 @@ async def run_micro(mod: ModuleType, seconds: float, concurrency: int, blocks: i
             await runner.update_attempt(claimed.rollout_id, claimed.attempt.attempt_id, status="succeeded")
 
         for name, op in (("heartbeat", heartbeat), ("dequeue_empty", dequeue_empty), ("enqueue", enqueue)):
+            if name not in only:
+                continue
             phase = name
             ops[name] = await measure(name, op)
         # dequeue_update first: dequeue's claims stay held (nothing finishes them), and once the
         # runners consumer's ack wait (30 s) is past, every later pull would get them back first
         for name, op in (("dequeue_update", dequeue_update), ("dequeue", dequeue)):
+            if name not in only:
+                continue
             phase = f"prefill for {name}"
             ops[name] = {"prefilled": await _prefill(mod, alg, PREFILL * (2 if raw is not None else 1))}
             phase = name
             ops[name].update(await measure(name, op))
 
-        phase = "add_span setup"
-        attempted = await runner.start_rollout(input="micro-spans", worker_id=wid[0])
-        rid, aid = attempted.rollout_id, attempted.attempt.attempt_id
-        ids = iter(await runner.get_many_span_sequence_ids([(rid, aid)] * max(5000, int(2500 * seconds))))
-        attrs = random_attributes(random.Random(7))
+        attrs = random_attributes(random.Random(7))  # the spans of add_span and query_spans
+        if "add_span" in only:
+            phase = "add_span setup"
+            attempted = await runner.start_rollout(input="micro-spans", worker_id=wid[0])
+            rid, aid = attempted.rollout_id, attempted.attempt.attempt_id
+            ids = iter(await runner.get_many_span_sequence_ids([(rid, aid)] * max(5000, int(2500 * seconds))))
 
-        async def add_span(w: int) -> None:
-            seq = next(ids, None)
-            if seq is None:
-                raise Exhausted
-            await runner.add_span(mod.make_span(rid, aid, seq, attrs))
+            async def add_span(w: int) -> None:
+                seq = next(ids, None)
+                if seq is None:
+                    raise Exhausted
+                await runner.add_span(mod.make_span(rid, aid, seq, attrs))
 
-        phase = "add_span"
-        ops["add_span"] = await measure("add_span", add_span)
-        ops["add_span"]["span_attribute_bytes"] = len(json.dumps(attrs))
+            phase = "add_span"
+            ops["add_span"] = await measure("add_span", add_span)
+            ops["add_span"]["span_attribute_bytes"] = len(json.dumps(attrs))
 
-        phase = "query_spans setup"
-        q = await runner.start_rollout(input="micro-query", worker_id=wid[0])
-        qids = await runner.get_many_span_sequence_ids([(q.rollout_id, q.attempt.attempt_id)] * QUERY_SPANS)
-        await runner.add_many_spans([mod.make_span(q.rollout_id, q.attempt.attempt_id, i, attrs) for i in qids])
-        t_sync = time.perf_counter()
-        await stack.sync(alg)
-        if mod.NAME == "eventlight":
-            result["projector_catchup_s"] = round(time.perf_counter() - t_sync, 2)
-        found = len(list(await alg.query_spans(q.rollout_id)))
-        if found != QUERY_SPANS:
-            raise RuntimeError(f"query_spans found {found} of {QUERY_SPANS} spans")
+        if "query_spans" in only:
+            phase = "query_spans setup"
+            q = await runner.start_rollout(input="micro-query", worker_id=wid[0])
+            qids = await runner.get_many_span_sequence_ids([(q.rollout_id, q.attempt.attempt_id)] * QUERY_SPANS)
+            await runner.add_many_spans([mod.make_span(q.rollout_id, q.attempt.attempt_id, i, attrs) for i in qids])
+            t_sync = time.perf_counter()
+            await stack.sync(alg)
+            if mod.NAME == "eventlight":
+                result["projector_catchup_s"] = round(time.perf_counter() - t_sync, 2)
+            found = len(list(await alg.query_spans(q.rollout_id)))
+            if found != QUERY_SPANS:
+                raise RuntimeError(f"query_spans found {found} of {QUERY_SPANS} spans")
 
-        async def query_spans(w: int) -> None:
-            await alg.query_spans(q.rollout_id)
+            async def query_spans(w: int) -> None:
+                await alg.query_spans(q.rollout_id)
 
-        phase = "query_spans"
-        ops["query_spans"] = await measure("query_spans", query_spans, q.rollout_id)
-        if hasattr(stack, "round_trips"):
+            phase = "query_spans"
+            ops["query_spans"] = await measure("query_spans", query_spans, q.rollout_id)
+        if hasattr(stack, "round_trips") and set(only) == set(OPS):
             phase = "round trips"
             result["round_trips"] = await stack.round_trips(sampler, concurrency, seconds)
         result["ok"] = all(not o.get("errors") for o in ops.values())
@@ -332,17 +346,33 @@ async def run_micro(mod: ModuleType, seconds: float, concurrency: int, blocks: i
     return result
 
 
+def _ops(text: str) -> tuple[str, ...]:
+    """``--ops``' value: known operation names, in ``OPS``' order.
+
+    Raises:
+        argparse.ArgumentTypeError: A name is not a micro operation, or none is given.
+    """
+    names = {n.strip() for n in text.split(",") if n.strip()}
+    unknown = sorted(names - set(OPS))
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"no micro operation {', '.join(unknown) or repr(text)}; of {', '.join(OPS)}")
+    return tuple(n for n in OPS if n in names)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.micro", description=__doc__.splitlines()[0])
     parser.add_argument("--stack", required=True)
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--blocks", type=int, default=BLOCKS, help="blocks each operation's time is split into")
+    parser.add_argument(
+        "--ops", type=_ops, default=OPS, help=f"comma-separated operations to run (default: all; of {', '.join(OPS)})"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     require_positive(parser, args, "seconds", "concurrency", "blocks")
     mod = load_stack(args.stack)
-    result = mod.run(run_micro(mod, args.seconds, args.concurrency, args.blocks))
+    result = mod.run(run_micro(mod, args.seconds, args.concurrency, args.blocks, args.ops))
     write_json(result, args.out)
 
 

@@ -6,7 +6,10 @@ A twin does the least physical work its operation needs, on the same servers and
 and the projector itself applying every message into Postgres in the driver's process), with the
 same message bytes and headers eventlight sends. The bytes are templates copied from what
 eventlight itself stored for one warm-up call of the operation (``get_last_msg``), with the ids
-swapped, so the projector applies a twin's messages like the operation's own.
+swapped, so the projector applies a twin's messages like the operation's own. A twin is what a
+competent user would write with nats-py and asyncpg for the fastest round trips, not a handicapped
+one: a pull waits for its answer on a subscription callback and a future (not ``next_msg``'s two
+tasks a pull), a query's connection goes back to the pool without a reset round trip.
 
 =================  ====================================================================================
 operation          its twin (round trips, each awaited before the next)
@@ -23,19 +26,24 @@ dequeue            ``no_wait`` pull of one entry, then ``AttemptStarted`` on ``r
                    counted as an empty result)
 dequeue_update     the same, then ``AttemptUpdated(succeeded)`` fenced at the claim's sequence and
                    the entry's ack (a publish without reply, as eventlight's)
-query_spans        ``SELECT`` of the rollout's 20 span rows from eventlight's own ``spans`` table
+query_spans        ``SELECT`` of the rollout's 20 span rows from eventlight's own ``spans`` table, on a
+                   pooled connection given back without asyncpg's ``RESET ALL`` round trip (as
+                   eventlight's own pool does)
 add_span           none: concurrent ``add_span`` calls share one message (group commit)
 =================  ====================================================================================
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import asyncpg
 import nats
+import nats.errors
 import nats.js.errors
 
 from bench.micro import EmptyResult
@@ -49,6 +57,7 @@ FENCE_SEQ = "Nats-Expected-Last-Subject-Sequence"
 FENCE_SUBJECT = "Nats-Expected-Last-Subject-Sequence-Subject"
 NO_WAIT_PULL = b'{"batch":1,"no_wait":true}'
 WRONG_LAST_SEQUENCE = 10071  # JetStream's answer to a stale fence
+PULL_ANSWER_S = 10.0  # a no_wait pull unanswered this long fails
 
 Op = Callable[[int], Awaitable[Any]]
 
@@ -68,6 +77,51 @@ def _msg_id() -> str:
     return os.urandom(16).hex()
 
 
+class _PullInbox:
+    """One task's pull inbox: a subscription whose callback resolves the waiting pull's future; an
+    entry nobody waits for (its pull timed out) is handed back at once."""
+
+    def __init__(self) -> None:
+        self.subject = ""
+        self.waiter: asyncio.Future[Any] | None = None
+        self.timer: asyncio.TimerHandle | None = None
+
+    async def subscribe(self, nc: Any) -> None:
+        self.subject = nc.new_inbox()
+        await nc.subscribe(self.subject, cb=self.deliver)
+
+    def begin(self) -> asyncio.Future[Any]:
+        loop = asyncio.get_running_loop()
+        waiter = self.waiter = loop.create_future()
+        self.timer = loop.call_later(PULL_ANSWER_S, _expire, waiter)
+        return waiter
+
+    def end(self) -> None:
+        self.waiter = None
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    async def deliver(self, msg: Any) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(msg)
+        elif msg.reply and (msg.headers or {}).get("Status") is None:
+            with contextlib.suppress(Exception):
+                await msg.nak()
+
+
+async def _no_reset(conn: asyncpg.Connection) -> None:
+    """A connection going back to the twins' pool: nothing to reset (the twins set no session state),
+    so no ``RESET ALL`` round trip after each query, as eventlight's read-model pool does. asyncpg
+    still rolls back an unfinished transaction before calling this."""
+
+
+def _expire(waiter: asyncio.Future[Any]) -> None:
+    if not waiter.done():
+        waiter.set_exception(nats.errors.TimeoutError())
+
+
 class OwnStreamRaw:
     """Twins on one namespace's stream and schema, on their own NATS connection and Postgres pool.
 
@@ -85,7 +139,7 @@ class OwnStreamRaw:
         self.stream = settings.stream_name
         self.schema = settings.pg_schema
         self.pull_subject = f"$JS.API.CONSUMER.MSG.NEXT.{self.stream}.runners"
-        self._inboxes: dict[int, Any] = {}
+        self._inboxes: dict[int, _PullInbox] = {}
 
     @classmethod
     async def open(cls, nats_url: str, pg_dsn: str, settings: Settings, concurrency: int) -> OwnStreamRaw:
@@ -96,7 +150,7 @@ class OwnStreamRaw:
         """
         nc = await nats.connect(nats_url)
         try:
-            pool = await asyncpg.create_pool(pg_dsn, min_size=concurrency, max_size=concurrency)
+            pool = await asyncpg.create_pool(pg_dsn, min_size=concurrency, max_size=concurrency, reset=_no_reset)
         except BaseException:
             await nc.close()
             raise
@@ -154,12 +208,25 @@ class OwnStreamRaw:
     async def _pull(self, w: int) -> Any:
         """A ``no_wait`` pull answered on task ``w``'s own inbox (kept for its next pull), as
         eventlight's queue does: JetStream delivers an entry under the entry's subject, which
-        ``nc.request``'s shared inbox cannot route."""
+        ``nc.request``'s shared inbox cannot route. The inbox's callback hands the answer to a
+        future (one future and one timer a pull, no task), as eventlight's queue waits for it.
+
+        Raises:
+            nats.errors.TimeoutError: No answer in ``PULL_ANSWER_S`` seconds.
+        """
         inbox = self._inboxes.get(w)
         if inbox is None:
-            inbox = self._inboxes[w] = await self.nc.subscribe(self.nc.new_inbox())
+            inbox = self._inboxes[w] = _PullInbox()
+            await inbox.subscribe(self.nc)
+        waiter = inbox.begin()
         await self.nc.publish(self.pull_subject, NO_WAIT_PULL, reply=inbox.subject)
-        return await inbox.next_msg(timeout=10)
+        try:
+            return await waiter
+        except nats.errors.TimeoutError:
+            del self._inboxes[w]  # a late answer must not answer the next pull: this inbox hands it back
+            raise
+        finally:
+            inbox.end()
 
     async def _dequeue_empty(self, w: int) -> None:
         answer = await self._pull(w)

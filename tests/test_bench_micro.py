@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from bench.micro import EmptyResult, measure_interleaved, spread
+from bench.micro import OPS, EmptyResult, main, measure_interleaved, spread
 from bench.raw_twins import OwnStreamRaw, swap_id
 from bench.report import micro_table
 from eventlight.core.types import LLM
@@ -52,6 +52,16 @@ async def test_blocks_of_an_operation_and_its_twin_alternate_and_each_side_repor
     assert len(row["vs_raw_own_pairs"]["ratios"]) == 4
     pairs = row["vs_raw_own_pairs"]["spread"]
     assert pairs["min"] <= row["vs_raw_own"] * 1.5 and pairs["min"] <= pairs["median"] <= pairs["max"]
+
+
+def test_ops_picks_operations_in_run_order_and_refuses_unknown_names(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.micro import _ops
+
+    assert _ops("query_spans, dequeue") == ("dequeue", "query_spans")  # OPS' order, not the flag's
+    assert _ops(",".join(OPS)) == OPS
+    with pytest.raises(SystemExit):
+        main(["--stack", "eventlight", "--ops", "dequeue,nonsense"])
+    assert "no micro operation nonsense" in capsys.readouterr().err
 
 
 async def test_an_operation_without_a_twin_has_blocks_but_no_raw_row() -> None:

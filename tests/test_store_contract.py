@@ -1367,6 +1367,20 @@ async def test_worker_ids_must_be_tokens_everywhere(store: Any) -> None:
     assert (await store.get_rollout_by_id(r.rollout_id)).status == "queuing"
 
 
+async def test_a_non_blocking_dequeue_yields_to_the_event_loop(runner_store: Any) -> None:
+    """A ``dequeue_rollout()`` on an empty queue lets other tasks run (a pull yields as a round trip
+    does, on every backend): a poller that never sleeps cannot starve the loop it shares."""
+    ran = asyncio.Event()
+
+    async def other() -> None:
+        ran.set()
+
+    task = asyncio.ensure_future(other())
+    assert await runner_store.dequeue_rollout() is None  # no worker id: no idle mark written
+    assert ran.is_set()
+    await task
+
+
 async def test_repeated_empty_polls_mark_a_worker_idle_once(store: Any, runner_store: Any) -> None:
     """peer_failures C19: an empty poll is no error: the worker is idle."""
     assert await runner_store.dequeue_rollout(worker_id="w") is None

@@ -157,7 +157,9 @@ class EventLog(Protocol):
         ...
 
     async def next_queued(self, wait_s: float) -> Queued | None:
-        """The oldest rollout on the work queue, waiting up to ``wait_s`` seconds; ``None`` if none."""
+        """The oldest rollout on the work queue, waiting up to ``wait_s`` seconds; ``None`` if none.
+        It yields to the event loop at least once, and a caller cancelled during it takes nothing:
+        an entry it brings after the cancel goes back to the queue."""
         ...
 
     def read(self, from_seq: int = 0) -> AsyncIterator[tuple[int, AnyEvent]]:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from types import TracebackType
+from typing import Literal
 
 import asyncpg
 
@@ -53,9 +55,11 @@ _CONNECT_FAILURES: tuple[type[BaseException], ...] = (
 )
 
 
-@contextlib.contextmanager
-def pg_errors(server: str, what: str) -> Iterator[None]:
+class pg_errors:  # noqa: N801 - used as a function: ``with pg_errors(server, what):``
     """Map server failures raised inside the block to ``ServiceUnavailableError``.
+
+    A plain class, not a ``contextlib.contextmanager`` generator: it wraps every read-model query,
+    and entering it must cost nothing when nothing fails (as ``nats_errors``).
 
     Args:
         server: The DSN (redacted here) named in the error.
@@ -64,10 +68,22 @@ def pg_errors(server: str, what: str) -> Iterator[None]:
     Raises:
         ServiceUnavailableError: The server or the connection failed.
     """
-    try:
-        yield
-    except _CONNECT_FAILURES as e:
-        raise ServiceUnavailableError(redact(server), f"Postgres: {what} failed ({e!r})") from e
+
+    __slots__ = ("_server", "_what")
+
+    def __init__(self, server: str, what: str):
+        self._server = server
+        self._what = what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, kind: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> Literal[False]:
+        if e is not None and isinstance(e, _CONNECT_FAILURES):
+            raise ServiceUnavailableError(redact(self._server), f"Postgres: {self._what} failed ({e!r})") from e
+        return False
 
 
 async def connect(

@@ -188,6 +188,7 @@ class MemoryEventLog:
         pass  # nothing cached: the list is the log
 
     async def next_queued(self, wait_s: float) -> MemoryQueued | None:
+        await asyncio.sleep(0)  # a pull yields to the loop as a round trip would: a poll loop never starves it
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         while not self.queue:

@@ -121,20 +121,12 @@ class Claims(StorePlumbing):
         clock = asyncio.get_running_loop().time
         deadline = clock() + wait_s if wait_s > 0 else 0.0
         while True:
-            if wait_s <= 0:
-                if self._draining:  # a claim refused as the close began: claim nothing more
-                    return None
-                item = await self._pull_now(log)
+            if wait_s > 0:
+                waited, item = await self._long_poll(log, max(0.0, deadline - clock()))
             else:
-                pull = asyncio.ensure_future(log.next_queued(max(0.0, deadline - clock())))
-                try:
-                    waited, item = await self._unless_closing(pull)
-                except BaseException:  # cancelled: an entry the pull brings (or brought) goes back
-                    self._in_background(_give_up(pull))
-                    raise
-                if not waited:  # the store closes
-                    self._in_background(_give_up(pull))
-                    return None
+                waited, item = await self._pull_now(log)
+            if not waited:  # the store closes
+                return None
             if item is not None and self._draining:  # arrived as the close began: claim nothing more
                 await item.nak(0.0)
                 return None
@@ -148,24 +140,41 @@ class Claims(StorePlumbing):
                 await self._mark_idle(worker_id)
                 return None
 
-    async def _pull_now(self, log: EventLog) -> Queued | None:
+    async def _long_poll(self, log: EventLog, wait_s: float) -> tuple[bool, Queued | None]:
+        """A pull that waits up to ``wait_s`` seconds, in a task of its own that a close interrupts
+        (``_unless_closing``): ``(False, None)`` when the store closes first. An entry the pull
+        brings after its caller gave up (cancelled, the store closing) goes back (``_give_up``)."""
+        pull = asyncio.ensure_future(log.next_queued(wait_s))
+        try:
+            waited, item = await self._unless_closing(pull)
+        except BaseException:  # cancelled: an entry the pull brings (or brought) goes back
+            self._in_background(_give_up(pull))
+            raise
+        if not waited:
+            self._in_background(_give_up(pull))
+        return waited, item
+
+    async def _pull_now(self, log: EventLog) -> tuple[bool, Queued | None]:
         """A non-blocking dequeue's pull (``next_queued(0)``), awaited in the caller's own task: it
         answers in a round trip (a few more ms to confirm an empty answer), so a close need not
         interrupt it, and it spends no task of its own (CPU on every empty poll). Cancelled,
         the queue hands back an entry its pull brings late. A cancel that Python 3.11's
         ``wait_for`` swallowed inside it (nats-py's consumer info) is raised here, and an entry it
-        brought all the same goes back (``raise_if_cancelled``).
+        brought all the same goes back (``raise_if_cancelled``). ``(False, None)``: the store is
+        closing (nothing pulled).
 
         Raises:
             asyncio.CancelledError: The caller was cancelled.
             ServiceUnavailableError: The queue's server did not answer.
         """
+        if self._draining:  # a claim refused as the close began: claim nothing more
+            return False, None
         since = cancels()
         item = await log.next_queued(0.0)
         if item is not None and cancels() > since:
             self._in_background(_hand_back(item))
         raise_if_cancelled(since)
-        return item
+        return True, item
 
     async def _claim(
         self, item: Queued, worker_id: str | None, read_resources: bool, on_claim: Callable[[str, str], object] | None
