@@ -60,7 +60,10 @@ _fields_decoder = msgspec.json.Decoder(
 
 
 def _fields_valid(spans: list[RawSpan]) -> bool:
-    """Whether each raw field of ``spans`` decodes as its ``Span`` type (the attributes: a JSON object)."""
+    """Whether each raw field of ``spans`` decodes as its ``Span`` type (the attributes: a JSON
+    object). Each span's ``status`` becomes its typed decode's JSON, as ``span_row`` writes a typed
+    span's: a writer's ``{}`` or one without ``status_code`` reads ``UNSET`` in the views
+    (``v_spans.status_code``), not ``NULL`` (0.4 µs a span)."""
     parts = []
     for span in spans:
         if bytes(memoryview(span.attributes)[:1]) != b"{":
@@ -69,9 +72,11 @@ def _fields_valid(spans: list[RawSpan]) -> bool:
             b"[" + b",".join([span.status, span.events, span.links, span.context, span.parent, span.resource]) + b"]"
         )
     try:
-        _fields_decoder.decode(b"[" + b",".join(parts) + b"]")
-    except (msgspec.DecodeError, RecursionError):
+        fields = _fields_decoder.decode(b"[" + b",".join(parts) + b"]")
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):
         return False
+    for span, (status, *_) in zip(spans, fields, strict=True):
+        span.status = msgspec.Raw(_enc.encode(status))
     return True
 
 
@@ -87,7 +92,7 @@ def decode_for_projection(data: bytes) -> AnyEvent:
     if data and data.startswith(_SPANS_ADDED_PREFIX):
         try:
             raw = _raw_spans_decoder.decode(data)
-        except (msgspec.DecodeError, RecursionError):  # DecodeError includes ValidationError
+        except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):  # DecodeError includes ValidationError
             pass  # an older version, or malformed: decode_event upcasts or explains
         else:
             if raw.v == 1 and _fields_valid(raw.spans):
