@@ -26,7 +26,11 @@ class RawSpan(Span, kw_only=True):
     them again was ~15% of the projector's CPU with the bench's 4 KB attribute sets (the
     attributes), and 55 -> 31 µs a rollout of ``span_row`` on the bench's workload (the other six
     fields); ``decode_for_projection`` checks them against their ``Span`` types instead.
-    ``context`` and ``parent`` hold ``null`` when the span has none (``span_row``: ``NULL``)."""
+    ``context`` and ``parent`` hold ``null`` when the span has none (``span_row``: ``NULL``).
+    ``status`` is its typed decode's JSON (``decode_for_projection``: the views read its
+    ``status_code``); in the other fields, what another writer spelled otherwise stays as written
+    in the row's ``jsonb`` (a field left out, an unknown one, ``1`` for ``1.0``), which the
+    ``query_*`` reads decode to the typed span's values."""
 
     status: msgspec.Raw = msgspec.Raw(_enc.encode(TraceStatus()))  # type: ignore[assignment]
     attributes: msgspec.Raw = msgspec.Raw(b"{}")  # type: ignore[assignment]
