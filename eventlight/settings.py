@@ -43,12 +43,13 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 import msgspec
 
 from eventlight.core.errors import InvalidInputError
 from eventlight.credentials import NatsAuth, read_secret
-from eventlight.net import redact, server_urls
+from eventlight.net import redact, redact_unparsed, server_urls
 
 _NS_RE = re.compile(r"^[a-z0-9_]{1,40}$")
 
@@ -79,6 +80,23 @@ def check_namespace(ns: str) -> str:
     if not _NS_RE.match(ns):
         raise InvalidInputError(f"namespace {ns!r} must match {_NS_RE.pattern}")
     return ns
+
+
+def _check_pg_ports(dsn: str) -> None:
+    """Refuse a ``postgresql://`` URL whose port (of each host, ``h1:5432,h2:5433``) is not a number
+    from 0 to 65535: asyncpg takes 99999 and its socket call fails with ``OverflowError``.
+
+    Raises:
+        InvalidInputError: A port is out of range or not a number (the password masked, ``redact_unparsed``).
+    """
+    authority = dsn.split("://", 1)[1].split("/", 1)[0].split("?", 1)[0]
+    for host in authority.rpartition("@")[2].split(","):
+        try:
+            urlsplit(f"postgresql://{host}").port  # noqa: B018 - parsing it raises on a bad port
+        except ValueError as e:
+            raise InvalidInputError(
+                "pg_dsn (EVENTLIGHT_PG_DSN): " + redact_unparsed(dsn, "a Postgres DSN", e)
+            ) from None
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
@@ -161,6 +179,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
                 "pg_dsn (EVENTLIGHT_PG_DSN) must be a postgresql:// URL, e.g. "
                 "postgresql://user:password@host:5432/dbname (the value given is not shown)"
             )
+        if self.pg_dsn is not None:
+            _check_pg_ports(self.pg_dsn)
         if self.durability not in DURABILITY:
             raise InvalidInputError(
                 f"durability must be one of {', '.join(DURABILITY)} (EVENTLIGHT_DURABILITY), not {self.durability!r}"

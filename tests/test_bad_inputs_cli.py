@@ -172,6 +172,19 @@ DOWN: dict[str, Case] = {
         2,
         "postgresql://*** is not a Postgres DSN: its port is not a number (the address is not shown",
     ),
+    # asyncpg took it and its socket call failed: "internal error: OverflowError", exit 1
+    "EVENTLIGHT_PG_DSN port out of range": (
+        ("sql", "SELECT 1"),
+        {"EVENTLIGHT_PG_DSN": "postgresql://u:pw@127.0.0.1:99999/db"},
+        2,
+        "postgresql://u:***@127.0.0.1:99999/db is not a Postgres DSN: Port out of range 0-65535",
+    ),
+    "EVENTLIGHT_PG_DSN second host's port out of range": (
+        ("status",),
+        {"EVENTLIGHT_PG_DSN": "postgresql://u:pw@127.0.0.1:5432,127.0.0.1:70000/db"},
+        2,
+        "is not a Postgres DSN: Port out of range 0-65535",
+    ),
     "EVENTLIGHT_STREAM_REPLICAS=x": (("status",), {"EVENTLIGHT_STREAM_REPLICAS": "x"}, 2, "must be a whole number"),
     # the host forgotten: the password reads as a port, which the parser's error quoted
     "EVENTLIGHT_NATS_URL nats://user:secret": (

@@ -670,6 +670,9 @@ async def test_an_address_that_does_not_parse_never_shows_its_password() -> None
     with pytest.raises(InvalidInputError) as with_at:  # "user:password@" is there: redact masks it, the rest stays
         server_urls("nats://user:secret@host:x")
     assert str(with_at.value) == "nats://user:***@host:x is not a NATS URL: its port 'x' is not a number"
+    with pytest.raises(InvalidInputError) as out_of_range:  # asyncpg's socket call: OverflowError
+        await pg_errors.connect("postgresql://user:secret@127.0.0.1:99999/db")
+    assert "secret" not in str(out_of_range.value) and "is not a Postgres DSN" in str(out_of_range.value)
 
 
 @pytest.mark.parametrize("command", [["status"], ["sql", "SELECT 1"], ["runner", "examples.tutorials.debug:main"]])

@@ -309,3 +309,24 @@ async def test_runners_and_the_algorithm_on_a_3_node_cluster_with_a_partitioned_
         with contextlib.suppress(Exception):
             cluster.stop()
     assert (verdict.lost, verdict.doubled, verdict.stuck) == (0, 0, 0)
+
+
+async def test_a_rollout_event_not_in_utf8_is_dead_lettered_by_its_own_partition(namespace: Settings) -> None:
+    """A foreign payload on a rollout subject holding bytes that are not UTF-8 is malformed
+    (``InvalidInputError``), also where partition 0 decodes another partition's rollout events for
+    its worker side: it is dead-lettered once, as a malformed event, and the projection goes on.
+    It was a ``UnicodeDecodeError`` that failed the batches reading it (dead-lettered only by the
+    one-by-one retry of a failed batch)."""
+    settings = msgspec.structs.replace(namespace, projector_partitions=2)
+    async with projectors(settings, 1) as [store]:
+        await balanced([store], 2)
+        rid = next(f"ro-bad{i}" for i in range(100) if partition_of(f"ro-bad{i}", 2) == 1)
+        bad = b'{"type":"rollout_enqueued","v":1,"time":1.0,"rollout_id":"\xff"}'
+        await store.log.js.publish(f"{store.log.prefix}.r.{rid}.q", bad)
+        after = [await store.enqueue_rollout({"i": i}) for i in range(4)]  # both partitions' events behind it
+        await store.sync_all(timeout_s=20)
+        async with store.pool.acquire() as conn:
+            dead = await conn.fetch("SELECT stream_seq, error FROM projector_dead_letters")
+        assert len(dead) == 1 and "malformed event" in dead[0]["error"], dead
+        projected = {r.rollout_id for r in await store.query_rollouts()}
+        assert projected == {r.rollout_id for r in after}

@@ -124,6 +124,7 @@ FOREIGN: dict[str, Any] = {  # what another writer might put on a span subject
     "version_not_an_int": lambda rid, aid: b'{"type":"spans_added","v":[1],"spans":[]}',
     "nested_too_deep": lambda rid, aid: _foreign_span(rid, aid, b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
     "empty": lambda rid, aid: b"",
+    "name_not_utf8": lambda rid, aid: _foreign_span(rid, aid, b"{}").replace(b'"foreign"', b'"\xff"'),
     "another_object": lambda rid, aid: b"{}",
 }
 
@@ -148,7 +149,7 @@ async def test_foreign_span_payloads_are_skipped_and_numbering_goes_on(namespace
         await store.start_rollout("y")  # an event behind the foreign one
         await store.sync(timeout_s=10)
         # a batch-shaped foreign payload's ids (50) count as taken: the counter never reuses an id
-        expected = 51 if kind == "attributes_not_an_object" else 4
+        expected = 51 if kind in ("attributes_not_an_object", "name_not_utf8") else 4
         assert after.sequence_id == expected
         assert store.projector.malformed == 1 and store.projector.dead_letters == 1
         async with store.pool.acquire() as conn:
@@ -210,6 +211,48 @@ def test_spans_projected_raw_give_the_rows_of_their_typed_decode() -> None:
 @pytest.mark.parametrize("text", ["", "plain", "a\\u0000", "\\\\u0000", "\\n\\u0001", "x" * 5000 + "\\u0000"])
 def test_may_hold_nul_is_the_substring_test(text: str) -> None:
     assert may_hold_nul(text) == ("\\u0000" in text) == may_hold_nul(text.encode())
+
+
+@pytest.mark.parametrize(
+    "status",
+    [b"{}", b'{"description":"d"}', b'{"status_code":"OK","status_code":"ERROR"}', b'{"x":1,"status_code":"OK"}'],
+)
+async def test_a_foreign_spans_status_is_stored_as_its_typed_decode(namespace: Settings, status: bytes) -> None:
+    """A span's ``status`` as another writer may spell it (fields left out, repeated, unknown) is
+    stored as ``decode_event`` reads it: ``v_spans.status_code`` is ``UNSET`` for ``{}``, not ``NULL``."""
+    async with JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store:
+        r = await store.start_rollout("x")
+        rid, aid = r.rollout_id, r.attempt.attempt_id
+        data = _foreign_span(rid, aid, b"{}").replace(b'"attributes"', b'"status":' + status + b',"attributes"')
+        await store.log.js.publish(f"{store.log.prefix}.s.{rid}.{aid}", data)
+        await store.start_rollout("y")
+        await store.sync(timeout_s=10)
+        typed = decode_event(data)
+        assert isinstance(typed, SpansAdded) and store.projector.dead_letters == 0
+        async with store.pool.acquire() as conn:
+            row = await conn.fetchrow(
+                "SELECT v.status_code, s.status = $1::jsonb AS same FROM v_spans v JOIN spans s USING (span_id)",
+                span_row(typed.spans[0], 0)[7],
+            )
+        assert row is not None and (row["status_code"], row["same"]) == (typed.spans[0].status.status_code, True)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b'{"type":"spans_added","v":"x","k":"\xff"}',
+        b'{"type":"spans_added","v":1,"time":1.0,"rollout_id":"\xff","attempt_id":"a","spans":[]}',
+        b'{"type":"spans_added","v":1,"time":1.0,"rollout_id":"r","attempt_id":"a","spans":[{"rollout_id":"r",'
+        b'"attempt_id":"a","sequence_id":1,"trace_id":"t","span_id":"s","parent_id":null,"name":"n",'
+        b'"status":{"status_code":"\xff"}}]}',
+    ],
+)
+def test_a_payload_not_in_utf8_is_not_an_event(data: bytes) -> None:
+    """Bytes that are not UTF-8 in a string make a payload malformed (``InvalidInputError``: the
+    projector dead-letters it in its batch), not a ``UnicodeDecodeError``."""
+    for decode in (decode_event, decode_for_projection):
+        with pytest.raises(InvalidInputError):
+            decode(data)
 
 
 async def test_a_number_beyond_float_range_in_raw_attributes_reads_back(namespace: Settings) -> None:

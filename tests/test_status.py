@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import pytest
 
 from eventlight.core.types import Worker
 from eventlight.net import free_port
@@ -416,3 +417,33 @@ async def test_sql_stops_waiting_for_a_projection_that_does_not_move(monkeypatch
     await projection.warn_if_behind(Settings(), polls)
     assert "are 8 events behind the log (projected up to event 32 of 40)" in capsys.readouterr().err
     assert clock[0] <= 0.1 + projection.LAG_STILL_S + 0.05  # moved until 0.1 s, then still for LAG_STILL_S
+
+
+async def test_find_pg_takes_the_recorded_postgres_for_its_nats_however_spelled(
+    namespace: Settings, tmp_path: Path
+) -> None:
+    """With EVENTLIGHT_NATS_URL set and EVENTLIGHT_PG_DSN not, the Postgres `eventlight up` recorded
+    goes with the NATS it recorded under any spelling of that server (credentials, a trailing ``/``,
+    the host's case, a cluster's order, no scheme); another server is still refused."""
+    from eventlight.core.errors import InvalidInputError
+    from eventlight.ops.discovery import find_pg
+
+    port, other = free_port(), free_port()
+    record = Services(
+        nats_url=f"nats://127.0.0.1:{port},nats://localhost:{other}",
+        pg_dsn=namespace.pg_dsn or "",
+        pg_pid=os.getpid(),
+        pg_kind="system",
+    )
+    (tmp_path / "services.json").write_bytes(msgspec.json.encode(record))
+    for url in (
+        f"nats://u:secret@127.0.0.1:{port},nats://localhost:{other}",
+        f"nats://127.0.0.1:{port}/,nats://LocalHost:{other}/",
+        f"localhost:{other},127.0.0.1:{port}",
+    ):
+        settings = Settings(nats_url=url, pg_dsn=None, state_dir=tmp_path)
+        found = await find_pg(settings)
+        assert found is not None and found.url == namespace.pg_dsn, url
+    for url in (f"nats://127.0.0.1:{port}", f"nats://127.0.0.1:{free_port()},nats://localhost:{other}"):
+        with pytest.raises(InvalidInputError, match="not the NATS of the servers"):
+            await find_pg(Settings(nats_url=url, pg_dsn=None, state_dir=tmp_path))

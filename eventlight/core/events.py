@@ -191,7 +191,7 @@ def decode_event(data: bytes) -> AnyEvent:
         if upcast is None:
             raise InvalidInputError(f"not an eventlight event: {e}") from e
         return _upcast(upcast, data)
-    except (msgspec.DecodeError, RecursionError, TypeError) as e:  # RecursionError: nested too deep
+    except (msgspec.DecodeError, RecursionError, TypeError, UnicodeDecodeError) as e:  # nested too deep; bad UTF-8
         raise InvalidInputError(f"not an eventlight event: {e}") from e
     current = _current_version(type(event))
     if event.v == current:
@@ -209,7 +209,7 @@ def _upcast(upcast: Callable[[dict[str, Any]], dict[str, Any]], data: bytes) -> 
     try:
         upcasted: AnyEvent = msgspec.convert(upcast(msgspec.json.decode(data)), AnyEvent)  # type: ignore[arg-type]
         return upcasted
-    except (msgspec.DecodeError, RecursionError) as e:  # includes ValidationError
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as e:  # includes ValidationError
         raise InvalidInputError(f"not an eventlight event (after upcasting): {e}") from e
 
 
@@ -229,7 +229,7 @@ def _upcaster(data: bytes) -> Callable[[dict[str, Any]], dict[str, Any]] | None:
     """The upcaster for a payload's ``(type, v)``, or ``None`` (not JSON, not an object, no upcaster)."""
     try:
         raw = msgspec.json.decode(data)
-    except (msgspec.DecodeError, RecursionError):  # the typed decoder can fail on a type first
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):  # the typed decoder can fail on a type first
         return None
     if not isinstance(raw, dict):
         return None

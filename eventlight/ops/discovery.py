@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit
+
 import msgspec
 
 from eventlight.core.errors import InvalidInputError, ServerTooOldError, ServiceUnavailableError
@@ -110,7 +112,7 @@ def _refuse_another_deployment(settings: Settings, recorded: Services) -> None:
     Raises:
         InvalidInputError: It names another NATS: the recorded Postgres holds that one's namespace.
     """
-    if not settings.nats_url or server_urls(settings.nats_url) == server_urls(recorded.nats_url):
+    if not settings.nats_url or _servers(settings.nats_url) == _servers(recorded.nats_url):
         return
     raise InvalidInputError(
         redact_configured(
@@ -120,6 +122,18 @@ def _refuse_another_deployment(settings: Settings, recorded: Services) -> None:
             "EVENTLIGHT_PG_DSN to the Postgres that goes with it, or unset EVENTLIGHT_NATS_URL",
         )
     )
+
+
+def _servers(url: str) -> set[tuple[str, int]]:
+    """The ``(host, port)`` of each server ``url`` names (``server_urls``), however it is spelled:
+    credentials, a trailing ``/``, the order of a cluster's servers and the host's case do not
+    matter; no port is NATS's 4222.
+
+    Raises:
+        InvalidInputError: ``url`` names no NATS server (``server_urls``).
+    """
+    parts = [urlsplit(u) for u in server_urls(url)]
+    return {((p.hostname or "").lower(), p.port or 4222) for p in parts}
 
 
 def _recorded(settings: Settings) -> Services | None:

@@ -104,7 +104,8 @@ async def connect(
 @contextlib.contextmanager
 def dsn_errors(dsn: str) -> Iterator[None]:
     """Around ``asyncpg.connect`` / ``create_pool``: the ``ValueError`` asyncpg raises on a DSN it
-    cannot parse becomes ``InvalidInputError``, the DSN and the password in it hidden (``redact_unparsed``).
+    cannot parse (``OverflowError``: a port over 65535) becomes ``InvalidInputError``, the DSN and the
+    password in it hidden (``redact_unparsed``).
 
     Raises:
         InvalidInputError: ``dsn`` is not a DSN asyncpg can parse.
@@ -113,7 +114,7 @@ def dsn_errors(dsn: str) -> Iterator[None]:
         yield
     except InvalidInputError:
         raise
-    except ValueError as e:
+    except (ValueError, OverflowError) as e:  # OverflowError: a port over 65535, from the socket call
         raise InvalidInputError(redact_unparsed(dsn, "a Postgres DSN", e)) from None
 
 
