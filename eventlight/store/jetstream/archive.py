@@ -359,9 +359,10 @@ class RetiredLedger:
         return self.ids
 
 
-ARCHIVED_ROLLOUTS_KEPT = 256
-"""Retired rollouts whose archived events ``ArchivedRollouts`` keeps in memory (a retired rollout
-never changes: what was read stays true)."""
+ARCHIVED_ROLLOUTS_KEPT = 64
+"""Retired rollouts whose archived events (span batches included) ``ArchivedRollouts`` keeps in
+memory: a retired rollout never changes, so what was read stays true; twice the rollouts
+``Subscription.collect`` reads at once, which reads a rollout's state events, then its spans."""
 
 
 class ArchivedRollouts:
