@@ -807,3 +807,53 @@ async def test_a_rollout_requeued_behind_a_held_claims_redelivery_is_claimed_aga
             assert await b.dequeue_rollout(worker_id="b") is None
             await store.sync_all(timeout_s=10)
             assert len(await store.query_attempts(r.rollout_id)) == 2
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+async def test_a_storm_of_cancelled_non_blocking_dequeues_strands_nothing(namespace: Settings, seed: int) -> None:
+    """A non-blocking dequeue pulls in its caller's task (``Claims._pull_now``). Rounds of six
+    concurrent ones, each cancelled a random 0-150 loop turns after it starts (wherever that
+    lands: before, inside or after the pull, inside the claim): no rollout is claimed twice, each
+    is claimed, or failed by the claim its cancel cut short, or found at once by the non-blocking
+    dequeues after the storm (none waits out the consumer's ack wait). Held on 2026-12-07
+    (review of the no_wait change; 9 seeds x 3 ranges)."""
+    rnd = random.Random(seed)
+    loop = asyncio.get_running_loop()
+    async with (
+        JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store,
+        JetStreamLightningStore(namespace) as runner,
+    ):
+        ids = [(await store.enqueue_rollout({"i": i})).rollout_id for i in range(40)]
+        claimed: list[str] = []
+
+        def cancel_after(task: asyncio.Task[Any], turns: int) -> None:
+            if turns == 0:
+                task.cancel()
+            else:
+                loop.call_soon(cancel_after, task, turns - 1)
+
+        for _ in range(30):
+            tasks = [asyncio.create_task(runner.dequeue_rollout(worker_id=f"w{k}")) for k in range(6)]
+            for task in tasks:
+                cancel_after(task, rnd.randrange(0, 150))
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    if (d := await task) is not None:
+                        claimed.append(d.rollout_id)
+        empty = 0
+        while empty < 3:  # an entry waiting out the ack wait is not found here
+            d = await runner.dequeue_rollout(worker_id="after")
+            if d is None:
+                empty += 1
+            else:
+                claimed.append(d.rollout_id)
+        await store.sync_all(timeout_s=10)
+        counts = Counter(claimed)
+        assert max(counts.values(), default=1) == 1, counts.most_common(3)
+        stranded = []
+        for rid in ids:
+            if rid not in counts:
+                attempts = [(a.status, a.worker_id) for a in await store.query_attempts(rid)]
+                if not attempts or attempts[-1][0] != "failed":
+                    stranded.append((rid, attempts))
+        assert stranded == []

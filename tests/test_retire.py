@@ -222,6 +222,39 @@ async def test_retirement_waits_for_a_durable_subscriber_that_is_behind(namespac
         assert report.retired == 3
 
 
+async def test_a_rollout_retired_before_the_subscription_started_is_collected_at_once(namespace: Settings) -> None:
+    """DESIGN: the log keeps everything. A rollout that ended and was retired to the archive before
+    a subscription started is collected at once, the record a subscription that had started before
+    it returns, spans included (read from the archive; the hot stream no longer holds it). It was
+    waited for until ``timeout_s`` and left out. More than ``READS_AT_ONCE`` retired rollouts in one
+    ``collect``, an unknown id and a repeated one beside them."""
+    from eventlight.store.subscription.subscription import READS_AT_ONCE
+
+    settings = await _with_archive(namespace)
+    hour = msgspec.structs.replace(settings, retention_s=3600.0)  # the leader's own rounds retire nothing
+    assert settings.pg_dsn is not None
+    async with JetStreamLightningStore(hour, pg_dsn=settings.pg_dsn) as store:
+        ids = list((await workload(store)).values())
+        for _ in range(READS_AT_ONCE):
+            r = await store.enqueue_rollout({"task": "more"})
+            d = (await store.dequeue_rollout(worker_id="w1")).attempt  # type: ignore[union-attr]
+            await store.add_many_spans([llm_span(r.rollout_id, d.attempt_id, 1, "x", 10.0)])
+            await store.update_attempt(r.rollout_id, d.attempt_id, status="succeeded")
+            ids.append(r.rollout_id)
+        async with store.subscribe_triplets(since=0) as early:
+            expected = await early.collect(ids, timeout_s=20)
+        assert len(expected) == len(ids)
+        await store.sync_all(timeout_s=10)
+        await _archive_caught_up(store)
+        pool: Any = store.read_model.pool  # type: ignore[union-attr]
+        assert (await retire(store.log, pool, settings, now=time.time() + 1)).retired == len(ids)
+        assert not [s for s in await _hot_subjects(store) if s.split(".")[2] in ("r", "s")]
+        async with store.subscribe_triplets() as sub:
+            got = await sub.collect([*ids, "ro-unknown", ids[0]], timeout_s=0)
+            assert await sub.collect(ids, timeout_s=0) == got  # held: the same again
+    assert got == expected and got[0].data and got[0].final_reward == 0.9
+
+
 async def test_retirement_waits_while_the_archive_is_behind(
     namespace: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:

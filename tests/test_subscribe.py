@@ -343,6 +343,17 @@ async def test_a_rollout_requeued_after_it_ended_is_collected_from_its_next_run_
     ]
 
 
+async def test_unknown_odd_and_repeated_ids_beside_a_rollout_that_ended_before_the_start(store: Any) -> None:
+    """Both backends answer alike: ids no rollout has (unknown, not a subject token, empty) are not
+    an error and are left out, a repeated id comes once, and the rollout that ended before the
+    subscription started comes at once (``timeout_s=0``), in the order asked."""
+    done = await finish_one(store, reward=0.4)
+    async with store.subscribe(names) as sub:
+        got = await sub.collect(["ro-nope", done, "a.b", "ro-\x00", "*", ">", "", done], timeout_s=0)
+        assert sub.unattempted == {}
+    assert [(x.rollout_id, x.final_reward) for x in got] == [(done, 0.4)]
+
+
 async def test_a_collect_of_rollouts_that_ended_before_and_after_the_subscription_started(store: Any) -> None:
     """Ended before the subscription started, running when it started, enqueued after it: one
     ``collect`` returns all three, each at its latest attempt, in the order asked."""

@@ -357,3 +357,63 @@ class RetiredLedger:
                     self.ids.update(_retired_decoder.decode(msg.data).rollout_ids)
             self.read_until = last
         return self.ids
+
+
+ARCHIVED_ROLLOUTS_KEPT = 64
+"""Retired rollouts whose archived events (span batches included) ``ArchivedRollouts`` keeps in
+memory: a retired rollout never changes, so what was read stays true; twice the rollouts
+``Subscription.collect`` reads at once, which reads a rollout's state events, then its spans."""
+
+
+class ArchivedRollouts:
+    """The events of retired rollouts, read back from the archive (``rollout_entries`` and
+    ``span_entries`` of a rollout the hot stream no longer holds: ``Subscription.collect`` of a
+    rollout retired before the subscription started).
+
+    The archive has one subject per kind, so one rollout's events are found by reading the archive
+    through (``_archived_events``): the rollouts asked for while a read runs are found together by
+    the next one, and the last ``ARCHIVED_ROLLOUTS_KEPT`` rollouts read are kept, so the rollout's
+    state events and then its attempts' span batches cost one read.
+    """
+
+    def __init__(self, log: JetStreamEventLog):
+        self.log = log
+        self.kept: dict[str, list[tuple[int, str, bytes]]] = {}
+        self._asked: set[str] = set()
+        self._lock = asyncio.Lock()
+
+    async def entries(self, rollout_id: str) -> list[tuple[int, str, bytes]]:
+        """The archived events of ``rollout_id`` (state and span events), ascending, as
+        ``(original position, original subject, payload)``; empty when the archive has none.
+
+        Raises:
+            ServiceUnavailableError: NATS did not answer.
+        """
+        found = self.kept.get(rollout_id)
+        if found is not None:
+            return found
+        self._asked.add(rollout_id)
+        async with self._lock:
+            found = self.kept.get(rollout_id)  # read by the read before ours
+            if found is not None:
+                return found
+            wanted = self._asked | {rollout_id}  # a read that failed took ours out of ``_asked``
+            self._asked = set()
+            read = await self._read(wanted)
+            for rid in wanted:
+                self.kept[rid] = read.get(rid, [])
+            while len(self.kept) > ARCHIVED_ROLLOUTS_KEPT:
+                del self.kept[next(iter(self.kept))]
+            return read.get(rollout_id, [])
+
+    async def _read(self, wanted: set[str]) -> dict[str, list[tuple[int, str, bytes]]]:
+        head = await archive_head(self.log)
+        out: dict[str, list[tuple[int, str, bytes]]] = {}
+        if not head:
+            return out
+        async with contextlib.aclosing(_archived_events(self.log, 0, 1 << 62, head)) as archived:
+            async for position, subject, data in archived:
+                rid = subject.split(".", 4)[3]
+                if rid in wanted:
+                    out.setdefault(rid, []).append((position, subject, data))
+        return out

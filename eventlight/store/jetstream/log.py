@@ -40,7 +40,7 @@ from eventlight.core.evolve import evolve, spans_arrived
 from eventlight.core.types import ResourcesUpdate, Span, generate_id
 from eventlight.settings import Settings
 from eventlight.store.jetstream.appender import AtomicAppender, publish_acked
-from eventlight.store.jetstream.archive import RetiredLedger, scan_log
+from eventlight.store.jetstream.archive import ArchivedRollouts, RetiredLedger, scan_log
 from eventlight.store.jetstream.connect import connected_server
 from eventlight.store.jetstream.follow import SERVER_TIMEOUT_S, JetStreamFeed
 from eventlight.store.jetstream.layout import rollout_filter, span_subject, subject_for
@@ -104,6 +104,7 @@ class JetStreamEventLog:
         self.spans = SpanLog(self, clock)
         self.queue = RunnersQueue(self)
         self.retired = RetiredLedger(self)
+        self.archived = ArchivedRollouts(self)
         self.appender = AtomicAppender(self, timeout_s=PUBLISH_TIMEOUT_S)
         self._latest_resources: tuple[str | None, int] | None = None
         """``latest_resources``' cache: (id, the stream sequence of the last message on ``res.>``)."""
@@ -425,22 +426,37 @@ class JetStreamEventLog:
 
     async def rollout_entries(self, rollout_id: str, before_seq: int) -> list[tuple[int, bytes]]:
         """The rollout's state events before ``before_seq`` (one direct get each); none for an id
-        that is not a subject token (no rollout can have it).
+        that is not a subject token (no rollout can have it). A rollout retired to the archive
+        (the hot stream holds none of its events and the ledger lists it) is read from the archive
+        (``ArchivedRollouts``: one read of the archive through for the rollouts asked meanwhile).
 
         Raises:
             ServiceUnavailableError: NATS did not answer.
         """
         if not isinstance(rollout_id, str) or not is_token(rollout_id):
             return []
-        return await self._entries(rollout_filter(self.prefix, rollout_id), before_seq)
+        out: list[tuple[int, bytes]] = []
+        async for msg in self._messages(rollout_filter(self.prefix, rollout_id)):
+            if msg.seq >= before_seq:
+                return out  # the hot stream holds it
+            out.append((int(msg.seq), msg.data or b""))
+        if out or not await self.retired.contains(rollout_id):
+            return out
+        state = f"{self.prefix}.r.{rollout_id}."
+        return [(p, d) for p, s, d in await self.archived.entries(rollout_id) if p < before_seq and s.startswith(state)]
 
     async def span_entries(self, rollout_id: str, attempt_id: str, before_seq: int) -> list[tuple[int, bytes]]:
-        """The attempt's span batches before ``before_seq`` (one direct get each).
+        """The attempt's span batches before ``before_seq`` (one direct get each); from the archive
+        for a rollout ``rollout_entries`` found retired.
 
         Raises:
             ServiceUnavailableError: NATS did not answer.
         """
-        return await self._entries(span_subject(self.prefix, rollout_id, attempt_id), before_seq)
+        subject = span_subject(self.prefix, rollout_id, attempt_id)
+        out = await self._entries(subject, before_seq)
+        if out or rollout_id not in self.retired.ids:
+            return out
+        return [(p, d) for p, s, d in await self.archived.entries(rollout_id) if p < before_seq and s == subject]
 
     async def _entries(self, subject: str, before_seq: int) -> list[tuple[int, bytes]]:
         out: list[tuple[int, bytes]] = []

@@ -230,7 +230,9 @@ class Subscription:
         from the log at once, the record a subscription that had started before it would return
         (its ``position`` below ``start_seq``), checked against the log as a kept one: one read
         of each asked rollout this subscription has nothing of (one direct get for one created
-        after ``start_seq``), two and its span batches for one that ended before. Records of
+        after ``start_seq``), two and its span batches for one that ended before; one retired to
+        the archive since (JetStream, ``Settings.retention_s``) is read from the archive, read
+        through once for the rollouts asked together (DESIGN: the log keeps everything). Records of
         other rollouts met meanwhile are kept for a later ``collect`` (up to ``MAX_STASH``), which
         checks a kept one against the log first (one load of the rollout): a rollout sent back to
         the queue since is collected from its next run, not the kept result. When it raises, the
