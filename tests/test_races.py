@@ -295,9 +295,9 @@ async def test_a_rollout_enqueued_by_another_process_is_dequeued_right_after(nam
 
 
 async def test_a_cancelled_long_poll_does_not_keep_the_next_rollout(namespace: Settings) -> None:
-    """A long poll cancelled while the queue is empty leaves its pull request at the server until
-    it expires; a rollout enqueued meanwhile goes to that request. The store hands it back (nak) so
-    the next dequeue gets it at once; before, it waited out the consumer's ack wait (30 s)."""
+    """A long poll cancelled while the queue is empty: its pull request is withdrawn from the
+    server (an entry already sent to it is handed back), so the next dequeue gets a rollout enqueued
+    after it at once. Before any hand-back, it waited out the consumer's ack wait (30 s)."""
     async with (
         JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store,
         JetStreamLightningStore(namespace) as runner,
@@ -399,10 +399,10 @@ async def test_an_entry_on_its_way_to_a_withdrawn_pull_is_handed_back(
 
 
 async def test_a_cancelled_pulls_late_answer_does_not_answer_another_pull(namespace: Settings) -> None:
-    """A cancelled long poll's request stays at the server until it expires; its answer (408) then
-    comes to the inbox it named. Pull inboxes are kept for the next pulls, but not that one before
-    its answer came: the long poll begun right after the cancel, on the same store, is not ended by
-    that 408 and gets the rollout enqueued after it."""
+    """Pull inboxes are kept for the next pulls, but not a cancelled long poll's: its request is
+    withdrawn, and an answer it still brings (a 408, had the request stayed until it expired) must
+    not end another pull. The long poll begun right after the cancel, on the same store, is not
+    ended by it and gets the rollout enqueued after it."""
     async with (
         JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store,
         JetStreamLightningStore(namespace) as runner,
