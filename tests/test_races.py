@@ -366,7 +366,7 @@ async def test_cancelled_long_polls_leave_no_pull_request_at_the_server(
 async def test_an_entry_on_its_way_to_a_withdrawn_pull_is_handed_back(
     namespace: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A cancelled long poll's request is withdrawn from the server (its inbox unsubscribed); an
+    """A cancelled long poll's request is withdrawn from the server (its inbox's ``UNSUB``); an
     entry the server had already sent to it, still unread by the runner's connection, is handed
     back, not dropped: the next dequeue gets it at once, not after the consumer's ack wait (30 s).
     Here the entry is held in the runner's read loop until the poll is cancelled and withdrawn."""
@@ -392,7 +392,7 @@ async def test_an_entry_on_its_way_to_a_withdrawn_pull_is_handed_back(
         poll.cancel()
         with pytest.raises(asyncio.CancelledError):
             await poll
-        await asyncio.sleep(0.2)  # the withdrawal sends its UNSUB, and waits for a PONG held behind the entry
+        await asyncio.sleep(0.2)  # the withdrawal has sent its UNSUB
         release.set()
         claimed = await runner.dequeue_rollout(worker_id="w2", wait_s=5)
         assert claimed is not None and claimed.rollout_id == rollout.rollout_id

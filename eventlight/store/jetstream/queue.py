@@ -37,6 +37,7 @@ NO_WAIT_ANSWER_S = 10.0  # how long a no_wait pull may take to answer before the
 LONG_POLL_MARGIN_S = 5.0  # how much longer than its expiry a long poll waits for the server's answer
 EMPTY_CONFIRM_S = 0.010  # how long after a write a non-blocking dequeue waits for the consumer (see _pull)
 STREAM_INFO_TIMEOUT_S = 10.0
+WITHDRAWN_GRACE_S = 1.0  # how long a withdrawn request's inbox still hands back what comes (see _abandon)
 HAND_BACK_ANSWER_S = 10.0  # how long a hand-back waits for the server to confirm it (see ``hand_back``)
 MAX_IDLE_INBOXES = 64  # idle pull inboxes kept for the next pulls; more are unsubscribed (see _pool)
 
@@ -368,17 +369,17 @@ class RunnersQueue:
         task.add_done_callback(self._background.discard)
 
     def _abandon(self, inbox: _Inbox) -> None:
-        """Nobody waits for ``inbox``'s answer any more: the inbox is unsubscribed, which withdraws
-        its request, and never reused. nats-server drops a waiting pull request whose reply subject
+        """Nobody waits for ``inbox``'s answer any more: its request is withdrawn from the server,
+        and the inbox never reused. nats-server drops a waiting pull request whose reply subject
         has lost its interest rather than deliver to it (``consumer.go``: ``nextWaiting`` skips it,
         ``processWaiting`` removes it when ``max_waiting`` is reached, and ``CONSUMER.INFO``'s
-        ``num_waiting`` leaves it out).
-
-        The unsubscribe is nats-py's ``drain``: ``UNSUB``, a ``PING`` round trip, and what came
-        before its ``PONG`` still goes to ``_Inbox.deliver``, which hands back an entry at once.
-        Only an entry the server had picked this request for, but not yet written to the
-        connection, as the ``UNSUB`` arrived is dropped by the server; it comes back after the
-        consumer's ack wait. One that ``close`` unsubscribed can bring nothing more.
+        ``num_waiting`` leaves it out), so the inbox's ``UNSUB`` is sent at once
+        (``_drop_interest``). Its callback stays ``WITHDRAWN_GRACE_S`` more, and hands back an
+        entry that comes meanwhile, sent before the server took the ``UNSUB`` (``_Inbox.deliver``);
+        then the inbox is unsubscribed. Only an entry the consumer picked this request for just
+        before the ``UNSUB``, but had not yet routed to the connection, is dropped by the server
+        and comes back after the consumer's ack wait. One that ``close`` unsubscribed can bring
+        nothing more.
 
         Kept subscribed until the request expired, as before, a cancelled long poll held one of
         the consumer's ``max_waiting`` (512) places for its whole ``wait_s``: of 2,000 cancelled
@@ -517,9 +518,10 @@ class _Inbox:
         try:
             if self.sub is not None:
                 with contextlib.suppress(Exception):  # the connection went: nothing more can come
-                    await self.sub.drain()
+                    await _drop_interest(self.queue.log.nc, self.sub)
+                await asyncio.sleep(WITHDRAWN_GRACE_S)
         finally:
-            self.sub = None
+            self.unsubscribe_later()
             self._settle()
 
     async def deliver(self, msg: Any) -> None:
@@ -554,6 +556,20 @@ class _Inbox:
         sub, self.sub = self.sub, None
         if sub is not None:
             self.queue._in_background(_unsubscribe(sub))
+
+
+async def _drop_interest(nc: Any, sub: Any) -> None:
+    """Send the server ``sub``'s ``UNSUB`` while nats-py goes on delivering to its callback what
+    still comes on it (nats-py 2.16's ``Client._send_unsubscribe``: no public call does this).
+    nats-py's ``unsubscribe`` forgets the subscription at once, and its ``drain`` after a ``PING``
+    round trip, but JetStream writes a delivery to the connection after the consumer has picked
+    the request, on another goroutine than the one that answers the ``PING``: with ``drain``, a
+    storm of cancelled non-blocking dequeues left an entry to the ack wait in 2 seeds of 6.
+
+    Raises:
+        nats.errors.Error: nats-py's transport errors.
+    """
+    await nc._send_unsubscribe(sub._id, limit=0)
 
 
 async def _unsubscribe(sub: Any) -> None:
