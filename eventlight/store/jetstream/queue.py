@@ -383,10 +383,10 @@ class RunnersQueue:
 
         Kept subscribed until the request expired, as before, a cancelled long poll held one of
         the consumer's ``max_waiting`` (512) places for its whole ``wait_s``: of 2,000 cancelled
-        3 s polls in a row, 779-828 were refused (409 "Exceeded MaxWaiting"), and a rollout
-        enqueued right after went to each of the 512 abandoned requests in turn, handed back by
-        each, before a live pull got it (0.4-0.8 s late, delivered 513 times; a non-blocking
-        dequeue found nothing)."""
+        3 s polls in a row, 779-1,303 were refused (409 "Exceeded MaxWaiting"; 5 runs), and a
+        rollout enqueued right after went to each abandoned request in turn (431-512 of them),
+        handed back by each, before a live pull got it 0.23-0.84 s later; a non-blocking dequeue
+        found nothing. Withdrawn: no 409, no hand-back, delivered once, to the first dequeue."""
         if inbox.sub is None:
             inbox.idle()
             return
