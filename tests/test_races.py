@@ -21,6 +21,7 @@ import os
 import random
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -294,9 +295,9 @@ async def test_a_rollout_enqueued_by_another_process_is_dequeued_right_after(nam
 
 
 async def test_a_cancelled_long_poll_does_not_keep_the_next_rollout(namespace: Settings) -> None:
-    """A long poll cancelled while the queue is empty leaves its pull request at the server until
-    it expires; a rollout enqueued meanwhile goes to that request. The store hands it back (nak) so
-    the next dequeue gets it at once; before, it waited out the consumer's ack wait (30 s)."""
+    """A long poll cancelled while the queue is empty: its pull request is withdrawn from the
+    server (an entry already sent to it is handed back), so the next dequeue gets a rollout enqueued
+    after it at once. Before any hand-back, it waited out the consumer's ack wait (30 s)."""
     async with (
         JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store,
         JetStreamLightningStore(namespace) as runner,
@@ -312,11 +313,96 @@ async def test_a_cancelled_long_poll_does_not_keep_the_next_rollout(namespace: S
         assert claimed.attempt.worker_id == "w2"
 
 
+async def _pulls_waiting(runner: Any) -> int | None:
+    """How many pull requests wait at the ``runners`` consumer (``None``: the in-memory store)."""
+    if not isinstance(runner, JetStreamLightningStore) or runner.log is None:
+        return None
+    info = await runner.log.js.consumer_info(runner.log.stream, "runners")
+    return int(info.num_waiting or 0)
+
+
+async def _until_pulls_waiting(runner: Any, done: Callable[[int], bool], what: str) -> None:
+    """Wait until ``done(num_waiting)`` holds (at once for the in-memory store), or fail saying ``what``."""
+    waiting = await _pulls_waiting(runner)
+    if waiting is None:
+        for _ in range(5):
+            await asyncio.sleep(0)
+        return
+    deadline = time.monotonic() + 20
+    while not done(waiting):
+        assert time.monotonic() < deadline, f"{what}: {waiting} pull requests waiting at the server"
+        await asyncio.sleep(0.05)
+        waiting = await _pulls_waiting(runner)
+
+
+async def test_cancelled_long_polls_leave_no_pull_request_at_the_server(
+    store: Any, runner_store: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """600 long polls (60 s), 100 at a time, each cancelled once its request is at the server (a
+    runner's ``asyncio.wait_for`` around its dequeue, or a closing runner). None is left waiting
+    at the server, so a short poll after them is accepted and a rollout enqueued then is dequeued
+    at once, never handed from one abandoned request to the next. Before, each cancelled request
+    waited at the server until it expired: the consumer's ``max_waiting`` (512) filled up (409
+    "Exceeded MaxWaiting"), and an entry bounced through the abandoned requests, naked by each."""
+    caplog.set_level(logging.INFO, logger="eventlight")
+    rounds, per_round = 6, 100
+    failed: list[BaseException] = []
+    for _ in range(rounds):
+        polls = [asyncio.create_task(runner_store.dequeue_rollout(worker_id="w", wait_s=60)) for _ in range(per_round)]
+        await _until_pulls_waiting(runner_store, lambda n: n >= per_round, "the polls' requests never arrived")
+        for poll in polls:
+            poll.cancel()
+        ends = await asyncio.gather(*polls, return_exceptions=True)
+        failed += [e for e in ends if not isinstance(e, asyncio.CancelledError)]
+    await _until_pulls_waiting(runner_store, lambda n: n == 0, "cancelled polls left their requests")
+    assert await runner_store.dequeue_rollout(worker_id="late", wait_s=0.2) is None
+    rollout = await store.enqueue_rollout("x")
+    got = await runner_store.dequeue_rollout(worker_id="fresh")
+    assert got is not None and got.rollout_id == rollout.rollout_id
+    handed_back = [rec.getMessage() for rec in caplog.records if "queue entry" in rec.getMessage()]
+    assert (failed, handed_back) == ([], [])
+
+
+async def test_an_entry_on_its_way_to_a_withdrawn_pull_is_handed_back(
+    namespace: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cancelled long poll's request is withdrawn from the server (its inbox's ``UNSUB``); an
+    entry the server had already sent to it, still unread by the runner's connection, is handed
+    back, not dropped: the next dequeue gets it at once, not after the consumer's ack wait (30 s).
+    Here the entry is held in the runner's read loop until the poll is cancelled and withdrawn."""
+    async with (
+        JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store,
+        JetStreamLightningStore(namespace) as runner,
+    ):
+        assert runner.log is not None
+        poll = asyncio.create_task(runner.dequeue_rollout(worker_id="w1", wait_s=30))
+        await _until_pulls_waiting(store, lambda n: n >= 1, "the poll's request never arrived")
+        nc, arrived, release = runner.log.nc, asyncio.Event(), asyncio.Event()
+        process_msg = nc._process_msg
+
+        async def held(sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes) -> None:
+            if reply.startswith(b"$JS.ACK.") and not arrived.is_set():
+                arrived.set()
+                await release.wait()
+            await process_msg(sid, subject, reply, data, headers)
+
+        monkeypatch.setattr(nc, "_process_msg", held)
+        rollout = await store.enqueue_rollout("x")
+        await asyncio.wait_for(arrived.wait(), 10)
+        poll.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await poll
+        await asyncio.sleep(0.2)  # the withdrawal has sent its UNSUB
+        release.set()
+        claimed = await runner.dequeue_rollout(worker_id="w2", wait_s=5)
+        assert claimed is not None and claimed.rollout_id == rollout.rollout_id
+
+
 async def test_a_cancelled_pulls_late_answer_does_not_answer_another_pull(namespace: Settings) -> None:
-    """A cancelled long poll's request stays at the server until it expires; its answer (408) then
-    comes to the inbox it named. Pull inboxes are kept for the next pulls, but not that one before
-    its answer came: the long poll begun right after the cancel, on the same store, is not ended by
-    that 408 and gets the rollout enqueued after it."""
+    """Pull inboxes are kept for the next pulls, but not a cancelled long poll's: its request is
+    withdrawn, and an answer it still brings (a 408, had the request stayed until it expired) must
+    not end another pull. The long poll begun right after the cancel, on the same store, is not
+    ended by it and gets the rollout enqueued after it."""
     async with (
         JetStreamLightningStore(namespace, pg_dsn=namespace.pg_dsn) as store,
         JetStreamLightningStore(namespace) as runner,

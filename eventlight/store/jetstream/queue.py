@@ -37,6 +37,7 @@ NO_WAIT_ANSWER_S = 10.0  # how long a no_wait pull may take to answer before the
 LONG_POLL_MARGIN_S = 5.0  # how much longer than its expiry a long poll waits for the server's answer
 EMPTY_CONFIRM_S = 0.010  # how long after a write a non-blocking dequeue waits for the consumer (see _pull)
 STREAM_INFO_TIMEOUT_S = 10.0
+WITHDRAWN_GRACE_S = 1.0  # how long a withdrawn request's inbox still hands back what comes (see _abandon)
 HAND_BACK_ANSWER_S = 10.0  # how long a hand-back waits for the server to confirm it (see ``hand_back``)
 MAX_IDLE_INBOXES = 64  # idle pull inboxes kept for the next pulls; more are unsubscribed (see _pool)
 
@@ -182,12 +183,12 @@ class RunnersQueue:
             msg = await self._pull_request(b'{"batch":1,"no_wait":true}', probe_full=True)
         except BaseException:
             if asked is not None:
-                self._give_up(asked, STREAM_INFO_TIMEOUT_S)
+                self._give_up(asked)
             raise
         self._found_empty = msg is None
         if msg is not None:
             if asked is not None:
-                self._give_up(asked, STREAM_INFO_TIMEOUT_S)  # its answer goes unread
+                self._give_up(asked)  # its answer goes unread
             return msg
         age = await self._last_write_age(asked)
         # the empty answer came at most `elapsed` before the age was read
@@ -236,9 +237,9 @@ class RunnersQueue:
         (default ``NO_WAIT_ANSWER_S``) because the consumer is at its ``max_ack_pending``
         (``_at_max_ack_pending``). With ``probe_full`` (a ``no_wait`` pull, which answers in a
         round trip unless the consumer is full), that is asked once the pull has waited
-        ``FULL_PROBE_S``; a full consumer answers ``None`` then. An entry a request brings after
-        its caller stopped waiting for it (cancelled, timed out, found the consumer full) is
-        handed back at once (``_Inbox.deliver``).
+        ``FULL_PROBE_S``; a full consumer answers ``None`` then. A request whose caller stopped
+        waiting for it (cancelled, timed out, found the consumer full) is withdrawn from the
+        server, and an entry already on its way is handed back at once (``_abandon``).
 
         The wait costs one future and one timer: the inbox's callback keeps the answer and wakes
         the caller (before, nats-py's ``next_msg`` in a task of its own, shielded, made two tasks
@@ -261,20 +262,20 @@ class RunnersQueue:
             await waiter
             if inbox.answer is None and probe:
                 if await self._at_max_ack_pending() and inbox.answer is None:
-                    self._abandon(inbox, timeout_s)
+                    self._abandon(inbox)
                     return None
                 await inbox.rewait(loop, timeout_s - FULL_PROBE_S)
             if inbox.answer is None:
                 raise inbox.no_answer()
         except TRANSPORT_ERRORS as e:
-            self._give_up(inbox, timeout_s)  # a late answer is handed back, and the inbox not reused before it
+            self._give_up(inbox)  # the request is withdrawn, and an entry on its way handed back
             if isinstance(e, nats.errors.TimeoutError) and await self._at_max_ack_pending():
                 return None  # nothing claimable until a claim finishes
             raise ServiceUnavailableError(self.log.server(), f"pull from the runners queue failed: {e!r}") from e
         except BaseException:
-            # Cancelled: the request stays at the server until it expires, and an entry it delivers
-            # would wait out the consumer's ack wait (30 s) before another runner got it.
-            self._give_up(inbox, timeout_s)
+            # Cancelled: left at the server, the request would hold one of the consumer's
+            # ``max_waiting`` places until it expires, and take entries nobody waits for.
+            self._give_up(inbox)
             raise
         msg = self._answered(inbox)
         status = (msg.headers or {}).get("Status")
@@ -302,7 +303,7 @@ class RunnersQueue:
         try:
             await self.log.nc.publish(subject, payload, reply=inbox.subject)
         except BaseException:
-            self._give_up(inbox, timeout_s)
+            self._give_up(inbox)
             raise
         return inbox
 
@@ -318,7 +319,7 @@ class RunnersQueue:
             if inbox.answer is None:
                 raise inbox.no_answer()
         except BaseException:
-            self._give_up(inbox, timeout_s)
+            self._give_up(inbox)
             raise
         return self._answered(inbox)
 
@@ -350,12 +351,12 @@ class RunnersQueue:
         self._all.add(inbox)
         return inbox
 
-    def _give_up(self, inbox: _Inbox, timeout_s: float) -> None:
-        """The caller of ``inbox``'s pull stops waiting: hand back the entry it brought, or leave the
-        inbox to hand back the one it may still bring (``_abandon``)."""
+    def _give_up(self, inbox: _Inbox) -> None:
+        """The caller of ``inbox``'s request stops waiting: hand back the entry it brought, or
+        withdraw the request (``_abandon``)."""
         msg = inbox.answer
         if msg is None:
-            self._abandon(inbox, timeout_s)
+            self._abandon(inbox)
             return
         inbox.idle()
         self._pool(inbox)
@@ -367,24 +368,35 @@ class RunnersQueue:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def _abandon(self, inbox: _Inbox, timeout_s: float) -> None:
-        """Nobody waits for ``inbox``'s answer any more: it hands back an entry that comes, and goes
-        back to the pool once answered; unanswered after ``timeout_s``, it is unsubscribed. One that
-        ``close`` unsubscribed can bring nothing more: nothing is left to wait for it."""
+    def _abandon(self, inbox: _Inbox) -> None:
+        """Nobody waits for ``inbox``'s answer any more: its request is withdrawn from the server,
+        and the inbox never reused. nats-server drops a waiting pull request whose reply subject
+        has lost its interest rather than deliver to it (``consumer.go``: ``nextWaiting`` skips it,
+        ``processWaiting`` removes it when ``max_waiting`` is reached, and ``CONSUMER.INFO``'s
+        ``num_waiting`` leaves it out), so the inbox's ``UNSUB`` is sent at once
+        (``_drop_interest``). Its callback stays ``WITHDRAWN_GRACE_S`` more, and hands back an
+        entry that comes meanwhile, sent before the server took the ``UNSUB`` (``_Inbox.deliver``);
+        then the inbox is unsubscribed. Only an entry the consumer picked this request for just
+        before the ``UNSUB``, but had not yet routed to the connection, is dropped by the server
+        and comes back after the consumer's ack wait. One that ``close`` unsubscribed can bring
+        nothing more.
+
+        Kept subscribed until the request expired, as before, a cancelled long poll held one of
+        the consumer's ``max_waiting`` (512) places for its whole ``wait_s``: of 2,000 cancelled
+        3 s polls in a row, 779-1,303 were refused (409 "Exceeded MaxWaiting"; 5 runs), and a
+        rollout enqueued right after went to each abandoned request in turn (431-512 of them),
+        handed back by each, before a live pull got it 0.23-0.84 s later; a non-blocking dequeue
+        found nothing. Withdrawn: no 409, no hand-back, delivered once, to the first dequeue."""
         if inbox.sub is None:
             inbox.idle()
             return
-        inbox.abandon(asyncio.get_running_loop(), timeout_s)
+        inbox.abandon(asyncio.get_running_loop())
         self._abandoned.add(inbox)
 
-    def _settled(self, inbox: _Inbox, answered: bool) -> None:
-        """``inbox``'s abandoned pull is over: answered (its entry handed back), or given up on."""
+    def _settled(self, inbox: _Inbox) -> None:
+        """``inbox``'s abandoned request is withdrawn (``_abandon``): the inbox is gone."""
         self._abandoned.discard(inbox)
-        if answered:
-            self._pool(inbox)
-        else:
-            self._all.discard(inbox)
-            inbox.unsubscribe_later()
+        self._all.discard(inbox)
 
     async def _at_max_ack_pending(self) -> bool:
         """Whether the ``runners`` consumer holds as many unacknowledged claims as it allows
@@ -451,7 +463,7 @@ class _Inbox:
     answer for the caller waiting on it (``begin``), or hands back an entry nobody waits for: its
     caller gave up (``abandon``), or an answer the inbox was not waiting for."""
 
-    __slots__ = ("answer", "expiry", "queue", "settled", "sub", "subject", "timer", "waiter")
+    __slots__ = ("answer", "queue", "settled", "sub", "subject", "timer", "waiter")
 
     def __init__(self, queue: RunnersQueue):
         self.queue = queue
@@ -459,9 +471,8 @@ class _Inbox:
         self.subject = ""
         self.answer: Any = None  # the answer to the pull in flight, once it came
         self.waiter: asyncio.Future[None] | None = None  # woken by the answer (or the caller's timer)
-        self.settled: asyncio.Future[None] | None = None  # while abandoned: done once its pull is over
+        self.settled: asyncio.Future[None] | None = None  # while abandoned: done once it is withdrawn
         self.timer: asyncio.TimerHandle | None = None  # wakes the waiter without an answer
-        self.expiry: asyncio.TimerHandle | None = None
 
     def subject_from(self, subject: str) -> str:
         self.subject = subject
@@ -496,10 +507,22 @@ class _Inbox:
             self.timer.cancel()
             self.timer = None
 
-    def abandon(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> None:
+    def abandon(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Withdraw the request nobody waits for (``RunnersQueue._abandon``), in the background;
+        ``settled`` is done once it is."""
         self.idle()
         self.settled = loop.create_future()
-        self.expiry = loop.call_later(timeout_s, self._settle, False)
+        self.queue._in_background(self._withdraw())
+
+    async def _withdraw(self) -> None:
+        try:
+            if self.sub is not None:
+                with contextlib.suppress(Exception):  # the connection went: nothing more can come
+                    await _drop_interest(self.queue.log.nc, self.sub)
+                await asyncio.sleep(WITHDRAWN_GRACE_S)
+        finally:
+            self.unsubscribe_later()
+            self._settle()
 
     async def deliver(self, msg: Any) -> None:
         """The subscription's callback (run by nats-py's task of this subscription)."""
@@ -510,28 +533,22 @@ class _Inbox:
             return
         if _is_entry(msg):
             await _nak(msg)
-        if self.settled is not None:
-            self._settle(True)
 
-    def _settle(self, answered: bool) -> None:
+    def _settle(self) -> None:
         settled, self.settled = self.settled, None
-        if self.expiry is not None:
-            self.expiry.cancel()
-            self.expiry = None
         if settled is None:
             return
         settled.set_result(None)
-        self.queue._settled(self, answered)
+        self.queue._settled(self)
 
     def close(self) -> None:
         """Unsubscribe; a caller still waiting fails as if the connection had closed (``no_answer``).
         Its waiter is woken, not failed: a request sent and not yet waited for (``_send``), whose
         caller then gives up on it, would leave an exception nobody retrieves."""
         self.unsubscribe_later()
-        for timer in (self.timer, self.expiry):
-            if timer is not None:
-                timer.cancel()
-        self.timer = self.expiry = None
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         if self.waiter is not None:
             _wake(self.waiter)
 
@@ -539,6 +556,20 @@ class _Inbox:
         sub, self.sub = self.sub, None
         if sub is not None:
             self.queue._in_background(_unsubscribe(sub))
+
+
+async def _drop_interest(nc: Any, sub: Any) -> None:
+    """Send the server ``sub``'s ``UNSUB`` while nats-py goes on delivering to its callback what
+    still comes on it (nats-py 2.16's ``Client._send_unsubscribe``: no public call does this).
+    nats-py's ``unsubscribe`` forgets the subscription at once, and its ``drain`` after a ``PING``
+    round trip, but JetStream writes a delivery to the connection after the consumer has picked
+    the request, on another goroutine than the one that answers the ``PING``: with ``drain``, a
+    storm of cancelled non-blocking dequeues left an entry to the ack wait in 2 seeds of 6.
+
+    Raises:
+        nats.errors.Error: nats-py's transport errors.
+    """
+    await nc._send_unsubscribe(sub._id, limit=0)
 
 
 async def _unsubscribe(sub: Any) -> None:
