@@ -1382,6 +1382,8 @@ async def test_a_cancel_in_each_state_ends_what_ran_and_nothing_else(store: Any,
     assert await _cancel_outcome(store, rid) == ("cancelled", True, cancelled * 2)
     for attempt_id in (aid, again.attempt.attempt_id):
         assert await runner_store.rollout_cancelled(rid, attempt_id) is True
+    with pytest.raises(AttemptNotFoundError):  # as its docstring says, cancelled or not
+        await runner_store.rollout_cancelled(rid, "at-not-this-rollouts")
 
     rid, aid = await claimed("succeeded")
     await runner_store.update_attempt(rid, aid, status="succeeded")
