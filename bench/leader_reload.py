@@ -5,9 +5,12 @@
 For each size, a fresh schema gets the migrations and, generated in SQL, a finished history of
 that many attempts (4/5 as many rollouts, one in four retried once) with the same rows in flight on
 every size: 64 running rollouts, 100 queuing and 5 finished ones whose superseded attempt is still
-running. Then, alternately for ``--rounds`` rounds, *before*: the ``OR`` form the projector read
-until migration 014, without that migration's ``attempts_live_idx``; *after*: ``IN_FLIGHT_SQL``
-with the index. Prints, for each, Postgres's execution time (``EXPLAIN ANALYZE``) and the blocks
+running. ``IN_FLIGHT_SQL`` reads the rollouts in flight and those with any attempt still live (the
+watchdog checks every live attempt, a finished rollout's latest one too, not only superseded ones).
+Then, alternately for ``--rounds`` rounds, *before*: the same rows read in the ``OR`` form the
+projector used until migration 014 (``WHERE status IN (...) OR rollout_id IN (SELECT ... FROM
+attempts ...)``), without that migration's ``attempts_live_idx``; *after*: ``IN_FLIGHT_SQL`` with
+the index. Prints, for each, Postgres's execution time (``EXPLAIN ANALYZE``) and the blocks
 it touched, and the time of the whole read from asyncpg (planning, rows and round trip included),
 medians and [min-max]. Uses ``EVENTLIGHT_PG_DSN`` when set, else the embedded Postgres of a
 temporary state dir; the schemas are dropped at the end.
@@ -31,9 +34,10 @@ from eventlight.store.jetstream.projector.leader import IN_FLIGHT_SQL
 
 OR_FORM = (
     f"SELECT {ROLLOUT_COLS}, last_seq FROM rollouts WHERE status IN ('preparing', 'running') "
-    "OR rollout_id IN (SELECT a.rollout_id FROM attempts a JOIN rollouts r USING (rollout_id) "
-    "WHERE a.status IN ('preparing', 'running') AND a.attempt_id <> r.latest_attempt_id)"
+    "OR rollout_id IN (SELECT a.rollout_id FROM attempts a WHERE a.status IN ('preparing', 'running'))"
 )
+"""``IN_FLIGHT_SQL``'s rows in the ``OR`` form (``tests/test_projector_reload.py``'s); until the watchdog
+checked every live attempt, both forms also left out a live attempt that is its rollout's latest."""
 INDEX = (data_dir("migrations") / "014_live_attempts_index.sql").read_text()
 """Migration 014: ``attempts_live_idx``."""
 

@@ -173,7 +173,10 @@ def test_a_cancel_ends_the_attempts_not_yet_finished_so_a_requeue_is_not_taken_b
     state = apply(state, d.decide(state, d.UpdateAttempt(attempt_id="at-2", metadata={"k": 1}), T0 + 4))
     events = d.decide(state, d.UpdateRollout(status="cancelled"), T0 + 5)
     assert [type(e).__name__ for e in events] == ["AttemptUpdated", "AttemptUpdated", "RolloutUpdated"]
-    assert all(e.rollout_status is None for e in events[:-1])
+    assert [(e.rollout_status, e.rollout_end_time) for e in events[:-1]] == [(None, None), ("cancelled", T0 + 5)]
+    for n in range(len(events)):  # a cancel cut short half-way (its publishes are separate) leaves a state
+        part = apply(state, events[:n])  # it can be in: never in flight under an ended latest attempt
+        assert part.rollout.status == "cancelled" or part.latest.status not in d.FINAL_ATTEMPT_STATUSES
     state = apply(state, events)
     assert (state.rollout.status, state.rollout.end_time) == ("cancelled", T0 + 5)
     assert [(a.status, a.end_time) for a in state.attempts] == [("failed", T0 + 5)] * 2

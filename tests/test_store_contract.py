@@ -1320,6 +1320,112 @@ async def test_a_cancelled_rollout_requeued_before_its_runners_heartbeat_is_not_
     assert (done.status, done.attempt.attempt_id) == ("succeeded", b.attempt.attempt_id)
 
 
+async def _cancel_outcome(store: Any, rid: str) -> tuple[Any, ...]:
+    """The rollout's status, whether it has an ``end_time``, and each attempt's status and reason."""
+    await settle(store)
+    got = await store.get_rollout_by_id(rid)
+    attempts = await store.query_attempts(rid)
+    return got.status, got.end_time is not None, [(a.status, (a.metadata or {}).get(STATUS_REASON)) for a in attempts]
+
+
+async def test_a_cancel_in_each_state_ends_what_ran_and_nothing_else(store: Any, runner_store: Any) -> None:
+    """A cancel of a rollout queuing, preparing, running (twice), requeuing after a ``failed``
+    attempt, requeuing after an ``unresponsive`` one, and cancelled-requeued-claimed-cancelled: the
+    rollout ends ``cancelled``, every attempt that had not finished is ``failed`` with
+    ``CANCELLED_REASON``, a finished one keeps its own status and reason; a span, a heartbeat after
+    the cancel change neither, a late ``running`` is refused, a finished rollout refuses the cancel.
+    The same answers on both backends."""
+    cfg = RolloutConfig(unresponsive_seconds=5, max_attempts=3, retry_condition=["unresponsive", "failed"])
+    cancelled = [("failed", CANCELLED_REASON)]
+
+    async def claimed(name: str) -> tuple[str, str]:
+        r = await store.enqueue_rollout(name, config=cfg)
+        d = await runner_store.dequeue_rollout(worker_id="w")
+        assert d is not None and d.rollout_id == r.rollout_id
+        return r.rollout_id, d.attempt.attempt_id
+
+    queued = (await store.enqueue_rollout("queuing", config=cfg)).rollout_id
+    await store.update_rollout(queued, status="cancelled")
+    assert await _cancel_outcome(store, queued) == ("cancelled", True, [])
+
+    rid, aid = await claimed("preparing")
+    await store.update_rollout(rid, status="cancelled")
+    await runner_store.add_span(reward_span(rid, aid, 1, 0.1))
+    await runner_store.update_attempt(rid, aid, last_heartbeat_time=time.time())
+    with pytest.raises(InvalidTransitionError, match="already finished"):
+        await runner_store.update_attempt(rid, aid, status="running")
+    assert await _cancel_outcome(store, rid) == ("cancelled", True, cancelled)
+
+    rid, aid = await claimed("running")
+    await runner_store.update_attempt(rid, aid, status="running")
+    for _ in range(2):
+        await store.update_rollout(rid, status="cancelled")
+    assert await _cancel_outcome(store, rid) == ("cancelled", True, cancelled)
+
+    rid, aid = await claimed("requeuing after failed")
+    await runner_store.update_attempt(rid, aid, status="failed")
+    await store.update_rollout(rid, status="cancelled")
+    assert await _cancel_outcome(store, rid) == ("cancelled", True, [("failed", None)])
+
+    rid, aid = await claimed("requeuing after unresponsive")
+    await settle(store)
+    assert await watchdog(store, (await store.query_attempts(rid))[0].start_time + 6) == 1
+    await store.update_rollout(rid, status="cancelled")
+    assert await _cancel_outcome(store, rid) == ("cancelled", True, cancelled)
+
+    rid, aid = await claimed("cancelled twice around a requeue")
+    await store.update_rollout(rid, status="cancelled")
+    await store.update_rollout(rid, status="queuing")
+    again = await runner_store.dequeue_rollout(worker_id="w2")
+    assert again is not None and again.rollout_id == rid
+    await store.update_rollout(rid, status="cancelled")
+    assert await _cancel_outcome(store, rid) == ("cancelled", True, cancelled * 2)
+    for attempt_id in (aid, again.attempt.attempt_id):
+        assert await runner_store.rollout_cancelled(rid, attempt_id) is True
+    with pytest.raises(AttemptNotFoundError):  # as its docstring says, cancelled or not
+        await runner_store.rollout_cancelled(rid, "at-not-this-rollouts")
+
+    rid, aid = await claimed("succeeded")
+    await runner_store.update_attempt(rid, aid, status="succeeded")
+    with pytest.raises(InvalidTransitionError, match="finished"):
+        await store.update_rollout(rid, status="cancelled")
+    assert await _cancel_outcome(store, rid) == ("succeeded", True, [("succeeded", None)])
+
+
+async def test_a_cancel_cut_short_half_way_leaves_no_rollout_in_flight_under_an_ended_attempt(
+    store: Any, runner_store: Any, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On JetStream a command's events are separate publishes: NATS lost after the first leaves
+    that one in the log (``ServiceUnavailableError`` to the caller). The cancel's first event, the
+    latest attempt's end, carries the rollout's ``cancelled``, so that prefix is a cancelled
+    rollout. It used to leave the rollout ``running`` with its latest attempt ``failed``: not
+    watched (no live attempt), never finished, ``wait_for_rollouts`` waited for it for ever."""
+    if backend == "memory":
+        pytest.skip("the in-memory log appends a command's events at once")
+    import eventlight.store.jetstream.appender as appender
+
+    r = await store.enqueue_rollout("x", config=RolloutConfig(unresponsive_seconds=5))
+    rid = r.rollout_id
+    a = (await runner_store.dequeue_rollout(worker_id="w")).attempt
+    await runner_store.update_attempt(rid, a.attempt_id, status="running")
+    await settle(store)
+    publish, sent = appender.publish_acked, []
+
+    async def lost_after_the_attempts_end(*args: Any, **kwargs: Any) -> Any:
+        if sent and CANCELLED_REASON.encode() in sent[-1] and b'"rollout_updated"' in args[2]:
+            raise ServiceUnavailableError("nats://127.0.0.1", "the connection was lost")
+        sent.append(args[2])
+        return await publish(*args, **kwargs)
+
+    monkeypatch.setattr(appender, "publish_acked", lost_after_the_attempts_end)
+    with pytest.raises(ServiceUnavailableError):
+        await store.update_rollout(rid, status="cancelled")
+    monkeypatch.setattr(appender, "publish_acked", publish)
+    assert await _cancel_outcome(store, rid) == ("cancelled", True, [("failed", CANCELLED_REASON)])
+    (ended,) = await store.wait_for_rollouts(rollout_ids=[rid], timeout=10)
+    assert ended.status == "cancelled"
+
+
 async def test_statistics_and_capabilities(store: Any, runner_store: Any, zero_copy: bool) -> None:
     r = await store.enqueue_rollout("q")
     d = await runner_store.dequeue_rollout(worker_id="w")

@@ -149,6 +149,26 @@ async def test_an_attempt_its_rollouts_end_finished_is_recorded_as_the_read_mode
             assert (x.attempt.status, x.attempt.metadata) == (model[x.attempt_id].status, model[x.attempt_id].metadata)
 
 
+async def test_a_cancelled_rollouts_latest_attempt_is_yielded_failed_under_the_cancelled_rollout(store: Any) -> None:
+    """A rollout cancelled while its attempt runs: the record plain iteration yields for that
+    attempt shows it ``failed`` under the ``cancelled`` rollout, as the read model has them after
+    the cancel, and ``collect`` (another subscription) returns that same record. It showed the rollout ``running`` (the
+    attempt's end came before the cancel, moving nothing): a state no reader ever saw."""
+    async with store.subscribe(names) as sub:
+        r = await store.enqueue_rollout({"task": "cancelled while it runs"})
+        d = await store.dequeue_rollout(worker_id="w1")
+        await store.add_span(reward_span(r.rollout_id, d.attempt.attempt_id, 1, 0.5, 1.0))
+        await store.update_rollout(r.rollout_id, status="cancelled")
+        record = await sub.next_record(timeout_s=20)
+        assert record is not None and record.latest
+        assert (record.attempt.status, record.rollout.status) == ("failed", "cancelled")
+        assert record.rollout.end_time is not None
+    async with store.subscribe(names, since=0) as again:
+        assert await again.collect([r.rollout_id], timeout_s=20) == [record]
+    await store.sync_all(timeout_s=10)
+    assert record.rollout.status == (await store.get_rollout_by_id(r.rollout_id)).status
+
+
 async def test_a_finished_rollout_sent_back_to_the_queue_is_collected_from_its_next_run(store: Any) -> None:
     """A result kept for a later ``collect`` (its rollout finished while another was collected) is
     not returned once the rollout went back to the queue (``update_rollout(status="queuing")``):

@@ -37,7 +37,9 @@ Rollout (an aggregated view of its latest attempt)
       and ``sequence_id < max_attempts``, else ``failed``.
     * ``cancelled`` only by ``update_rollout``. The cancel also ends every attempt not yet finished
       (``preparing``/``running``/``unresponsive``): ``failed`` with ``CANCELLED_REASON`` as its
-      reason, in the same append (just before the cancel). So a rollout cancelled and then requeued (``update_rollout(
+      reason, in the same append (just before the cancel; the latest attempt's end carries the
+      rollout's ``cancelled``, so a cancel cut short half-way leaves no rollout in flight whose
+      latest attempt ended). So a rollout cancelled and then requeued (``update_rollout(
       status="queuing")``) is run by a fresh attempt: the old runner's next heartbeat or span can no
       longer take it back (a ``failed`` attempt is never revived), and that runner, asking
       ``rollout_cancelled`` about its attempt, stops its agent. 0.3.0 marks no attempt: its runner's
@@ -269,16 +271,27 @@ def _decide_update_rollout(state: RolloutState, cmd: UpdateRollout, now: float) 
 
 def _end_attempts_of_cancel(state: RolloutState, cancel: RolloutUpdated, now: float) -> list[RolloutEvent]:
     """The attempts not yet finished when their rollout is cancelled, recorded ``failed`` with
-    ``CANCELLED_REASON``. Decided on the cancelled rollout, so none moves it (``_propagate``), and
-    appended just before ``cancel``, so a subscriber's record of each attempt (yielded where it is
-    done) shows it ``failed``, as the read model has it after the append."""
+    ``CANCELLED_REASON``, in attempt order, appended just before ``cancel``. The latest one's event
+    carries the cancel itself (``rollout_status="cancelled"`` and its ``end_time``), the others move
+    nothing (``_propagate``). So every prefix of the append is a state the rollout can be in: on
+    JetStream a command's messages are separate publishes, and one that fails half-way (NATS lost)
+    must not leave a rollout ``running`` whose latest attempt ended ``failed``, which nothing would
+    ever move again. And a subscriber's record of the latest attempt, yielded at its event, shows it
+    ``failed`` under its ``cancelled`` rollout, as the read model has them after the append."""
     cancelled = evolve(state, cancel)
     assert cancelled is not None
     failed: AttemptStatus = "failed"
     ends = [
         (a.attempt_id, failed, CANCELLED_REASON) for a in cancelled.attempts if a.status not in FINAL_ATTEMPT_STATUSES
     ]
-    return _end_attempts(cancelled, ends, now)
+    events = _end_attempts(cancelled, ends, now)
+    latest = cancelled.latest
+    if events and latest is not None and ends[-1][0] == latest.attempt_id:
+        last = events[-1]
+        assert isinstance(last, AttemptUpdated)
+        end = cancelled.rollout.end_time
+        events[-1] = msgspec.structs.replace(last, rollout_status="cancelled", rollout_end_time=end)
+    return events
 
 
 def _end_attempts(state: RolloutState, ends: list[tuple[str, AttemptStatus, str]], now: float) -> list[RolloutEvent]:

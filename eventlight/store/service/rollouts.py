@@ -228,9 +228,8 @@ class RolloutCommands(StorePlumbing):
             state = cached[0]
         else:
             state = await self._loop.load(rollout_id)
-        if state.rollout.status == "cancelled":
-            return True
-        return attempt_id is not None and ended_by_cancel(state.attempt(attempt_id))
+        attempt = state.attempt(attempt_id) if attempt_id is not None else None  # raises for another's
+        return state.rollout.status == "cancelled" or (attempt is not None and ended_by_cancel(attempt))
 
     @store_call
     async def abandon_attempt(self, rollout_id: str, attempt_id: str, reason: str) -> Attempt:
