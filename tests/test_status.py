@@ -334,6 +334,11 @@ async def test_status_says_an_old_nats_is_up_but_too_old_and_shows_no_other_post
     other = cli("status", env=with_nats)
     assert_one_line_error(other, 2, "not the NATS of the servers `eventlight up` recorded", "EVENTLIGHT_PG_DSN")
     assert "rollouts" not in other.stdout, other.stdout
+    unknown = {**configured, "EVENTLIGHT_NAMESPACE": "nosuchns"}  # NATS too old *and* no such namespace
+    async with old_nats_server("2.9.10") as old:
+        both = await asyncio.to_thread(cli, "status", env={**unknown, "EVENTLIGHT_NATS_URL": old})
+    too_old_there = f"EVENTLIGHT_NATS_URL {old} answered, but nats-server 2.9.10 is too old"
+    assert_one_line_error(both, 1, too_old_there, "; and namespace 'nosuchns' does not exist")
     same = msgspec.structs.replace(record, nats_url=namespace.nats_url or "")  # `up` ran with this NATS
     (tmp_path / "services.json").write_bytes(msgspec.json.encode(same))
     paired = cli("status", env=with_nats)

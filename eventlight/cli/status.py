@@ -86,8 +86,8 @@ async def _status_without_nats(settings: Settings, nats_down: Exception) -> dict
 
     Raises:
         ServiceUnavailableError: NATS's error, when no Postgres is configured or recorded either.
-        CliError: Postgres is down too, or the recorded one is another NATS's (``find_pg``): both
-            named; or the namespace has no schema there.
+        CliError: Postgres is down too, the recorded one is another NATS's (``find_pg``), or the
+            namespace has no schema there: NATS's error first, then Postgres's.
     """
     from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
 
@@ -97,7 +97,11 @@ async def _status_without_nats(settings: Settings, nats_down: Exception) -> dict
         raise CliError(f"{nats_down}; and {e}", EXIT_UNAVAILABLE) from None
     except CliError:  # no Postgres at all: NATS's error says what is wrong
         raise nats_down from None
-    return {"nats": None, "nats_down": nats_down, "stream": None, "pg": pg, **await _from_pg(settings, pg)}
+    try:
+        rows = await _from_pg(settings, pg)
+    except CliError as e:  # no schema for the namespace: NATS's problem is said first, not hidden
+        raise CliError(f"{nats_down}; and {e}", EXIT_UNAVAILABLE) from None
+    return {"nats": None, "nats_down": nats_down, "stream": None, "pg": pg, **rows}
 
 
 async def _from_pg(settings: Settings, pg: Any) -> dict[str, Any]:
