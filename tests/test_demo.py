@@ -883,6 +883,35 @@ def test_resume_of_a_run_without_a_checkpoint_is_one_error_line(tmp_path: Path) 
     assert done.stderr.startswith("error: --resume run-nope: no checkpoint of that run"), done.stderr
 
 
+def test_resume_of_a_run_that_has_its_steps_is_one_error_line(tmp_path: Path) -> None:
+    """``--steps 1 --resume <run>`` of a run that finished its 1 step started the servers, loaded the
+    model and evaluated its checkpoint again (73 more rollouts in its summary), then ended with "did
+    not train: no step ran", exit 1. It is refused in one line before anything starts (the servers
+    named here do not answer)."""
+    run = "run-20261207-000000-abcd"
+    step = tmp_path / "checkpoints" / run / "step-00001"
+    step.mkdir(parents=True)
+    (step / "state.json").write_text(json.dumps({"step": 1, "version": f"{run}-step1"}))
+    (step.parent / "LATEST").write_text(step.name)
+    env = {
+        **os.environ,
+        "EVENTLIGHT_STATE_DIR": str(tmp_path),
+        "EVENTLIGHT_NATS_URL": f"nats://127.0.0.1:{closed_port()}",
+        "EVENTLIGHT_PG_DSN": f"postgresql://postgres@127.0.0.1:{closed_port()}/postgres",
+    }
+    done = subprocess.run(
+        [sys.executable, str(DEMO), "--steps", "1", "--resume", run], env=env, capture_output=True, text=True,
+        timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stdout == "" and len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr == (
+        f"error: --resume {run}: that run already has 1 step(s) (checkpoint step1) and --steps 1 asks for no more; "
+        "give --steps 2 or more to train it further\n"
+    ), done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints"]  # nothing started, no lease taken
+
+
 async def test_a_run_that_finished_its_steps_keeps_no_optimizer_state(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

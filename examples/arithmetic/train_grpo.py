@@ -373,7 +373,10 @@ def on_progress(event: dict) -> None:
     kind = event.get("event")
     if kind == "eval":
         splits = ", ".join(f"{k} {v:.3f}" for k, v in event["by_split"].items())
-        if not partial(event):
+        if event.get("earlier"):  # the checkpoint a resume starts from, evaluated before: not again
+            say(f"held-out reward {_reward(event)} at {event['version']} ({event['n']} items: {splits}), "
+                "as evaluated before the run stopped; not evaluated again")  # fmt: skip
+        elif not partial(event):
             say(f"held-out reward {_reward(event)} at {event['version']} ({event['n']} items: {splits})")
         elif event["n"]:  # one line: the warning, then the reward of the items it got
             say(f"{_partial_warning(event)}: {event['mean_reward']:.3f} over those {event['n']} ({splits})")
@@ -416,6 +419,8 @@ async def train(args: argparse.Namespace) -> int:
     run_id = args.run_id
     settings = agl.Settings.from_env()
     refuse_if_live(settings, run_id)  # first: a second demo in the namespace starts nothing, not even torch
+    if args.resume:
+        refuse_a_finished_resume(settings.state_dir / "checkpoints" / args.resume, args.resume, args.steps)
 
     import torch
     from transformers.utils import logging as hf_logging
@@ -470,6 +475,33 @@ async def train(args: argparse.Namespace) -> int:
         if grpo.policy is not None and grpo.checkpoint_dir is not None:
             grpo.policy.drop_optimizer_state(grpo.checkpoint_dir)
         return report(trainer, grpo, run_id, time.monotonic() - started)
+
+
+def checkpoint_step(checkpoint_dir: Path) -> int | None:
+    """The step of the last checkpoint under ``checkpoint_dir`` (``eventlight.rl.policy``'s layout:
+    ``LATEST`` names its folder, whose ``state.json`` has it), ``None`` without one; read without
+    torch, before anything starts."""
+    try:
+        folder = (checkpoint_dir / "LATEST").read_text().strip()
+        return int(json.loads((checkpoint_dir / folder / "state.json").read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def refuse_a_finished_resume(checkpoint_dir: Path, run_id: str, steps: int) -> None:
+    """Refuse ``--resume run_id --steps steps`` when the run's last checkpoint already has ``steps``
+    steps or more: it started the servers, loaded the model and evaluated that checkpoint again
+    (73 more rollouts in its summary), then ended with "did not train: no step ran".
+
+    Raises:
+        InvalidInputError: Saying how many steps the run has and what ``--steps`` would train it further.
+    """
+    done = checkpoint_step(checkpoint_dir)
+    if done is not None and done >= steps:
+        raise agl.InvalidInputError(
+            f"--resume {run_id}: that run already has {done} step(s) (checkpoint step{done}) and --steps {steps} "
+            f"asks for no more; give --steps {done + 1} or more to train it further"
+        )
 
 
 def report(trainer: agl.Trainer, grpo, run_id: str, wall_s: float) -> int:
