@@ -1004,3 +1004,33 @@ def test_make_says_what_it_installs_before_each_long_install() -> None:
             assert said and "minute" in said, f"no line says what this installs and how long: {line}"
             assert "-W 'ignore:Editable installation:UserWarning' -m pip install" in line, line
     assert installs >= 7, done.stdout
+
+
+def test_a_sigterm_is_named_as_what_cancelled_the_run(monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+    """A SIGTERM was reported as "the run was cancelled (Ctrl+C?)": the demo's SIGTERM handler
+    notes the signal, and the trainer's line names it."""
+    import logging
+    import signal
+
+    import eventlight.trainer_guards as guards
+    from eventlight.trainer import Trainer
+    from examples.interrupt import TermAsInterrupt
+
+    monkeypatch.setattr(guards, "_stop_signal", None)
+    with caplog.at_level(logging.WARNING, logger="eventlight.trainer"):
+        Trainer._say_runners_stop_first(True, 8, 10.0)
+    assert "the run was cancelled (Ctrl+C?): stopping its 8 runner(s)" in caplog.text
+    assert "(Ctrl+C again: at once)" in caplog.text
+    caplog.clear()
+    seen: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
+    try:
+        TermAsInterrupt()._on_term(signal.SIGTERM, None)  # handed to the SIGINT handler in place
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert seen == [signal.SIGINT]
+    with caplog.at_level(logging.WARNING, logger="eventlight.trainer"):
+        Trainer._say_runners_stop_first(True, 8, 10.0)
+    assert "the run was cancelled (SIGTERM): stopping its 8 runner(s)" in caplog.text, caplog.text
+    assert "(Ctrl+C or SIGTERM again: at once)" in caplog.text
+    assert guards.stopped_early_reason(asyncio.CancelledError()) == "the run stopped early: it was cancelled (SIGTERM)"
