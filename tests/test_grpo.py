@@ -1121,3 +1121,44 @@ async def test_a_resume_does_not_evaluate_again_the_checkpoint_it_resumes_from(m
     assert [(e["version"], e.get("earlier", False)) for e in grpo2.evals] == [("r-step1", True), ("r-step3", False)]
     assert grpo2.evals[0]["mean_reward"] == 1.0 and grpo2.evals[0]["n"] == 2
     assert [e["event"] for e in again[:2]] == ["resume", "eval"]
+
+
+async def test_a_checkpoint_being_written_is_reported(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """After an update's last progress line the demo said nothing for 46-69 s while the step's
+    checkpoint (weights and optimizer state) was written: a ``checkpointing`` event says it starts,
+    and another every ``PROGRESS_EVERY_S`` seconds while it runs."""
+    import threading
+
+    monkeypatch.setattr(grpo_module, "PROGRESS_EVERY_S", 0.01)
+    ticked = threading.Event()
+    events: list[dict] = []
+
+    def progress(event: dict) -> None:
+        events.append(event)
+        if event["event"] == "checkpointing" and event["elapsed_s"] > 0:
+            ticked.set()
+
+    class SlowSave:
+        async def call(self, fn, *args, **kwargs):
+            return await asyncio.to_thread(fn, *args, **kwargs)
+
+        def save_checkpoint(self, checkpoint_dir, step, state, *, keep):
+            assert ticked.wait(60)  # returns once a progress line said it still writes
+
+    grpo = GRPO(GRPOConfig(steps=2, version_prefix="r-"), policy=SlowSave(), checkpoint_dir=tmp_path, progress=progress)
+    await asyncio.wait_for(grpo._save_checkpoint(2), 60)
+    saving = [(e["step"], e["version"]) for e in events if e["event"] == "checkpointing"]
+    assert saving[0] == (2, "r-step2") and len(saving) >= 2 and set(saving) == {(2, "r-step2")}
+    assert events[0]["elapsed_s"] == 0.0
+
+
+def test_the_demo_says_when_a_checkpoint_is_written(capsys) -> None:
+    from examples.arithmetic.train_grpo import on_progress
+
+    on_progress({"event": "checkpointing", "step": 1, "version": "run-x-step1", "elapsed_s": 0.0})
+    on_progress({"event": "checkpointing", "step": 1, "version": "run-x-step1", "elapsed_s": 30.2})
+    lines = [line.split("] ", 1)[1] for line in capsys.readouterr().out.splitlines()]
+    assert lines == [
+        "step  1: writing checkpoint run-x-step1 (weights and optimizer state)",
+        "step  1: still writing checkpoint run-x-step1 after 30 s",
+    ]

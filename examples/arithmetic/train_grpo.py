@@ -407,6 +407,12 @@ def on_progress(event: dict) -> None:
             f"{event['micro_batches_done']} of {event['micro_batches']} micro-batches done "
             f"after {event['elapsed_s']:.0f} s"
         )
+    elif kind == "checkpointing":  # weights and optimizer state: it took up to a minute, unsaid
+        if event["elapsed_s"] == 0:
+            say(f"step {event['step']:>2}: writing checkpoint {event['version']} (weights and optimizer state)")
+        else:
+            after = f"after {event['elapsed_s']:.0f} s"
+            say(f"step {event['step']:>2}: still writing checkpoint {event['version']} {after}")
     elif kind == "enqueued":  # the model is loaded and the runners are up: the step's rollouts run now
         say(f"step {event['step']:>2}: {enqueued_line(event)}")
     elif kind == "rollouts":
