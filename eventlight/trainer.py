@@ -67,8 +67,10 @@ from eventlight.trainer_guards import (
     refuse_running_loop,
     refuse_unguarded_main,
     stop_runners_first,
+    stop_signal_name,
     stop_when_llm_fails,
     stop_when_runners_gone,
+    stopped_early_reason,
 )
 from eventlight.trainer_strategies import (
     RunnerThreads,
@@ -289,10 +291,10 @@ class Trainer:
         started = time.time()
         try:
             run_shared_memory(strategy, threads, algorithm)
-        except BaseException:
+        except BaseException as error:
             if algo is not None:
                 with contextlib.suppress(Exception):
-                    asyncio.run(cancel_left_in_queue(store, started))
+                    asyncio.run(cancel_left_in_queue(store, started, reason=stopped_early_reason(error)))
             raise
         finally:
             if store is not self.store:  # the wrapper (and its loop's thread) lasts one run
@@ -411,9 +413,9 @@ class Trainer:
                 started = time.time()
                 try:
                     await self._run_algorithm(store, train, val, algo, pool)
-                except BaseException:  # Ctrl+C, the runners or the LLM gone, the algorithm failed
+                except BaseException as error:  # Ctrl+C, the runners or the LLM gone, the algorithm failed
                     if algo is not None:
-                        await cancel_left_in_queue(store, started)
+                        await cancel_left_in_queue(store, started, reason=stopped_early_reason(error))
                     raise
                 finally:
                     if pool is not None:
@@ -453,10 +455,12 @@ class Trainer:
     @staticmethod
     def _say_runners_stop_first(cancelled: bool, n: int, graceful_s: float) -> None:
         if cancelled:
+            by = stop_signal_name()
+            again = "Ctrl+C again" if by == "Ctrl+C?" else f"Ctrl+C or {by} again"
             log.warning(
-                "the run was cancelled (Ctrl+C?): stopping its %d runner(s) first; attempts in flight get "
-                "%.0f s to finish, then are recorded failed (Ctrl+C again: at once)",
-                n, graceful_s,
+                "the run was cancelled (%s): stopping its %d runner(s) first; attempts in flight get "
+                "%.0f s to finish, then are recorded failed (%s: at once)",
+                by, n, graceful_s, again,
             )  # fmt: skip
 
     async def _run_algorithm(

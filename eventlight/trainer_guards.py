@@ -36,11 +36,14 @@ __all__ = [
     "RUNNER_THREADS_CHECK_S",
     "cancel_left_in_queue",
     "ctrl_c_again_hurries",
+    "note_stop_signal",
     "refuse_running_loop",
     "refuse_unguarded_main",
     "stop_runners_first",
+    "stop_signal_name",
     "stop_when_llm_fails",
     "stop_when_runners_gone",
+    "stopped_early_reason",
 ]
 
 log = logging.getLogger("eventlight.trainer")
@@ -191,6 +194,28 @@ async def stop_runners_first(run: Coroutine[Any, Any, Any], stop_runners: Callab
                 await task
 
 
+_stop_signal: int | None = None  # the signal a program said stops this process (note_stop_signal)
+
+
+def note_stop_signal(signum: int) -> None:
+    """Say that signal ``signum`` stops this process, before handling it as Ctrl+C (``examples/
+    interrupt.py`` for a SIGTERM): the trainer's lines then name it (``the run was cancelled
+    (SIGTERM)``) instead of guessing ``(Ctrl+C?)``. For the rest of the process."""
+    global _stop_signal
+    _stop_signal = signum
+
+
+def stop_signal_name() -> str:
+    """What cancelled the run, as the trainer's lines say it: the noted signal's name
+    (``"SIGTERM"``, ``note_stop_signal``), else ``"Ctrl+C?"`` (a SIGINT, or a cancel from code)."""
+    if _stop_signal is None:
+        return "Ctrl+C?"
+    try:
+        return signal.Signals(_stop_signal).name
+    except ValueError:
+        return f"signal {_stop_signal}"
+
+
 @contextlib.contextmanager
 def ctrl_c_again_hurries(pool: RunnerPool | RunnerThreads | None) -> Iterator[None]:
     """While the block runs: a Ctrl+C (SIGINT) once ``pool`` (runner processes or ``"shm"``'s
@@ -233,25 +258,25 @@ def ctrl_c_again_hurries(pool: RunnerPool | RunnerThreads | None) -> Iterator[No
             signal.signal(signal.SIGINT, previous)
 
 
-async def cancel_left_in_queue(store: Any, since: float, *, limit_s: float = 15.0) -> int:
+async def cancel_left_in_queue(
+    store: Any, since: float, *, reason: str = "the run stopped early", limit_s: float = 15.0
+) -> int:
     """Cancel the rollouts enqueued since ``since`` (wall-clock seconds) that still wait in the
     queue: the run that enqueued them stopped early (Ctrl+C, ``NoRunnersError``, an error of its
     algorithm), so nothing will read their results, and runners of a later run on the namespace
     would otherwise spend their time on them first. Claimed rollouts are left to their runners.
+    Each keeps ``metadata.cancelled_by`` (``{"pid", "reason"}``, as the algorithms' cancels record:
+    ``eventlight.algorithm.base.cancel_rollouts``), ``reason`` saying why the run stopped.
     Best effort within ``limit_s`` (a store that is down cancels nothing); returns how many.
     """
+    from eventlight.algorithm.base import cancel_rollouts
 
     async def cancel() -> int:
         with contextlib.suppress(Exception):
             await store.sync_all(timeout_s=min(5.0, limit_s))  # what this process enqueued last, too
         waiting = await store.query_rollouts(status_in=list(QUEUED_STATUSES))
-        n = 0
-        for rollout in waiting:
-            if rollout.start_time >= since:
-                with contextlib.suppress(Exception):  # claimed meanwhile: the runner has it
-                    await store.update_rollout(rollout.rollout_id, status="cancelled")
-                    n += 1
-        return n
+        ids = [r.rollout_id for r in waiting if r.start_time >= since]
+        return len(await cancel_rollouts(store, ids, reason, "the trainer", only_in=QUEUED_STATUSES)) if ids else 0
 
     try:
         n = await asyncio.wait_for(cancel(), limit_s)
@@ -261,6 +286,16 @@ async def cancel_left_in_queue(store: Any, since: float, *, limit_s: float = 15.
     if n:
         log.warning("the run stopped early: cancelled %d rollout(s) it had enqueued that no runner had claimed", n)
     return n
+
+
+def stopped_early_reason(error: BaseException) -> str:
+    """The ``cancelled_by`` reason of the rollouts a run left queued when ``error`` stopped it:
+    ``"the run stopped early: it was cancelled (SIGTERM)"``, ``"… (Ctrl+C?)"``, or the error's
+    type and message (``"the run stopped early: NoRunnersError: …"``)."""
+    if isinstance(error, KeyboardInterrupt | asyncio.CancelledError):
+        return f"the run stopped early: it was cancelled ({stop_signal_name()})"
+    text = " ".join(str(error).split())[:200]
+    return f"the run stopped early: {type(error).__name__}{': ' + text if text else ''}"
 
 
 def refuse_running_loop(what: str) -> None:

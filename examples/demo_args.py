@@ -1,15 +1,19 @@
 """The demos' option parser: a refused option is one ``error:`` line, as README.md says.
 
 argparse prints its whole usage block before the error (five lines for the GRPO demo); the demos
-print the error alone, and ``--help`` for the usage.
+print the error alone, and ``--help`` for the usage. Every count and number option is refused in one
+form, ``error: argument --X: must be from A to B, got V`` (``V`` as typed), by its argparse type.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import NoReturn
+
+from eventlight.algorithm.checks import MAX_COUNT
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -19,26 +23,45 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"error: {message}\n")
 
 
-def at_least_one(text: str) -> int:
-    """argparse type of a count: a whole number >= 1 (``--n-runners 0`` ran one runner)."""
-    return _whole(text, 1, "must be at least 1")
+def count(low: int, high: int = MAX_COUNT) -> Callable[[str], int]:
+    """argparse type of a count: a whole number from ``low`` to ``high``; else ``ArgumentTypeError``
+    in the one form every count option of both demos has, with the value as typed:
+    ``error: argument --steps: must be from 1 to 2147483647, got 0``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number from {low} to {high}, got {text}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be from {low} to {high}, got {text}")
+        return value
+
+    return parse
 
 
-def at_least_zero(text: str) -> int:
-    """argparse type of a count where 0 means none or a default: a whole number >= 0, refused in
-    the same form as ``at_least_one`` (``argument --rounds: must be 0 or more, got -1``)."""
-    return _whole(text, 0, "must be 0 or more")
+def number(low: float, *, above: bool = False) -> Callable[[str], float]:
+    """argparse type of a real option: a finite number of at least ``low`` (above it, with
+    ``above``); else ``ArgumentTypeError`` with the value as typed: ``error: argument --lr: must be
+    a finite number above 0, got -1``."""
+    want = f"must be a finite number {'above' if above else 'of at least'} {low:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{want}, got {text}") from None
+        if not math.isfinite(value) or value < low or (above and value == low):
+            raise argparse.ArgumentTypeError(f"{want}, got {text}")
+        return value
+
+    return parse
 
 
-def _whole(text: str, low: int, refused: str) -> int:
-    """``text`` as a whole number of at least ``low``; else ``ArgumentTypeError``, ``<refused>, got <value>``."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < low:
-        raise argparse.ArgumentTypeError(f"{refused}, got {value}")
-    return value
+at_least_one = count(1)
+"""A count of at least 1 (``--n-runners 0`` ran one runner): ``count(1)``."""
+at_least_zero = count(0)
+"""A count where 0 means none or a default: ``count(0)``."""
 
 
 def with_option_names(message: str, owner: str, options: Mapping[str, str]) -> str:

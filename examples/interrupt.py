@@ -25,6 +25,8 @@ from collections.abc import Coroutine
 from types import FrameType
 from typing import Any, TypeVar
 
+from eventlight.trainer_guards import note_stop_signal
+
 T = TypeVar("T")
 
 
@@ -49,6 +51,7 @@ class TermAsInterrupt:
 
     def _on_term(self, signum: int, frame: FrameType | None) -> None:
         self.terminated = True
+        note_stop_signal(signum)  # the trainer's lines name it: "the run was cancelled (SIGTERM)"
         handler = signal.getsignal(signal.SIGINT)
         if callable(handler) and handler is not signal.default_int_handler:
             handler(signal.SIGINT, frame)  # asyncio.run's (cancels the run) or the trainer's (hurries)

@@ -183,13 +183,14 @@ async def test_the_apo_demo_cancels_what_an_earlier_run_left_queued(namespace: S
 @pytest.mark.parametrize(
     "option",
     [
-        ["--lr", "-1", "--lr must be a finite number > 0, got -1"],
-        ["--group-size", "1", "--group-size must be a whole number 2 to"],
-        ["--eval-every", "-1", "--eval-every: must be 0 or more, got -1"],
-        ["--threads", "-1", "--threads: must be 0 or more, got -1"],
-        ["--eval-items", "-3", "--eval-items: must be 0 or more, got -3"],
+        ["--lr", "-1", "--lr: must be a finite number above 0, got -1\n"],
+        ["--group-size", "1", "--group-size: must be from 2 to 2147483647, got 1\n"],
+        ["--eval-every", "-1", "--eval-every: must be from 0 to 2147483647, got -1\n"],
+        ["--threads", "-1", "--threads: must be from 0 to 2147483647, got -1\n"],
+        ["--eval-items", "-3", "--eval-items: must be from 0 to 73, got -3\n"],
+        ["--eval-items", "100", "--eval-items: must be from 0 to 73, got 100\n"],
         ["--model-dir", "no-such-folder", "--model-dir: no model at no-such-folder"],
-        ["--rollout-timeout", "0", "--rollout-timeout must be a finite number > 0, got 0"],
+        ["--rollout-timeout", "0", "--rollout-timeout: must be a finite number above 0, got 0\n"],
     ],
 )
 def test_the_demo_checks_every_option_before_it_starts_anything(option: list[str], tmp_path: Path) -> None:
@@ -214,13 +215,13 @@ def test_the_demo_checks_every_option_before_it_starts_anything(option: list[str
 @pytest.mark.parametrize(
     "option",
     [
-        ["--rounds", "-1", "--rounds: must be 0 or more, got -1"],
-        ["--n-runners", "0", "--n-runners: must be at least 1, got 0"],
-        ["--beam-width", "0", "--beam-width: must be at least 1, got 0"],
-        ["--branch-factor", "0", "--branch-factor: must be at least 1, got 0"],
-        ["--beam-width", "2147483648", "--beam-width must be a whole number 1 to"],
-        ["--llm-servers", "0", "--llm-servers: must be at least 1, got 0"],
-        ["--tasks", "-2", "--tasks: must be 0 or more, got -2"],
+        ["--rounds", "-1", "--rounds: must be from 0 to 2147483647, got -1"],
+        ["--n-runners", "0", "--n-runners: must be from 1 to 2147483647, got 0"],
+        ["--beam-width", "0", "--beam-width: must be from 1 to 2147483647, got 0"],
+        ["--branch-factor", "0", "--branch-factor: must be from 1 to 2147483647, got 0"],
+        ["--beam-width", "2147483648", "--beam-width: must be from 1 to 2147483647, got 2147483648"],
+        ["--llm-servers", "0", "--llm-servers: must be from 1 to 2147483647, got 0"],
+        ["--tasks", "-2", "--tasks: must be from 0 to 2147483647, got -2"],
     ],
 )
 def test_the_apo_demo_checks_every_option_before_it_starts_anything(option: list[str], tmp_path: Path) -> None:
@@ -259,7 +260,7 @@ def test_the_demo_refuses_a_count_of_zero(option: str) -> None:
         [sys.executable, str(DEMO), option, "0"], capture_output=True, text=True, timeout=120, check=False
     )
     assert done.returncode == 2, done.stdout + done.stderr
-    assert f"{option}: must be at least 1, got 0" in done.stderr and "Traceback" not in done.stderr
+    assert done.stderr == f"error: argument {option}: must be from 1 to 2147483647, got 0\n"
     assert done.stdout == ""
 
 
@@ -319,14 +320,20 @@ def test_every_demo_option_says_what_it_does(algorithm: str) -> None:
 @pytest.mark.parametrize(
     ("option", "says"),
     [
-        (["--steps", "-1"], "error: argument --steps: must be at least 1, got -1\n"),
-        (["--algorithm", "apo", "--rounds", "-1"], "error: argument --rounds: must be 0 or more, got -1\n"),
-        (["--algorithm", "apo", "--tasks", "-1"], "error: argument --tasks: must be 0 or more, got -1\n"),
+        (["--steps", "-1"], "error: argument --steps: must be from 1 to 2147483647, got -1\n"),
+        (["--steps", "2147483648"], "error: argument --steps: must be from 1 to 2147483647, got 2147483648\n"),
+        (["--group-size", "1"], "error: argument --group-size: must be from 2 to 2147483647, got 1\n"),
+        (["--lr", "-1"], "error: argument --lr: must be a finite number above 0, got -1\n"),
+        (["--algorithm", "apo", "--rounds", "-1"], "error: argument --rounds: must be from 0 to 2147483647, got -1\n"),
+        (["--algorithm", "apo", "--tasks", "-1"], "error: argument --tasks: must be from 0 to 2147483647, got -1\n"),
     ],
 )
 def test_both_demos_refuse_a_count_in_the_same_words(option: list[str], says: str) -> None:
     """``--steps -1`` said "argument --steps: must be at least 1, got -1" and ``--algorithm apo
-    --rounds -1`` "--rounds must be a whole number 0 to 1000000, got -1": the same mistake, two forms."""
+    --rounds -1`` "--rounds must be a whole number 0 to 1000000, got -1": the same mistake, two forms;
+    later ``--steps 0`` "must be at least 1" but ``--steps 2147483648`` "--steps must be a whole number
+    0 to 2147483647", ``--group-size 1`` "… 2 to …", and ``--lr -1`` echoed ``-1.0``: every count and
+    number option now has one form, its range and the value as typed."""
     done = subprocess.run(
         [sys.executable, str(DEMO), *option], capture_output=True, text=True, timeout=120, check=False
     )
@@ -883,6 +890,35 @@ def test_resume_of_a_run_without_a_checkpoint_is_one_error_line(tmp_path: Path) 
     assert done.stderr.startswith("error: --resume run-nope: no checkpoint of that run"), done.stderr
 
 
+def test_resume_of_a_run_that_has_its_steps_is_one_error_line(tmp_path: Path) -> None:
+    """``--steps 1 --resume <run>`` of a run that finished its 1 step started the servers, loaded the
+    model and evaluated its checkpoint again (73 more rollouts in its summary), then ended with "did
+    not train: no step ran", exit 1. It is refused in one line before anything starts (the servers
+    named here do not answer)."""
+    run = "run-20261207-000000-abcd"
+    step = tmp_path / "checkpoints" / run / "step-00001"
+    step.mkdir(parents=True)
+    (step / "state.json").write_text(json.dumps({"step": 1, "version": f"{run}-step1"}))
+    (step.parent / "LATEST").write_text(step.name)
+    env = {
+        **os.environ,
+        "EVENTLIGHT_STATE_DIR": str(tmp_path),
+        "EVENTLIGHT_NATS_URL": f"nats://127.0.0.1:{closed_port()}",
+        "EVENTLIGHT_PG_DSN": f"postgresql://postgres@127.0.0.1:{closed_port()}/postgres",
+    }
+    done = subprocess.run(
+        [sys.executable, str(DEMO), "--steps", "1", "--resume", run], env=env, capture_output=True, text=True,
+        timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stdout == "" and len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr == (
+        f"error: --resume {run}: that run already has 1 step(s) (checkpoint step1) and --steps 1 asks for no more; "
+        "give --steps 2 or more to train it further\n"
+    ), done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints"]  # nothing started, no lease taken
+
+
 async def test_a_run_that_finished_its_steps_keeps_no_optimizer_state(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -975,3 +1011,73 @@ def test_make_says_what_it_installs_before_each_long_install() -> None:
             assert said and "minute" in said, f"no line says what this installs and how long: {line}"
             assert "-W 'ignore:Editable installation:UserWarning' -m pip install" in line, line
     assert installs >= 7, done.stdout
+
+
+def test_a_sigterm_is_named_as_what_cancelled_the_run(monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+    """A SIGTERM was reported as "the run was cancelled (Ctrl+C?)": the demo's SIGTERM handler
+    notes the signal, and the trainer's line names it."""
+    import logging
+    import signal
+
+    import eventlight.trainer_guards as guards
+    from eventlight.trainer import Trainer
+    from examples.interrupt import TermAsInterrupt
+
+    monkeypatch.setattr(guards, "_stop_signal", None)
+    with caplog.at_level(logging.WARNING, logger="eventlight.trainer"):
+        Trainer._say_runners_stop_first(True, 8, 10.0)
+    assert "the run was cancelled (Ctrl+C?): stopping its 8 runner(s)" in caplog.text
+    assert "(Ctrl+C again: at once)" in caplog.text
+    caplog.clear()
+    seen: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
+    try:
+        TermAsInterrupt()._on_term(signal.SIGTERM, None)  # handed to the SIGINT handler in place
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert seen == [signal.SIGINT]
+    with caplog.at_level(logging.WARNING, logger="eventlight.trainer"):
+        Trainer._say_runners_stop_first(True, 8, 10.0)
+    assert "the run was cancelled (SIGTERM): stopping its 8 runner(s)" in caplog.text, caplog.text
+    assert "(Ctrl+C or SIGTERM again: at once)" in caplog.text
+    assert guards.stopped_early_reason(asyncio.CancelledError()) == "the run stopped early: it was cancelled (SIGTERM)"
+
+
+def test_the_first_line_says_how_many_are_held_out_and_how_many_evaluated() -> None:
+    """``--eval-items 8`` began "GRPO on 227 sums, 8 held out" though 73 are held out and 8 of them
+    evaluated (and ``--eval-items 100`` was clamped to 73 unsaid: now refused, see above)."""
+    from examples.arithmetic.train_grpo import N_HELD_OUT, first_line, parse_args
+
+    assert N_HELD_OUT == 73
+    assert first_line(227, 73, 73) == "GRPO on 227 sums, 73 held out"
+    assert first_line(227, 8, 73) == "GRPO on 227 sums, 73 held out, 8 of them evaluated"
+    assert parse_args(["--eval-items", "73"]).eval_items == 73
+
+
+def test_the_sql_note_of_a_partial_evaluation_claims_no_late_results(
+    monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """After a partial evaluation the note under the SQL table said the rewarded count held "some
+    [rollouts] after a partial evaluation above stopped waiting", also where it had none (step 0:
+    0 rewarded). It says what the count holds, without claiming any."""
+    from types import SimpleNamespace
+
+    import examples.arithmetic.train_grpo as demo
+
+    run = "run-20261207-101010-ab12"
+    table = f" checkpoint | mode | rewarded\n {run}-step0 | val | 0"
+    monkeypatch.setattr(demo.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, table, ""))
+    evals = [
+        {"version": f"{run}-step0", "n": 0, "asked": 73, "unfinished": 73, "timeout_s": 600.0, "cancelled": 0,
+         "cancelled_by": {}, "mean_reward": float("nan"), "by_split": {}},
+        {"version": f"{run}-step1", "n": 73, "asked": 73, "mean_reward": 0.4, "by_split": {"1-digit": 0.4}},
+    ]  # fmt: skip
+    counters = {"rollouts_enqueued": 100, "failed_rollouts": 0, "unfinished_rollouts": 73, "spans_read": 9}
+    grpo = SimpleNamespace(
+        evals=evals, counters=counters, steps=[{"step": 0, "trained": True, "step_s": 5.0}],
+        versions=[f"{run}-step1"], checkpoint_dir=None, policy=None,
+    )  # fmt: skip
+    assert demo.report(None, grpo, run, 1.0) == 1  # type: ignore[arg-type]
+    out = capsys.readouterr().out
+    assert f"{run}-step0 | val | 0" in out and "some after" not in out
+    assert "those that ended after a partial evaluation above stopped waiting too, if any" in out

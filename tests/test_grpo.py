@@ -1066,3 +1066,99 @@ async def test_a_step_says_when_its_rollouts_are_enqueued(monkeypatch) -> None:
     await asyncio.wait_for(grpo._loop([{"q": "1"}, {"q": "2"}], [{"q": "v"}], 0), 10)
     enqueued = [(e["step"], e["version"], e["total"], e["held_out"]) for e in events if e["event"] == "enqueued"]
     assert enqueued == [(0, grpo.version(0), 5, 1), (1, grpo.version(1), 1, 1)]
+
+
+async def test_a_resume_does_not_evaluate_again_the_checkpoint_it_resumes_from(monkeypatch, tmp_path) -> None:
+    """``--steps 3 --resume`` of a run that finished its 1 step enqueued the held-out evaluation of
+    step1 again (73 more rollouts of the same weights in its summary): a whole evaluation is kept
+    beside its checkpoint, and the resume reports it (``earlier``) in place of running it again."""
+    val = [{"q": "v1"}, {"q": "v2"}]
+    enqueued: list[tuple[int, int]] = []
+
+    def make(steps: int, events: list) -> GRPO:
+        config = GRPOConfig(steps=steps, batch_size=2, group_size=2, eval_every=4, version_prefix="r-")
+        grpo = GRPO(config, policy=tiny_policy(), checkpoint_dir=tmp_path, progress=events.append)
+        grpo.set_store(agl.InMemoryLightningStore())
+
+        async def publish(step: int) -> str:
+            return grpo.version(step)
+
+        async def enqueue(tasks, held_out, version):
+            step = int(version.rsplit("step", 1)[1])
+            enqueued.append((step, len(held_out)))
+            train_ids = [f"{version}-{i}" for i in range(len(tasks) * 2)]
+            return train_ids, [f"{version}-val-{i}" for i in range(len(held_out))]
+
+        async def wait(ids, step, held_out=()):
+            return {i: Rollout(rollout_id=i, input={"split": "val"}, start_time=0.0, status="succeeded") for i in ids}
+
+        async def outcome(rollout, skipped):
+            return 1.0, []
+
+        async def train(step, *args, **kwargs):
+            return True
+
+        monkeypatch.setattr(grpo, "_publish", publish)
+        monkeypatch.setattr(grpo, "_enqueue", enqueue)
+        monkeypatch.setattr(grpo, "_wait", wait)
+        monkeypatch.setattr(grpo, "_outcome", outcome)
+        monkeypatch.setattr(grpo, "_train", train)
+        return grpo
+
+    first: list[dict] = []
+    grpo = make(1, first)
+    grpo.policy.save_checkpoint(tmp_path, 1, {"version": "r-step1"})  # step 0's update wrote it
+    await asyncio.wait_for(grpo._loop([{"q": "1"}, {"q": "2"}], val, 1), 10)  # its last step: evaluated
+    assert enqueued == [(1, 2)] and [e["version"] for e in first if e["event"] == "eval"] == ["r-step1"]
+
+    enqueued.clear()
+    again: list[dict] = []
+    grpo2 = make(3, again)
+    start = grpo2._resume()
+    assert start == 1
+    await asyncio.wait_for(grpo2._loop([{"q": "1"}, {"q": "2"}], val, start), 10)
+    assert enqueued == [(1, 0), (2, 0), (3, 2)]  # step1's evaluation is not run again; step3's (the last) is
+    assert [(e["version"], e.get("earlier", False)) for e in grpo2.evals] == [("r-step1", True), ("r-step3", False)]
+    assert grpo2.evals[0]["mean_reward"] == 1.0 and grpo2.evals[0]["n"] == 2
+    assert [e["event"] for e in again[:2]] == ["resume", "eval"]
+
+
+async def test_a_checkpoint_being_written_is_reported(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """After an update's last progress line the demo said nothing for 46-69 s while the step's
+    checkpoint (weights and optimizer state) was written: a ``checkpointing`` event says it starts,
+    and another every ``PROGRESS_EVERY_S`` seconds while it runs."""
+    import threading
+
+    monkeypatch.setattr(grpo_module, "PROGRESS_EVERY_S", 0.01)
+    ticked = threading.Event()
+    events: list[dict] = []
+
+    def progress(event: dict) -> None:
+        events.append(event)
+        if event["event"] == "checkpointing" and event["elapsed_s"] > 0:
+            ticked.set()
+
+    class SlowSave:
+        async def call(self, fn, *args, **kwargs):
+            return await asyncio.to_thread(fn, *args, **kwargs)
+
+        def save_checkpoint(self, checkpoint_dir, step, state, *, keep):
+            assert ticked.wait(60)  # returns once a progress line said it still writes
+
+    grpo = GRPO(GRPOConfig(steps=2, version_prefix="r-"), policy=SlowSave(), checkpoint_dir=tmp_path, progress=progress)
+    await asyncio.wait_for(grpo._save_checkpoint(2), 60)
+    saving = [(e["step"], e["version"]) for e in events if e["event"] == "checkpointing"]
+    assert saving[0] == (2, "r-step2") and len(saving) >= 2 and set(saving) == {(2, "r-step2")}
+    assert events[0]["elapsed_s"] == 0.0
+
+
+def test_the_demo_says_when_a_checkpoint_is_written(capsys) -> None:
+    from examples.arithmetic.train_grpo import on_progress
+
+    on_progress({"event": "checkpointing", "step": 1, "version": "run-x-step1", "elapsed_s": 0.0})
+    on_progress({"event": "checkpointing", "step": 1, "version": "run-x-step1", "elapsed_s": 30.2})
+    lines = [line.split("] ", 1)[1] for line in capsys.readouterr().out.splitlines()]
+    assert lines == [
+        "step  1: writing checkpoint run-x-step1 (weights and optimizer state)",
+        "step  1: still writing checkpoint run-x-step1 after 30 s",
+    ]

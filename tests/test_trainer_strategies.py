@@ -647,9 +647,30 @@ def test_a_run_that_stops_early_cancels_what_it_left_in_the_queue() -> None:
     )
     with pytest.raises(RuntimeError, match="the algorithm failed"):
         trainer.fit(slow_agent, [f"t{i}" for i in range(6)])
-    statuses = sorted(r.status for r in asyncio.run(trainer.store.query_rollouts()))
+    rollouts = list(asyncio.run(trainer.store.query_rollouts()))
+    statuses = sorted(r.status for r in rollouts)
     assert statuses.count("cancelled") >= 4 and "queuing" not in statuses, statuses
     assert set(statuses) <= {"cancelled", "succeeded", "failed", "running", "preparing"}
+    # each says why, as the algorithms' cancels do (it had no metadata: a report said "no reason recorded")
+    by = {str((r.metadata or {}).get("cancelled_by")) for r in rollouts if r.status == "cancelled"}
+    assert by == {str({"pid": os.getpid(), "reason": "the run stopped early: RuntimeError: the algorithm failed"})}
+
+
+async def test_the_queue_left_by_a_stopped_run_is_cancelled_with_its_reason_and_claimed_ones_kept() -> None:
+    from eventlight.trainer_guards import cancel_left_in_queue, stopped_early_reason
+
+    store = agl.InMemoryLightningStore()
+    since = time.time() - 1
+    queued = await store.enqueue_rollout("queued", metadata={"keep": 1})
+    claimed = await store.enqueue_rollout("claimed")
+    await store.update_rollout(claimed.rollout_id, status="running")
+    reason = stopped_early_reason(KeyboardInterrupt())
+    assert await cancel_left_in_queue(store, since, reason=reason) == 1
+    after = {r.rollout_id: r for r in await store.query_rollouts()}
+    assert after[claimed.rollout_id].status == "running"
+    assert after[queued.rollout_id].status == "cancelled"
+    assert after[queued.rollout_id].metadata == {"keep": 1, "cancelled_by": {"pid": os.getpid(), "reason": reason}}
+    assert reason == "the run stopped early: it was cancelled (Ctrl+C?)"
 
 
 async def test_a_cs_run_that_stops_early_cancels_what_it_left_in_the_queue(namespace: Settings) -> None:

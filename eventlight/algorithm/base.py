@@ -21,7 +21,7 @@ import logging
 import os
 import random
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any, Protocol, TypeVar
 
 from eventlight.adapter import Adapter
@@ -173,28 +173,51 @@ class Algorithm:
         Returns:
             The ids actually cancelled (not those that ended meanwhile or could not be cancelled).
         """
-        store = self.get_store()
+        return await cancel_rollouts(self.get_store(), late, reason, who)
+
+
+async def cancel_rollouts(
+    store: Any, rollout_ids: list[str], reason: str, who: str, *, only_in: Collection[str] | None = None
+) -> set[str]:
+    """Cancel the rollouts ``rollout_ids``, unless they ended meanwhile (or, with ``only_in``, are no
+    longer in one of those statuses, e.g. claimed by a runner since), each keeping its metadata with
+    ``cancelled_by`` added: ``{"pid": <this process>, "reason": reason}``, which GRPO's and the
+    demo's reports read back. A store that cannot read them back cancels them all the same, without
+    their metadata.
+
+    Args:
+        store: The ``LightningStore`` that holds them.
+        rollout_ids: Those to cancel.
+        reason: Why, stored under ``metadata.cancelled_by.reason``.
+        who: Prefix of the debug lines (``"GRPO"``, ``"the trainer"``).
+        only_in: Statuses a rollout must still have to be cancelled (``None``: any not terminal).
+
+    Returns:
+        The ids actually cancelled.
+    """
+    try:
+        current = {r.rollout_id: r for r in await store.query_rollouts(rollout_id_in=rollout_ids)}
+    except EventlightError as e:  # cancel them all the same, without their metadata
+        log.debug("%s could not read the rollouts it cancels: %r", who, e)
+        current = {}
+    cancelled: set[str] = set()
+    for rid in rollout_ids:
+        rollout = current.get(rid)
+        if rollout is not None and rollout.status in TERMINAL_ROLLOUT_STATUSES:
+            continue  # ended meanwhile: nothing to cancel
+        if rollout is not None and only_in is not None and rollout.status not in only_in:
+            continue
+        metadata = {
+            **((rollout.metadata if rollout else None) or {}),
+            "cancelled_by": {"pid": os.getpid(), "reason": reason},
+        }
         try:
-            current = {r.rollout_id: r for r in await store.query_rollouts(rollout_id_in=late)}
-        except EventlightError as e:  # cancel them all the same, without their metadata
-            log.debug("%s could not read the rollouts it gives up on: %r", who, e)
-            current = {}
-        cancelled: set[str] = set()
-        for rid in late:
-            rollout = current.get(rid)
-            if rollout is not None and rollout.status in TERMINAL_ROLLOUT_STATUSES:
-                continue  # ended after the wait: nothing to cancel
-            metadata = {
-                **((rollout.metadata if rollout else None) or {}),
-                "cancelled_by": {"pid": os.getpid(), "reason": reason},
-            }
-            try:
-                await store.update_rollout(rid, status="cancelled", metadata=metadata)
-            except EventlightError as e:  # ended meanwhile
-                log.debug("%s could not cancel %s: %s", who, rid, e)
-                continue
-            cancelled.add(rid)
-        return cancelled
+            await store.update_rollout(rid, status="cancelled", metadata=metadata)
+        except EventlightError as e:  # ended meanwhile
+            log.debug("%s could not cancel %s: %s", who, rid, e)
+            continue
+        cancelled.add(rid)
+    return cancelled
 
 
 class FastAlgorithm(Algorithm):

@@ -27,7 +27,9 @@ last whole step's checkpoint (``k``) stays the one a resume starts from; an upda
 once past its last micro-batch finishes its optimizer step and writes checkpoint ``k+1``.
 
 So every rollout names the weights that produced it, and ``reward_by_resources`` shows reward per
-checkpoint. A restarted run with the same ``checkpoint_dir`` resumes after its last checkpoint.
+checkpoint. A restarted run with the same ``checkpoint_dir`` resumes after its last checkpoint;
+when that checkpoint's held-out evaluation ran whole before the stop, it is not run again: its
+``eval`` event, kept beside the checkpoint (``EVAL_FILE``), is reported again with ``"earlier": True``.
 
 Bad input is skipped and counted in ``GRPO.counters``: failed or unfinished rollouts, rollouts
 without a reward or with a NaN or infinite one (``non_finite_reward``; it would blank its whole
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import random
@@ -71,6 +74,23 @@ from eventlight.rewards import find_final_reward
 from eventlight.store.subscription import FinishedAttempt, Subscription
 
 log = logging.getLogger(__name__)
+
+EVAL_FILE = "eval.json"
+"""A checkpoint's whole held-out evaluation (its ``eval`` event), written once it ran: a resume
+from that checkpoint reports it with ``"earlier": True`` and does not evaluate the same weights again."""
+
+
+def _read_eval(path: Path, step: int) -> dict[str, Any] | None:
+    """The ``eval`` event of step ``step`` kept at ``path`` (``EVAL_FILE``), or ``None`` when there is
+    none or it is unreadable (the step is then evaluated again)."""
+    try:
+        event = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(event, dict) or event.get("event") != "eval" or event.get("step") != step:
+        return None
+    return {**event, "earlier": True}
+
 
 PROGRESS_EVERY_S = 30.0
 """While a step's rollouts run, a ``{"event": "rollouts"}`` progress event this often (seconds)."""
@@ -178,7 +198,8 @@ class GRPO(Algorithm):
             which GRPO cancelled;
             ``cancelled``: those cancelled by someone else before they ended, and ``cancelled_by``
             how many per reason, from their ``metadata.cancelled_by``, ``"?"`` when they have
-            none), ``{"event": "step", "step",
+            none; ``earlier``: ``True`` on a resume, for the whole evaluation of the checkpoint it
+            resumes from that ran before, which is not run again), ``{"event": "step", "step",
             "version", "train_reward", "loss", "grad_norm", "step_s", "rollout_s", "held_out", "sequences",
             "tokens", "skipped", "asked", "unfinished", "timeout_s"}``
             (``rollout_s``: seconds until the step's rollouts finished, its ``held_out`` evaluation
@@ -197,7 +218,9 @@ class GRPO(Algorithm):
             ended, as the read model has them, ``None`` when it could not be read), and while a
             step's update runs, every ``PROGRESS_EVERY_S`` seconds, ``{"event": "updating", "step",
             "sequences", "micro_batches", "micro_batches_done", "elapsed_s"}`` (``step``: the one
-            the update makes, as in its ``step`` event).
+            the update makes, as in its ``step`` event), and as a step's checkpoint starts to be
+            written and every ``PROGRESS_EVERY_S`` seconds while it is, ``{"event": "checkpointing",
+            "step", "version", "elapsed_s"}`` (``elapsed_s``: 0 at the start).
 
     Raises:
         InvalidTypeError: ``progress`` is neither callable nor ``None``.
@@ -226,6 +249,7 @@ class GRPO(Algorithm):
         self._subscription: Subscription | None = None
         self._records: dict[str, FinishedAttempt] = {}
         self._cancelled: set[str] = set()  # the step's rollouts its wait gave up on and cancelled
+        self._evaluated: set[int] = set()  # steps whose whole held-out evaluation a resumed checkpoint holds
         self.evals: list[dict[str, Any]] = []
         self.steps: list[dict[str, Any]] = []
         self.versions: list[str] = []
@@ -280,6 +304,11 @@ class GRPO(Algorithm):
         step = int(state["step"])
         log.info("GRPO resumes from %s (step %d)", path, step)
         self._emit({"event": "resume", "step": step, "version": self.version(step)})
+        earlier = _read_eval(path / EVAL_FILE, step)
+        if earlier is not None:  # evaluated before the stop: not again (its rollouts are in the store already)
+            self._evaluated.add(step)
+            self.evals.append(earlier)
+            self._emit(earlier)
         return step
 
     async def _loop(self, train: list[Any], val: list[Any], start: int) -> None:
@@ -289,7 +318,12 @@ class GRPO(Algorithm):
             if self._stopping(step, "rollouts"):
                 return
             version = await self._publish(step)
-            evaluate = bool(val) and c.eval_every > 0 and (step % c.eval_every == 0 or step == c.steps or step == start)
+            evaluate = (
+                bool(val)
+                and c.eval_every > 0
+                and (step % c.eval_every == 0 or step == c.steps or step == start)
+                and step not in self._evaluated
+            )
             tasks = self._sample(train, step) if step < c.steps else []
             t0 = time.monotonic()
             self._cancelled = set()
@@ -544,6 +578,26 @@ class GRPO(Algorithm):
             )
         self.evals.append(event)
         self._emit(event)
+        if len(scores) == asked:  # whole: a resume from this step's checkpoint does not run it again
+            self._save_eval(step, event)
+
+    def _save_eval(self, step: int, event: dict[str, Any]) -> None:
+        """Keep step ``step``'s whole held-out evaluation ``event`` beside its checkpoint (``EVAL_FILE``)
+        when that checkpoint is the last one, so a resume from it reports it (``earlier``) in place of
+        enqueueing the same evaluation again. Best effort: a write that fails only costs that rerun."""
+        from eventlight.rl.policy import latest_checkpoint
+
+        if self.checkpoint_dir is None:
+            return
+        path = latest_checkpoint(self.checkpoint_dir)
+        if path is None:
+            return
+        try:
+            if int(json.loads((path / "state.json").read_text())["step"]) != step:
+                return
+            (path / EVAL_FILE).write_text(json.dumps(event))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.debug("GRPO could not keep the evaluation of step %d beside its checkpoint: %r", step, e)
 
     async def _train(
         self,
@@ -621,7 +675,7 @@ class GRPO(Algorithm):
             if stats is None:  # stopped halfway: no weight changed, no checkpoint, no step record
                 return False
             record.update(stats, trained=True)
-        await self.policy.call(self._checkpoint, step + 1)
+        await self._save_checkpoint(step + 1)
         self.steps.append(record)
         self._emit(record)
         return bool(samples)
@@ -693,6 +747,28 @@ class GRPO(Algorithm):
         embeddings = get() if callable(get) else None
         n = getattr(embeddings, "num_embeddings", None)
         return n if isinstance(n, int) else None
+
+    async def _save_checkpoint(self, step: int) -> None:
+        """Write checkpoint ``step`` on the policy's thread, with a ``checkpointing`` progress event as
+        it starts and every ``PROGRESS_EVERY_S`` seconds while it runs: writing SmolLM2's weights and
+        optimizer state took 46-69 s on a loaded machine, unsaid after the update's last line."""
+        if self.checkpoint_dir is None:
+            return
+        save = asyncio.ensure_future(self.policy.call(self._checkpoint, step))
+        started = time.monotonic()
+        event = {"event": "checkpointing", "step": step, "version": self.version(step)}
+        try:
+            if self.progress is not None:
+                self._emit({**event, "elapsed_s": 0.0})
+            while self.progress is not None:
+                done, _ = await asyncio.wait([save], timeout=PROGRESS_EVERY_S)
+                if done:
+                    break
+                self._emit({**event, "elapsed_s": time.monotonic() - started})
+            await save
+        except asyncio.CancelledError:
+            save.cancel()
+            raise
 
     def _checkpoint(self, step: int) -> None:
         if self.checkpoint_dir is None:

@@ -35,14 +35,16 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import eventlight as agl  # noqa: E402
+from eventlight.algorithm.checks import MAX_SEED  # noqa: E402
 from examples.arithmetic.task import MAX_TOKENS, PROMPT, adder, make_items  # noqa: E402
-from examples.demo_args import OneLineParser, with_option_names  # noqa: E402
-from examples.demo_args import at_least_one as _at_least_one  # noqa: E402
-from examples.demo_args import at_least_zero as _at_least_zero  # noqa: E402
+from examples.demo_args import OneLineParser, count, number, with_option_names  # noqa: E402
 from examples.demo_lease import cancel_leftovers, demo_lease, refuse_if_live  # noqa: E402
 
 if TYPE_CHECKING:
     from eventlight.algorithm.grpo import GRPOConfig
+
+N_HELD_OUT = len(make_items()[1])
+"""The held-out items (73): ``--eval-items`` is at most this many."""
 
 
 def _report_sql_lines(run_id: str) -> list[str]:
@@ -137,35 +139,38 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
     them to (``examples/demo.py``'s, which has ``--algorithm``), else this script's own. An option
     refused is one ``error:`` line on stderr, exit 2."""
     p = parser or OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=_at_least_one, default=8, help="GRPO steps (default 8)")
-    p.add_argument("--batch-size", type=_at_least_one, default=4, help="tasks per step (default 4)")
-    p.add_argument("--group-size", type=_at_least_one, default=8, help="samples per task (default 8)")
+    p.add_argument("--steps", type=count(1), default=8, help="GRPO steps (default 8)")
+    p.add_argument("--batch-size", type=count(1), default=4, help="tasks per step (default 4)")
+    p.add_argument("--group-size", type=count(2), default=8, help="samples per task (default 8)")
     p.add_argument(
-        "--temperature", type=float, default=0.7, help="sampling temperature of training rollouts (default 0.7)"
+        "--temperature", type=number(0), default=0.7, help="sampling temperature of training rollouts (default 0.7)"
     )
-    p.add_argument("--lr", type=float, default=3e-5, help="AdamW learning rate (default 3e-5)")
+    p.add_argument("--lr", type=number(0, above=True), default=3e-5, help="AdamW learning rate (default 3e-5)")
     p.add_argument(
         "--eval-every",
-        type=_at_least_zero,
+        type=count(0),
         default=4,
         help="held-out evaluation every N steps (default 4; 0: none, so no result)",
     )
     p.add_argument(
         "--seed",
-        type=_at_least_zero,
+        type=count(0, MAX_SEED),
         default=0,
         help="seeds which sums each step trains on and the sampling of answers (default 0)",
     )
-    p.add_argument("--n-runners", type=_at_least_one, default=8, help="runner processes (default 8)")
+    p.add_argument("--n-runners", type=count(1), default=8, help="runner processes (default 8)")
     p.add_argument("--resume", metavar="RUN_ID", help="continue run RUN_ID from its last checkpoint")
     p.add_argument(
-        "--eval-items", type=_at_least_zero, default=0, help="evaluate on the first N held-out items (0 = all)"
+        "--eval-items",
+        type=count(0, N_HELD_OUT),
+        default=0,
+        help=f"evaluate on N of the {N_HELD_OUT} held-out items, spread over them (default 0: all)",
     )
     p.add_argument("--model-dir", help="start from this transformers model folder (default: SmolLM2 from the GGUF)")
-    p.add_argument("--threads", type=_at_least_zero, default=0, help="torch threads (default 0: torch's choice)")
+    p.add_argument("--threads", type=count(0), default=0, help="torch threads (default 0: torch's choice)")
     p.add_argument(
         "--rollout-timeout",
-        type=float,
+        type=number(0, above=True),
         default=600.0,
         metavar="SECONDS",
         help="longest wait for one step's rollouts; those not finished by then are cancelled (default 600)",
@@ -341,6 +346,13 @@ def trained_line(event: dict) -> str:
     )
 
 
+def first_line(n_train: int, n_evaluated: int, n_held_out: int) -> str:
+    """What the run trains and evaluates on: ``GRPO on 227 sums, 73 held out`` or, with
+    ``--eval-items 8``, ``GRPO on 227 sums, 73 held out, 8 of them evaluated`` (it said "8 held out")."""
+    evaluated = "" if n_evaluated == n_held_out else f", {n_evaluated} of them evaluated"
+    return f"GRPO on {n_train} sums, {n_held_out} held out{evaluated}"
+
+
 def starting_line(grpo, n_runners: int, elapsed_s: float) -> str:
     """What the run waits for before step 0's rollouts are enqueued (``grpo.policy`` is set once
     the model has loaded): a line every ``STARTING_LINE_EVERY_S`` seconds (``_while_starting``)."""
@@ -373,7 +385,10 @@ def on_progress(event: dict) -> None:
     kind = event.get("event")
     if kind == "eval":
         splits = ", ".join(f"{k} {v:.3f}" for k, v in event["by_split"].items())
-        if not partial(event):
+        if event.get("earlier"):  # the checkpoint a resume starts from, evaluated before: not again
+            say(f"held-out reward {_reward(event)} at {event['version']} ({event['n']} items: {splits}), "
+                "as evaluated before the run stopped; not evaluated again")  # fmt: skip
+        elif not partial(event):
             say(f"held-out reward {_reward(event)} at {event['version']} ({event['n']} items: {splits})")
         elif event["n"]:  # one line: the warning, then the reward of the items it got
             say(f"{_partial_warning(event)}: {event['mean_reward']:.3f} over those {event['n']} ({splits})")
@@ -392,6 +407,12 @@ def on_progress(event: dict) -> None:
             f"{event['micro_batches_done']} of {event['micro_batches']} micro-batches done "
             f"after {event['elapsed_s']:.0f} s"
         )
+    elif kind == "checkpointing":  # weights and optimizer state: it took up to a minute, unsaid
+        if event["elapsed_s"] == 0:
+            say(f"step {event['step']:>2}: writing checkpoint {event['version']} (weights and optimizer state)")
+        else:
+            after = f"after {event['elapsed_s']:.0f} s"
+            say(f"step {event['step']:>2}: still writing checkpoint {event['version']} {after}")
     elif kind == "enqueued":  # the model is loaded and the runners are up: the step's rollouts run now
         say(f"step {event['step']:>2}: {enqueued_line(event)}")
     elif kind == "rollouts":
@@ -416,6 +437,8 @@ async def train(args: argparse.Namespace) -> int:
     run_id = args.run_id
     settings = agl.Settings.from_env()
     refuse_if_live(settings, run_id)  # first: a second demo in the namespace starts nothing, not even torch
+    if args.resume:
+        refuse_a_finished_resume(settings.state_dir / "checkpoints" / args.resume, args.resume, args.steps)
 
     import torch
     from transformers.utils import logging as hf_logging
@@ -440,7 +463,7 @@ async def train(args: argparse.Namespace) -> int:
     # the lease names this run and namespace: a second demo there finds this one live (refuse_if_live)
     async with agl.use_services(settings, what=demo_lease(settings, run_id)) as services:
         refuse_if_live(settings, run_id)  # again after taking ours: of two starting at once, neither cancels
-        say(f"run {run_id}: GRPO on {len(train_items)} sums, {len(held_out)} held out; prompt fixed: {PROMPT!r}")
+        say(f"run {run_id}: {first_line(len(train_items), len(held_out), N_HELD_OUT)}; prompt fixed: {PROMPT!r}")
         left = await cancel_leftovers(settings, services.nats_url, services.pg_dsn, run_id)
         if left:
             say(f"cancelled {left} rollout(s) an earlier run left queued (interrupted?); this run's runners skip them")
@@ -470,6 +493,33 @@ async def train(args: argparse.Namespace) -> int:
         if grpo.policy is not None and grpo.checkpoint_dir is not None:
             grpo.policy.drop_optimizer_state(grpo.checkpoint_dir)
         return report(trainer, grpo, run_id, time.monotonic() - started)
+
+
+def checkpoint_step(checkpoint_dir: Path) -> int | None:
+    """The step of the last checkpoint under ``checkpoint_dir`` (``eventlight.rl.policy``'s layout:
+    ``LATEST`` names its folder, whose ``state.json`` has it), ``None`` without one; read without
+    torch, before anything starts."""
+    try:
+        folder = (checkpoint_dir / "LATEST").read_text().strip()
+        return int(json.loads((checkpoint_dir / folder / "state.json").read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def refuse_a_finished_resume(checkpoint_dir: Path, run_id: str, steps: int) -> None:
+    """Refuse ``--resume run_id --steps steps`` when the run's last checkpoint already has ``steps``
+    steps or more: it started the servers, loaded the model and evaluated that checkpoint again
+    (73 more rollouts in its summary), then ended with "did not train: no step ran".
+
+    Raises:
+        InvalidInputError: Saying how many steps the run has and what ``--steps`` would train it further.
+    """
+    done = checkpoint_step(checkpoint_dir)
+    if done is not None and done >= steps:
+        raise agl.InvalidInputError(
+            f"--resume {run_id}: that run already has {done} step(s) (checkpoint step{done}) and --steps {steps} "
+            f"asks for no more; give --steps {done + 1} or more to train it further"
+        )
 
 
 def report(trainer: agl.Trainer, grpo, run_id: str, wall_s: float) -> int:
@@ -518,8 +568,8 @@ def report(trainer: agl.Trainer, grpo, run_id: str, wall_s: float) -> int:
             print(f"    {line}")
         if incomplete:
             print(
-                "    (rewarded: every rollout that ended with a reward, some after a partial evaluation "
-                "above stopped waiting; that evaluation counted only those before)"
+                "    (rewarded: every rollout that ended with a reward, those that ended after a partial "
+                "evaluation above stopped waiting too, if any; that evaluation counted only those before)"
             )
     except (OSError, subprocess.SubprocessError) as e:
         print(f"    (could not run it now: {' '.join(str(e).split())[:120]})")
