@@ -553,6 +553,36 @@ async def own_nats(services: tuple[Settings, Services], tmp_path: Path) -> Async
         await stop_services(base)
 
 
+async def test_long_polls_waiting_through_a_nats_restart_are_sent_again(own_nats: Settings) -> None:
+    """nats-server killed and restarted under long polls (and under polls just cancelled): once the
+    connection is back, the polls still waited for are sent again and claim what is enqueued then.
+    Before, their requests died with the server and nothing told the client: each waited out its
+    whole ``wait_s`` and failed (``ServiceUnavailableError``), the rollouts left in the queue."""
+    settings = own_nats
+    base = Settings(state_dir=settings.state_dir, namespace=settings.namespace, pg_dsn=settings.pg_dsn)
+    async with (
+        JetStreamLightningStore(settings, pg_dsn=settings.pg_dsn) as store,
+        JetStreamLightningStore(settings) as runner,
+    ):
+        assert runner.nc is not None and runner.log is not None
+        polls = [asyncio.create_task(runner.dequeue_rollout(worker_id=f"w{i}", wait_s=30)) for i in range(8)]
+        await asyncio.sleep(0.3)  # the pull requests are at the server
+        for poll in polls[4:]:  # withdrawn (UNSUB) just before the server goes
+            poll.cancel()
+        nats_pid = (await prepare_services(base)).nats_pid
+        assert nats_pid is not None
+        os.kill(nats_pid, signal.SIGKILL)
+        await asyncio.sleep(1.0)
+        await prepare_services(base)
+        while not runner.nc.is_connected:  # noqa: ASYNC110  (nats-py has no event for it)
+            await asyncio.sleep(0.1)
+        enqueued = {(await store.enqueue_rollout(i)).rollout_id for i in range(4)}
+        claimed = await asyncio.gather(*polls[:4], return_exceptions=True)
+        assert {getattr(c, "rollout_id", repr(c)) for c in claimed} == enqueued
+        await asyncio.gather(*polls[4:], return_exceptions=True)
+        assert not runner.log.queue._long_polls
+
+
 OUTAGE_S = 15.0  # nats-py gives up after 5 reconnects 2 s apart: the runner's connection closes for good
 
 

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import weakref
 from collections.abc import Callable, Sequence
 
 import nats.errors
@@ -142,6 +143,43 @@ class _Events:
         other = "" if lost == self.server else f" (the connection lost was to {lost})"
         (log.debug if self.quiet else log.info)("NATS reconnected to %s%s%s", self.server, away, other)
         self.lost_at, self.back_at, self.quiet = None, now, False
+        hooks = _hooks_of(self.nc)
+        if hooks:
+            hooks[:] = [h for h in hooks if h() is not None]  # those of objects gone are dropped
+            for hook in list(hooks):
+                method = hook()
+                if method is not None:
+                    method()
+
+
+_reconnect_hooks: weakref.WeakKeyDictionary[NATS, list[weakref.WeakMethod[Callable[[], None]]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _hooks_of(nc: NATS | None) -> list[weakref.WeakMethod[Callable[[], None]]] | None:
+    """``on_reconnected``'s hooks of ``nc``; ``None`` for none (or for a stand-in that cannot be
+    weakly referenced: nothing can have hooked it)."""
+    try:
+        return _reconnect_hooks.get(nc) if nc is not None else None  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def on_reconnected(nc: NATS, hook: Callable[[], None]) -> Callable[[], None]:
+    """Call ``hook`` (a bound method, held weakly: dropped once its object is gone) each time
+    ``nc`` is back after a lost connection, once nats-py has subscribed its subscriptions again
+    and sent what it buffered meanwhile; a connection not made by ``connect_nats`` never calls it.
+    Returns the call that removes the hook again."""
+    hooks = _reconnect_hooks.setdefault(nc, [])
+    ref = weakref.WeakMethod(hook)
+    hooks.append(ref)
+
+    def remove() -> None:
+        with contextlib.suppress(ValueError):
+            hooks.remove(ref)
+
+    return remove
 
 
 _CONNECTION_ENDED: tuple[type[Exception], ...] = (OSError, nats.errors.UnexpectedEOF)

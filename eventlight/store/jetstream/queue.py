@@ -22,6 +22,7 @@ import nats.errors
 from eventlight.core.commands import RolloutState
 from eventlight.core.errors import InvalidInputError, ServiceUnavailableError
 from eventlight.core.events import RolloutCreated, decode_event
+from eventlight.store.jetstream.connect import on_reconnected
 from eventlight.store.jetstream.definitions import consumer_config
 from eventlight.store.jetstream.layout import rollout_of_subject
 from eventlight.store.jetstream.nats_errors import TRANSPORT_ERRORS, nats_errors
@@ -98,6 +99,9 @@ class RunnersQueue:
         self._background: set[asyncio.Future[None]] = set()  # hand-backs and unsubscribes under way
         self._full = False  # found full: non-blocking pulls ask the consumer first, until it is not
         self._found_empty = False  # the last non-blocking pull found nothing (see ``_pull``)
+        self._long_polls: set[_Inbox] = set()  # inboxes of long polls waited for (see ``_reconnected``)
+        self._reconnects = 0  # how often the connection came back (see ``_reconnected``)
+        self._unhook = on_reconnected(log.nc, self._reconnected)
 
     async def _subscription(self) -> Any:
         if self._sub is None:
@@ -122,11 +126,29 @@ class RunnersQueue:
             # A pull request of its own, not nats-py's ``fetch``: concurrent fetches on one pull
             # subscription share its inbox, so one caller can take another's message or timeout
             # status (several runners share a store in one process, ``RunnerPool(runners_per_process)``).
-            expires = max(1, int(max(0.05, wait_s) * 1e9))
-            msg = await self._pull_request(
-                f'{{"batch":1,"expires":{expires}}}'.encode(), timeout_s=wait_s + LONG_POLL_MARGIN_S
-            )
+            clock = asyncio.get_running_loop().time
+            deadline = clock() + wait_s
+            while True:
+                left = max(0.05, deadline - clock())
+                expires = max(1, int(left * 1e9))
+                msg = await self._pull_request(
+                    f'{{"batch":1,"expires":{expires}}}'.encode(), timeout_s=left + LONG_POLL_MARGIN_S, long_poll=True
+                )
+                if msg is not _LOST:
+                    break
         return JetStreamQueued(msg, self) if msg is not None else None
+
+    def _reconnected(self) -> None:
+        """The connection is back after it was lost (``on_reconnected``): the long polls waited
+        for are sent again, for the rest of their wait. The requests they had sent are gone if
+        the server restarted or dropped the connection, and nothing would tell: each waited out
+        its whole ``wait_s`` (and ``LONG_POLL_MARGIN_S``), then failed, while entries enqueued
+        since sat in the queue (10 live 8 s polls, nats-server killed and restarted: all 10 failed
+        10.6 s after 5 rollouts were enqueued, the 5 still queued)."""
+        self._reconnects += 1
+        for inbox in self._long_polls:
+            if inbox.waiter is not None:
+                _wake(inbox.waiter)
 
     async def hand_back(self, msg: Any, delay_s: float) -> None:
         """Hand a delivered entry back (``-NAK``): offered again after ``delay_s`` seconds.
@@ -229,7 +251,9 @@ class RunnersQueue:
             return None
         return (info.ts - info.state.last_ts).total_seconds()
 
-    async def _pull_request(self, request: bytes, timeout_s: float | None = None, probe_full: bool = False) -> Any:
+    async def _pull_request(
+        self, request: bytes, timeout_s: float | None = None, probe_full: bool = False, long_poll: bool = False
+    ) -> Any:
         """One pull request; JetStream delivers the message under its own subject, so each request
         needs an inbox of its own (``_Inbox``: idle ones are kept for the next call, and an inbox
         serves one request at a time). ``None`` when the server answers that there is nothing
@@ -239,7 +263,9 @@ class RunnersQueue:
         round trip unless the consumer is full), that is asked once the pull has waited
         ``FULL_PROBE_S``; a full consumer answers ``None`` then. A request whose caller stopped
         waiting for it (cancelled, timed out, found the consumer full) is withdrawn from the
-        server, and an entry already on its way is handed back at once (``_abandon``).
+        server, and an entry already on its way is handed back at once (``_abandon``). A
+        ``long_poll`` still waiting when the connection comes back after it was lost answers
+        ``_LOST``: its request is withdrawn, to be sent again (``_reconnected``).
 
         The wait costs one future and one timer: the inbox's callback keeps the answer and wakes
         the caller (before, nats-py's ``next_msg`` in a task of its own, shielded, made two tasks
@@ -255,11 +281,22 @@ class RunnersQueue:
         loop = asyncio.get_running_loop()
         probe = probe_full and timeout_s > FULL_PROBE_S
         waiter = inbox.begin(loop, FULL_PROBE_S if probe else timeout_s)
+        reconnects = self._reconnects
         try:
             await self.log.nc.publish(
                 f"$JS.API.CONSUMER.MSG.NEXT.{self.log.stream}.runners", request, reply=inbox.subject
             )
-            await waiter
+            if long_poll:
+                self._long_polls.add(inbox)
+                try:
+                    await waiter
+                finally:
+                    self._long_polls.discard(inbox)
+                if inbox.answer is None and self._reconnects != reconnects and inbox.sub is not None:
+                    self._abandon(inbox)
+                    return _LOST
+            else:
+                await waiter
             if inbox.answer is None and probe:
                 if await self._at_max_ack_pending() and inbox.answer is None:
                     self._abandon(inbox)
@@ -426,6 +463,7 @@ class RunnersQueue:
         """Unsubscribe; idempotent. Pulls of cancelled dequeues get ``HAND_BACK_CLOSE_WAIT_S`` to
         hand back an entry already on its way; a pull still waited for fails
         (``ServiceUnavailableError``, as when the connection closes under it)."""
+        self._unhook()
         waits = [i.settled for i in self._abandoned if i.settled is not None] + list(self._background)
         if waits:
             await asyncio.wait(waits, timeout=HAND_BACK_CLOSE_WAIT_S)
@@ -439,6 +477,10 @@ class RunnersQueue:
         if sub is not None:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+
+
+_LOST = object()
+"""What ``_pull_request`` answers for a long poll whose request the lost connection took with it."""
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:
