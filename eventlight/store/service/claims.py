@@ -128,7 +128,9 @@ class Claims(StorePlumbing):
             if not waited:  # the store closes
                 return None
             if item is not None and self._draining:  # arrived as the close began: claim nothing more
-                await item.nak(0.0)
+                # in the background, as every other hand-back: a hand-back waits for the server's
+                # answer, and a close while NATS is down must not hold this dequeue for it
+                self._in_background(_hand_back(item))
                 return None
             if item is not None:
                 claimed = await self._claim(item, worker_id, read_resources, on_claim)
