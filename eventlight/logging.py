@@ -7,12 +7,25 @@ Library code never calls these; a program (or the CLI) does, once. They configur
 from __future__ import annotations
 
 import logging
+import os
 import sys
+from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["configure_logger", "setup_logging", "setup_module_logging"]
+__all__ = ["configure_logger", "log_level_from_env", "setup_logging", "setup_module_logging"]
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def log_level_from_env(default: str = "INFO", env: Mapping[str, str] | None = None) -> tuple[str, str | None]:
+    """The level ``EVENTLIGHT_LOG_LEVEL`` names, in any case (``os.environ`` unless ``env``), and
+    ``None``; ``default`` (a level name) when it is unset or empty; when it names no level,
+    ``default`` and the warning to show, with the value as typed:
+    ``EVENTLIGHT_LOG_LEVEL='bogus' is not a log level; using INFO``."""
+    value = (os.environ if env is None else env).get("EVENTLIGHT_LOG_LEVEL") or default
+    if value.upper() in logging.getLevelNamesMapping():
+        return value.upper(), None
+    return default, f"EVENTLIGHT_LOG_LEVEL={value!r} is not a log level; using {default}"
 
 
 def configure_logger(level: int = logging.INFO, name: str = "eventlight") -> logging.Logger:

@@ -186,9 +186,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
                 f"durability must be one of {', '.join(DURABILITY)} (EVENTLIGHT_DURABILITY), not {self.durability!r}"
             )
         if self.stream_replicas is not None and not 1 <= self.stream_replicas <= 5:
-            raise InvalidInputError(f"stream_replicas must be 1 to 5 (JetStream's limit), not {self.stream_replicas}")
+            raise InvalidInputError(
+                f"stream_replicas must be 1 to 5 (JetStream's limit; EVENTLIGHT_STREAM_REPLICAS), "
+                f"not {self.stream_replicas}"
+            )
         if self.retention_s is not None and not self.retention_s >= 0:
-            raise InvalidInputError(f"retention_s must be 0 or more seconds, not {self.retention_s}")
+            raise InvalidInputError(
+                f"retention_s must be 0 or more seconds (EVENTLIGHT_RETENTION_S), not {self.retention_s}"
+            )
         if not 0 <= self.pg_open_wait_s < float("inf"):
             raise InvalidInputError(
                 f"pg_open_wait_s must be 0 or more seconds (EVENTLIGHT_PG_OPEN_WAIT_S), not {self.pg_open_wait_s}"

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import shlex
 import sys
 from pathlib import Path
@@ -64,9 +63,12 @@ def main(argv: list[str] | None = None) -> int:
         from examples.room_booking import train_apo as demo
     else:
         from examples.arithmetic import train_grpo as demo  # type: ignore[no-redef]
-    logging.basicConfig(
-        level=os.environ.get("EVENTLIGHT_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s"
-    )
+    from eventlight.logging import log_level_from_env
+
+    level, warning = log_level_from_env("WARNING")  # a level no logger knows: a warning, not a traceback
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     demo_args = demo.parse_args(sys.argv[1:] if argv is None else argv, demo_parser(demo.__doc__, args.algorithm))
     stop = TermAsInterrupt().install()  # SIGTERM: the same orderly stop as Ctrl+C, exit 143
     try:

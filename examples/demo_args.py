@@ -8,12 +8,34 @@ form, ``error: argument --X: must be from A to B, got V`` (``V`` as typed), by i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import NoReturn
 
 from eventlight.algorithm.checks import MAX_COUNT
+from eventlight.core.errors import InvalidInputError
+
+USAGE_EXIT = 2
+"""The demos' exit code for input refused before the run starts: an option, an ``EVENTLIGHT_*``
+setting, a ``--resume`` (as argparse's own, and the CLI's for the same settings); a run that
+started and failed exits 1."""
+
+
+class Refused(Exception):
+    """Input the demo refused before starting anything; its ``main()`` prints it as one ``error:``
+    line and returns ``USAGE_EXIT``."""
+
+
+@contextlib.contextmanager
+def refusing() -> Iterator[None]:
+    """Raise ``Refused`` (same message) for an ``InvalidInputError`` or ``FileNotFoundError`` raised
+    inside: the checks of settings and ``--resume`` a demo makes before it starts a server."""
+    try:
+        yield
+    except (InvalidInputError, FileNotFoundError) as e:
+        raise Refused(str(e)) from None
 
 
 class OneLineParser(argparse.ArgumentParser):

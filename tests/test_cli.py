@@ -699,3 +699,37 @@ def test_settings_take_the_schemes_nats_py_connects_with() -> None:
         with pytest.raises(InvalidInputError, match="EVENTLIGHT_NATS_URL") as refused:
             Settings(nats_url=url)
         assert says in str(refused.value) and "secret" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "says"),
+    [
+        ("EVENTLIGHT_STREAM_REPLICAS", "0", "stream_replicas must be 1 to 5 (JetStream's limit; EVENTLIGHT_STREAM_"),
+        ("EVENTLIGHT_RETENTION_S", "-1", "retention_s must be 0 or more seconds (EVENTLIGHT_RETENTION_S), not -1"),
+    ],
+)
+def test_a_setting_out_of_range_names_its_variable(name: str, value: str, says: str, tmp_path: Path) -> None:
+    """``EVENTLIGHT_STREAM_REPLICAS=0`` was refused as "stream_replicas must be 1 to 5 (JetStream's
+    limit), not 0", without the variable every other setting's error names."""
+    done = cli("status", env={"EVENTLIGHT_STATE_DIR": str(tmp_path), name: value})
+    assert_one_line_error(done, 2, says, name)
+
+
+def test_a_log_level_no_logger_knows_is_warned_as_typed(tmp_path: Path) -> None:
+    """``EVENTLIGHT_LOG_LEVEL=bogus`` warned "EVENTLIGHT_LOG_LEVEL='BOGUS' is not a log level", a
+    value nobody typed; the warning gives it as typed."""
+    done = cli("--version", env={"EVENTLIGHT_STATE_DIR": str(tmp_path), "EVENTLIGHT_LOG_LEVEL": "bogus"})
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip() == "warning: EVENTLIGHT_LOG_LEVEL='bogus' is not a log level; using INFO"
+
+
+def test_log_level_from_env_takes_any_case_and_a_default() -> None:
+    from eventlight.logging import log_level_from_env
+
+    assert log_level_from_env("INFO", {"EVENTLIGHT_LOG_LEVEL": "debug"}) == ("DEBUG", None)
+    assert log_level_from_env("WARNING", {}) == ("WARNING", None)
+    assert log_level_from_env("WARNING", {"EVENTLIGHT_LOG_LEVEL": ""}) == ("WARNING", None)
+    assert log_level_from_env("INFO", {"EVENTLIGHT_LOG_LEVEL": "Loud"}) == (
+        "INFO",
+        "EVENTLIGHT_LOG_LEVEL='Loud' is not a log level; using INFO",
+    )

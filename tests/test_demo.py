@@ -872,6 +872,52 @@ def test_sigterm_to_the_process_group_stops_the_demo_as_ctrl_c_does(
     assert says in errors.splitlines()[-1] and "Traceback" not in errors, errors
 
 
+@pytest.mark.parametrize("algorithm", ["grpo", "apo"])
+@pytest.mark.parametrize(
+    ("name", "value", "says"),
+    [
+        ("EVENTLIGHT_NATS_URL", "http://x", "error: nats_url (EVENTLIGHT_NATS_URL): "),
+        ("EVENTLIGHT_DURABILITY", "bogus", "error: durability must be one of "),
+        ("EVENTLIGHT_STREAM_REPLICAS", "0", "error: stream_replicas must be 1 to 5 (JetStream's limit; EVENTLIGHT_"),
+    ],
+)
+def test_a_refused_setting_exits_2_as_a_refused_option(
+    algorithm: str, name: str, value: str, says: str, tmp_path: Path
+) -> None:
+    """``EVENTLIGHT_NATS_URL=http://x make demo`` (``EVENTLIGHT_DURABILITY=bogus``) exited 1, as a run
+    that failed, where ``eventlight`` exits 2 for the same value and the demo 2 for a refused option:
+    input refused before anything starts exits 2, in one error line naming the variable."""
+    env = {
+        **os.environ,
+        "EVENTLIGHT_STATE_DIR": str(tmp_path),
+        "EVENTLIGHT_NATS_URL": f"nats://127.0.0.1:{closed_port()}",
+        "EVENTLIGHT_PG_DSN": f"postgresql://postgres@127.0.0.1:{closed_port()}/postgres",
+        name: value,
+    }
+    done = subprocess.run(
+        [sys.executable, str(DEMO), "--algorithm", algorithm], env=env, capture_output=True, text=True,
+        timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.startswith(says) and name in done.stderr, done.stderr
+    assert len(done.stderr.splitlines()) == 1 and done.stdout == "" and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "apo"])
+def test_a_log_level_no_logger_knows_is_a_warning_not_a_traceback(algorithm: str, tmp_path: Path) -> None:
+    """``EVENTLIGHT_LOG_LEVEL=bogus make demo`` ended in logging's ``ValueError: Unknown level``
+    traceback; it warns, with the value as typed, as ``eventlight`` does, and goes on (here to a
+    refused option, exit 2)."""
+    env = {**os.environ, "EVENTLIGHT_STATE_DIR": str(tmp_path), "EVENTLIGHT_LOG_LEVEL": "bogus"}
+    option = ["--steps", "0"] if algorithm == "grpo" else ["--rounds", "-1"]
+    done = subprocess.run(
+        [sys.executable, str(DEMO), "--algorithm", algorithm, *option], env=env, capture_output=True, text=True,
+        timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.splitlines()[0] == "warning: EVENTLIGHT_LOG_LEVEL='bogus' is not a log level; using WARNING"
+
+
 def test_resume_of_a_run_without_a_checkpoint_is_one_error_line(tmp_path: Path) -> None:
     """``make demo ARGS="--resume run-nope"`` printed its error and then "the run stopped before it
     could train; nothing above is a result", with nothing above. The error line is all now."""
@@ -885,7 +931,7 @@ def test_resume_of_a_run_without_a_checkpoint_is_one_error_line(tmp_path: Path) 
         [sys.executable, str(DEMO), "--resume", "run-nope"], env=env, capture_output=True, text=True, timeout=120,
         check=False,
     )  # fmt: skip
-    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.returncode == 2  # refused input, as a refused option, done.stdout + done.stderr
     assert done.stdout == "" and len(done.stderr.splitlines()) == 1, done.stderr
     assert done.stderr.startswith("error: --resume run-nope: no checkpoint of that run"), done.stderr
 
@@ -910,7 +956,7 @@ def test_resume_of_a_run_that_has_its_steps_is_one_error_line(tmp_path: Path) ->
         [sys.executable, str(DEMO), "--steps", "1", "--resume", run], env=env, capture_output=True, text=True,
         timeout=120, check=False,
     )  # fmt: skip
-    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.returncode == 2  # refused input, as a refused option, done.stdout + done.stderr
     assert done.stdout == "" and len(done.stderr.splitlines()) == 1, done.stderr
     assert done.stderr == (
         f"error: --resume {run}: that run already has 1 step(s) (checkpoint step1) and --steps 1 asks for no more; "

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
 from typing import Annotated
@@ -19,6 +18,7 @@ from eventlight.cli.serve import serve
 from eventlight.cli.servers import down, up
 from eventlight.cli.sql import sql
 from eventlight.cli.status import status
+from eventlight.logging import log_level_from_env
 
 app = typer.Typer(
     cls=_OneLineErrors,
@@ -96,10 +96,9 @@ class _LogLines(logging.Formatter):
 
 def main() -> None:
     """Console entry point."""
-    level = os.environ.get("EVENTLIGHT_LOG_LEVEL", "INFO").upper()
-    if level not in logging.getLevelNamesMapping():
-        err.print(f"[yellow]warning:[/yellow] EVENTLIGHT_LOG_LEVEL={escape(level)!r} is not a log level; using INFO")
-        level = "INFO"
+    level, warning = log_level_from_env("INFO")
+    if warning:
+        err.print(f"[yellow]warning:[/yellow] {escape(warning)}")
     handler = logging.StreamHandler()
     handler.setFormatter(_LogLines())
     logging.basicConfig(level=level, handlers=[handler])

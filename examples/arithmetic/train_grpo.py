@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import resource
 import secrets
 import shlex
@@ -37,7 +36,15 @@ sys.path.insert(0, str(ROOT))
 import eventlight as agl  # noqa: E402
 from eventlight.algorithm.checks import MAX_SEED  # noqa: E402
 from examples.arithmetic.task import MAX_TOKENS, PROMPT, adder, make_items  # noqa: E402
-from examples.demo_args import OneLineParser, count, number, with_option_names  # noqa: E402
+from examples.demo_args import (  # noqa: E402
+    USAGE_EXIT,
+    OneLineParser,
+    Refused,
+    count,
+    number,
+    refusing,
+    with_option_names,
+)
 from examples.demo_lease import cancel_leftovers, demo_lease, refuse_if_live  # noqa: E402
 
 if TYPE_CHECKING:
@@ -422,9 +429,13 @@ def on_progress(event: dict) -> None:
 
 
 async def main(args: argparse.Namespace) -> int:
-    """Run; 0 when it trained, 1 (one error line on stderr, no summary) when it could not."""
+    """Run; 0 when it trained, 1 (one error line on stderr, no summary) when it could not, 2 (one
+    error line) when its settings or ``--resume`` were refused before anything started."""
     try:
         return await train(args)
+    except Refused as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return USAGE_EXIT
     except (agl.EventlightError, FileNotFoundError, OSError, ImportError, ValueError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         if _said:  # a refusal or a bad --resume printed nothing above: its error line is all
@@ -435,10 +446,12 @@ async def main(args: argparse.Namespace) -> int:
 async def train(args: argparse.Namespace) -> int:
     started = time.monotonic()
     run_id = args.run_id
-    settings = agl.Settings.from_env()
+    with refusing():  # a bad EVENTLIGHT_* setting or --resume: exit 2, as a refused option
+        settings = agl.Settings.from_env()
     refuse_if_live(settings, run_id)  # first: a second demo in the namespace starts nothing, not even torch
     if args.resume:
-        refuse_a_finished_resume(settings.state_dir / "checkpoints" / args.resume, args.resume, args.steps)
+        with refusing():
+            refuse_a_finished_resume(settings.state_dir / "checkpoints" / args.resume, args.resume, args.steps)
 
     import torch
     from transformers.utils import logging as hf_logging
@@ -451,7 +464,7 @@ async def train(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.resume and latest_checkpoint(settings.state_dir / "checkpoints" / args.resume) is None:
         runs = sorted(d.name for d in (settings.state_dir / "checkpoints").glob("run-*") if latest_checkpoint(d))
-        raise FileNotFoundError(  # main() prints it as one error line; a typo must not start a new run
+        raise Refused(  # main() prints it as one error line, exit 2; a typo must not start a new run
             f"--resume {args.resume}: no checkpoint of that run in {settings.state_dir / 'checkpoints'}"
             f" (runs with one: {', '.join(runs) if runs else 'none'})"
         )
@@ -609,9 +622,12 @@ def _split(event: dict, split: str) -> str:
 if __name__ == "__main__":
     import logging
 
-    logging.basicConfig(
-        level=os.environ.get("EVENTLIGHT_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s"
-    )
+    from eventlight.logging import log_level_from_env
+
+    level, warning = log_level_from_env("WARNING")  # a level no logger knows: a warning, not a traceback
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     from examples.interrupt import TermAsInterrupt
 
     args = parse_args()

@@ -29,7 +29,15 @@ sys.path.insert(0, str(ROOT))
 
 import eventlight as agl  # noqa: E402
 from eventlight.store.jetstream import JetStreamLightningStore  # noqa: E402
-from examples.demo_args import OneLineParser, at_least_one, at_least_zero, with_option_names  # noqa: E402
+from examples.demo_args import (  # noqa: E402
+    USAGE_EXIT,
+    OneLineParser,
+    Refused,
+    at_least_one,
+    at_least_zero,
+    refusing,
+    with_option_names,
+)
 from examples.demo_lease import cancel_leftovers, demo_lease, refuse_if_live  # noqa: E402
 from examples.room_booking.agent import INITIAL_PROMPT, load_tasks, room_booker, split  # noqa: E402
 
@@ -192,9 +200,13 @@ async def start_llms(args: argparse.Namespace) -> tuple[list, list[str], str, st
 
 
 async def main(args: argparse.Namespace) -> int:
-    """Run the demo; 0 when it trained, 1 (with a one-line error on stderr) when it could not."""
+    """Run the demo; 0 when it trained, 1 (with a one-line error on stderr) when it could not, 2 (one
+    error line) when its settings were refused before anything started."""
     try:
         return await train(args)
+    except Refused as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return USAGE_EXIT
     except (agl.EventlightError, FileNotFoundError, OSError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
@@ -203,7 +215,8 @@ async def main(args: argparse.Namespace) -> int:
 async def train(args: argparse.Namespace) -> int:
     started = time.monotonic()
     run_id = new_run_id()
-    settings = agl.Settings.from_env()
+    with refusing():  # a bad EVENTLIGHT_* setting: exit 2, as a refused option
+        settings = agl.Settings.from_env()
     refuse_if_live(settings, run_id)  # first: a second demo in the namespace starts no LLM and no server
 
     from openai import AsyncOpenAI
@@ -305,9 +318,12 @@ async def report(trainer: agl.Trainer, apo: agl.APO, run_id: str, wall_s: float)
 if __name__ == "__main__":
     import logging
 
-    logging.basicConfig(
-        level=os.environ.get("EVENTLIGHT_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s"
-    )
+    from eventlight.logging import log_level_from_env
+
+    level, warning = log_level_from_env("WARNING")  # a level no logger knows: a warning, not a traceback
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     from examples.interrupt import TermAsInterrupt
 
     args = parse_args()
