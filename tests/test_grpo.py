@@ -788,7 +788,7 @@ def test_the_grpo_demo_that_cannot_train_exits_1_with_one_line(services, tmp_pat
 @pytest.mark.e2e
 def test_the_grpo_demo_refuses_to_resume_a_run_it_has_no_checkpoint_of(services) -> None:
     done = run_main_job(services, "--resume", "run-nope", "--steps", "1")
-    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.returncode == 2, done.stdout + done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "--resume run-nope: no checkpoint of that run" in errors[0], done.stderr
     assert "held-out reward" not in done.stdout and "Traceback" not in done.stderr
